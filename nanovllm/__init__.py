@@ -1,0 +1,11 @@
+"""nanovllm: a compact offline LLM inference engine.
+
+    from nanovllm import LLM, SamplingParams
+    llm = LLM("path/to/Qwen3")
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))
+"""
+
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,122 @@
+"""Engine configuration: one validated dataclass built from `LLM(model, **kwargs)`.
+
+The model's own shape comes from `config.json` (see `ModelConfig`); everything the
+engine decides (budgets, cache size, device, dtype, backend) lives in `Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.models.model_config import ModelConfig
+
+# KV-cache blocks hold a multiple of this many tokens: the Triton kernels tile keys by 16.
+BLOCK_SIZE_MULTIPLE = 16
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_LOAD_FORMATS = ("auto", "dummy")
+_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass
+class Config:
+    """Validated engine settings. Field names and defaults follow nano-vllm / vLLM."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Filled in by __post_init__ from config.json; not a user setting.
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, model: object, kwargs: dict) -> "Config":
+        """Build a Config, raising TypeError that names an unknown keyword."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a checkpoint directory, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model path {self.model!r} is not a directory")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("kvcache_block_size", self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
+        if self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
+            raise ValueError(
+                f"kvcache_block_size must be a multiple of {BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}"
+            )
+        if self.num_kvcache_blocks is not None:
+            _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        _check_int("seed", self.seed, 0)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+            raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+
+        self.model_config = ModelConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.model_config.max_position_embeddings)
+        self.model_config.check_tensor_parallel(self.tensor_parallel_size)
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
+                f"{torch.cuda.device_count()} visible CUDA device(s)"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """Weights and activations dtype: the checkpoint's on CUDA, float32 on CPU, unless set."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32
+        return self.model_config.torch_dtype
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width that covers a sequence of max_model_len tokens."""
+        return -(-self.max_model_len // self.kvcache_block_size)

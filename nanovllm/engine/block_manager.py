@@ -1,0 +1,166 @@
+"""Paged KV-cache bookkeeping: a free list, ref counts, and a prefix cache.
+
+Token t of a sequence lives in block block_table[t // block_size] at offset
+t % block_size (slot = block_id * block_size + offset):
+
+    tokens   : |0 ......... 255|256 ........ 511|512 .. 600|
+    blocks   : [   block 7     ][   block 2     ][ block 9  ]   block_size = 256
+    hashes   :  h0 = H(0, ids)   h1 = H(h0, ids)   (partial: none)
+
+A full block's hash chains the previous block's hash with its own token ids, so
+equal hashes mean equal prefixes (a hit also compares the token ids). A block's
+hash is published when a step that fills it is scheduled: every layer stores the
+step's K/V before it attends, so a request later in the same step, or any later
+step, may read it; a block that a later prefill chunk will fill is not published
+yet. Freed blocks keep their hash and stay reusable until the free list hands them
+out again (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences. All operations are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion-ordered set: O(1) pop of the oldest, O(1) removal of a cache hit.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_prefix_hit_blocks = 0  # running total, for tests and stats
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free_block(self) -> Block:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = None
+        block.token_ids = []
+        block.ref_count = 1
+        return block
+
+    def _cached_block(self, h: int, token_ids: list[int]) -> Block | None:
+        block_id = self.hash_to_block_id.get(h)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return self.blocks[block_id]
+
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        """Leading full blocks of `seq` whose KV is already cached."""
+        hits: list[Block] = []
+        if not self.enable_prefix_caching:
+            return hits
+        prev: int | None = None
+        bs = self.block_size
+        for i in range(len(seq) // bs):
+            ids = seq.token_ids[i * bs : (i + 1) * bs]
+            prev = chain_hash(prev, ids)
+            block = self._cached_block(prev, ids)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        reusable_free = sum(1 for b in hits if b.ref_count == 0)
+        new_blocks = self.blocks_needed(len(seq)) - len(hits)
+        return new_blocks + reusable_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks.
+
+        Sets seq.num_computed_tokens to the cached prefix length, but never to the
+        whole sequence: the last token is always recomputed to produce logits.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
+        hits = self._prefix_hits(seq)
+        self.num_prefix_hit_blocks += len(hits)
+        for block in hits:
+            if block.ref_count == 0:
+                del self.free_block_ids[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free_block().block_id)
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = hits[-1].hash if hits else None
+        seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks (last block first, so a prefix outlives its tail)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True if `seq` can hold the KV of its newest token (maybe one new block)."""
+        return len(seq.block_table) >= self.blocks_needed(len(seq)) or self.num_free_blocks >= 1
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq.block_table) < self.blocks_needed(len(seq)):
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the hashes of the full blocks among seq's first `num_tokens` tokens,
+        whose KV the step being scheduled writes (or has written)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, num_tokens // bs):
+            ids = seq.token_ids[i * bs : (i + 1) * bs]
+            h = chain_hash(seq.last_block_hash, ids)
+            block = self.blocks[seq.block_table[i]]
+            block.hash = h
+            block.token_ids = ids
+            self.hash_to_block_id[h] = block.block_id
+            seq.last_block_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_tokens // bs)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every published hash (after a failed step whose KV may be unwritten)."""
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = []

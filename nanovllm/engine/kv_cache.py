@@ -1,0 +1,59 @@
+"""Sizes and allocates the paged KV cache.
+
+One tensor holds every layer's K and V:
+    [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
+Layer i reads kv[0, i] and kv[1, i], each [num_blocks, block_size, Hkv, D].
+
+On CUDA the cache takes what `gpu_memory_utilization` of the card leaves after this
+process's own peak usage in a warm-up at the largest batch (other processes' memory
+is not ours to count). On CPU it takes a bounded share of available RAM.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# CPU runs serve tests and examples: more cache than this only costs RAM.
+CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def available_cpu_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes: int) -> int:
+    """Blocks that fit in this process's memory budget (call after the warm-up)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = total * utilization - torch.cuda.max_memory_allocated(device)
+        hint = "raise gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+    else:
+        budget = min(available_cpu_bytes() * utilization, CPU_KV_CACHE_MAX_BYTES)
+        hint = "free some RAM or pass num_kvcache_blocks"
+    num_blocks = int(budget // block_bytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, one block needs "
+            f"{block_bytes / 2**20:.1f} MiB; {hint}"
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(
+            f"could not allocate a KV cache of {num_blocks} blocks ({shape}): {e}; "
+            "lower num_kvcache_blocks or gpu_memory_utilization"
+        ) from None

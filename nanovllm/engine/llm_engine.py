@@ -1,0 +1,167 @@
+"""The engine: takes requests, steps the scheduler and model runner, returns outputs.
+
+Step-wise use (nano-vllm's API):
+    engine.add_request(prompt, params) -> request id
+    while not engine.is_finished(): result = engine.step()   # StepResult
+Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.prompts import PromptValidator
+from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
+
+
+@dataclass(frozen=True)
+class StepResult:
+    kind: StepKind
+    num_tokens: int  # tokens processed by the forward (prefill chunk tokens, or one per decoded sequence)
+    finished: list[RequestOutput]
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self._exited = False
+        self.config = Config.from_kwargs(model, kwargs)
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model_runner = ModelRunner(cfg)
+        self.num_kvcache_blocks = self.model_runner.num_blocks
+        self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
+        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos
+        )
+        self.validator = PromptValidator(
+            self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,
+            self.num_kvcache_blocks * cfg.kvcache_block_size,
+        )
+        self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        atexit.register(self.exit)
+
+    # ----- step-wise API -----
+    def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its id. Bad input raises before anything is queued."""
+        token_ids = self.validator.validate(prompt, sampling_params)
+        return self._enqueue(token_ids, sampling_params)
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams) -> int:
+        seq = Sequence(next(self._ids), token_ids, params)
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> StepResult:
+        batch = self.scheduler.schedule()
+        sampled = self.model_runner.run(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        for seq in batch.sampled_seqs if batch.kind is StepKind.PREFILL else batch.seqs:
+            if not seq.is_finished and seq.params.stop and self._check_stop_strings(seq):
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+        return StepResult(batch.kind, batch.num_tokens, [self._output(seq) for seq in finished])
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        if self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.stop_text_len = min(hits)
+        return True
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        del self._seqs[seq.seq_id]
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            if seq.stop_text_len is not None:
+                text = text[: seq.stop_text_len]
+        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids,
+                             text, seq.finish_reason)
+
+    # ----- batch API -----
+    def generate(
+        self,
+        prompts: SequenceABC,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, SequenceABC):
+            prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, SequenceABC) and not isinstance(sampling_params, str):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        else:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
+        # Validate everything before queueing anything: a bad request leaves the engine untouched.
+        token_lists = [self.validator.validate(p, sp) for p, sp in zip(prompts, params)]
+        if not self.is_finished():
+            raise RuntimeError("generate() called while step-wise requests are still pending")
+        ids = [self._enqueue(t, sp) for t, sp in zip(token_lists, params)]
+        outputs: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while not self.is_finished():
+                start = time.perf_counter()
+                result = self.step()
+                rate = result.num_tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix({f"{result.kind.value} tok/s": f"{rate:.0f}"}, refresh=False)
+                for out in result.finished:
+                    outputs[out.request_id] = out
+                bar.update(len(result.finished))
+        except BaseException:
+            self.abort_all()
+            raise
+        finally:
+            bar.close()
+        return [outputs[i].as_dict() for i in ids]
+
+    def abort_all(self) -> None:
+        """Drop every pending request and free its blocks (after an error or interrupt).
+
+        The prefix cache is cleared too: the interrupted step may have published
+        hashes of blocks whose KV it never wrote."""
+        for seq in list(self._seqs.values()):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self._seqs.clear()
+        self.block_manager.reset_prefix_cache()
+
+    def exit(self) -> None:
+        """Release the model, cache and any workers. Safe to call more than once."""
+        if self._exited:
+            return
+        self._exited = True
+        atexit.unregister(self.exit)
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.exit()
+            del self.model_runner

@@ -1,0 +1,151 @@
+"""Continuous batching: picks which sequences run in the next step.
+
+Prefill first: while waiting sequences fit (blocks, `max_num_seqs`, token budget)
+the step is a prefill; a prompt longer than the remaining budget is prefilled in
+chunks over several steps (it stays at the head of `waiting` holding its blocks).
+Otherwise the step decodes every running sequence, preempting the newest ones
+(recompute: their blocks are freed and they return to the head of `waiting`) when
+blocks run out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, from its num_computed_tokens."""
+
+    kind: StepKind
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences whose last scheduled token is their last token: they get a new token."""
+        return [s for s, n in zip(self.seqs, self.num_new_tokens) if s.num_computed_tokens + n == len(s)]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0  # running total, for tests and stats
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None:
+            raise RuntimeError(
+                f"scheduler could not schedule any of {len(self.waiting)} waiting and "
+                f"{len(self.running)} running sequences (free blocks: {self.block_manager.num_free_blocks})"
+            )
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            self.block_manager.publish_full_blocks(seq, seq.num_computed_tokens + n)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            if seq.num_computed_tokens + n < len(seq):
+                break  # a partial chunk ends the batch; the sequence stays at the head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(StepKind.PREFILL, seqs, num_new) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        while self.running and len(seqs) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                self.block_manager.publish_full_blocks(seq, len(seq))
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs)) if seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.free(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a step's results; `sampled` maps seq_id to its new token. Returns finished seqs."""
+        finished: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq` now (also used for stop strings found by the engine)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)

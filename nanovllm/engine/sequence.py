@@ -1,0 +1,83 @@
+"""One request as the engine tracks it: its tokens, KV blocks and progress.
+
+    token_ids:  [ prompt ........ | completion ... ]
+                 ^0               ^num_prompt_tokens
+    KV computed: [0, num_computed_tokens)   (the newest sampled token is never computed yet)
+
+Invariant once allocated: len(block_table) == ceil(num_kv_tokens / block_size), where
+num_kv_tokens is the number of tokens whose KV the current step will have written.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # needs (more) prefill; may hold blocks when partially prefilled
+    RUNNING = "running"  # prompt fully computed, decoding
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+
+
+class Sequence:
+    """Mutable per-request state, owned by the scheduler."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams):
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Full blocks whose chained hash has been published to the prefix cache.
+        self.num_hashed_blocks = 0
+        self.last_block_hash: int | None = None
+        # Per-request RNG for seeded sampling, created lazily by the model runner.
+        self.generator: torch.Generator | None = None
+        # Length of the completion text to return (set when a stop string matches).
+        self.stop_text_len: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a finished request returns."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason.value}

@@ -1,0 +1,50 @@
+"""Paged attention layer: stores this step's K/V in the cache, then attends.
+
+Reads the step's metadata from `nanovllm.utils.context`. Prefill attends over this
+step's tokens (or, with a block table, over the cached prefix plus them); decode
+attends one query per sequence over its cached keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.layers.attention_backend import AttentionBackend
+from nanovllm.utils.context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Set by the model runner once the cache is allocated: [num_blocks, block_size, Hkv, D].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
+        meta = get_attention_metadata()
+        backend = self.backend
+        if backend is None or self.k_cache is None:
+            raise RuntimeError("Attention used before the model runner attached a KV cache and backend")
+        backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            if meta.block_tables is not None:
+                k, v = self.k_cache, self.v_cache
+            return backend.flash_attn_varlen_func(
+                q, k, v,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
+            )
+        out = backend.flash_attn_with_kvcache(
+            q.unsqueeze(1), self.k_cache, self.v_cache,
+            cache_seqlens=meta.context_lens, block_table=meta.block_tables,
+            softmax_scale=self.scale, causal=True,
+        )  # [batch, 1, Hq, D]
+        return out.squeeze(1)

@@ -1,0 +1,60 @@
+"""Chooses the attention implementation once, at start-up.
+
+    "flash_attn": the real flash-attn (CUDA; paged KV needs block_size % 256 == 0)
+    "triton":     ours, nanovllm.kernels (CUDA)
+    "torch":      plain PyTorch, nanovllm.kernels.torch_attention (any device; the CPU path)
+    "auto":       flash_attn if importable and the block size allows, else triton on CUDA;
+                  torch on CPU
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+# flash-attn's paged-KV path only accepts block sizes that are multiples of this.
+FLASH_ATTN_PAGED_BLOCK_MULTIPLE = 256
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kvcache: Callable
+    flash_attn_varlen_func: Callable
+    flash_attn_with_kvcache: Callable
+
+
+def _flash_attn_usable(block_size: int) -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and block_size % FLASH_ATTN_PAGED_BLOCK_MULTIPLE == 0
+
+
+def select_attention_backend(requested: str, device: str, block_size: int) -> AttentionBackend:
+    if requested == "auto":
+        if device == "cpu":
+            requested = "torch"
+        else:
+            requested = "flash_attn" if _flash_attn_usable(block_size) else "triton"
+    if requested != "torch" and device == "cpu":
+        raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU use 'torch' or 'auto'")
+    if requested == "torch":
+        mod = importlib.import_module("nanovllm.kernels.torch_attention")
+        return AttentionBackend("torch", mod.store_kvcache, mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
+    kernels = importlib.import_module("nanovllm.kernels")
+    if requested == "triton":
+        return AttentionBackend(
+            "triton", kernels.store_kvcache, kernels.flash_attn_varlen_func, kernels.flash_attn_with_kvcache
+        )
+    # requested == "flash_attn"
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")
+    if block_size % FLASH_ATTN_PAGED_BLOCK_MULTIPLE:
+        raise ValueError(
+            f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of "
+            f"{FLASH_ATTN_PAGED_BLOCK_MULTIPLE}, got {block_size}"
+        )
+    flash_attn = importlib.import_module("flash_attn")
+    return AttentionBackend(
+        "flash_attn", kernels.store_kvcache, flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
+    )

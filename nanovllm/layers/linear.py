@@ -1,0 +1,123 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Column-parallel layers split the output features (each rank computes a slice);
+row-parallel layers split the input features and all-reduce the partial sums.
+Every parameter carries a `weight_loader(param, loaded, shard_id)` that copies this
+rank's slice of a checkpoint tensor into place; packed layers (QKV, gate/up) take a
+shard id naming which checkpoint tensor is being loaded.
+
+    qkv_proj.weight rows: [ q: Hq_local*D | k: Hkv_local*D | v: Hkv_local*D ]
+    gate_up_proj rows:    [ gate: I_local | up: I_local ]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import tp_rank, tp_size
+
+
+def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
+    if tuple(expected) != tuple(loaded.shape):
+        raise ValueError(f"weight {name}: expected shape {tuple(expected)}, checkpoint has {tuple(loaded.shape)}")
+
+
+class _LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_LinearBase):
+    """y = x W^T with W's output rows split over ranks: `[*, in] -> [*, out / tp]`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features // tp_size(), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = param.shape[0]
+        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        _check_shape("column-parallel", param.shape, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed in one matmul (gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if not isinstance(shard_id, int):
+            raise TypeError(f"merged linear needs an int shard id, got {shard_id!r}")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        rows = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, rows)
+        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        _check_shape(f"shard {shard_id}", target.shape, shard)
+        target.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, heads split over ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = num_kv_heads // tp
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        q_rows = self.num_heads * self.head_dim
+        kv_rows = self.num_kv_heads * self.head_dim
+        offsets = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}
+        if shard_id not in offsets:
+            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, rows = offsets[shard_id]
+        target = param.data.narrow(0, offset, rows)
+        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        _check_shape(f"{shard_id}_proj", target.shape, shard)
+        target.copy_(shard)
+
+
+class RowParallelLinear(_LinearBase):
+    """y = x W^T with W's input columns split over ranks, partial sums all-reduced.
+
+    `[*, in / tp] -> [*, out]`; the bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features // tp_size(), out_features, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 2 and self.tp_size > 1:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * cols, cols)
+        _check_shape("row-parallel", param.shape, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,39 @@
+"""Tokenizer and EOS ids of a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Files whose presence means the directory ships a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str):
+    """transformers' AutoTokenizer for `path`, or None when the directory has no tokenizer
+    (e.g. a bare config.json for load_format="dummy"; prompts must then be token ids)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _as_ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def load_eos_token_ids(path: str, tokenizer, config_eos: tuple[int, ...]) -> frozenset[int]:
+    """Every EOS id of the tokenizer, config.json and generation_config.json."""
+    ids = set(config_eos)
+    if tokenizer is not None:
+        ids |= _as_ids(tokenizer.eos_token_id)
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            ids |= _as_ids(json.load(f).get("eos_token_id"))
+    return frozenset(ids)

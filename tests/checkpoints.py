@@ -1,0 +1,107 @@
+"""Builds small Qwen3 checkpoints (random weights) and a small BPE tokenizer for tests.
+
+transformers' own Qwen3ForCausalLM writes the checkpoints, so the files have exactly
+the names, shapes and config keys that real checkpoints have; it is also the
+reference the engine's tokens are checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Words the test tokenizer is trained on; enough variety for a few hundred merges.
+_CORPUS_WORDS = (
+    "the quick brown fox jumps over a lazy dog while paged attention stores keys and values "
+    "in blocks of tokens so that prefix caching can share them between requests and the "
+    "scheduler batches prefill and decode steps continuously until every sequence finishes"
+).split()
+TEST_VOCAB_SIZE = 384
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 128
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 1024
+    vocab_size: int = TEST_VOCAB_SIZE
+
+
+def build_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TEST_VOCAB_SIZE, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+
+
+def build_checkpoint(path: str, shape: TinyShape = TinyShape(), seed: int = 0,
+                     max_shard_size: str | None = None, eos_token_id: int | list[int] = 0) -> str:
+    """Write a random-weight Qwen3 checkpoint plus the test tokenizer to `path`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=1e-6,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+        # Larger init than the 0.02 default so logits are spread and argmax ties are rare.
+        initializer_range=0.2,
+    )
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    build_tokenizer(path)
+    return path
+
+
+def load_reference(path: str):
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def rewrite_config(path: str, **changes) -> None:
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
+@torch.no_grad()
+def assert_greedy_matches_reference(reference, prompt_ids: list[int], completion: list[int], atol: float = 1e-4) -> None:
+    """Every generated token must be an argmax (up to float ties) of the reference's logits."""
+    ids = torch.tensor([prompt_ids + completion])
+    logits = reference(ids).logits[0].float()  # [len, vocab]
+    for i, token in enumerate(completion):
+        row = logits[len(prompt_ids) - 1 + i]
+        best = row.max().item()
+        assert row[token].item() >= best - atol, (
+            f"token {i} ({token}) has logit {row[token].item():.6f}, argmax {row.argmax().item()} has {best:.6f}"
+        )

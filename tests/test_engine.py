@@ -1,0 +1,233 @@
+"""End-to-end engine tests on CPU against transformers' Qwen3."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import (
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, load_reference, rewrite_config,
+)
+from nanovllm import LLM, SamplingParams
+
+SHAPES = {
+    "tied-hd64": (TinyShape(), None),
+    "untied-hd128-sharded": (
+        TinyShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=128, intermediate_size=160, tie_word_embeddings=False),
+        "200KB",
+    ),
+    "mha-hd64": (TinyShape(hidden_size=128, num_attention_heads=2, num_key_value_heads=2), None),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = 384) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoint(request, tmp_path_factory):
+    shape, shard = SHAPES[request.param]
+    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), shape, max_shard_size=shard)
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("tied")), TinyShape())
+
+
+def run(path, prompts, params=GREEDY, **kwargs):
+    llm = LLM(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
+    try:
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
+    finally:
+        llm.exit()
+
+
+def test_greedy_matches_transformers(checkpoint):
+    prompts = make_prompts(0, 5, 1, 70)
+    outs, _ = run(checkpoint, prompts)
+    reference = load_reference(checkpoint)
+    for prompt, out in zip(prompts, outs):
+        assert len(out) == GREEDY.max_tokens
+        assert_greedy_matches_reference(reference, prompt, out)
+
+
+def test_identical_under_every_scheduling_regime(tied_checkpoint):
+    # shared prefixes (2 full blocks of 16) so the prefix cache has something to hit
+    shared = list(range(100, 132))
+    prompts = [shared + p for p in make_prompts(1, 6, 1, 40)] + make_prompts(2, 4, 20, 90)
+    baseline, _ = run(tied_checkpoint, prompts, enable_prefix_caching=False)
+    reference = load_reference(tied_checkpoint)
+    for prompt, out in zip(prompts, baseline):
+        assert_greedy_matches_reference(reference, prompt, out)
+
+    cached, llm = run(tied_checkpoint, prompts)
+    assert cached == baseline
+    assert llm.block_manager.num_prefix_hit_blocks > 0
+
+    chunked, _ = run(tied_checkpoint, prompts, max_num_batched_tokens=16)
+    assert chunked == baseline
+
+    # 12 blocks of 16 tokens: the longest request (~113 tokens) fits, all ten together do not.
+    preempted, llm = run(tied_checkpoint, prompts, num_kvcache_blocks=12)
+    assert preempted == baseline
+    assert llm.scheduler.num_preemptions > 0
+
+    big_blocks, _ = run(tied_checkpoint, prompts, kvcache_block_size=256)
+    assert big_blocks == baseline
+
+    few_seqs, _ = run(tied_checkpoint, prompts, max_num_seqs=3)
+    assert few_seqs == baseline
+
+
+def test_second_run_is_served_from_prefix_cache(tied_checkpoint):
+    prompts = make_prompts(3, 4, 40, 80)
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hits_after_first = llm.block_manager.num_prefix_hit_blocks
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.block_manager.num_prefix_hit_blocks - hits_after_first >= sum(len(p) // 16 for p in prompts)
+    assert first == second
+    # everything is free again, with zero ref counts
+    assert llm.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    llm.exit()
+
+
+def test_fully_cached_prompt_multiple_of_block_size(tied_checkpoint):
+    prompt = list(range(1, 33))  # exactly two blocks
+    outs, llm = run(tied_checkpoint, [prompt, prompt])
+    assert outs[0] == outs[1]
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    a = llm.generate([prompt], GREEDY, use_tqdm=False)
+    b = llm.generate([prompt], GREEDY, use_tqdm=False)  # every block cached: last token recomputed
+    assert a == b
+    assert_greedy_matches_reference(load_reference(tied_checkpoint), prompt, b[0]["token_ids"])
+    llm.exit()
+
+
+def test_outputs_in_input_order_with_mixed_inputs(tied_checkpoint):
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    prompts = ["the quick brown fox", {"prompt_token_ids": [5, 6, 7]}, [9] * 50, {"prompt": "lazy dog"}]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 5)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [3, 9, 1, 5]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    ids0 = llm.tokenizer.encode("the quick brown fox")
+    assert outs[0]["text"] == llm.tokenizer.decode(outs[0]["token_ids"], skip_special_tokens=True)
+    assert_greedy_matches_reference(load_reference(tied_checkpoint), ids0, outs[0]["token_ids"])
+    llm.exit()
+
+
+def test_eos_from_generation_config_list(tmp_path):
+    path = build_checkpoint(str(tmp_path / "eos"), TinyShape(), eos_token_id=0)
+    prompt = [7, 8, 9, 10]
+    free_run, _ = run(path, [prompt])
+    stop_at = free_run[0][4]
+    first_hit = free_run[0].index(stop_at)
+    with open(os.path.join(path, "generation_config.json")) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [383, stop_at]
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(gen, f)
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out["token_ids"] == free_run[0][: first_hit + 1]
+    assert out["finish_reason"] == "stop"
+    ignored = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert ignored["token_ids"] == free_run[0]
+    llm.exit()
+
+
+def test_stops_at_max_model_len(tied_checkpoint):
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=40)
+    outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [10, 35]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    llm.exit()
+
+
+def test_step_wise_api(tied_checkpoint):
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
+    a = llm.add_request([1, 2, 3] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    b = llm.add_request([4, 5], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    kinds, finished = [], {}
+    while not llm.is_finished():
+        result = llm.step()
+        kinds.append(result.kind.value)
+        finished.update({o.request_id: o for o in result.finished})
+    assert kinds[:2] == ["prefill", "prefill"]  # 60 prompt tokens over a 32-token budget: chunked
+    assert "decode" in kinds
+    assert len(finished[a].token_ids) == 4 and len(finished[b].token_ids) == 2
+    expected, _ = run(tied_checkpoint, [[1, 2, 3] * 20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert finished[a].token_ids == expected[0]
+    llm.exit()
+
+
+def test_both_config_formats_give_the_same_tokens(tmp_path):
+    path = build_checkpoint(str(tmp_path / "fmt"), TinyShape())
+    prompts = make_prompts(4, 3, 5, 30)
+    new_format, _ = run(path, prompts)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    rewrite_config(path, rope_parameters=None, dtype=None,
+                   rope_theta=cfg["rope_parameters"]["rope_theta"], torch_dtype=cfg["dtype"])
+    old_format, _ = run(path, prompts)
+    assert old_format == new_format
+    # theta is really read: another theta changes the tokens
+    rewrite_config(path, rope_theta=3.0)
+    other, _ = run(path, prompts)
+    assert other != new_format
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    path = build_checkpoint(str(tmp_path / "bad"), TinyShape())
+    with pytest.raises(TypeError, match="bogus"):
+        LLM(path, bogus=1)
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(str(tmp_path / "nope"))
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(shard 1\)"):
+        LLM(path)
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="shape"):
+        LLM(path)
+    rewrite_config(path, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(path)
+
+
+def test_request_that_never_fits_is_refused_before_work(tied_checkpoint):
+    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4)
+    ok = [1, 2, 3]
+    with pytest.raises(ValueError, match="whole KV cache"):
+        llm.generate([ok, [5] * 60], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    assert llm.is_finished()  # nothing was queued
+    assert len(llm.generate([ok], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)) == 1
+    llm.exit()
+
+
+def test_dummy_load_format_runs_from_config_alone(tmp_path, tied_checkpoint):
+    path = tmp_path / "cfg-only"
+    path.mkdir()
+    shutil.copy(os.path.join(tied_checkpoint, "config.json"), path / "config.json")
+    outs, llm = run(str(path), [[1, 2, 3]], load_format="dummy")
+    assert len(outs[0]) == GREEDY.max_tokens
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(path), load_format="dummy").generate(["text"], GREEDY)
