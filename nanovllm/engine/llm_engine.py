@@ -30,7 +30,11 @@ from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 class StepResult:
     kind: StepKind
     num_tokens: int  # tokens processed by the forward (prefill chunk tokens, or one per decoded sequence)
+    num_seqs: int
     finished: list[RequestOutput]
+    schedule_s: float  # host: scheduler
+    run_s: float  # model runner: input preparation + forward + sampling (ends with the token fetch)
+    postprocess_s: float  # host: appending tokens, finishing, stop strings
 
 
 class LLMEngine:
@@ -67,14 +71,19 @@ class LLMEngine:
         return seq.seq_id
 
     def step(self) -> StepResult:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
         sampled = self.model_runner.run(batch)
+        t2 = time.perf_counter()
         finished = self.scheduler.postprocess(batch, sampled)
-        for seq in batch.sampled_seqs if batch.kind is StepKind.PREFILL else batch.seqs:
-            if not seq.is_finished and seq.params.stop and self._check_stop_strings(seq):
+        for seq in batch.seqs:
+            if seq.seq_id in sampled and not seq.is_finished and seq.params.stop and self._check_stop_strings(seq):
                 self.scheduler.finish(seq, FinishReason.STOP)
                 finished.append(seq)
-        return StepResult(batch.kind, batch.num_tokens, [self._output(seq) for seq in finished])
+        outputs = [self._output(seq) for seq in finished]
+        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs,
+                          schedule_s=t1 - t0, run_s=t2 - t1, postprocess_s=time.perf_counter() - t2)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -8,6 +8,8 @@ token of each sequence that completed its scheduled tokens.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nanovllm.config import Config
@@ -53,6 +55,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.inputs = StepInputBuilder(self.block_size, self.device)
+        self.last_prepare_s = 0.0
 
         self.num_kv_heads = cfg.num_key_value_heads // self.world_size
         block_bytes = kv_bytes_per_block(cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype)
@@ -111,9 +114,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Run one step; returns {seq_id: new token} on rank 0 (empty on other ranks)."""
+        """Run one step; returns {seq_id: new token} on rank 0 (empty on other ranks).
+        `last_prepare_s` records the host time spent building the step's inputs."""
         if batch.kind is StepKind.PREFILL:
+            start = time.perf_counter()
             inputs = self.inputs.prefill(batch)
+            self.last_prepare_s = time.perf_counter() - start
             hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
             sampled = batch.sampled_seqs
         else:
@@ -132,11 +138,15 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions)
 
     def _decode_forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        start = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(len(batch.seqs)):
             arrays = self.inputs.decode_arrays(batch)
             tables = self.inputs.block_table_array([s.block_table for s in batch.seqs])
+            self.last_prepare_s = time.perf_counter() - start
             return self.graphs.run(arrays, tables)
-        return self._forward(self.inputs.decode(batch))
+        inputs = self.inputs.decode(batch)
+        self.last_prepare_s = time.perf_counter() - start
+        return self._forward(inputs)
 
     def _sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
         for seq in seqs:

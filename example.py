@@ -1,0 +1,51 @@
+"""Generate completions with nanovllm.
+
+    python example.py                      # the small model shipped in nanovllm/default_model
+    python example.py --model ~/Qwen3-0.6B # any Qwen3 checkpoint directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from nanovllm import LLM, SamplingParams
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanovllm", "default_model")
+CODE_PROMPTS = [
+    "import os\n\n\ndef ",
+    "class Stack:\n    def __init__(self):\n",
+    "def read_lines(path):\n    with open(",
+    "for i in range(",
+]
+CHAT_PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=1024)
+    if args.model == DEFAULT_MODEL:
+        prompts = CODE_PROMPTS
+    else:  # a chat model: wrap the questions in its chat template
+        prompts = [
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True)
+            for p in CHAT_PROMPTS
+        ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        print("=" * 60)
+        print(f"Prompt: {prompt!r}")
+        print(f"Completion: {output['text']!r}")
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""CUDA tests of nanovllm.layers.sampler at serving size: B = 256, V = 151936.
+
+Greedy exactness, filters never leaving the allowed set (float64 reference with a
+small slack for float32 rounding), first-token frequencies, seeds independent of the
+batch, no host sync (CUDA sync debug mode), and sampling right after a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
+from nanovllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+B, V = 256, 151_936
+SLACK = 1e-4
+SAMPLER = Sampler()
+KINDS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=1),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=50),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.2, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=200, top_p=0.8, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=20, seed=5),
+]
+
+
+def device() -> torch.device:
+    return torch.device("cuda")
+
+
+def mixed_params(n: int = B) -> list[SamplingParams]:
+    return [KINDS[i % len(KINDS)] for i in range(n)]
+
+
+def build(params: list[SamplingParams], seed_offset: int = 0) -> SamplingBatch:
+    gens = [None if p.seed is None else make_generator(p.seed + seed_offset, device()) for p in params]
+    return SamplingBatch.build(params, gens, device(), V)
+
+
+def random_logits(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=device()).manual_seed(seed)
+    return (torch.randn(B, V, device=device(), generator=g) * 3).to(dtype)
+
+
+def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float64 mask of tokens the sampler may pick for one row, loosened by SLACK.
+
+    Per row: sorted probabilities, top-k threshold, top-p prefix found with
+    searchsorted on the cumulative mass, min-p floor. Ties are kept together.
+    """
+    probs = torch.softmax(row.double() / p.temperature, dim=-1)
+    values = probs.sort(descending=True).values
+    floor = 0.0
+    if p.top_k not in (0, -1):
+        floor = values[min(p.top_k, V) - 1].item() * (1 - SLACK)
+    if p.top_p < 1.0:
+        survivors = values[values >= floor]
+        cum = survivors.cumsum(0)
+        target = torch.tensor([min(p.top_p + SLACK, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
+        last = min(int(torch.searchsorted(cum, target).item()), len(survivors) - 1)
+        floor = max(floor, survivors[last].item() * (1 - SLACK))
+    if p.min_p > 0.0:
+        floor = max(floor, p.min_p * values[0].item() * (1 - SLACK))
+    return probs >= floor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_exact_in_mixed_batch(dtype: torch.dtype) -> None:
+    logits = random_logits(dtype)
+    logits[3, 1000:1010] = 100.0  # ties: the first index wins
+    params = mixed_params()
+    params[3] = SamplingParams(temperature=0.0)
+    greedy = torch.tensor([p.greedy for p in params], device=device())
+    ids = SAMPLER(logits, build(params))
+    assert ids.dtype == torch.int64 and ids.shape == (B,)
+    assert torch.equal(ids[greedy], logits.argmax(dim=-1)[greedy])
+    assert ids[3].item() == 1000
+    all_greedy = build([SamplingParams(temperature=0.0)] * B)
+    assert torch.equal(SAMPLER(logits, all_greedy), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filters_never_leave_allowed_set(dtype: torch.dtype) -> None:
+    logits = random_logits(dtype, seed=1)
+    params = mixed_params()
+    batch = build(params)
+    draws = torch.stack([SAMPLER(logits, batch) for _ in range(20)], dim=1)
+    for i, p in enumerate(params):
+        if p.greedy or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0):
+            continue
+        allowed = loose_allowed(logits[i], p)
+        assert bool(allowed[draws[i]].all()), f"row {i} ({p}) sampled outside its allowed set"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_token_frequencies(dtype: torch.dtype) -> None:
+    # Ten live tokens scattered over the vocabulary; the rest have probability 0.
+    g = torch.Generator(device=device()).manual_seed(2)
+    live = torch.randperm(V, device=device(), generator=g)[:10]
+    row = torch.full((V,), -1e4, device=device())
+    row[live] = torch.linspace(-1.0, 1.5, 10, device=device())
+    logits = row.to(dtype).expand(B, -1)
+    for p in (SamplingParams(temperature=0.8), SamplingParams(top_k=6, top_p=0.8)):
+        torch.manual_seed(3)
+        batch = build([p] * B)
+        ids = torch.cat([SAMPLER(logits, batch) for _ in range(80)])  # 20480 draws
+        counts = torch.bincount(ids, minlength=V).double()
+        probs = torch.softmax(logits[0].double() / p.temperature, dim=-1)
+        allowed = loose_allowed(logits[0], p)
+        expected = torch.where(allowed, probs, 0.0)
+        expected = expected / expected.sum()
+        assert counts[expected == 0].sum().item() == 0
+        support = expected > 0
+        assert bool((counts[support] > 0).all())
+        e = expected[support] * ids.numel()
+        stat = ((counts[support] - e) ** 2 / e).sum().item()
+        df = int(support.sum().item()) - 1
+        c = 2.0 / (9.0 * df)
+        assert stat < df * (1.0 - c + 5.0 * math.sqrt(c)) ** 3, f"chi2 {stat:.1f} (df {df}) for {p}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seeds_independent_of_batch(dtype: torch.dtype) -> None:
+    logits = random_logits(dtype, seed=4)
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
+    row = logits[0].clone()
+
+    def run(params: list[SamplingParams], pos: int, default_seed: int) -> torch.Tensor:
+        batch_logits = logits.clone()
+        batch_logits[pos] = row
+        torch.manual_seed(default_seed)
+        batch = build(params)
+        return torch.stack([SAMPLER(batch_logits[: len(params)], batch)[pos] for _ in range(10)])
+
+    base = run([target] + mixed_params(B - 1), 0, 0)
+    other = [SamplingParams(temperature=1.0)] * (B - 1)
+    moved = run(other[:200] + [target] + other[200:], 200, 1)
+    alone = run([target], 0, 2)
+    assert torch.equal(base, moved) and torch.equal(base, alone)
+    reseeded = run([SamplingParams(temperature=1.0, top_p=0.95, seed=78)], 0, 0)
+    assert not torch.equal(base, reseeded)
+
+
+def test_no_host_sync() -> None:
+    logits = random_logits(torch.bfloat16, seed=5)
+    params = mixed_params()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            SAMPLER(logits, build(params))
+        SAMPLER(logits, build([SamplingParams(top_k=40)] * B))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_after_cuda_graph_replay() -> None:
+    src = random_logits(torch.bfloat16, seed=6)
+    static_in = src.clone()
+    static_out = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        static_out.copy_(static_in * 2)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out.copy_(static_in * 2)
+    params = mixed_params()
+    batch = build(params)
+    greedy = torch.tensor([p.greedy for p in params], device=device())
+    for step in range(3):
+        static_in.copy_(random_logits(torch.bfloat16, seed=10 + step))
+        graph.replay()
+        before = static_out.clone()
+        ids = SAMPLER(static_out, batch)
+        assert torch.equal(static_out, before)
+        assert torch.equal(ids[greedy], (static_in * 2).argmax(dim=-1)[greedy])
+        for i in (3, 4, 5, 6):
+            assert bool(loose_allowed(static_out[i], params[i])[ids[i]])
