@@ -140,7 +140,8 @@ def simulate(prompts, max_tokens, num_blocks, max_num_seqs, budget, prefix_cachi
         assert len(batch.seqs) <= max_num_seqs
         for s in batch.seqs:  # every scheduled token has a slot in the block table
             assert len(s.block_table) * BS >= s.num_computed_tokens + batch.num_new_tokens[batch.seqs.index(s)]
-        sampled = {s.seq_id: rng.randrange(50) for s in batch.sampled_seqs}
+        sampled = {s.seq_id: rng.randrange(50) for s, n in zip(batch.seqs, batch.num_new_tokens)
+                   if s.num_computed_tokens + n == len(s)}
         sched.postprocess(batch, sampled)
         steps += 1
         assert steps < 100_000

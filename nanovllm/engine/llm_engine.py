@@ -22,6 +22,8 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.scheduler import Scheduler, StepKind
 from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence
+from nanovllm.engine.step_inputs import StepPlan
+from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -43,7 +45,13 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model)
-        self.model_runner = ModelRunner(cfg)
+        # Ranks 1..N-1 run in spawned processes; this process is rank 0.
+        self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(cfg)
+        except BaseException:
+            self._close_workers()
+            raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
         eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
@@ -73,8 +81,11 @@ class LLMEngine:
     def step(self) -> StepResult:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        plan = StepPlan.from_batch(batch)
+        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled]
         t1 = time.perf_counter()
-        sampled = self.model_runner.run(batch)
+        tokens = self._run(plan, sample_seqs)
+        sampled = {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
         t2 = time.perf_counter()
         finished = self.scheduler.postprocess(batch, sampled)
         for seq in batch.seqs:
@@ -84,6 +95,15 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in finished]
         return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs,
                           schedule_s=t1 - t0, run_s=t2 - t1, postprocess_s=time.perf_counter() - t2)
+
+    def _run(self, plan: StepPlan, sample_seqs: list[Sequence]) -> list[int]:
+        if self.workers is None:
+            return self.model_runner.run(plan, sample_seqs)
+        self.workers.send("run", plan)
+        try:
+            return self.model_runner.run(plan, sample_seqs)
+        except RuntimeError as e:
+            raise (self.workers.dead_worker_error(e) or e) from e
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -174,3 +194,10 @@ class LLMEngine:
         if runner is not None:
             runner.exit()
             del self.model_runner
+        self._close_workers()
+
+    def _close_workers(self) -> None:
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            self.workers = None
+            workers.close()

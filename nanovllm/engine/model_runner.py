@@ -2,8 +2,9 @@
 
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture decode CUDA graphs (CUDA, unless
-enforce_eager). `run(batch)` executes one scheduled step and returns the sampled
-token of each sequence that completed its scheduled tokens.
+enforce_eager). `run(plan)` executes one scheduled step and returns the sampled
+token of each sequence that completed its scheduled tokens. Tensor-parallel workers
+run the same class on their own rank (see tp_workers.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_from_memory
-from nanovllm.engine.scheduler import ScheduledBatch, StepKind
+from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
+from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
@@ -113,40 +114,34 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Run one step; returns {seq_id: new token} on rank 0 (empty on other ranks).
+    def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
+        """Run one step. Returns the new token of each sequence of `sample_seqs` (the
+        plan's sampled sequences, in order) on rank 0; [] on tensor-parallel workers.
         `last_prepare_s` records the host time spent building the step's inputs."""
-        if batch.kind is StepKind.PREFILL:
-            start = time.perf_counter()
-            inputs = self.inputs.prefill(batch)
+        start = time.perf_counter()
+        if plan.kind is StepKind.PREFILL:
+            inputs = self.inputs.prefill(plan)
             self.last_prepare_s = time.perf_counter() - start
             hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
-            sampled = batch.sampled_seqs
+        elif self.graphs is not None and self.graphs.fits(len(plan.starts)):
+            arrays = self.inputs.decode_arrays(plan)
+            tables = self.inputs.block_table_array(plan.block_tables)
+            self.last_prepare_s = time.perf_counter() - start
+            hidden = self.graphs.run(arrays, tables)  # [batch, hidden]
         else:
-            hidden = self._decode_forward(batch)  # [batch, hidden]
-            sampled = batch.seqs
-        if not sampled:
-            return {}
-        logits = self.model.compute_logits(hidden)
-        if logits is None:
-            return {}
-        tokens = self.sampler(logits, self._sampling_batch(sampled, logits.shape[-1])).tolist()
-        return {seq.seq_id: tok for seq, tok in zip(sampled, tokens)}
+            inputs = self.inputs.decode(plan)
+            self.last_prepare_s = time.perf_counter() - start
+            hidden = self._forward(inputs)
+        if not any(plan.sampled):
+            return []
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
+        if logits is None or sample_seqs is None:
+            return []
+        return self.sampler(logits, self._sampling_batch(sample_seqs, logits.shape[-1])).tolist()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         with attention_context(inputs.meta):
             return self.model(inputs.input_ids, inputs.positions)
-
-    def _decode_forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        start = time.perf_counter()
-        if self.graphs is not None and self.graphs.fits(len(batch.seqs)):
-            arrays = self.inputs.decode_arrays(batch)
-            tables = self.inputs.block_table_array([s.block_table for s in batch.seqs])
-            self.last_prepare_s = time.perf_counter() - start
-            return self.graphs.run(arrays, tables)
-        inputs = self.inputs.decode(batch)
-        self.last_prepare_s = time.perf_counter() - start
-        return self._forward(inputs)
 
     def _sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
         for seq in seqs:

@@ -35,11 +35,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @property
-    def sampled_seqs(self) -> list[Sequence]:
-        """Sequences whose last scheduled token is their last token: they get a new token."""
-        return [s for s, n in zip(self.seqs, self.num_new_tokens) if s.num_computed_tokens + n == len(s)]
-
 
 class Scheduler:
     def __init__(

@@ -1,12 +1,15 @@
-"""Turns a scheduled batch into the flat tensors one forward needs.
+"""Turns a scheduled step into the flat tensors one forward needs.
 
-Prefill of chunk [start, end) of each sequence (start = num_computed_tokens):
+A `StepPlan` is the step without Sequence objects (small, picklable: tensor-parallel
+workers receive it). For each sequence it holds the tokens to compute this step and
+the position of the first one:
 
-    seq A: cached |#######|  new |....|        q: 4 tokens, k: 11 tokens
-    seq B:                  new |......|      q: 6 tokens, k: 6 tokens
-    input_ids = [A4 | B6], cu_seqlens_q = [0, 4, 10], cu_seqlens_k = [0, 11, 17]
+    prefill chunk [start, end) of each sequence (start = num_computed_tokens):
+      seq A: cached |#######|  new |....|        q: 4 tokens, k: 11 tokens
+      seq B:                  new |......|      q: 6 tokens, k: 6 tokens
+      input_ids = [A4 | B6], cu_seqlens_q = [0, 4, 10], cu_seqlens_k = [0, 11, 17]
+    decode: one token per sequence (its newest), context_len = start + 1 = len(seq).
 
-Decode: one token per sequence (its newest), context_len = len(seq).
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
 Host arrays are built with numpy and copied with one non-blocking copy each.
 """
@@ -18,8 +21,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.scheduler import ScheduledBatch, StepKind
 from nanovllm.utils.context import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: StepKind
+    new_token_ids: list[list[int]]  # per sequence: the tokens computed this step
+    starts: list[int]  # per sequence: position of its first new token
+    block_tables: list[list[int]]  # per sequence: ceil((start + len(new)) / block_size) block ids
+    sampled: list[bool]  # per sequence: a token is sampled after this step
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> "StepPlan":
+        starts = [s.num_computed_tokens for s in batch.seqs]
+        return cls(
+            kind=batch.kind,
+            new_token_ids=[s.token_ids[a : a + n] for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens)],
+            starts=starts,
+            block_tables=[s.block_table for s in batch.seqs],
+            sampled=[a + n == len(s) for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens)],
+        )
 
 
 @dataclass(frozen=True)
@@ -42,7 +65,8 @@ class StepInputBuilder:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def block_table_array(self, block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    @staticmethod
+    def block_table_array(block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
         """[num_seqs, width] int32, each row a block table padded with zeros (never read)."""
         width = width or max(len(bt) for bt in block_tables)
         out = np.zeros((len(block_tables), width), dtype=np.int32)
@@ -50,68 +74,61 @@ class StepInputBuilder:
             out[i, : len(bt)] = bt
         return out
 
-    def prefill(self, batch: ScheduledBatch) -> StepInputs:
+    def prefill(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size
-        ids, positions, slots = [], [], []
-        cu_q, cu_k, sample_rows = [0], [0], []
-        needs_block_table = False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            needs_block_table |= start > 0
-            if end == len(seq):
-                sample_rows.append(cu_q[-1] - 1)
+        lens = np.fromiter(map(len, plan.new_token_ids), dtype=np.int64, count=len(plan.starts))
+        starts = np.asarray(plan.starts, dtype=np.int64)
+        ends = starts + lens
+        cu_q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(ends)]).astype(np.int32)
+        # position of every new token: its sequence's start + its offset within the chunk
+        seq_of_token = np.repeat(np.arange(len(lens)), lens)
+        positions = starts[seq_of_token] + np.arange(int(cu_q[-1])) - cu_q[:-1][seq_of_token]
+        tables = self.block_table_array(plan.block_tables)
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        needs_block_table = bool((starts > 0).any())
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=self.to_device(np.concatenate(slots)),
-            cu_seqlens_q=self.to_device(np.asarray(cu_q, dtype=np.int32)),
-            cu_seqlens_k=self.to_device(np.asarray(cu_k, dtype=np.int32)),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-            block_tables=(
-                self.to_device(self.block_table_array([s.block_table for s in batch.seqs]))
-                if needs_block_table
-                else None
-            ),
+            slot_mapping=self.to_device(slots),
+            cu_seqlens_q=self.to_device(cu_q),
+            cu_seqlens_k=self.to_device(cu_k),
+            max_seqlen_q=int(lens.max()),
+            max_seqlen_k=int(ends.max()),
+            block_tables=self.to_device(tables) if needs_block_table else None,
         )
+        sample_rows = (cu_q[1:] - 1)[np.asarray(plan.sampled, dtype=bool)].astype(np.int64)
         return StepInputs(
-            input_ids=self.to_device(np.concatenate(ids)),
-            positions=self.to_device(np.concatenate(positions)),
+            input_ids=self.to_device(np.fromiter((t for ids in plan.new_token_ids for t in ids), dtype=np.int64,
+                                                 count=int(cu_q[-1]))),
+            positions=self.to_device(positions),
             meta=meta,
-            sample_indices=self.to_device(np.asarray(sample_rows, dtype=np.int64)),
+            sample_indices=self.to_device(sample_rows),
         )
 
-    def decode_arrays(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
+    def decode_arrays(self, plan: StepPlan) -> dict[str, np.ndarray]:
         """Host arrays of a decode step (the CUDA-graph path copies them into its buffers)."""
         bs = self.block_size
-        seqs = batch.seqs
-        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-        last_blocks = np.fromiter((s.block_table[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+        n = len(plan.starts)
+        positions = np.asarray(plan.starts, dtype=np.int64)
+        last_blocks = np.fromiter((bt[-1] for bt in plan.block_tables), dtype=np.int64, count=n)
         return {
-            "input_ids": np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs)),
-            "positions": lens - 1,
-            "slot_mapping": last_blocks * bs + (lens - 1) % bs,
-            "context_lens": lens.astype(np.int32),
+            "input_ids": np.fromiter((ids[0] for ids in plan.new_token_ids), dtype=np.int64, count=n),
+            "positions": positions,
+            "slot_mapping": last_blocks * bs + positions % bs,
+            "context_lens": (positions + 1).astype(np.int32),
         }
 
-    def decode(self, batch: ScheduledBatch) -> StepInputs:
-        arrays = self.decode_arrays(batch)
+    def decode(self, plan: StepPlan) -> StepInputs:
+        arrays = self.decode_arrays(plan)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.to_device(arrays["slot_mapping"]),
             context_lens=self.to_device(arrays["context_lens"]),
-            block_tables=self.to_device(self.block_table_array([s.block_table for s in batch.seqs])),
+            block_tables=self.to_device(self.block_table_array(plan.block_tables)),
         )
-        n = len(batch.seqs)
         return StepInputs(
             input_ids=self.to_device(arrays["input_ids"]),
             positions=self.to_device(arrays["positions"]),
             meta=meta,
-            sample_indices=torch.arange(n, device=self.device),
+            sample_indices=torch.arange(len(plan.starts), device=self.device),
         )

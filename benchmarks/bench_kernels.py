@@ -1,0 +1,182 @@
+"""Device timing of nanovllm's Triton attention kernels (needs a CUDA GPU).
+
+Measures (1) HBM bandwidth by a large device-to-device copy (bytes read + written),
+(2) decode attention GB/s over the KV bytes that must be read, as % of (1),
+(3) prefill TFLOP/s vs torch's FA2 varlen_attn (packed) and our paged variant,
+(4) store_kvcache GB/s. Times are triton.testing.do_bench medians.
+
+    python benchmarks/bench_kernels.py [--json PATH] [--sweep]
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+
+from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+
+HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
+DEV = "cuda"
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def hbm_bandwidth():
+    x = torch.randn(512 * 2**20, device=DEV, dtype=torch.float32)  # 2 GiB
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    return 2 * x.numel() * 4 / t / 1e9
+
+
+def paged_cache(lens, block_size, dtype, gen):
+    nblk = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nblk)
+    perm = torch.randperm(num_blocks, device=DEV, generator=gen).int()
+    table = torch.zeros((len(lens), max(nblk)), dtype=torch.int32, device=DEV)
+    pos = 0
+    for i, nb in enumerate(nblk):
+        table[i, :nb] = perm[pos:pos + nb]
+        pos += nb
+    kc = torch.randn((num_blocks, block_size, HKV, D), device=DEV, generator=gen).to(dtype)
+    vc = torch.randn((num_blocks, block_size, HKV, D), device=DEV, generator=gen).to(dtype)
+    return kc, vc, table
+
+
+def bench_decode(batch, ctx, bw, dtype=torch.bfloat16, block_size=256):
+    gen = torch.Generator(DEV).manual_seed(0)
+    lens = [ctx] * batch
+    kc, vc, table = paged_cache(lens, block_size, dtype, gen)
+    q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table))
+    nbytes = 2 * batch * ctx * HKV * D * kc.element_size()
+    del kc, vc
+    return {"batch": batch, "ctx": ctx, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
+            "pct_bw": 100 * nbytes / t / 1e9 / bw}
+
+
+def causal_flops(lens):
+    return sum(4 * HQ * D * n * (n + 1) / 2 for n in lens)
+
+
+def bench_prefill(nseq, seqlen, dtype=torch.bfloat16, block_size=256):
+    gen = torch.Generator(DEV).manual_seed(1)
+    lens = [seqlen] * nseq
+    total = sum(lens)
+    q = torch.randn((total, HQ, D), device=DEV, generator=gen).to(dtype)
+    k = torch.randn((total, HKV, D), device=DEV, generator=gen).to(dtype)
+    v = torch.randn((total, HKV, D), device=DEV, generator=gen).to(dtype)
+    cu = torch.arange(0, total + 1, seqlen, dtype=torch.int32, device=DEV)
+    flops = causal_flops(lens)
+    res = {"nseq": nseq, "seqlen": seqlen}
+    res["ours_tflops"] = flops / bench(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)) / 1e12
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        res["torch_tflops"] = flops / bench(lambda: varlen_attn(q, k, v, cu, cu, seqlen, seqlen,
+                                                                  window_size=(-1, 0))) / 1e12
+        res["ratio"] = res["ours_tflops"] / res["torch_tflops"]
+    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+        res["torch_error"] = repr(exc)[:120]
+    kc, vc, table = paged_cache(lens, block_size, dtype, gen)
+    res["paged_tflops"] = flops / bench(lambda: flash_attn_varlen_func(
+        q, kc, vc, cu, cu, seqlen, seqlen, causal=True, block_table=table)) / 1e12
+    return res
+
+
+def bench_store(n=65536, dtype=torch.bfloat16, block_size=256):
+    gen = torch.Generator(DEV).manual_seed(2)
+    key = torch.randn((n, HKV, D), device=DEV, generator=gen).to(dtype)
+    value = torch.randn((n, HKV, D), device=DEV, generator=gen).to(dtype)
+    num_blocks = 2 * n // block_size
+    kc = torch.empty((num_blocks, block_size, HKV, D), device=DEV, dtype=dtype)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(num_blocks * block_size, device=DEV, generator=gen)[:n].int()
+    t = bench(lambda: store_kvcache(key, value, kc, vc, slots))
+    return {"n": n, "us": t * 1e6, "GB/s": 4 * key.numel() * key.element_size() / t / 1e9}
+
+
+def sweep_prefill():
+    """Try a few tile configs on causal prefill cases (module constants patched)."""
+    import nanovllm.kernels.prefill_attention as pf
+    saved = (pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES)
+    out = []
+    for cfg, shape in [(c, s) for s in [(16, 1024), (4, 4096)]
+                       for c in [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+                                 (64, 64, 8, 3), (128, 128, 8, 2)]]:
+        pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES = cfg
+        try:
+            r = bench_prefill(*shape)
+            out.append({"cfg": cfg, "shape": shape, "ours": r["ours_tflops"], "paged": r["paged_tflops"]})
+        except Exception as exc:  # noqa: BLE001
+            out.append({"cfg": cfg, "error": repr(exc)[:100]})
+        print("sweep", out[-1], flush=True)
+    pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES = saved
+    return out
+
+
+def sweep_decode(bw):
+    """Try decode tile/split settings (module constants patched) on the weaker points."""
+    import nanovllm.kernels.decode_attention as dec
+    names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM")
+    saved = tuple(getattr(dec, n) for n in names)
+    out = []
+    for cfg in [(64, 3, 4, 256, 16), (64, 2, 4, 256, 16), (32, 4, 4, 256, 16), (64, 3, 4, 512, 16),
+                (32, 3, 4, 256, 16), (64, 2, 4, 512, 8), (128, 2, 8, 512, 16)]:
+        for n, val in zip(names, cfg):
+            setattr(dec, n, val)
+        for batch, ctx in [(8, 8192), (1, 32768), (256, 4096)]:
+            try:
+                r = bench_decode(batch, ctx, bw)
+                out.append({"cfg": cfg, "batch": batch, "ctx": ctx, "pct_bw": r["pct_bw"], "us": r["us"]})
+            except Exception as exc:  # noqa: BLE001
+                out.append({"cfg": cfg, "batch": batch, "error": repr(exc)[:100]})
+            print("dsweep", out[-1], flush=True)
+    for n, val in zip(names, saved):
+        setattr(dec, n, val)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", help="write results to this path")
+    ap.add_argument("--sweep", action="store_true", help="also sweep prefill tile configs")
+    ap.add_argument("--sweep-decode", action="store_true", help="also sweep decode settings")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    res = {"hbm_GBps": hbm_bandwidth()}
+    bw = res["hbm_GBps"]
+    print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
+    res["decode"] = []
+    for batch, ctx in [(256, 1024), (256, 4096), (64, 4096), (8, 8192), (8, 32768), (1, 32768)]:
+        res["decode"].append(bench_decode(batch, ctx, bw))
+        print("decode", res["decode"][-1], flush=True)
+    res["prefill"] = []
+    for nseq, seqlen in [(16, 1024), (4, 4096), (64, 256)]:
+        res["prefill"].append(bench_prefill(nseq, seqlen))
+        print("prefill", res["prefill"][-1], flush=True)
+    res["store"] = bench_store()
+    if args.sweep:
+        res["sweep"] = sweep_prefill()
+    if args.sweep_decode:
+        res["sweep_decode"] = sweep_decode(bw)
+
+    print(f"\n== HBM copy {bw:.0f} GB/s | Qwen3-0.6B heads {HQ}q/{HKV}kv D{D}, bf16, block 256 ==")
+    print(f"{'decode batch x ctx':>20} {'us':>9} {'GB/s':>8} {'%bw':>6}")
+    for r in res["decode"]:
+        print(f"{r['batch']:>9} x {r['ctx']:<8} {r['us']:9.1f} {r['GB/s']:8.0f} {r['pct_bw']:6.1f}")
+    print(f"{'prefill causal':>20} {'ours':>8} {'torchFA2':>9} {'ratio':>6} {'paged':>8}  (TFLOP/s)")
+    for r in res["prefill"]:
+        print(f"{r['nseq']:>9} x {r['seqlen']:<8} {r['ours_tflops']:8.1f} {r.get('torch_tflops', float('nan')):9.1f} "
+              f"{r.get('ratio', float('nan')):6.2f} {r['paged_tflops']:8.1f}")
+    s = res["store"]
+    print(f"store_kvcache {s['n']} tokens: {s['us']:.1f} us, {s['GB/s']:.0f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

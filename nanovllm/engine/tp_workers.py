@@ -1,0 +1,139 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of the model, driven by rank 0.
+
+Rank 0 (the caller's process, which owns the scheduler) spawns the workers, and all
+ranks join one torch.distributed group (NCCL on CUDA, gloo on CPU) through a TCPStore
+on a port the OS picks, so two engines on one host never collide. Each step, rank 0
+sends the step's `StepPlan` to every worker over a multiprocessing Pipe (a local
+socket: no fixed names, no size limit), then all ranks run the same forward; the
+collectives inside the model keep them in lock-step.
+
+    rank 0:  schedule -> send(plan) -> run(plan) -> sample
+    rank k:            recv(plan)  -> run(plan)
+
+A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
+checks the workers are alive before every step, and a worker that dies inside a
+collective makes gloo fail on rank 0 (NCCL: after the group's timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection
+
+import torch.distributed as dist
+
+from nanovllm.config import Config
+
+# Address of the rendezvous store: every rank is on this host.
+LOCALHOST = "127.0.0.1"
+# How long a collective (and the start-up rendezvous) may wait on a silent peer.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+# How long exit waits for a worker to leave by itself before terminating it.
+EXIT_JOIN_SECONDS = 10.0
+# A failed collective waits this long for the dead worker's exit to become visible.
+DEATH_CONFIRM_SECONDS = 2.0
+# Variables that must reach workers: NVLink multicast stays off on shared hosts.
+_INHERITED_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def _backend(config: Config) -> str:
+    return "nccl" if config.device == "cuda" else "gloo"
+
+
+def _worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
+    from nanovllm.engine.model_runner import ModelRunner
+
+    store = dist.TCPStore(LOCALHOST, port, config.tensor_parallel_size, is_master=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(_backend(config), store=store, rank=rank,
+                            world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
+    runner = ModelRunner(config)
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:
+                break  # rank 0 went away
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+    finally:
+        runner.exit()
+        dist.destroy_process_group()
+
+
+class WorkerGroup:
+    def __init__(self, config: Config):
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process; exit() it first")
+        n = config.tensor_parallel_size
+        for key, value in _INHERITED_ENV.items():
+            os.environ.setdefault(key, value)
+        ctx = mp.get_context("spawn")
+        self.store = dist.TCPStore(LOCALHOST, 0, n, is_master=True, wait_for_workers=False,
+                                   timeout=COLLECTIVE_TIMEOUT)
+        self.conns: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        for rank in range(1, n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child),
+                               name=f"nanovllm-tp{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        try:
+            dist.init_process_group(_backend(config), store=self.store, rank=0, world_size=n,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self._stop_processes()
+            raise
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode})")
+
+    def dead_worker_error(self, cause: BaseException) -> RuntimeError | None:
+        """After a failed collective: a clear error naming a worker that died, if one did."""
+        deadline = time.monotonic() + DEATH_CONFIRM_SECONDS
+        while time.monotonic() < deadline:
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive():
+                    return RuntimeError(
+                        f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode}): {cause}")
+            time.sleep(0.05)
+        return None
+
+    def send(self, method: str, *args) -> None:
+        """Ask every worker to call ModelRunner.<method>(*args)."""
+        self.check_alive()
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} is gone: {e}") from None
+
+    def _stop_processes(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("exit", ()))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(EXIT_JOIN_SECONDS)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group. Safe to call more than once."""
+        self._stop_processes()
+        if dist.is_initialized():
+            dist.destroy_process_group()

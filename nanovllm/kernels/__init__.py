@@ -1,0 +1,44 @@
+"""Triton attention kernels for nanovllm, with flash-attn's names and semantics.
+
+- `flash_attn_varlen_func`: prefill over packed or paged (block_table) K/V (prefill_attention.py).
+- `flash_attn_with_kvcache`: single-token decode over the paged KV cache, split-K (decode_attention.py).
+- `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
+
+Triton is imported on the first call, so `import nanovllm.kernels` works on machines
+without Triton (the CPU path uses kernels/torch_attention.py); a call there raises ImportError.
+"""
+
+__all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kvcache"]
+
+
+def _triton_missing(exc: ImportError) -> ImportError:
+    return ImportError(f"nanovllm.kernels needs Triton (pip install 'triton>=3.1'); import failed: {exc}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, block_table=None):
+    """Variable-length attention; see prefill_attention.flash_attn_varlen_func."""
+    try:
+        from .prefill_attention import flash_attn_varlen_func as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale=softmax_scale, causal=causal, block_table=block_table)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
+    """Decode attention over the paged cache; see decode_attention.flash_attn_with_kvcache."""
+    try:
+        from .decode_attention import flash_attn_with_kvcache as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=softmax_scale, causal=causal)
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+    """Write K/V rows into the paged cache; see kv_store.store_kvcache."""
+    try:
+        from .kv_store import store_kvcache as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(key, value, k_cache, v_cache, slot_mapping)

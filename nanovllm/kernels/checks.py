@@ -1,0 +1,53 @@
+"""Host-side argument checks shared by the Triton kernel wrappers (ValueError/TypeError, never assert)."""
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
+BLOCK_SIZE_MULTIPLE = 16
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} dtype must be one of float16/bfloat16/float32, got {t.dtype}")
+
+
+def check_head_dim(d: int) -> None:
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+
+
+def check_cache(k_cache, v_cache, hkv: int, d: int, dtype) -> int:
+    """Validate paged caches [num_blocks, block_size, hkv, d]; return block_size."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [num_blocks, block_size, num_kv_heads, "
+                             f"head_dim], got {getattr(c, 'shape', type(c))}")
+        if c.dtype != dtype:
+            raise TypeError(f"{name} dtype {c.dtype} != {dtype}")
+        if tuple(c.shape[2:]) != (hkv, d):
+            raise ValueError(f"{name} shape {tuple(c.shape)} does not match num_kv_heads={hkv}, head_dim={d}")
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {c.stride()}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)}/{k_cache.stride()} and v_cache "
+                         f"{tuple(v_cache.shape)}/{v_cache.stride()} must have equal shapes and strides")
+    block_size = k_cache.shape[1]
+    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
+        raise ValueError(f"block_size must be a positive multiple of {BLOCK_SIZE_MULTIPLE}, got {block_size}")
+    return block_size
+
+
+def check_int_tensor(name: str, t, shape=None, dims=None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t))}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
+    if t.dim() >= 1 and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")

@@ -1,0 +1,220 @@
+"""Split-K (flash-decoding) attention for one new query token per sequence over the paged cache.
+
+Stage 1 (grid batch x Hkv x num_splits): one program reads ONE kv head once for the
+whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV are
+tl.dot MMAs) over its slice of the sequence, and writes a partial
+(log-sum-exp, normalised accumulator) pair. Stage 2 (grid batch x Hq) merges splits.
+
+Paging and split arithmetic for a sequence of length L (BLOCK_N = 64 here)::
+
+    tokens:  | split 0          | split 1          | ... | split S-1       |
+             |<- per_split ---->|                                          per_split =
+             [tile][tile][tile]  [tile][tile]...                           ceil(L/S) rounded up to BLOCK_N
+    token t -> block_table[b, t // block_size], row t % block_size of that cache block
+
+The split count S is chosen on the host from shapes only (batch, Hkv, max context =
+block_table.shape[1] * block_size), so the launch is CUDA-graph capturable; per_split
+is computed in the kernel from the device length, balancing splits for every L.
+Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (check_cache, check_float_dtype, check_head_dim,
+                            check_int_tensor, next_pow2)
+
+# Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
+BLOCK_N = 64
+# tl.dot needs >= 16 rows: the GQA group is padded to this (Qwen3 groups are 2..8).
+MIN_BLOCK_G = 16
+# Aim for this many stage-1 programs per SM: ~2 fit at once (96 KB smem each), so 16
+# gives ~8 waves and a small tail (H200, batch 8 x 32k: 4/SM gave 73% of copy BW, 16/SM 96%).
+# BLOCK_N 32/128, 2 stages or 512-token splits measured no better (benchmarks/bench_kernels.py).
+PROGRAMS_PER_SM = 16
+# A split shorter than this costs more in partial writes/merging than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+# Upper bound on splits (also sizes the merge kernel's tile).
+MAX_SPLITS = 128
+# Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
+CPU_SM_COUNT = 2
+NUM_WARPS = 4
+NUM_STAGES = 3
+LOG2E = 1.4426950408889634
+# Triton's CPU interpreter mis-computes tl.dot on bfloat16 operands: upcast there only.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_sm_count_cache = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count_cache:
+        _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count_cache[idx]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Host-only split count: enough programs to fill the GPU, none shorter than MIN_TOKENS_PER_SPLIT."""
+    want = triton.cdiv(sm_count * PROGRAMS_PER_SM, max(1, batch * num_kv_heads))
+    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seqlens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_valid = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g  # query heads of this GQA group
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    k_ptr += kv_head * stride_kh
+    v_ptr += kv_head * stride_kh
+    bt_row = bt_ptr + b * stride_bt
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # start_n is a multiple of BLOCK_N, so the whole tile sits in one cache block.
+            blk = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
+            rows = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kt
+        else:
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            rows = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kt
+        ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 units
+    o_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    tl.store(mid_o_ptr + o_off, o, mask=g_valid[:, None])
+    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * stride_mlb + head * stride_mlh + offs_s, mask=s_valid,
+                  other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights become 0, not NaN
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(mid_o_ptr + b * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos
+                + offs_d[None, :], mask=s_valid[:, None], other=0.0)  # [BLOCK_S, HEAD_DIM]
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
+                            softmax_scale=None, causal=False):
+    """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
+
+    k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
+    sequence's length including the current token (already stored); block_table: int32
+    [batch, max_blocks]. With one query per sequence, causal (bottom-right) changes nothing.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be [batch, 1, num_heads, head_dim], got {getattr(q, 'shape', type(q))}")
+    check_float_dtype("q", q)
+    batch, _, hq, d = q.shape
+    check_head_dim(d)
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got "
+                         f"{getattr(k_cache, 'shape', type(k_cache))}")
+    hkv = k_cache.shape[2]
+    block_size = check_cache(k_cache, v_cache, hkv, d, q.dtype)
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
+    check_int_tensor("block_table", block_table, dims=2)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch={batch}")
+    if batch > 2**31 - 1:
+        raise ValueError(f"batch {batch} too large")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+                    ("block_table", block_table)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = hq // hkv
+    max_context = block_table.shape[1] * block_size
+    num_splits = choose_num_splits(batch, hkv, max_context, _sm_count(q.device))
+    # Temporaries sized from shapes only (capturable): partial outputs and log-sum-exps.
+    mid_o = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    dot_prec = "ieee" if q.dtype == torch.float32 else None
+    _decode_split_kernel[(batch, hkv, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+        # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
+        num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
+    )
+    _decode_merge_kernel[(batch, hq)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(2),
+        NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=d,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,120 @@
+"""The engine on a CUDA device in bf16, against transformers on the same GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, build_checkpoint
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+# Qwen3-0.6B's attention geometry (16 q heads, 8 kv heads, head_dim 128) at a small width.
+QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=512, max_position_embeddings=4096)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# A generated token passes if its reference logit is within this fraction of the logit range of the max.
+BF16_TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("gpu")), QWEN_HEADS)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+
+
+def prompts(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 384, (int(L),), generator=g).tolist() for L in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@torch.no_grad()
+def check_against(reference, prompt, completion):
+    ids = torch.tensor([prompt + completion], device="cuda")
+    logits = reference(ids).logits[0].float()
+    for i, tok in enumerate(completion):
+        row = logits[len(prompt) - 1 + i]
+        tol = BF16_TOLERANCE * (row.max() - row.min()).item()
+        assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"
+
+
+def generate(ckpt, ps, params=GREEDY, **kw):
+    llm = LLM(ckpt, **{"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", **kw})
+    try:
+        return [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)], llm
+    finally:
+        llm.exit()
+
+
+def test_bf16_greedy_matches_transformers(ckpt, reference):
+    ps = prompts(0, 8, 1, 300)
+    outs, llm = generate(ckpt, ps)
+    assert llm.model_runner.backend.name in ("triton", "flash_attn")
+    for p, o in zip(ps, outs):
+        check_against(reference, p, o)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
+    shared = list(range(100, 164))
+    ps = [shared + p for p in prompts(1, 6, 1, 80)] + prompts(2, 6, 50, 400)
+    regimes = {
+        "plain": {"enable_prefix_caching": False},
+        "prefix-cache": {},
+        "chunked": {"max_num_batched_tokens": 64},
+        "preempt": {"num_kvcache_blocks": -(-700 // block_size) + 2},
+    }
+    for name, kw in regimes.items():
+        outs, llm = generate(ckpt, ps, kvcache_block_size=block_size, **kw)
+        if name == "preempt":
+            assert llm.scheduler.num_preemptions > 0
+        if name == "prefix-cache":
+            assert llm.block_manager.num_prefix_hit_blocks > 0 or block_size > 64
+        for p, o in zip(ps, outs):
+            check_against(reference, p, o)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 16, 48])
+def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
+    ps = prompts(3, batch, 20, 200)
+    graph, llm = generate(ckpt, ps)
+    assert llm.model_runner.graphs is not None
+    eager, llm = generate(ckpt, ps, enforce_eager=True)
+    assert llm.model_runner.graphs is None
+    assert graph == eager
+
+
+def test_reaching_max_model_len_under_graphs(ckpt, reference):
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=100, dtype="bfloat16")
+    ps = [[5] * 90, [6] * 40, [7] * 99 ]
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [10, 60, 1]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    assert llm.model_runner.graphs.block_tables.shape[1] * 16 >= 100
+    llm.exit()
+    for p, o in zip(ps, outs):
+        check_against(reference, p, o["token_ids"])
+
+
+def test_seeded_sampling_reproducible_on_gpu(ckpt):
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    a, _ = generate(ckpt, [[1, 2, 3]], sp)
+    b, _ = generate(ckpt, [[4, 4, 4, 4], [1, 2, 3]], [SamplingParams(max_tokens=5), sp])
+    assert a[0] == b[1]
+
+
+def test_kv_cache_sized_from_own_peak(ckpt):
+    llm = LLM(ckpt, kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.5)
+    total = torch.cuda.get_device_properties(0).total_memory
+    cache_bytes = llm.model_runner.kv_cache.numel() * llm.model_runner.kv_cache.element_size()
+    assert 0.3 * total < cache_bytes < 0.5 * total
+    llm.exit()
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(ckpt, kvcache_block_size=256, gpu_memory_utilization=0.0001)

@@ -1,0 +1,120 @@
+"""Sampling through the whole engine: greedy equivalences, seeds, filters, stop strings and ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, load_reference
+from nanovllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("sampling")), TinyShape())
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=256)
+    yield engine
+    engine.exit()
+
+
+PROMPT = [11, 12, 13, 14, 15, 16]
+
+
+def tokens(llm, prompts, params):
+    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(llm, ckpt):
+    greedy = tokens(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert_greedy_matches_reference(load_reference(ckpt), PROMPT, greedy)
+    topk1 = tokens(llm, [PROMPT], SamplingParams(temperature=0.9, top_k=1, max_tokens=12, ignore_eos=True))[0]
+    assert topk1 == greedy
+    # in a mixed batch with sampled rows, the greedy row is unchanged
+    mixed = tokens(llm, [PROMPT, PROMPT, [3, 4]], [
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=5, ignore_eos=True),
+    ])
+    assert mixed[1] == greedy
+
+
+def test_seed_reproduces_across_batch_compositions(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = tokens(llm, [PROMPT], seeded)[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 20)]
+    crowd = tokens(llm, [[9, 9, 9], PROMPT, [40] * 30], [others[0], seeded, others[1]])[1]
+    assert crowd == alone
+    other_seed = tokens(llm, [PROMPT], SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True))[0]
+    assert other_seed != alone
+
+
+@torch.no_grad()
+def allowed_first_tokens(ckpt, temperature, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
+    logits = load_reference(ckpt)(torch.tensor([PROMPT])).logits[0, -1].double()
+    probs = torch.softmax(logits / temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    kept = probs * keep
+    sorted_kept = kept[order]
+    mass_before = torch.cumsum(sorted_kept, 0) - sorted_kept
+    keep_p = torch.zeros_like(keep)
+    keep_p[order] = mass_before < top_p * kept.sum()
+    keep &= keep_p
+    keep &= probs >= min_p * probs.max()
+    return set(torch.nonzero(keep).flatten().tolist())
+
+
+@pytest.mark.parametrize("filt", [{"top_p": 0.6}, {"top_k": 5}, {"min_p": 0.3}, {"top_k": 8, "top_p": 0.7, "min_p": 0.05}])
+def test_filters_never_sample_outside_allowed_set(llm, ckpt, filt):
+    allowed = allowed_first_tokens(ckpt, 1.5, **filt)
+    n = 300
+    params = [SamplingParams(temperature=1.5, max_tokens=1, seed=s, **filt) for s in range(n)]
+    firsts = {t[0] for t in tokens(llm, [PROMPT] * n, params)}
+    assert firsts <= allowed
+    assert len(firsts) >= min(2, len(allowed))  # it does sample, not just the argmax
+
+
+def test_stop_token_ids_end_with_the_stop_token(llm):
+    free = tokens(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop = free[5]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out["token_ids"] == free[: free.index(stop) + 1]
+    assert out["finish_reason"] == "stop"
+
+
+def test_stop_string_spanning_tokens(llm):
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    pieces = [tok.decode(free["token_ids"][:i], skip_special_tokens=True) for i in range(len(free["token_ids"]) + 1)]
+    text = free["text"]
+    # a stop string made of the last char of token k's text and the first char of token k+1's text
+    for k in range(2, len(pieces) - 2):
+        a, b = pieces[k], pieces[k + 1]
+        if len(a) > len(pieces[k - 1]) and len(b) > len(a) and a[-1:].strip() and b[len(a)].strip():
+            stop = a[-1] + b[len(a)]
+            break
+    else:
+        pytest.skip("no printable token boundary in this sample")
+    start = text.find(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "zzzz"]),
+                       use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[:start]
+    # token_ids cover the tokens up to the one that completed the stop string, no more
+    n = len(out["token_ids"])
+    assert out["token_ids"] == free["token_ids"][:n]
+    assert stop in tok.decode(out["token_ids"], skip_special_tokens=True)
+    assert stop not in tok.decode(out["token_ids"][:-1], skip_special_tokens=True)
+
+
+def test_finish_reasons(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3

@@ -1,0 +1,100 @@
+"""Tensor parallelism on CPU (gloo): same tokens as one rank, clean exit, worker death detected."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from checkpoints import TinyShape, build_checkpoint
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SHAPES = {
+    "tied": TinyShape(),
+    "untied": TinyShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=160, tie_word_embeddings=False, vocab_size=383),
+}
+PROMPTS = [list(range(100, 140)) + [i] * (5 + 7 * i) for i in range(6)]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def ckpt(request, tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), SHAPES[request.param])
+
+
+def generate(path, tp, **kw):
+    llm = LLM(path, tensor_parallel_size=tp, **{"kvcache_block_size": 16, "max_model_len": 256, **kw})
+    try:
+        return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm
+    finally:
+        llm.exit()
+
+
+def test_tp2_matches_tp1_in_every_regime(ckpt):
+    single, _ = generate(ckpt, 1, enable_prefix_caching=False)
+    # prefix cache + chunked prefill + preemption (10 blocks of 16 for ~150 tokens of work at once)
+    tp2, llm = generate(ckpt, 2, max_num_batched_tokens=32, num_kvcache_blocks=10)
+    assert tp2 == single
+    assert llm.scheduler.num_preemptions > 0
+    assert llm.block_manager.num_prefix_hit_blocks > 0
+
+
+def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
+    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    pids = [p.pid for p in llm.workers.procs]
+    llm.exit()
+    llm.exit()  # harmless twice
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not mp.active_children()
+    again, _ = generate(ckpt, 2)
+    assert len(again) == len(PROMPTS)
+
+
+def test_killed_worker_raises_instead_of_hanging(ckpt):
+    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    os.kill(llm.workers.procs[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.exit()
+    assert not mp.active_children()
+
+
+_SIDE_SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+out = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+llm.exit()
+print("TOKENS", out[0]["token_ids"])
+"""
+
+
+def test_two_engines_side_by_side(ckpt):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    other = subprocess.Popen([sys.executable, "-c", _SIDE_SCRIPT, ckpt], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    here, _ = generate(ckpt, 2)
+    out, err = other.communicate(timeout=300)
+    assert other.returncode == 0, err[-2000:]
+    single = LLM(ckpt, kvcache_block_size=16, max_model_len=256)
+    expected = single.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)[0]["token_ids"]
+    single.exit()
+    assert f"TOKENS {expected}" in out
+    assert len(here) == len(PROMPTS)
+
+
+def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(ckpt, tensor_parallel_size=3)
+    assert not mp.active_children()
