@@ -29,7 +29,7 @@ def ckpt(request, tmp_path_factory):
 
 
 def generate(path, tp, **kw):
-    llm = LLM(path, tensor_parallel_size=tp, **{"kvcache_block_size": 16, "max_model_len": 256, **kw})
+    llm = LLM(path, tensor_parallel_size=tp, **{"kvcache_block_size": 16, "max_model_len": 256, "device": "cpu", **kw})
     try:
         return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm
     finally:
@@ -46,7 +46,7 @@ def test_tp2_matches_tp1_in_every_regime(ckpt):
 
 
 def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
-    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
     pids = [p.pid for p in llm.workers.procs]
     llm.exit()
     llm.exit()  # harmless twice
@@ -59,7 +59,7 @@ def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
 
 
 def test_killed_worker_raises_instead_of_hanging(ckpt):
-    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
     os.kill(llm.workers.procs[0].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1"):
@@ -72,7 +72,7 @@ def test_killed_worker_raises_instead_of_hanging(ckpt):
 _SIDE_SCRIPT = """
 import sys
 from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
 out = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
 llm.exit()
 print("TOKENS", out[0]["token_ids"])
@@ -86,7 +86,7 @@ def test_two_engines_side_by_side(ckpt):
     here, _ = generate(ckpt, 2)
     out, err = other.communicate(timeout=300)
     assert other.returncode == 0, err[-2000:]
-    single = LLM(ckpt, kvcache_block_size=16, max_model_len=256)
+    single = LLM(ckpt, kvcache_block_size=16, max_model_len=256, device="cpu")
     expected = single.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                use_tqdm=False)[0]["token_ids"]
     single.exit()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, the CPU-suite engine tests on CUDA, kernel/sampler benchmarks, bench.py.
+# Usage (on the H200, repo root): bash scripts/gpu_run.sh [parts...]; logs go to $OUT (or ./gpu-logs).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+parts=${*:-"gputests enginetests kernels sampler bench latency"}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
+for part in $parts; do
+  echo "=== $part ($(date -u +%H:%M:%S))"
+  case $part in
+    gputests) timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gputests.log" ;;
+    enginetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
+    kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
+    sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log" ;;
+    bench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
+    benchhf) timeout 400 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf --json "$OUT/benchhf.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/benchhf.log" ;;
+    latency) for m in qwen3-0.6b qwen3-8b; do timeout 200 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
+  esac
+done
