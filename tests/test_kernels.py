@@ -130,6 +130,19 @@ def test_prefill_packed(d, hq, hkv, dtype, causal, lens):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+def test_prefill_packed_views_of_fused_qkv():
+    """q, k, v as column slices of one fused projection output (different row strides)."""
+    gen = torch.Generator().manual_seed(5)
+    lens, hq, hkv, d = [9, 30], 4, 2, 64
+    qkv = randn((sum(lens), (hq + 2 * hkv) * d), gen, torch.float16)
+    q, k, v = (t.reshape(-1, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
+    c = cu(lens)
+    out = flash_attn_varlen_func(q, k, v, c, c, max(lens), max(lens), causal=True)
+    ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True, d ** -0.5)
+                     for a, b in zip(c[:-1].tolist(), c[1:].tolist())])
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("block_size,d,dtype,q_lens,k_lens", [
     (16, 64, torch.float16, [5, 1, 40, 33], [21, 1, 95, 33]),
     (48, 128, torch.bfloat16, [5, 1, 40, 33], [21, 1, 95, 33]),

@@ -185,8 +185,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         if k.dim() != 3 or k.shape[2] != d:
             raise ValueError(f"k must be [total_k, Hkv, {d}], got {tuple(k.shape)}")
-        if v.shape != k.shape or v.stride() != k.stride():
-            raise ValueError(f"v shape/strides {tuple(v.shape)}/{v.stride()} != k's {tuple(k.shape)}/{k.stride()}")
+        if v.shape != k.shape:
+            raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+        if v.stride() != k.stride():
+            # The kernel walks k and v with one set of strides; views of a fused qkv
+            # projection differ, so copy both to the same (contiguous) layout.
+            k, v = k.contiguous(), v.contiguous()
         if k.stride(-1) != 1:
             raise ValueError(f"k/v must have a contiguous last dim, got strides {k.stride()}")
         hkv = k.shape[1]
