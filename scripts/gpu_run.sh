@@ -16,6 +16,7 @@ for part in $parts; do
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log" ;;
     bench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
     benchhf) timeout 400 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf --json "$OUT/benchhf.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/benchhf.log" ;;
+    profile) timeout 200 python3 benchmarks/profile_step.py 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
     latency) for m in qwen3-0.6b qwen3-8b; do timeout 200 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
   esac
 done

@@ -32,7 +32,9 @@ def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = total * utilization - torch.cuda.max_memory_allocated(device)
-        hint = "raise gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+        hint = (f"raise gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs "
+                f"(peak use of this process: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB "
+                f"of {total / 2**30:.1f} GiB)")
     else:
         budget = min(available_cpu_bytes() * utilization, CPU_KV_CACHE_MAX_BYTES)
         hint = "free some RAM or pass num_kvcache_blocks"

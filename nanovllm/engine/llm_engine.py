@@ -193,7 +193,6 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.exit()
-            del self.model_runner
         self._close_workers()
 
     def _close_workers(self) -> None:

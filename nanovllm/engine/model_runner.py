@@ -9,6 +9,7 @@ run the same class on their own rank (see tp_workers.py).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -105,6 +106,16 @@ class ModelRunner:
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         with attention_context(meta):
             hidden = self.model(ids, positions)
+        # A later prefill chunk / prefix hit reads keys through the block table: compile that
+        # kernel variant now, not in the middle of the first real workload.
+        one = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        paged = AttentionMetadata(
+            is_prefill=True, slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=one, cu_seqlens_k=one * 2, max_seqlen_q=1, max_seqlen_k=2,
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+        )
+        with attention_context(paged):
+            self.model(ids[:1], positions[1:2])
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
@@ -150,10 +161,14 @@ class ModelRunner:
         return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device, vocab_size)
 
     def exit(self) -> None:
+        """Free the weights, KV cache and graphs (this object stays, without them)."""
         self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
+        self.attention_layers = []
         self.kv_cache = None
+        self.model = None
+        gc.collect()  # parameters reference their modules through weight_loader: a cycle
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -66,7 +66,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-@triton.jit
+# The block-table width varies with the batch: specializing on it would recompile mid-run.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,

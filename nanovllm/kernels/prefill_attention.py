@@ -95,7 +95,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
     return acc, m_new, l_i
 
 
-@triton.jit
+# These ints vary with the batch: specializing on their value would recompile mid-run.
+@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
     qk_scale, num_m_blocks,

@@ -1,0 +1,63 @@
+"""Profile prefill and decode steps of the engine with torch.profiler (CUDA).
+
+    python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256 --context 512
+
+Prints the top CUDA kernels of a few decode steps (eager, so each kernel is visible),
+the kernel count per step, and host-side timings of graph-replayed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.scheduler import StepKind
+
+
+def fill(llm: LLM, batch: int, context: int, steps: int) -> None:
+    vocab = llm.config.model_config.vocab_size
+    for i in range(batch):
+        llm.add_request([(13 * i + j) % vocab for j in range(context)],
+                        SamplingParams(temperature=0.6, max_tokens=steps + 64, ignore_eos=True))
+    while True:  # run the prefill steps
+        if llm.step().kind is StepKind.DECODE:
+            return
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+
+    for eager in (True, False):
+        llm = LLM(args.model, load_format="dummy", enforce_eager=eager, max_model_len=4096)
+        fill(llm, args.batch, args.context, args.steps)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                r = llm.step()
+                times.append((time.perf_counter() - t, r.schedule_s, llm.model_runner.last_prepare_s, r.postprocess_s))
+        mode = "eager" if eager else "graphs"
+        print(f"===== decode, batch {args.batch}, context ~{args.context}, {mode}")
+        for total, sched, prep, post in times:
+            print(f"step {1e3 * total:.2f} ms  (schedule {1e3 * sched:.2f}, prepare {1e3 * prep:.2f}, post {1e3 * post:.2f})")
+        events = prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        n = sum(e.count for e in kernels)
+        cuda_total = sum(e.self_device_time_total for e in kernels)
+        print(f"kernels per step: {n / args.steps:.0f}; device time per step: {cuda_total / args.steps / 1e3:.2f} ms")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+        llm.exit()
+
+
+if __name__ == "__main__":
+    main()

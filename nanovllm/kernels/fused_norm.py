@@ -1,0 +1,120 @@
+"""Triton RMSNorm, optionally fused with the residual add that precedes it.
+
+Same arithmetic as `nanovllm.layers.layernorm.RMSNorm` (float32 math, one rounding to the
+input dtype per produced tensor)::
+
+    s   = round_to_dtype(x + residual)                    # only with a residual; also returned
+    out = round_to_dtype(s * rsqrt(mean(s^2) + eps) * weight)
+
+x is [N, H]; each program normalises ROWS rows held as one [ROWS, BLOCK_H] tile (ROWS > 1
+only when H is small, so tiny rows still give every program a useful amount of work).
+Input rows may be strided (row stride != H, last dim contiguous); outputs are contiguous.
+Launch parameters depend on H only and N is not specialised, so one compiled kernel
+serves every batch size and the launch is CUDA-graph capturable (no host syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_float_dtype, next_pow2
+
+# Largest supported hidden size: one row lives in registers (16384 fp32 over 16 warps =
+# 32 values per thread); larger rows would need a looped two-pass kernel.
+MAX_HIDDEN = 16384
+# Target elements per program tile: with small H several rows share one program so a
+# program moves >= ~2 KB (bf16) instead of a few hundred bytes.
+TILE_ELEMS = 1024
+# Cap on rows per program (reached at H <= 64); more would only lengthen the tail.
+MAX_ROWS = 16
+# About one 16-byte vector (8 bf16) per thread per warp-sized chunk of the tile.
+ELEMS_PER_WARP = 256
+MIN_WARPS, MAX_WARPS = 4, 16
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    n_rows, hidden, stride_x, stride_r, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < hidden
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out_offs = rows[:, None] * hidden + cols[None, :]  # outputs are contiguous [N, H]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded like the torch path
+        tl.store(res_out_ptr + out_offs, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / hidden  # masked columns are 0 and add nothing
+    rstd = tl.math.rsqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = (x * rstd[:, None]) * w[None, :]
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rows(name: str, t, hidden: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [N, H], got {getattr(t, 'shape', type(t))}")
+    check_float_dtype(name, t)
+    if hidden is not None and t.shape[1] != hidden:
+        raise ValueError(f"{name} shape {tuple(t.shape)} does not match hidden size {hidden}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def _check_args(x, residual, weight, eps) -> None:
+    _check_rows("x", x)
+    h = x.shape[1]
+    if h < 1 or h > MAX_HIDDEN:
+        raise ValueError(f"hidden size must be in [1, {MAX_HIDDEN}], got {h}")
+    if residual is not None:
+        _check_rows("residual", residual, h)
+        if residual.shape[0] != x.shape[0]:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.shape != (h,):
+        raise ValueError(f"weight must be a tensor of shape ({h},), got {getattr(weight, 'shape', type(weight))}")
+    check_float_dtype("weight", weight)
+    if weight.stride(0) != 1 and h > 1:
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def _launch(x, residual, weight, eps):
+    n, h = x.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if residual is not None else None
+    if n == 0:
+        return out, res_out
+    block_h = next_pow2(h)
+    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_h))
+    num_warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_h // ELEMS_PER_WARP))
+    has_res = residual is not None
+    _rms_norm_kernel[(triton.cdiv(n, rows),)](
+        x, residual if has_res else x, weight, out, res_out if has_res else out,
+        n, h, x.stride(0), residual.stride(0) if has_res else 0, float(eps),
+        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, H] (rows may be strided) -> contiguous [N, H] in x.dtype: x * rsqrt(mean(x^2) + eps) * weight."""
+    _check_args(x, None, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual rounded to x.dtype; both outputs contiguous [N, H]."""
+    _check_args(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)
