@@ -229,5 +229,7 @@ def test_dummy_load_format_runs_from_config_alone(tmp_path, tied_checkpoint):
     outs, llm = run(str(path), [[1, 2, 3]], load_format="dummy")
     assert len(outs[0]) == GREEDY.max_tokens
     assert llm.tokenizer is None
+    llm = LLM(str(path), load_format="dummy")
     with pytest.raises(ValueError, match="tokenizer"):
-        LLM(str(path), load_format="dummy").generate(["text"], GREEDY)
+        llm.generate(["text"], GREEDY)
+    llm.exit()

@@ -56,7 +56,7 @@ class ModelRunner:
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
-        self.inputs = StepInputBuilder(self.block_size, self.device)
+        self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq)
         self.last_prepare_s = 0.0
 
         self.num_kv_heads = cfg.num_key_value_heads // self.world_size

@@ -54,10 +54,14 @@ class StepInputs:
 
 
 class StepInputBuilder:
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, decode_table_width: int):
         self.block_size = block_size
         self.device = device
         self.pin = device.type == "cuda"
+        # Decode block tables always span max_model_len, as the CUDA graphs' do: the split-K
+        # decode kernel sizes its splits from this width, so eager and graph decode compute
+        # in the same order and give identical tokens.
+        self.decode_table_width = decode_table_width
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -124,7 +128,7 @@ class StepInputBuilder:
             is_prefill=False,
             slot_mapping=self.to_device(arrays["slot_mapping"]),
             context_lens=self.to_device(arrays["context_lens"]),
-            block_tables=self.to_device(self.block_table_array(plan.block_tables)),
+            block_tables=self.to_device(self.block_table_array(plan.block_tables, self.decode_table_width)),
         )
         return StepInputs(
             input_ids=self.to_device(arrays["input_ids"]),

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float_dtype, next_pow2
+from .fused_norm import round_to
 
 # Columns per program: 1024 bf16 = 2 KB per operand, one 16-byte vector per thread at 4 warps.
 MAX_BLOCK = 1024
@@ -34,8 +35,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
     x_row = x_ptr + row * stride_x
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds
-    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds
+    tl.store(out_ptr + row * inter + cols, round_to(act * up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ serves every batch size and the launch is CUDA-graph capturable (no host syncs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,19 @@ MAX_ROWS = 16
 # About one 16-byte vector (8 bf16) per thread per warp-sized chunk of the tile.
 ELEMS_PER_WARP = 256
 MIN_WARPS, MAX_WARPS = 4, 16
+# Triton's CPU interpreter casts float32 -> bfloat16 by truncation (GPUs round to nearest
+# even); under it `round_to` rounds the bits by hand so CPU tests see GPU rounding.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """float32 x -> dtype, round to nearest even (the rounding torch's .to(dtype) does)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000  # NaN/inf: interpreter only
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -48,14 +63,14 @@ def _rms_norm_kernel(
     out_offs = rows[:, None] * hidden + cols[None, :]  # outputs are contiguous [N, H]
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded like the torch path
+        summed = round_to(x + r, res_out_ptr.dtype.element_ty)  # rounded like the torch path
         tl.store(res_out_ptr + out_offs, summed, mask=mask)
         x = summed.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=1) / hidden  # masked columns are 0 and add nothing
     rstd = tl.math.rsqrt(mean_sq + eps)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = (x * rstd[:, None]) * w[None, :]
-    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_offs, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(name: str, t, hidden: int | None = None) -> None:

@@ -1,4 +1,8 @@
-"""SiLU-and-multiply, the gate of Qwen3's MLP: [*, 2 * I] -> [*, I]."""
+"""SiLU-and-multiply, the gate of Qwen3's MLP: [*, 2 * I] -> [*, I].
+
+CUDA tensors go through the fused Triton kernel (nanovllm/kernels/fused_activation.py,
+same arithmetic); other devices run the plain PyTorch code in `forward_native`.
+"""
 
 from __future__ import annotations
 
@@ -9,5 +13,19 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.forward_triton(x)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_triton(x: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.fused_activation import silu_and_mul
+
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        return silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,9 +1,19 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (computed in float32)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (computed in float32).
+
+CUDA tensors go through the fused Triton kernel (nanovllm/kernels/fused_norm.py, same
+arithmetic); other devices run the plain PyTorch code in `forward_native`.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., H] as [rows, H] with a contiguous last dim (a view when possible)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +31,25 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if x.is_cuda:
+            return self.forward_triton(x, residual)
+        return self.forward_native(x, residual)
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` through the fused Triton kernel (leading dims flattened into rows)."""
+        from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(_rows(x), self.weight, self.eps).view(x.shape)
+        out, summed = add_rms_norm(_rows(x), _rows(residual), self.weight, self.eps)
+        return out.view(x.shape), summed.view(x.shape)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in plain PyTorch."""
         if residual is None:
             return self._norm(x)
         summed = (x.float() + residual.float()).to(x.dtype)

@@ -3,6 +3,9 @@
 For position p and pair i < D/2: angle = p * theta^(-2i/D);
     out[i]       = x[i] * cos - x[i + D/2] * sin
     out[i + D/2] = x[i + D/2] * cos + x[i] * sin
+
+CUDA tensors go through the Triton kernel (nanovllm/kernels/fused_rope.py, same
+arithmetic); other devices run the plain PyTorch code in `forward_native`.
 """
 
 from __future__ import annotations
@@ -29,5 +32,19 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N]; q [N, Hq, D]; k [N, Hkv, D] -> rotated q, k."""
+        if q.is_cuda:
+            return self.forward_triton(positions, q, k)
+        return self.forward_native(positions, q, k)
+
+    def forward_triton(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from nanovllm.kernels.fused_rope import rope
+
+        return rope(q, k, positions, self.cos_sin_cache)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

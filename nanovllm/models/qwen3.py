@@ -38,12 +38,23 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))  # [N, Hq, D]
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.norm_rope(positions, q, k)
         out = self.attn(q, k, v)  # [N, Hq, D]
         return self.o_proj(out.flatten(1))
+
+    def norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k RMSNorm then rotary; one fused Triton kernel for CUDA tensors."""
+        if q.is_cuda:
+            from nanovllm.kernels.fused_rope import qk_norm_rope
+
+            return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
+                                self.rotary_emb.cos_sin_cache, self.q_norm.eps)
+        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
 
 
 class Qwen3MLP(nn.Module):

@@ -1,0 +1,185 @@
+"""Triton per-head q/k RMSNorm fused with neox rotary embedding (Qwen3 attention input).
+
+Replicates the torch sequence `RMSNorm` (q_norm / k_norm over head_dim, cast to dtype)
+then `RotaryEmbedding` (upcast, rotate, cast back), including the intermediate rounding::
+
+    n   = round_to_dtype(x * rsqrt(mean(x^2) + eps) * weight)     # per head, over D
+    c, s = cos_sin_cache[pos, i], cos_sin_cache[pos, D/2 + i]      # pair i < D/2, float32
+    out[i]       = round_to_dtype(n[i] * c - n[i + D/2] * s)
+    out[i + D/2] = round_to_dtype(n[i + D/2] * c + n[i] * s)
+
+All math is float32. The only difference from the torch path is that the compiler may
+fuse `a * b - c * d` into an FMA (and sums reduce in another order), which moves a
+bf16/fp16 result by at most one ulp, rarely.
+
+Grid (N, q_head_blocks + k_head_blocks): a program handles HEADS heads of one token of
+either q or k as two [HEADS, D/2] half tiles (so the pair partners sit at the same index).
+q/k may be strided views into the fused qkv projection output (last dim contiguous,
+arbitrary token/head strides); outputs are contiguous. N is only the grid size and the
+launch parameters depend on shapes only, so the call is CUDA-graph capturable.
+Positions are not range-checked (that would need a host sync): they must lie in
+[0, cos_sin_cache.shape[0]).
+
+`rope` is the same kernel without the norm (for `RotaryEmbedding` on its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_float_dtype, next_pow2
+from .fused_norm import round_to
+
+# Largest supported head_dim: one [HEADS, D/2] tile pair must stay in registers.
+MAX_HEAD_DIM = 1024
+# Target elements per program (both halves): 8 heads at D=128, ~2 KB of bf16 moved each way.
+TILE_ELEMS = 1024
+# Head blocks ride grid axis 1, which CUDA caps at 65535.
+MAX_HEAD_BLOCKS = 65535
+NUM_WARPS = 4
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr, dst_ptr, w_ptr, cos, sin, tok, head0, n_heads, stride_t, stride_h, eps,
+    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+):
+    """Normalise (optionally) and rotate heads [head0, head0 + HEADS) of token `tok`."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = head0 + tl.arange(0, HEADS)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < HALF
+    mask = (heads < n_heads)[:, None] & col_mask[None, :]
+    src = src_ptr + tok * stride_t + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if APPLY_NORM:
+        mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
+        w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        # RMSNorm's output is rounded to dtype before the rotary embedding upcasts it again.
+        x1 = round_to((x1 * rstd) * w1, dst_ptr.dtype.element_ty).to(tl.float32)
+        x2 = round_to((x2 * rstd) * w2, dst_ptr.dtype.element_ty).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    dst = dst_ptr + (tok * n_heads + heads[:, None].to(tl.int64)) * HEAD_DIM + cols[None, :]
+    tl.store(dst, round_to(o1, dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, round_to(o2, dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    n_q_heads, n_k_heads, q_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_pos, stride_cache, eps,
+    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < HALF
+    cs_row = cache_ptr + pos * stride_cache
+    cos = tl.load(cs_row + cols, mask=col_mask, other=0.0)[None, :]
+    sin = tl.load(cs_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
+    if hb < q_blocks:
+        _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, cos, sin, tok, hb * HEADS, n_q_heads,
+                         stride_qt, stride_qh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
+    else:
+        _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, (hb - q_blocks) * HEADS, n_k_heads,
+                         stride_kt, stride_kh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
+
+
+def _check_heads(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        raise ValueError(f"{name} must be a 3-D tensor [N, heads, head_dim], got {getattr(t, 'shape', type(t))}")
+    check_float_dtype(name, t)
+    if t.stride(2) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if t.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one head, got shape {tuple(t.shape)}")
+
+
+def _check_weight(name: str, w, d: int, device) -> None:
+    if not isinstance(w, torch.Tensor) or w.shape != (d,):
+        raise ValueError(f"{name} must be a tensor of shape ({d},), got {getattr(w, 'shape', type(w))}")
+    check_float_dtype(name, w)
+    if w.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {w.stride()}")
+    if w.device != device:
+        raise ValueError(f"{name} is on {w.device}, q on {device}")
+
+
+def _check_args(q, k, positions, cos_sin_cache) -> None:
+    _check_heads("q", q)
+    _check_heads("k", k)
+    n, _, d = q.shape
+    if k.shape[0] != n or k.shape[2] != d:
+        raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} (N and head_dim)")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k dtype {k.dtype} != q dtype {q.dtype}")
+    if d < 2 or d % 2 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and in [2, {MAX_HEAD_DIM}], got {d}")
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions must be an int32/int64 tensor, got {getattr(positions, 'dtype', type(positions))}")
+    if positions.shape != (n,):
+        raise ValueError(f"positions shape {tuple(positions.shape)} != ({n},)")
+    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype != torch.float32:
+        raise TypeError(f"cos_sin_cache must be a float32 tensor, got {getattr(cos_sin_cache, 'dtype', type(cos_sin_cache))}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.shape[0] < 1:
+        raise ValueError(f"cos_sin_cache must be [max_position, {d}], got {tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must have a contiguous last dim, got strides {cos_sin_cache.stride()}")
+    for name, t in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm):
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((n, hkv, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return q_out, k_out
+    block_half = next_pow2(d // 2)
+    heads = max(1, min(next_pow2(max(hq, hkv)), TILE_ELEMS // (2 * block_half)))
+    q_blocks, k_blocks = triton.cdiv(hq, heads), triton.cdiv(hkv, heads)
+    if q_blocks + k_blocks > MAX_HEAD_BLOCKS:
+        raise ValueError(f"too many heads ({hq} q + {hkv} k): {q_blocks + k_blocks} > {MAX_HEAD_BLOCKS} head blocks")
+    _qk_norm_rope_kernel[(n, q_blocks + k_blocks)](
+        q, k, q_weight, k_weight, q_out, k_out, positions, cos_sin_cache,
+        hq, hkv, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        positions.stride(0), cos_sin_cache.stride(0), float(eps),
+        HEAD_DIM=d, HEADS=heads, BLOCK_HALF=block_half, APPLY_NORM=apply_norm, num_warps=NUM_WARPS,
+    )
+    return q_out, k_out
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D], k [N, Hkv, D] (strided views allowed) -> contiguous (q_out, k_out) in q's dtype.
+
+    Per-head RMSNorm over D with q_weight / k_weight [D], then neox RoPE at `positions` [N]
+    (int32/int64) from `cos_sin_cache` [max_position, D] float32 = [cos | sin].
+    """
+    _check_args(q, k, positions, cos_sin_cache)
+    d = q.shape[2]
+    _check_weight("q_weight", q_weight, d, q.device)
+    _check_weight("k_weight", k_weight, d, q.device)
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE only (no norm): same shapes and rules as `qk_norm_rope`."""
+    _check_args(q, k, positions, cos_sin_cache)
+    # The weight pointers are never read without the norm; q stands in for them.
+    return _launch(q, k, q, k, positions, cos_sin_cache, 0.0, False)
