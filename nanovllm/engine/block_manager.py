@@ -158,9 +158,12 @@ class BlockManager:
             seq.last_block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_tokens // bs)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every published hash (after a failed step whose KV may be unwritten)."""
+    def reset(self) -> None:
+        """Free every block and forget every hash: after a failed or interrupted step no
+        sequence remains, and the step may have published blocks whose KV it never wrote."""
         self.hash_to_block_id.clear()
         for block in self.blocks:
+            block.ref_count = 0
             block.hash = None
             block.token_ids = []
+        self.free_block_ids = OrderedDict.fromkeys(range(len(self.blocks)))

@@ -21,7 +21,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.scheduler import Scheduler, StepKind
-from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence
+from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 from nanovllm.engine.step_inputs import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
@@ -172,17 +172,18 @@ class LLMEngine:
         return [outputs[i].as_dict() for i in ids]
 
     def abort_all(self) -> None:
-        """Drop every pending request and free its blocks (after an error or interrupt).
+        """Drop every pending request (after an error or interrupt) and reset the KV bookkeeping.
 
-        The prefix cache is cleared too: the interrupted step may have published
-        hashes of blocks whose KV it never wrote."""
-        for seq in list(self._seqs.values()):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
+        An interrupt can land anywhere, even inside an allocation, so rather than trusting
+        per-sequence block tables the block manager starts over: nothing is running."""
+        for seq in self._seqs.values():
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.STOP
+            seq.block_table = []
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         self._seqs.clear()
-        self.block_manager.reset_prefix_cache()
+        self.block_manager.reset()
 
     def exit(self) -> None:
         """Release the model, cache and any workers. Safe to call more than once."""

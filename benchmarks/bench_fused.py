@@ -1,0 +1,132 @@
+"""Device timing of the fused elementwise Triton kernels vs the torch eager path (needs a CUDA GPU).
+
+Qwen3-0.6B shapes (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 128), bf16,
+N = 1, 256, 16384 tokens. For each kernel: torch path (the layers' `forward_native`) and
+fused times as triton.testing.do_bench medians, run eagerly and replayed inside a CUDA
+graph (what decode sees), and the fused kernel's GB/s over the bytes that must move
+(inputs read once + outputs written once), also as % of a device-to-device copy.
+The `layer` rows add one decoder layer's four calls (2 x add_rms_norm, qk_norm_rope,
+silu_and_mul); `x28` is the whole 0.6B model's elementwise cost per step.
+
+    python benchmarks/bench_fused.py [--json PATH]
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+
+from nanovllm.kernels.fused_activation import silu_and_mul
+from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
+from nanovllm.kernels.fused_rope import qk_norm_rope
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+H, INTER, HQ, HKV, D = 1024, 3072, 16, 8, 128  # Qwen3-0.6B
+NUM_LAYERS = 28
+MAX_POS, THETA, EPS = 40960, 1e6, 1e-6
+DT = torch.bfloat16
+DEV = "cuda"
+NS = (1, 256, 16384)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def bench_graph(fn):
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    except Exception:  # noqa: BLE001 - report eager numbers only
+        return float("nan")
+
+
+def hbm_bandwidth():
+    x = torch.randn(512 * 2**20, device=DEV, dtype=torch.float32)  # 2 GiB
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    return 2 * 512 * 2**20 * 4 / t / 1e9
+
+
+def cases(n, gen):
+    """name -> (torch fn, fused fn, bytes moved) for n tokens."""
+    def randn(*shape):
+        return torch.randn(shape, device=DEV, generator=gen).to(DT)
+
+    norm, q_norm, k_norm = RMSNorm(H, EPS).to(DEV, DT), RMSNorm(D, EPS).to(DEV, DT), RMSNorm(D, EPS).to(DEV, DT)
+    rot = RotaryEmbedding(D, MAX_POS, THETA).to(DEV)  # cos_sin_cache stays float32
+    x, res, gate_up = randn(n, H), randn(n, H), randn(n, 2 * INTER)
+    q, k, _ = randn(n, (HQ + 2 * HKV) * D).split([HQ * D, HKV * D, HKV * D], -1)
+    q, k = q.view(n, HQ, D), k.view(n, HKV, D)
+    pos = torch.randint(0, MAX_POS, (n,), device=DEV, generator=gen)
+    e = x.element_size()
+    return {
+        "rms_norm": (lambda: norm.forward_native(x), lambda: rms_norm(x, norm.weight, EPS),
+                     2 * n * H * e + H * e),
+        "add_rms_norm": (lambda: norm.forward_native(x, res), lambda: add_rms_norm(x, res, norm.weight, EPS),
+                         4 * n * H * e + H * e),
+        "silu_and_mul": (lambda: SiluAndMul.forward_native(gate_up), lambda: silu_and_mul(gate_up),
+                         3 * n * INTER * e),
+        "qk_norm_rope": (lambda: rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k)),
+                         lambda: qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, rot.cos_sin_cache, EPS),
+                         2 * n * (HQ + HKV) * D * e + n * (D * 4 + 8) + 2 * D * e),
+    }
+
+
+LAYER_CALLS = {"add_rms_norm": 2, "qk_norm_rope": 1, "silu_and_mul": 1}  # per decoder layer
+
+
+def run_n(n, bw):
+    gen = torch.Generator(DEV).manual_seed(n)
+    rows = []
+    for name, (torch_fn, fused_fn, nbytes) in cases(n, gen).items():
+        r = {"kernel": name, "n": n, "bytes": nbytes,
+             "torch_us": bench(torch_fn) * 1e6, "fused_us": bench(fused_fn) * 1e6,
+             "torch_graph_us": bench_graph(torch_fn) * 1e6, "fused_graph_us": bench_graph(fused_fn) * 1e6}
+        r["speedup"] = r["torch_us"] / r["fused_us"]
+        r["graph_speedup"] = r["torch_graph_us"] / r["fused_graph_us"]
+        r["GB/s"] = nbytes / (r["fused_us"] * 1e-6) / 1e9
+        r["pct_bw"] = 100 * r["GB/s"] / bw
+        rows.append(r)
+        print(r, flush=True)
+    layer = {"kernel": "layer", "n": n}
+    for col in ("torch_us", "fused_us", "torch_graph_us", "fused_graph_us"):
+        layer[col] = sum(LAYER_CALLS.get(r["kernel"], 0) * r[col] for r in rows)
+    layer["speedup"] = layer["torch_us"] / layer["fused_us"]
+    layer["graph_speedup"] = layer["torch_graph_us"] / layer["fused_graph_us"]
+    rows.append(layer)
+    rows.append({"kernel": f"x{NUM_LAYERS}", "n": n, **{c: NUM_LAYERS * layer[c] for c in
+                 ("torch_us", "fused_us", "torch_graph_us", "fused_graph_us")},
+                 "speedup": layer["speedup"], "graph_speedup": layer["graph_speedup"]})
+    return rows
+
+
+def print_table(rows, bw):
+    print(f"\n== Qwen3-0.6B elementwise kernels, bf16 | HBM copy {bw:.0f} GB/s | times in us (do_bench median) ==")
+    print(f"{'kernel':>14} {'N':>6} | {'torch':>8} {'fused':>8} {'x':>6} | {'torch/g':>8} {'fused/g':>8} {'x':>6} "
+          f"| {'GB/s':>6} {'%bw':>5}")
+    nan = float("nan")
+    for r in rows:
+        print(f"{r['kernel']:>14} {r['n']:>6} | {r['torch_us']:8.1f} {r['fused_us']:8.1f} {r['speedup']:6.2f} | "
+              f"{r['torch_graph_us']:8.1f} {r['fused_graph_us']:8.1f} {r['graph_speedup']:6.2f} | "
+              f"{r.get('GB/s', nan):6.0f} {r.get('pct_bw', nan):5.1f}")
+    print("(/g = replayed in a CUDA graph; x = torch / fused; layer = 2 add_rms_norm + qk_norm_rope + silu_and_mul)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write results to this path")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    bw = hbm_bandwidth()
+    rows = [r for n in NS for r in run_n(n, bw)]
+    print_table(rows, bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_GBps": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

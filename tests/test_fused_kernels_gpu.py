@@ -1,0 +1,166 @@
+"""GPU tests of the fused elementwise Triton kernels at Qwen3 shapes (run with `pytest -m gpu`).
+
+bf16, N in {1, 256, 16384}; each kernel vs the torch layer path (`forward_native`, the code
+CPU runs) and a float64 reference. The compiled kernels may contract multiply-adds into
+FMAs and use approximate rsqrt/exp, so results may differ from torch by an ulp, rarely.
+Also checks the Qwen3Attention wiring and that the launches are CUDA-graph capturable.
+"""
+
+import os
+
+import pytest
+import torch
+
+from nanovllm.kernels.fused_activation import silu_and_mul
+from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
+from nanovllm.kernels.fused_rope import qk_norm_rope
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+DT = torch.bfloat16
+EPS = 1e-6
+NS = [1, 256, 16384]
+HIDDEN = [1024, 4096]  # Qwen3-0.6B, Qwen3-8B
+INTER = [3072, 12288]
+HEADS = [(16, 8), (32, 8)]
+D = 128
+MAX_POS = 40960
+THETA = 1e6
+CONFIG_06B = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "qwen3-0.6b")
+
+
+def randn(shape, gen, dtype=DT, scale=1.0):
+    return (scale * torch.randn(shape, generator=gen, device=DEV, dtype=torch.float32)).to(dtype)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def assert_close_to_torch(out, ref):
+    """Within 2 bf16 ulp (atol for values near zero, where FMA contraction shows)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * torch.finfo(out.dtype).eps, atol=1e-4)
+
+
+def norm_layer(h, gen):
+    layer = RMSNorm(h, EPS).to(DEV)
+    layer.weight.data = randn((h,), gen, torch.float32, 0.5).add_(1.0).to(DT)
+    return layer
+
+
+def ref_norm(x, w):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+
+
+@pytest.mark.parametrize("h", HIDDEN)
+@pytest.mark.parametrize("n", NS)
+def test_rms_norm(h, n):
+    gen = torch.Generator(DEV).manual_seed(h + n)
+    layer = norm_layer(h, gen)
+    x = randn((n, h), gen)
+    out = rms_norm(x, layer.weight, EPS)
+    assert rel_err(out, ref_norm(x, layer.weight)) < 1e-2
+    assert_close_to_torch(out, layer.forward_native(x))
+
+
+@pytest.mark.parametrize("h", HIDDEN)
+@pytest.mark.parametrize("n", NS)
+def test_add_rms_norm(h, n):
+    gen = torch.Generator(DEV).manual_seed(h + n + 1)
+    layer = norm_layer(h, gen)
+    x = randn((n, h + 64), gen)[:, :h]  # strided rows
+    residual = randn((n, h), gen, scale=4.0)
+    out, summed = add_rms_norm(x, residual, layer.weight, EPS)
+    ref_out, ref_summed = layer.forward_native(x, residual)
+    assert torch.equal(summed, ref_summed)
+    assert rel_err(out, ref_norm(summed, layer.weight)) < 1e-2
+    assert_close_to_torch(out, ref_out)
+    assert torch.equal(layer(x, residual)[1], ref_summed)  # forward dispatches to Triton on CUDA
+
+
+@pytest.mark.parametrize("inter", INTER)
+@pytest.mark.parametrize("n", NS)
+def test_silu_and_mul(inter, n):
+    gen = torch.Generator(DEV).manual_seed(inter + n)
+    x = randn((n, 2 * inter), gen, scale=3.0)
+    out = silu_and_mul(x)
+    g, u = x.double().chunk(2, dim=-1)
+    assert rel_err(out, g * torch.sigmoid(g) * u) < 1e-2
+    assert_close_to_torch(out, SiluAndMul.forward_native(x))
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("n", NS)
+def test_qk_norm_rope(hq, hkv, n):
+    gen = torch.Generator(DEV).manual_seed(hq + n)
+    qkv = randn((n, (hq + 2 * hkv) * D), gen)
+    q, k, _ = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+    q, k = q.reshape(n, hq, D), k.reshape(n, hkv, D)
+    q_norm, k_norm = norm_layer(D, gen), norm_layer(D, gen)
+    rot = RotaryEmbedding(D, MAX_POS, THETA).to(DEV)
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen, device=DEV)
+    q_out, k_out = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, rot.cos_sin_cache, EPS)
+    ref_q, ref_k = rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k))
+    assert_close_to_torch(q_out, ref_q)
+    assert_close_to_torch(k_out, ref_k)
+    # the rope of the rounded norm, in float64
+    cos, sin = rot.cos_sin_cache[pos].double().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = q_norm.forward_native(q).double().chunk(2, dim=-1)
+    assert rel_err(q_out, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)) < 1e-2
+
+
+def test_qwen3_attention_norm_rope_wiring():
+    from nanovllm.models.model_config import ModelConfig
+    from nanovllm.models.qwen3 import Qwen3Attention
+
+    cfg = ModelConfig.from_pretrained(CONFIG_06B)
+    attn = Qwen3Attention(cfg).to(DEV)  # cos_sin_cache stays float32, as in the engine
+    gen = torch.Generator(DEV).manual_seed(5)
+    attn.q_norm.weight.data = randn((D,), gen)
+    attn.k_norm.weight.data = randn((D,), gen)
+    n, hq, hkv = 33, cfg.num_attention_heads, cfg.num_key_value_heads
+    q, k, _ = randn((n, (hq + 2 * hkv) * D), gen).split([hq * D, hkv * D, hkv * D], -1)
+    q, k = q.reshape(n, hq, D), k.reshape(n, hkv, D)
+    pos = torch.randint(0, 4096, (n,), generator=gen, device=DEV)
+    q_out, k_out = attn.norm_rope(pos, q, k)
+    ref_q, ref_k = attn.rotary_emb.forward_native(pos, attn.q_norm.forward_native(q), attn.k_norm.forward_native(k))
+    assert_close_to_torch(q_out, ref_q)
+    assert_close_to_torch(k_out, ref_k)
+
+
+def test_cuda_graph_capture_and_replay():
+    """All kernels capture in one graph; replay on new input values matches eager."""
+    gen = torch.Generator(DEV).manual_seed(9)
+    n, h, inter, hq, hkv = 8, 1024, 3072, 16, 8
+    norm, q_norm, k_norm = norm_layer(h, gen), norm_layer(D, gen), norm_layer(D, gen)
+    cache = RotaryEmbedding(D, MAX_POS, THETA).to(DEV).cos_sin_cache
+    x, res, act_in = randn((n, h), gen), randn((n, h), gen), randn((n, 2 * inter), gen)
+    qkv = randn((n, (hq + 2 * hkv) * D), gen)
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen, device=DEV)
+
+    def step():
+        q, k, _ = qkv.split([hq * D, hkv * D, hkv * D], -1)
+        return (rms_norm(x, norm.weight, EPS), *add_rms_norm(x, res, norm.weight, EPS), silu_and_mul(act_in),
+                *qk_norm_rope(q.view(n, hq, D), k.view(n, hkv, D), q_norm.weight, k_norm.weight, pos, cache, EPS))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in (x, res, act_in, qkv):
+        t.copy_(randn(t.shape, gen))
+    pos.copy_(torch.randint(0, MAX_POS, (n,), generator=gen, device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, step()):
+        assert torch.equal(got, want)

@@ -1,0 +1,239 @@
+"""Bad input gets a clear error at the call and the engine keeps serving; nothing is lost under
+randomized workloads; interrupted runs leave the engine usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from checkpoints import TinyShape, build_checkpoint, rewrite_config
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+VOCAB = TinyShape().vocab_size
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("rel")), TinyShape())
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
+    yield engine
+    engine.exit()
+
+
+def served(llm) -> list[int]:
+    """The engine still answers correctly (same tokens as a fresh request would get)."""
+    return llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
+BAD_PROMPTS = [
+    ("", ValueError, "empty string"),
+    ([], ValueError, "empty list"),
+    ([1, -2, 3], ValueError, "-2"),
+    ([1, VOCAB], ValueError, str(VOCAB)),
+    ([1, 2.5], TypeError, "2.5"),
+    ([1, True], TypeError, "True"),
+    ([5] * 128, ValueError, "max_model_len"),
+    (12345, TypeError, "int"),
+    ({"nope": [1]}, ValueError, "prompt_token_ids"),
+]
+
+
+@pytest.mark.parametrize("prompt,exc,words", BAD_PROMPTS, ids=[repr(p)[:20] for p, _, _ in BAD_PROMPTS])
+def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, prompt, exc, words):
+    expected = served(llm)
+    with pytest.raises(exc, match=words.replace("[", r"\[")):
+        llm.generate([[4, 5], prompt], GREEDY, use_tqdm=False)
+    with pytest.raises(exc):
+        llm.add_request(prompt, GREEDY)
+    assert llm.is_finished()
+    assert served(llm) == expected
+
+
+def test_request_that_can_never_fit_the_cache(ckpt):
+    small = LLM(ckpt, kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="whole KV cache holds 128"):  # 8 blocks x 16 < 100 + 500
+        small.generate([[1] * 100], SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
+    assert len(small.generate([[1] * 100], SamplingParams(max_tokens=20), use_tqdm=False)) == 1
+    small.exit()
+
+
+def test_bad_request_shapes(llm):
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[1]], [{"temperature": 0}], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate([[1]], 0.5, use_tqdm=False)
+    assert llm.is_finished() and len(served(llm)) == 8
+
+
+BAD_SAMPLING = [
+    ({"temperature": -0.1}, ValueError, "temperature"),
+    ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"temperature": "hot"}, TypeError, "temperature"),
+    ({"max_tokens": 0}, ValueError, "max_tokens"),
+    ({"max_tokens": 2.0}, TypeError, "max_tokens"),
+    ({"top_p": 0.0}, ValueError, "top_p"),
+    ({"top_p": 1.5}, ValueError, "top_p"),
+    ({"top_k": -2}, ValueError, "top_k"),
+    ({"min_p": 1.5}, ValueError, "min_p"),
+    ({"min_p": -0.1}, ValueError, "min_p"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"stop": [""]}, TypeError, "stop"),
+    ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", BAD_SAMPLING, ids=[str(k) for k, _, _ in BAD_SAMPLING])
+def test_bad_sampling_params(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        SamplingParams(**kwargs)
+
+
+BAD_CONFIG = [
+    ({"bogus": 1}, TypeError, "bogus"),
+    ({"max_model_len": 1}, ValueError, "max_model_len"),
+    ({"kvcache_block_size": 24}, ValueError, "multiple of 16"),
+    ({"kvcache_block_size": 0}, ValueError, "kvcache_block_size"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
+    ({"max_num_batched_tokens": -5}, ValueError, "max_num_batched_tokens"),
+    ({"num_kvcache_blocks": 0}, ValueError, "num_kvcache_blocks"),
+    ({"gpu_memory_utilization": 1.5}, ValueError, "gpu_memory_utilization"),
+    ({"dtype": "int8"}, ValueError, "dtype"),
+    ({"tensor_parallel_size": 3}, ValueError, "tensor_parallel_size=3"),
+    ({"device": "tpu"}, ValueError, "device"),
+    ({"attention_backend": "flash_attn", "device": "cpu"}, ValueError, "CUDA"),
+    ({"load_format": "gguf"}, ValueError, "load_format"),
+    ({"enforce_eager": 1}, TypeError, "enforce_eager"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", BAD_CONFIG, ids=[str(k) for k, _, _ in BAD_CONFIG])
+def test_bad_engine_config(ckpt, kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        LLM(ckpt, **kwargs)
+
+
+def test_bad_checkpoints(tmp_path, ckpt):
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(TypeError, match="model"):
+        LLM(42)
+    bad = build_checkpoint(str(tmp_path / "arch"), TinyShape())
+    rewrite_config(bad, architectures=["MistralForCausalLM"])
+    with pytest.raises(ValueError, match="MistralForCausalLM"):
+        LLM(bad)
+    rewrite_config(bad, architectures=["Qwen3ForCausalLM"], num_attention_heads=None)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(bad)
+
+
+_OPTIMIZED_SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+checks = [
+    (lambda: SamplingParams(temperature=-1), ValueError),
+    (lambda: SamplingParams(top_p=2.0), ValueError),
+    (lambda: LLM(sys.argv[1], kvcache_block_size=24), ValueError),
+]
+llm = LLM(sys.argv[1], kvcache_block_size=16, max_model_len=64)
+checks += [(lambda: llm.generate([[-1]], SamplingParams()), ValueError),
+           (lambda: llm.generate([[1] * 64], SamplingParams()), ValueError)]
+for fn, exc in checks:
+    try:
+        fn()
+    except exc:
+        continue
+    sys.exit("not raised under -O")
+assert False, "asserts are stripped under -O, so this line must not fire"
+print("ALL RAISED")
+"""
+
+
+def test_validation_survives_python_O(ckpt):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-O", "-c", _OPTIMIZED_SCRIPT, ckpt], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ALL RAISED" in out.stdout
+
+
+def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+    prompts = [[i + 1] * (10 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts * 20, params, use_tqdm=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert llm.is_finished()
+    assert llm.block_manager.num_free_blocks == 64
+    assert llm.generate(prompts, params, use_tqdm=False) == expected
+    llm.exit()
+    llm.exit()
+    again = LLM(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+    assert again.generate(prompts, params, use_tqdm=False) == expected
+    again.exit()
+
+
+# ---------------------------------------------------------------- randomized workloads
+@pytest.fixture(scope="module")
+def baseline_engine(ckpt):
+    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=256, enable_prefix_caching=False)
+    yield engine
+    engine.exit()
+
+
+_ENGINES: dict[tuple, LLM] = {}
+
+
+@settings(max_examples=int(os.environ.get("NANOVLLM_SOAK_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([16, 32]),
+    budget=st.sampled_from([8, 40, 300]),
+    max_num_seqs=st.integers(1, 6),
+    slack_blocks=st.integers(0, 6),
+)
+def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, budget, max_num_seqs, slack_blocks):
+    n = data.draw(st.integers(1, 8))
+    shared = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=40))
+    prompts = [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 24)), ignore_eos=True)
+              for _ in range(n)]
+    expected = baseline_engine.generate(prompts, params, use_tqdm=False)
+    # down to barely enough KV for the longest request
+    need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
+    llm = LLM(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
+              max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert got == expected  # every request exactly once, in input order, same tokens
+        assert llm.block_manager.num_free_blocks == need + slack_blocks
+        assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    finally:
+        llm.exit()
