@@ -12,6 +12,8 @@ for part in $parts; do
   case $part in
     gputests) timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gputests.log" ;;
     enginetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
+    memprobe) timeout 120 python3 benchmarks/memory_probe.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/memprobe.log" ;;
+    fused) timeout 120 python3 benchmarks/bench_fused.py --json "$OUT/fused.json" 2>&1 | tail -20 | tee "$OUT/fused.log" ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log" ;;
     bench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
