@@ -10,7 +10,7 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
 for part in $parts; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case $part in
-    gputests) timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gputests.log" ;;
+    gputests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gputests.log" ;;
     leakpair) timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py -k "max_model_len or step_wise" 2>&1 | tail -15 | tee "$OUT/leakpair.log" ;;
     enginetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
     memprobe) timeout 120 python3 benchmarks/memory_probe.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/memprobe.log" ;;
