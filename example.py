@@ -12,11 +12,13 @@ import os
 from nanovllm import LLM, SamplingParams
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanovllm", "default_model")
+# Code prompts for the shipped model (trained on Python's standard library). A prompt
+# ending in a space ends in a token the model rarely saw in training, so none does.
 CODE_PROMPTS = [
-    "import os\n\n\ndef ",
-    "class Stack:\n    def __init__(self):\n",
-    "def read_lines(path):\n    with open(",
-    "for i in range(",
+    "def read_config(path):\n",
+    "class Stack:\n    def __init__(self",
+    "    def __repr__(self):\n        return",
+    "import os\nimport sys\n\n\ndef main(",
 ]
 CHAT_PROMPTS = ["introduce yourself", "list all prime numbers within 100"]
 

@@ -138,3 +138,34 @@ def test_greedy_continuation_nontrivial(model, tok, prompt):
     assert len(new) >= 5
     assert len(set(new)) >= 4, f"degenerate continuation {text!r}"  # not one token repeated
     assert sum(c.isalpha() for c in text) >= 5, f"no identifiers in {text!r}"
+
+
+def test_nanovllm_greedy_matches_transformers_on_shipped_model(tok):
+    from checkpoints import assert_greedy_matches_reference
+    from nanovllm import LLM, SamplingParams
+
+    reference = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    llm = LLM(str(MODEL_DIR), kvcache_block_size=16, max_model_len=512)
+    prompts = ["def read_config(path):\n", "class Stack:\n    def __init__(self", "import os\nimport sys\n"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    llm.exit()
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_matches_reference(reference, tok.encode(prompt), out["token_ids"])
+        assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_example_runs_on_the_shipped_model():
+    import subprocess
+    import sys
+    import time
+
+    root = MODEL_DIR.parent.parent
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "example.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert time.monotonic() - start < 60
+    completions = [line for line in out.stdout.splitlines() if line.startswith("Completion: ")]
+    assert len(completions) == 4
+    # reads like Python: indentation and keywords appear in what the model wrote
+    text = "".join(completions)
+    assert "\\n    " in text and any(k in text for k in ("return", "def ", "self", "import"))

@@ -155,12 +155,13 @@ class LLMEngine:
         ids = [self._enqueue(t, sp) for t, sp in zip(token_lists, params)]
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        rates = {kind: 0.0 for kind in StepKind}  # latest step's tokens per second, by kind
         try:
             while not self.is_finished():
                 start = time.perf_counter()
                 result = self.step()
-                rate = result.num_tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix({f"{result.kind.value} tok/s": f"{rate:.0f}"}, refresh=False)
+                rates[result.kind] = result.num_tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix({f"{k.value} tok/s": f"{v:.0f}" for k, v in rates.items()}, refresh=False)
                 for out in result.finished:
                     outputs[out.request_id] = out
                 bar.update(len(result.finished))

@@ -91,6 +91,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self) -> None:
         """One prefill at the largest batch (and a sampler pass), to measure peak memory."""
+        gc.collect()  # an exited engine's modules may sit in reference cycles until collected
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         cfg = self.config
