@@ -53,7 +53,6 @@ def bench_decode(batch, ctx, bw, dtype=torch.bfloat16, block_size=256):
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table))
     nbytes = 2 * batch * ctx * HKV * D * kc.element_size()
-    del kc, vc
     return {"batch": batch, "ctx": ctx, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
             "pct_bw": 100 * nbytes / t / 1e9 / bw}
 

@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import random
-import sys
 import sysconfig
 import time
 from pathlib import Path

@@ -135,8 +135,12 @@ class LLMEngine:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict]:
-        if isinstance(prompts, (str, dict)) or not isinstance(prompts, SequenceABC):
-            prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        """Run `prompts` to completion; returns one {"text", "token_ids", "finish_reason"} per
+        prompt, in input order. Every request is validated before any is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
