@@ -1,6 +1,14 @@
-"""Host-side argument checks shared by the Triton kernel wrappers (ValueError/TypeError, never assert)."""
+"""Host-side helpers shared by the Triton kernel wrappers: argument checks (ValueError/TypeError,
+never assert) and constants."""
+
+import os
 
 import torch
+
+# exp(x) = exp2(x * LOG2E): the kernels use exp2, which maps to one hardware instruction.
+LOG2E = 1.4426950408889634
+# Triton's CPU interpreter mis-computes tl.dot on bfloat16 operands: the kernels upcast there only.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.

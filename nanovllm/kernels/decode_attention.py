@@ -18,13 +18,11 @@ is computed in the kernel from the device length, balancing splits for every L.
 Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_cache, check_float_dtype, check_head_dim,
+from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
                             check_int_tensor, next_pow2)
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -43,9 +41,6 @@ MAX_SPLITS = 128
 CPU_SM_COUNT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
-LOG2E = 1.4426950408889634
-# Triton's CPU interpreter mis-computes tl.dot on bfloat16 operands: upcast there only.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _sm_count_cache = {}
 
@@ -207,7 +202,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
     )

@@ -16,13 +16,12 @@ Paged K/V: key n of sequence s lives at
 gathered per key, so BLOCK_N need not divide block_size.
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_cache, check_float_dtype, check_head_dim,
+from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
                             check_int_tensor)
 
 # Tile config measured on an H200 (bf16, D=128, causal, 16x1024 / 4x4096 tokens):
@@ -35,9 +34,6 @@ BLOCK_N = 64
 # One warpgroup per program; 3 stages let K/V loads overlap the MMAs.
 NUM_WARPS = 4
 NUM_STAGES = 3
-LOG2E = 1.4426950408889634
-# Triton's CPU interpreter mis-computes tl.dot on bfloat16 operands: upcast there only.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # CUDA limit on grid dims y and z (sequences and query tiles are launched there).
 MAX_GRID_YZ = 65535
 
@@ -239,7 +235,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, out.stride(0), out.stride(1), stride_bt,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         CAUSAL=bool(causal), PAGED=paged, DOT_PREC="ieee" if q.dtype == torch.float32 else None,
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
