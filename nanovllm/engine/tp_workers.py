@@ -44,7 +44,13 @@ def _backend(config: Config) -> str:
 
 
 def _worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
+    import torch
+
     from nanovllm.engine.model_runner import ModelRunner
+
+    if config.device == "cpu":
+        # N ranks on one host share its cores; oversubscribed threads spin against each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
 
     store = dist.TCPStore(LOCALHOST, port, config.tensor_parallel_size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)
