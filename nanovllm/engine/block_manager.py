@@ -79,17 +79,23 @@ class BlockManager:
             return None
         return self.blocks[block_id]
 
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of seq's first `num_blocks` full blocks, cached on the sequence
+        (its tokens only ever grow, so computed hashes stay valid, also across preemption)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
         """Leading full blocks of `seq` whose KV is already cached."""
         hits: list[Block] = []
         if not self.enable_prefix_caching:
             return hits
-        prev: int | None = None
         bs = self.block_size
-        for i in range(len(seq) // bs):
-            ids = seq.token_ids[i * bs : (i + 1) * bs]
-            prev = chain_hash(prev, ids)
-            block = self._cached_block(prev, ids)
+        num_full = len(seq) // bs
+        for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
+            block = self._cached_block(h, seq.token_ids[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
@@ -119,7 +125,6 @@ class BlockManager:
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block().block_id)
         seq.num_hashed_blocks = len(hits)
-        seq.last_block_hash = hits[-1].hash if hits else None
         seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
 
     def free(self, seq: Sequence) -> None:
@@ -132,7 +137,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-        seq.last_block_hash = None
 
     def can_append(self, seq: Sequence) -> bool:
         """True if `seq` can hold the KV of its newest token (maybe one new block)."""
@@ -148,15 +152,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(seq.num_hashed_blocks, num_tokens // bs):
-            ids = seq.token_ids[i * bs : (i + 1) * bs]
-            h = chain_hash(seq.last_block_hash, ids)
+        num_full = num_tokens // bs
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            block.hash = h
-            block.token_ids = ids
-            self.hash_to_block_id[h] = block.block_id
-            seq.last_block_hash = h
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_tokens // bs)
+            block.hash = hashes[i]
+            block.token_ids = seq.token_ids[i * bs : (i + 1) * bs]
+            self.hash_to_block_id[hashes[i]] = block.block_id
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     def reset(self) -> None:
         """Free every block and forget every hash: after a failed or interrupted step no

@@ -43,7 +43,8 @@ class Sequence:
         self.block_table: list[int] = []
         # Full blocks whose chained hash has been published to the prefix cache.
         self.num_hashed_blocks = 0
-        self.last_block_hash: int | None = None
+        # Chained hash of each leading full block computed so far (see BlockManager._block_hashes).
+        self.block_hashes: list[int] = []
         # Per-request RNG for seeded sampling, created lazily by the model runner.
         self.generator: torch.Generator | None = None
         # Length of the completion text to return (set when a stop string matches).
@@ -59,10 +60,6 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
