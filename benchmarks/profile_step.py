@@ -45,11 +45,12 @@ def main() -> None:
             for _ in range(args.steps):
                 t = time.perf_counter()
                 r = llm.step()
-                times.append((time.perf_counter() - t, r.schedule_s, llm.model_runner.last_prepare_s, r.postprocess_s))
+                times.append((time.perf_counter() - t, r.launch_s, r.prepare_s, r.wait_s, r.postprocess_s))
         mode = "eager" if eager else "graphs"
         print(f"===== decode, batch {args.batch}, context ~{args.context}, {mode}")
-        for total, sched, prep, post in times:
-            print(f"step {1e3 * total:.2f} ms  (schedule {1e3 * sched:.2f}, prepare {1e3 * prep:.2f}, post {1e3 * post:.2f})")
+        for total, launch, prep, wait, post in times:
+            print(f"step {1e3 * total:.2f} ms  (launch {1e3 * launch:.2f} incl. prepare {1e3 * prep:.2f}, "
+                  f"wait {1e3 * wait:.2f}, post {1e3 * post:.2f})")
         events = prof.key_averages()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         n = sum(e.count for e in kernels)

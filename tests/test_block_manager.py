@@ -117,10 +117,10 @@ def test_decode_needs_a_new_block_only_at_block_boundaries():
     assert len(a.block_table) == 1
     a.token_ids.append(7)  # 17 tokens: the 17th needs block 2
     assert bm.can_append(a)
-    bm.may_append(a)
+    bm.may_append(a, len(a))
     assert len(a.block_table) == 2
     a.token_ids.append(8)
-    bm.may_append(a)
+    bm.may_append(a, len(a))
     assert len(a.block_table) == 2
 
 

@@ -127,15 +127,17 @@ def test_kv_cache_sized_from_own_peak(ckpt):
 
 
 def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
-    """Regression for a failure seen on the H200 (2026-12-01): running tests/test_engine.py on CUDA,
-    the engine after test_stops_at_max_model_len found ~126 GiB still allocated. Same sequence here:
-    a float32 engine that runs two sequences to max_model_len, exit(), then a new engine."""
+    """The failure seen on the H200 (2026-12-01) running tests/test_engine.py on CUDA was a test
+    keeping one engine alive while it built a second one (each takes most of the card). exit()
+    itself gives the memory back; a second engine beside a live one gets an error that says so."""
     path = build_checkpoint(str(tmp_path / "fp32"), TinyShape())
     baseline = torch.cuda.memory_allocated()
     llm = LLM(path, kvcache_block_size=16, max_model_len=40)
     outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 35]
+    with pytest.raises(ValueError, match="already allocated in this process.*exit"):
+        LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
     llm.exit()
     assert torch.cuda.memory_allocated() - baseline < 2**30
     second = LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
 from nanovllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -300,3 +300,35 @@ def test_low_precision_logits_respect_filters(dtype: torch.dtype) -> None:
     allowed = reference(logits.float(), p) > 0
     ids = SAMPLER(logits.expand(4_000, -1), SamplingBatch.build([p] * 4_000, [None] * 4_000, CPU, 16))
     assert bool(allowed[ids].all()) and int(torch.bincount(ids, minlength=16)[allowed].gt(0).sum()) == int(allowed.sum())
+
+
+# ----------------------------------------------------------------------------- keyed noise (the CUDA path)
+
+
+def test_row_keys_are_deterministic_distinct_and_fit_int64() -> None:
+    keys = {row_key(seed, pos) for seed in range(50) for pos in range(50)}
+    assert len(keys) == 2500
+    assert all(0 <= k < 2**63 for k in keys)
+    assert row_key(7, 3) == row_key(7, 3)
+
+
+def test_keyed_batches_use_the_triton_sampler() -> None:
+    """Keys route sampling through gumbel_sample (Triton's interpreter here): greedy rows
+    stay exact, filtered rows stay in their set, a seeded row ignores its batch."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 2048, generator=g) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+              SamplingParams(top_k=5), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(top_p=0.5, seed=4), SamplingParams(min_p=0.3)]
+    keys = [11, 12, 13, row_key(3, 0), row_key(4, 0), 16]
+    ids = SAMPLER(logits, SamplingBatch.build(params, [None] * 6, CPU, 2048, keys=keys))
+    assert ids[0].item() == logits[0].argmax().item()
+    for row in (2, 4, 5):
+        allowed = reference(logits[row], params[row]) > 0
+        assert bool(allowed[ids[row]])
+    # rows 1 and 3 alone (no filters in the batch: the fused logits path) give the same tokens
+    alone = SAMPLER(logits[[1, 3]], SamplingBatch.build([params[1], params[3]], [None] * 2, CPU, 2048,
+                                                        keys=[keys[1], keys[3]]))
+    assert alone.tolist() == [ids[1].item(), ids[3].item()]
+    with pytest.raises(ValueError, match="2 keys for 6 rows"):
+        SamplingBatch.build(params, [None] * 6, CPU, 2048, keys=[1, 2])

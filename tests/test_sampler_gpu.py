@@ -8,11 +8,12 @@ batch, no host sync (CUDA sync debug mode), and sampling right after a CUDA-grap
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
 from nanovllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -40,9 +41,18 @@ def mixed_params(n: int = B) -> list[SamplingParams]:
     return [KINDS[i % len(KINDS)] for i in range(n)]
 
 
-def build(params: list[SamplingParams], seed_offset: int = 0) -> SamplingBatch:
-    gens = [None if p.seed is None else make_generator(p.seed + seed_offset, device()) for p in params]
-    return SamplingBatch.build(params, gens, device(), V)
+# Noise sources: per-request torch generators, or per-row keys (the Triton kernel; the engine's CUDA path).
+NOISE = ["generators", "keys"]
+
+
+def build(params: list[SamplingParams], noise: str, step: int = 0, rng: random.Random | None = None) -> SamplingBatch:
+    """A batch for draw number `step`; keyed unseeded rows take keys from `rng` (or the torch RNG)."""
+    if noise == "generators":
+        gens = [None if p.seed is None else make_generator(p.seed, device()) for p in params]
+        return SamplingBatch.build(params, gens, device(), V)
+    draw = rng.getrandbits if rng is not None else (lambda bits: int(torch.randint(0, 2**62, ()).item()))
+    keys = [row_key(p.seed, step) if p.seed is not None else draw(63) for p in params]
+    return SamplingBatch.build(params, [None] * len(params), device(), V, keys=keys)
 
 
 def random_logits(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -72,27 +82,34 @@ def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs >= floor
 
 
+@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_rows_exact_in_mixed_batch(dtype: torch.dtype) -> None:
+def test_greedy_rows_exact_in_mixed_batch(dtype: torch.dtype, noise: str) -> None:
     logits = random_logits(dtype)
     logits[3, 1000:1010] = 100.0  # ties: the first index wins
     params = mixed_params()
     params[3] = SamplingParams(temperature=0.0)
     greedy = torch.tensor([p.greedy for p in params], device=device())
-    ids = SAMPLER(logits, build(params))
+    ids = SAMPLER(logits, build(params, noise))
     assert ids.dtype == torch.int64 and ids.shape == (B,)
     assert torch.equal(ids[greedy], logits.argmax(dim=-1)[greedy])
     assert ids[3].item() == 1000
-    all_greedy = build([SamplingParams(temperature=0.0)] * B)
+    # greedy and plain rows only: the fused logits -> token path
+    plain = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.9) for i in range(B)]
+    plain[3] = SamplingParams(temperature=0.0)
+    ids = SAMPLER(logits, build(plain, noise))
+    odd = torch.arange(B, device=device()) % 2 == 1
+    assert torch.equal(ids[odd], logits.argmax(dim=-1)[odd]) and ids[3].item() == 1000
+    all_greedy = build([SamplingParams(temperature=0.0)] * B, noise)
     assert torch.equal(SAMPLER(logits, all_greedy), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filters_never_leave_allowed_set(dtype: torch.dtype) -> None:
+def test_filters_never_leave_allowed_set(dtype: torch.dtype, noise: str) -> None:
     logits = random_logits(dtype, seed=1)
     params = mixed_params()
-    batch = build(params)
-    draws = torch.stack([SAMPLER(logits, batch) for _ in range(20)], dim=1)
+    draws = torch.stack([SAMPLER(logits, build(params, noise, step)) for step in range(20)], dim=1)
     for i, p in enumerate(params):
         if p.greedy or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0):
             continue
@@ -100,8 +117,9 @@ def test_filters_never_leave_allowed_set(dtype: torch.dtype) -> None:
         assert bool(allowed[draws[i]].all()), f"row {i} ({p}) sampled outside its allowed set"
 
 
+@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_token_frequencies(dtype: torch.dtype) -> None:
+def test_first_token_frequencies(dtype: torch.dtype, noise: str) -> None:
     # Ten live tokens scattered over the vocabulary; the rest have probability 0.
     g = torch.Generator(device=device()).manual_seed(2)
     live = torch.randperm(V, device=device(), generator=g)[:10]
@@ -110,8 +128,11 @@ def test_first_token_frequencies(dtype: torch.dtype) -> None:
     logits = row.to(dtype).expand(B, -1)
     for p in (SamplingParams(temperature=0.8), SamplingParams(top_k=6, top_p=0.8)):
         torch.manual_seed(3)
-        batch = build([p] * B)
-        ids = torch.cat([SAMPLER(logits, batch) for _ in range(80)])  # 20480 draws
+        if noise == "generators":
+            batch = build([p] * B, noise)
+            ids = torch.cat([SAMPLER(logits, batch) for _ in range(80)])  # 20480 draws
+        else:  # a key gives the same draw again: fresh keys per draw
+            ids = torch.cat([SAMPLER(logits, build([p] * B, noise, step)) for step in range(80)])
         counts = torch.bincount(ids, minlength=V).double()
         probs = torch.softmax(logits[0].double() / p.temperature, dim=-1)
         allowed = loose_allowed(logits[0], p)
@@ -127,8 +148,9 @@ def test_first_token_frequencies(dtype: torch.dtype) -> None:
         assert stat < df * (1.0 - c + 5.0 * math.sqrt(c)) ** 3, f"chi2 {stat:.1f} (df {df}) for {p}"
 
 
+@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_seeds_independent_of_batch(dtype: torch.dtype) -> None:
+def test_seeds_independent_of_batch(dtype: torch.dtype, noise: str) -> None:
     logits = random_logits(dtype, seed=4)
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
     row = logits[0].clone()
@@ -137,33 +159,43 @@ def test_seeds_independent_of_batch(dtype: torch.dtype) -> None:
         batch_logits = logits.clone()
         batch_logits[pos] = row
         torch.manual_seed(default_seed)
-        batch = build(params)
-        return torch.stack([SAMPLER(batch_logits[: len(params)], batch)[pos] for _ in range(10)])
+        rng = random.Random(default_seed)
+        if noise == "generators":
+            batch = build(params, noise)
+            return torch.stack([SAMPLER(batch_logits[: len(params)], batch)[pos] for _ in range(10)])
+        return torch.stack([SAMPLER(batch_logits[: len(params)], build(params, noise, step, rng))[pos]
+                            for step in range(10)])
 
     base = run([target] + mixed_params(B - 1), 0, 0)
     other = [SamplingParams(temperature=1.0)] * (B - 1)
     moved = run(other[:200] + [target] + other[200:], 200, 1)
     alone = run([target], 0, 2)
+    plain_target = SamplingParams(temperature=1.0, seed=77)  # alone: the fused logits path
+    if noise == "keys":
+        assert torch.equal(run([plain_target] + other, 0, 3), run([plain_target], 0, 4))
     assert torch.equal(base, moved) and torch.equal(base, alone)
     reseeded = run([SamplingParams(temperature=1.0, top_p=0.95, seed=78)], 0, 0)
     assert not torch.equal(base, reseeded)
 
 
-def test_no_host_sync() -> None:
+@pytest.mark.parametrize("noise", NOISE)
+def test_no_host_sync(noise: str) -> None:
     logits = random_logits(torch.bfloat16, seed=5)
     params = mixed_params()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            SAMPLER(logits, build(params))
-        SAMPLER(logits, build([SamplingParams(top_k=40)] * B))
+        for step in range(3):
+            SAMPLER(logits, build(params, noise, step, random.Random(0)))
+        SAMPLER(logits, build([SamplingParams(top_k=40)] * B, noise, 0, random.Random(0)))
+        SAMPLER(logits, build([SamplingParams(temperature=0.5)] * B, noise, 0, random.Random(0)))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
 
 
-def test_after_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("noise", NOISE)
+def test_after_cuda_graph_replay(noise: str) -> None:
     src = random_logits(torch.bfloat16, seed=6)
     static_in = src.clone()
     static_out = torch.empty_like(src)
@@ -176,7 +208,7 @@ def test_after_cuda_graph_replay() -> None:
     with torch.cuda.graph(graph):
         static_out.copy_(static_in * 2)
     params = mixed_params()
-    batch = build(params)
+    batch = build(params, noise)
     greedy = torch.tensor([p.greedy for p in params], device=device())
     for step in range(3):
         static_in.copy_(random_logits(torch.bfloat16, seed=10 + step))

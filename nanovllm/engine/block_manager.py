@@ -142,8 +142,9 @@ class BlockManager:
         """True if `seq` can hold the KV of its newest token (maybe one new block)."""
         return len(seq.block_table) >= self.blocks_needed(len(seq)) or self.num_free_blocks >= 1
 
-    def may_append(self, seq: Sequence) -> None:
-        if len(seq.block_table) < self.blocks_needed(len(seq)):
+    def may_append(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow seq's block table to hold `num_tokens` tokens (at most one new block)."""
+        if len(seq.block_table) < self.blocks_needed(num_tokens):
             seq.block_table.append(self._take_free_block().block_id)
 
     def publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:

@@ -4,6 +4,7 @@ Captured sizes: 1, 2, 4, 8, then multiples of 16 up to min(max_num_seqs, 512). A
 of batch b replays the smallest graph >= b; rows past b are padding (slot -1, so
 nothing is stored; context length 0). The graph's block table is as wide as a
 sequence of max_model_len tokens, and every entry is rewritten on each replay.
+Inputs arrive in one pinned host-to-device copy into a staging buffer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nanovllm.engine.step_inputs import (
+    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, gather_carried_ids,
+)
 from nanovllm.utils.context import AttentionMetadata, attention_context
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
@@ -29,19 +33,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Graphs read one staging buffer, [max_batch, DECODE_COLUMNS + width] int32, laid out
+    as StepInputBuilder.decode_rows; each graph starts by unpacking it into the model's
+    input buffers, so a replay costs one host-to-device copy."""
+
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
+        self.staging = torch.zeros(n, DECODE_COLUMNS + max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.staging[:, COL_SLOT] = -1
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        # Pinned host staging of one replay's block table, so the copy is one non-blocking DMA.
-        self.host_block_tables = torch.zeros_like(self.block_tables, device="cpu").pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture(model)
 
@@ -51,34 +59,42 @@ class DecodeGraphs:
             context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
         )
 
+    def _forward(self, model: torch.nn.Module, b: int) -> None:
+        rows = self.staging[:b]
+        self.input_ids[:b].copy_(rows[:, COL_INPUT])
+        self.positions[:b].copy_(rows[:, COL_POSITION])
+        self.slot_mapping[:b].copy_(rows[:, COL_SLOT])
+        self.context_lens[:b].copy_(rows[:, COL_CONTEXT])
+        self.block_tables[:b].copy_(rows[:, DECODE_COLUMNS:])
+        self.hidden[:b] = model(self.input_ids[:b], self.positions[:b])
+
     @torch.inference_mode()
     def _capture(self, model: torch.nn.Module) -> None:
         pool = None
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with attention_context(self._meta(b)):
-                self.hidden[:b] = model(self.input_ids[:b], self.positions[:b])  # warm-up, also compiles
+                self._forward(model, b)  # warm-up, also compiles
                 with torch.cuda.graph(graph, pool):
-                    self.hidden[:b] = model(self.input_ids[:b], self.positions[:b])
+                    self._forward(model, b)
             if pool is None:
                 pool = graph.pool()
             self.graphs[b] = graph
             torch.cuda.synchronize()
 
-    def fits(self, batch_size: int) -> bool:
-        return batch_size <= self.max_batch
+    def padded_size(self, batch_size: int) -> int | None:
+        """The captured size a batch replays (the smallest >= batch_size), or None if none fits."""
+        return next((s for s in self.sizes if s >= batch_size), None)
 
-    def run(self, arrays: dict[str, np.ndarray], block_tables: np.ndarray) -> torch.Tensor:
-        """Replay for a decode batch; returns hidden states [batch, hidden] (a view)."""
-        b = len(arrays["input_ids"])
-        size = next(s for s in self.sizes if s >= b)
-        self.slot_mapping[b:size].fill_(-1)
-        self.context_lens[b:size].zero_()
-        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
-            getattr(self, name)[:b].copy_(torch.from_numpy(arrays[name]), non_blocking=True)
-        staging = self.host_block_tables[:size]
-        staging.zero_()
-        staging[:b, : block_tables.shape[1]] = torch.from_numpy(block_tables)
-        self.block_tables[:size].copy_(staging, non_blocking=True)
+    def run(self, rows: np.ndarray, batch_size: int, carried_from: torch.Tensor | None) -> torch.Tensor:
+        """Replay for a decode batch; returns hidden states [batch_size, hidden] (a view).
+
+        rows: StepInputBuilder.decode_rows for padded_size(batch_size) rows. carried_from:
+        for a carried step, the previous step's sampled tokens (the input column holds rows of it)."""
+        size = len(rows)
+        self.staging[:size].copy_(torch.from_numpy(rows).pin_memory(), non_blocking=True)
+        if carried_from is not None:
+            ids = self.staging[:batch_size, COL_INPUT]
+            ids.copy_(gather_carried_ids(carried_from, ids))
         self.graphs[size].replay()
-        return self.hidden[:b]
+        return self.hidden[:batch_size]

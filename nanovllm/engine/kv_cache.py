@@ -17,6 +17,8 @@ import torch
 
 # CPU runs serve tests and examples: more cache than this only costs RAM.
 CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
+# Memory held before an engine starts that is worth naming in the error (below this: stray tensors).
+OTHER_HOLDER_HINT_BYTES = 2**30
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -27,14 +29,19 @@ def available_cpu_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes: int) -> int:
-    """Blocks that fit in this process's memory budget (call after the warm-up)."""
+def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes: int,
+                           allocated_before: int = 0) -> int:
+    """Blocks that fit in this process's memory budget (call after the warm-up).
+    `allocated_before`: bytes this process held on the device before the engine started."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = total * utilization - torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        budget = total * utilization - peak
         hint = (f"raise gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs "
-                f"(peak use of this process: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB "
-                f"of {total / 2**30:.1f} GiB)")
+                f"(peak use of this process: {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+        if allocated_before >= OTHER_HOLDER_HINT_BYTES:
+            hint += (f"; {allocated_before / 2**30:.1f} GiB was already allocated in this process before "
+                     "this engine started: call exit() on any other LLM first")
     else:
         budget = min(available_cpu_bytes() * utilization, CPU_KV_CACHE_MAX_BYTES)
         hint = "free some RAM or pass num_kvcache_blocks"

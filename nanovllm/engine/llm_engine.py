@@ -9,8 +9,10 @@ Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "fi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -18,9 +20,9 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.prompts import PromptValidator
-from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind
 from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 from nanovllm.engine.step_inputs import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
@@ -30,13 +32,26 @@ from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 @dataclass(frozen=True)
 class StepResult:
+    """One completed step. With overlap scheduling the call that returns it has already
+    queued the next decode step, so `launch_s` may belong partly to that one."""
+
     kind: StepKind
     num_tokens: int  # tokens processed by the forward (prefill chunk tokens, or one per decoded sequence)
     num_seqs: int
     finished: list[RequestOutput]
-    schedule_s: float  # host: scheduler
-    run_s: float  # model runner: input preparation + forward + sampling (ends with the token fetch)
+    launch_s: float  # host: scheduling, input preparation, queuing work on the device
+    prepare_s: float  # the input-preparation part of launch_s
+    wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
     postprocess_s: float  # host: appending tokens, finishing, stop strings
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    sample_seqs: list[Sequence]  # the sequences it samples, in row order
+    launched: LaunchedStep
 
 
 class LLMEngine:
@@ -64,6 +79,9 @@ class LLMEngine:
         )
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
+        # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
+        self._overlap = cfg.overlap_scheduling and self.workers is None
+        self._in_flight: _InFlight | None = None
         atexit.register(self.exit)
 
     # ----- step-wise API -----
@@ -79,34 +97,53 @@ class LLMEngine:
         return seq.seq_id
 
     def step(self) -> StepResult:
+        """Complete one step and return what it finished. With overlap scheduling, the
+        next decode step is queued on the device before this one's tokens are read."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        plan = StepPlan.from_batch(batch)
-        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled]
+        current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
+        prepare_s = current.launched.prepare_s
+        self._in_flight = None
+        if self._overlap:
+            following = self.scheduler.schedule_next_decode(current.batch)
+            if following is not None:
+                self._in_flight = self._launch(following, previous=current)
+                prepare_s += self._in_flight.launched.prepare_s
         t1 = time.perf_counter()
-        tokens = self._run(plan, sample_seqs)
-        sampled = {s.seq_id: t for s, t in zip(sample_seqs, tokens)}
+        with self._worker_errors():
+            tokens = current.launched.tokens()
+        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens)}
         t2 = time.perf_counter()
+        batch = current.batch
         finished = self.scheduler.postprocess(batch, sampled)
         for seq in batch.seqs:
             if seq.seq_id in sampled and not seq.is_finished and seq.params.stop and self._check_stop_strings(seq):
                 self.scheduler.finish(seq, FinishReason.STOP)
                 finished.append(seq)
         outputs = [self._output(seq) for seq in finished]
-        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs,
-                          schedule_s=t1 - t0, run_s=t2 - t1, postprocess_s=time.perf_counter() - t2)
+        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, launch_s=t1 - t0,
+                          prepare_s=prepare_s, wait_s=t2 - t1, postprocess_s=time.perf_counter() - t2)
 
-    def _run(self, plan: StepPlan, sample_seqs: list[Sequence]) -> list[int]:
-        if self.workers is None:
-            return self.model_runner.run(plan, sample_seqs)
-        self.workers.send("run", plan)
+    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
+        plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
+        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled]
+        with self._worker_errors():
+            if self.workers is not None:
+                self.workers.send("run", plan)
+            launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
+        return _InFlight(batch, sample_seqs, launched)
+
+    @contextlib.contextmanager
+    def _worker_errors(self) -> Iterator[None]:
+        """A collective that fails because a tensor-parallel worker died names that worker."""
         try:
-            return self.model_runner.run(plan, sample_seqs)
+            yield
         except RuntimeError as e:
+            if self.workers is None:
+                raise
             raise (self.workers.dead_worker_error(e) or e) from e
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
@@ -185,6 +222,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.STOP
             seq.block_table = []
+        self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         self._seqs.clear()

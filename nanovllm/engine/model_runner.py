@@ -2,15 +2,18 @@
 
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture decode CUDA graphs (CUDA, unless
-enforce_eager). `run(plan)` executes one scheduled step and returns the sampled
-token of each sequence that completed its scheduled tokens. Tensor-parallel workers
+enforce_eager). `launch(plan)` queues one scheduled step on the device and returns
+a handle whose `tokens()` waits for the sampled token of each sequence that
+completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py).
 """
 
 from __future__ import annotations
 
 import gc
+import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,15 +22,38 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_from_memory
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan
+from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, sampled_positions
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_model
+
+
+# Noise keys are int64 tensor values: non-negative, 63 bits.
+KEY_BITS = 63
+# Decode inputs travel as int32 (StepInputBuilder.decode_rows): cache slots must fit.
+MAX_KV_SLOTS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device. `tokens()` waits for its sampled tokens."""
+
+    prepare_s: float  # host time spent building the step's inputs
+    device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
+    host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
+    ready: torch.cuda.Event | None = None  # recorded after the copy (None on CPU: already done)
+
+    def tokens(self) -> list[int]:
+        if self.host_tokens is None:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
 
 
 class ModelRunner:
@@ -36,8 +62,11 @@ class ModelRunner:
         cfg = config.model_config
         self.rank, self.world_size = tp_rank(), tp_size()
         self.device = torch.device(config.device, self.rank) if config.device == "cuda" else torch.device("cpu")
+        allocated_before = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            gc.collect()  # an exited engine's modules may sit in reference cycles until collected
+            allocated_before = torch.cuda.memory_allocated(self.device)
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size)
@@ -56,8 +85,8 @@ class ModelRunner:
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
+        self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests (CUDA)
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq)
-        self.last_prepare_s = 0.0
 
         self.num_kv_heads = cfg.num_key_value_heads // self.world_size
         block_bytes = kv_bytes_per_block(cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype)
@@ -66,8 +95,8 @@ class ModelRunner:
                 cfg.num_hidden_layers, 1, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype, self.device))
             self._warmup()
         num_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
-            self.device, config.gpu_memory_utilization, block_bytes)
-        self.num_blocks = self._min_over_ranks(num_blocks)
+            self.device, config.gpu_memory_utilization, block_bytes, allocated_before)
+        self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
         self.kv_cache = allocate_kv_cache(
             cfg.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
             self.dtype, self.device)
@@ -91,7 +120,6 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self) -> None:
         """One prefill at the largest batch (and a sampler pass), to measure peak memory."""
-        gc.collect()  # an exited engine's modules may sit in reference cycles until collected
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         cfg = self.config
@@ -120,42 +148,73 @@ class ModelRunner:
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
-            # top-k/top-p take the sampler's most memory-hungry path (a full sort).
-            params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * cfg.max_num_seqs
-            self.sampler(logits, SamplingBatch.build(params, [None] * len(params), self.device, logits.shape[-1]))
+            # top-k/top-p take the sampler's most memory-hungry path (a full sort); plain
+            # sampling compiles the fused kernel's other variant.
+            keys = [0] * cfg.max_num_seqs
+            for sp in (SamplingParams(temperature=1.0, top_k=50, top_p=0.9), SamplingParams(temperature=1.0)):
+                params = [sp] * cfg.max_num_seqs
+                batch = SamplingBatch.build(params, [None] * len(params), self.device, logits.shape[-1], keys=keys)
+                self.sampler(logits, batch)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
-        """Run one step. Returns the new token of each sequence of `sample_seqs` (the
-        plan's sampled sequences, in order) on rank 0; [] on tensor-parallel workers.
-        `last_prepare_s` records the host time spent building the step's inputs."""
+    def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it.
+
+        `sample_seqs`: the plan's sampled sequences in order (rank 0; None on workers).
+        `previous`: the step launched just before, whose device tokens a carried plan reads."""
         start = time.perf_counter()
+        carried_from = None
+        if plan.carried_rows is not None:
+            if previous is None or previous.device_tokens is None:
+                raise ValueError("a carried decode step needs the previous step's sampled tokens")
+            carried_from = previous.device_tokens
+        batch_size = len(plan.starts)
+        graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
         if plan.kind is StepKind.PREFILL:
             inputs = self.inputs.prefill(plan)
-            self.last_prepare_s = time.perf_counter() - start
+            prepare_s = time.perf_counter() - start
             hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
-        elif self.graphs is not None and self.graphs.fits(len(plan.starts)):
-            arrays = self.inputs.decode_arrays(plan)
-            tables = self.inputs.block_table_array(plan.block_tables)
-            self.last_prepare_s = time.perf_counter() - start
-            hidden = self.graphs.run(arrays, tables)  # [batch, hidden]
+        elif graph_size is not None:
+            rows = self.inputs.decode_rows(plan, graph_size)
+            prepare_s = time.perf_counter() - start
+            hidden = self.graphs.run(rows, batch_size, carried_from)  # [batch, hidden]
         else:
-            inputs = self.inputs.decode(plan)
-            self.last_prepare_s = time.perf_counter() - start
+            inputs = self.inputs.decode(plan, carried_from)
+            prepare_s = time.perf_counter() - start
             hidden = self._forward(inputs)
         if not any(plan.sampled):
-            return []
+            return LaunchedStep(prepare_s)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
         if logits is None or sample_seqs is None:
-            return []
-        return self.sampler(logits, self._sampling_batch(sample_seqs, logits.shape[-1])).tolist()
+            return LaunchedStep(prepare_s)
+        batch = self._sampling_batch(sample_seqs, sampled_positions(plan), logits.shape[-1])
+        tokens = self.sampler(logits, batch)  # [num_sampled] int64
+        if self.device.type != "cuda":
+            return LaunchedStep(prepare_s, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(prepare_s, tokens, host, ready)
+
+    def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
+        """Run one step and wait for it: the new token of each of `sample_seqs` ([] on workers)."""
+        return self.launch(plan, sample_seqs).tokens()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         with attention_context(inputs.meta):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def _sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], positions: list[int], vocab_size: int) -> SamplingBatch:
+        """On CUDA each row's noise comes from a key: seeded rows from (seed, position of the
+        sampled token), the others from this runner's RNG. On CPU from torch generators."""
+        params = [s.params for s in seqs]
+        if self.device.type == "cuda":
+            keys = [row_key(p.seed, pos) if p.seed is not None else self._key_rng.getrandbits(KEY_BITS)
+                    for p, pos in zip(params, positions)]
+            return SamplingBatch.build(params, [None] * len(seqs), self.device, vocab_size, keys=keys)
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = make_generator(seq.params.seed, self.device)

@@ -6,6 +6,17 @@ chunks over several steps (it stays at the head of `waiting` holding its blocks)
 Otherwise the step decodes every running sequence, preempting the newest ones
 (recompute: their blocks are freed and they return to the head of `waiting`) when
 blocks run out.
+
+Overlap: while a decode step runs on the device, `schedule_next_decode` plans the
+step after it without knowing its tokens. Each sequence then has one token in
+flight, which the next step takes as input straight from the device:
+
+    step N   : input token L-1 -> samples token L (not yet on the host)
+    step N+1 : input token L (carried)  -> samples token L+1
+    host     : postprocess(N) appends token L while N+1 runs
+
+Sequences that N surely ends (max_tokens, max_model_len) are left out of N+1; one
+that N ends by a stop token is computed once more in N+1 and its result dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ class ScheduledBatch:
     kind: StepKind
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    # Decode only: the input tokens are the previous step's samples, still on the device.
+    carried: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -102,11 +115,35 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
+                self.block_manager.may_append(seq, len(seq))
                 self.block_manager.publish_full_blocks(seq, len(seq))
                 seqs.append(seq)
         self.running.extendleft(reversed(seqs))
         return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs)) if seqs else None
+
+    def schedule_next_decode(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, planned while `batch` runs (its tokens unknown).
+
+        None when the next step needs `batch`'s results first: `batch` is not a decode,
+        requests are waiting for admission, every sequence ends with `batch`, or blocks
+        run short (preemption decisions are left to `schedule`)."""
+        if batch.kind is not StepKind.DECODE or self.waiting:
+            return None
+        # After `batch`, each of its live sequences holds len(seq) + 1 tokens.
+        seqs = [s for s in batch.seqs if not s.is_finished and not self._ends_by_length(s, len(s) + 1)]
+        bm = self.block_manager
+        # The next step computes position len(seq): room for len(seq) + 1 tokens.
+        new_blocks = sum(1 for s in seqs if bm.blocks_needed(len(s) + 1) > len(s.block_table))
+        if not seqs or new_blocks > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.may_append(seq, len(seq) + 1)
+            bm.publish_full_blocks(seq, len(seq))  # only tokens known on the host
+        return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs), carried=True)
+
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """True if `seq` is done once it holds `num_tokens` tokens (max_tokens / max_model_len)."""
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -118,6 +155,8 @@ class Scheduler:
         """Record a step's results; `sampled` maps seq_id to its new token. Returns finished seqs."""
         finished: list[Sequence] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue  # a carried step's sequence that its previous step ended: result dropped
             seq.num_computed_tokens += n
             token = sampled.get(seq.seq_id)
             if token is None:
@@ -133,7 +172,7 @@ class Scheduler:
         params = seq.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if self._ends_by_length(seq, len(seq)):
             return FinishReason.LENGTH
         return None
 

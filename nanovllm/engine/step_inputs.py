@@ -9,9 +9,12 @@ the position of the first one:
       seq B:                  new |......|      q: 6 tokens, k: 6 tokens
       input_ids = [A4 | B6], cu_seqlens_q = [0, 4, 10], cu_seqlens_k = [0, 11, 17]
     decode: one token per sequence (its newest), context_len = start + 1 = len(seq).
+    carried decode: the newest token is still on the device (the previous step's
+      sample at row carried_rows[i]); its position is len(seq) on the host.
 
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
-Host arrays are built with numpy and copied with one non-blocking copy each.
+Host arrays are built with numpy and copied from pinned memory without blocking
+(a decode step packs everything into one int32 array: one copy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.scheduler import ScheduledBatch, StepKind
+from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata
 
 
@@ -32,9 +36,26 @@ class StepPlan:
     starts: list[int]  # per sequence: position of its first new token
     block_tables: list[list[int]]  # per sequence: ceil((start + len(new)) / block_size) block ids
     sampled: list[bool]  # per sequence: a token is sampled after this step
+    # Carried decode only: per sequence, the row of its input token among the previous
+    # step's sampled tokens (new_token_ids is then empty: the host does not know them yet).
+    carried_rows: list[int] | None = None
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> "StepPlan":
+    def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
+        """`previous_sampled`: the sequences sampled by the previous step, in row order
+        (needed when `batch` is carried)."""
+        if batch.carried:
+            if previous_sampled is None:
+                raise ValueError("a carried batch needs the previous step's sampled sequences")
+            row = {s.seq_id: i for i, s in enumerate(previous_sampled)}
+            return cls(
+                kind=batch.kind,
+                new_token_ids=[],
+                starts=[len(s) for s in batch.seqs],
+                block_tables=[s.block_table for s in batch.seqs],
+                sampled=[True] * len(batch.seqs),
+                carried_rows=[row[s.seq_id] for s in batch.seqs],
+            )
         starts = [s.num_computed_tokens for s in batch.seqs]
         return cls(
             kind=batch.kind,
@@ -43,6 +64,18 @@ class StepPlan:
             block_tables=[s.block_table for s in batch.seqs],
             sampled=[a + n == len(s) for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens)],
         )
+
+
+# Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
+COL_INPUT, COL_POSITION, COL_SLOT, COL_CONTEXT = range(4)
+DECODE_COLUMNS = 4
+
+
+def sampled_positions(plan: StepPlan) -> list[int]:
+    """Position of the token each sampled sequence of `plan` samples (in row order)."""
+    if plan.carried_rows is not None:
+        return [start + 1 for start in plan.starts]
+    return [start + len(ids) for start, ids, sampled in zip(plan.starts, plan.new_token_ids, plan.sampled) if sampled]
 
 
 @dataclass(frozen=True)
@@ -70,9 +103,9 @@ class StepInputBuilder:
         return t.to(self.device)
 
     @staticmethod
-    def block_table_array(block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
-        """[num_seqs, width] int32, each row a block table padded with zeros (never read)."""
-        width = width or max(len(bt) for bt in block_tables)
+    def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
+        """[num_seqs, longest table] int32, each row a block table padded with zeros (never read)."""
+        width = max(len(bt) for bt in block_tables)
         out = np.zeros((len(block_tables), width), dtype=np.int32)
         for i, bt in enumerate(block_tables):
             out[i, : len(bt)] = bt
@@ -109,30 +142,53 @@ class StepInputBuilder:
             sample_indices=self.to_device(sample_rows),
         )
 
-    def decode_arrays(self, plan: StepPlan) -> dict[str, np.ndarray]:
-        """Host arrays of a decode step (the CUDA-graph path copies them into its buffers)."""
-        bs = self.block_size
-        n = len(plan.starts)
-        positions = np.asarray(plan.starts, dtype=np.int64)
-        last_blocks = np.fromiter((bt[-1] for bt in plan.block_tables), dtype=np.int64, count=n)
-        return {
-            "input_ids": np.fromiter((ids[0] for ids in plan.new_token_ids), dtype=np.int64, count=n),
-            "positions": positions,
-            "slot_mapping": last_blocks * bs + positions % bs,
-            "context_lens": (positions + 1).astype(np.int32),
-        }
+    def decode_rows(self, plan: StepPlan, num_rows: int) -> np.ndarray:
+        """A decode step packed for one host-to-device copy: [num_rows, DECODE_COLUMNS + width]
+        int32, one row per sequence (rows past the batch are padding: slot -1, context 0):
 
-    def decode(self, plan: StepPlan) -> StepInputs:
-        arrays = self.decode_arrays(plan)
+            | input id | position | slot | context len | block table (width entries, 0-padded) |
+
+        For a carried step the input-id column holds the row of the sequence's input among
+        the previous step's samples (see `gather_carried_ids`)."""
+        bs, n = self.block_size, len(plan.starts)
+        out = np.zeros((num_rows, DECODE_COLUMNS + self.decode_table_width), dtype=np.int32)
+        positions = np.asarray(plan.starts, dtype=np.int64)
+        if plan.carried_rows is not None:
+            out[:n, COL_INPUT] = plan.carried_rows
+        else:
+            out[:n, COL_INPUT] = [ids[0] for ids in plan.new_token_ids]
+        out[:n, COL_POSITION] = positions
+        out[:n, COL_SLOT] = [bt[p // bs] * bs + p % bs for bt, p in zip(plan.block_tables, plan.starts)]
+        out[n:, COL_SLOT] = -1
+        out[:n, COL_CONTEXT] = positions + 1
+        for i, bt in enumerate(plan.block_tables):
+            out[i, DECODE_COLUMNS : DECODE_COLUMNS + len(bt)] = bt
+        return out
+
+    def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
+        """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
+        samples on the device (carried steps read their input ids from it)."""
+        n = len(plan.starts)
+        rows = self.to_device(self.decode_rows(plan, n))  # [n, DECODE_COLUMNS + width] int32
+        input_ids = rows[:, COL_INPUT].long()
+        if plan.carried_rows is not None:
+            input_ids = gather_carried_ids(previous_tokens, input_ids)
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=self.to_device(arrays["slot_mapping"]),
-            context_lens=self.to_device(arrays["context_lens"]),
-            block_tables=self.to_device(self.block_table_array(plan.block_tables, self.decode_table_width)),
+            slot_mapping=rows[:, COL_SLOT].long(),
+            context_lens=rows[:, COL_CONTEXT].contiguous(),
+            block_tables=rows[:, DECODE_COLUMNS:].contiguous(),
         )
         return StepInputs(
-            input_ids=self.to_device(arrays["input_ids"]),
-            positions=self.to_device(arrays["positions"]),
+            input_ids=input_ids,
+            positions=rows[:, COL_POSITION].long(),
             meta=meta,
-            sample_indices=torch.arange(len(plan.starts), device=self.device),
+            sample_indices=torch.arange(n, device=self.device),
         )
+
+
+def gather_carried_ids(previous_tokens: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Input ids of a carried step: previous_tokens[rows], on the device (no host sync)."""
+    if previous_tokens is None:
+        raise ValueError("a carried decode step needs the previous step's sampled tokens")
+    return previous_tokens.index_select(0, rows.long())

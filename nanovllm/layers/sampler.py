@@ -16,9 +16,13 @@ Pipeline (vLLM's order), all in float32:
 4. min-p: probabilities below ``min_p * max_prob`` get 0 (folded into the same threshold).
 5. Exponential race (Gumbel-max): ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d.
    picks token i with probability ``probs[i] / sum(probs)``, so no renormalisation
-   is needed. Unseeded rows share one batched draw from the default RNG; each
-   seeded row draws its own ``[V]`` noise from its own generator, so its tokens do
-   not depend on the rest of the batch.
+   is needed. The noise comes from one of two sources:
+   - per-row keys (CUDA): the Triton kernel `gumbel_sample` derives each row's noise
+     from its 64-bit key (Philox); a batch with no top-k/top-p/min-p row goes
+     straight from the logits to tokens in that one kernel (steps 1-2 fused).
+   - torch generators (CPU): unseeded rows share one batched draw from the default
+     RNG; each seeded row draws its own ``[V]`` noise from its own generator.
+   Either way a seeded row's tokens do not depend on the rest of the batch.
 
 No op reads a device value back to the host: every branch is decided by the
 Python-side flags of :class:`SamplingBatch`.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nanovllm.kernels import gumbel_sample
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
 
 # Largest top_k served by torch.topk instead of a full sort when no row uses top-p.
@@ -60,6 +65,7 @@ class SamplingBatch:
     top_ps: ``[B]`` float32 (off rows hold 1.0), or None when no row uses top-p.
     min_ps: ``[B]`` float32 (off rows hold 0.0), or None when no row uses min-p.
     generators: one entry per row (None: default RNG), or None when no row is seeded.
+    keys: ``[B]`` int64 noise keys (see ``row_key``), or None: noise from ``generators``.
     all_greedy: every row is greedy (the sampler only takes the argmax).
     max_top_k: largest top_k in use (0 when top_ks is None); lets the sampler use
         ``torch.topk`` instead of a full sort when no row uses top-p.
@@ -72,6 +78,7 @@ class SamplingBatch:
     generators: tuple[torch.Generator | None, ...] | None
     all_greedy: bool
     max_top_k: int = 0
+    keys: Tensor | None = None
 
     @classmethod
     def build(
@@ -80,10 +87,14 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         device: torch.device,
         vocab_size: int,
+        keys: Sequence[int] | None = None,
     ) -> SamplingBatch:
-        """Builds the tensors from Python values: one copy per tensor, no device sync."""
+        """Builds the tensors from Python values: one copy per tensor, no device sync.
+        With `keys` (one per row, in [0, 2**63)) the noise comes from them, not `generators`."""
         if len(generators) != len(params):
             raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
+        if keys is not None and len(keys) != len(params):
+            raise ValueError(f"got {len(keys)} keys for {len(params)} rows")
         device = torch.device(device)
         greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
         temperatures = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
@@ -104,7 +115,23 @@ class SamplingBatch:
             generators=gens if any(gen is not None for gen in gens) else None,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
+            keys=_to_device(keys, torch.int64, device) if keys is not None and not all(greedy) else None,
         )
+
+
+# splitmix64's multipliers (Steele et al.): a bijective mix, so distinct (seed, position) pairs
+# give well-spread keys.
+_MIX_GAMMA, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = 2**64 - 1
+
+
+def row_key(seed: int, position: int) -> int:
+    """Noise key of a seeded request's row: a function of its seed and the position of the
+    token being sampled only, so it repeats whatever the batch (and after a recompute)."""
+    z = (seed * _MIX_GAMMA + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: fits int64
 
 
 def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
@@ -158,9 +185,12 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids."""
-        greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy_ids
+            return logits.argmax(dim=-1)
+        filtered = batch.top_ks is not None or batch.top_ps is not None or batch.min_ps is not None
+        if batch.keys is not None and not filtered and logits.dtype != torch.float64:
+            return gumbel_sample(logits, batch.keys, batch.temperatures)  # greedy rows: T = 0
+        greedy_ids = logits.argmax(dim=-1)
         temperatures = batch.temperatures
         is_greedy = temperatures == 0.0
         if batch.top_ks is not None:
@@ -182,6 +212,9 @@ class Sampler(torch.nn.Module):
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
 
-        probs.div_(_exponential_noise(probs, batch.generators))
-        sampled = probs.argmax(dim=-1)
+        if batch.keys is not None:
+            sampled = gumbel_sample(probs, batch.keys, is_probs=True)
+        else:
+            probs.div_(_exponential_noise(probs, batch.generators))
+            sampled = probs.argmax(dim=-1)
         return torch.where(is_greedy, greedy_ids, sampled)

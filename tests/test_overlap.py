@@ -1,0 +1,138 @@
+"""Overlap scheduling: the decode step after a running one is planned before its tokens exist."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, build_checkpoint
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.sequence import FinishReason, Sequence
+from nanovllm.engine.step_inputs import COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, StepInputBuilder, StepPlan
+
+BS = 4
+EOS = 99
+
+
+def make_scheduler(num_blocks: int = 8, max_model_len: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS), max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=max_model_len, eos_token_ids=frozenset({EOS}))
+
+
+def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
+    s = Sequence(seq_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
+    sched.add(s)
+    return s
+
+
+def prefill_then_decode(sched: Scheduler, seqs: list[Sequence]):
+    prefill = sched.schedule()
+    assert prefill.kind is StepKind.PREFILL
+    sched.postprocess(prefill, {s.seq_id: 50 + s.seq_id for s in seqs})
+    decode = sched.schedule()
+    assert decode.kind is StepKind.DECODE and not decode.carried
+    return decode
+
+
+def test_next_decode_leaves_out_sequences_that_end_by_length():
+    sched = make_scheduler()
+    a = add(sched, 0, prompt_len=3, max_tokens=10)
+    b = add(sched, 1, prompt_len=5, max_tokens=2)  # 1 token after prefill, its 2nd comes from `decode`
+    decode = prefill_then_decode(sched, [a, b])
+    # a: 4 tokens (3 prompt + 1), one block; `decode` computes position 3, the next step position 4.
+    assert len(a.block_table) == 1
+    following = sched.schedule_next_decode(decode)
+    assert following is not None and following.carried and following.seqs == [a]
+    assert len(a.block_table) == 2  # room for position 4
+    plan = StepPlan.from_batch(following, previous_sampled=decode.seqs)
+    assert plan.carried_rows == [0] and plan.starts == [4] and plan.new_token_ids == []
+    rows = StepInputBuilder(BS, torch.device("cpu"), decode_table_width=16).decode_rows(plan, num_rows=2)
+    assert rows[0, COL_INPUT] == 0 and rows[0, COL_POSITION] == 4
+    assert rows[0, COL_SLOT] == a.block_table[1] * BS and rows[0, COL_CONTEXT] == 5
+    assert rows[1, COL_SLOT] == -1 and rows[1, COL_CONTEXT] == 0  # padding row
+
+    # `decode` ends a by EOS: the carried step's result for a is dropped.
+    finished = sched.postprocess(decode, {a.seq_id: EOS, b.seq_id: 7})
+    assert {s.seq_id for s in finished} == {0, 1}
+    assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.LENGTH
+    tokens, computed = list(a.token_ids), a.num_computed_tokens
+    assert sched.postprocess(following, {a.seq_id: 5}) == []
+    assert a.token_ids == tokens and a.num_computed_tokens == computed
+    assert sched.is_finished() and sched.block_manager.num_free_blocks == 8
+
+
+def test_next_decode_defers_to_schedule_when_blocks_run_short():
+    sched = make_scheduler(num_blocks=3)
+    a = add(sched, 0, prompt_len=4, max_tokens=10)
+    b = add(sched, 1, prompt_len=3, max_tokens=10)
+    decode = prefill_then_decode(sched, [a, b])
+    # a (5 tokens) holds 2 blocks, b (4 tokens) 1: the next step needs a new block for b, none free.
+    assert sched.block_manager.num_free_blocks == 0
+    assert sched.schedule_next_decode(decode) is None
+
+
+def test_next_decode_defers_to_schedule_when_requests_wait():
+    sched = make_scheduler()
+    a = add(sched, 0, prompt_len=4, max_tokens=10)
+    decode = prefill_then_decode(sched, [a])
+    add(sched, 1, prompt_len=2, max_tokens=3)  # waiting requests are admitted by schedule() first
+    assert sched.schedule_next_decode(decode) is None
+
+
+def test_max_model_len_is_never_overrun_by_a_carried_step():
+    sched = make_scheduler(max_model_len=6)
+    a = add(sched, 0, prompt_len=4, max_tokens=100)
+    decode = prefill_then_decode(sched, [a])  # a holds 5 tokens; `decode` makes it 6 = max_model_len
+    assert sched.schedule_next_decode(decode) is None
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("overlap")), TinyShape())
+
+
+def first_new_token_after(tokens: list[int], index: int) -> list[int]:
+    """[a token whose first occurrence is at position >= index], or [] if there is none."""
+    return next(([t] for i, t in enumerate(tokens) if i >= index and t not in tokens[:i]), [])
+
+
+def test_overlap_gives_the_same_outputs_with_early_stops(ckpt):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 384, (20 + 7 * i,), generator=g).tolist() for i in range(6)]
+    free = LLM(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=False)
+    runs = free.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    free.exit()
+    # Stop requests at tokens they really produce, at different steps.
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                             stop_token_ids=first_new_token_after(r["token_ids"], 6 + 5 * i))
+              for i, r in enumerate(runs)]
+    assert sum(bool(sp.stop_token_ids) for sp in params) >= 3
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=overlap, num_kvcache_blocks=8)
+        outs[overlap] = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0  # 8 blocks of 16 cannot hold all six at once
+        assert llm.block_manager.num_free_blocks == 8
+        assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+        llm.exit()
+    assert outs[True] == outs[False]
+    for r, o, sp in zip(runs, outs[True], params):
+        end = r["token_ids"].index(sp.stop_token_ids[0]) + 1 if sp.stop_token_ids else len(r["token_ids"])
+        assert o["token_ids"] == r["token_ids"][:end]
+        assert o["finish_reason"] == ("stop" if sp.stop_token_ids else "length")
+
+
+def test_step_wise_api_reports_each_step_once(ckpt):
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=128)
+    llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    kinds, done = [], []
+    while not llm.is_finished():
+        r = llm.step()
+        kinds.append(r.kind)
+        done += r.finished
+    # 1 prefill (samples token 1) + 5 decodes, each reported once though they were queued early
+    assert kinds == [StepKind.PREFILL] + [StepKind.DECODE] * 5
+    assert len(done) == 1 and len(done[0].token_ids) == 6
+    llm.exit()
