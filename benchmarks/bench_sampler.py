@@ -1,7 +1,8 @@
 """Times nanovllm's Sampler.forward on CUDA at serving size (batch 256 x vocab 151936).
 
 Cases: all greedy, plain temperature sampling, top-k only, a mix of top-k/top-p/min-p
-rows, and 16 seeded rows (plain and mixed). Each case reports the median and p90 of
+rows, and 16 seeded rows (plain and mixed), each with noise from torch generators and from
+per-row keys (the Triton kernel, the engine's CUDA path). Each case reports the median and p90 of
 per-call CUDA-event timings in ms (the SamplingBatch is built once per case; its
 build time is reported separately).
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
 from nanovllm.sampling_params import SamplingParams
 
 MIXED = [
@@ -87,17 +88,21 @@ def main() -> None:
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
     sampler = Sampler()
     results = []
-    for name in args.cases:
+    for name, noise in [(c, n) for c in args.cases for n in ("generators", "keys")]:
         params = case_params(name, args.batch)
-        gens = [None if p.seed is None else make_generator(p.seed, device) for p in params]
         t0 = time.perf_counter()
         for _ in range(10):
-            batch = SamplingBatch.build(params, gens, device, args.vocab)
+            if noise == "keys":  # the engine's CUDA path: one noise key per row
+                keys = [row_key(p.seed, 0) if p.seed is not None else i for i, p in enumerate(params)]
+                batch = SamplingBatch.build(params, [None] * len(params), device, args.vocab, keys=keys)
+            else:
+                gens = [None if p.seed is None else make_generator(p.seed, device) for p in params]
+                batch = SamplingBatch.build(params, gens, device, args.vocab)
         build_ms = (time.perf_counter() - t0) / 10 * 1e3
         times = time_cuda(lambda: sampler(logits, batch), args.warmup, args.iters)
         times.sort()
         results.append({
-            "case": name,
+            "case": f"{name}/{noise}",
             "median_ms": statistics.median(times),
             "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
             "min_ms": times[0],
@@ -106,9 +111,9 @@ def main() -> None:
 
     print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} "
           f"({torch.cuda.get_device_name(device)}, torch {torch.__version__})")
-    print(f"{'case':<18}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}")
+    print(f"{'case':<28}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}")
     for r in results:
-        print(f"{r['case']:<18}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['min_ms']:>9.3f}{r['build_host_ms']:>10.3f}")
+        print(f"{r['case']:<28}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['min_ms']:>9.3f}{r['build_host_ms']:>10.3f}")
     if args.json:
         meta = {"batch": args.batch, "vocab": args.vocab, "dtype": args.dtype, "iters": args.iters,
                 "device": torch.cuda.get_device_name(device), "torch": torch.__version__}

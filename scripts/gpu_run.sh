@@ -10,16 +10,16 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
 for part in $parts; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case $part in
-    gputests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gputests.log" ;;
+    gputests) timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gputests.log" ;;
     leakpair) timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py -k "max_model_len or step_wise" 2>&1 | tail -15 | tee "$OUT/leakpair.log" ;;
-    enginetests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
+    enginetests) timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
     memprobe) timeout 120 python3 benchmarks/memory_probe.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/memprobe.log" ;;
     fused) timeout 120 python3 benchmarks/bench_fused.py --json "$OUT/fused.json" 2>&1 | tail -20 | tee "$OUT/fused.log" ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
-    sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log" ;;
-    bench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
+    sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
+    bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
     benchhf) timeout 400 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf --json "$OUT/benchhf.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/benchhf.log" ;;
     profile) timeout 200 python3 benchmarks/profile_step.py 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
-    latency) for m in qwen3-0.6b qwen3-8b; do timeout 200 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
+    latency) for m in qwen3-0.6b qwen3-8b; do timeout 100 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
   esac
 done
