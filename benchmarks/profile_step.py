@@ -33,24 +33,27 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps")
+    ap.add_argument("--timed-steps", type=int, default=50, help="unprofiled steps timed first")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
 
     for eager in (True, False):
         llm = LLM(args.model, load_format="dummy", enforce_eager=eager, max_model_len=4096)
-        fill(llm, args.batch, args.context, args.steps)
+        fill(llm, args.batch, args.context, args.timed_steps + args.steps)
+        times = []
+        for _ in range(args.timed_steps):  # without the profiler attached
+            t = time.perf_counter()
+            r = llm.step()
+            times.append((time.perf_counter() - t, r.launch_s, r.prepare_s, r.wait_s, r.postprocess_s))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            times = []
             for _ in range(args.steps):
-                t = time.perf_counter()
-                r = llm.step()
-                times.append((time.perf_counter() - t, r.launch_s, r.prepare_s, r.wait_s, r.postprocess_s))
+                llm.step()
         mode = "eager" if eager else "graphs"
         print(f"===== decode, batch {args.batch}, context ~{args.context}, {mode}")
-        for total, launch, prep, wait, post in times:
-            print(f"step {1e3 * total:.2f} ms  (launch {1e3 * launch:.2f} incl. prepare {1e3 * prep:.2f}, "
-                  f"wait {1e3 * wait:.2f}, post {1e3 * post:.2f})")
+        total, launch, prep, wait, post = (1e3 * sum(col) / len(times) for col in zip(*times))
+        print(f"mean of {len(times)} unprofiled steps: {total:.3f} ms (host: launch {launch:.3f} incl. "
+              f"prepare {prep:.3f}, post {post:.3f}; waiting on the device {wait:.3f})")
         events = prof.key_averages()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         n = sum(e.count for e in kernels)

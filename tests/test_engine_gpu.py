@@ -136,8 +136,9 @@ def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
     outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 35]
+    # The first engine took 90% of the card: a second one allowed 50% has no room at all.
     with pytest.raises(ValueError, match="already allocated in this process.*exit"):
-        LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
+        LLM(path, kvcache_block_size=16, max_model_len=512, gpu_memory_utilization=0.5)
     llm.exit()
     assert torch.cuda.memory_allocated() - baseline < 2**30
     second = LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
