@@ -57,6 +57,29 @@ def bench_decode(batch, ctx, bw, dtype=torch.bfloat16, block_size=256):
             "pct_bw": 100 * nbytes / t / 1e9 / bw}
 
 
+def split_study(bw):
+    """Engine-like decode batches (lengths uniform in [ctx/8, ctx], block table as wide as
+    max_model_len 4096): time per num_splits (0 = the automatic choice)."""
+    from nanovllm.kernels.decode_attention import _sm_count, choose_num_splits
+    rows = []
+    for batch, ctx in [(256, 1024), (256, 2048), (160, 1024), (128, 1024), (64, 2048), (32, 2048)]:
+        gen = torch.Generator(DEV).manual_seed(1)
+        lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=DEV).tolist()
+        kc, vc, table = paged_cache(lens, 256, torch.bfloat16, gen)
+        table = torch.nn.functional.pad(table, (0, 16 - table.shape[1]))
+        q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        nbytes = 2 * sum(lens) * HKV * D * 2
+        row = {"batch": batch, "ctx": ctx, "auto": choose_num_splits(batch, HKV, 4096, _sm_count(q.device))}
+        for n in (0, 1, 2, 4, 8):
+            t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
+            row[f"us_{n}"] = t * 1e6
+            row[f"pct_{n}"] = 100 * nbytes / t / 1e9 / bw
+        rows.append(row)
+        print("splits", {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return rows
+
+
 def causal_flops(lens):
     return sum(4 * HQ * D * n * (n + 1) / 2 for n in lens)
 
@@ -143,11 +166,18 @@ def main():
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--sweep", action="store_true", help="also sweep prefill tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="also sweep decode settings")
+    ap.add_argument("--splits", action="store_true", help="only the num_splits study on engine-like batches")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     res = {"hbm_GBps": hbm_bandwidth()}
     bw = res["hbm_GBps"]
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
+    if args.splits:
+        res["splits"] = split_study(bw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return
     res["decode"] = []
     for batch, ctx in [(256, 1024), (256, 4096), (64, 4096), (8, 8192), (8, 32768), (1, 32768)]:
         res["decode"].append(bench_decode(batch, ctx, bw))

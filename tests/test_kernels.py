@@ -223,6 +223,21 @@ def test_decode_split_k(monkeypatch, block_size, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_explicit_num_splits(num_splits):
+    """flash-attn's num_splits: 1 writes the output directly (no merge pass), 3 merges three."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 130, 64, 0]
+    k_cache, v_cache, table = make_paged([5, 130, 64, 1], 16, 2, 64, torch.float16, gen)
+    q = randn((4, 1, 4, 64), gen, torch.float16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=num_splits)
+    ref = torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
+                                     True, 64 ** -0.5) for i, n in enumerate(lens[:3])])
+    assert rel_err(out[:3], ref) < TOL[torch.float16]
+    assert (out[3] == 0).all()
+
+
 def test_decode_zero_length_row():
     gen = torch.Generator().manual_seed(5)
     lens = [0, 40]
@@ -253,9 +268,12 @@ def test_decode_bad_inputs():
         flash_attn_with_kvcache(q, cache, cache.clone(), lens, table[:1])
     with pytest.raises(ValueError, match="v_cache"):
         flash_attn_with_kvcache(q, cache, cache[:2].clone(), lens, table)
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, num_splits=-1)
 
 
 def test_import_exports():
     import nanovllm.kernels as kmod
-    assert sorted(kmod.__all__) == ["flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kvcache"]
+    assert sorted(kmod.__all__) == ["flash_attn_varlen_func", "flash_attn_with_kvcache", "gumbel_sample",
+                                    "store_kvcache"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

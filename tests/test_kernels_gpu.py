@@ -137,6 +137,17 @@ def test_decode(hq, hkv, block_size, dtype, lens):
     assert rel_err(out, decode_ref(q, kc, vc, table, lens)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_explicit_num_splits(num_splits):
+    lens = [1, 300, 4097, 64]
+    gen = torch.Generator(DEV).manual_seed(8)
+    kc, vc, table = make_paged(lens, 256, 8, torch.bfloat16, gen)
+    q = randn((len(lens), 1, 16, D), gen, torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=num_splits)
+    assert rel_err(out, decode_ref(q, kc, vc, table, lens)) < TOL[torch.bfloat16]
+
+
 def test_decode_cuda_graph():
     gen = torch.Generator(DEV).manual_seed(4)
     hq, hkv, bs, batch, width = 16, 8, 256, 8, 16

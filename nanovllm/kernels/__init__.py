@@ -27,13 +27,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 softmax_scale=softmax_scale, causal=causal, block_table=block_table)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False,
+                            num_splits=0):
     """Decode attention over the paged cache; see decode_attention.flash_attn_with_kvcache."""
     try:
         from .decode_attention import flash_attn_with_kvcache as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=softmax_scale, causal=causal)
+    return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=softmax_scale, causal=causal,
+                num_splits=num_splits)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping):

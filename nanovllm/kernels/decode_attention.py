@@ -4,6 +4,7 @@ Stage 1 (grid batch x Hkv x num_splits): one program reads ONE kv head once for 
 whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV are
 tl.dot MMAs) over its slice of the sequence, and writes a partial
 (log-sum-exp, normalised accumulator) pair. Stage 2 (grid batch x Hq) merges splits.
+With a single split, stage 1 writes the final output and stage 2 is skipped.
 
 Paging and split arithmetic for a sequence of length L (BLOCK_N = 64 here)::
 
@@ -64,10 +65,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
 # The block-table width varies with the batch: specializing on it would recompile mid-run.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -122,10 +123,14 @@ def _decode_split_kernel(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 units
-    o_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-    tl.store(mid_o_ptr + o_off, o, mask=g_valid[:, None])
-    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_valid)
+    if NUM_SPLITS == 1:  # the whole sequence in one program: final output, no merge pass
+        o_off = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 units
+        o_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        tl.store(mid_o_ptr + o_off, o, mask=g_valid[:, None])
+        tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_valid)
 
 
 @triton.jit
@@ -152,13 +157,17 @@ def _decode_merge_kernel(
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                            softmax_scale=None, causal=False):
+                            softmax_scale=None, causal=False, num_splits=0):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
     sequence's length including the current token (already stored); block_table: int32
     [batch, max_blocks]. With one query per sequence, causal (bottom-right) changes nothing.
+    num_splits (flash-attn's meaning): 0 picks the split count from the shapes, 1 does
+    not split (and needs no merge pass), n > 1 splits each sequence n ways (at most MAX_SPLITS).
     """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, num_heads, head_dim], got {getattr(q, 'shape', type(q))}")
     check_float_dtype("q", q)
@@ -190,22 +199,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         return out
     group = hq // hkv
     max_context = block_table.shape[1] * block_size
-    num_splits = choose_num_splits(batch, hkv, max_context, _sm_count(q.device))
+    if num_splits == 0:
+        num_splits = choose_num_splits(batch, hkv, max_context, _sm_count(q.device))
     # Temporaries sized from shapes only (capturable): partial outputs and log-sum-exps.
-    mid_o = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    n_mid = num_splits if num_splits > 1 else 0  # one split writes `out` directly
+    mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
     _decode_split_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse,
+        q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         scale * LOG2E,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(batch, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
