@@ -34,6 +34,10 @@ MIN_BLOCK_G = 16
 # gives ~8 waves and a small tail (H200, batch 8 x 32k: 4/SM gave 73% of copy BW, 16/SM 96%).
 # BLOCK_N 32/128, 2 stages or 512-token splits measured no better (benchmarks/bench_kernels.py).
 PROGRAMS_PER_SM = 16
+# From this many (sequence, kv head) programs per SM, one split is best: engine-like batches
+# (lengths spread over [ctx/8, ctx]) at 64x2048, 128x1024, 256x1024 ran 1.0-1.4x faster unsplit
+# (bench_kernels.py --splits, H200, 2026-12-01).
+NO_SPLIT_PROGRAMS_PER_SM = 3
 # A split shorter than this costs more in partial writes/merging than it saves.
 MIN_TOKENS_PER_SPLIT = 256
 # Upper bound on splits (also sizes the merge kernel's tile).
@@ -56,7 +60,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
-    """Host-only split count: enough programs to fill the GPU, none shorter than MIN_TOKENS_PER_SPLIT."""
+    """Host-only split count: enough programs to fill the GPU, none shorter than MIN_TOKENS_PER_SPLIT.
+    A batch that fills the GPU by itself is not split (no partials, no merge pass)."""
+    if batch * num_kv_heads >= NO_SPLIT_PROGRAMS_PER_SM * sm_count:
+        return 1
     want = triton.cdiv(sm_count * PROGRAMS_PER_SM, max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
