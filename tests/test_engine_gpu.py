@@ -86,14 +86,26 @@ def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
             check_against(reference, p, o)
 
 
-@pytest.mark.parametrize("batch", [1, 8, 16, 48])
+@pytest.mark.parametrize("batch", [8, 16, 48])
 def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
+    """At a captured batch size the graph runs the same kernels on the same shapes as eager."""
     ps = prompts(3, batch, 20, 200)
     graph, facts = generate(ckpt, ps)
     assert facts["graphs"]
     eager, facts = generate(ckpt, ps, enforce_eager=True)
     assert not facts["graphs"]
     assert graph == eager
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_padded_graph_replay_matches_transformers(ckpt, reference, batch):
+    """Below the smallest captured size (8) a batch replays a padded graph: GEMMs see 8 rows,
+    so rounding may differ from eager; tokens must still be argmaxes of transformers' logits."""
+    ps = prompts(4, batch, 20, 200)
+    outs, facts = generate(ckpt, ps)
+    assert facts["graphs"]
+    for p, o in zip(ps, outs):
+        check_against(reference, p, o)
 
 
 def test_reaching_max_model_len_under_graphs(ckpt, reference):
