@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.gumbel_sample import SUB, TILE, gumbel_sample
+from nanovllm.kernels.gumbel_max import SUB, TILE, gumbel_sample
 
 M32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers

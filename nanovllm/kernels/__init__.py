@@ -3,7 +3,7 @@
 - `flash_attn_varlen_func`: prefill over packed or paged (block_table) K/V (prefill_attention.py).
 - `flash_attn_with_kvcache`: single-token decode over the paged KV cache, split-K (decode_attention.py).
 - `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
-- `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_sample.py).
+- `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
 
 Triton is imported on the first call, so `import nanovllm.kernels` works on machines
 without Triton (the CPU path uses kernels/torch_attention.py); a call there raises ImportError.
@@ -48,9 +48,9 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
 
 
 def gumbel_sample(x, keys, temperatures=None, is_probs=False):
-    """Gumbel-max sampling of one token per row; see gumbel_sample.gumbel_sample."""
+    """Gumbel-max sampling of one token per row; see gumbel_max.gumbel_sample."""
     try:
-        from .gumbel_sample import gumbel_sample as impl
+        from .gumbel_max import gumbel_sample as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(x, keys, temperatures, is_probs)
