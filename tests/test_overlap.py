@@ -47,9 +47,10 @@ def test_next_decode_leaves_out_sequences_that_end_by_length():
     assert following is not None and following.carried and following.seqs == [a]
     assert len(a.block_table) == 2  # room for position 4
     plan = StepPlan.from_batch(following, previous_sampled=decode.seqs)
-    assert plan.carried_rows == [0] and plan.starts == [4] and plan.new_token_ids == []
+    assert decode.seqs == [b, a]  # decode batches run longest first
+    assert plan.carried_rows == [1] and plan.starts == [4] and plan.new_token_ids == []
     rows = StepInputBuilder(BS, torch.device("cpu"), decode_table_width=16).decode_rows(plan, num_rows=2)
-    assert rows[0, COL_INPUT] == 0 and rows[0, COL_POSITION] == 4
+    assert rows[0, COL_INPUT] == 1 and rows[0, COL_POSITION] == 4
     assert rows[0, COL_SLOT] == a.block_table[1] * BS and rows[0, COL_CONTEXT] == 5
     assert rows[1, COL_SLOT] == -1 and rows[1, COL_CONTEXT] == 0  # padding row
 

@@ -119,6 +119,9 @@ class Scheduler:
                 self.block_manager.publish_full_blocks(seq, len(seq))
                 seqs.append(seq)
         self.running.extendleft(reversed(seqs))
+        # Longest first: the decode attention kernel starts its programs in batch order, so the
+        # short sequences fill the tail of the launch (a carried step keeps this order).
+        seqs.sort(key=len, reverse=True)
         return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs)) if seqs else None
 
     def schedule_next_decode(self, batch: ScheduledBatch) -> ScheduledBatch | None:

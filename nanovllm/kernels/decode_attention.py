@@ -1,6 +1,6 @@
 """Split-K (flash-decoding) attention for one new query token per sequence over the paged cache.
 
-Stage 1 (grid batch x Hkv x num_splits): one program reads ONE kv head once for the
+Stage 1 (grid Hkv x batch x num_splits): one program reads ONE kv head once for the
 whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV are
 tl.dot MMAs) over its slice of the sequence, and writes a partial
 (log-sum-exp, normalised accumulator) pair. Stage 2 (grid batch x Hq) merges splits.
@@ -80,8 +80,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -213,7 +213,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
-    _decode_split_kernel[(batch, hkv, num_splits)](
+    # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
+    # sequence together, so a batch ordered longest first leaves only short work for the tail.
+    _decode_split_kernel[(hkv, batch, num_splits)](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         scale * LOG2E,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
