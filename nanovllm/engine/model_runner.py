@@ -218,7 +218,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = make_generator(seq.params.seed, self.device)
-        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device, vocab_size)
+        return SamplingBatch.build(params, [s.generator for s in seqs], self.device, vocab_size)
 
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""

@@ -167,7 +167,8 @@ class StepInputBuilder:
 
     def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
         """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
-        samples on the device (carried steps read their input ids from it)."""
+        samples on the device (carried steps read their input ids from it; the model runner
+        checks it is there)."""
         n = len(plan.starts)
         rows = self.to_device(self.decode_rows(plan, n))  # [n, DECODE_COLUMNS + width] int32
         input_ids = rows[:, COL_INPUT].long()
@@ -187,8 +188,6 @@ class StepInputBuilder:
         )
 
 
-def gather_carried_ids(previous_tokens: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+def gather_carried_ids(previous_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Input ids of a carried step: previous_tokens[rows], on the device (no host sync)."""
-    if previous_tokens is None:
-        raise ValueError("a carried decode step needs the previous step's sampled tokens")
     return previous_tokens.index_select(0, rows.long())
