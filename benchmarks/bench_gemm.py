@@ -1,51 +1,122 @@
-"""Skinny GEMMs of decode (y = x W^T, x [M, K] bf16) under CUDA-graph replay: time and GB/s
-of the weight read, per linear layer of Qwen3-0.6B / 8B (cuBLAS through F.linear).
+"""Decode's few-row linear layers (y = x W^T, bf16) under CUDA-graph replay, per Qwen3-0.6B / 8B
+layer: cuBLAS (F.linear) next to our Triton GEMV (nanovllm/kernels/gemv.py) over tilings, and
+the fused prologues (RMSNorm + residual add, SiLU-and-mul) next to the two kernels they replace.
 
-    PYTHONPATH=. python3 benchmarks/bench_gemm.py
+Each timed graph walks through enough distinct weight copies (>= 256 MB) that the weights come
+from HBM, not the 50 MB L2, as they do in a real decode step.
+
+    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--sweep] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import torch
 import torch.nn.functional as F
+
+from nanovllm.kernels.fused_activation import silu_and_mul
+from nanovllm.kernels.fused_norm import add_rms_norm
+from nanovllm.kernels.gemv import MAX_ROWS, gemv, rms_norm_gemv, silu_mul_gemv
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
 }
-REPS = 20
+# Bytes of distinct weights one timed graph reads: several times the H200's 50 MB L2.
+ROTATE_BYTES = 256 * 2**20
+REPLAYS = 10
+# GEMV tilings swept with --sweep: (BLOCK_N, BLOCK_K, num_warps)
+TILINGS = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
+           (32, 256, 8)]
 
 
-def graph_time_us(fn) -> float:
+def graph_time_us(calls) -> float:
+    """Mean us per call of `calls` (a list of thunks) replayed in one CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        for fn in calls:
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(REPS):
+        for fn in calls:
             fn()
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(10):
+    for _ in range(REPLAYS):
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (10 * REPS)
+    return 1e3 * start.elapsed_time(end) / (REPLAYS * len(calls))
+
+
+def check(out, ref, what):
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    if err > 2e-2:
+        raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
+    ap.add_argument("--json")
+    args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"{'layer':<14}{'M':>5}{'us':>9}{'GB/s':>9}")
+    dev, bf16 = "cuda", torch.bfloat16
+    rows = []
+    print(f"{'layer':<14}{'M':>3}{'cuBLAS':>9}{'gemv':>9}{'GB/s':>7}{'unfused':>9}{'fused':>9}  sweep (us)")
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for m in (1, 2, 4, 8, 16, 32, 256):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            us = graph_time_us(lambda: F.linear(x, w))
-            print(f"{name:<14}{m:>5}{us:>9.2f}{w.numel() * 2 / us / 1e3:>9.0f}")
+        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
+        g = torch.rand(k, device=dev, dtype=bf16) + 0.5
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device=dev, dtype=bf16)
+            res = torch.randn(m, k, device=dev, dtype=bf16)
+            gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)
+            row = {"layer": name, "M": m, "cublas_us": graph_time_us([lambda w=w: F.linear(x, w) for w in ws])}
+            line = f"{name:<14}{m:>3}{row['cublas_us']:>9.2f}"
+            if m <= MAX_ROWS:
+                check(gemv(x, ws[0]), F.linear(x, ws[0]), f"{name} M={m} gemv")
+                row["gemv_us"] = graph_time_us([lambda w=w: gemv(x, w) for w in ws])
+                line += f"{row['gemv_us']:>9.2f}{n * k * 2 / row['gemv_us'] / 1e3:>7.0f}"
+                if "down" in name:  # SiLU-and-mul before it
+                    unfused = [lambda w=w: F.linear(silu_and_mul(gu), w) for w in ws]
+                    fused = [lambda w=w: silu_mul_gemv(gu, w) for w in ws]
+                    check(silu_mul_gemv(gu, ws[0]), F.linear(silu_and_mul(gu), ws[0]), f"{name} silu_mul_gemv")
+                elif "qkv" in name or "gate_up" in name:  # RMSNorm with the residual add before it
+                    unfused = [lambda w=w: F.linear(add_rms_norm(x, res, g, 1e-6)[0], w) for w in ws]
+                    fused = [lambda w=w: rms_norm_gemv(x, res, g, 1e-6, w)[0] for w in ws]
+                    check(rms_norm_gemv(x, res, g, 1e-6, ws[0])[0], F.linear(add_rms_norm(x, res, g, 1e-6)[0], ws[0]),
+                          f"{name} rms_norm_gemv")
+                else:
+                    unfused = fused = None
+                if fused:
+                    row["unfused_us"], row["fused_us"] = graph_time_us(unfused), graph_time_us(fused)
+                    line += f"{row['unfused_us']:>9.2f}{row['fused_us']:>9.2f}"
+                else:
+                    line += " " * 18
+                if args.sweep:
+                    row["sweep"] = {}
+                    for bn, bk, nw in TILINGS:
+                        if m * bn * bk > 4 * 8192:
+                            continue
+                        t = graph_time_us([lambda w=w: gemv(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in ws])
+                        row["sweep"][f"{bn}x{bk}w{nw}"] = t
+                    best = min(row["sweep"], key=row["sweep"].get)
+                    line += f"  best {best} {row['sweep'][best]:.2f}; " + " ".join(
+                        f"{kk}:{v:.1f}" for kk, v in row["sweep"].items())
+            print(line, flush=True)
+            rows.append(row)
+        del ws
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,20 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
+def graph_bench(fn, reps=20):
+    """Seconds per call of fn replayed in a CUDA graph (no host launch cost, as in the engine)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return bench(g.replay) / reps
+
+
 def hbm_bandwidth():
     x = torch.randn(512 * 2**20, device=DEV, dtype=torch.float32)  # 2 GiB
     y = torch.empty_like(x)
@@ -51,10 +65,31 @@ def bench_decode(batch, ctx, bw, dtype=torch.bfloat16, block_size=256):
     kc, vc, table = paged_cache(lens, block_size, dtype, gen)
     q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table))
+    t = graph_bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table))
     nbytes = 2 * batch * ctx * HKV * D * kc.element_size()
     return {"batch": batch, "ctx": ctx, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
             "pct_bw": 100 * nbytes / t / 1e9 / bw}
+
+
+def small_batch_splits(bw):
+    """Few long sequences, graph-replayed, block table as wide as the context: us per num_splits."""
+    rows = []
+    for batch, ctx in [(1, 1024), (1, 4096), (8, 8192), (1, 32768)]:
+        gen = torch.Generator(DEV).manual_seed(3)
+        kc, vc, table = paged_cache([ctx] * batch, 256, torch.bfloat16, gen)
+        q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+        nbytes = 2 * batch * ctx * HKV * D * 2
+        row = {"batch": batch, "ctx": ctx}
+        for n in (0, 1, 2, 4, 8, 16, 32, 64, 128):
+            if n * 64 > ctx:
+                continue
+            t = graph_bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
+            row[f"us_{n}"] = round(t * 1e6, 2)
+            row[f"pct_{n}"] = round(100 * nbytes / t / 1e9 / bw, 1)
+        rows.append(row)
+        print("small-batch splits", row, flush=True)
+    return rows
 
 
 def split_study(bw):
@@ -178,6 +213,7 @@ def main():
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return
+    res["small_batch_splits"] = small_batch_splits(bw)
     res["decode"] = []
     for batch, ctx in [(256, 1024), (256, 4096), (64, 4096), (8, 8192), (8, 32768), (1, 32768)]:
         res["decode"].append(bench_decode(batch, ctx, bw))

@@ -1,0 +1,122 @@
+"""CPU tests of the few-row GEMV kernel and its prologues (TRITON_INTERPRET=1, set by conftest.py).
+
+Each prologue is checked against a float64 reference of the same math (the inputs the torch
+path would round, rounded the same way, then a float64 matmul), and against the unfused torch
+path (RMSNorm / SiluAndMul `forward_native`, then F.linear). Shapes are small: the interpreter is slow.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.gemv import MAX_ROWS, gemv, rms_norm_gemv, silu_mul_gemv
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
+
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+# Relative (Frobenius) error vs the float64 reference: the output's own rounding dominates.
+REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+def randn(shape, gen, dtype, scale=1.0):
+    return (scale * torch.randn(shape, generator=gen)).to(dtype)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "output has NaN (unwritten elements)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def ref_linear(a, w, bias):
+    y = a.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def near_torch(out, ref):
+    """Within a few output ulp of the torch path (the float32 sums run in another order)."""
+    tol = 1e-5 if out.dtype == torch.float32 else 4 * torch.finfo(out.dtype).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 256), (4, 33, 1000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(dtype, m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = randn((m, k + 8), gen, dtype)[:, :k]  # strided rows, like a view into a wider tensor
+    w = randn((n, k), gen, dtype, k ** -0.5)
+    bias = randn((n,), gen, dtype) if with_bias else None
+    out = gemv(x, w, bias)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref_linear(x, w, bias)) < REF_TOL[dtype]
+    near_torch(out, F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 48, 128), (4, 24, 200)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv(dtype, m, n, k, with_residual):
+    gen = torch.Generator().manual_seed(7 * m + n + k)
+    x = randn((m, k), gen, dtype, 3.0)
+    residual = randn((m, k), gen, dtype) if with_residual else None
+    norm = RMSNorm(k, EPS)
+    norm.weight.data = randn((k,), gen, torch.float32, 0.5).add_(1.0).to(dtype)
+    w = randn((n, k), gen, dtype, k ** -0.5)
+    out, s = rms_norm_gemv(x, residual, norm.weight, EPS, w)
+    if with_residual:
+        normed, s_ref = norm.forward_native(x, residual)
+        assert torch.equal(s, s_ref)  # the residual sum is one rounding of x + residual
+        s64 = x.double() + residual.double()
+    else:
+        normed, s_ref = norm.forward_native(x), x
+        assert s is x
+        s64 = x.double()
+    a64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * norm.weight.double()
+    assert rel_err(out, a64 @ w.double().T) < REF_TOL[dtype]
+    near_torch(out, F.linear(normed, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 32, 64), (2, 20, 176)])
+def test_silu_mul_gemv(dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m + 3 * n + k)
+    x = randn((m, 2 * k), gen, dtype, 2.0)
+    w = randn((n, k), gen, dtype, k ** -0.5)
+    out = silu_mul_gemv(x, w)
+    gate, up = x.double().chunk(2, dim=-1)
+    assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < REF_TOL[dtype]
+    near_torch(out, F.linear(SiluAndMul.forward_native(x), w))
+
+
+def test_tilings_agree():
+    """Every (BLOCK_N, BLOCK_K) choice computes the same product (masks on both edges)."""
+    gen = torch.Generator().manual_seed(1)
+    x = randn((2, 300), gen, torch.float32)
+    w = randn((37, 300), gen, torch.float32)
+    ref = ref_linear(x, w, None)
+    for block_n, block_k in [(4, 64), (8, 128), (16, 512)]:
+        assert rel_err(gemv(x, w, block_n=block_n, block_k=block_k), ref) < 1e-5
+
+
+def test_bad_inputs():
+    x = torch.zeros(2, 16)
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        gemv(torch.zeros(MAX_ROWS + 1, 16), w)
+    with pytest.raises(ValueError, match="columns"):
+        gemv(torch.zeros(2, 15), w)
+    with pytest.raises(TypeError, match="weight dtype"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.zeros(7))
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_gemv(x, None, torch.ones(15), EPS, w)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gemv(x, torch.zeros(1, 16), torch.ones(16), EPS, w)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm_gemv(x, None, torch.ones(16), -1.0, w)
+    with pytest.raises(ValueError, match="32 columns"):
+        silu_mul_gemv(x, w)
+    with pytest.raises(TypeError, match="dtype"):
+        gemv(x.int(), w)
