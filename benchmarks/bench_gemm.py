@@ -27,9 +27,10 @@ SHAPES = {  # name: (N, K)
 # Bytes of distinct weights one timed graph reads: several times the H200's 50 MB L2.
 ROTATE_BYTES = 256 * 2**20
 REPLAYS = 10
-# GEMV tilings swept with --sweep: (BLOCK_N, BLOCK_K, num_warps)
-TILINGS = [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
-           (32, 256, 8)]
+# GEMV tilings swept with --sweep: (BLOCK_N, BLOCK_K, num_warps, pipeline stages, weight eviction policy)
+TILINGS = [(4, 512, 4, 1, ""), (4, 512, 4, 3, ""), (4, 512, 4, 4, ""), (4, 512, 4, 4, "evict_first"),
+           (8, 512, 4, 3, ""), (8, 512, 4, 4, ""), (8, 512, 4, 5, ""), (8, 512, 4, 3, "evict_first"),
+           (8, 256, 4, 4, ""), (8, 256, 4, 6, ""), (16, 256, 4, 4, ""), (16, 512, 8, 3, ""), (8, 1024, 8, 3, "")]
 
 
 def graph_time_us(calls) -> float:
@@ -74,7 +75,7 @@ def main() -> None:
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
         g = torch.rand(k, device=dev, dtype=bf16) + 0.5
-        for m in (1, 2, 4, 8):
+        for m in (1, 2, 8):
             x = torch.randn(m, k, device=dev, dtype=bf16)
             res = torch.randn(m, k, device=dev, dtype=bf16)
             gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)
@@ -102,11 +103,13 @@ def main() -> None:
                     line += " " * 18
                 if args.sweep:
                     row["sweep"] = {}
-                    for bn, bk, nw in TILINGS:
-                        if m * bn * bk > 4 * 8192:
+                    for bn, bk, nw, st, ev in TILINGS:
+                        if m * bn * bk > 4 * 8192 or bk > k:
                             continue
-                        t = graph_time_us([lambda w=w: gemv(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in ws])
-                        row["sweep"][f"{bn}x{bk}w{nw}"] = t
+                        tiling = dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, evict=ev)
+                        check(gemv(x, ws[0], **tiling), F.linear(x, ws[0]), f"{name} M={m} {tiling}")
+                        t = graph_time_us([lambda w=w: gemv(x, w, **tiling) for w in ws])
+                        row["sweep"][f"{bn}x{bk}w{nw}s{st}{'e' if ev else ''}"] = t
                     best = min(row["sweep"], key=row["sweep"].get)
                     line += f"  best {best} {row['sweep'][best]:.2f}; " + " ".join(
                         f"{kk}:{v:.1f}" for kk, v in row["sweep"].items())

@@ -30,8 +30,10 @@ def test_forcing_a_gpu_backend_on_cpu_is_a_clear_error():
 
 
 def test_graph_batch_sizes():
-    assert graph_batch_sizes(512) == [8] + list(range(16, 513, 16))
+    assert graph_batch_sizes(512) == [1, 2, 8] + list(range(16, 513, 16))
     assert graph_batch_sizes(1000)[-1] == 512
-    assert graph_batch_sizes(3) == [3]
-    assert graph_batch_sizes(8) == [8]
-    assert graph_batch_sizes(40) == [8, 16, 32, 40]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(2) == [1, 2]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(8) == [1, 2, 8]
+    assert graph_batch_sizes(40) == [1, 2, 8, 16, 32, 40]

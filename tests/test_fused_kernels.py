@@ -11,6 +11,7 @@ import torch
 from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
+from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -200,6 +201,35 @@ def test_qk_norm_rope(dtype, d, n, hq, hkv):
     ref_q, ref_k = rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k))
     assert_close_to_torch(q_out, ref_q)
     assert_close_to_torch(k_out, ref_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_qk_norm_rope_writes_kv_cache(dtype, block_size):
+    """kv_write stores exactly what store_kvcache(k_out, v, ...) stores, skipping slot -1 rows,
+    and leaves every other cache row untouched."""
+    gen = torch.Generator().manual_seed(block_size)
+    n, hq, hkv, d = 6, 4, 2, 64
+    qkv = randn((n, (hq + 2 * hkv) * d), gen, dtype)
+    q, k, v = (t.reshape(n, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    q_norm, k_norm = norm_layer(d, gen, dtype), norm_layer(d, gen, dtype)
+    cos_sin = RotaryEmbedding(d, MAX_POS, 1e6).cos_sin_cache
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    slots = torch.tensor([3, -1, 2 * block_size + 5, block_size, -1, 4 * block_size - 1])
+    caches = [randn((4, block_size, hkv, d), gen, dtype) for _ in range(2)]
+    k_cache, v_cache = (c.clone() for c in caches)
+    q_out, k_out = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS,
+                                kv_write=(v, k_cache, v_cache, slots))
+    ref_q, ref_k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS)
+    assert torch.equal(q_out, ref_q) and torch.equal(k_out, ref_k)
+    ref_k_cache, ref_v_cache = (c.clone() for c in caches)
+    store_kvcache(ref_k, v, ref_k_cache, ref_v_cache, slots)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    assert not torch.equal(k_cache, caches[0])  # something was written
+    with pytest.raises(ValueError, match="kv_write"):
+        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS, kv_write=(v, k_cache))
+    with pytest.raises(ValueError, match="slot_mapping shape"):
+        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS, kv_write=(v, k_cache, v_cache, slots[:3]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

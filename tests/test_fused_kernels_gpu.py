@@ -122,23 +122,42 @@ def test_qk_norm_rope(hq, hkv, n):
     assert rel_err(q_out, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)) < 1e-2
 
 
-def test_qwen3_attention_norm_rope_wiring():
+def test_qwen3_attention_norm_rope_and_cache_write_wiring():
+    """Qwen3Attention on CUDA: q/k norm + RoPE + the K/V cache write in one kernel; the cache
+    holds the torch path's rotated k and the raw v at each token's slot, nothing at slot -1."""
+    from nanovllm.layers.attention_backend import select_attention_backend
     from nanovllm.models.model_config import ModelConfig
     from nanovllm.models.qwen3 import Qwen3Attention
+    from nanovllm.utils.context import AttentionMetadata, attention_context
 
     cfg = ModelConfig.from_pretrained(CONFIG_06B)
     attn = Qwen3Attention(cfg).to(DEV)  # cos_sin_cache stays float32, as in the engine
     gen = torch.Generator(DEV).manual_seed(5)
+    for p in (attn.qkv_proj.weight, attn.o_proj.weight):
+        p.data = randn(p.shape, gen, scale=0.02)
     attn.q_norm.weight.data = randn((D,), gen)
     attn.k_norm.weight.data = randn((D,), gen)
-    n, hq, hkv = 33, cfg.num_attention_heads, cfg.num_key_value_heads
-    q, k, _ = randn((n, (hq + 2 * hkv) * D), gen).split([hq * D, hkv * D, hkv * D], -1)
-    q, k = q.reshape(n, hq, D), k.reshape(n, hkv, D)
+    n, hq, hkv, block = 33, cfg.num_attention_heads, cfg.num_key_value_heads, 16
+    k_cache, v_cache = torch.zeros(2, 4, block, hkv, D, dtype=DT, device=DEV)
+    attn.attn.k_cache, attn.attn.v_cache = k_cache, v_cache
+    attn.attn.backend = select_attention_backend("triton", "cuda", block)
+    hidden = randn((n, cfg.hidden_size), gen)
     pos = torch.randint(0, 4096, (n,), generator=gen, device=DEV)
-    q_out, k_out = attn.norm_rope(pos, q, k)
-    ref_q, ref_k = attn.rotary_emb.forward_native(pos, attn.q_norm.forward_native(q), attn.k_norm.forward_native(k))
-    assert_close_to_torch(q_out, ref_q)
-    assert_close_to_torch(k_out, ref_k)
+    slots = torch.arange(n, device=DEV)
+    slots[5] = -1
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=n, max_seqlen_k=n)
+    with attention_context(meta):
+        out = attn(pos, hidden)
+    assert out.shape == (n, cfg.hidden_size) and not out.isnan().any()
+    q, k, v = attn.qkv_proj(hidden).split([hq * D, hkv * D, hkv * D], -1)
+    q, k, v = q.reshape(n, hq, D), k.reshape(n, hkv, D), v.reshape(n, hkv, D)
+    _, ref_k = attn.rotary_emb.forward_native(pos, attn.q_norm.forward_native(q), attn.k_norm.forward_native(k))
+    stored = slots >= 0
+    assert_close_to_torch(k_cache.view(-1, hkv, D)[slots[stored]], ref_k[stored])
+    assert torch.equal(v_cache.view(-1, hkv, D)[slots[stored]], v[stored])
+    assert not k_cache.view(-1, hkv, D)[5].any()  # slot 5 belonged to the padding row
 
 
 def test_cuda_graph_capture_and_replay():

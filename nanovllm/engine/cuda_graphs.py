@@ -1,6 +1,6 @@
 """Decode under CUDA graphs: one graph per batch size, sharing one memory pool.
 
-Captured sizes: 8, then multiples of 16 up to min(max_num_seqs, 512). A step
+Captured sizes: 1..GEMV_MAX_ROWS (2), 8, then multiples of 16 up to min(max_num_seqs, 512). A step
 of batch b replays the smallest graph >= b; rows past b are padding (slot -1, so
 nothing is stored; context length 0). The graph's block table is as wide as a
 sequence of max_model_len tokens, and every entry is rewritten on each replay.
@@ -15,21 +15,23 @@ import torch
 from nanovllm.engine.step_inputs import (
     COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, gather_carried_ids,
 )
+from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.utils.context import AttentionMetadata, attention_context
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
-# Smallest captured batch: cuBLAS runs 1-4 row GEMMs no faster than 8 rows, and at times much
-# slower (Qwen3-0.6B's o_proj: 12.4 us at 1 row, 5.1 us at 8; benchmarks/bench_gemm.py, H200),
-# so batches 1..8 replay the 8-row graph.
-MIN_GRAPH_BATCH = 8
+# Batches up to GEMV_MAX_ROWS get their own graphs (their projections run as the Triton GEMV).
+# Above that cuBLAS runs 3-7 row GEMMs no faster than 8 rows, and at times much slower
+# (Qwen3-0.6B's o_proj: 12.8 us at 4 rows, 5.8 us at 8; benchmarks/bench_gemm.py, H200), so
+# the next graph holds this many rows.
+PADDED_GRAPH_BATCH = 8
 # From 16 on, sizes step by this much.
 GRAPH_BATCH_STEP = 16
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     limit = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [min(MIN_GRAPH_BATCH, limit)]
+    sizes = [b for b in range(1, GEMV_MAX_ROWS + 1) if b < limit] + [min(PADDED_GRAPH_BATCH, limit)]
     sizes += list(range(GRAPH_BATCH_STEP, limit + 1, GRAPH_BATCH_STEP))
     if sizes[-1] < limit:
         sizes.append(limit)

@@ -20,6 +20,9 @@ launch parameters depend on shapes only, so the call is CUDA-graph capturable.
 Positions are not range-checked (that would need a host sync): they must lie in
 [0, cos_sin_cache.shape[0]).
 
+With `kv_write`, the k programs also write their rotated heads, and the same heads of v, into
+the paged KV cache at the token's slot (what `store_kvcache` does, one launch fewer per layer).
+
 `rope` is the same kernel without the norm (for `RotaryEmbedding` on its own).
 """
 
@@ -31,6 +34,7 @@ import triton.language as tl
 
 from .checks import check_float_dtype, next_pow2
 from .fused_norm import round_to
+from .kv_store import check_kv_store
 
 # Largest supported head_dim: one [HEADS, D/2] tile pair must stay in registers.
 MAX_HEAD_DIM = 1024
@@ -46,7 +50,8 @@ def _norm_rope_heads(
     src_ptr, dst_ptr, w_ptr, cos, sin, tok, head0, n_heads, stride_t, stride_h, eps,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
 ):
-    """Normalise (optionally) and rotate heads [head0, head0 + HEADS) of token `tok`."""
+    """Normalise (optionally) and rotate heads [head0, head0 + HEADS) of token `tok`; returns the
+    two rounded [HEADS, BLOCK_HALF] halves and their mask."""
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = head0 + tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK_HALF)
@@ -65,17 +70,22 @@ def _norm_rope_heads(
         x2 = round_to((x2 * rstd) * w2, dst_ptr.dtype.element_ty).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
+    o1 = round_to(o1, dst_ptr.dtype.element_ty)
+    o2 = round_to(o2, dst_ptr.dtype.element_ty)
     dst = dst_ptr + (tok * n_heads + heads[:, None].to(tl.int64)) * HEAD_DIM + cols[None, :]
-    tl.store(dst, round_to(o1, dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, round_to(o2, dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+    return o1, o2, mask
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     n_q_heads, n_k_heads, q_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_pos, stride_cache, eps,
+    stride_pos, stride_cache, stride_vt, stride_vh, stride_cb, stride_co, stride_ch, eps,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -90,8 +100,20 @@ def _qk_norm_rope_kernel(
         _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, cos, sin, tok, hb * HEADS, n_q_heads,
                          stride_qt, stride_qh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
     else:
-        _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, (hb - q_blocks) * HEADS, n_k_heads,
-                         stride_kt, stride_kh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
+        head0 = (hb - q_blocks) * HEADS
+        k1, k2, mask = _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, head0, n_k_heads,
+                                        stride_kt, stride_kh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
+        if STORE_KV:  # the rotated k and the untouched v of these heads go to cache slot slot_ptr[tok]
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:  # slot < 0: padding row, nothing stored
+                heads = (head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None]
+                row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch
+                dst = row + cols[None, :]
+                tl.store(k_cache_ptr + dst, k1, mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
+                src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
+                tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
 def _check_heads(name: str, t) -> None:
@@ -139,7 +161,7 @@ def _check_args(q, k, positions, cos_sin_cache) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm):
+def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None):
     n, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
@@ -151,22 +173,33 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm)
     q_blocks, k_blocks = triton.cdiv(hq, heads), triton.cdiv(hkv, heads)
     if q_blocks + k_blocks > MAX_HEAD_BLOCKS:
         raise ValueError(f"too many heads ({hq} q + {hkv} k): {q_blocks + k_blocks} > {MAX_HEAD_BLOCKS} head blocks")
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        block_size = check_kv_store(k, v, k_cache, v_cache, slot_mapping)
+        cache_args = (v, k_cache, v_cache, slot_mapping)
+        cache_strides = (v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    else:  # never read without STORE_KV; q stands in for the pointers
+        block_size, cache_args, cache_strides = 1, (q, q, q, positions), (0,) * 5
     _qk_norm_rope_kernel[(n, q_blocks + k_blocks)](
-        q, k, q_weight, k_weight, q_out, k_out, positions, cos_sin_cache,
+        q, k, q_weight, k_weight, q_out, k_out, positions, cos_sin_cache, *cache_args,
         hq, hkv, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        positions.stride(0), cos_sin_cache.stride(0), float(eps),
-        HEAD_DIM=d, HEADS=heads, BLOCK_HALF=block_half, APPLY_NORM=apply_norm, num_warps=NUM_WARPS,
+        positions.stride(0), cos_sin_cache.stride(0), *cache_strides, float(eps),
+        HEAD_DIM=d, HEADS=heads, BLOCK_HALF=block_half, APPLY_NORM=apply_norm,
+        STORE_KV=kv_write is not None, BLOCK_SIZE=block_size, num_warps=NUM_WARPS,
     )
     return q_out, k_out
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
+                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D], k [N, Hkv, D] (strided views allowed) -> contiguous (q_out, k_out) in q's dtype.
 
     Per-head RMSNorm over D with q_weight / k_weight [D], then neox RoPE at `positions` [N]
     (int32/int64) from `cos_sin_cache` [max_position, D] float32 = [cos | sin].
+    kv_write = (v, k_cache, v_cache, slot_mapping) also writes k_out and v into the paged cache,
+    exactly as `store_kvcache(k_out, v, k_cache, v_cache, slot_mapping)` would (slots < 0 skipped).
     """
     _check_args(q, k, positions, cos_sin_cache)
     d = q.shape[2]
@@ -174,7 +207,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     _check_weight("k_weight", k_weight, d, q.device)
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True)
+    if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):
+        raise ValueError("kv_write must be a tuple (v, k_cache, v_cache, slot_mapping)")
+    return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True, kv_write)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

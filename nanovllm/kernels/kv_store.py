@@ -42,13 +42,9 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key[i]``/``value[i]`` to cache slot ``slot_mapping[i]``; slots < 0 are skipped.
-
-    key, value: [N, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
-    head_dim]; slot_mapping: [N] int32/int64 with slot = block_id * block_size + offset.
-    """
+def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> int:
+    """Validate the arguments of a K/V cache write (see store_kvcache); return the cache block size."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [N, num_kv_heads, head_dim], got "
@@ -72,6 +68,18 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != key.device:
             raise ValueError(f"{name} is on {t.device}, key on {key.device}")
+    return block_size
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key[i]``/``value[i]`` to cache slot ``slot_mapping[i]``; slots < 0 are skipped.
+
+    key, value: [N, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
+    head_dim]; slot_mapping: [N] int32/int64 with slot = block_id * block_size + offset.
+    """
+    block_size = check_kv_store(key, value, k_cache, v_cache, slot_mapping)
+    n, hkv, d = key.shape
     if n == 0:
         return
     _store_kvcache_kernel[(n,)](

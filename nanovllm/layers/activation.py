@@ -11,11 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :I]) * x[..., I:]: the Triton kernel on CUDA, plain PyTorch elsewhere."""
+    if x.is_cuda:
+        return SiluAndMul.forward_triton(x)
+    return SiluAndMul.forward_native(x)
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return self.forward_triton(x)
-        return self.forward_native(x)
+        return silu_and_mul(x)
 
     @staticmethod
     def forward_triton(x: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,24 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
-        meta = get_attention_metadata()
-        backend = self.backend
-        if backend is None or self.k_cache is None:
+    def _require_cache(self) -> AttentionBackend:
+        if self.backend is None or self.k_cache is None:
             raise RuntimeError("Attention used before the model runner attached a KV cache and backend")
-        backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend
+
+    def kv_write(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(v, k_cache, v_cache, slot_mapping): where this step's K/V go, for a kernel that
+        writes the cache itself (then call forward with kv_stored=True)."""
+        self._require_cache()
+        return v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Stores k/v in the cache first unless
+        the caller already did (kv_stored)."""
+        meta = get_attention_metadata()
+        backend = self._require_cache()
+        if not kv_stored:
+            backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             if meta.block_tables is not None:
                 k, v = self.k_cache, self.v_cache

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -41,20 +40,16 @@ class Qwen3Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.norm_rope(positions, q, k)
-        out = self.attn(q, k, v)  # [N, Hq, D]
-        return self.o_proj(out.flatten(1))
-
-    def norm_rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k RMSNorm then rotary; one fused Triton kernel for CUDA tensors."""
-        if q.is_cuda:
+        if q.is_cuda:  # one kernel: q/k RMSNorm, rotary, and the K/V write into the paged cache
             from nanovllm.kernels.fused_rope import qk_norm_rope
 
-            return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
-                                self.rotary_emb.cos_sin_cache, self.q_norm.eps)
-        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
+                                self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_write=self.attn.kv_write(v))
+            out = self.attn(q, k, v, kv_stored=True)  # [N, Hq, D]
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            out = self.attn(q, k, v)
+        return self.o_proj(out.flatten(1))
 
 
 class Qwen3MLP(nn.Module):
@@ -62,10 +57,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))  # SiLU(gate) * up, then down
 
 
 class Qwen3DecoderLayer(nn.Module):
