@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
                             check_int_tensor, next_pow2)
+from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
 BLOCK_N = 64
@@ -78,8 +79,9 @@ def _decode_split_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     kv_head = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -144,8 +146,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -226,6 +229,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
+        **pdl_launch_options(q),
     )
     if num_splits == 1:
         return out
@@ -234,6 +238,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
         NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=d,
-        num_warps=4,
+        num_warps=4, **pdl_launch_options(q),
     )
     return out

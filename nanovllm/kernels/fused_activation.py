@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .checks import check_float_dtype, next_pow2
 from .fused_norm import round_to
+from .pdl import pdl_launch_options, wait_for_prior
 
 # Columns per program: 1024 bf16 = 2 KB per operand, one 16-byte vector per thread at 4 warps.
 MAX_BLOCK = 1024
@@ -28,7 +29,8 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -57,5 +59,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    _silu_and_mul_kernel[(n, col_blocks)](x, out, inter, x.stride(0), BLOCK=block, num_warps=NUM_WARPS)
+    _silu_and_mul_kernel[(n, col_blocks)](x, out, inter, x.stride(0), BLOCK=block, num_warps=NUM_WARPS,
+                                         **pdl_launch_options(x))
     return out

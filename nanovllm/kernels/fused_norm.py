@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float_dtype, next_pow2
+from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported hidden size: one row lives in registers (16384 fp32 over 16 warps =
 # 32 values per thread); larger rows would need a looped two-pass kernel.
@@ -53,8 +54,9 @@ def round_to(x, dtype: tl.constexpr):
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, hidden, stride_x, stride_r, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < hidden
@@ -117,7 +119,7 @@ def _launch(x, residual, weight, eps):
     _rms_norm_kernel[(triton.cdiv(n, rows),)](
         x, residual if has_res else x, weight, out, res_out if has_res else out,
         n, h, x.stride(0), residual.stride(0) if has_res else 0, float(eps),
-        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
+        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps, **pdl_launch_options(x),
     )
     return out, res_out
 

@@ -35,6 +35,7 @@ import triton.language as tl
 from .checks import check_float_dtype, next_pow2
 from .fused_norm import round_to
 from .kv_store import check_kv_store
+from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported head_dim: one [HEADS, D/2] tile pair must stay in registers.
 MAX_HEAD_DIM = 1024
@@ -85,8 +86,9 @@ def _qk_norm_rope_kernel(
     n_q_heads, n_k_heads, q_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_pos, stride_cache, stride_vt, stride_vh, stride_cb, stride_co, stride_ch, eps,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
-    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -185,7 +187,7 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm,
         hq, hkv, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         positions.stride(0), cos_sin_cache.stride(0), *cache_strides, float(eps),
         HEAD_DIM=d, HEADS=heads, BLOCK_HALF=block_half, APPLY_NORM=apply_norm,
-        STORE_KV=kv_write is not None, BLOCK_SIZE=block_size, num_warps=NUM_WARPS,
+        STORE_KV=kv_write is not None, BLOCK_SIZE=block_size, num_warps=NUM_WARPS, **pdl_launch_options(q),
     )
     return q_out, k_out
 
