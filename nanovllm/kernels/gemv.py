@@ -78,10 +78,10 @@ def _gemv_kernel(
     # The first weight tile is read before waiting on the previous kernel (no kernel writes
     # weights): under PDL its fetch overlaps the previous kernel's tail.
     k_ok = rk < k_in
-    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
+    w0 = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
     wait_for_prior(PDL)
     a = _input_tile(x_rows, rk, m_ok[:, None] & k_ok[None, :], k_in, SILU_MUL, dtype)  # [BLOCK_M, BLOCK_K]
-    acc = a[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+    acc = a[:, None, :] * w0.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
     for k0 in tl.range(BLOCK_K, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         if EVEN_K:
