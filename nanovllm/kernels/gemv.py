@@ -49,23 +49,13 @@ NARROW_TILING = {"block_n": 4, "stages": 4, "evict": "evict_first"}
 
 
 @triton.jit
-def _input_tile(x_rows, kk, mask, k_in, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
-    """The layer's input a[:, kk] as float32 [BLOCK_M, BLOCK_K] (x itself, or silu(gate) * up)."""
-    if SILU_MUL:
-        gate = tl.load(x_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + k_in + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)  # F.silu rounds
-        return round_to(act * up, dtype).to(tl.float32)
-    return tl.load(x_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
@@ -75,14 +65,8 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
-    # The first weight tile is read before waiting on the previous kernel (no kernel writes
-    # weights): under PDL its fetch overlaps the previous kernel's tail.
-    k_ok = rk < k_in
-    w0 = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
-    wait_for_prior(PDL)
-    a = _input_tile(x_rows, rk, m_ok[:, None] & k_ok[None, :], k_in, SILU_MUL, dtype)  # [BLOCK_M, BLOCK_K]
-    acc = a[:, None, :] * w0.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
-    for k0 in tl.range(BLOCK_K, k_in, BLOCK_K, num_stages=STAGES):
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         if EVEN_K:
             a_mask = m_ok[:, None]
@@ -91,7 +75,14 @@ def _gemv_kernel(
             a_mask = m_ok[:, None] & (kk < k_in)[None, :]
             w_mask = n_ok[:, None] & (kk < k_in)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        acc += _input_tile(x_rows, kk, a_mask, k_in, SILU_MUL, dtype)[:, None, :] * w[None, :, :]
+        if SILU_MUL:
+            gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)  # F.silu rounds
+            a = round_to(act * up, dtype).to(tl.float32)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
