@@ -206,9 +206,15 @@ def test_decode(block_size, d, hq, hkv, dtype):
 
 
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float16), (48, torch.bfloat16)])
-def test_decode_split_k(monkeypatch, block_size, dtype):
-    """Force several splits (some empty for short rows) so the merge kernel is exercised."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_decode_split_k(monkeypatch, block_size, dtype, fold):
+    """Force several splits (some empty for short rows) so the merge is exercised: in the last
+    split's program (fold, arrival counters) or as the merge kernel (tile too large to fold)."""
     import nanovllm.kernels.decode_attention as dec
+    if fold:  # the merge kernel must not be launched
+        monkeypatch.setattr(dec, "_decode_merge_kernel", None)
+    else:
+        monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", 0)
     monkeypatch.setattr(dec, "MIN_TOKENS_PER_SPLIT", 16)
     monkeypatch.setattr(dec, "CPU_SM_COUNT", 64)
     assert dec.choose_num_splits(3, 2, 160, 64) > 4
@@ -221,6 +227,25 @@ def test_decode_split_k(monkeypatch, block_size, dtype):
     ref = torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
                                      True, 0.2) for i, n in enumerate(lens)])
     assert rel_err(out, ref) < TOL[dtype]
+    if fold:
+        assert not dec._counter_cache[q.device].any()  # every merging program reset its counter
+    again = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2)
+    assert torch.equal(again, out)  # a second call finds the counters at zero
+
+
+def test_decode_fold_falls_back_without_counters(monkeypatch):
+    """More (sequence, kv head) pairs than counters: the merge kernel runs instead, same result."""
+    import nanovllm.kernels.decode_attention as dec
+    gen = torch.Generator().manual_seed(8)
+    lens = [40, 90]
+    k_cache, v_cache, table = make_paged(lens, 16, 2, 64, torch.float32, gen)
+    q = randn((2, 1, 4, 64), gen, torch.float32)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    folded = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=3)
+    monkeypatch.setattr(dec, "_counter_cache", {q.device: torch.zeros(3, dtype=torch.int32)})  # < 2 x 2
+    unfolded = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=3)
+    assert dec._arrival_counters(q.device, 4) is None
+    torch.testing.assert_close(unfolded, folded, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -172,3 +172,34 @@ def test_decode_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, decode_ref(q, kc, vc, table, lens.tolist())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_folded_merge_over_many_replays(monkeypatch, hq, hkv, batch):
+    """Small batches merge splits in the last split's program (arrival counters, no merge
+    kernel). Replayed 20 times with new queries and lengths, every output must match the
+    reference: a counter left non-zero or a stale partial read would show up here."""
+    import nanovllm.kernels.decode_attention as dec
+    monkeypatch.setattr(dec, "_decode_merge_kernel", None)  # fails if the merge kernel is launched
+    gen = torch.Generator(DEV).manual_seed(11)
+    bs, width, dtype = 256, 16, torch.bfloat16
+    num_blocks = batch * width
+    kc, vc = randn((num_blocks, bs, hkv, D), gen, dtype), randn((num_blocks, bs, hkv, D), gen, dtype)
+    q = randn((batch, 1, hq, D), gen, dtype)
+    seqlens = torch.full((batch,), bs * width, dtype=torch.int32, device=DEV)
+    table = torch.randperm(num_blocks, device=DEV, generator=gen).view(batch, width).int()
+    flash_attn_with_kvcache(q, kc, vc, seqlens, table)  # compile (and allocate counters) outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+    for trial in range(20):
+        lens = torch.randint(1, bs * width + 1, (batch,), generator=gen, device=DEV)
+        seqlens.copy_(lens.int())
+        q.copy_(randn((batch, 1, hq, D), gen, dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, decode_ref(q, kc, vc, table, lens.tolist())) < TOL[dtype], f"replay {trial}"
+    assert not dec._counter_cache[q.device].any()

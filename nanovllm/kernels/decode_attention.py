@@ -3,8 +3,10 @@
 Stage 1 (grid Hkv x batch x num_splits): one program reads ONE kv head once for the
 whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV are
 tl.dot MMAs) over its slice of the sequence, and writes a partial
-(log-sum-exp, normalised accumulator) pair. Stage 2 (grid batch x Hq) merges splits.
-With a single split, stage 1 writes the final output and stage 2 is skipped.
+(log-sum-exp, normalised accumulator) pair. The merge of the splits either runs in the
+last stage-1 program to finish for its (sequence, kv head), which it learns from an
+arrival counter (small [group, splits, D] tiles), or as stage 2 (grid batch x Hq).
+With a single split, stage 1 writes the final output and nothing is merged.
 
 Paging and split arithmetic for a sequence of length L (BLOCK_N = 64 here)::
 
@@ -43,12 +45,20 @@ NO_SPLIT_PROGRAMS_PER_SM = 3
 MIN_TOKENS_PER_SPLIT = 256
 # Upper bound on splits (also sizes the merge kernel's tile).
 MAX_SPLITS = 128
+# The last split of a (sequence, kv head) merges its group's partials itself when the
+# [group, splits, head_dim] fp32 tile has at most this many elements (64 registers per thread
+# at 4 warps); larger merges run as the separate merge kernel.
+FOLD_MAX_ELEMS = 8192
+# Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
+# by every call (the merging program resets its own). Batches needing more use the merge kernel.
+NUM_COUNTERS = 4096
 # Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
 CPU_SM_COUNT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
 
 _sm_count_cache = {}
+_counter_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -58,6 +68,18 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _sm_count_cache:
         _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _sm_count_cache[idx]
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed arrival counters, or None when they cannot serve this call: more
+    than NUM_COUNTERS needed, or a first allocation would fall inside a CUDA-graph capture
+    (the zero fill would only run on replay). Calls on one device must not run concurrently."""
+    counters = _counter_cache.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _counter_cache.setdefault(device, torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device))
+    return counters if needed <= counters.numel() else None
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
@@ -70,16 +92,40 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+@triton.jit
+def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
+                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr):
+    """out[b, h] = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m) for heads [head0, head0 + n_heads).
+    Partials are read from L2 (.cg): they were written by other programs."""
+    offs_g = tl.arange(0, GP)
+    heads = head0 + offs_g
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    gs = (offs_g < n_heads)[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    lse = tl.load(mid_lse_ptr + b * stride_mlb + heads[:, None] * stride_mlh + offs_s[None, :], mask=gs,
+                  other=float("-inf"), cache_modifier=".cg")  # [GP, BLOCK_S]
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights become 0, not NaN
+    w = tl.exp2(lse - m[:, None])
+    denom = tl.sum(w, 1)
+    o = tl.load(mid_o_ptr + b * stride_mob + heads[:, None, None] * stride_moh + offs_s[None, :, None] * stride_mos
+                + offs_d[None, None, :], mask=gs[:, :, None], other=0.0, cache_modifier=".cg")  # [GP, BLOCK_S, D]
+    out = tl.sum(o * w[:, :, None], 1) / tl.where(denom > 0, denom, 1.0)[:, None]  # [GP, D]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_g < n_heads)[:, None])
+
+
 # The block-table width varies with the batch: specializing on it would recompile mid-run.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
     kv_head = tl.program_id(0).to(tl.int64)
@@ -140,6 +186,14 @@ def _decode_split_kernel(
         o_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
         tl.store(mid_o_ptr + o_off, o, mask=g_valid[:, None])
         tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_valid)
+        if FOLD:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = count_ptr + b * tl.num_programs(0) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split here
+                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, kv_head * GROUP, GROUP,
+                             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                             NUM_SPLITS, BLOCK_S, HEAD_DIM, GP)
+                tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
 @triton.jit
@@ -149,21 +203,9 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_valid = offs_s < NUM_SPLITS
-    lse = tl.load(mid_lse_ptr + b * stride_mlb + head * stride_mlh + offs_s, mask=s_valid,
-                  other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights become 0, not NaN
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    o = tl.load(mid_o_ptr + b * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos
-                + offs_d[None, :], mask=s_valid[:, None], other=0.0)  # [BLOCK_S, HEAD_DIM]
-    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), 1,
+                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                 NUM_SPLITS, BLOCK_S, HEAD_DIM, 1)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
@@ -216,28 +258,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
+    block_s, gp = next_pow2(num_splits), next_pow2(group)
+    counters = None
+    if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
+        counters = _arrival_counters(q.device, batch * hkv)
     # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
     # sequence together, so a batch ordered longest first leaves only short work for the tail.
     _decode_split_kernel[(hkv, batch, num_splits)](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
-        scale * LOG2E,
+        counters if counters is not None else cache_seqlens, scale * LOG2E,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        FOLD=counters is not None, GP=gp, BLOCK_S=block_s,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
         **pdl_launch_options(q),
     )
-    if num_splits == 1:
+    if num_splits == 1 or counters is not None:
         return out
     _decode_merge_kernel[(batch, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
-        NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=d,
+        NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM=d,
         num_warps=4, **pdl_launch_options(q),
     )
     return out
