@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fused_activation import silu_and_mul
+from graph_timing import graph_us
 from nanovllm.kernels.gemv import MAX_ROWS, gemv, silu_mul_gemv
 
 SHAPES = {  # name: (N, K)
@@ -34,25 +35,7 @@ TILINGS = [(4, 512, 4, 1, ""), (4, 512, 4, 3, ""), (4, 512, 4, 4, ""), (4, 512, 
 
 def graph_time_us(calls) -> float:
     """Mean us per call of `calls` (a list of thunks) replayed in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * len(calls))
+    return graph_us(lambda: [fn() for fn in calls], REPLAYS) / len(calls)
 
 
 def check(out, ref, what):

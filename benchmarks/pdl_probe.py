@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tlcuda
 
+from graph_timing import graph_us
+
 CHAIN = 200
 REPLAYS = 20
 
@@ -40,25 +42,7 @@ def chain_us(n: int, programs: int, pdl: bool) -> float:
             _step[(triton.cdiv(n, block),)](bufs[i % 2], ws[i], bufs[(i + 1) % 2], n, BLOCK=block, PDL=pdl,
                                              launch_pdl=pdl)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    ref = bufs[CHAIN % 2].clone()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del ref
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * CHAIN)
+    return graph_us(run, REPLAYS) / CHAIN
 
 
 def check_same(n: int, programs: int) -> None:
