@@ -24,8 +24,8 @@ from nanovllm.layers.activation import silu_and_mul
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 # Rows up to which CUDA projections use the Triton GEMV: at 1-2 rows it streams the weight
-# faster than cuBLAS on Qwen3's shapes (benchmarks/bench_gemm.py, H200: 8B down_proj 26.5 vs
-# 30.5 us, 0.6B o_proj 3.9 vs 12.6 us at 1 row); from 4 rows on cuBLAS's tensor cores win.
+# faster than cuBLAS on Qwen3's shapes (benchmarks/bench_gemm.py, H200: 8B down_proj 26.3 vs
+# 30.3 us, 0.6B o_proj 3.5 vs 12.6 us at 1 row); from 4 rows on cuBLAS's tensor cores win.
 GEMV_MAX_ROWS = 2
 
 
