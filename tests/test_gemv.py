@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.gemv import MAX_ROWS, gemv, silu_mul_gemv
+from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, WIDE_TILING, Tiling, gemv, silu_mul_gemv,
+                                   tiling)
 from nanovllm.layers.activation import SiluAndMul
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -70,8 +71,17 @@ def test_tilings_agree():
     x = randn((2, 300), gen, torch.float32)
     w = randn((37, 300), gen, torch.float32)
     ref = ref_linear(x, w, None)
-    for block_n, block_k, stages in [(4, 64, 1), (8, 128, 3), (16, 512, 4)]:
-        assert rel_err(gemv(x, w, block_n=block_n, block_k=block_k, stages=stages), ref) < 1e-5
+    for block_n, block_k, stages, evict in [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 512, 4, "")]:
+        tile = Tiling(block_n=block_n, block_k=block_k, stages=stages, evict=evict)
+        assert rel_err(gemv(x, w, tile=tile), ref) < 1e-5
+
+
+def test_tiling_by_shape():
+    """Wide layers take 8-row programs, narrow ones 4; BLOCK_K fits the accumulator and K."""
+    assert tiling(1, 4096, 1024) == WIDE_TILING
+    assert tiling(1, 1024, 3072) == NARROW_TILING
+    assert tiling(4, 4096, 4096).block_k == ACC_ELEMS // (4 * WIDE_TILING.block_n)
+    assert tiling(1, 1024, 40).block_k == 64
 
 
 def test_bad_inputs():
@@ -89,3 +99,12 @@ def test_bad_inputs():
         silu_mul_gemv(x, w)
     with pytest.raises(TypeError, match="dtype"):
         gemv(x.int(), w)
+    with pytest.raises(TypeError, match="Tiling"):
+        gemv(x, w, tile={"block_n": 4})
+
+
+def test_no_programmatic_dependent_launch_off_cuda():
+    """PDL is a CUDA (Hopper+) launch attribute: CPU / interpreter launches never ask for it."""
+    from nanovllm.kernels.pdl import pdl_launch_options
+
+    assert pdl_launch_options(torch.zeros(1)) == {"PDL": False}

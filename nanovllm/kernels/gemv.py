@@ -23,6 +23,8 @@ Shapes only set the launch, so calls are CUDA-graph capturable.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -44,8 +46,18 @@ NUM_WARPS = 4
 # loads marked evict-first (0.6B: o 3.5 vs 12.6, down 4.1 vs 7.4).
 BLOCK_K = 512
 WIDE_N = 4096
-WIDE_TILING = {"block_n": 8, "stages": 3, "evict": ""}
-NARROW_TILING = {"block_n": 4, "stages": 4, "evict": "evict_first"}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int  # weight rows per program
+    block_k: int  # weight columns per step
+    stages: int  # steps whose loads are in flight at once
+    evict: str  # eviction policy of the weight loads ("" = the default)
+
+
+WIDE_TILING = Tiling(block_n=8, block_k=BLOCK_K, stages=3, evict="")
+NARROW_TILING = Tiling(block_n=4, block_k=BLOCK_K, stages=4, evict="evict_first")
 
 
 @triton.jit
@@ -100,16 +112,14 @@ def _check_matrix(name: str, t, dtype=None) -> None:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
 
 
-def tiling(rows: int, n_out: int, k_in: int) -> dict:
-    """Launch tiling for a call (see WIDE_TILING / NARROW_TILING); BLOCK_K shrinks with more rows
-    to keep the accumulator at ACC_ELEMS."""
-    t = dict(WIDE_TILING if n_out >= WIDE_N else NARROW_TILING)
-    t["block_k"] = max(16, min(next_pow2(k_in), BLOCK_K, ACC_ELEMS // (next_pow2(rows) * t["block_n"])))
-    return t
+def tiling(rows: int, n_out: int, k_in: int) -> Tiling:
+    """The tiling for a call (WIDE_TILING / NARROW_TILING); BLOCK_K shrinks with more rows to
+    keep the accumulator at ACC_ELEMS, and to K for short rows."""
+    t = WIDE_TILING if n_out >= WIDE_N else NARROW_TILING
+    return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
 
 
-def _gemv(x, weight, bias, silu_mul, block_n=None, block_k=None, stages=None, evict=None,
-          num_warps=NUM_WARPS) -> torch.Tensor:
+def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
     _check_matrix("x", x)
     _check_matrix("weight", weight, x.dtype)
     m, xk = x.shape
@@ -129,27 +139,29 @@ def _gemv(x, weight, bias, silu_mul, block_n=None, block_k=None, stages=None, ev
         check_float_dtype("bias", bias)
         if bias.stride(0) != 1 and n_out > 1:
             raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
-    t = tiling(m, n_out, k_in)
-    block_n = block_n or t["block_n"]
-    block_k = block_k or t["block_k"]
+    if tile is None:
+        tile = tiling(m, n_out, k_in)
+    elif not isinstance(tile, Tiling):
+        raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+    _gemv_kernel[(triton.cdiv(n_out, tile.block_n),)](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k_in % block_k == 0, STAGES=t["stages"] if stages is None else stages,
-        EVICT=t["evict"] if evict is None else evict, num_warps=num_warps, **pdl_launch_options(x),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
+        num_warps=NUM_WARPS, **pdl_launch_options(x),
     )
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **tiling_override) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         tile: Tiling | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
-    tiling_override (block_n, block_k, stages, evict, num_warps) is for benchmarks."""
-    return _gemv(x, weight, bias, False, **tiling_override)
+    `tile` overrides the shape-based tiling (benchmarks)."""
+    return _gemv(x, weight, bias, False, tile)
 
 
 def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  **tiling_override) -> torch.Tensor:
+                  tile: Tiling | None = None) -> torch.Tensor:
     """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection."""
-    return _gemv(x, weight, bias, True, **tiling_override)
+    return _gemv(x, weight, bias, True, tile)
