@@ -24,6 +24,28 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} dtype must be one of float16/bfloat16/float32, got {t.dtype}")
 
 
+def check_matrix(name: str, t, dtype: torch.dtype | None = None) -> None:
+    """t: a 2-D float tensor whose last dim is contiguous (rows may be strided), of `dtype` if given."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t))}")
+    check_float_dtype(name, t)
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} dtype {t.dtype} != x dtype {dtype}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def check_vector(name: str, t, n: int, like_name: str, like: torch.Tensor) -> None:
+    """t: a contiguous float tensor of shape (n,) on the device of `like` (named like_name)."""
+    if not isinstance(t, torch.Tensor) or t.shape != (n,):
+        raise ValueError(f"{name} must be a tensor of shape ({n},), got {getattr(t, 'shape', type(t))}")
+    check_float_dtype(name, t)
+    if t.stride(0) != 1 and n > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device}, {like_name} on {like.device}")
+
+
 def check_head_dim(d: int) -> None:
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")

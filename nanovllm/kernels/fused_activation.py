@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype, next_pow2
+from .checks import check_matrix, next_pow2
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -43,14 +43,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, P
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] (rows may be strided) -> contiguous [N, I] in x.dtype: silu(x[:, :I]) * x[:, I:]."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [N, 2I], got {getattr(x, 'shape', type(x))}")
-    check_float_dtype("x", x)
+    check_matrix("x", x)
     n, two_i = x.shape
     if two_i < 2 or two_i % 2:
         raise ValueError(f"x last dim must be even and >= 2 (gate | up), got {two_i}")
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
     inter = two_i // 2
     block = min(MAX_BLOCK, next_pow2(inter))
     col_blocks = triton.cdiv(inter, block)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype, next_pow2
+from .checks import check_matrix, check_vector, next_pow2
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported hidden size: one row lives in registers (16384 fp32 over 16 warps =
@@ -75,33 +75,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + out_offs, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_rows(name: str, t, hidden: int | None = None) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor [N, H], got {getattr(t, 'shape', type(t))}")
-    check_float_dtype(name, t)
-    if hidden is not None and t.shape[1] != hidden:
-        raise ValueError(f"{name} shape {tuple(t.shape)} does not match hidden size {hidden}")
-    if t.stride(1) != 1 and t.shape[1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-
-
 def _check_args(x, residual, weight, eps) -> None:
-    _check_rows("x", x)
+    check_matrix("x", x)
     h = x.shape[1]
     if h < 1 or h > MAX_HIDDEN:
         raise ValueError(f"hidden size must be in [1, {MAX_HIDDEN}], got {h}")
     if residual is not None:
-        _check_rows("residual", residual, h)
+        check_matrix("residual", residual)
+        if residual.shape[1] != h:
+            raise ValueError(f"residual shape {tuple(residual.shape)} does not match hidden size {h}")
         if residual.shape[0] != x.shape[0]:
             raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.shape != (h,):
-        raise ValueError(f"weight must be a tensor of shape ({h},), got {getattr(weight, 'shape', type(weight))}")
-    check_float_dtype("weight", weight)
-    if weight.stride(0) != 1 and h > 1:
-        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
-    for name, t in (("residual", residual), ("weight", weight)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device}, x on {x.device}")
+    check_vector("weight", weight, h, "x", x)
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 

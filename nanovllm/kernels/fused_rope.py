@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype, next_pow2
+from .checks import check_float_dtype, check_vector, next_pow2
 from .fused_norm import round_to
 from .kv_store import check_kv_store
 from .pdl import pdl_launch_options, wait_for_prior
@@ -128,16 +128,6 @@ def _check_heads(name: str, t) -> None:
         raise ValueError(f"{name} must have at least one head, got shape {tuple(t.shape)}")
 
 
-def _check_weight(name: str, w, d: int, device) -> None:
-    if not isinstance(w, torch.Tensor) or w.shape != (d,):
-        raise ValueError(f"{name} must be a tensor of shape ({d},), got {getattr(w, 'shape', type(w))}")
-    check_float_dtype(name, w)
-    if w.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {w.stride()}")
-    if w.device != device:
-        raise ValueError(f"{name} is on {w.device}, q on {device}")
-
-
 def _check_args(q, k, positions, cos_sin_cache) -> None:
     _check_heads("q", q)
     _check_heads("k", k)
@@ -205,8 +195,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """
     _check_args(q, k, positions, cos_sin_cache)
     d = q.shape[2]
-    _check_weight("q_weight", q_weight, d, q.device)
-    _check_weight("k_weight", k_weight, d, q.device)
+    check_vector("q_weight", q_weight, d, "q", q)
+    check_vector("k_weight", k_weight, d, "q", q)
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype, next_pow2
+from .checks import check_matrix, check_vector, next_pow2
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -102,16 +102,6 @@ def _gemv_kernel(
     tl.store(out, round_to(y, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check_matrix(name: str, t, dtype=None) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t))}")
-    check_float_dtype(name, t)
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} dtype {t.dtype} != x dtype {dtype}")
-    if t.stride(1) != 1 and t.shape[1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-
-
 def tiling(rows: int, n_out: int, k_in: int) -> Tiling:
     """The tiling for a call (WIDE_TILING / NARROW_TILING); BLOCK_K shrinks with more rows to
     keep the accumulator at ACC_ELEMS, and to K for short rows."""
@@ -120,8 +110,8 @@ def tiling(rows: int, n_out: int, k_in: int) -> Tiling:
 
 
 def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
-    _check_matrix("x", x)
-    _check_matrix("weight", weight, x.dtype)
+    check_matrix("x", x)
+    check_matrix("weight", weight, x.dtype)
     m, xk = x.shape
     n_out, k_in = weight.shape
     want_k = 2 * k_in if silu_mul else k_in
@@ -133,12 +123,7 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (n_out,) or bias.device != x.device:
-            raise ValueError(f"bias must be a tensor of shape ({n_out},) on {x.device}, got "
-                             f"{getattr(bias, 'shape', type(bias))}")
-        check_float_dtype("bias", bias)
-        if bias.stride(0) != 1 and n_out > 1:
-            raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
+        check_vector("bias", bias, n_out, "x", x)
     if tile is None:
         tile = tiling(m, n_out, k_in)
     elif not isinstance(tile, Tiling):
