@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, WIDE_TILING, Tiling, gemv, silu_mul_gemv,
-                                   tiling)
+from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, RESIDENT_PER_SM, TALL_TILING, WIDE_TILING,
+                                   Tiling, gemv, silu_mul_gemv, tiling)
 from nanovllm.layers.activation import SiluAndMul
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -71,14 +71,20 @@ def test_tilings_agree():
     x = randn((2, 300), gen, torch.float32)
     w = randn((37, 300), gen, torch.float32)
     ref = ref_linear(x, w, None)
-    for block_n, block_k, stages, evict in [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 512, 4, "")]:
+    for block_n, block_k, stages, evict in [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 256, 4, ""), (16, 512, 4, "")]:
         tile = Tiling(block_n=block_n, block_k=block_k, stages=stages, evict=evict)
         assert rel_err(gemv(x, w, tile=tile), ref) < 1e-5
 
 
 def test_tiling_by_shape():
-    """Wide layers take 8-row programs, narrow ones 4; BLOCK_K fits the accumulator and K."""
+    """Wide layers take 8-row programs (16 where only that fits one wave), narrow ones 4;
+    BLOCK_K fits the accumulator and K."""
     assert tiling(1, 4096, 1024) == WIDE_TILING
+    h200_wave = 132 * RESIDENT_PER_SM
+    assert tiling(1, 6144, 4096, h200_wave) == TALL_TILING  # 768 programs of 8 rows, 384 of 16
+    assert tiling(1, 6144, 4096, None) == WIDE_TILING  # no GPU, no waves
+    assert tiling(1, 4096, 4096, h200_wave) == WIDE_TILING  # 512 programs: one wave already
+    assert tiling(1, 24576, 4096, h200_wave) == WIDE_TILING  # 1536 programs of 16 rows: still two waves
     assert tiling(1, 1024, 3072) == NARROW_TILING
     assert tiling(4, 4096, 4096).block_k == ACC_ELEMS // (4 * WIDE_TILING.block_n)
     assert tiling(1, 1024, 40).block_k == 64

@@ -69,3 +69,29 @@ def test_gemv_in_cuda_graph():
     graph.replay()
     assert not torch.equal(out, expected)
     assert rel_err(out, x.double() @ w.double().T) < REF_TOL
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (1024, 2048)])
+def test_gemv_after_producer_in_graph(n, k):
+    """A kernel writes x, then the GEMV reads it, replayed in a graph: the GEMV must wait for its
+    producer whether it launches early (one-wave grids: PDL, weight lines prefetched before the
+    wait) or not (the 8B gate_up grid); 8B qkv takes 16-row programs to fit one wave."""
+    from nanovllm.kernels.fused_norm import rms_norm
+    from nanovllm.kernels.gemv import TALL_TILING, one_wave, tiling
+
+    wave = one_wave(torch.device(DEV))
+    if n == 6144 and 384 <= wave < 768:  # H100 / H200 (132 SMs)
+        assert tiling(1, n, k, wave) == TALL_TILING
+    gen = torch.Generator(DEV).manual_seed(n)
+    h, g = randn((1, k), gen), randn((k,), gen)
+    w = randn((n, k), gen, k ** -0.5)
+    graph = torch.cuda.CUDAGraph()
+    gemv(rms_norm(h, g, 1e-6), w)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        out = gemv(rms_norm(h, g, 1e-6), w)
+    for _ in range(3):
+        h.copy_(randn((1, k), gen))
+        graph.replay()
+        hd = h.double()
+        x = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(DT).double() * g.double()
+        assert rel_err(out, x @ w.double().T) < REF_TOL

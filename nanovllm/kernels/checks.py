@@ -15,6 +15,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZE_MULTIPLE = 16
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def cuda_sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached); None for any other device."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
-                            check_int_tensor, next_pow2)
+                            check_int_tensor, cuda_sm_count, next_pow2)
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -57,17 +57,12 @@ CPU_SM_COUNT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
 
-_sm_count_cache = {}
 _counter_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SM_COUNT
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count_cache:
-        _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count_cache[idx]
+    sms = cuda_sm_count(device)
+    return CPU_SM_COUNT if sms is None else sms
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:

@@ -18,6 +18,14 @@ BLOCK_N weight rows, each walking the whole K in BLOCK_K steps with STAGES loads
                 acc[M, BLOCK_N, BLOCK_K] (fp32) += a[:, None, k:k+BLOCK_K] * w[None, :, k:k+BLOCK_K]
                 out[:, p*BLOCK_N ...] = round(sum(acc, axis=2))
 
+Launched with PDL (kernels/pdl.py) only when the whole grid is resident at once (one wave):
+its programs then sit on the SMs while the kernel before runs, and each asks L2 for its first
+weight tile before waiting, so the read starts at L2 latency. A grid of several waves gains
+nothing from the early launch and measured slower with it (Qwen3-8B batch-1 decode: 4.88 ms
+per token with every GEMV under PDL, 4.60 with none, 4.54 with one-wave grids only). Wide
+layers whose 8-row grid spills into a second wave take 16-row programs instead (8B qkv:
+768 -> 384 programs, 4.46 ms per token).
+
 Shapes only set the launch, so calls are CUDA-graph capturable.
 """
 
@@ -29,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, check_vector, next_pow2
+from .checks import check_matrix, check_vector, cuda_sm_count, next_pow2
 from .fused_norm import round_to
-from .pdl import pdl_launch_options, wait_for_prior
+from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
 
 # Most rows served: past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers, and from
 # 2 rows on cuBLAS's tensor-core kernels catch up (benchmarks/bench_gemm.py, H200).
@@ -46,6 +54,9 @@ NUM_WARPS = 4
 # loads marked evict-first (0.6B: o 3.5 vs 12.6, down 4.1 vs 7.4).
 BLOCK_K = 512
 WIDE_N = 4096
+# GEMV programs resident per SM at once (4 warps; on the H200 a 512-program grid ran as one
+# wave, 768 as two): a grid up to this many per SM is one wave.
+RESIDENT_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,8 @@ class Tiling:
 
 
 WIDE_TILING = Tiling(block_n=8, block_k=BLOCK_K, stages=3, evict="")
+# Twice the rows per program, half the grid: for wide layers whose 8-row grid needs a second wave.
+TALL_TILING = Tiling(block_n=16, block_k=256, stages=4, evict="")
 NARROW_TILING = Tiling(block_n=4, block_k=BLOCK_K, stages=4, evict="evict_first")
 
 
@@ -65,18 +78,20 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
 ):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < n_out
+    w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
+        first_lines = tl.minimum(tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
+        prefetch_l2(w_rows + first_lines[None, :])
     wait_for_prior(PDL)
-    pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < n_rows
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < n_out
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
@@ -102,11 +117,22 @@ def _gemv_kernel(
     tl.store(out, round_to(y, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tiling(rows: int, n_out: int, k_in: int) -> Tiling:
-    """The tiling for a call (WIDE_TILING / NARROW_TILING); BLOCK_K shrinks with more rows to
-    keep the accumulator at ACC_ELEMS, and to K for short rows."""
-    t = WIDE_TILING if n_out >= WIDE_N else NARROW_TILING
+def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
+    """The tiling for a call: NARROW_TILING below WIDE_N outputs, else WIDE_TILING, or
+    TALL_TILING where that alone fits the grid into one wave of `wave` programs (None: no GPU,
+    no waves). BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K
+    for short rows."""
+    t = NARROW_TILING
+    if n_out >= WIDE_N:
+        spills = wave is not None and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
+        t = TALL_TILING if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave else WIDE_TILING
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
+
+
+def one_wave(device: torch.device) -> int | None:
+    """Programs of this kernel resident at once on a CUDA device (None elsewhere)."""
+    sms = cuda_sm_count(device)
+    return None if sms is None else sms * RESIDENT_PER_SM
 
 
 def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
@@ -124,17 +150,21 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if bias is not None:
         check_vector("bias", bias, n_out, "x", x)
+    wave = one_wave(x.device)
     if tile is None:
-        tile = tiling(m, n_out, k_in)
+        tile = tiling(m, n_out, k_in, wave)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n_out, tile.block_n),)](
+    grid = triton.cdiv(n_out, tile.block_n)
+    pdl = pdl_launch_options(x) if wave is not None and grid <= wave else {"PDL": False}
+    line_elems = LINE_BYTES // x.element_size()
+    _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
-        num_warps=NUM_WARPS, **pdl_launch_options(x),
+        PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems, num_warps=NUM_WARPS, **pdl,
     )
     return out
 

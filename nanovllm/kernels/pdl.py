@@ -11,8 +11,9 @@ successor be scheduled once all of its programs have started:
                                                             ^ A finished
 
 So every kernel launched with `pdl_launch_options` must call `wait_for_prior(PDL)` before it
-reads or writes anything an earlier kernel touches (weights, which nothing writes, may be
-read before). Kernels launched without PDL (or on CPU / the interpreter / older Triton)
+reads or writes anything an earlier kernel touches. Data nothing writes (weights) may be
+touched before: `prefetch_l2` asks L2 for it while the kernel waits, so its first loads after
+the wait hit L2 instead of HBM. Kernels launched without PDL (or on CPU / the interpreter / older Triton)
 get PDL=False, and the call compiles to nothing. CUDA graphs keep PDL launches.
 """
 
@@ -30,6 +31,8 @@ try:  # Triton >= 3.3 exposes the PTX griddepcontrol instructions
 except ImportError:  # older Triton: no PDL
     HAS_GDC = False
 
+# L2 line size on NVIDIA GPUs since Volta: `prefetch_l2` needs one address per line.
+LINE_BYTES = 128
 # PDL needs compute capability 9.0 (Hopper) or newer.
 MIN_PDL_CAPABILITY = (9, 0)
 
@@ -42,6 +45,14 @@ def wait_for_prior(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the line holding each address in ptrs (PTX prefetch.global.L2: nothing is
+    waited for, no registers are held). Compiled code only: not under the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_launch_options(t: torch.Tensor) -> dict:
