@@ -71,7 +71,8 @@ def test_tilings_agree():
     x = randn((2, 300), gen, torch.float32)
     w = randn((37, 300), gen, torch.float32)
     ref = ref_linear(x, w, None)
-    for block_n, block_k, stages, evict in [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 256, 4, ""), (16, 512, 4, "")]:
+    tilings = [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 256, 4, ""), (16, 512, 4, "")]
+    for block_n, block_k, stages, evict in tilings:
         tile = Tiling(block_n=block_n, block_k=block_k, stages=stages, evict=evict)
         assert rel_err(gemv(x, w, tile=tile), ref) < 1e-5
 

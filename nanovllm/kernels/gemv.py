@@ -22,9 +22,9 @@ Launched with PDL (kernels/pdl.py) only when the whole grid is resident at once 
 its programs then sit on the SMs while the kernel before runs, and each asks L2 for its first
 weight tile before waiting, so the read starts at L2 latency. A grid of several waves gains
 nothing from the early launch and measured slower with it (Qwen3-8B batch-1 decode: 4.88 ms
-per token with every GEMV under PDL, 4.60 with none, 4.54 with one-wave grids only). Wide
-layers whose 8-row grid spills into a second wave take 16-row programs instead (8B qkv:
-768 -> 384 programs, 4.46 ms per token).
+per token with every GEMV under PDL, 4.60 with none, 4.54 with one-wave grids only and the
+prefetch). Wide layers whose 8-row grid spills into a second wave take 16-row programs
+instead (8B qkv: 768 -> 384 programs, 4.46 ms per token).
 
 Shapes only set the launch, so calls are CUDA-graph capturable.
 """
@@ -54,8 +54,9 @@ NUM_WARPS = 4
 # loads marked evict-first (0.6B: o 3.5 vs 12.6, down 4.1 vs 7.4).
 BLOCK_K = 512
 WIDE_N = 4096
-# GEMV programs resident per SM at once (4 warps; on the H200 a 512-program grid ran as one
-# wave, 768 as two): a grid up to this many per SM is one wave.
+# GEMV programs counted as resident per SM at once, so a grid of up to SMs x this is one wave:
+# 528 on a 132-SM H200, between the grids early launch paid for (8B o and down, 512 programs)
+# and those it cost (8B qkv at 8 rows, 768; gate_up, 3072).
 RESIDENT_PER_SM = 4
 
 

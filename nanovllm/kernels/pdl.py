@@ -13,8 +13,8 @@ successor be scheduled once all of its programs have started:
 So every kernel launched with `pdl_launch_options` must call `wait_for_prior(PDL)` before it
 reads or writes anything an earlier kernel touches. Data nothing writes (weights) may be
 touched before: `prefetch_l2` asks L2 for it while the kernel waits, so its first loads after
-the wait hit L2 instead of HBM. Kernels launched without PDL (or on CPU / the interpreter / older Triton)
-get PDL=False, and the call compiles to nothing. CUDA graphs keep PDL launches.
+the wait hit L2 instead of HBM. Kernels launched without PDL (or on CPU / the interpreter /
+older Triton) get PDL=False, and the call compiles to nothing. CUDA graphs keep PDL launches.
 """
 
 from __future__ import annotations
