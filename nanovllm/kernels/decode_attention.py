@@ -276,7 +276,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
-        **pdl_launch_options(q),
+        **pdl_launch_options(q, 'attn'),
     )
     if num_splits == 1 or counters is not None:
         return out

@@ -106,7 +106,7 @@ def _launch(x, residual, weight, eps):
     _rms_norm_kernel[(triton.cdiv(n, rows),)](
         x, residual if has_res else x, weight, out, res_out if has_res else out,
         n, h, x.stride(0), residual.stride(0) if has_res else 0, float(eps),
-        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps, **pdl_launch_options(x),
+        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps, **pdl_launch_options(x, 'rms'),
     )
     return out, res_out
 

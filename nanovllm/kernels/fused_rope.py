@@ -177,7 +177,7 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm,
         hq, hkv, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         positions.stride(0), cos_sin_cache.stride(0), *cache_strides, float(eps),
         HEAD_DIM=d, HEADS=heads, BLOCK_HALF=block_half, APPLY_NORM=apply_norm,
-        STORE_KV=kv_write is not None, BLOCK_SIZE=block_size, num_warps=NUM_WARPS, **pdl_launch_options(q),
+        STORE_KV=kv_write is not None, BLOCK_SIZE=block_size, num_warps=NUM_WARPS, **pdl_launch_options(q, 'rope'),
     )
     return q_out, k_out
 

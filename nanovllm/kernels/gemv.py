@@ -32,6 +32,7 @@ import triton.language as tl
 from .checks import check_matrix, check_vector, next_pow2
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
+from .prefetch import LINE_BYTES, prefetch_lines
 
 # Most rows served: past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers, and from
 # 2 rows on cuBLAS's tensor-core kernels catch up (benchmarks/bench_gemm.py, H200).
@@ -65,15 +66,19 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_prior(PDL)
     pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < n_out
+    if PREFETCH_K > 0:  # weights are never written: ask L2 for the first tiles before the wait
+        pf_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w
+        pf_cols = tl.minimum(tl.arange(0, PREFETCH_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
+        prefetch_lines(pf_rows + pf_cols[None, :])
+    wait_for_prior(PDL)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < n_rows
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < n_out
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
@@ -126,15 +131,31 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
         check_vector("bias", bias, n_out, "x", x)
     if tile is None:
         tile = tiling(m, n_out, k_in)
+        import os
+        o = os.environ.get(f"NANOVLLM_EXP_T{n_out}")
+        if o:
+            bn, bk, st = map(int, o.split(","))
+            tile = Tiling(bn, bk, st, "")
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    import os
+    grid = triton.cdiv(n_out, tile.block_n)
+    pdl = pdl_launch_options(x, 'gemv')
+    if grid > int(os.environ.get("NANOVLLM_EXP_PDL_MAXGRID", "100000000")):
+        pdl = {"PDL": False}
+    line_elems = LINE_BYTES // x.element_size()
+    import os
+    pf_tiles = int(os.environ.get("NANOVLLM_EXP_GEMV_PF", "0"))
+    prefetch_k = min(next_pow2(pf_tiles * tile.block_k), next_pow2(k_in)) if pdl["PDL"] and pf_tiles else 0
+    if prefetch_k < line_elems:
+        prefetch_k = 0
     _gemv_kernel[(triton.cdiv(n_out, tile.block_n),)](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
-        num_warps=NUM_WARPS, **pdl_launch_options(x),
+        PREFETCH_K=prefetch_k, LINE_ELEMS=line_elems, num_warps=NUM_WARPS, **pdl,
     )
     return out
 

@@ -44,10 +44,11 @@ def wait_for_prior(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def pdl_launch_options(t: torch.Tensor) -> dict:
+def pdl_launch_options(t: torch.Tensor, name: str = '') -> dict:
     """Launch keywords for a kernel on t's device: {'PDL': True, 'launch_pdl': True} where PDL
     works, else {'PDL': False}."""
-    if not HAS_GDC or INTERPRET or t.device.type != "cuda":
+    import os
+    if not HAS_GDC or INTERPRET or t.device.type != "cuda" or os.environ.get("NANOVLLM_EXP_NOPDL") == "1" or (name and name in os.environ.get("NANOVLLM_EXP_NOPDL_K", "").split(",")):
         return {"PDL": False}
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _capable:

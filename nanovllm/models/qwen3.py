@@ -42,10 +42,14 @@ class Qwen3Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if q.is_cuda:  # one kernel: q/k RMSNorm, rotary, and the K/V write into the paged cache
             from nanovllm.kernels.fused_rope import qk_norm_rope
-
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
-                                self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_write=self.attn.kv_write(v))
-            out = self.attn(q, k, v, kv_stored=True)  # [N, Hq, D]
+            import os
+            from nanovllm.layers.linear import use_gemv
+            from nanovllm.kernels.prefetch import l2_prefetch
+            opf = int(os.environ.get("NANOVLLM_EXP_OPF_MB", "0"))
+            with l2_prefetch(self.o_proj.weight if opf and use_gemv(hidden) else None, opf * 2**20):
+                q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
+                                    self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_write=self.attn.kv_write(v))
+                out = self.attn(q, k, v, kv_stored=True)  # [N, Hq, D]
         else:
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
             out = self.attn(q, k, v)
