@@ -148,6 +148,25 @@ def test_decode_explicit_num_splits(num_splits):
     assert rel_err(out, decode_ref(q, kc, vc, table, lens)) < TOL[torch.bfloat16]
 
 
+def capture_decode(q, kc, vc, seqlens, table):
+    """(graph, out): one decode call captured in a CUDA graph; it first runs once outside the
+    capture (compiles, and allocates the arrival counters)."""
+    flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+    return graph, out
+
+
+def replay_error(graph, out, q, kc, vc, table, lens):
+    """Replay with `out` poisoned (NaN) first; its relative error against the reference."""
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return rel_err(out, decode_ref(q, kc, vc, table, lens.tolist()))
+
+
 def test_decode_cuda_graph():
     gen = torch.Generator(DEV).manual_seed(4)
     hq, hkv, bs, batch, width = 16, 8, 256, 8, 16
@@ -157,21 +176,14 @@ def test_decode_cuda_graph():
     q = randn((batch, 1, hq, D), gen, dtype)
     seqlens = torch.ones(batch, dtype=torch.int32, device=DEV)
     table = torch.zeros((batch, width), dtype=torch.int32, device=DEV)
-    flash_attn_with_kvcache(q, kc, vc, seqlens, table)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+    graph, out = capture_decode(q, kc, vc, seqlens, table)
     for trial in range(3):
         lens = torch.randint(1, bs * width + 1, (batch,), generator=gen, device=DEV)
         lens[0] = 1 + trial
         seqlens.copy_(lens.int())
         table.copy_(torch.randperm(num_blocks, device=DEV, generator=gen)[:batch * width].view(batch, width).int())
         q.copy_(randn((batch, 1, hq, D), gen, dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, decode_ref(q, kc, vc, table, lens.tolist())) < TOL[dtype]
+        assert replay_error(graph, out, q, kc, vc, table, lens) < TOL[dtype]
 
 
 @pytest.mark.parametrize("hq,hkv", HEADS)
@@ -189,17 +201,10 @@ def test_decode_folded_merge_over_many_replays(monkeypatch, hq, hkv, batch):
     q = randn((batch, 1, hq, D), gen, dtype)
     seqlens = torch.full((batch,), bs * width, dtype=torch.int32, device=DEV)
     table = torch.randperm(num_blocks, device=DEV, generator=gen).view(batch, width).int()
-    flash_attn_with_kvcache(q, kc, vc, seqlens, table)  # compile (and allocate counters) outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+    graph, out = capture_decode(q, kc, vc, seqlens, table)
     for trial in range(20):
         lens = torch.randint(1, bs * width + 1, (batch,), generator=gen, device=DEV)
         seqlens.copy_(lens.int())
         q.copy_(randn((batch, 1, hq, D), gen, dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, decode_ref(q, kc, vc, table, lens.tolist())) < TOL[dtype], f"replay {trial}"
+        assert replay_error(graph, out, q, kc, vc, table, lens) < TOL[dtype], f"replay {trial}"
     assert not dec._counter_cache[q.device].any()

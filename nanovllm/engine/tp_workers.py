@@ -35,6 +35,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 EXIT_JOIN_SECONDS = 10.0
 # A failed collective waits this long for the dead worker's exit to become visible.
 DEATH_CONFIRM_SECONDS = 2.0
+# ...polling at this interval (short next to the confirm window, cheap for the host).
+DEATH_POLL_SECONDS = 0.05
 # Variables that must reach workers: NVLink multicast stays off on shared hosts.
 _INHERITED_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -98,20 +100,26 @@ class WorkerGroup:
             self._stop_processes()
             raise
 
-    def check_alive(self) -> None:
+    def _death(self) -> str | None:
+        """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any."""
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode})")
+                return f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode})"
+        return None
+
+    def check_alive(self) -> None:
+        death = self._death()
+        if death is not None:
+            raise RuntimeError(death)
 
     def dead_worker_error(self, cause: BaseException) -> RuntimeError | None:
         """After a failed collective: a clear error naming a worker that died, if one did."""
         deadline = time.monotonic() + DEATH_CONFIRM_SECONDS
         while time.monotonic() < deadline:
-            for rank, proc in enumerate(self.procs, start=1):
-                if not proc.is_alive():
-                    return RuntimeError(
-                        f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode}): {cause}")
-            time.sleep(0.05)
+            death = self._death()
+            if death is not None:
+                return RuntimeError(f"{death}: {cause}")
+            time.sleep(DEATH_POLL_SECONDS)
         return None
 
     def send(self, method: str, *args) -> None:

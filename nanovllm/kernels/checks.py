@@ -59,6 +59,17 @@ def check_vector(name: str, t, n: int, like_name: str, like: torch.Tensor) -> No
         raise ValueError(f"{name} is on {t.device}, {like_name} on {like.device}")
 
 
+def check_eps(eps) -> None:
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., H] as [rows, H] with a contiguous last dim, as check_matrix wants (a view when possible)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def check_head_dim(d: int) -> None:
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")

@@ -29,6 +29,14 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """float32 gate, up -> round(round(silu(gate)) * up) in dtype: the roundings of F.silu then
+    the product in torch (also the GEMV's SILU_MUL prologue)."""
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    return round_to(act * up, dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -37,8 +45,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, P
     x_row = x_ptr + row * stride_x
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = round_to(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds
-    tl.store(out_ptr + row * inter + cols, round_to(act * up, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * inter + cols, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, check_vector, next_pow2
+from .checks import check_eps, check_matrix, check_vector, next_pow2
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported hidden size: one row lives in registers (16384 fp32 over 16 warps =
@@ -89,8 +89,7 @@ def _check_args(x, residual, weight, eps) -> None:
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device}, x on {x.device}")
     check_vector("weight", weight, h, "x", x)
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    check_eps(eps)
 
 
 def _launch(x, residual, weight, eps):

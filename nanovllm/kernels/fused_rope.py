@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype, check_vector, next_pow2
+from .checks import check_eps, check_float_dtype, check_vector, next_pow2
 from .fused_norm import round_to
 from .kv_store import check_kv_store
 from .pdl import pdl_launch_options, wait_for_prior
@@ -197,8 +197,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     d = q.shape[2]
     check_vector("q_weight", q_weight, d, "q", q)
     check_vector("k_weight", k_weight, d, "q", q)
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    check_eps(eps)
     if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):
         raise ValueError("kv_write must be a tuple (v, k_cache, v_cache, slot_mapping)")
     return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True, kv_write)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_matrix, check_vector, cuda_sm_count, next_pow2
+from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
 
@@ -106,8 +107,7 @@ def _gemv_kernel(
         if SILU_MUL:
             gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
             up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)  # F.silu rounds
-            a = round_to(act * up, dtype).to(tl.float32)
+            a = silu_mul(gate, up, dtype).to(tl.float32)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]

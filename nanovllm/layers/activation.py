@@ -24,11 +24,10 @@ class SiluAndMul(nn.Module):
 
     @staticmethod
     def forward_triton(x: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.checks import as_rows
         from nanovllm.kernels.fused_activation import silu_and_mul
 
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        return silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+        return silu_and_mul(as_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)
 
     @staticmethod
     def forward_native(x: torch.Tensor) -> torch.Tensor:

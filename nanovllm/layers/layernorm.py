@@ -10,12 +10,6 @@ import torch
 from torch import nn
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t [..., H] as [rows, H] with a contiguous last dim (a view when possible)."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -39,11 +33,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` through the fused Triton kernel (leading dims flattened into rows)."""
+        from nanovllm.kernels.checks import as_rows
         from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
 
         if residual is None:
-            return rms_norm(_rows(x), self.weight, self.eps).view(x.shape)
-        out, summed = add_rms_norm(_rows(x), _rows(residual), self.weight, self.eps)
+            return rms_norm(as_rows(x), self.weight, self.eps).view(x.shape)
+        out, summed = add_rms_norm(as_rows(x), as_rows(residual), self.weight, self.eps)
         return out.view(x.shape), summed.view(x.shape)
 
     def forward_native(

@@ -96,7 +96,7 @@ class SamplingBatch:
         if keys is not None and len(keys) != len(params):
             raise ValueError(f"got {len(keys)} keys for {len(params)} rows")
         device = torch.device(device)
-        greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
+        greedy = [p.greedy for p in params]
         temperatures = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         # Settings of greedy rows are irrelevant: they are stored as "off".
         top_ks = [
