@@ -1,42 +1,229 @@
-"""Offline throughput benchmark on nano-vllm's workload, against the memory floor and transformers.
+"""Offline throughput benchmark on nano-vllm's workload, against a measured roofline and transformers.
 
-    python bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
-    python bench.py --model DIR --load-format dummy --compare-hf      # + transformers, same prompts
-    python bench.py --model DIR --load-format dummy --latency         # decode ms/token at batch 1, 8, 32
+    python bench.py                                    # Qwen3-0.6B shape, random weights, default workload
+    python bench.py --workload long                    # or: many; explicit flags override a preset
+    python bench.py --model DIR --compare-hf           # + transformers on a prefix of the same prompts
+    python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
+    python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
 
-Workload (nano-vllm's): random.seed(seed); num_seqs prompts of random ids with lengths in
-[min_input, max_input]; then per prompt max_tokens in [min_output, max_output];
-temperature 0.6, ignore_eos. Throughput = output tokens / wall seconds (prefill included),
-after one warm-up generate.
+Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with lengths in [min_input,
+max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos.
+Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. A model
+directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
+
+Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run.
+Bytes: each decode step reads every running sequence's whole KV context, and there are at least
+max(max_tokens) - 1 steps, each reading every weight but an untied input embedding (only rows gathered).
+FLOPs: 2 x linear weights x tokens through them: prompt and output tokens but the last output go through
+the layers, one lm_head row per output token; attention 4 x heads x head_dim per layer and query-key
+pair, each token seeing its causal prefix (prefill a triangle of its prompt, decode the whole context).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
+import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
 from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.sequence import RequestOutput
+from nanovllm.models.model_config import ModelConfig
 
 # Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
 PROMPT_ID_MAX = 10000
 # Bytes moved by the copy that measures HBM bandwidth (well past the 60 MB L2).
 BANDWIDTH_PROBE_BYTES = 2 * 2**30
+# Square bf16 GEMM side for the compute probe: large enough to run at the tensor cores' peak.
+GEMM_PROBE_N = 8192
+# Operand pairs the GEMM probe cycles through (128 MiB each): no call finds its inputs in L2.
+GEMM_PROBE_PAIRS = 3
+# Untimed, then timed calls of each probe; the median of the timed ones is kept.
+PROBE_WARMUP_CALLS = 3
+PROBE_TIMED_CALLS = 10
+# --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).
+TTFT_REPEATS = 7
+TTFT_WARMUP = 1
+# Percentiles reported for time to first token and inter-token latency.
+LATENCY_PERCENTILES = (50, 99)
+# Sampling temperature of the throughput workload (nano-vllm's).
+WORKLOAD_TEMPERATURE = 0.6
+# transformers' attention kernel for the --compare-hf baseline.
+HF_ATTENTION = "sdpa"
+NO_CUDA_MESSAGE = "bench.py measures GPU throughput and needs a CUDA device; torch sees none"
+# The Qwen3-0.6B shape (config.json only), found from the script so any working directory works.
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "configs", "qwen3-0.6b")
 
 
-def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    random.seed(args.seed)
+@dataclass(frozen=True)
+class Workload:
+    num_seqs: int
+    min_input: int
+    max_input: int
+    min_output: int
+    max_output: int
+    seed: int
+
+
+# --workload presets; an explicit flag overrides the preset's value.
+WORKLOADS = {
+    "default": Workload(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0),
+    "long": Workload(num_seqs=1024, min_input=100, max_input=2048, min_output=100, max_output=512, seed=7),
+    "many": Workload(num_seqs=2048, min_input=50, max_input=1024, min_output=50, max_output=512, seed=11),
+}
+
+
+# ----- pure counting (numbers and ModelConfig in, numbers out) -----
+def percentile(values: Sequence[float], q: float) -> float:
+    """q-th percentile (0-100) with linear interpolation between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = q / 100 * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def layer_linear_elements(cfg: ModelConfig) -> int:
+    """Weight elements of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return attention + mlp
+
+
+def lm_head_elements(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def decode_weight_elements(cfg: ModelConfig) -> int:
+    """Parameters a decode step reads in full: every weight, bias and norm, the lm_head included;
+    not an untied input embedding, of which a step gathers only its tokens' rows (a tied one is
+    the lm_head and is counted as such)."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    bias = q + 2 * kv if cfg.attention_bias else 0
+    norms = 2 * cfg.hidden_size + 2 * cfg.head_dim  # input / post-attention RMSNorm, q / k norm
+    per_layer = layer_linear_elements(cfg) + bias + norms
+    return cfg.num_hidden_layers * per_layer + cfg.hidden_size + lm_head_elements(cfg)  # + final norm
+
+
+def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
+
+
+def decode_kv_tokens(prompt_len: int, max_tokens: int) -> int:
+    """Context tokens read by one request's decode steps: step t = 1 .. n-1 reads prompt + t."""
+    n = max_tokens
+    return (n - 1) * prompt_len + n * (n - 1) // 2
+
+
+def causal_pairs(prompt_len: int, max_tokens: int) -> int:
+    """Query-key pairs of one request: its prompt and all but its last output token are forwarded,
+    and token i (1-based) attends to tokens 1 .. i."""
+    forwarded = prompt_len + max_tokens - 1
+    return forwarded * (forwarded + 1) // 2
+
+
+def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
+                   max_tokens: Sequence[int]) -> tuple[int, int]:
+    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps."""
+    kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
+    steps = max(max_tokens) - 1
+    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), decode_weight_elements(cfg) * elem_bytes * steps
+
+
+def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
+    """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
+    forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
+    logit_rows = sum(max_tokens)
+    matmul = 2 * (cfg.num_hidden_layers * layer_linear_elements(cfg) * forwarded + lm_head_elements(cfg) * logit_rows)
+    pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+    return matmul, attention
+
+
+def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
+    """FLOPs of one prompt's prefill that samples its first token."""
+    return sum(workload_flops(cfg, [prompt_len], [1]))
+
+
+@dataclass(frozen=True)
+class Roofline:
+    memory_s: float
+    compute_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def binding(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+def roofline(num_bytes: float, flops: float, bandwidth: float, peak_flops: float) -> Roofline:
+    return Roofline(memory_s=num_bytes / bandwidth, compute_s=flops / peak_flops)
+
+
+def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter) -> None:
+    """Raise unless every request finished holding exactly max_tokens tokens, each seen in `sampled`."""
+    missing = sorted(set(max_tokens) - set(outputs))
+    if missing:
+        raise RuntimeError(f"{len(missing)} request(s) never finished, e.g. id {missing[0]}")
+    for rid, n in max_tokens.items():
+        got = len(outputs[rid].token_ids)
+        if got != n:
+            raise RuntimeError(f"request {rid} returned {got} tokens, {n} counted (ignore_eos: all must be made)")
+        if sampled[rid] != n:
+            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
+
+
+def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
+    """(load_format for LLM, a line saying which weights run): auto = dummy iff no *.safetensors."""
+    if requested == "dummy":
+        return "dummy", "random weights (--load-format dummy)"
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        return "dummy", f"random weights: {model_dir} has no *.safetensors (load_format=dummy)"
+    return requested, f"checkpoint weights from {model_dir}"
+
+
+def make_workload(w: Workload, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draws, in its order: all prompts, then all max_tokens."""
+    rng = random.Random(w.seed)
     id_max = min(PROMPT_ID_MAX, vocab_size - 1)
-    prompts = [[random.randint(0, id_max) for _ in range(random.randint(args.min_input, args.max_input))]
-               for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(args.min_output, args.max_output))
-              for _ in range(args.num_seqs)]
-    return prompts, params
+    prompts = [[rng.randint(0, id_max) for _ in range(rng.randint(w.min_input, w.max_input))]
+               for _ in range(w.num_seqs)]
+    max_tokens = [rng.randint(w.min_output, w.max_output) for _ in range(w.num_seqs)]
+    return prompts, max_tokens
+
+
+# ----- device probes -----
+def _median_event_seconds(fn: Callable[[int], object], calls: int) -> float:
+    """Median over `calls` of fn()'s device time, by CUDA events (fn gets the call index)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(calls):
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return percentile(times, 50)
 
 
 def measure_bandwidth() -> float:
@@ -44,70 +231,123 @@ def measure_bandwidth() -> float:
     n = BANDWIDTH_PROBE_BYTES // 2
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
+    for _ in range(PROBE_WARMUP_CALLS):
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = _median_event_seconds(lambda i: dst.copy_(src), PROBE_TIMED_CALLS)
     del src, dst
-    return 2 * n / sorted(times)[len(times) // 2]
+    torch.cuda.empty_cache()
+    return 2 * n / seconds
 
 
-def memory_floor_bytes(llm: LLM, prompts, params) -> tuple[float, float]:
-    """(KV bytes, weight bytes) that any engine must read for this workload's decode steps.
+def measure_gemm_peak() -> float:
+    """Dense bf16 GEMM FLOP/s: an N x N x N matmul, operands rotated so none is cached."""
+    n = GEMM_PROBE_N
 
-    Each decode step of a sequence reads its whole context's KV once; weights are read
-    once per step, and there are at least max(max_tokens) - 1 decode steps.
-    """
-    cfg = llm.config.model_config
-    elem = torch.empty((), dtype=llm.config.torch_dtype).element_size()
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
-    # decode step t (t = 1 .. n-1) reads len(p) + t tokens: sum = (n-1) len(p) + n(n-1)/2
-    kv_tokens = sum((sp.max_tokens - 1) * len(p) + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
-    steps = max(sp.max_tokens for sp in params) - 1
-    return kv_tokens * kv_per_token, weight_bytes * steps
+    def operand() -> torch.Tensor:
+        return torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+
+    pairs = [(operand(), operand()) for _ in range(GEMM_PROBE_PAIRS)]
+    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+
+    def call(i: int) -> None:
+        a, b = pairs[i % len(pairs)]
+        torch.matmul(a, b, out=out)
+
+    for i in range(PROBE_WARMUP_CALLS):
+        call(i)
+    seconds = _median_event_seconds(call, PROBE_TIMED_CALLS)
+    del pairs, out
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds
 
 
-def run_engine(llm: LLM, prompts, params) -> dict:
-    for p, sp in zip(prompts, params):
-        llm.add_request(p, sp)
-    stats = {k: 0.0 for k in ("prefill_s", "decode_s", "prefill_tokens", "decode_tokens", "decode_steps",
-                              "decode_launch_s", "decode_prepare_s", "decode_wait_s", "decode_post_s")}
+# ----- engine runs -----
+@dataclass
+class EngineRun:
+    """One timed run_engine: wall time, per-kind step totals and per-token arrival latencies."""
+
+    wall_s: float = 0.0
+    prefill_s: float = 0.0  # steps with prefill in them (PREFILL and MIXED)
+    prefill_tokens: int = 0
+    decode_s: float = 0.0  # decode-only steps
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_host_s: float = 0.0  # launch + postprocess of decode-only steps
+    decode_wait_s: float = 0.0
+    steps_by_kind: Counter = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)  # from all requests queued to the first token
+    itl_s: list[float] = field(default_factory=list)  # gaps between a request's successive tokens
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if k not in ("ttft_s", "itl_s", "steps_by_kind")}
+        out["steps_by_kind"] = dict(self.steps_by_kind)
+        for name, values in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+            for q in LATENCY_PERCENTILES:
+                out[f"{name}_p{q}_ms"] = 1e3 * percentile(values, q)
+        return out
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> EngineRun:
+    """Queue every request, step to completion, and check each returned the tokens counted."""
+    wanted = {llm.add_request(p, SamplingParams(temperature=WORKLOAD_TEMPERATURE, ignore_eos=True, max_tokens=n)): n
+              for p, n in zip(prompts, max_tokens, strict=True)}
+    run = EngineRun()
+    outputs: dict[int, RequestOutput] = {}
+    sampled: Counter = Counter()
+    last_token_at: dict[int, float] = {}
     start = time.perf_counter()
     while not llm.is_finished():
         t = time.perf_counter()
         r = llm.step()
-        dt = time.perf_counter() - t
-        if r.kind is StepKind.PREFILL:
-            stats["prefill_s"] += dt
-            stats["prefill_tokens"] += r.num_tokens
+        now = time.perf_counter()
+        run.steps_by_kind[r.kind.value] += 1
+        if r.kind is StepKind.DECODE:
+            run.decode_s += now - t
+            run.decode_tokens += r.num_tokens
+            run.decode_steps += 1
+            run.decode_host_s += r.launch_s + r.postprocess_s
+            run.decode_wait_s += r.wait_s
         else:
-            stats["decode_s"] += dt
-            stats["decode_tokens"] += r.num_tokens
-            stats["decode_steps"] += 1
-            stats["decode_launch_s"] += r.launch_s
-            stats["decode_prepare_s"] += r.prepare_s
-            stats["decode_wait_s"] += r.wait_s
-            stats["decode_post_s"] += r.postprocess_s
-    stats["wall_s"] = time.perf_counter() - start
-    return stats
+            run.prefill_s += now - t
+            run.prefill_tokens += r.num_tokens
+        for rid in r.sampled:
+            if rid in last_token_at:
+                run.itl_s.append(now - last_token_at[rid])
+            else:
+                run.ttft_s.append(now - start)
+            last_token_at[rid] = now
+            sampled[rid] += 1
+        outputs.update((out.request_id, out) for out in r.finished)
+    run.wall_s = time.perf_counter() - start
+    check_outputs(wanted, outputs, sampled)
+    return run
 
 
-def run_hf(model_dir: str, prompts, params, batch_size: int) -> float:
-    """transformers' generate on the same prompts (left-padded batches, bf16, sdpa); returns seconds."""
+def warm_up(llm: LLM) -> None:
+    """One short generate unrelated to the workload (compiles, fills allocator pools)."""
+    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+
+
+@dataclass(frozen=True)
+class HFRun:
+    seconds: float
+    generated_tokens: int  # every token transformers made: rows x the batch's max_new_tokens
+    settings: str
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> HFRun:
+    """transformers' generate on the same prompts. Batches group prompts of similar max_tokens (sorted)
+    and every row runs to the batch's maximum; all those tokens are counted."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION).eval()
+    cache = model.generation_config.cache_implementation or "dynamic (transformers' default)"
+    order = sorted(range(len(prompts)), key=lambda i: max_tokens[i], reverse=True)
     pad = 0
+    generated = 0
     torch.cuda.synchronize()
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
@@ -115,15 +355,21 @@ def run_hf(model_dir: str, prompts, params, batch_size: int) -> float:
         width = max(len(prompts[i]) for i in idx)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device="cuda")
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device="cuda")
-        new = max(params[i].max_tokens for i in idx)
+        new = max(max_tokens[i] for i in idx)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=pad)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
+        if out.shape[1] != width + new:
+            raise RuntimeError(f"transformers made {out.shape[1] - width} tokens per row, {new} counted")
+        generated += len(idx) * new
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del model
     torch.cuda.empty_cache()
-    return seconds
+    settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
+                f"batches of {batch_size} sorted by max_tokens, left padding, do_sample T={WORKLOAD_TEMPERATURE} "
+                f"top_k=0 top_p=1, min_new_tokens=max_new_tokens, cache {cache}")
+    return HFRun(seconds, generated, settings)
 
 
 def latency(llm: LLM, batch_sizes: list[int], context: int, steps: int) -> dict[int, float]:
@@ -144,80 +390,193 @@ def latency(llm: LLM, batch_sizes: list[int], context: int, steps: int) -> dict[
     return out
 
 
-def main() -> None:
+def measure_ttft(llm: LLM, sizes: list[int], seed: int) -> dict[int, list[float]]:
+    """Seconds from add_request to the first token of one request alone on the engine, per prompt size.
+    Every prompt is fresh random ids, so no prefix-cache block is ever hit."""
+    rng = random.Random(seed)
+    id_max = min(PROMPT_ID_MAX, llm.config.model_config.vocab_size - 1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    for size in sizes:
+        times = []
+        for _ in range(TTFT_WARMUP + TTFT_REPEATS):
+            prompt = [rng.randint(0, id_max) for _ in range(size)]
+            t = time.perf_counter()
+            llm.add_request(prompt, params)
+            while not llm.is_finished():
+                llm.step()
+            times.append(time.perf_counter() - t)
+        out[size] = times[TTFT_WARMUP:]
+    return out
+
+
+# ----- command line -----
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--min-input", type=int, default=100)
-    ap.add_argument("--max-input", type=int, default=1024)
-    ap.add_argument("--min-output", type=int, default=100)
-    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="auto: the checkpoint's weights, random ones if the directory has no *.safetensors")
+    ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
+                    help="preset for the six workload flags below (an explicit flag wins)")
+    for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(WORKLOADS["default"], name),
+                        help="default: from --workload")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate")
-    ap.add_argument("--hf-num-seqs", type=int, default=64, help="prompts given to transformers (a prefix of the workload)")
+    ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (fresh engines both)")
+    ap.add_argument("--hf-num-seqs", type=int, default=64, help="prompts given to both sides (a prefix of the workload)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
-    ap.add_argument("--latency", action="store_true", help="decode ms/token instead of throughput")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--latency", action="store_true", help="decode ms/token instead of throughput")
+    mode.add_argument("--ttft", action="store_true", help="time to first token of one request on an idle engine")
     ap.add_argument("--latency-batch-sizes", default="1,8,32")
     ap.add_argument("--latency-context", type=int, default=1024)
     ap.add_argument("--latency-steps", type=int, default=128)
+    ap.add_argument("--ttft-sizes", default="128,1000", help="prompt lengths, comma-separated")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    return ap
 
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse twice: first to learn --workload, then with that preset as the defaults."""
+    ap = build_parser()
+    known, _ = ap.parse_known_args(argv)
+    preset = WORKLOADS[known.workload]
+    ap.set_defaults(**{name: getattr(preset, name) for name in Workload.__dataclass_fields__})
+    return ap.parse_args(argv)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(**{name: getattr(args, name) for name in Workload.__dataclass_fields__})
+
+
+def engine_kwargs(args: argparse.Namespace, load_format: str) -> dict:
+    return dict(load_format=load_format, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
+                enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _ms(values: Sequence[float]) -> str:
+    return " / ".join(f"{1e3 * percentile(values, q):.1f}" for q in LATENCY_PERCENTILES)
+
+
+def throughput_rows(
+    args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict
+) -> tuple[list[tuple[str, str]], LLM]:
+    """The throughput run (and --compare-hf); returns report rows and the engine left to exit."""
+    cfg = llm.config.model_config
+    w = workload_of(args)
+    prompts, max_tokens = make_workload(w, cfg.vocab_size)
+    prompt_lens = [len(p) for p in prompts]
+    warm_up(llm)
+    run = run_engine(llm, prompts, max_tokens)
+    peak_mem = torch.cuda.max_memory_allocated()
+    out_tokens, in_tokens = sum(max_tokens), sum(prompt_lens)
+    tput = out_tokens / run.wall_s
+    res.update(run.summary(), workload=vars(w), output_tokens=out_tokens, input_tokens=in_tokens, throughput=tput,
+               peak_mem_bytes=peak_mem)
+    steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
+    rows = [("workload", f"{args.workload}: {w.num_seqs} requests, prompts {w.min_input}-{w.max_input}, "
+                         f"outputs {w.min_output}-{w.max_output}, seed {w.seed}"),
+            ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
+            ("steps", steps),
+            ("steps with prefill (prefill, mixed) tok/s", f"{run.prefill_tokens / max(run.prefill_s, 1e-9):,.0f}"),
+            ("decode-only steps tok/s", f"{run.decode_tokens / max(run.decode_s, 1e-9):,.0f}")]
+    n = max(run.decode_steps, 1)
+    res.update(decode_step_ms=1e3 * run.decode_s / n, decode_host_ms=1e3 * run.decode_host_s / n,
+               decode_wait_ms=1e3 * run.decode_wait_s / n)
+    # With overlap scheduling the host works while the device runs: waiting ~ step - host.
+    rows += [("decode step mean: total / host work / waiting",
+              f"{res['decode_step_ms']:.2f} / {res['decode_host_ms']:.2f} / {res['decode_wait_ms']:.2f} ms"),
+             ("TTFT from all queued (incl. queueing) p50 / p99", f"{_ms(run.ttft_s)} ms"),
+             ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
+
+    bw, peak = measure_bandwidth(), measure_gemm_peak()
+    elem = torch.empty((), dtype=llm.config.torch_dtype).element_size()
+    kv_bytes, w_bytes = workload_bytes(cfg, elem, prompt_lens, max_tokens)
+    mm_flops, attn_flops = workload_flops(cfg, prompt_lens, max_tokens)
+    roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, args.tp * bw, args.tp * peak)
+    res.update(bandwidth=bw, gemm_peak_flops=peak, kv_bytes=kv_bytes, weight_bytes=w_bytes, matmul_flops=mm_flops,
+               attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s, roofline_s=roof.seconds,
+               roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s)
+    per_gpu = f" x {args.tp} GPUs" if args.tp > 1 else ""
+    rows += [("HBM copy bandwidth / bf16 GEMM peak", f"{bw / 1e12:.2f} TB/s / {peak / 1e12:.0f} TFLOP/s{per_gpu}"),
+             ("memory term: KV + weights", f"{kv_bytes / 1e12:.2f} + {w_bytes / 1e12:.2f} TB = {roof.memory_s:.2f} s"),
+             ("compute term: matmul + attention", f"{mm_flops / 1e15:.2f} + {attn_flops / 1e15:.2f} PFLOP "
+                                                  f"= {roof.compute_s:.2f} s"),
+             (f"roofline ({roof.binding} binds)", f"{roof.seconds:.2f} s = {out_tokens / roof.seconds:,.0f} tok/s"),
+             ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
+             ("peak memory (torch)", f"{peak_mem / 2**30:.1f} GiB")]
+
+    if args.compare_hf:
+        k = min(args.hf_num_seqs, len(prompts))
+        llm.exit()
+        llm = LLM(args.model, **kwargs)  # fresh: no prefix cache from the run above
+        warm_up(llm)
+        sub = run_engine(llm, prompts[:k], max_tokens[:k])
+        llm.exit()
+        hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size)
+        ours_tokens = sum(max_tokens[:k])
+        ours, theirs = ours_tokens / sub.wall_s, hf.generated_tokens / hf.seconds
+        res.update(hf_seqs=k, hf_s=hf.seconds, hf_generated_tokens=hf.generated_tokens, hf_settings=hf.settings,
+                   nano_sub_s=sub.wall_s, nano_sub_tokens=ours_tokens, hf_tok_s_ratio=ours / theirs,
+                   hf_time_ratio=hf.seconds / sub.wall_s)
+        rows += [("transformers settings", hf.settings),
+                 (f"first {k}: nanovllm, fresh engine, sum(max_tokens)",
+                  f"{ours_tokens} / {sub.wall_s:.2f} s = {ours:,.0f} tok/s"),
+                 (f"first {k}: transformers, rows x batch max_new",
+                  f"{hf.generated_tokens} / {hf.seconds:.2f} s = {theirs:,.0f} tok/s"),
+                 ("speed-up over transformers: tok/s / time",
+                  f"{ours / theirs:.1f}x / {hf.seconds / sub.wall_s:.1f}x")]
+    return rows, llm
+
+
+def ttft_rows(args: argparse.Namespace, llm: LLM, res: dict) -> list[tuple[str, str]]:
+    sizes = [int(s) for s in args.ttft_sizes.split(",")]
+    times = measure_ttft(llm, sizes, args.seed)
+    peak = measure_gemm_peak()
+    res.update(gemm_peak_flops=peak, ttft={})
+    rows = [("bf16 GEMM peak", f"{peak / 1e12:.0f} TFLOP/s")]
+    cfg = llm.config.model_config
+    for size, ts in times.items():
+        med, best = percentile(ts, 50), min(ts)
+        flop_s = prefill_flops(cfg, size) / (args.tp * peak)
+        res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=flop_s, median_over_flop=med / flop_s)
+        rows.append((f"TTFT {size} tokens, idle: median / min; FLOP time",
+                     f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * flop_s:.3f} ms (median = {med / flop_s:.1f}x)"))
+    return rows
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if not torch.cuda.is_available():
+        sys.exit(NO_CUDA_MESSAGE)
+    load_format, weights = resolve_load_format(args.load_format, args.model)
+    print(weights, flush=True)
+    kwargs = engine_kwargs(args, load_format)
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager)
+    llm = LLM(args.model, **kwargs)
     startup_s = time.perf_counter() - t0
-    res: dict = {"model": args.model, "startup_s": startup_s, "kv_blocks": llm.num_kvcache_blocks,
-                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    rows = [("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
+    res: dict = {"model": args.model, "weights": weights, "load_format": load_format, "startup_s": startup_s,
+                 "kv_blocks": llm.num_kvcache_blocks, "device": torch.cuda.get_device_name(),
+                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    rows = [("weights", weights),
+            ("model / device", f"{args.model} / {res['device']}, tp {args.tp}, max_num_seqs {args.max_num_seqs}, "
+                               f"max_num_batched_tokens {args.max_num_batched_tokens}"),
+            ("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
     if args.latency:
         bss = [int(b) for b in args.latency_batch_sizes.split(",")]
         res["decode_ms_per_token"] = latency(llm, bss, args.latency_context, args.latency_steps)
         rows += [(f"decode ms/token, batch {b}, context {args.latency_context}", f"{ms:.3f}")
                  for b, ms in res["decode_ms_per_token"].items()]
+    elif args.ttft:
+        rows += ttft_rows(args, llm, res)
     else:
-        prompts, params = make_workload(args, llm.config.model_config.vocab_size)
-        llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
-        stats = run_engine(llm, prompts, params)
-        out_tokens = sum(sp.max_tokens for sp in params)
-        tput = out_tokens / stats["wall_s"]
-        res.update(stats, output_tokens=out_tokens, input_tokens=sum(map(len, prompts)), throughput=tput)
-        rows += [("output tokens / wall", f"{out_tokens} / {stats['wall_s']:.2f} s = {tput:,.0f} tok/s"),
-                 ("prefill tok/s", f"{stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9):,.0f}"),
-                 ("decode tok/s", f"{stats['decode_tokens'] / max(stats['decode_s'], 1e-9):,.0f}")]
-        n = max(stats["decode_steps"], 1)
-        host = (stats["decode_launch_s"] + stats["decode_post_s"]) / n
-        wait = stats["decode_wait_s"] / n
-        step = stats["decode_s"] / n
-        res.update(decode_step_ms=1e3 * step, decode_host_ms=1e3 * host, decode_wait_ms=1e3 * wait)
-        # With overlap scheduling the host works while the device runs: waiting ~ step - host.
-        rows.append(("mean decode step: total / host work / host waiting on device",
-                     f"{1e3 * step:.2f} / {1e3 * host:.2f} / {1e3 * wait:.2f} ms"))
-        if torch.cuda.is_available():
-            bw = measure_bandwidth()
-            kv_bytes, w_bytes = memory_floor_bytes(llm, prompts, params)
-            floor_s = (kv_bytes + w_bytes) / bw
-            res.update(bandwidth=bw, floor_kv_bytes=kv_bytes, floor_weight_bytes=w_bytes, floor_s=floor_s,
-                       floor_fraction=floor_s / stats["wall_s"], peak_mem_bytes=torch.cuda.max_memory_allocated())
-            rows += [("HBM bandwidth (copy, read+write)", f"{bw / 1e12:.2f} TB/s"),
-                     ("memory floor (KV + weights)", f"{kv_bytes / 1e12:.1f} + {w_bytes / 1e12:.1f} TB "
-                      f"= {floor_s:.2f} s = {out_tokens / floor_s:,.0f} tok/s"),
-                     ("fraction of floor reached", f"{100 * floor_s / stats['wall_s']:.1f} %"),
-                     ("peak memory (torch)", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")]
-        if args.compare_hf:
-            k = args.hf_num_seqs
-            sub = run_engine(llm, prompts[:k], params[:k])
-            llm.exit()
-            hf_s = run_hf(args.model, prompts[:k], params[:k], args.hf_batch_size)
-            sub_tokens = sum(sp.max_tokens for sp in params[:k])
-            res.update(hf_seqs=k, hf_s=hf_s, nano_sub_s=sub["wall_s"], hf_ratio=hf_s / sub["wall_s"])
-            rows += [(f"first {k} prompts: nanovllm", f"{sub_tokens / sub['wall_s']:,.0f} tok/s"),
-                     (f"first {k} prompts: transformers", f"{sub_tokens / hf_s:,.0f} tok/s"),
-                     ("speed-up over transformers", f"{hf_s / sub['wall_s']:.1f}x")]
+        more, llm = throughput_rows(args, llm, kwargs, res)
+        rows += more
     llm.exit()
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))

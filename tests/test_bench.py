@@ -1,0 +1,156 @@
+"""bench.py on CPU: it refuses to run without CUDA, and its roofline counting is right.
+
+Expected values are worked out by hand below for a 2-layer toy shape, not by calling the
+functions under test a second way; the parameter count is also checked against the real
+model module built on the meta device.
+"""
+
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import bench  # noqa: E402
+from nanovllm.engine.sequence import FinishReason, RequestOutput  # noqa: E402
+from nanovllm.models.model_config import ModelConfig  # noqa: E402
+from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+
+# Toy shape: vocab 100, hidden 8, intermediate 16, 2 layers, 2 query heads, 1 kv head, head_dim 4.
+#   per layer: q 8x8=64, k 8x4=32, v 32, o 8x8=64, gate 8x16=128, up 128, down 128  -> 576
+#   norms per layer: 8 + 8 (input/post) + 4 + 4 (q/k)                                -> 24
+#   lm_head 100x8 = 800; final norm 8; embedding 100x8 = 800
+TOY_LAYER_LINEAR = 576
+TOY_LM_HEAD = 800
+TOY_DECODE_WEIGHTS = 2 * (576 + 24) + 8 + 800  # 2008
+TOY_EMBEDDING = 800
+
+
+def toy_config(tied: bool) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "tie_word_embeddings": tied,
+    })
+
+
+def model_parameter_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+
+
+def test_no_cuda_exits_with_one_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(REPO / "bench.py")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "CUDA" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_decode_weights_hand_count_and_model():
+    untied, tied = toy_config(tied=False), toy_config(tied=True)
+    assert bench.layer_linear_elements(untied) == TOY_LAYER_LINEAR
+    # Untied: everything but the embedding, whose rows are only gathered.
+    assert bench.decode_weight_elements(untied) == TOY_DECODE_WEIGHTS
+    assert model_parameter_count(untied) == TOY_DECODE_WEIGHTS + TOY_EMBEDDING
+    # Tied: the embedding is the lm_head, read once per step, so the count is every parameter.
+    assert bench.decode_weight_elements(tied) == TOY_DECODE_WEIGHTS
+    assert model_parameter_count(tied) == TOY_DECODE_WEIGHTS
+
+
+def test_qwen3_0_6b_decode_weights_match_the_model():
+    cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-0.6b"))
+    assert cfg.tie_word_embeddings
+    assert bench.decode_weight_elements(cfg) == model_parameter_count(cfg)
+
+
+def test_workload_bytes_by_hand():
+    cfg = toy_config(tied=False)
+    # Requests (prompt 3, 2 outputs) and (prompt 5, 4 outputs).
+    # Decode reads: request 1 one step at context 4; request 2 steps at 6, 7, 8 -> 4 + 21 = 25 tokens.
+    # KV per token: 2 (K, V) x 2 layers x 1 kv head x 4 dims x 2 bytes = 32 bytes -> 800 bytes.
+    # Weights: at least 4 - 1 = 3 decode steps x 2008 elements x 2 bytes = 12,048 bytes.
+    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4]) == (800, 12048)
+
+
+def test_workload_flops_by_hand():
+    cfg = toy_config(tied=False)
+    # Through the layers: (3 + 2 - 1) + (5 + 4 - 1) = 12 tokens x 2 x 1152 = 27,648;
+    # lm_head: one row per output token, 6 x 2 x 800 = 9,600.
+    # Pairs: request 1 prefill 1+2+3 = 6, decode 4 -> 10; request 2 prefill 1+..+5 = 15,
+    # decode 6+7+8 = 21 -> 36; 46 pairs x 4 x 2 heads x 4 dims x 2 layers = 2,944.
+    assert bench.workload_flops(cfg, [3, 5], [2, 4]) == (27648 + 9600, 2944)
+    # Prefill of 3 tokens sampling one: 2 x 1152 x 3 + 2 x 800 + 6 pairs x 64 = 6912 + 1600 + 384.
+    assert bench.prefill_flops(cfg, 3) == 8896
+
+
+def test_roofline_picks_the_larger_term():
+    mem = bench.roofline(num_bytes=8e12, flops=1e15, bandwidth=4e12, peak_flops=1e15)
+    assert (mem.memory_s, mem.compute_s, mem.seconds, mem.binding) == (2.0, 1.0, 2.0, "memory")
+    comp = bench.roofline(num_bytes=1e12, flops=3e15, bandwidth=4e12, peak_flops=1e15)
+    assert (comp.seconds, comp.binding) == (3.0, "compute")
+
+
+def test_percentile():
+    assert bench.percentile([4, 1, 3, 2], 50) == 2.5  # halfway between 2 and 3
+    values = list(range(1, 102))  # 101 values: rank 99 of 0..100 is the value 100
+    random.Random(0).shuffle(values)
+    assert bench.percentile(values, 99) == 100
+    assert bench.percentile(values, 0) == 1 and bench.percentile(values, 100) == 101
+    assert bench.percentile([10, 20], 25) == 12.5
+    assert bench.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_workload_presets_and_overrides():
+    args = bench.parse_args(["--workload", "long", "--seed", "3"])
+    assert (args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, args.seed) == (
+        1024, 100, 2048, 100, 512, 3)
+    args = bench.parse_args(["--workload", "many"])
+    assert (args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, args.seed) == (
+        2048, 50, 1024, 50, 512, 11)
+    args = bench.parse_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "8192"])
+    assert (args.num_seqs, args.max_input, args.seed) == (256, 1024, 0)
+    kwargs = bench.engine_kwargs(args, "dummy")
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (64, 8192)
+
+
+def test_default_workload_is_nano_vllms():
+    # nano-vllm's bench.py, as written there: global random, prompts first, then max_tokens.
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert bench.make_workload(bench.WORKLOADS["default"], vocab_size=151936) == (prompts, max_tokens)
+
+
+def test_load_format_follows_safetensors(tmp_path):
+    assert bench.resolve_load_format("auto", str(tmp_path))[0] == "dummy"
+    assert bench.resolve_load_format("dummy", str(tmp_path))[0] == "dummy"
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    fmt, line = bench.resolve_load_format("auto", str(tmp_path))
+    assert fmt == "auto" and "checkpoint" in line
+
+
+def test_check_outputs_rejects_uncounted_tokens():
+    def out(rid: int, n: int) -> RequestOutput:
+        return RequestOutput(rid, [1], [5] * n, "", FinishReason.LENGTH)
+
+    bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
+    with pytest.raises(RuntimeError, match="returned 1 tokens, 2 counted"):
+        bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 1)}, Counter({0: 3, 1: 2}))
+    with pytest.raises(RuntimeError, match="never finished"):
+        bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3)}, Counter({0: 3}))
+    with pytest.raises(RuntimeError, match="sampled"):
+        bench.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 2}))
