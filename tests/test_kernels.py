@@ -5,10 +5,12 @@ sequence through the block table, softmax is explicit with a bottom-right causal
 Shapes are tiny because the interpreter is slow.
 """
 
+import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from nanovllm.kernels import (build_query_tiles, flash_attn_varlen_func, flash_attn_with_kvcache, query_tile_rows,
+                              store_kvcache)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16's own output rounding (8-bit significand) alone gives ~2-3e-3 relative error, so
@@ -188,6 +190,188 @@ def test_prefill_bad_inputs():
                                block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEV))
 
 
+# ---------------------------------------------------------------- prefill over a query-tile table
+# Entries past num_tiles hold these: a program that read one would index far out of bounds.
+GARBAGE_SEQ, GARBAGE_BLOCK = 1 << 28, -7
+
+
+def tile_table(q_lens, k_lens, block_m, cap):
+    """(tile_seq, tile_block, num_tiles): views of ONE int32 buffer [1 + 2 * cap] laid out as
+    [num_tiles | tile_seq (cap) | tile_block (cap)], built by build_query_tiles; garbage past
+    the real tiles."""
+    seq, blk = build_query_tiles(np.array(q_lens), block_m, np.array(k_lens))
+    n = len(seq)
+    if n > cap:
+        raise ValueError(f"{n} tiles > cap {cap}")
+    buf = torch.empty(1 + 2 * cap, dtype=torch.int32)
+    buf[0] = n
+    buf[1:1 + cap] = GARBAGE_SEQ
+    buf[1 + cap:] = GARBAGE_BLOCK
+    buf[1:1 + n] = torch.from_numpy(seq)
+    buf[1 + cap:1 + cap + n] = torch.from_numpy(blk)
+    buf = buf.to(DEV)
+    return buf[1:1 + cap], buf[1 + cap:], buf[:1]
+
+
+def paged_ref(q, k_cache, v_cache, table, q_lens, k_lens, scale):
+    cq = [0] + np.cumsum(q_lens).tolist()
+    return torch.cat([ref_attention(q[cq[i]:cq[i] + lq], gather(k_cache, table[i], lk),
+                                    gather(v_cache, table[i], lk), True, scale)
+                      for i, (lq, lk) in enumerate(zip(q_lens, k_lens))])
+
+
+@pytest.fixture
+def poisoned_out(monkeypatch):
+    """Make the wrapper's torch.empty_like return NaN-filled tensors: unwritten rows show up."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+
+
+# Decode-like rows (q_len 1, cached context), a chunk longer than BLOCK_M (64) after a cached
+# prefix, a fresh prompt, and an empty padding sequence.
+MIXED_Q = [1, 1, 1, 70, 23, 0]
+MIXED_K = [37, 5, 80, 100, 23, 0]
+
+
+# fp32 runs BLOCK_N = 32 and fp16 BLOCK_N = 64 (_config): block 16 and 48 take the per-key
+# gather, 64 the one-block-id-per-key-tile path.
+@pytest.mark.parametrize("block_size,dtype", [(16, torch.float32), (64, torch.float32), (48, torch.float16),
+                                              (64, torch.float16)])
+def test_prefill_tiles_mixed_batch(poisoned_out, block_size, dtype):
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d = 4, 2, 32
+    k_cache, v_cache, table = make_paged(MIXED_K, block_size, hkv, d, dtype, gen)
+    q = randn((sum(MIXED_Q), hq, d), gen, dtype)
+    cq, ck = cu(MIXED_Q), cu(MIXED_K)
+    block_m = query_tile_rows(d, dtype)
+    tile_seq, tile_block, num_tiles = tile_table(MIXED_Q, MIXED_K, block_m, cap=12)
+    assert num_tiles.item() == 6  # 3 decode rows + 2 + 1 tiles; the empty sequence has none
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(MIXED_Q), max(MIXED_K), softmax_scale=0.15,
+                                 causal=True, block_table=table,
+                                 tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+    ref = paged_ref(q, k_cache, v_cache, table, MIXED_Q, MIXED_K, 0.15)
+    assert rel_err(out, ref) < TOL[dtype]  # every row written (no NaN left) and right
+    # No real tiles: every program returns before storing anything.
+    num_tiles.zero_()
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(MIXED_Q), max(MIXED_K), causal=True,
+                                 block_table=table, tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_prefill_tiles_match_grid_mode(paged):
+    """The same tiles computed either way: bit-identical outputs."""
+    gen = torch.Generator().manual_seed(10)
+    hq, hkv, d, dtype = 4, 2, 32, torch.float16
+    q_lens, k_lens = ([1, 70, 9, 1], [30, 90, 9, 64]) if paged else ([1, 70, 9], [1, 70, 9])
+    q = randn((sum(q_lens), hq, d), gen, dtype)
+    cq, ck = cu(q_lens), cu(k_lens)
+    if paged:
+        k, v, table = make_paged(k_lens, 32, hkv, d, dtype, gen)
+    else:
+        k, v, table = randn((sum(k_lens), hkv, d), gen, dtype), randn((sum(k_lens), hkv, d), gen, dtype), None
+    tiles = dict(zip(("tile_seq", "tile_block", "num_tiles"),
+                     tile_table(q_lens, k_lens, query_tile_rows(d, dtype), cap=8)))
+    args = (q, k, v, cq, ck, max(q_lens), max(k_lens))
+    grid_out = flash_attn_varlen_func(*args, causal=True, block_table=table)
+    tile_out = flash_attn_varlen_func(*args, causal=True, block_table=table, **tiles)
+    assert torch.equal(tile_out, grid_out)
+
+
+@pytest.mark.parametrize("v_layout", ["padded_heads", "contiguous"])
+def test_prefill_packed_kv_with_different_strides(v_layout):
+    """k a view of a fused [N, (Hq + 2 Hkv) * D] projection; v with other row (and head) strides."""
+    gen = torch.Generator().manual_seed(11)
+    lens, hq, hkv, d, dtype = [9, 40], 4, 2, 32, torch.float16
+    n = sum(lens)
+    qkv = randn((n, (hq + 2 * hkv) * d), gen, dtype)
+    q, k, _ = (t.reshape(n, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
+    if v_layout == "padded_heads":
+        v = randn((n, hkv, 2 * d), gen, dtype)[..., :d]  # strides (2 Hkv D, 2 D, 1)
+    else:
+        v = randn((n, hkv, d), gen, dtype)
+    assert k.stride() != v.stride() and not k.is_contiguous()
+    c = cu(lens)
+    out = flash_attn_varlen_func(q, k, v, c, c, max(lens), max(lens), causal=True)
+    ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True, d ** -0.5)
+                     for a, b in zip(c[:-1].tolist(), c[1:].tolist())])
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_prefill_packed_kv_needs_contiguous_last_dim():
+    k = torch.zeros(8, 2, 64, device=DEV, dtype=torch.float16)
+    q = torch.zeros(8, 4, 64, device=DEV, dtype=torch.float16)
+    v = torch.zeros(8, 2, 128, device=DEV, dtype=torch.float16)[..., ::2]
+    with pytest.raises(ValueError, match="v must have a contiguous last dim"):
+        flash_attn_varlen_func(q, k, v, cu([8]), cu([8]), 8, 8)
+
+
+def test_prefill_tiles_bad_inputs():
+    q = torch.zeros(8, 4, 64, device=DEV, dtype=torch.float16)
+    k = torch.zeros(8, 2, 64, device=DEV, dtype=torch.float16)
+    c = cu([8])
+    seq = torch.zeros(4, dtype=torch.int32, device=DEV)
+    n = torch.ones(1, dtype=torch.int32, device=DEV)
+
+    def call(tile_seq=seq, tile_block=seq, num_tiles=n):
+        flash_attn_varlen_func(q, k, k, c, c, 8, 8, tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+
+    with pytest.raises(ValueError, match="together"):
+        flash_attn_varlen_func(q, k, k, c, c, 8, 8, tile_seq=seq, tile_block=seq)
+    with pytest.raises(TypeError, match="tile_seq"):
+        call(tile_seq=seq.long())
+    with pytest.raises(TypeError, match="tile_block"):
+        call(tile_block=seq.float())
+    with pytest.raises(TypeError, match="num_tiles"):
+        call(num_tiles=n.long())
+    with pytest.raises(ValueError, match="tile_seq must be 1-D"):
+        call(tile_seq=seq.view(2, 2))
+    with pytest.raises(ValueError, match="tile_block length 3"):
+        call(tile_block=seq[:3])
+    with pytest.raises(ValueError, match="num_tiles shape"):
+        call(num_tiles=seq[:2])
+    with pytest.raises(ValueError, match="tile_block must have a contiguous"):
+        call(tile_block=torch.zeros(8, dtype=torch.int32, device=DEV)[::2])
+    with pytest.raises(ValueError, match="tile_seq is on meta"):
+        call(tile_seq=torch.zeros(4, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="tile_seq length"):
+        big = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
+        call(tile_seq=big, tile_block=big)
+
+
+def test_build_query_tiles():
+    q_lens = np.array([1, 130, 0, 64, 1, 65])
+    k_lens = np.array([500, 130, 0, 100, 3, 65])
+    seq, blk = build_query_tiles(q_lens, 64, k_lens)
+    assert seq.dtype == np.int32 and blk.dtype == np.int32
+    # Every (sequence, block) of a non-empty sequence exactly once.
+    expect = {(i, b) for i, n in enumerate(q_lens) for b in range(-(-n // 64))}
+    assert sorted(zip(seq.tolist(), blk.tolist())) == sorted(expect) and len(seq) == len(expect)
+    keys = (k_lens - q_lens)[seq] + np.minimum(q_lens[seq], (blk.astype(np.int64) + 1) * 64)
+    assert (np.diff(keys) <= 0).all()  # heaviest first
+    assert (seq[0], blk[0]) == (0, 0)  # the decode row with 500 keys beats every prefill tile
+    # Without k_lens no prefix is assumed: the last block of the longest prompt leads.
+    seq, blk = build_query_tiles([1, 130, 0], 64)
+    assert list(zip(seq.tolist(), blk.tolist())) == [(1, 2), (1, 1), (1, 0), (0, 0)]
+    seq, blk = build_query_tiles(np.zeros(3, dtype=np.int64), 64)
+    assert seq.shape == blk.shape == (0,)
+    for bad in (dict(q_lens=[[1]], block_m=64), dict(q_lens=[1.5], block_m=64), dict(q_lens=[-1], block_m=64),
+                dict(q_lens=[1], block_m=0), dict(q_lens=[4], block_m=64, k_lens=[3]),
+                dict(q_lens=[4], block_m=64, k_lens=[4, 4])):
+        with pytest.raises(ValueError):
+            build_query_tiles(**bad)
+
+
+def test_query_tile_rows():
+    import nanovllm.kernels.prefill_attention as pf
+    for d, dtype in ((64, torch.float16), (128, torch.bfloat16), (64, torch.float32), (256, torch.float16)):
+        assert query_tile_rows(d, dtype) == pf._config(d, dtype)[0]
+    with pytest.raises(ValueError, match="head_dim"):
+        query_tile_rows(48, torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        query_tile_rows(64, torch.int32)
+
+
 # ---------------------------------------------------------------- decode
 @pytest.mark.parametrize("block_size,d,hq,hkv,dtype", [
     (16, 64, 8, 2, torch.float16), (32, 128, 4, 1, torch.bfloat16),
@@ -299,6 +483,6 @@ def test_decode_bad_inputs():
 
 def test_import_exports():
     import nanovllm.kernels as kmod
-    assert sorted(kmod.__all__) == ["flash_attn_varlen_func", "flash_attn_with_kvcache", "gumbel_sample",
-                                    "store_kvcache"]
+    assert sorted(kmod.__all__) == ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                                    "gumbel_sample", "query_tile_rows", "store_kvcache"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

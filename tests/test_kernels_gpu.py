@@ -4,10 +4,12 @@ float64 PyTorch references on the GPU, computed per sequence (and per head chunk
 long contexts), independent of the kernels.
 """
 
+import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from nanovllm.kernels import (build_query_tiles, flash_attn_varlen_func, flash_attn_with_kvcache, query_tile_rows,
+                              store_kvcache)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -117,6 +119,111 @@ def test_prefill_paged(hq, hkv, block_size, dtype):
     refs = [ref_attention(q[cq[i]:cq[i + 1]], gather(kc, table[i], lk), gather(vc, table[i], lk), True, D ** -0.5)
             for i, lk in enumerate(k_lens)]
     assert rel_err(out, torch.cat(refs)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------- prefill over a query-tile table
+# The brief's bound for bf16 mixed batches (bf16 output rounding alone is ~2-3e-3).
+TILE_TOL = 1e-2
+# Entries past num_tiles hold these: a program that read one would fault.
+GARBAGE_SEQ, GARBAGE_BLOCK = 1 << 28, -7
+
+
+class TileBatch:
+    """Static tensors of one captured mixed step (the model runner's view): q [rows, Hq, D],
+    cu_seqlens [num_seqs + 1], block table, and one int32 buffer [num_tiles | tile_seq | tile_block]
+    of fixed cap, whose views are the kernel's tile arguments."""
+
+    def __init__(self, rows, num_seqs, width, cap, hq):
+        self.q = torch.zeros((rows, hq, D), dtype=torch.bfloat16, device=DEV)
+        self.cq = torch.zeros(num_seqs + 1, dtype=torch.int32, device=DEV)
+        self.ck = torch.zeros(num_seqs + 1, dtype=torch.int32, device=DEV)
+        self.table = torch.zeros((num_seqs, width), dtype=torch.int32, device=DEV)
+        self.cap = cap
+        self.tiles = torch.zeros(1 + 2 * cap, dtype=torch.int32, device=DEV)
+
+    def load(self, q, q_lens, k_lens, table):
+        """Copy one batch's inputs and metadata in (num_seqs fixed: shorter batches pad with empty rows)."""
+        pad = self.cq.shape[0] - 1 - len(q_lens)
+        q_lens, k_lens = np.array(q_lens + [0] * pad), np.array(k_lens + [0] * pad)
+        self.q[:q.shape[0]].copy_(q)
+        self.cq.copy_(torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])).int())
+        self.ck.copy_(torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)])).int())
+        self.table[:table.shape[0]].copy_(table)
+        seq, blk = build_query_tiles(q_lens, query_tile_rows(D, torch.bfloat16), k_lens)
+        n, cap = len(seq), self.cap
+        assert n <= cap
+        host = np.concatenate([[n], seq, np.full(cap - n, GARBAGE_SEQ), blk, np.full(cap - n, GARBAGE_BLOCK)])
+        self.tiles.copy_(torch.from_numpy(host.astype(np.int32)))
+
+    def attend(self, kc, vc):
+        cap = self.cap
+        return flash_attn_varlen_func(
+            self.q, kc, vc, self.cq, self.ck, self.q.shape[0], self.table.shape[1] * kc.shape[1], causal=True,
+            block_table=self.table, tile_seq=self.tiles[1:1 + cap], tile_block=self.tiles[1 + cap:],
+            num_tiles=self.tiles[:1])
+
+
+def mixed_batch(gen, n_decode, chunks, prefixes, max_context, num_blocks, width, hq):
+    """(q, q_lens, k_lens, table): n_decode q_len-1 rows with contexts in [1, max_context], then
+    prefill chunks with cached prefixes; table entries drawn at random from the cache's blocks."""
+    ctx = torch.randint(1, max_context + 1, (n_decode,), generator=gen, device=DEV).tolist()
+    q_lens = [1] * n_decode + list(chunks)
+    k_lens = ctx + [c + p for c, p in zip(chunks, prefixes)]
+    table = torch.randint(0, num_blocks, (len(q_lens), width), generator=gen, device=DEV, dtype=torch.int32)
+    q = randn((sum(q_lens), hq, D), gen, torch.bfloat16)
+    return q, q_lens, k_lens, table
+
+
+def mixed_ref(q, kc, vc, table, q_lens, k_lens):
+    starts = [0] + np.cumsum(q_lens).tolist()
+    return torch.cat([ref_attention(q[starts[i]:starts[i] + lq], gather(kc, table[i], lk), gather(vc, table[i], lk),
+                                    True, D ** -0.5) for i, (lq, lk) in enumerate(zip(q_lens, k_lens)) if lq])
+
+
+# Qwen3-0.6B attention: 16 query heads, 8 kv heads, D=128; engine block size 256.
+TILE_HQ, TILE_HKV, TILE_BS = 16, 8, 256
+TILE_WIDTH, TILE_BLOCKS = 13, 256  # 13 x 256 >= the longest context below (3000)
+
+
+def tile_cache(gen):
+    shape = (TILE_BLOCKS, TILE_BS, TILE_HKV, D)
+    return randn(shape, gen, torch.bfloat16), randn(shape, gen, torch.bfloat16)
+
+
+def test_prefill_tiles_mixed_batch():
+    gen = torch.Generator(DEV).manual_seed(12)
+    kc, vc = tile_cache(gen)
+    q, q_lens, k_lens, table = mixed_batch(gen, 64, [700, 1500], [512, 1000], 2000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
+    batch = TileBatch(q.shape[0], len(q_lens), TILE_WIDTH, 128, TILE_HQ)
+    batch.load(q, q_lens, k_lens, table)
+    out = batch.attend(kc, vc)
+    assert rel_err(out, mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL
+    grid_out = flash_attn_varlen_func(batch.q, kc, vc, batch.cq, batch.ck, max(q_lens), max(k_lens), causal=True,
+                                      block_table=batch.table)
+    # Same tiles, same arithmetic; separately compiled variants, so allow a rounding flip.
+    assert rel_err(out, grid_out.double()) < 1e-3
+
+
+def test_prefill_tiles_cuda_graph():
+    """Capture one tile-table call, then replay it on another batch's metadata (same cap):
+    other sequence count (padded with empty ones), lengths, tiles and block table."""
+    gen = torch.Generator(DEV).manual_seed(13)
+    kc, vc = tile_cache(gen)
+    batch = TileBatch(2560, 66, TILE_WIDTH, 160, TILE_HQ)
+    first = mixed_batch(gen, 64, [700, 1500], [512, 1000], 2000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
+    batch.load(*first)
+    batch.attend(kc, vc)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = batch.attend(kc, vc)
+    second = mixed_batch(gen, 30, [1200, 300, 900], [256, 0, 1700], 3000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
+    for q, q_lens, k_lens, table in (first, second):
+        batch.load(q, q_lens, k_lens, table)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out[:q.shape[0]], mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL
 
 
 def decode_ref(q, kc, vc, table, lens):

@@ -1,6 +1,8 @@
 """Triton attention kernels for nanovllm, with flash-attn's names and semantics.
 
-- `flash_attn_varlen_func`: prefill over packed or paged (block_table) K/V (prefill_attention.py).
+- `flash_attn_varlen_func`: prefill over packed or paged (block_table) K/V (prefill_attention.py),
+  optionally over a host-built query-tile table (CUDA-graph capturable launch).
+- `query_tile_rows` / `build_query_tiles`: that table's tile height and its host construction.
 - `flash_attn_with_kvcache`: single-token decode over the paged KV cache, split-K (decode_attention.py).
 - `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
@@ -9,7 +11,8 @@ Triton is imported on the first call, so `import nanovllm.kernels` works on mach
 without Triton (the CPU path uses kernels/torch_attention.py); a call there raises ImportError.
 """
 
-__all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "gumbel_sample", "store_kvcache"]
+__all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "gumbel_sample",
+           "query_tile_rows", "store_kvcache"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -17,14 +20,34 @@ def _triton_missing(exc: ImportError) -> ImportError:
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, block_table=None):
+                           softmax_scale=None, causal=False, block_table=None, *,
+                           tile_seq=None, tile_block=None, num_tiles=None):
     """Variable-length attention; see prefill_attention.flash_attn_varlen_func."""
     try:
         from .prefill_attention import flash_attn_varlen_func as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale=softmax_scale, causal=causal, block_table=block_table)
+                softmax_scale=softmax_scale, causal=causal, block_table=block_table,
+                tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+
+
+def query_tile_rows(head_dim, dtype):
+    """Query rows per prefill program (BLOCK_M); see prefill_attention.query_tile_rows."""
+    try:
+        from .prefill_attention import query_tile_rows as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(head_dim, dtype)
+
+
+def build_query_tiles(q_lens, block_m, k_lens=None):
+    """Host query-tile table (tile_seq, tile_block), heaviest first; see prefill_attention.build_query_tiles."""
+    try:
+        from .prefill_attention import build_query_tiles as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(q_lens, block_m, k_lens)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False,

@@ -12,17 +12,31 @@ Causal is bottom-right aligned: with Lq queries and Lk keys, query j sees keys
     end      = min(Lk, m0 + BLOCK_M + Lk - Lq)          (no row sees beyond this)
 
 Paged K/V: key n of sequence s lives at
-``cache[block_table[s, n // block_size], n % block_size]``; the row address is
-gathered per key, so BLOCK_N need not divide block_size.
+``cache[block_table[s, n // block_size], n % block_size]``. When BLOCK_N divides
+block_size a key tile lies in one cache block and one block id is loaded per tile;
+otherwise the block id is gathered per key.
+
+Two launch modes:
+
+- grid (Hq, num_seqs, cdiv(max_seqlen_q, BLOCK_M)): shaped by the batch; programs past a
+  sequence's end return at once.
+- query-tile table (``tile_seq``/``tile_block``/``num_tiles``, built on the host with
+  `build_query_tiles`): grid (Hq, cap) with cap the table length, fixed, so the launch
+  can sit in a CUDA graph and replay with any table of that cap; only real tiles do work::
+
+      t:            0      1      2     ...  num_tiles-1 | num_tiles ... cap-1
+      tile_seq:     s_0    s_1    s_2   ...              | (not read: programs return)
+      tile_block:   b_0    b_1    b_2   ...              |
+      program (h, t) -> query rows [b_t * BLOCK_M, (b_t + 1) * BLOCK_M) of sequence s_t, head h
 """
 
-
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
-                            check_int_tensor)
+from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
+                     check_int_tensor)
 
 # Tile config measured on an H200 (bf16, D=128, causal, 16x1024 / 4x4096 tokens):
 # 64x64, 4 warps, 3 stages gave 283/402 TFLOP/s packed and 222/313 paged, vs 269/401 and
@@ -34,7 +48,7 @@ BLOCK_N = 64
 # One warpgroup per program; 3 stages let K/V loads overlap the MMAs.
 NUM_WARPS = 4
 NUM_STAGES = 3
-# CUDA limit on grid dims y and z (sequences and query tiles are launched there).
+# CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
 MAX_GRID_YZ = 65535
 
 
@@ -46,34 +60,93 @@ def _config(head_dim: int, dtype: torch.dtype):
     return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
 
 
-@triton.jit
-def _kv_offsets(offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """int64 row offsets [BLOCK_N] of keys offs_n (masked by n_valid)."""
-    if PAGED:
-        blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-        return blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kt
+def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
+    """Query rows per program (BLOCK_M) of the kernel for this head_dim and dtype: the
+    `block_m` that `build_query_tiles` must be given for a tile-table call."""
+    check_head_dim(head_dim)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of float16/bfloat16/float32, got {dtype}")
+    return _config(head_dim, dtype)[0]
+
+
+def build_query_tiles(q_lens, block_m: int, k_lens=None) -> tuple[np.ndarray, np.ndarray]:
+    """Host-built query-tile table: (tile_seq, tile_block), int32 [num_tiles] each.
+
+    Every sequence i with q_lens[i] > 0 contributes cdiv(q_lens[i], block_m) tiles
+    (i, 0 .. cdiv - 1); sequences with no queries contribute none. Tiles are ordered by the
+    number of keys they attend to under bottom-right causal masking, most first (ties keep
+    sequence, then block order), so the longest programs start first and the tail is short::
+
+        keys(i, b) = (k_lens[i] - q_lens[i]) + min(q_lens[i], (b + 1) * block_m)
+
+    k_lens (optional, >= q_lens) are the key counts incl. any cached prefix; without them
+    no prefix is assumed. Vectorised numpy, no per-tile Python work.
+    """
+    if isinstance(block_m, bool) or not isinstance(block_m, (int, np.integer)) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    q = np.asarray(q_lens)
+    if q.ndim != 1 or (q.size and not np.issubdtype(q.dtype, np.integer)):
+        raise ValueError(f"q_lens must be a 1-D integer array, got shape {q.shape} dtype {q.dtype}")
+    q = q.astype(np.int64)
+    if q.size and q.min() < 0:
+        raise ValueError("q_lens must be non-negative")
+    if k_lens is None:
+        prefix = np.zeros_like(q)
     else:
-        return (k_start + offs_n).to(tl.int64) * stride_kt
+        k = np.asarray(k_lens)
+        if k.shape != q.shape or (k.size and not np.issubdtype(k.dtype, np.integer)):
+            raise ValueError(f"k_lens must be an integer array of shape {q.shape}, got shape {k.shape} "
+                             f"dtype {k.dtype}")
+        prefix = k.astype(np.int64) - q
+        if prefix.size and prefix.min() < 0:
+            raise ValueError("k_lens must be >= q_lens element-wise")
+    per_seq = (q + block_m - 1) // block_m  # [num_seqs] tiles of each sequence
+    total = int(per_seq.sum())
+    seq = np.repeat(np.arange(q.size, dtype=np.int64), per_seq)  # [total]
+    first = np.cumsum(per_seq) - per_seq  # index of each sequence's first tile
+    block = np.arange(total, dtype=np.int64) - np.repeat(first, per_seq)
+    keys = prefix[seq] + np.minimum(q[seq], (block + 1) * block_m)
+    order = np.argsort(-keys, kind="stable")
+    return seq[order].astype(np.int32), block[order].astype(np.int32)
+
+
+@triton.jit
+def _kv_offsets(start_n, offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                stride_vb, stride_vt, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 row offsets ([BLOCK_N] for K, [BLOCK_N] for V) of keys offs_n = start_n + arange
+    (masked by n_valid); start_n is a multiple of BLOCK_N."""
+    if PAGED:
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The whole key tile sits in one cache block: one scalar block-id load.
+            blk = tl.load(bt_ptr + seq * stride_bt + start_n // BLOCK_SIZE).to(tl.int64)
+            within = ((start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            within = (offs_n % BLOCK_SIZE).to(tl.int64)
+        return blk * stride_kb + within * stride_kt, blk * stride_vb + within * stride_vt
+    else:
+        rows = k_start + offs_n.to(tl.int64)
+        return rows * stride_kt, rows * stride_vt
 
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len, causal_off,
-                 seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt, qk_scale,
+                 seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_valid = offs_n < k_len
-    rows = _kv_offsets(offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                       PAGED, BLOCK_SIZE)
-    ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    k_rows, v_rows = _kv_offsets(start_n, offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                                 stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N)
+    k_off = k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    v_off = v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     if MASKED:
-        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        k = tl.load(k_ptr + k_off, mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=n_valid[:, None], other=0.0)
     else:
-        k = tl.load(k_ptr + ptr_off)
-        v = tl.load(v_ptr + ptr_off)
+        k = tl.load(k_ptr + k_off)
+        v = tl.load(v_ptr + v_off)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -94,17 +167,26 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
 # These ints vary with the batch: specializing on their value would recompile mid-run.
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, tile_seq_ptr, tile_block_ptr, num_tiles_ptr,
     qk_scale, num_m_blocks,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, TILED: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     head = tl.program_id(0).to(tl.int64)
-    seq = tl.program_id(1).to(tl.int64)
-    # Heaviest (last) causal query tiles are launched first for a shorter tail.
-    m_block = num_m_blocks - 1 - tl.program_id(2)
+    if TILED:
+        # Table entry t: entries past num_tiles are padding of the fixed cap, never read.
+        tile = tl.program_id(1)
+        if tile >= tl.load(num_tiles_ptr):
+            return
+        seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+        m_block = tl.load(tile_block_ptr + tile)
+    else:
+        seq = tl.program_id(1).to(tl.int64)
+        # Heaviest (last) causal query tiles are launched first for a shorter tail.
+        m_block = num_m_blocks - 1 - tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     start_m = m_block * BLOCK_M
@@ -123,7 +205,7 @@ def _prefill_kernel(
         q = q.to(tl.float32)
 
     k_ptr += kv_head * stride_kh
-    v_ptr += kv_head * stride_kh
+    v_ptr += kv_head * stride_vh
     causal_off = k_len - q_len
     if CAUSAL:
         end = tl.minimum(k_len, start_m + BLOCK_M + causal_off)
@@ -141,24 +223,57 @@ def _prefill_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
                                      causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                     qk_scale, False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+                                     stride_vb, stride_vt, qk_scale,
+                                     False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
     for start_n in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
                                      causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                     qk_scale, True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+                                     stride_vb, stride_vt, qk_scale,
+                                     True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
 
 
+def _check_tiles(tile_seq, tile_block, num_tiles, q: torch.Tensor) -> int:
+    """Validate a query-tile table (all three tensors or none); return its cap (0: none given)."""
+    given = [t is not None for t in (tile_seq, tile_block, num_tiles)]
+    if not any(given):
+        return 0
+    if not all(given):
+        raise ValueError("tile_seq, tile_block and num_tiles must be given together (or none of them)")
+    check_int_tensor("tile_seq", tile_seq, dims=1)
+    check_int_tensor("tile_block", tile_block, dims=1)
+    check_int_tensor("num_tiles", num_tiles, shape=(1,))
+    cap = tile_seq.shape[0]
+    if tile_block.shape[0] != cap:
+        raise ValueError(f"tile_block length {tile_block.shape[0]} != tile_seq length {cap}")
+    if cap > MAX_GRID_YZ:
+        raise ValueError(f"tile_seq length {cap} exceeds the grid limit {MAX_GRID_YZ}")
+    for name, t in (("tile_seq", tile_seq), ("tile_block", tile_block), ("num_tiles", num_tiles)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    return cap
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, block_table=None):
+                           softmax_scale=None, causal=False, block_table=None, *,
+                           tile_seq=None, tile_block=None, num_tiles=None):
     """Varlen attention. q [total_q, Hq, D] -> out [total_q, Hq, D].
 
-    k/v: packed [total_k, Hkv, D], or with ``block_table`` [num_seqs, max_blocks] int32 the
-    paged caches [num_blocks, block_size, Hkv, D]. cu_seqlens_*: int32 [num_seqs + 1].
+    k/v: packed [total_k, Hkv, D] (k and v may have different strides, e.g. views of a fused
+    qkv projection), or with ``block_table`` [num_seqs, max_blocks] int32 the paged caches
+    [num_blocks, block_size, Hkv, D]. cu_seqlens_*: int32 [num_seqs + 1].
     max_seqlen_q/k: host ints (upper bounds) used for grid sizing only.
+
+    Query-tile table (keyword-only, all three or none): tile_seq, tile_block int32 [cap] and
+    num_tiles int32 [1] (1-D contiguous, may be views of one buffer), e.g. from
+    `build_query_tiles` with block_m = `query_tile_rows(D, q.dtype)`. Entry t < num_tiles
+    computes query rows [tile_block[t] * BLOCK_M, +BLOCK_M) of sequence tile_seq[t] (each
+    entry must name a real sequence; blocks past its end are skipped). The grid is (Hq, cap)
+    whatever the batch, so the call can be captured in a CUDA graph; rows no tile covers
+    (e.g. bucket padding past cu_seqlens_q[-1]) are left unwritten.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [total_q, num_heads, head_dim], got "
@@ -184,12 +299,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"k must be [total_k, Hkv, {d}], got {tuple(k.shape)}")
         if v.shape != k.shape:
             raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-        if v.stride() != k.stride():
-            # The kernel walks k and v with one set of strides; views of a fused qkv
-            # projection differ, so copy both to the same (contiguous) layout.
-            k, v = k.contiguous(), v.contiguous()
-        if k.stride(-1) != 1:
-            raise ValueError(f"k/v must have a contiguous last dim, got strides {k.stride()}")
+        # k and v are walked with their own strides (views of a fused qkv projection need no copy).
+        for name, t in (("k", k), ("v", v)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
         hkv = k.shape[1]
         block_size = 16  # unused by the packed path; fixed to avoid recompiles
     if hkv == 0 or hq % hkv:
@@ -215,26 +328,37 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in tensors:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    cap = _check_tiles(tile_seq, tile_block, num_tiles, q)
+    tiled = tile_seq is not None
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     out = torch.empty_like(q)
-    if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
+    # Tile mode decides from shapes only (capturable); max_seqlen_q is not consulted.
+    if total_q == 0 or num_seqs == 0 or (cap == 0 if tiled else max_seqlen_q == 0):
         return out
     if paged:
         stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
         bt, stride_bt = block_table, block_table.stride(0)
     else:
         stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
         bt, stride_bt = cu_seqlens_k, 0  # dummy pointer, never read
     block_m, block_n, num_warps, num_stages = _config(d, q.dtype)
-    num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
-    grid = (hq, num_seqs, num_m_blocks)
+    if tiled:
+        num_m_blocks = 0  # unused: the table names each program's query block
+        grid = (hq, cap)
+    else:
+        num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+        grid = (hq, num_seqs, num_m_blocks)
+        tile_seq = tile_block = num_tiles = cu_seqlens_q  # dummy pointers, never read
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt, tile_seq, tile_block, num_tiles,
         scale * LOG2E, num_m_blocks,
-        q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, out.stride(0), out.stride(1), stride_bt,
+        q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        out.stride(0), out.stride(1), stride_bt,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        CAUSAL=bool(causal), PAGED=paged, DOT_PREC="ieee" if q.dtype == torch.float32 else None,
+        CAUSAL=bool(causal), PAGED=paged, TILED=tiled, DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
