@@ -48,6 +48,9 @@ class Config:
     # Plan decode step N+1 while step N runs on the device (hides host time). Used when
     # tensor_parallel_size is 1; tensor-parallel steps run one at a time.
     overlap_scheduling: bool = True
+    # One token budget per step shared by decode rows and prefill chunks (vLLM V1). False:
+    # a step with admissible waiting requests prefills only (nano-vllm's policy).
+    mixed_steps: bool = True
     load_format: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
@@ -85,7 +88,7 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "overlap_scheduling"):
+        for name in ("enforce_eager", "enable_prefix_caching", "overlap_scheduling", "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

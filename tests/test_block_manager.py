@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager, chain_hash
-from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -136,12 +136,13 @@ def simulate(prompts, max_tokens, num_blocks, max_num_seqs, budget, prefix_cachi
     while not sched.is_finished():
         batch = sched.schedule()
         assert batch.seqs, "a step scheduled nothing while work remained"
-        assert batch.num_tokens <= budget or batch.kind is StepKind.DECODE
-        assert len(batch.seqs) <= max_num_seqs
-        for s in batch.seqs:  # every scheduled token has a slot in the block table
-            assert len(s.block_table) * BS >= s.num_computed_tokens + batch.num_new_tokens[batch.seqs.index(s)]
-        sampled = {s.seq_id: rng.randrange(50) for s, n in zip(batch.seqs, batch.num_new_tokens)
-                   if s.num_computed_tokens + n == len(s)}
+        assert batch.num_tokens <= budget
+        assert len(batch.seqs) <= max_num_seqs and len({s.seq_id for s in batch.seqs}) == len(batch.seqs)
+        assert all(n == 1 for n in batch.num_new_tokens[: batch.num_decode])
+        for s, a, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            # work is booked at scheduling, and every scheduled token has a slot in the block table
+            assert s.num_computed_tokens == a + n and len(s.block_table) * BS >= a + n
+        sampled = {s.seq_id: rng.randrange(50) for s in batch.seqs if s.num_computed_tokens == len(s)}
         sched.postprocess(batch, sampled)
         steps += 1
         assert steps < 100_000

@@ -7,6 +7,7 @@ import torch
 
 from checkpoints import TinyShape, build_checkpoint
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.scheduler import StepKind
 
 pytestmark = pytest.mark.gpu
 
@@ -16,6 +17,13 @@ QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # A generated token passes if its reference logit is within this fraction of the logit range of the max.
 BF16_TOLERANCE = 0.02
+# Engines here get a KV cache sized for what a test runs, not 90% of the card, and decode
+# graphs up to the largest batch a test decodes (48: 6 graph sizes), not 512 (35 sizes).
+# Only the tests of memory sizing itself keep gpu_memory_utilization's cache.
+KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 generated
+MAX_NUM_SEQS = 48
+# Token budget per step (prefill / mixed graphs are captured up to it): above every prompt here.
+MAX_STEP_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +55,10 @@ def check_against(reference, prompt, completion):
 
 def generate(ckpt, ps, params=GREEDY, **kw):
     """Token ids of each prompt, and facts about the engine read before it exits."""
-    llm = LLM(ckpt, **{"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", **kw})
+    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": MAX_NUM_SEQS,
+          "max_num_batched_tokens": MAX_STEP_TOKENS, **kw}
+    kw.setdefault("num_kvcache_blocks", KV_TOKENS // kw["kvcache_block_size"])
+    llm = LLM(ckpt, **kw)
     try:
         outs = [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)]
         facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
@@ -110,7 +121,7 @@ def test_small_batch_graph_replay_matches_transformers(ckpt, reference, batch):
 
 
 def test_reaching_max_model_len_under_graphs(ckpt, reference):
-    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=100, dtype="bfloat16")
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=100, dtype="bfloat16", num_kvcache_blocks=32, max_num_seqs=8)
     ps = [[5] * 90, [6] * 40, [7] * 99 ]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 60, 1]
@@ -130,13 +141,13 @@ def test_seeded_sampling_reproducible_on_gpu(ckpt):
 
 
 def test_kv_cache_sized_from_own_peak(ckpt):
-    llm = LLM(ckpt, kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.5)
+    llm = LLM(ckpt, kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=8)
     total = torch.cuda.get_device_properties(0).total_memory
     cache_bytes = llm.model_runner.kv_cache.numel() * llm.model_runner.kv_cache.element_size()
     assert 0.3 * total < cache_bytes < 0.5 * total
     llm.exit()
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        LLM(ckpt, kvcache_block_size=256, gpu_memory_utilization=0.0001)
+        LLM(ckpt, kvcache_block_size=256, gpu_memory_utilization=0.0001, max_num_seqs=8)
 
 
 def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
@@ -145,15 +156,56 @@ def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
     itself gives the memory back; a second engine beside a live one gets an error that says so."""
     path = build_checkpoint(str(tmp_path / "fp32"), TinyShape())
     baseline = torch.cuda.memory_allocated()
-    llm = LLM(path, kvcache_block_size=16, max_model_len=40)
+    llm = LLM(path, kvcache_block_size=16, max_model_len=40, max_num_seqs=8)
     outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 35]
     # The first engine took 90% of the card: a second one allowed 50% has no room at all.
     with pytest.raises(ValueError, match="already allocated in this process.*exit"):
-        LLM(path, kvcache_block_size=16, max_model_len=512, gpu_memory_utilization=0.5)
+        LLM(path, kvcache_block_size=16, max_model_len=512, gpu_memory_utilization=0.5, max_num_seqs=8)
     llm.exit()
     assert torch.cuda.memory_allocated() - baseline < 2**30
-    second = LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
+    second = LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32, max_num_seqs=8)
     assert second.num_kvcache_blocks > 1000
     second.exit()
+
+
+def test_mixed_steps_under_graphs_match_transformers(ckpt, reference):
+    """Requests arrive while others decode: mixed steps (decode rows + prefill chunks) replay
+    the token-bucket graphs, chunked by a small budget; eager gives transformers' tokens too."""
+    ps = prompts(6, 20, 5, 600)
+    for eager in (False, True):
+        llm = LLM(ckpt, kvcache_block_size=16, max_model_len=2048, dtype="bfloat16", num_kvcache_blocks=1024,
+                  max_num_seqs=16, max_num_batched_tokens=512, enforce_eager=eager)
+        assert (llm.model_runner.varlen_graphs is None) == eager
+        ids, outs, kinds = {}, {}, set()
+        for i, p in enumerate(ps):
+            ids[llm.add_request(p, GREEDY)] = i
+            if i % 3 == 2:  # a few steps between arrivals
+                for _ in range(2):
+                    result = llm.step()
+                    kinds.add(result.kind)
+                    outs.update({ids[o.request_id]: o.token_ids for o in result.finished})
+        while not llm.is_finished():
+            result = llm.step()
+            kinds.add(result.kind)
+            outs.update({ids[o.request_id]: o.token_ids for o in result.finished})
+        llm.exit()
+        assert StepKind.MIXED in kinds
+        for i, p in enumerate(ps):
+            assert len(outs[i]) == GREEDY.max_tokens
+            check_against(reference, p, outs[i])
+
+
+def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
+    """A step of exactly a bucket's size, and one token more (the next bucket, padded)."""
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=2048, dtype="bfloat16", num_kvcache_blocks=256,
+              max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    buckets = llm.model_runner.varlen_graphs.buckets
+    assert 16 in buckets and 256 in buckets and buckets[-1] == 1024
+    g = torch.Generator().manual_seed(8)
+    for n in (15, 16, 17, 255, 256, 257, 1024):
+        p = torch.randint(1, 384, (n,), generator=g).tolist()
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        check_against(reference, p, out["token_ids"])
+    llm.exit()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint
-from nanovllm import LLM, SamplingParams
+from checkpoints import TinyShape, build_checkpoint, cpu_llm
+from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler, StepKind
 from nanovllm.engine.sequence import FinishReason, Sequence
@@ -32,23 +32,24 @@ def prefill_then_decode(sched: Scheduler, seqs: list[Sequence]):
     assert prefill.kind is StepKind.PREFILL
     sched.postprocess(prefill, {s.seq_id: 50 + s.seq_id for s in seqs})
     decode = sched.schedule()
-    assert decode.kind is StepKind.DECODE and not decode.carried
+    assert decode.kind is StepKind.DECODE
+    assert StepPlan.from_batch(decode).carried_rows == []  # every input is on the host
     return decode
 
 
-def test_next_decode_leaves_out_sequences_that_end_by_length():
+def test_ahead_step_leaves_out_sequences_that_end_by_length():
     sched = make_scheduler()
     a = add(sched, 0, prompt_len=3, max_tokens=10)
     b = add(sched, 1, prompt_len=5, max_tokens=2)  # 1 token after prefill, its 2nd comes from `decode`
     decode = prefill_then_decode(sched, [a, b])
     # a: 4 tokens (3 prompt + 1), one block; `decode` computes position 3, the next step position 4.
     assert len(a.block_table) == 1
-    following = sched.schedule_next_decode(decode)
-    assert following is not None and following.carried and following.seqs == [a]
+    following = sched.schedule(ahead=True)
+    assert following is not None and following.kind is StepKind.DECODE and following.seqs == [a]
     assert len(a.block_table) == 2  # room for position 4
     plan = StepPlan.from_batch(following, previous_sampled=decode.seqs)
     assert decode.seqs == [b, a]  # decode batches run longest first
-    assert plan.carried_rows == [1] and plan.starts == [4] and plan.new_token_ids == []
+    assert plan.carried_rows == [1] and plan.starts == [4] and plan.token_ids == [0]
     rows = StepInputBuilder(BS, torch.device("cpu"), decode_table_width=16).decode_rows(plan, num_rows=2)
     assert rows[0, COL_INPUT] == 1 and rows[0, COL_POSITION] == 4
     assert rows[0, COL_SLOT] == a.block_table[1] * BS and rows[0, COL_CONTEXT] == 5
@@ -58,35 +59,57 @@ def test_next_decode_leaves_out_sequences_that_end_by_length():
     finished = sched.postprocess(decode, {a.seq_id: EOS, b.seq_id: 7})
     assert {s.seq_id for s in finished} == {0, 1}
     assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.LENGTH
-    tokens, computed = list(a.token_ids), a.num_computed_tokens
+    tokens = list(a.token_ids)
     assert sched.postprocess(following, {a.seq_id: 5}) == []
-    assert a.token_ids == tokens and a.num_computed_tokens == computed
+    assert a.token_ids == tokens
     assert sched.is_finished() and sched.block_manager.num_free_blocks == 8
 
 
-def test_next_decode_defers_to_schedule_when_blocks_run_short():
+def test_ahead_step_defers_to_schedule_when_blocks_run_short():
     sched = make_scheduler(num_blocks=3)
     a = add(sched, 0, prompt_len=4, max_tokens=10)
     b = add(sched, 1, prompt_len=3, max_tokens=10)
-    decode = prefill_then_decode(sched, [a, b])
+    prefill_then_decode(sched, [a, b])
     # a (5 tokens) holds 2 blocks, b (4 tokens) 1: the next step needs a new block for b, none free.
     assert sched.block_manager.num_free_blocks == 0
-    assert sched.schedule_next_decode(decode) is None
+    assert sched.schedule(ahead=True) is None
 
 
-def test_next_decode_defers_to_schedule_when_requests_wait():
+def test_ahead_step_admits_waiting_requests_beside_carried_rows():
     sched = make_scheduler()
     a = add(sched, 0, prompt_len=4, max_tokens=10)
     decode = prefill_then_decode(sched, [a])
-    add(sched, 1, prompt_len=2, max_tokens=3)  # waiting requests are admitted by schedule() first
-    assert sched.schedule_next_decode(decode) is None
+    c = add(sched, 1, prompt_len=6, max_tokens=3)  # arrives while `decode` runs
+    following = sched.schedule(ahead=True)
+    assert following is not None and following.kind is StepKind.MIXED
+    # c's first block holds the same 4 ids as a's: a prefix-cache hit, 2 tokens left to compute
+    assert following.seqs == [a, c] and following.num_new_tokens == [1, 2] and following.num_decode == 1
+    plan = StepPlan.from_batch(following, previous_sampled=decode.seqs)
+    assert plan.carried_rows == [0] and plan.token_ids == [0, 5, 6] and plan.sampled == [True, True]
+    assert plan.starts == [5, 4]
 
 
-def test_max_model_len_is_never_overrun_by_a_carried_step():
+def test_a_prompt_is_chunked_across_steps_while_others_decode():
+    sched = Scheduler(BlockManager(16, BS), max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64,
+                      eos_token_ids=frozenset({EOS}))
+    a = add(sched, 0, prompt_len=3, max_tokens=10)
+    sched.postprocess(sched.schedule(), {a.seq_id: 7})
+    c = add(sched, 1, prompt_len=7, max_tokens=3)
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append((batch.kind, [s.seq_id for s in batch.seqs], batch.num_new_tokens))
+        sched.postprocess(batch, {s.seq_id: 7 for s in batch.seqs if s.num_computed_tokens == len(s)})
+    assert steps == [(StepKind.MIXED, [0, 1], [1, 3]), (StepKind.MIXED, [0, 1], [1, 3]),
+                     (StepKind.MIXED, [0, 1], [1, 1])]
+    assert c.num_completion_tokens == 1 and a.num_completion_tokens == 4
+
+
+def test_max_model_len_is_never_overrun_by_an_ahead_step():
     sched = make_scheduler(max_model_len=6)
     a = add(sched, 0, prompt_len=4, max_tokens=100)
-    decode = prefill_then_decode(sched, [a])  # a holds 5 tokens; `decode` makes it 6 = max_model_len
-    assert sched.schedule_next_decode(decode) is None
+    prefill_then_decode(sched, [a])  # a holds 5 tokens; `decode` makes it 6 = max_model_len
+    assert sched.schedule(ahead=True) is None
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +125,7 @@ def first_new_token_after(tokens: list[int], index: int) -> list[int]:
 def test_overlap_gives_the_same_outputs_with_early_stops(ckpt):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 384, (20 + 7 * i,), generator=g).tolist() for i in range(6)]
-    free = LLM(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=False)
+    free = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=False)
     runs = free.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     free.exit()
     # Stop requests at tokens they really produce, at different steps.
@@ -112,10 +135,10 @@ def test_overlap_gives_the_same_outputs_with_early_stops(ckpt):
     assert sum(bool(sp.stop_token_ids) for sp in params) >= 3
     outs = {}
     for overlap in (False, True):
-        llm = LLM(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=overlap, num_kvcache_blocks=8)
+        llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, overlap_scheduling=overlap, num_kvcache_blocks=6)
         outs[overlap] = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0  # 8 blocks of 16 cannot hold all six at once
-        assert llm.block_manager.num_free_blocks == 8
+        assert llm.scheduler.num_preemptions > 0  # 6 blocks of 16 cannot hold all six at once
+        assert llm.block_manager.num_free_blocks == 6
         assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
         llm.exit()
     assert outs[True] == outs[False]
@@ -126,7 +149,7 @@ def test_overlap_gives_the_same_outputs_with_early_stops(ckpt):
 
 
 def test_step_wise_api_reports_each_step_once(ckpt):
-    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=128)
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
     llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     kinds, done = [], []
     while not llm.is_finished():

@@ -92,15 +92,17 @@ class DecodeGraphs:
         """The captured size a batch replays (the smallest >= batch_size), or None if none fits."""
         return next((s for s in self.sizes if s >= batch_size), None)
 
-    def run(self, rows: np.ndarray, batch_size: int, carried_from: torch.Tensor | None) -> torch.Tensor:
+    def run(self, rows: np.ndarray, batch_size: int, carried_from: torch.Tensor | None,
+            num_carried: int = 0) -> torch.Tensor:
         """Replay for a decode batch; returns hidden states [batch_size, hidden] (a view).
 
         rows: StepInputBuilder.decode_rows for padded_size(batch_size) rows. carried_from:
-        for a carried step, the previous step's sampled tokens (the input column holds rows of it)."""
+        the previous step's sampled tokens; the input column of the first num_carried rows
+        holds rows of it."""
         size = len(rows)
         self.staging[:size].copy_(torch.from_numpy(rows).pin_memory(), non_blocking=True)
-        if carried_from is not None:
-            ids = self.staging[:batch_size, COL_INPUT]
+        if num_carried:
+            ids = self.staging[:num_carried, COL_INPUT]
             ids.copy_(gather_carried_ids(carried_from, ids))
         self.graphs[size].replay()
         return self.hidden[:batch_size]

@@ -4,6 +4,7 @@ Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
     while not engine.is_finished(): result = engine.step()   # StepResult
 Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}.
+Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.chat import render_chat
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind
 from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 from nanovllm.engine.step_inputs import StepPlan
+from nanovllm.engine.stop_strings import StopStringMatcher, cut_at_stop
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -36,9 +39,10 @@ class StepResult:
     queued the next decode step, so `launch_s` may belong partly to that one."""
 
     kind: StepKind
-    num_tokens: int  # tokens processed by the forward (prefill chunk tokens, or one per decoded sequence)
+    num_tokens: int  # tokens processed by the forward (prefill chunk tokens plus one per decode row)
     num_seqs: int
     finished: list[RequestOutput]
+    sampled: list[int]  # ids of the requests that received a token in this step
     launch_s: float  # host: scheduling, input preparation, queuing work on the device
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
@@ -71,7 +75,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
         eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
+            mixed_steps=cfg.mixed_steps,
         )
         self.validator = PromptValidator(
             self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,
@@ -92,19 +97,21 @@ class LLMEngine:
 
     def _enqueue(self, token_ids: list[int], params: SamplingParams) -> int:
         seq = Sequence(next(self._ids), token_ids, params)
+        if params.stop and self.tokenizer is not None:
+            seq.stop_matcher = StopStringMatcher(params.stop)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
-        next decode step is queued on the device before this one's tokens are read."""
+        next step is queued on the device before this one's tokens are read."""
         t0 = time.perf_counter()
         current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
         prepare_s = current.launched.prepare_s
         self._in_flight = None
         if self._overlap:
-            following = self.scheduler.schedule_next_decode(current.batch)
+            following = self.scheduler.schedule(ahead=True)
             if following is not None:
                 self._in_flight = self._launch(following, previous=current)
                 prepare_s += self._in_flight.launched.prepare_s
@@ -116,12 +123,16 @@ class LLMEngine:
         batch = current.batch
         finished = self.scheduler.postprocess(batch, sampled)
         for seq in batch.seqs:
-            if seq.seq_id in sampled and not seq.is_finished and seq.params.stop and self._check_stop_strings(seq):
+            matcher = seq.stop_matcher
+            if seq.seq_id in sampled and not seq.is_finished and matcher is not None \
+                    and matcher.feed(self.tokenizer, seq.completion_token_ids):
+                seq.stopped_by_string = True
                 self.scheduler.finish(seq, FinishReason.STOP)
                 finished.append(seq)
         outputs = [self._output(seq) for seq in finished]
-        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, launch_s=t1 - t0,
-                          prepare_s=prepare_s, wait_s=t2 - t1, postprocess_s=time.perf_counter() - t2)
+        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
+                          launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
+                          postprocess_s=time.perf_counter() - t2)
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
@@ -145,23 +156,13 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
 
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        if self.tokenizer is None:
-            return False
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        if not hits:
-            return False
-        seq.stop_text_len = min(hits)
-        return True
-
     def _output(self, seq: Sequence) -> RequestOutput:
         del self._seqs[seq.seq_id]
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            if seq.stop_text_len is not None:
-                text = text[: seq.stop_text_len]
+            if seq.stopped_by_string:
+                text = cut_at_stop(text, seq.params.stop)
         return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids,
                              text, seq.finish_reason)
 
@@ -212,6 +213,18 @@ class LLMEngine:
         finally:
             bar.close()
         return [outputs[i].as_dict() for i in ids]
+
+    def chat(
+        self,
+        messages: SequenceABC,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
+        or a list of them; each is rendered with the tokenizer's chat template and generated
+        like generate() does. Returns one output dict per conversation, in input order."""
+        prompts = render_chat(self.tokenizer, self.config.model, messages)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt) and reset the KV bookkeeping.

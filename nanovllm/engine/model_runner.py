@@ -1,8 +1,9 @@
 """Owns the model on one device: weights, KV cache, CUDA graphs, and one step's forward.
 
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
-size and allocate the KV cache -> capture decode CUDA graphs (CUDA, unless
-enforce_eager). `launch(plan)` queues one scheduled step on the device and returns
+size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
+decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
+attention backend is ours (varlen_graphs.py). `launch(plan)` queues one scheduled step on the device and returns
 a handle whose `tokens()` waits for the sampled token of each sequence that
 completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py).
@@ -23,18 +24,22 @@ from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, sampled_positions
+from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import AttentionMetadata, attention_context
+from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 
 # Noise keys are int64 tensor values: non-negative, 63 bits.
 KEY_BITS = 63
+# Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
+# their device time hides the host's); bounds the graphs' start-up time and memory.
+MAX_VARLEN_GRAPH_TOKENS = 16384
 # Decode inputs travel as int32 (StepInputBuilder.decode_rows): cache slots must fit.
 MAX_KV_SLOTS = 2**31 - 1
 
@@ -86,7 +91,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests (CUDA)
-        self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq)
+        self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
+                                       self._query_tile_rows(cfg.head_dim))
 
         self.num_kv_heads = cfg.num_key_value_heads // self.world_size
         block_bytes = kv_bytes_per_block(cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype)
@@ -102,9 +108,22 @@ class ModelRunner:
             self.dtype, self.device)
         self._attach_kv_cache(self.kv_cache)
         self.graphs: DecodeGraphs | None = None
+        self.varlen_graphs: VarlenGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
                                        cfg.hidden_size, self.dtype, self.device)
+            if self.inputs.query_tile_rows is not None:
+                self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
+                                                  MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
+
+    def _query_tile_rows(self, head_dim: int) -> int | None:
+        """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""
+        if self.backend.name != "triton":
+            return None
+        from nanovllm.kernels.prefill_attention import query_tile_rows
+
+        return query_tile_rows(head_dim, self.dtype)
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, layer in enumerate(self.attention_layers):
@@ -119,32 +138,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self) -> None:
-        """One prefill at the largest batch (and a sampler pass), to measure peak memory."""
+        """One step at the largest token budget (and a sampler pass), to measure peak memory.
+        Runs on a one-block cache: every block-table entry is block 0."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         cfg = self.config
         seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        n = num_seqs * seq_len
-        cu = torch.arange(0, n + 1, seq_len, dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        with attention_context(meta):
-            hidden = self.model(ids, positions)
-        # A later prefill chunk / prefix hit reads keys through the block table: compile that
-        # kernel variant now, not in the middle of the first real workload.
-        one = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
-        paged = AttentionMetadata(
-            is_prefill=True, slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=one, cu_seqlens_k=one * 2, max_seqlen_q=1, max_seqlen_k=2,
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-        )
-        with attention_context(paged):
-            self.model(ids[:1], positions[1:2])
+        plan = StepPlan(StepKind.PREFILL, starts=[0] * num_seqs, num_new_tokens=[seq_len] * num_seqs,
+                        token_ids=[0] * (num_seqs * seq_len), block_tables=[[0] * cfg.max_blocks_per_seq] * num_seqs,
+                        sampled=[True] * num_seqs)
+        inputs = self.inputs.varlen(plan, None)
+        hidden = self._forward(inputs)[inputs.sample_indices]
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
@@ -166,24 +171,30 @@ class ModelRunner:
         `previous`: the step launched just before, whose device tokens a carried plan reads."""
         start = time.perf_counter()
         carried_from = None
-        if plan.carried_rows is not None:
+        if plan.carried_rows:
             if previous is None or previous.device_tokens is None:
-                raise ValueError("a carried decode step needs the previous step's sampled tokens")
+                raise ValueError("a step with carried rows needs the previous step's sampled tokens")
             carried_from = previous.device_tokens
-        batch_size = len(plan.starts)
-        graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
-        if plan.kind is StepKind.PREFILL:
-            inputs = self.inputs.prefill(plan)
-            prepare_s = time.perf_counter() - start
-            hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
-        elif graph_size is not None:
-            rows = self.inputs.decode_rows(plan, graph_size)
-            prepare_s = time.perf_counter() - start
-            hidden = self.graphs.run(rows, batch_size, carried_from)  # [batch, hidden]
+        if plan.kind is StepKind.DECODE:
+            batch_size = len(plan.starts)
+            graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
+            if graph_size is not None:
+                rows = self.inputs.decode_rows(plan, graph_size)
+                prepare_s = time.perf_counter() - start
+                hidden = self.graphs.run(rows, batch_size, carried_from, len(plan.carried_rows))  # [batch, hidden]
+            else:
+                inputs = self.inputs.decode(plan, carried_from)
+                prepare_s = time.perf_counter() - start
+                hidden = self._forward(inputs)
         else:
-            inputs = self.inputs.decode(plan, carried_from)
-            prepare_s = time.perf_counter() - start
-            hidden = self._forward(inputs)
+            bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
+            if bucket is not None:
+                hidden = self.varlen_graphs.run(plan, bucket, carried_from)  # [num_sampled, hidden]
+                prepare_s = time.perf_counter() - start
+            else:
+                inputs = self.inputs.varlen(plan, carried_from)
+                prepare_s = time.perf_counter() - start
+                hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
         if not any(plan.sampled):
             return LaunchedStep(prepare_s)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
@@ -222,7 +233,7 @@ class ModelRunner:
 
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""
-        self.graphs = None
+        self.graphs = self.varlen_graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.attention_layers = []

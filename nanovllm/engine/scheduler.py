@@ -1,22 +1,32 @@
-"""Continuous batching: picks which sequences run in the next step.
+"""Continuous batching with one token budget per step (mixed steps).
 
-Prefill first: while waiting sequences fit (blocks, `max_num_seqs`, token budget)
-the step is a prefill; a prompt longer than the remaining budget is prefilled in
-chunks over several steps (it stays at the head of `waiting` holding its blocks).
-Otherwise the step decodes every running sequence, preempting the newest ones
-(recompute: their blocks are freed and they return to the head of `waiting`) when
-blocks run out.
+Each step gives every running sequence its next token first (a decode row), then
+spends what is left of `max_num_batched_tokens` on prefill chunks of waiting
+sequences, in arrival order. A prompt longer than the rest of the budget is
+chunked across steps (it stays at the head of `waiting`, holding its blocks) while
+the running sequences keep decoding:
 
-Overlap: while a decode step runs on the device, `schedule_next_decode` plans the
-step after it without knowing its tokens. Each sequence then has one token in
-flight, which the next step takes as input straight from the device:
+    budget 8, running A, B; waiting C (10 prompt tokens)
+    step 1:  [A | B | C0 C1 C2 C3 C4 C5]          decode rows, then C's first chunk
+    step 2:  [A | B | C6 C7 C8 C9]                C completes its prompt and samples
+    step 3:  [A | B | C]                          C decodes with the others
 
-    step N   : input token L-1 -> samples token L (not yet on the host)
-    step N+1 : input token L (carried)  -> samples token L+1
+With `mixed_steps=False` a step that can admit waiting sequences prefills only
+(nano-vllm's policy). When blocks run short the newest running sequences are preempted (recompute: their
+blocks are freed and they return to the head of `waiting`) and nobody new is admitted.
+
+Work is booked when it is scheduled: `num_computed_tokens` advances by the step's
+tokens at once, so a step can be planned while the one before it runs (overlap).
+A sequence whose num_computed_tokens equals len(token_ids) has a sampled token in
+flight; its next input is that token, which the step takes from the device:
+
+    step N   : computes token L-1 -> samples token L (not yet on the host)
+    step N+1 : input token L (carried) -> samples token L+1
     host     : postprocess(N) appends token L while N+1 runs
 
-Sequences that N surely ends (max_tokens, max_model_len) are left out of N+1; one
-that N ends by a stop token is computed once more in N+1 and its result dropped.
+A step planned ahead (`schedule(ahead=True)`) leaves out sequences that step N surely
+ends (max_tokens, max_model_len) and never preempts (it returns None instead); a
+sequence that N ends by a stop token is computed once more and its result dropped.
 """
 
 from __future__ import annotations
@@ -30,23 +40,36 @@ from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class StepKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+    PREFILL = "prefill"  # prefill chunks only
+    DECODE = "decode"  # one token for each running sequence only
+    MIXED = "mixed"  # decode rows and prefill chunks
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, from its num_computed_tokens."""
+    """One step: `num_new_tokens[i]` tokens of `seqs[i]` from position `starts[i]`.
 
-    kind: StepKind
+    seqs[:num_decode] are decode rows (one token each), the rest prefill chunks."""
+
     seqs: list[Sequence]
+    starts: list[int]
     num_new_tokens: list[int]
-    # Decode only: the input tokens are the previous step's samples, still on the device.
-    carried: bool = False
+    num_decode: int
+
+    @property
+    def kind(self) -> StepKind:
+        if self.num_decode == len(self.seqs):
+            return StepKind.DECODE
+        return StepKind.MIXED if self.num_decode else StepKind.PREFILL
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+
+def input_in_flight(seq: Sequence) -> bool:
+    """True if seq's next input token was sampled by a step whose result is not on the host yet."""
+    return seq.num_computed_tokens == len(seq)
 
 
 class Scheduler:
@@ -57,8 +80,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        mixed_steps: bool = True,
     ):
         self.block_manager = block_manager
+        self.mixed_steps = mixed_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -73,20 +98,82 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None:
+    def schedule(self, ahead: bool = False) -> ScheduledBatch | None:
+        """The next step. `ahead`: planned while the previous step runs (see the module
+        docstring); None when nothing can be planned that way. Without `ahead` the
+        previous step's results are all on the host and a step is always found."""
+        budget = self.max_num_batched_tokens
+        if not self.mixed_steps:
+            prefill = self._schedule_waiting(budget)
+            if prefill:
+                return self._book([], prefill)
+        decode = self._schedule_running(budget, ahead)
+        if decode is None:
+            return None
+        rows, preempted = decode
+        prefill: list[tuple[Sequence, int]] = []
+        if not preempted or not rows:  # after preempting, admit only into an idle step
+            prefill = self._schedule_waiting(budget - len(rows))
+        if not rows and not prefill:
+            if ahead:
+                return None
             raise RuntimeError(
                 f"scheduler could not schedule any of {len(self.waiting)} waiting and "
                 f"{len(self.running)} running sequences (free blocks: {self.block_manager.num_free_blocks})"
             )
-        return batch
+        return self._book(rows, prefill)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        seqs: list[Sequence] = []
-        num_new: list[int] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+    @staticmethod
+    def _book(rows: list[Sequence], prefill: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        """The batch of decode rows and prefill chunks, its tokens booked as computed."""
+        # Longest first: the decode attention kernel starts its programs in batch order, so
+        # short sequences fill the tail of the launch. Rows with an input in flight lead.
+        rows.sort(key=lambda s: (not input_in_flight(s), -s.num_computed_tokens))
+        seqs = rows + [s for s, _ in prefill]
+        starts = [s.num_computed_tokens for s in seqs]
+        num_new = [1] * len(rows) + [n for _, n in prefill]
+        for seq, n in zip(seqs, num_new):
+            seq.num_computed_tokens += n
+        return ScheduledBatch(seqs, starts, num_new, len(rows))
+
+    def _schedule_running(self, budget: int, ahead: bool) -> tuple[list[Sequence], bool] | None:
+        """Decode rows for the running sequences (and whether any were preempted), or None
+        when an ahead plan would need a preemption."""
+        bm = self.block_manager
+        rows: list[Sequence] = []
+        preempted = False
+        candidates = list(self.running)
+        if ahead:
+            # A sequence whose in-flight token ends it by length gets no further step.
+            candidates = [s for s in candidates if not self._ends_by_length(s, s.num_computed_tokens + 1)]
+            needed = sum(1 for s in candidates[:budget] if bm.blocks_needed(s.num_computed_tokens + 1) > len(s.block_table))
+            if needed > bm.num_free_blocks:
+                return None
+        for seq in candidates:
+            if len(rows) == budget:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below while making room for an earlier row
+            while not self._room_for_next_token(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                bm.may_append(seq, seq.num_computed_tokens + 1)
+                bm.publish_full_blocks(seq, min(len(seq), seq.num_computed_tokens + 1))
+                rows.append(seq)
+        return rows, preempted
+
+    def _room_for_next_token(self, seq: Sequence) -> bool:
+        bm = self.block_manager
+        return bm.blocks_needed(seq.num_computed_tokens + 1) <= len(seq.block_table) or bm.num_free_blocks >= 1
+
+    def _schedule_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens."""
+        chunks: list[tuple[Sequence, int]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
@@ -94,55 +181,14 @@ class Scheduler:
                 self.block_manager.allocate(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             self.block_manager.publish_full_blocks(seq, seq.num_computed_tokens + n)
-            seqs.append(seq)
-            num_new.append(n)
+            chunks.append((seq, n))
             budget -= n
             if seq.num_computed_tokens + n < len(seq):
                 break  # a partial chunk ends the batch; the sequence stays at the head
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(StepKind.PREFILL, seqs, num_new) if seqs else None
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs: list[Sequence] = []
-        while self.running and len(seqs) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.may_append(seq, len(seq))
-                self.block_manager.publish_full_blocks(seq, len(seq))
-                seqs.append(seq)
-        self.running.extendleft(reversed(seqs))
-        # Longest first: the decode attention kernel starts its programs in batch order, so the
-        # short sequences fill the tail of the launch (a carried step keeps this order).
-        seqs.sort(key=len, reverse=True)
-        return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs)) if seqs else None
-
-    def schedule_next_decode(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after `batch`, planned while `batch` runs (its tokens unknown).
-
-        None when the next step needs `batch`'s results first: `batch` is not a decode,
-        requests are waiting for admission, every sequence ends with `batch`, or blocks
-        run short (preemption decisions are left to `schedule`)."""
-        if batch.kind is not StepKind.DECODE or self.waiting:
-            return None
-        # After `batch`, each of its live sequences holds len(seq) + 1 tokens.
-        seqs = [s for s in batch.seqs if not s.is_finished and not self._ends_by_length(s, len(s) + 1)]
-        bm = self.block_manager
-        # The next step computes position len(seq): room for len(seq) + 1 tokens.
-        new_blocks = sum(1 for s in seqs if bm.blocks_needed(len(s) + 1) > len(s.block_table))
-        if not seqs or new_blocks > bm.num_free_blocks:
-            return None
-        for seq in seqs:
-            bm.may_append(seq, len(seq) + 1)
-            bm.publish_full_blocks(seq, len(seq))  # only tokens known on the host
-        return ScheduledBatch(StepKind.DECODE, seqs, [1] * len(seqs), carried=True)
+        return chunks
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """True if `seq` is done once it holds `num_tokens` tokens (max_tokens / max_model_len)."""
@@ -152,18 +198,16 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
+        self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Record a step's results; `sampled` maps seq_id to its new token. Returns finished seqs."""
         finished: list[Sequence] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.is_finished:
-                continue  # a carried step's sequence that its previous step ended: result dropped
-            seq.num_computed_tokens += n
+        for seq in batch.seqs:
             token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
+            if token is None or seq.is_finished:
+                continue  # a chunk that samples nothing, or a sequence an earlier step ended
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -2,10 +2,10 @@
 
     token_ids:  [ prompt ........ | completion ... ]
                  ^0               ^num_prompt_tokens
-    KV computed: [0, num_computed_tokens)   (the newest sampled token is never computed yet)
+    KV scheduled: [0, num_computed_tokens)  (booked when a step is scheduled; == len(token_ids)
+                  while the token sampled by that step is still on the device)
 
-Invariant once allocated: len(block_table) == ceil(num_kv_tokens / block_size), where
-num_kv_tokens is the number of tokens whose KV the current step will have written.
+Invariant once allocated: len(block_table) >= ceil(num_computed_tokens / block_size).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine.stop_strings import StopStringMatcher
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -47,8 +48,9 @@ class Sequence:
         self.block_hashes: list[int] = []
         # Per-request RNG for seeded sampling, created lazily by the model runner.
         self.generator: torch.Generator | None = None
-        # Length of the completion text to return (set when a stop string matches).
-        self.stop_text_len: int | None = None
+        # Incremental stop-string search (set by the engine when params.stop is not empty).
+        self.stop_matcher: StopStringMatcher | None = None
+        self.stopped_by_string = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -2,29 +2,32 @@
 
 A `StepPlan` is the step without Sequence objects (small, picklable: tensor-parallel
 workers receive it). For each sequence it holds the tokens to compute this step and
-the position of the first one:
+the position of the first one. Decode rows come first (one token each), then
+prefill chunks; every row attends over its cached context plus its own tokens:
 
-    prefill chunk [start, end) of each sequence (start = num_computed_tokens):
-      seq A: cached |#######|  new |....|        q: 4 tokens, k: 11 tokens
-      seq B:                  new |......|      q: 6 tokens, k: 6 tokens
-      input_ids = [A4 | B6], cu_seqlens_q = [0, 4, 10], cu_seqlens_k = [0, 11, 17]
-    decode: one token per sequence (its newest), context_len = start + 1 = len(seq).
-    carried decode: the newest token is still on the device (the previous step's
-      sample at row carried_rows[i]); its position is len(seq) on the host.
+    seq A (decode):  cached |##########|  new |.|       q: 1 token,  k: 11 tokens
+    seq B (chunk):   cached |#######|     new |....|    q: 4 tokens, k: 11 tokens
+    seq C (prompt):                       new |......|  q: 6 tokens, k: 6 tokens
+      input_ids = [A1 | B4 | C6], cu_seqlens_q = [0, 1, 5, 11], cu_seqlens_k = [0, 11, 22, 28]
+
+A carried row's input is a token still on the device (the previous step's sample at
+row carried_rows[i]); carried rows lead the step, and the model runner gathers their
+ids on the device before the forward.
 
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
-Host arrays are built with numpy and copied from pinned memory without blocking
-(a decode step packs everything into one int32 array: one copy).
+Each step's integers travel in one pinned int32 array, one host-to-device copy:
+a pure decode step as `decode_rows`, any other step as `VarlenLayout`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from nanovllm.engine.scheduler import ScheduledBatch, StepKind
+from nanovllm.engine.scheduler import ScheduledBatch, StepKind, input_in_flight
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata
 
@@ -32,38 +35,47 @@ from nanovllm.utils.context import AttentionMetadata
 @dataclass(frozen=True)
 class StepPlan:
     kind: StepKind
-    new_token_ids: list[list[int]]  # per sequence: the tokens computed this step
     starts: list[int]  # per sequence: position of its first new token
-    block_tables: list[list[int]]  # per sequence: ceil((start + len(new)) / block_size) block ids
+    num_new_tokens: list[int]  # per sequence: tokens computed this step
+    token_ids: list[int]  # the step's input ids, flat in row order (0 for carried rows)
+    block_tables: list[list[int]]  # per sequence: covers at least start + num_new tokens
     sampled: list[bool]  # per sequence: a token is sampled after this step
-    # Carried decode only: per sequence, the row of its input token among the previous
-    # step's sampled tokens (new_token_ids is then empty: the host does not know them yet).
-    carried_rows: list[int] | None = None
+    num_decode: int = 0  # sequences [0, num_decode) are decode rows
+    # Rows [0, len(carried_rows)) take their input from the previous step's sample at these rows.
+    carried_rows: list[int] = ()
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
-        """`previous_sampled`: the sequences sampled by the previous step, in row order
-        (needed when `batch` is carried)."""
-        if batch.carried:
-            if previous_sampled is None:
-                raise ValueError("a carried batch needs the previous step's sampled sequences")
-            row = {s.seq_id: i for i, s in enumerate(previous_sampled)}
-            return cls(
-                kind=batch.kind,
-                new_token_ids=[],
-                starts=[len(s) for s in batch.seqs],
-                block_tables=[s.block_table for s in batch.seqs],
-                sampled=[True] * len(batch.seqs),
-                carried_rows=[row[s.seq_id] for s in batch.seqs],
-            )
-        starts = [s.num_computed_tokens for s in batch.seqs]
+        """`previous_sampled`: the sequences sampled by the step launched just before, in
+        row order (needed when `batch` has rows whose input is still in flight)."""
+        row = {s.seq_id: i for i, s in enumerate(previous_sampled or [])}
+        carried: list[int] = []
+        token_ids: list[int] = []
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
+            if start == len(seq):  # input in flight (only a decode row)
+                if seq.seq_id not in row:
+                    raise ValueError(f"sequence {seq.seq_id}'s input token is not among the previous step's samples")
+                if len(carried) != i:
+                    raise RuntimeError("rows whose input is in flight must lead the step")
+                carried.append(row[seq.seq_id])
+                token_ids.append(0)
+            else:
+                token_ids.extend(seq.token_ids[start : start + n])
         return cls(
             kind=batch.kind,
-            new_token_ids=[s.token_ids[a : a + n] for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens)],
-            starts=starts,
+            starts=list(batch.starts),
+            num_new_tokens=list(batch.num_new_tokens),
+            token_ids=token_ids,
             block_tables=[s.block_table for s in batch.seqs],
-            sampled=[a + n == len(s) for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens)],
+            sampled=[i < batch.num_decode or a + n == len(s)
+                     for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))],
+            num_decode=batch.num_decode,
+            carried_rows=carried,
         )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 # Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
@@ -73,28 +85,78 @@ DECODE_COLUMNS = 4
 
 def sampled_positions(plan: StepPlan) -> list[int]:
     """Position of the token each sampled sequence of `plan` samples (in row order)."""
-    if plan.carried_rows is not None:
-        return [start + 1 for start in plan.starts]
-    return [start + len(ids) for start, ids, sampled in zip(plan.starts, plan.new_token_ids, plan.sampled) if sampled]
+    return [a + n for a, n, s in zip(plan.starts, plan.num_new_tokens, plan.sampled) if s]
+
+
+class VarlenSections(NamedTuple):
+    """Named views of a packed prefill / mixed step (numpy on the host, torch on the device)."""
+
+    input_ids: object  # [T]
+    positions: object  # [T]
+    slots: object  # [T]
+    cu_seqlens_q: object  # [S + 1]
+    cu_seqlens_k: object  # [S + 1]
+    tile_seq: object  # [C]
+    tile_block: object  # [C]
+    num_tiles: object  # [1]
+    sample_rows: object  # [S]
+    block_tables: object  # [S, width]
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """Sections of a prefill / mixed step's packed int32 array, in this order:
+
+        | input ids | positions | slots | cu_q | cu_k | tile seq | tile block | num tiles | sample rows | block tables |
+          T           T           T       S+1    S+1    C          C            1           S             S x width
+
+    T tokens, S sequences, C query tiles (0 when the attention backend takes no tile
+    table). CUDA graphs use a fixed layout per token bucket; rows past the step are
+    padding (slot -1, empty sequences, tiles past num_tiles never read)."""
+
+    num_tokens: int
+    num_seqs: int
+    num_tiles: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
+        return 3 * t + 2 * (s + 1) + 2 * c + 1 + s + s * self.width
+
+    def split(self, flat) -> VarlenSections:
+        """Views of `flat` (numpy or torch, 1-D, `size` long)."""
+        t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
+        sizes = [t, t, t, s + 1, s + 1, c, c, 1, s, s * self.width]
+        out, offset = [], 0
+        for n in sizes:
+            out.append(flat[offset : offset + n])
+            offset += n
+        out[-1] = out[-1].reshape(s, self.width)
+        return VarlenSections(*out)
 
 
 @dataclass(frozen=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int32/int64
+    positions: torch.Tensor  # [num_tokens] int32/int64
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampled] int64: rows of the hidden states to turn into logits
+    sample_indices: torch.Tensor  # [num_sampled]: rows of the hidden states to turn into logits
 
 
 class StepInputBuilder:
-    def __init__(self, block_size: int, device: torch.device, decode_table_width: int):
+    def __init__(self, block_size: int, device: torch.device, decode_table_width: int,
+                 query_tile_rows: int | None = None):
+        """query_tile_rows: the prefill kernel's query tile height when the attention
+        backend takes a tile table (nanovllm.kernels), else None."""
         self.block_size = block_size
         self.device = device
         self.pin = device.type == "cuda"
-        # Decode block tables always span max_model_len, as the CUDA graphs' do: the split-K
-        # decode kernel sizes its splits from this width, so eager and graph decode compute
-        # in the same order and give identical tokens.
-        self.decode_table_width = decode_table_width
+        # Block tables always span max_model_len, as the CUDA graphs' do: the split-K decode
+        # kernel sizes its splits from this width, so eager and graph decode compute in the
+        # same order and give identical tokens.
+        self.table_width = decode_table_width
+        self.query_tile_rows = query_tile_rows
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -102,61 +164,86 @@ class StepInputBuilder:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    @staticmethod
-    def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
-        """[num_seqs, longest table] int32, each row a block table padded with zeros (never read)."""
-        width = max(len(bt) for bt in block_tables)
-        out = np.zeros((len(block_tables), width), dtype=np.int32)
-        for i, bt in enumerate(block_tables):
-            out[i, : len(bt)] = bt
-        return out
+    # ----- prefill and mixed steps -----
+    def num_tiles(self, plan: StepPlan) -> int:
+        if self.query_tile_rows is None:
+            return 0
+        m = self.query_tile_rows
+        return sum(-(-n // m) for n in plan.num_new_tokens)
 
-    def prefill(self, plan: StepPlan) -> StepInputs:
-        bs = self.block_size
-        lens = np.fromiter(map(len, plan.new_token_ids), dtype=np.int64, count=len(plan.starts))
+    def exact_layout(self, plan: StepPlan) -> VarlenLayout:
+        return VarlenLayout(plan.num_tokens, len(plan.starts), self.num_tiles(plan), self.table_width)
+
+    def varlen_array(self, plan: StepPlan, layout: VarlenLayout) -> np.ndarray:
+        """The plan packed as `layout` (which must hold it). Input ids of carried rows hold
+        their source row among the previous step's samples."""
+        bs, n = self.block_size, len(plan.starts)
+        flat = np.zeros(layout.size, dtype=np.int32)
+        ids, positions, slots, cu_q, cu_k, tile_seq, tile_block, num_tiles, sample_rows, tables = layout.split(flat)
+        lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
         starts = np.asarray(plan.starts, dtype=np.int64)
-        ends = starts + lens
-        cu_q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(ends)]).astype(np.int32)
-        # position of every new token: its sequence's start + its offset within the chunk
-        seq_of_token = np.repeat(np.arange(len(lens)), lens)
-        positions = starts[seq_of_token] + np.arange(int(cu_q[-1])) - cu_q[:-1][seq_of_token]
-        tables = self.block_table_array(plan.block_tables)
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        needs_block_table = bool((starts > 0).any())
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self.to_device(slots),
-            cu_seqlens_q=self.to_device(cu_q),
-            cu_seqlens_k=self.to_device(cu_k),
-            max_seqlen_q=int(lens.max()),
-            max_seqlen_k=int(ends.max()),
-            block_tables=self.to_device(tables) if needs_block_table else None,
-        )
-        sample_rows = (cu_q[1:] - 1)[np.asarray(plan.sampled, dtype=bool)].astype(np.int64)
-        return StepInputs(
-            input_ids=self.to_device(np.fromiter((t for ids in plan.new_token_ids for t in ids), dtype=np.int64,
-                                                 count=int(cu_q[-1]))),
-            positions=self.to_device(positions),
-            meta=meta,
-            sample_indices=self.to_device(sample_rows),
-        )
+        total = plan.num_tokens
+        q_ends = np.cumsum(lens)
+        cu_q[1 : n + 1] = q_ends
+        cu_q[n + 1 :] = total  # padding sequences are empty
+        cu_k[1 : n + 1] = np.cumsum(starts + lens)
+        cu_k[n + 1 :] = cu_k[n]
+        seq_of_token = np.repeat(np.arange(n), lens)
+        pos = starts[seq_of_token] + np.arange(total) - (q_ends - lens)[seq_of_token]
+        for i, bt in enumerate(plan.block_tables):
+            tables[i, : len(bt)] = bt
+        ids[:total] = plan.token_ids
+        ids[: len(plan.carried_rows)] = plan.carried_rows
+        positions[:total] = pos
+        slots[:total] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        slots[total:] = -1
+        sampled = np.asarray(plan.sampled, dtype=bool)
+        sample_rows[: int(sampled.sum())] = (q_ends - 1)[sampled]
+        if layout.num_tiles:
+            from nanovllm.kernels.prefill_attention import build_query_tiles
 
+            seqs, blocks = build_query_tiles(lens, self.query_tile_rows, starts + lens)
+            tile_seq[: len(seqs)] = seqs
+            tile_block[: len(blocks)] = blocks
+            num_tiles[0] = len(seqs)
+        return flat
+
+    def varlen_inputs(self, staging: torch.Tensor, layout: VarlenLayout, max_seqlen_q: int, max_seqlen_k: int,
+                      num_sampled: int) -> StepInputs:
+        """Views of a device array packed as `layout` (see varlen_array)."""
+        v = layout.split(staging)
+        tiles = (v.tile_seq, v.tile_block, v.num_tiles) if layout.num_tiles else None
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=v.slots, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_tables=v.block_tables, query_tiles=tiles,
+        )
+        return StepInputs(v.input_ids, v.positions, meta, v.sample_rows[:num_sampled])
+
+    def varlen(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
+        """Eager inputs of a prefill / mixed step at its exact size."""
+        layout = self.exact_layout(plan)
+        staging = self.to_device(self.varlen_array(plan, layout))
+        ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
+        inputs = self.varlen_inputs(staging, layout, max(plan.num_new_tokens), max(ends), sum(plan.sampled))
+        if plan.carried_rows:
+            k = len(plan.carried_rows)
+            inputs.input_ids[:k].copy_(gather_carried_ids(previous_tokens, inputs.input_ids[:k]))
+        return inputs
+
+    # ----- pure decode steps -----
     def decode_rows(self, plan: StepPlan, num_rows: int) -> np.ndarray:
         """A decode step packed for one host-to-device copy: [num_rows, DECODE_COLUMNS + width]
         int32, one row per sequence (rows past the batch are padding: slot -1, context 0):
 
             | input id | position | slot | context len | block table (width entries, 0-padded) |
 
-        For a carried step the input-id column holds the row of the sequence's input among
-        the previous step's samples (see `gather_carried_ids`)."""
+        Carried rows hold in the input-id column the row of their input among the previous
+        step's samples (see `gather_carried_ids`)."""
         bs, n = self.block_size, len(plan.starts)
-        out = np.zeros((num_rows, DECODE_COLUMNS + self.decode_table_width), dtype=np.int32)
+        out = np.zeros((num_rows, DECODE_COLUMNS + self.table_width), dtype=np.int32)
         positions = np.asarray(plan.starts, dtype=np.int64)
-        if plan.carried_rows is not None:
-            out[:n, COL_INPUT] = plan.carried_rows
-        else:
-            out[:n, COL_INPUT] = [ids[0] for ids in plan.new_token_ids]
+        out[:n, COL_INPUT] = plan.token_ids
+        out[: len(plan.carried_rows), COL_INPUT] = plan.carried_rows
         out[:n, COL_POSITION] = positions
         out[:n, COL_SLOT] = [bt[p // bs] * bs + p % bs for bt, p in zip(plan.block_tables, plan.starts)]
         out[n:, COL_SLOT] = -1
@@ -167,27 +254,27 @@ class StepInputBuilder:
 
     def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
         """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
-        samples on the device (carried steps read their input ids from it; the model runner
-        checks it is there)."""
+        samples on the device (carried rows read their input ids from it)."""
         n = len(plan.starts)
         rows = self.to_device(self.decode_rows(plan, n))  # [n, DECODE_COLUMNS + width] int32
-        input_ids = rows[:, COL_INPUT].long()
-        if plan.carried_rows is not None:
-            input_ids = gather_carried_ids(previous_tokens, input_ids)
+        input_ids = rows[:, COL_INPUT]
+        if plan.carried_rows:
+            k = len(plan.carried_rows)
+            input_ids[:k].copy_(gather_carried_ids(previous_tokens, input_ids[:k]))
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=rows[:, COL_SLOT].long(),
+            slot_mapping=rows[:, COL_SLOT],
             context_lens=rows[:, COL_CONTEXT].contiguous(),
             block_tables=rows[:, DECODE_COLUMNS:].contiguous(),
         )
         return StepInputs(
-            input_ids=input_ids,
-            positions=rows[:, COL_POSITION].long(),
+            input_ids=input_ids.contiguous(),
+            positions=rows[:, COL_POSITION].contiguous(),
             meta=meta,
             sample_indices=torch.arange(n, device=self.device),
         )
 
 
 def gather_carried_ids(previous_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Input ids of a carried step: previous_tokens[rows], on the device (no host sync)."""
-    return previous_tokens.index_select(0, rows.long())
+    """Input ids of carried rows: previous_tokens[rows], on the device (no host sync)."""
+    return previous_tokens.index_select(0, rows)

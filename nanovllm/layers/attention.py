@@ -47,11 +47,14 @@ class Attention(nn.Module):
         if meta.is_prefill:
             if meta.block_tables is not None:
                 k, v = self.k_cache, self.v_cache
+            tiles = {}
+            if meta.query_tiles is not None:  # only built for a backend that takes them
+                tiles = dict(zip(("tile_seq", "tile_block", "num_tiles"), meta.query_tiles))
             return backend.flash_attn_varlen_func(
                 q, k, v,
                 cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
+                softmax_scale=self.scale, causal=True, block_table=meta.block_tables, **tiles,
             )
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache,

@@ -19,10 +19,12 @@ import torch
 class AttentionMetadata:
     """Flat-batch attention inputs (all sequences' tokens stacked on one axis).
 
-    Prefill (is_prefill=True): cu_seqlens_q/k `[num_seqs + 1]` int32 (cumulative query
-    tokens / key tokens per sequence), max_seqlen_q/k host ints, block_tables
-    `[num_seqs, max_blocks]` int32 when some keys come from the cache (prefix hit or a
-    later chunk), else None (keys are exactly this step's tokens).
+    Prefill / mixed (is_prefill=True): cu_seqlens_q/k `[num_seqs + 1]` int32 (cumulative
+    query tokens / key tokens per sequence), max_seqlen_q/k host ints (upper bounds),
+    block_tables `[num_seqs, max_blocks]` int32 when keys are read from the cache, else
+    None (keys are exactly this step's tokens); query_tiles = (tile_seq [C], tile_block [C],
+    num_tiles [1]) int32 for the Triton prefill kernel (see kernels/prefill_attention.py),
+    else None.
     Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables.
     Both: slot_mapping `[num_tokens]` (cache slot per new token; < 0 = padding, skipped).
     """
@@ -35,6 +37,7 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    query_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

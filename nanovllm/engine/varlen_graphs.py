@@ -1,0 +1,99 @@
+"""Prefill and mixed steps under CUDA graphs: one graph per token bucket.
+
+A step of T tokens (decode rows and prefill chunks together) replays the graph of the
+smallest bucket >= T. Each bucket has its own staging buffer packed as
+`VarlenLayout(bucket, seq cap, tile cap, width)`:
+
+    tokens:  | step's T tokens ............ | padding (slot -1, never attended) |
+    seqs:    | step's sequences | empty sequences (cu_seqlens repeat their end)   |
+    tiles:   | num_tiles query tiles | never read (the kernel stops at num_tiles) |
+
+so the whole forward, attention included, has fixed shapes and grids: the Triton
+prefill kernel walks the step's query tiles from a table (kernels/prefill_attention.py).
+A replay costs one host-to-device copy, the carried-token gather and the graph launch,
+whatever the number of layers. Steps above the largest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout, gather_carried_ids
+from nanovllm.utils.context import attention_context
+
+# Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
+MIN_BUCKET = 16
+# From this size on, buckets step by a quarter of the power of two below them, so a step
+# pads by at most 25% (large steps are compute-bound: padding costs its share of FLOPs).
+QUARTER_STEPS_FROM = 256
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, 320, 384, 448, 512, 640, ... up to max_tokens (always included)."""
+    sizes, p = [], MIN_BUCKET
+    while p < max_tokens:
+        sizes.append(p)
+        if p >= QUARTER_STEPS_FROM:
+            sizes += [p * 5 // 4, p * 3 // 2, p * 7 // 4]
+        p *= 2
+    sizes = [s for s in sizes if s < max_tokens]
+    return sizes + [max_tokens]
+
+
+class VarlenGraphs:
+    """Graphs of the model's forward for prefill / mixed steps; capture is largest first,
+    sharing one memory pool (the graphs never run at once)."""
+
+    def __init__(self, model: torch.nn.Module, builder: StepInputBuilder, max_tokens: int, max_num_seqs: int,
+                 device: torch.device):
+        if builder.query_tile_rows is None:
+            raise ValueError("varlen CUDA graphs need an attention backend that takes a query-tile table")
+        self.builder = builder
+        self.buckets = token_buckets(max_tokens)
+        self.layouts: dict[int, VarlenLayout] = {}
+        self.staging: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        rows = builder.query_tile_rows
+        for t in self.buckets:
+            seqs = min(t, max_num_seqs)
+            self.layouts[t] = VarlenLayout(t, seqs, -(-t // rows) + seqs, builder.table_width)
+        self._capture(model, device)
+
+    def _max_seqlen_k(self) -> int:
+        return self.builder.table_width * self.builder.block_size
+
+    @torch.inference_mode()
+    def _capture(self, model: torch.nn.Module, device: torch.device) -> None:
+        pool = None
+        for t in reversed(self.buckets):
+            layout = self.layouts[t]
+            staging = torch.zeros(layout.size, dtype=torch.int32, device=device)
+            layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
+            inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs)
+            graph = torch.cuda.CUDAGraph()
+            with attention_context(inputs.meta):
+                model(inputs.input_ids, inputs.positions)  # warm-up, also compiles
+                with torch.cuda.graph(graph, pool):
+                    hidden = model(inputs.input_ids, inputs.positions)  # [t, hidden]
+            if pool is None:
+                pool = graph.pool()
+            self.staging[t], self.hidden[t], self.graphs[t] = staging, hidden, graph
+            torch.cuda.synchronize(device)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The bucket a step of num_tokens tokens replays, or None if it is too large."""
+        return next((t for t in self.buckets if t >= num_tokens), None)
+
+    def run(self, plan: StepPlan, bucket: int, carried_from: torch.Tensor | None) -> torch.Tensor:
+        """Replay for `plan`; returns the hidden states of its sampled rows [num_sampled, hidden].
+        carried_from: the previous step's sampled tokens when the plan has carried rows."""
+        layout, staging = self.layouts[bucket], self.staging[bucket]
+        flat = self.builder.varlen_array(plan, layout)
+        staging.copy_(torch.from_numpy(flat).pin_memory(), non_blocking=True)
+        if plan.carried_rows:
+            ids = staging[: len(plan.carried_rows)]  # the input-id section leads the layout
+            ids.copy_(gather_carried_ids(carried_from, ids))
+        self.graphs[bucket].replay()
+        sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
+        return self.hidden[bucket].index_select(0, sample_rows)
