@@ -2,6 +2,7 @@
 
     python example.py                      # the small model shipped in nanovllm/default_model
     python example.py --model ~/Qwen3-0.6B # any Qwen3 checkpoint directory
+    python example.py --device cpu         # on the CPU even where CUDA exists
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: CUDA when present")
     args = parser.parse_args()
 
-    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=1024)
+    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=1024, device=args.device)
     if args.model == DEFAULT_MODEL:
         prompts = CODE_PROMPTS
     else:  # a chat model: wrap the questions in its chat template

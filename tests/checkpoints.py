@@ -1,4 +1,5 @@
-"""Builds small Qwen3 checkpoints (random weights) and a small BPE tokenizer for tests.
+"""Builds small Qwen3 checkpoints (random weights) and a small BPE tokenizer for tests,
+and `cpu_llm`, the engine constructor of every test not marked `gpu`.
 
 transformers' own Qwen3ForCausalLM writes the checkpoints, so the files have exactly
 the names, shapes and config keys that real checkpoints have; it is also the
@@ -73,6 +74,14 @@ def build_checkpoint(path: str, shape: TinyShape = TinyShape(), seed: int = 0,
     model.save_pretrained(path, **kwargs)
     build_tokenizer(path)
     return path
+
+
+def cpu_llm(model: str, **kwargs):
+    """An engine on the CPU, for every test not marked `gpu`: with CUDA present, LLM()
+    would otherwise size a KV cache from most of the card and capture decode graphs."""
+    from nanovllm import LLM
+
+    return LLM(model, device="cpu", **kwargs)
 
 
 def load_reference(path: str):

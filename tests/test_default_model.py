@@ -141,11 +141,11 @@ def test_greedy_continuation_nontrivial(model, tok, prompt):
 
 
 def test_nanovllm_greedy_matches_transformers_on_shipped_model(tok):
-    from checkpoints import assert_greedy_matches_reference
-    from nanovllm import LLM, SamplingParams
+    from checkpoints import assert_greedy_matches_reference, cpu_llm
+    from nanovllm import SamplingParams
 
     reference = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    llm = LLM(str(MODEL_DIR), kvcache_block_size=16, max_model_len=512)
+    llm = cpu_llm(str(MODEL_DIR), kvcache_block_size=16, max_model_len=512)
     prompts = ["def read_config(path):\n", "class Stack:\n    def __init__(self", "import os\nimport sys\n"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     llm.exit()
@@ -161,7 +161,8 @@ def test_example_runs_on_the_shipped_model():
 
     root = MODEL_DIR.parent.parent
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "example.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "example.py", "--device", "cpu"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert time.monotonic() - start < 60
     completions = [line for line in out.stdout.splitlines() if line.startswith("Completion: ")]

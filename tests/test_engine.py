@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    TinyShape, assert_greedy_matches_reference, build_checkpoint, load_reference, rewrite_config,
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, rewrite_config,
 )
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 
 SHAPES = {
     "tied-hd64": (TinyShape(), None),
@@ -45,7 +45,7 @@ def tied_checkpoint(tmp_path_factory):
 
 
 def run(path, prompts, params=GREEDY, **kwargs):
-    llm = LLM(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
+    llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
     try:
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
     finally:
@@ -94,7 +94,7 @@ def test_identical_under_every_scheduling_regime(tied_checkpoint):
 
 def test_second_run_is_served_from_prefix_cache(tied_checkpoint):
     prompts = make_prompts(3, 4, 40, 80)
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     hits_after_first = llm.block_manager.num_prefix_hit_blocks
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -110,7 +110,7 @@ def test_fully_cached_prompt_multiple_of_block_size(tied_checkpoint):
     prompt = list(range(1, 33))  # exactly two blocks
     outs, llm = run(tied_checkpoint, [prompt, prompt])
     assert outs[0] == outs[1]
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
     a = llm.generate([prompt], GREEDY, use_tqdm=False)
     b = llm.generate([prompt], GREEDY, use_tqdm=False)  # every block cached: last token recomputed
     assert a == b
@@ -119,7 +119,7 @@ def test_fully_cached_prompt_multiple_of_block_size(tied_checkpoint):
 
 
 def test_outputs_in_input_order_with_mixed_inputs(tied_checkpoint):
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=512)
     prompts = ["the quick brown fox", {"prompt_token_ids": [5, 6, 7]}, [9] * 50, {"prompt": "lazy dog"}]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 5)]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -142,7 +142,7 @@ def test_eos_from_generation_config_list(tmp_path):
     gen["eos_token_id"] = [383, stop_at]
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f)
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512)
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=512)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert out["token_ids"] == free_run[0][: first_hit + 1]
     assert out["finish_reason"] == "stop"
@@ -152,7 +152,7 @@ def test_eos_from_generation_config_list(tmp_path):
 
 
 def test_stops_at_max_model_len(tied_checkpoint):
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=40)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=40)
     outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 35]
@@ -164,7 +164,7 @@ def test_step_wise_api(tied_checkpoint):
     # The reference run comes first: on CUDA each engine takes most of the card's memory,
     # so two engines cannot be alive at once.
     expected, _ = run(tied_checkpoint, [[1, 2, 3] * 20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32)
     a = llm.add_request([1, 2, 3] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     b = llm.add_request([4, 5], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     kinds, finished = [], {}
@@ -198,27 +198,27 @@ def test_both_config_formats_give_the_same_tokens(tmp_path):
 def test_load_errors_name_the_problem(tmp_path):
     path = build_checkpoint(str(tmp_path / "bad"), TinyShape())
     with pytest.raises(TypeError, match="bogus"):
-        LLM(path, bogus=1)
+        cpu_llm(path, bogus=1)
     with pytest.raises(ValueError, match="config.json"):
-        LLM(str(tmp_path))
+        cpu_llm(str(tmp_path))
     with pytest.raises(ValueError, match="not a directory"):
-        LLM(str(tmp_path / "nope"))
+        cpu_llm(str(tmp_path / "nope"))
     weights = load_file(os.path.join(path, "model.safetensors"))
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(shard 1\)"):
-        LLM(path)
+        cpu_llm(path)
     weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="shape"):
-        LLM(path)
+        cpu_llm(path)
     rewrite_config(path, architectures=["LlamaForCausalLM"], model_type="llama")
     with pytest.raises(ValueError, match="unsupported architecture"):
-        LLM(path)
+        cpu_llm(path)
 
 
 def test_request_that_never_fits_is_refused_before_work(tied_checkpoint):
-    llm = LLM(tied_checkpoint, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4)
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4)
     ok = [1, 2, 3]
     with pytest.raises(ValueError, match="whole KV cache"):
         llm.generate([ok, [5] * 60], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
@@ -234,7 +234,7 @@ def test_dummy_load_format_runs_from_config_alone(tmp_path, tied_checkpoint):
     outs, llm = run(str(path), [[1, 2, 3]], load_format="dummy")
     assert len(outs[0]) == GREEDY.max_tokens
     assert llm.tokenizer is None
-    llm = LLM(str(path), load_format="dummy")
+    llm = cpu_llm(str(path), load_format="dummy")
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text"], GREEDY)
     llm.exit()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import TinyShape, build_checkpoint, rewrite_config
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, rewrite_config
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
+    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
     yield engine
     engine.exit()
 
@@ -61,7 +61,7 @@ def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, prompt, exc, words)
 
 
 def test_request_that_can_never_fit_the_cache(ckpt):
-    small = LLM(ckpt, kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=8)
+    small = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="whole KV cache holds 128"):  # 8 blocks x 16 < 100 + 500
         small.generate([[1] * 100], SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
     assert len(small.generate([[1] * 100], SamplingParams(max_tokens=20), use_tqdm=False)) == 1
@@ -122,24 +122,26 @@ BAD_CONFIG = [
 
 @pytest.mark.parametrize("kwargs,exc,words", BAD_CONFIG, ids=[str(k) for k, _, _ in BAD_CONFIG])
 def test_bad_engine_config(ckpt, kwargs, exc, words):
+    # Every case fails in validation before a model or KV cache exists; some set `device`
+    # themselves, so this is the one plain LLM() of a CPU test.
     with pytest.raises(exc, match=words):
         LLM(ckpt, **kwargs)
 
 
 def test_bad_checkpoints(tmp_path, ckpt):
     with pytest.raises(ValueError, match="not a directory"):
-        LLM(str(tmp_path / "missing"))
+        cpu_llm(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.json"):
-        LLM(str(tmp_path))
+        cpu_llm(str(tmp_path))
     with pytest.raises(TypeError, match="model"):
-        LLM(42)
+        cpu_llm(42)
     bad = build_checkpoint(str(tmp_path / "arch"), TinyShape())
     rewrite_config(bad, architectures=["MistralForCausalLM"])
     with pytest.raises(ValueError, match="MistralForCausalLM"):
-        LLM(bad)
+        cpu_llm(bad)
     rewrite_config(bad, architectures=["Qwen3ForCausalLM"], num_attention_heads=None)
     with pytest.raises(ValueError, match="num_attention_heads"):
-        LLM(bad)
+        cpu_llm(bad)
 
 
 _OPTIMIZED_SCRIPT = """
@@ -150,7 +152,7 @@ checks = [
     (lambda: SamplingParams(top_p=2.0), ValueError),
     (lambda: LLM(sys.argv[1], kvcache_block_size=24), ValueError),
 ]
-llm = LLM(sys.argv[1], kvcache_block_size=16, max_model_len=64)
+llm = LLM(sys.argv[1], kvcache_block_size=16, max_model_len=64, device="cpu")
 checks += [(lambda: llm.generate([[-1]], SamplingParams()), ValueError),
            (lambda: llm.generate([[1] * 64], SamplingParams()), ValueError)]
 for fn, exc in checks:
@@ -173,7 +175,7 @@ def test_validation_survives_python_O(ckpt):
 
 
 def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
-    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
     prompts = [[i + 1] * (10 + i) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     expected = llm.generate(prompts, params, use_tqdm=False)
@@ -194,7 +196,7 @@ def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
     assert llm.generate(prompts, params, use_tqdm=False) == expected
     llm.exit()
     llm.exit()
-    again = LLM(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+    again = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
     assert again.generate(prompts, params, use_tqdm=False) == expected
     again.exit()
 
@@ -202,8 +204,8 @@ def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
 # ---------------------------------------------------------------- randomized workloads
 @pytest.fixture(scope="module")
 def baseline_engine(ckpt):
-    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=256, enable_prefix_caching=False,
-                 overlap_scheduling=False)
+    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, enable_prefix_caching=False,
+                     overlap_scheduling=False)
     yield engine
     engine.exit()
 
@@ -233,8 +235,8 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
     expected = baseline_engine.generate(prompts, params, use_tqdm=False)
     # down to barely enough KV for the longest request
     need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
-    llm = LLM(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
-              max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks, overlap_scheduling=overlap)
+    llm = cpu_llm(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
+                  max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks, overlap_scheduling=overlap)
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         assert got == expected  # every request exactly once, in input order, same tokens

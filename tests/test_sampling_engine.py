@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, load_reference
-from nanovllm import LLM, SamplingParams
+from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
+from nanovllm import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    engine = LLM(ckpt, kvcache_block_size=16, max_model_len=256)
+    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
     yield engine
     engine.exit()
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from checkpoints import TinyShape, build_checkpoint
-from nanovllm import LLM, SamplingParams
+from checkpoints import TinyShape, build_checkpoint, cpu_llm
+from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SHAPES = {
@@ -29,7 +29,7 @@ def ckpt(request, tmp_path_factory):
 
 
 def generate(path, tp, **kw):
-    llm = LLM(path, tensor_parallel_size=tp, **{"kvcache_block_size": 16, "max_model_len": 256, "device": "cpu", **kw})
+    llm = cpu_llm(path, tensor_parallel_size=tp, **{"kvcache_block_size": 16, "max_model_len": 256, **kw})
     try:
         return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm
     finally:
@@ -46,7 +46,7 @@ def test_tp2_matches_tp1_in_every_regime(ckpt):
 
 
 def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
-    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
     pids = [p.pid for p in llm.workers.procs]
     llm.exit()
     llm.exit()  # harmless twice
@@ -59,7 +59,7 @@ def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
 
 
 def test_killed_worker_raises_instead_of_hanging(ckpt):
-    llm = LLM(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
     os.kill(llm.workers.procs[0].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1"):
@@ -86,7 +86,7 @@ def test_two_engines_side_by_side(ckpt):
     here, _ = generate(ckpt, 2)
     out, err = other.communicate(timeout=300)
     assert other.returncode == 0, err[-2000:]
-    single = LLM(ckpt, kvcache_block_size=16, max_model_len=256, device="cpu")
+    single = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
     expected = single.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                use_tqdm=False)[0]["token_ids"]
     single.exit()
@@ -96,5 +96,5 @@ def test_two_engines_side_by_side(ckpt):
 
 def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
-        LLM(ckpt, tensor_parallel_size=3)
+        cpu_llm(ckpt, tensor_parallel_size=3)
     assert not mp.active_children()
