@@ -3,6 +3,9 @@
     python example.py                      # the small model shipped in nanovllm/default_model
     python example.py --model ~/Qwen3-0.6B # any Qwen3 checkpoint directory
     python example.py --device cpu         # on the CPU even where CUDA exists
+
+The shipped model completes code; another checkpoint with a chat template answers
+questions through llm.chat (its template wraps them), one without completes the code.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import os
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.chat import has_chat_template
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanovllm", "default_model")
 # Code prompts for the shipped model (trained on Python's standard library). A prompt
@@ -34,16 +38,13 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=1024, device=args.device)
-    if args.model == DEFAULT_MODEL:
-        prompts = CODE_PROMPTS
-    else:  # a chat model: wrap the questions in its chat template
-        prompts = [
-            llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True)
-            for p in CHAT_PROMPTS
-        ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    outputs = llm.generate(prompts, params)
+    if os.path.realpath(args.model) != os.path.realpath(DEFAULT_MODEL) and has_chat_template(llm.tokenizer):
+        prompts = CHAT_PROMPTS
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        prompts = CODE_PROMPTS
+        outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
         print("=" * 60)
         print(f"Prompt: {prompt!r}")
