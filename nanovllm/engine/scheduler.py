@@ -195,11 +195,13 @@ class Scheduler:
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and queue it for recompute, behind a prompt whose prefill is under
+        way (that one holds blocks for its whole prompt: ahead of it, seq could wait for them forever)."""
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Record a step's results; `sampled` maps seq_id to its new token. Returns finished seqs."""

@@ -263,7 +263,7 @@ class StepInputBuilder:
             input_ids[:k].copy_(gather_carried_ids(previous_tokens, input_ids[:k]))
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=rows[:, COL_SLOT],
+            slot_mapping=rows[:, COL_SLOT].contiguous(),
             context_lens=rows[:, COL_CONTEXT].contiguous(),
             block_tables=rows[:, DECODE_COLUMNS:].contiguous(),
         )
