@@ -481,6 +481,104 @@ def test_decode_bad_inputs():
         flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, num_splits=-1)
 
 
+# ---------------------------------------------------------------- decode: rows in use (num_seqs), caller's out
+# Capacity 6; with one SM and 2 kv heads the row loop runs 4 // 2 = 2 programs per head, 3 rows each.
+ROWS_LENS = [1, 70, 33, 130, 17, 64]
+
+
+def decode_rows_ref(q, k_cache, v_cache, table, lens, scale):
+    return torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n), True, scale)
+                        for i, n in enumerate(lens)])
+
+
+@pytest.mark.parametrize("block_size,hq,dtype", [(16, 4, torch.float16), (64, 8, torch.bfloat16),
+                                                 (128, 4, torch.float32)])
+def test_decode_num_seqs(monkeypatch, block_size, hq, dtype):
+    """Only rows < num_seqs[0] are computed, by fewer programs than rows (row loop); the rest of
+    `out` keeps its NaN poison. A count past the capacity is clamped to it."""
+    import nanovllm.kernels.decode_attention as dec
+    monkeypatch.setattr(dec, "_sm_count", lambda device: 1)
+    hkv, d, batch = 2, 32, len(ROWS_LENS)
+    assert dec.ROW_LOOP_PROGRAMS_PER_SM // hkv < batch  # some programs take several rows
+    gen = torch.Generator().manual_seed(20)
+    k_cache, v_cache, table = make_paged(ROWS_LENS, block_size, hkv, d, dtype, gen)
+    q = randn((batch, 1, hq, d), gen, dtype)
+    seqlens = torch.tensor(ROWS_LENS, dtype=torch.int32, device=DEV)
+    ref = decode_rows_ref(q, k_cache, v_cache, table, ROWS_LENS, d ** -0.5)
+    for n, num_splits in ((0, 0), (4, 0), (batch, 1), (batch + 3, 0)):
+        out = torch.full_like(q, float("nan"))
+        num_seqs = torch.tensor([n], dtype=torch.int32, device=DEV)
+        res = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=num_splits,
+                                      num_seqs=num_seqs, out=out)
+        assert res is out
+        m = min(n, batch)
+        if m:
+            assert rel_err(out[:m], ref[:m]) < TOL[dtype]
+        assert torch.isnan(out[m:]).all(), f"num_seqs={n}: a row past it was written"
+
+
+@pytest.mark.parametrize("launch", ["fold", "merge", "unsplit", "num_seqs"])
+def test_decode_out_strided_view(monkeypatch, launch):
+    """out as rows of a larger NaN-poisoned [N, Hq, D] buffer, its row stride unlike q's (q is a
+    view of a fused projection): every launch variant writes its rows there and nothing else."""
+    import nanovllm.kernels.decode_attention as dec
+    if launch == "merge":
+        monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", 0)
+    hq, hkv, d, dtype = 4, 2, 32, torch.float16
+    lens = [5, 130, 64, 40]
+    batch = len(lens)
+    gen = torch.Generator().manual_seed(21)
+    k_cache, v_cache, table = make_paged(lens, 16, hkv, d, dtype, gen)
+    qkv = randn((batch, (hq + 2 * hkv) * d), gen, dtype)
+    q = qkv[:, :hq * d].view(batch, 1, hq, d)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    buf = torch.full((batch + 3, hq, d), float("nan"), dtype=dtype, device=DEV)
+    out = buf[1:1 + batch].unsqueeze(1)
+    assert out.stride(0) != q.stride(0)
+    kwargs = {"fold": dict(num_splits=3), "merge": dict(num_splits=3), "unsplit": dict(num_splits=1),
+              "num_seqs": dict(num_seqs=torch.tensor([3], dtype=torch.int32, device=DEV))}[launch]
+    assert flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **kwargs) is out
+    m = 3 if launch == "num_seqs" else batch
+    assert rel_err(out[:m], decode_rows_ref(q, k_cache, v_cache, table, lens[:m], d ** -0.5)) < TOL[dtype]
+    assert torch.isnan(buf[0]).all() and torch.isnan(buf[1 + m:]).all()
+
+
+def test_decode_num_seqs_out_bad_inputs():
+    q = torch.randn(2, 1, 4, 64, device=DEV, dtype=torch.float16)
+    cache = torch.zeros(3, 16, 2, 64, device=DEV, dtype=torch.float16)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    n = torch.ones(1, dtype=torch.int32, device=DEV)
+
+    def call(**kwargs):
+        flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, **kwargs)
+
+    with pytest.raises(ValueError, match="num_splits must be 0 or 1 with num_seqs"):
+        call(num_seqs=n, num_splits=3)
+    with pytest.raises(TypeError, match="num_seqs"):
+        call(num_seqs=n.long())
+    with pytest.raises(TypeError, match="num_seqs"):
+        call(num_seqs=1)
+    with pytest.raises(ValueError, match="num_seqs shape"):
+        call(num_seqs=torch.ones(2, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="num_seqs is on meta"):
+        call(num_seqs=torch.ones(1, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="out shape"):
+        call(out=torch.empty(2, 1, 4, 32, device=DEV, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out shape"):
+        call(out=torch.empty(2, 4, 64, device=DEV, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out dtype"):
+        call(out=torch.empty(2, 1, 4, 64, device=DEV, dtype=torch.float32))
+    with pytest.raises(TypeError, match="out must be a tensor"):
+        call(out=[0.0])
+    with pytest.raises(ValueError, match="out is on meta"):
+        call(out=torch.empty(2, 1, 4, 64, device="meta", dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must have a contiguous last dim"):
+        call(out=torch.empty(2, 1, 4, 128, device=DEV, dtype=torch.float16)[..., ::2])
+    with pytest.raises(ValueError, match="out strides .* overlap"):
+        call(out=torch.empty(1, 1, 4, 64, device=DEV, dtype=torch.float16).expand(2, 1, 4, 64))
+
+
 def test_import_exports():
     import nanovllm.kernels as kmod
     assert sorted(kmod.__all__) == ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache",

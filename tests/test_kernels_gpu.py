@@ -315,3 +315,47 @@ def test_decode_folded_merge_over_many_replays(monkeypatch, hq, hkv, batch):
         q.copy_(randn((batch, 1, hq, D), gen, dtype))
         assert replay_error(graph, out, q, kc, vc, table, lens) < TOL[dtype], f"replay {trial}"
     assert not dec._counter_cache[q.device].any()
+
+
+# The brief's bound for the captured num_seqs decode (bf16 output rounding alone is ~2-3e-3).
+NUM_SEQS_TOL = 1e-2
+
+
+def test_decode_num_seqs_cuda_graph():
+    """One decode call captured at a capacity of 512 rows with num_seqs (rows in use) and a
+    preallocated out (a view of a larger buffer), replayed for 0, 3, 200 and 512 rows in use.
+    Rows past num_seqs hold garbage lengths and block ids (reading one would fault); they and
+    the rest of the buffer must keep their NaN poison."""
+    gen = torch.Generator(DEV).manual_seed(15)
+    hq, hkv, bs, cap, width, num_blocks = 16, 8, 256, 512, 8, 256
+    dtype = torch.bfloat16
+    kc, vc = randn((num_blocks, bs, hkv, D), gen, dtype), randn((num_blocks, bs, hkv, D), gen, dtype)
+    q = randn((cap, 1, hq, D), gen, dtype)
+    seqlens = torch.ones(cap, dtype=torch.int32, device=DEV)
+    table = torch.zeros((cap, width), dtype=torch.int32, device=DEV)
+    num_seqs = torch.full((1,), cap, dtype=torch.int32, device=DEV)
+    buf = torch.full((cap + 8, hq, D), float("nan"), dtype=dtype, device=DEV)
+    out = buf[:cap].unsqueeze(1)
+
+    def attend():
+        return flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_seqs=num_seqs, out=out)
+
+    assert attend() is out  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend()
+    for n in (0, 3, 200, 512):
+        lens = torch.randint(1, bs * width + 1, (n,), generator=gen, device=DEV)
+        seqlens.fill_(GARBAGE_SEQ)
+        seqlens[:n] = lens.int()
+        table.fill_(GARBAGE_BLOCK)
+        table[:n] = torch.randint(0, num_blocks, (n, width), generator=gen, device=DEV, dtype=torch.int32)
+        q.copy_(randn((cap, 1, hq, D), gen, dtype))
+        num_seqs.fill_(n)
+        buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if n:
+            assert rel_err(out[:n], decode_ref(q, kc, vc, table, lens.tolist())) < NUM_SEQS_TOL, f"num_seqs={n}"
+        assert torch.isnan(buf[n:]).all(), f"num_seqs={n}: a row past it was written"

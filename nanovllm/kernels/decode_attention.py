@@ -19,6 +19,13 @@ The split count S is chosen on the host from shapes only (batch, Hkv, max contex
 block_table.shape[1] * block_size), so the launch is CUDA-graph capturable; per_split
 is computed in the kernel from the device length, balancing splits for every L.
 Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
+
+With `num_seqs` (an int32 [1] device tensor: rows in use of a CUDA graph captured at a
+fixed capacity `batch`), the kernel runs unsplit as a persistent row loop instead: grid
+Hkv x P (P from the SM count and Hkv, shapes only), program p of a kv head computes rows
+p, p + P, ... below num_seqs[0] and writes their final output; rows past it are neither
+read nor written. Both variants share the per-row body (`_decode_row`). The output may be
+a caller's buffer (`out`, any row stride).
 """
 
 import torch
@@ -52,6 +59,11 @@ FOLD_MAX_ELEMS = 8192
 # Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
 # by every call (the merging program resets its own). Batches needing more use the merge kernel.
 NUM_COUNTERS = 4096
+# With num_seqs, the persistent row loop launches about this many programs per SM in all
+# (split over the kv heads): ~2 fit at once (pipelined shared memory), so 4 gives each SM a
+# second program in reserve to even out uneven row lengths, while few enough that each
+# program still serves several rows of a large batch. Not yet tuned by benchmark.
+ROW_LOOP_PROGRAMS_PER_SM = 4
 # Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
 CPU_SM_COUNT = 2
 NUM_WARPS = 4
@@ -111,21 +123,18 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
              out.to(out_ptr.dtype.element_ty), mask=(offs_g < n_heads)[:, None])
 
 
-# The block-table width varies with the batch: specializing on it would recompile mid-run.
-@triton.jit(do_not_specialize=["stride_bt"])
-def _decode_split_kernel(
+@triton.jit
+def _decode_row(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
-    qk_scale,
+    qk_scale, kv_head, b, split,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    wait_for_prior(PDL)
-    kv_head = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
+    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive)."""
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -191,6 +200,42 @@ def _decode_split_kernel(
                 tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
+# The block-table width and the row capacity vary with the batch: specializing on them would
+# recompile mid-run.
+@triton.jit(do_not_specialize=["stride_bt", "batch"])
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, num_seqs_ptr,
+    qk_scale, batch,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
+    kv_head = tl.program_id(0).to(tl.int64)
+    if ROW_LOOP:
+        # Persistent rows (NUM_SPLITS == 1): program p takes rows p, p + P, ... below the device
+        # row count, clamped to the capacity; rows past it are never read or written.
+        # int64 bounds: b is an int64 induction variable (64-bit row offsets in _decode_row).
+        n_rows = tl.minimum(tl.load(num_seqs_ptr), batch).to(tl.int64)
+        for b in range(tl.program_id(1).to(tl.int64), n_rows, tl.num_programs(1).to(tl.int64)):
+            _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
+                        qk_scale, kv_head, b, 0,
+                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                        BLOCK_S)
+    else:
+        _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
+                    qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
+                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                    BLOCK_S)
+
+
 @triton.jit
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
@@ -203,8 +248,28 @@ def _decode_merge_kernel(
                  NUM_SPLITS, BLOCK_S, HEAD_DIM, 1)
 
 
+def _check_out(out, q: torch.Tensor) -> None:
+    """out: [batch, 1, Hq, D] like q (dtype, device), last dim contiguous, rows and heads
+    laid out without overlap (a row stride other than q's is fine)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out dtype {out.dtype} != q dtype {q.dtype}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, q on {q.device}")
+    batch, _, hq, d = out.shape
+    if out.stride(3) != 1 and d > 1:
+        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    head_stride = out.stride(2) if hq > 1 else d  # a size-1 dim's stride is arbitrary
+    if head_stride < d or (batch > 1 and out.stride(0) < hq * head_stride):
+        raise ValueError(f"out strides {out.stride()} overlap: need stride(2) >= head_dim ({d}) "
+                         f"and stride(0) >= num_heads x stride(2)")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                            softmax_scale=None, causal=False, num_splits=0):
+                            softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -212,6 +277,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     [batch, max_blocks]. With one query per sequence, causal (bottom-right) changes nothing.
     num_splits (flash-attn's meaning): 0 picks the split count from the shapes, 1 does
     not split (and needs no merge pass), n > 1 splits each sequence n ways (at most MAX_SPLITS).
+
+    num_seqs: optional int32 [1] on q's device, the number of rows in use (for a CUDA graph
+    captured at capacity `batch`): only rows b < min(num_seqs[0], batch) are read and written,
+    rows past it of the output are left as they were. The launch depends on shapes only (a
+    persistent row loop); it runs unsplit, so num_splits must be 0 or 1.
+    out: optional preallocated output [batch, 1, Hq, D] of q's dtype and device (any row
+    stride, e.g. a view of a larger buffer; last dim contiguous; must not overlap the inputs),
+    written and returned; without it the output is allocated.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
@@ -235,13 +308,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch={batch}")
     if batch > 2**31 - 1:
         raise ValueError(f"batch {batch} too large")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
-                    ("block_table", block_table)):
+    tensors = [("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+               ("block_table", block_table)]
+    if num_seqs is not None:
+        check_int_tensor("num_seqs", num_seqs, shape=(1,))
+        tensors.append(("num_seqs", num_seqs))
+        if num_splits > 1:
+            raise ValueError(f"num_splits must be 0 or 1 with num_seqs (the rows in use are only known "
+                             f"on the device, so there is nothing to size splits from), got {num_splits}")
+        num_splits = 1
+    for name, t in tensors:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_out(out, q)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
-    out = torch.empty_like(q)
     if batch == 0:
         return out
     group = hq // hkv
@@ -257,18 +341,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     counters = None
     if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
         counters = _arrival_counters(q.device, batch * hkv)
-    # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
-    # sequence together, so a batch ordered longest first leaves only short work for the tail.
-    _decode_split_kernel[(hkv, batch, num_splits)](
+    if num_seqs is None:
+        # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
+        # sequence together, so a batch ordered longest first leaves only short work for the tail.
+        grid = (hkv, batch, num_splits)
+    else:
+        # A fixed number of programs per kv head, each looping over rows (rows p, p + P, ...).
+        grid = (hkv, min(batch, max(1, ROW_LOOP_PROGRAMS_PER_SM * _sm_count(q.device) // hkv)), 1)
+    dummy = cache_seqlens  # stands in for pointers the variant never reads
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
-        counters if counters is not None else cache_seqlens, scale * LOG2E,
+        counters if counters is not None else dummy, num_seqs if num_seqs is not None else dummy,
+        scale * LOG2E, batch,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        FOLD=counters is not None, GP=gp, BLOCK_S=block_s,
+        FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROW_LOOP=num_seqs is not None,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
         **pdl_launch_options(q),
