@@ -278,6 +278,77 @@ def test_prefill_tiles_match_grid_mode(paged):
     assert torch.equal(tile_out, grid_out)
 
 
+def out_view(rows, hq, d, dtype):
+    """(buf, out): out [rows, hq, d] is rows [1, 1 + rows) x columns [8, 8 + hq * d) of a larger
+    NaN-filled buffer (row stride hq * d + 8, not hq * d); buf is that whole buffer."""
+    buf = torch.full((rows + 3, hq * d + 8), float("nan"), dtype=dtype, device=DEV)
+    return buf, buf[1:1 + rows, 8:].view(rows, hq, d)
+
+
+def outside(buf, rows):
+    """The elements of buf (from out_view) that out does not cover."""
+    mask = torch.ones(buf.shape, dtype=torch.bool, device=buf.device)
+    mask[1:1 + rows, 8:] = False
+    return buf[mask]
+
+
+def tile_rows(tile_seq, tile_block, n, q_lens, block_m):
+    """Bool [sum(q_lens)]: the query rows that table entries 0 .. n-1 compute."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    covered = torch.zeros(int(starts[-1]), dtype=torch.bool)
+    for s, b in zip(tile_seq[:n].tolist(), tile_block[:n].tolist()):
+        lo = b * block_m
+        covered[starts[s] + lo:starts[s] + min(q_lens[s], lo + block_m)] = True
+    return covered
+
+
+# CPU_SM_COUNT 2 x TILE_PROGRAMS_PER_SM 4 = 8 programs over all heads: P = 2 at 4 heads, 1 at 8,
+# so the 6 tiles of the mixed batch take 3 and 6 loop trips per program.
+@pytest.mark.parametrize("hq,hkv,block_size,dtype", [(4, 2, 64, torch.float16), (8, 2, 16, torch.float32)])
+def test_prefill_tiles_persistent_loop_into_out_view(hq, hkv, block_size, dtype):
+    """Fewer programs per head than tiles (each loops over every P-th entry), writing into `out`,
+    a strided view of a larger poisoned buffer: every row a tile covers is right, every other
+    element (bucket padding rows, entries past num_tiles, the rest of the buffer) keeps its NaN."""
+    import nanovllm.kernels.prefill_attention as pf
+    gen = torch.Generator().manual_seed(14)
+    d, cap, pad = 32, 40, 5
+    k_cache, v_cache, table = make_paged(MIXED_K, block_size, hkv, d, dtype, gen)
+    real = sum(MIXED_Q)
+    q = randn((real + pad, hq, d), gen, dtype)  # rows past cu_seqlens_q[-1]: bucket padding
+    cq, ck = cu(MIXED_Q), cu(MIXED_K)
+    block_m = query_tile_rows(d, dtype)
+    tile_seq, tile_block, num_tiles = tile_table(MIXED_Q, MIXED_K, block_m, cap)
+    n = num_tiles.item()
+    programs = pf._tile_programs(hq, cap, q.device)
+    assert programs == 8 // hq and programs < n < cap
+    ref = paged_ref(q, k_cache, v_cache, table, MIXED_Q, MIXED_K, 0.15)
+
+    def attend(out, tiled=True):
+        tiles = dict(tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles) if tiled else {}
+        return flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(MIXED_Q), max(MIXED_K), softmax_scale=0.15,
+                                      causal=True, block_table=table, out=out, **tiles)
+
+    buf, out = out_view(real + pad, hq, d, dtype)
+    assert out.stride(0) != hq * d
+    assert attend(out) is out
+    assert rel_err(out[:real], ref) < TOL[dtype]
+    assert torch.isnan(out[real:]).all() and torch.isnan(outside(buf, real + pad)).all()
+    # Grid mode into a view too: the same tiles, bit-identical.
+    grid_buf, grid_out = out_view(real + pad, hq, d, dtype)
+    assert attend(grid_out, tiled=False) is grid_out
+    assert torch.equal(grid_out[:real], out[:real])
+    assert torch.isnan(grid_out[real:]).all() and torch.isnan(outside(grid_buf, real + pad)).all()
+    # Only the first 3 entries (still > P): the loop stops at num_tiles, the rest stay poisoned.
+    num_tiles.fill_(3)
+    buf.fill_(float("nan"))
+    attend(out)
+    covered = tile_rows(tile_seq.cpu(), tile_block.cpu(), 3, MIXED_Q, block_m)
+    assert 0 < covered.sum() < real
+    assert rel_err(out[:real][covered.to(DEV)], ref[covered]) < TOL[dtype]
+    assert torch.isnan(out[:real][~covered.to(DEV)]).all() and torch.isnan(out[real:]).all()
+    assert torch.isnan(outside(buf, real + pad)).all()
+
+
 @pytest.mark.parametrize("v_layout", ["padded_heads", "contiguous"])
 def test_prefill_packed_kv_with_different_strides(v_layout):
     """k a view of a fused [N, (Hq + 2 Hkv) * D] projection; v with other row (and head) strides."""
@@ -337,6 +408,26 @@ def test_prefill_tiles_bad_inputs():
     with pytest.raises(ValueError, match="tile_seq length"):
         big = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
         call(tile_seq=big, tile_block=big)
+
+
+def test_prefill_out_bad_inputs():
+    q = torch.zeros(8, 4, 64, device=DEV, dtype=torch.float16)
+    k = torch.zeros(8, 2, 64, device=DEV, dtype=torch.float16)
+    c = cu([8])
+
+    def call(out):
+        flash_attn_varlen_func(q, k, k, c, c, 8, 8, out=out)
+
+    with pytest.raises(TypeError, match="out must be a tensor"):
+        call([[0.0]])
+    with pytest.raises(ValueError, match=r"out shape \(7, 4, 64\)"):
+        call(torch.zeros(7, 4, 64, device=DEV, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out dtype torch.float32"):
+        call(torch.zeros(8, 4, 64, device=DEV, dtype=torch.float32))
+    with pytest.raises(ValueError, match="out is on meta"):
+        call(torch.zeros(8, 4, 64, device="meta", dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must have a contiguous last dim"):
+        call(torch.zeros(8, 4, 128, device=DEV, dtype=torch.float16)[..., ::2])
 
 
 def test_build_query_tiles():

@@ -155,12 +155,12 @@ class TileBatch:
         host = np.concatenate([[n], seq, np.full(cap - n, GARBAGE_SEQ), blk, np.full(cap - n, GARBAGE_BLOCK)])
         self.tiles.copy_(torch.from_numpy(host.astype(np.int32)))
 
-    def attend(self, kc, vc):
+    def attend(self, kc, vc, out=None):
         cap = self.cap
         return flash_attn_varlen_func(
             self.q, kc, vc, self.cq, self.ck, self.q.shape[0], self.table.shape[1] * kc.shape[1], causal=True,
             block_table=self.table, tile_seq=self.tiles[1:1 + cap], tile_block=self.tiles[1 + cap:],
-            num_tiles=self.tiles[:1])
+            num_tiles=self.tiles[:1], out=out)
 
 
 def mixed_batch(gen, n_decode, chunks, prefixes, max_context, num_blocks, width, hq):
@@ -205,25 +205,43 @@ def test_prefill_tiles_mixed_batch():
 
 
 def test_prefill_tiles_cuda_graph():
-    """Capture one tile-table call, then replay it on another batch's metadata (same cap):
-    other sequence count (padded with empty ones), lengths, tiles and block table."""
+    """Capture one tile-table call writing into `out`, a strided view of a larger buffer, then
+    replay it on other batches' metadata (same cap): other sequence counts (padded with empty
+    ones), lengths, tiles and block tables, from one tile to many more tiles than the P programs
+    per head. Before each replay the whole buffer is poisoned: rows no tile covers and the rest
+    of the buffer must keep the poison."""
+    import nanovllm.kernels.prefill_attention as pf
     gen = torch.Generator(DEV).manual_seed(13)
     kc, vc = tile_cache(gen)
-    batch = TileBatch(2560, 66, TILE_WIDTH, 160, TILE_HQ)
+    rows, cap = 2560, 160
+    batch = TileBatch(rows, 66, TILE_WIDTH, cap, TILE_HQ)
+    # out: rows [2, 2 + rows) x columns [64, 64 + Hq * D) of a buffer with row stride Hq * D + 128.
+    buf = torch.full((rows + 4, TILE_HQ * D + 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = buf[2:2 + rows, 64:64 + TILE_HQ * D].view(rows, TILE_HQ, D)
+    outside = torch.ones(buf.shape, dtype=torch.bool, device=DEV)
+    outside[2:2 + rows, 64:64 + TILE_HQ * D] = False
+    programs = pf._tile_programs(TILE_HQ, cap, torch.device(DEV))
     first = mixed_batch(gen, 64, [700, 1500], [512, 1000], 2000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
     batch.load(*first)
-    batch.attend(kc, vc)  # compiles outside the capture
+    batch.attend(kc, vc, out)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = batch.attend(kc, vc)
+        result = batch.attend(kc, vc, out)
+    assert result is out
+    one = mixed_batch(gen, 0, [40], [300], 1, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)  # a single tile
+    many = mixed_batch(gen, 0, [1600, 900], [0, 1000], 1, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)  # 25 + 15 tiles
     second = mixed_batch(gen, 30, [1200, 300, 900], [256, 0, 1700], 3000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
-    for q, q_lens, k_lens, table in (first, second):
+    for name, (q, q_lens, k_lens, table) in (("mixed", first), ("one", one), ("many", many), ("mixed2", second)):
         batch.load(q, q_lens, k_lens, table)
-        out.fill_(float("nan"))
+        n_tiles = batch.tiles[0].item()
+        assert (n_tiles == 1) if name == "one" else (n_tiles > programs), (name, n_tiles, programs)
+        buf.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out[:q.shape[0]], mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL
+        n = q.shape[0]
+        assert rel_err(out[:n], mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL, name
+        assert torch.isnan(out[n:]).all() and torch.isnan(buf[outside]).all(), name
 
 
 def decode_ref(q, kc, vc, table, lens):

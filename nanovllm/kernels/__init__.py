@@ -21,15 +21,16 @@ def _triton_missing(exc: ImportError) -> ImportError:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
-                           tile_seq=None, tile_block=None, num_tiles=None):
-    """Variable-length attention; see prefill_attention.flash_attn_varlen_func."""
+                           tile_seq=None, tile_block=None, num_tiles=None, out=None):
+    """Variable-length attention, optionally into a preallocated `out`; see
+    prefill_attention.flash_attn_varlen_func."""
     try:
         from .prefill_attention import flash_attn_varlen_func as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale=softmax_scale, causal=causal, block_table=block_table,
-                tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+                tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles, out=out)
 
 
 def query_tile_rows(head_dim, dtype):

@@ -16,18 +16,26 @@ Paged K/V: key n of sequence s lives at
 block_size a key tile lies in one cache block and one block id is loaded per tile;
 otherwise the block id is gathered per key.
 
-Two launch modes:
+Two launch modes, one per-tile body (`_prefill_tile`):
 
-- grid (Hq, num_seqs, cdiv(max_seqlen_q, BLOCK_M)): shaped by the batch; programs past a
-  sequence's end return at once.
+- grid (Hq, num_seqs, cdiv(max_seqlen_q, BLOCK_M)): shaped by the batch; one tile per
+  program, programs past a sequence's end skip it.
 - query-tile table (``tile_seq``/``tile_block``/``num_tiles``, built on the host with
-  `build_query_tiles`): grid (Hq, cap) with cap the table length, fixed, so the launch
-  can sit in a CUDA graph and replay with any table of that cap; only real tiles do work::
+  `build_query_tiles`, heaviest tile first): a persistent grid (Hq, P) with
+  P = min(cap, max(1, TILE_PROGRAMS_PER_SM * SMs // Hq)), cap the table length. P depends
+  on shapes and the device only, so the launch can sit in a CUDA graph and replay with any
+  table of that cap. Program (h, p) walks entries t = p, p + P, p + 2P, ... < num_tiles
+  (round robin over a heaviest-first table keeps the programs' work even); entries past
+  num_tiles are never read, so a small step costs P programs per head, not cap::
 
-      t:            0      1      2     ...  num_tiles-1 | num_tiles ... cap-1
-      tile_seq:     s_0    s_1    s_2   ...              | (not read: programs return)
-      tile_block:   b_0    b_1    b_2   ...              |
-      program (h, t) -> query rows [b_t * BLOCK_M, (b_t + 1) * BLOCK_M) of sequence s_t, head h
+      t:            0    1   ...  P-1 |  P    P+1  ...  | ... num_tiles-1 | num_tiles ... cap-1
+      program p:    0    1   ...  P-1 |  0    1    ...  | ...             | (not read)
+      tile_seq:     s_0  s_1 ...      |                 |                 |
+      tile_block:   b_0  b_1 ...      |                 |                 |
+      entry t -> query rows [b_t * BLOCK_M, (b_t + 1) * BLOCK_M) of sequence s_t, head h
+
+Output rows no tile covers (e.g. bucket padding past cu_seqlens_q[-1]) are never written,
+so a caller's preallocated ``out`` keeps whatever those rows held.
 """
 
 import numpy as np
@@ -36,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
-                     check_int_tensor)
+                     check_int_tensor, cuda_sm_count)
 
 # Tile config measured on an H200 (bf16, D=128, causal, 16x1024 / 4x4096 tokens):
 # 64x64, 4 warps, 3 stages gave 283/402 TFLOP/s packed and 222/313 paged, vs 269/401 and
@@ -50,6 +58,13 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 # CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
 MAX_GRID_YZ = 65535
+# Tile mode launches up to this many programs per SM over all heads (P per head = this x SMs // Hq):
+# ~2 programs fit per SM (the pipelined K/V tiles' shared memory), so 4 is two resident waves,
+# enough slack for the block scheduler to even out tiles of unequal key counts, while a small
+# step no longer launches cap programs per head that mostly exit at once.
+TILE_PROGRAMS_PER_SM = 4
+# SM count assumed off CUDA (interpreter): small, so CPU tests run several tiles per program.
+CPU_SM_COUNT = 2
 
 
 def _config(head_dim: int, dtype: torch.dtype):
@@ -58,6 +73,14 @@ def _config(head_dim: int, dtype: torch.dtype):
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
     return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+
+
+def _tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
+    """P, the programs per head of a tile-table launch: min(cap, max(1, TILE_PROGRAMS_PER_SM x SMs // Hq)).
+    Shapes and device only (no tensor values), so a captured launch keeps it on every replay."""
+    sms = cuda_sm_count(device)
+    target = TILE_PROGRAMS_PER_SM * (CPU_SM_COUNT if sms is None else sms)
+    return min(cap, max(1, target // num_heads))
 
 
 def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
@@ -164,11 +187,71 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
     return acc, m_new, l_i
 
 
-# These ints vary with the batch: specializing on their value would recompile mid-run.
-@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
+@triton.jit
+def _prefill_tile(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Query rows [m_block * BLOCK_M, +BLOCK_M) of sequence `seq` (int64), query head `head`
+    (int64): attend over the sequence's keys and store the rows that exist; a block past the
+    sequence's end does nothing."""
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    start_m = m_block * BLOCK_M
+    if start_m < q_len:
+        k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
+        k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+        kv_head = head // GROUP
+
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_valid = offs_m < q_len
+        q_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=m_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        k_head_ptr = k_ptr + kv_head * stride_kh
+        v_head_ptr = v_ptr + kv_head * stride_vh
+        causal_off = k_len - q_len
+        if CAUSAL:
+            end = tl.minimum(k_len, start_m + BLOCK_M + causal_off)
+            full_end = tl.minimum(k_len, start_m + causal_off + 1)
+        else:
+            end = k_len
+            full_end = k_len
+        end = tl.maximum(end, 0)
+        full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
+
+        # Finite start for the running max: fully masked rows then give p = 0, never NaN.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
+                                         causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                                         stride_vb, stride_vt, qk_scale,
+                                         False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+        for start_n in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
+                                         causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                                         stride_vb, stride_vt, qk_scale,
+                                         True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
+# These ints vary with the batch (cap with the token bucket): specializing on their value would recompile mid-run.
+@triton.jit(do_not_specialize=["num_m_blocks", "cap", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, tile_seq_ptr, tile_block_ptr, num_tiles_ptr,
-    qk_scale, num_m_blocks,
+    qk_scale, num_m_blocks, cap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -177,63 +260,24 @@ def _prefill_kernel(
 ):
     head = tl.program_id(0).to(tl.int64)
     if TILED:
-        # Table entry t: entries past num_tiles are padding of the fixed cap, never read.
-        tile = tl.program_id(1)
-        if tile >= tl.load(num_tiles_ptr):
-            return
-        seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
-        m_block = tl.load(tile_block_ptr + tile)
+        # Persistent: this program takes entries pid, pid + P, ... of the heaviest-first table.
+        # Entries past num_tiles (clamped to cap) are padding of the fixed cap, never read.
+        n_tiles = tl.minimum(tl.load(num_tiles_ptr), cap)
+        for tile in range(tl.program_id(1), n_tiles, tl.num_programs(1)):
+            seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+            m_block = tl.load(tile_block_ptr + tile)
+            _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+                          stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                          stride_ot, stride_oh, stride_bt,
+                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, CAUSAL, PAGED, DOT_PREC, UPCAST)
     else:
         seq = tl.program_id(1).to(tl.int64)
         # Heaviest (last) causal query tiles are launched first for a shorter tail.
         m_block = num_m_blocks - 1 - tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    start_m = m_block * BLOCK_M
-    if start_m >= q_len:
-        return
-    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
-    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
-    kv_head = head // GROUP
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_valid = offs_m < q_len
-    q_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    k_ptr += kv_head * stride_kh
-    v_ptr += kv_head * stride_vh
-    causal_off = k_len - q_len
-    if CAUSAL:
-        end = tl.minimum(k_len, start_m + BLOCK_M + causal_off)
-        full_end = tl.minimum(k_len, start_m + causal_off + 1)
-    else:
-        end = k_len
-        full_end = k_len
-    end = tl.maximum(end, 0)
-    full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
-
-    # Finite start for the running max: fully masked rows then give p = 0, never NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
-                                     causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, qk_scale,
-                                     False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
-    for start_n in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
-                                     causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, qk_scale,
-                                     True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    o_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+        _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      stride_ot, stride_oh, stride_bt,
+                      GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, CAUSAL, PAGED, DOT_PREC, UPCAST)
 
 
 def _check_tiles(tile_seq, tile_block, num_tiles, q: torch.Tensor) -> int:
@@ -257,9 +301,24 @@ def _check_tiles(tile_seq, tile_block, num_tiles, q: torch.Tensor) -> int:
     return cap
 
 
+def _check_out(out, q: torch.Tensor) -> None:
+    """A caller's output buffer: q's shape, dtype and device, last dim contiguous (rows and heads
+    may be strided, e.g. a view of a larger buffer)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor or None, got {type(out)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out dtype {out.dtype} != q dtype {q.dtype}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, q on {q.device}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
-                           tile_seq=None, tile_block=None, num_tiles=None):
+                           tile_seq=None, tile_block=None, num_tiles=None, out=None):
     """Varlen attention. q [total_q, Hq, D] -> out [total_q, Hq, D].
 
     k/v: packed [total_k, Hkv, D] (k and v may have different strides, e.g. views of a fused
@@ -271,9 +330,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     num_tiles int32 [1] (1-D contiguous, may be views of one buffer), e.g. from
     `build_query_tiles` with block_m = `query_tile_rows(D, q.dtype)`. Entry t < num_tiles
     computes query rows [tile_block[t] * BLOCK_M, +BLOCK_M) of sequence tile_seq[t] (each
-    entry must name a real sequence; blocks past its end are skipped). The grid is (Hq, cap)
+    entry must name a real sequence; blocks past its end are skipped). The grid is (Hq, P),
+    P = `_tile_programs(Hq, cap, q.device)` <= cap, each program looping over every P-th entry,
     whatever the batch, so the call can be captured in a CUDA graph; rows no tile covers
     (e.g. bucket padding past cu_seqlens_q[-1]) are left unwritten.
+
+    out (keyword-only, optional): a preallocated [total_q, Hq, D] tensor of q's dtype and
+    device with a contiguous last dim (row and head strides are free: it may be a view of a
+    larger buffer) and overlapping none of q, k, v. The kernel writes the rows its tiles
+    cover and leaves every other row untouched; it is returned. Without it a new tensor is
+    allocated (uncovered rows then hold uninitialised memory).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [total_q, num_heads, head_dim], got "
@@ -330,9 +396,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     cap = _check_tiles(tile_seq, tile_block, num_tiles, q)
     tiled = tile_seq is not None
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_out(out, q)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
-    out = torch.empty_like(q)
     # Tile mode decides from shapes only (capturable); max_seqlen_q is not consulted.
     if total_q == 0 or num_seqs == 0 or (cap == 0 if tiled else max_seqlen_q == 0):
         return out
@@ -347,14 +416,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_m, block_n, num_warps, num_stages = _config(d, q.dtype)
     if tiled:
         num_m_blocks = 0  # unused: the table names each program's query block
-        grid = (hq, cap)
+        grid = (hq, _tile_programs(hq, cap, q.device))
     else:
         num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
         grid = (hq, num_seqs, num_m_blocks)
         tile_seq = tile_block = num_tiles = cu_seqlens_q  # dummy pointers, never read
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt, tile_seq, tile_block, num_tiles,
-        scale * LOG2E, num_m_blocks,
+        scale * LOG2E, num_m_blocks, cap,
         q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         out.stride(0), out.stride(1), stride_bt,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
