@@ -29,7 +29,7 @@ import torch
 
 from nanovllm.engine.scheduler import ScheduledBatch, StepKind, input_in_flight
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.context import AttentionMetadata
+from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class VarlenSections(NamedTuple):
     slots: object  # [T]
     cu_seqlens_q: object  # [S + 1]
     cu_seqlens_k: object  # [S + 1]
+    decode_lens: object  # [S]: context length of each leading decode row (0 past them)
+    num_decode: object  # [1]
     tile_seq: object  # [C]
     tile_block: object  # [C]
     num_tiles: object  # [1]
@@ -105,35 +107,36 @@ class VarlenSections(NamedTuple):
 
 @dataclass(frozen=True)
 class VarlenLayout:
-    """Sections of a prefill / mixed step's packed int32 array, in this order:
+    """Sections of a prefill / mixed step's packed int32 array, in VarlenSections' order:
 
-        | input ids | positions | slots | cu_q | cu_k | tile seq | tile block | num tiles | sample rows | block tables |
-          T           T           T       S+1    S+1    C          C            1           S             S x width
+        | ids | positions | slots | cu_q | cu_k | decode lens | num decode | tile seq | tile block | num tiles | sample rows | block tables |
+          T     T           T       S+1    S+1    S             1            C          C            1           S             S x width
 
     T tokens, S sequences, C query tiles (0 when the attention backend takes no tile
     table). CUDA graphs use a fixed layout per token bucket; rows past the step are
-    padding (slot -1, empty sequences, tiles past num_tiles never read)."""
+    padding (slot -1, empty sequences, tiles past num_tiles and rows past num_decode
+    never read)."""
 
     num_tokens: int
     num_seqs: int
     num_tiles: int
     width: int
 
-    @property
-    def size(self) -> int:
-        t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
-        return 3 * t + 2 * (s + 1) + 2 * c + 1 + s + s * self.width
-
     def split(self, flat) -> VarlenSections:
         """Views of `flat` (numpy or torch, 1-D, `size` long)."""
         t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
-        sizes = [t, t, t, s + 1, s + 1, c, c, 1, s, s * self.width]
+        sizes = [t, t, t, s + 1, s + 1, s, 1, c, c, 1, s, s * self.width]
         out, offset = [], 0
         for n in sizes:
             out.append(flat[offset : offset + n])
             offset += n
         out[-1] = out[-1].reshape(s, self.width)
         return VarlenSections(*out)
+
+    @property
+    def size(self) -> int:
+        t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
+        return 3 * t + 2 * (s + 1) + s + 1 + 2 * c + 1 + s + s * self.width
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,10 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, block_size: int, device: torch.device, decode_table_width: int,
                  query_tile_rows: int | None = None):
-        """query_tile_rows: the prefill kernel's query tile height when the attention
-        backend takes a tile table (nanovllm.kernels), else None."""
+        """query_tile_rows: the Triton prefill kernel's query tile height when the attention
+        backend is ours (then a mixed step's decode rows go to the decode kernel and its
+        prefill chunks to the prefill kernel's tile table), else None (every row is a
+        varlen chunk, decode rows of length 1)."""
         self.block_size = block_size
         self.device = device
         self.pin = device.type == "cuda"
@@ -165,57 +170,67 @@ class StepInputBuilder:
         return t.to(self.device)
 
     # ----- prefill and mixed steps -----
-    def num_tiles(self, plan: StepPlan) -> int:
+    def tile_capacity(self, num_tokens: int, num_seqs: int) -> int:
+        """Query tiles that any step of at most this many tokens and sequences can need."""
         if self.query_tile_rows is None:
             return 0
-        m = self.query_tile_rows
-        return sum(-(-n // m) for n in plan.num_new_tokens)
+        return -(-num_tokens // self.query_tile_rows) + num_seqs
 
     def exact_layout(self, plan: StepPlan) -> VarlenLayout:
-        return VarlenLayout(plan.num_tokens, len(plan.starts), self.num_tiles(plan), self.table_width)
+        n = len(plan.starts)
+        return VarlenLayout(plan.num_tokens, n, self.tile_capacity(plan.num_tokens, n), self.table_width)
 
     def varlen_array(self, plan: StepPlan, layout: VarlenLayout) -> np.ndarray:
         """The plan packed as `layout` (which must hold it). Input ids of carried rows hold
         their source row among the previous step's samples."""
         bs, n = self.block_size, len(plan.starts)
         flat = np.zeros(layout.size, dtype=np.int32)
-        ids, positions, slots, cu_q, cu_k, tile_seq, tile_block, num_tiles, sample_rows, tables = layout.split(flat)
+        v = layout.split(flat)
         lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
         starts = np.asarray(plan.starts, dtype=np.int64)
         total = plan.num_tokens
         q_ends = np.cumsum(lens)
-        cu_q[1 : n + 1] = q_ends
-        cu_q[n + 1 :] = total  # padding sequences are empty
-        cu_k[1 : n + 1] = np.cumsum(starts + lens)
-        cu_k[n + 1 :] = cu_k[n]
+        v.cu_seqlens_q[1 : n + 1] = q_ends
+        v.cu_seqlens_q[n + 1 :] = total  # padding sequences are empty
+        v.cu_seqlens_k[1 : n + 1] = np.cumsum(starts + lens)
+        v.cu_seqlens_k[n + 1 :] = v.cu_seqlens_k[n]
         seq_of_token = np.repeat(np.arange(n), lens)
         pos = starts[seq_of_token] + np.arange(total) - (q_ends - lens)[seq_of_token]
         for i, bt in enumerate(plan.block_tables):
-            tables[i, : len(bt)] = bt
-        ids[:total] = plan.token_ids
-        ids[: len(plan.carried_rows)] = plan.carried_rows
-        positions[:total] = pos
-        slots[:total] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        slots[total:] = -1
+            v.block_tables[i, : len(bt)] = bt
+        v.input_ids[:total] = plan.token_ids
+        v.input_ids[: len(plan.carried_rows)] = plan.carried_rows
+        v.positions[:total] = pos
+        v.slots[:total] = v.block_tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        v.slots[total:] = -1
         sampled = np.asarray(plan.sampled, dtype=bool)
-        sample_rows[: int(sampled.sum())] = (q_ends - 1)[sampled]
+        v.sample_rows[: int(sampled.sum())] = (q_ends - 1)[sampled]
         if layout.num_tiles:
             from nanovllm.kernels.prefill_attention import build_query_tiles
 
-            seqs, blocks = build_query_tiles(lens, self.query_tile_rows, starts + lens)
-            tile_seq[: len(seqs)] = seqs
-            tile_block[: len(blocks)] = blocks
-            num_tiles[0] = len(seqs)
+            d = plan.num_decode  # decode rows: the decode kernel's; chunks: the tile table's
+            v.decode_lens[:d] = starts[:d] + 1
+            v.num_decode[0] = d
+            chunk_lens = lens.copy()
+            chunk_lens[:d] = 0
+            seqs, blocks = build_query_tiles(chunk_lens, self.query_tile_rows, starts + lens)
+            v.tile_seq[: len(seqs)] = seqs
+            v.tile_block[: len(blocks)] = blocks
+            v.num_tiles[0] = len(seqs)
         return flat
 
     def varlen_inputs(self, staging: torch.Tensor, layout: VarlenLayout, max_seqlen_q: int, max_seqlen_k: int,
                       num_sampled: int) -> StepInputs:
         """Views of a device array packed as `layout` (see varlen_array)."""
         v = layout.split(staging)
-        tiles = (v.tile_seq, v.tile_block, v.num_tiles) if layout.num_tiles else None
+        tiles = decode_rows = None
+        if layout.num_tiles:
+            tiles = QueryTiles(v.tile_seq, v.tile_block, v.num_tiles)
+            decode_rows = LeadingDecodeRows(v.decode_lens, v.num_decode)
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=v.slots, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_tables=v.block_tables, query_tiles=tiles,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_tables=v.block_tables,
+            query_tiles=tiles, decode_rows=decode_rows,
         )
         return StepInputs(v.input_ids, v.positions, meta, v.sample_rows[:num_sampled])
 

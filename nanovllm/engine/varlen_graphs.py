@@ -54,10 +54,9 @@ class VarlenGraphs:
         self.staging: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        rows = builder.query_tile_rows
         for t in self.buckets:
             seqs = min(t, max_num_seqs)
-            self.layouts[t] = VarlenLayout(t, seqs, -(-t // rows) + seqs, builder.table_width)
+            self.layouts[t] = VarlenLayout(t, seqs, builder.tile_capacity(t, seqs), builder.table_width)
         self._capture(model, device)
 
     def _max_seqlen_k(self) -> int:

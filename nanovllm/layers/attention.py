@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.attention_backend import AttentionBackend
-from nanovllm.utils.context import get_attention_metadata
+from nanovllm.utils.context import AttentionMetadata, get_attention_metadata
 
 
 class Attention(nn.Module):
@@ -45,20 +45,37 @@ class Attention(nn.Module):
         if not kv_stored:
             backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            if meta.block_tables is not None:
-                k, v = self.k_cache, self.v_cache
-            tiles = {}
-            if meta.query_tiles is not None:  # only built for a backend that takes them
-                tiles = dict(zip(("tile_seq", "tile_block", "num_tiles"), meta.query_tiles))
-            return backend.flash_attn_varlen_func(
-                q, k, v,
-                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=meta.block_tables, **tiles,
-            )
+            return self._varlen(q, k, v, meta, backend)
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache,
             cache_seqlens=meta.context_lens, block_table=meta.block_tables,
             softmax_scale=self.scale, causal=True,
         )  # [batch, 1, Hq, D]
         return out.squeeze(1)
+
+    def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """A prefill / mixed step. With leading decode rows (Triton backend) those go to the
+        decode kernel and the prefill chunks to the prefill kernel, both writing one output;
+        otherwise every row is a varlen chunk."""
+        if meta.block_tables is not None:
+            k, v = self.k_cache, self.v_cache
+        extra = {}
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            cap = rows.context_lens.shape[0]
+            out = torch.empty_like(q)  # [N, Hq, D]
+            backend.flash_attn_with_kvcache(
+                q[:cap].unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=rows.context_lens,
+                block_table=meta.block_tables[:cap], softmax_scale=self.scale, causal=True,
+                num_seqs=rows.num_rows, out=out[:cap].unsqueeze(1),
+            )
+            tiles = meta.query_tiles
+            extra = {"tile_seq": tiles.tile_seq, "tile_block": tiles.tile_block, "num_tiles": tiles.num_tiles,
+                     "out": out}
+        return backend.flash_attn_varlen_func(
+            q, k, v,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=self.scale, causal=True, block_table=meta.block_tables, **extra,
+        )

@@ -22,9 +22,9 @@ class AttentionMetadata:
     Prefill / mixed (is_prefill=True): cu_seqlens_q/k `[num_seqs + 1]` int32 (cumulative
     query tokens / key tokens per sequence), max_seqlen_q/k host ints (upper bounds),
     block_tables `[num_seqs, max_blocks]` int32 when keys are read from the cache, else
-    None (keys are exactly this step's tokens); query_tiles = (tile_seq [C], tile_block [C],
-    num_tiles [1]) int32 for the Triton prefill kernel (see kernels/prefill_attention.py),
-    else None.
+    None (keys are exactly this step's tokens). With the Triton backend a mixed step also has
+    decode_rows (its leading one-token rows, for the decode kernel) and query_tiles (the
+    prefill kernel's table of the other rows' query tiles); both None otherwise.
     Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables.
     Both: slot_mapping `[num_tokens]` (cache slot per new token; < 0 = padding, skipped).
     """
@@ -37,7 +37,27 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    query_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    query_tiles: QueryTiles | None = None
+    decode_rows: LeadingDecodeRows | None = None
+
+
+@dataclass(frozen=True)
+class QueryTiles:
+    """Query tiles of the prefill chunks, heaviest first (kernels/prefill_attention.py): tile t
+    covers query block tile_block[t] of sequence tile_seq[t], for t < num_tiles[0]. int32."""
+
+    tile_seq: torch.Tensor  # [C]
+    tile_block: torch.Tensor  # [C]
+    num_tiles: torch.Tensor  # [1]
+
+
+@dataclass(frozen=True)
+class LeadingDecodeRows:
+    """Sequences [0, num_rows[0]) of a mixed step are decode rows: one query each, at token
+    row i for sequence i, attending over context_lens[i] cached tokens. int32."""
+
+    context_lens: torch.Tensor  # [capacity]
+    num_rows: torch.Tensor  # [1]
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

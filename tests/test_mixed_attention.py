@@ -1,0 +1,70 @@
+"""A mixed step's attention through the Triton kernels (CPU interpreter) against the plain-PyTorch path.
+
+With our kernels, a step's leading decode rows go to the decode kernel (a row count on the
+device) and its prefill chunks to the prefill kernel (a query-tile table), both writing one
+output; the torch path treats every row as a varlen chunk. Both read the inputs the model
+runner builds (StepInputBuilder), at the step's exact size and padded to a graph bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm import kernels
+from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout
+from nanovllm.kernels import torch_attention
+from nanovllm.kernels.prefill_attention import query_tile_rows
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.attention_backend import AttentionBackend
+from nanovllm.utils.context import attention_context
+
+BS, HQ, HKV, D = 16, 4, 2, 32
+NUM_BLOCKS, WIDTH = 24, 5
+CPU = torch.device("cpu")
+TRITON = AttentionBackend("triton", kernels.store_kvcache, kernels.flash_attn_varlen_func, kernels.flash_attn_with_kvcache)
+TORCH = AttentionBackend("torch", torch_attention.store_kvcache, torch_attention.flash_attn_varlen_func,
+                         torch_attention.flash_attn_with_kvcache)
+
+
+def mixed_plan(g: torch.Generator) -> StepPlan:
+    """3 decode rows (contexts 21, 36, 8), a 20-token chunk after 16 cached tokens, a fresh 9-token prompt."""
+    starts, lens = [20, 35, 7, 16, 0], [1, 1, 1, 20, 9]
+    blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, used = [], 0
+    for a, n in zip(starts, lens):
+        need = -(-(a + n) // BS)
+        tables.append(blocks[used : used + need])
+        used += need
+    ids = torch.randint(0, 100, (sum(lens),), generator=g).tolist()
+    return StepPlan(StepKind.MIXED, starts, lens, ids, tables, sampled=[True, True, True, True, True], num_decode=3)
+
+
+def attend(backend: AttentionBackend, inputs, q, k, v, caches) -> torch.Tensor:
+    layer = Attention(HQ, HKV, D, D**-0.5)
+    layer.k_cache, layer.v_cache, layer.backend = caches[0].clone(), caches[1].clone(), backend
+    with attention_context(inputs.meta):
+        return layer(q, k, v)
+
+
+def test_mixed_step_attention_kernels_match_torch_path():
+    g = torch.Generator().manual_seed(0)
+    plan = mixed_plan(g)
+    n = plan.num_tokens
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    caches = [torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for _ in range(2)]
+    ref = attend(TORCH, StepInputBuilder(BS, CPU, WIDTH).varlen(plan, None), q, k, v, caches)
+
+    builder = StepInputBuilder(BS, CPU, WIDTH, query_tile_rows(D, torch.float32))
+    exact = builder.varlen(plan, None)
+    assert exact.meta.decode_rows is not None and int(exact.meta.decode_rows.num_rows) == 3
+    out = attend(TRITON, exact, q, k, v, caches)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+    # Padded as a graph bucket: 64 tokens, 8 sequences; padding rows are never attended.
+    layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
+    staging = torch.from_numpy(builder.varlen_array(plan, layout))
+    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled))
+    pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
+    out = attend(TRITON, padded, pad(q), pad(k), pad(v), caches)
+    torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
