@@ -1,8 +1,10 @@
-"""Shared pytest setup: CPU Triton interpretation and the `gpu` marker.
+"""Shared pytest setup: CPU Triton interpretation, the `gpu` and `interpreter` markers.
 
 TRITON_INTERPRET must be set before Triton decorates any kernel, so it is set here,
 before any test module imports nanovllm.kernels. It is only set when no CUDA device
-exists: on the H200 the kernels compile for real.
+exists: on the H200 the kernels compile for real. So tests marked `interpreter` (Triton
+kernels on CPU tensors) run only without CUDA, and tests marked `gpu` only with it; on a
+GPU machine the `gpu` tests cover the same kernels compiled.
 """
 
 import os
@@ -17,8 +19,11 @@ import torch  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        skip = pytest.mark.skip(reason="Triton's CPU interpreter is off where CUDA exists; the gpu tests run the kernels")
+        marker = "interpreter"
+    else:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        marker = "gpu"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        if marker in item.keywords:
+            item.add_marker(skip)

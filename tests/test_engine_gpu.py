@@ -23,7 +23,7 @@ BF16_TOLERANCE = 0.02
 KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 generated
 MAX_NUM_SEQS = 48
 # Token budget per step (prefill / mixed graphs are captured up to it): above every prompt here.
-MAX_STEP_TOKENS = 4096
+MAX_STEP_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
+# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
 MAX_POS = 64

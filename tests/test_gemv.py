@@ -14,6 +14,9 @@ from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, RESIDENT_
                                    Tiling, gemv, silu_mul_gemv, tiling)
 from nanovllm.layers.activation import SiluAndMul
 
+# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16]
 # Relative (Frobenius) error vs the float64 reference: the output's own rounding dominates.
 REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}

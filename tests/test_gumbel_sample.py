@@ -10,6 +10,9 @@ import torch
 
 from nanovllm.kernels.gumbel_max import SUB, TILE, gumbel_sample
 
+# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 M32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments

@@ -12,6 +12,9 @@ import torch
 from nanovllm.kernels import (build_query_tiles, flash_attn_varlen_func, flash_attn_with_kvcache, query_tile_rows,
                               store_kvcache)
 
+# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16's own output rounding (8-bit significand) alone gives ~2-3e-3 relative error, so
 # its bound is looser than fp16's; fp32 (ieee dots) is far tighter.

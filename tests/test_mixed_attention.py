@@ -8,6 +8,7 @@ runner builds (StepInputBuilder), at the step's exact size and padded to a graph
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanovllm import kernels
@@ -18,6 +19,9 @@ from nanovllm.kernels.prefill_attention import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import attention_context
+
+# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
+pytestmark = pytest.mark.interpreter
 
 BS, HQ, HKV, D = 16, 4, 2, 32
 NUM_BLOCKS, WIDTH = 24, 5

@@ -312,6 +312,7 @@ def test_row_keys_are_deterministic_distinct_and_fit_int64() -> None:
     assert row_key(7, 3) == row_key(7, 3)
 
 
+@pytest.mark.interpreter
 def test_keyed_batches_use_the_triton_sampler() -> None:
     """Keys route sampling through gumbel_sample (Triton's interpreter here): greedy rows
     stay exact, filtered rows stay in their set, a seeded row ignores its batch."""
