@@ -21,7 +21,7 @@ a pure decode step as `decode_rows`, any other step as `VarlenLayout`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +42,7 @@ class StepPlan:
     sampled: list[bool]  # per sequence: a token is sampled after this step
     num_decode: int = 0  # sequences [0, num_decode) are decode rows
     # Rows [0, len(carried_rows)) take their input from the previous step's sample at these rows.
-    carried_rows: list[int] = ()
+    carried_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":

@@ -105,3 +105,23 @@ def check_int_tensor(name: str, t, shape=None, dims=None) -> None:
         raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
     if t.dim() >= 1 and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def check_out(out, q: torch.Tensor) -> None:
+    """A caller's output buffer for an attention kernel: q's shape, dtype and device, last dim
+    contiguous; rows and heads may be strided (a view of a larger buffer) but must not overlap."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out dtype {out.dtype} != q dtype {q.dtype}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if out.device != q.device:
+        raise ValueError(f"out is on {out.device}, q on {q.device}")
+    d, hq = out.shape[-1], out.shape[-2]
+    if out.stride(-1) != 1 and d > 1:
+        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    head_stride = out.stride(-2) if hq > 1 else d  # a size-1 dim's stride is arbitrary
+    if head_stride < d or (out.shape[0] > 1 and out.stride(0) < hq * head_stride):
+        raise ValueError(f"out strides {out.stride()} overlap: need a head stride >= head_dim ({d}) "
+                         f"and a row stride >= num_heads x head stride")

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
-                            check_int_tensor, cuda_sm_count, next_pow2)
+                            check_int_tensor, check_out, cuda_sm_count, next_pow2)
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -248,26 +248,6 @@ def _decode_merge_kernel(
                  NUM_SPLITS, BLOCK_S, HEAD_DIM, 1)
 
 
-def _check_out(out, q: torch.Tensor) -> None:
-    """out: [batch, 1, Hq, D] like q (dtype, device), last dim contiguous, rows and heads
-    laid out without overlap (a row stride other than q's is fine)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
-    if out.shape != q.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-    if out.dtype != q.dtype:
-        raise TypeError(f"out dtype {out.dtype} != q dtype {q.dtype}")
-    if out.device != q.device:
-        raise ValueError(f"out is on {out.device}, q on {q.device}")
-    batch, _, hq, d = out.shape
-    if out.stride(3) != 1 and d > 1:
-        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
-    head_stride = out.stride(2) if hq > 1 else d  # a size-1 dim's stride is arbitrary
-    if head_stride < d or (batch > 1 and out.stride(0) < hq * head_stride):
-        raise ValueError(f"out strides {out.stride()} overlap: need stride(2) >= head_dim ({d}) "
-                         f"and stride(0) >= num_heads x stride(2)")
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                             softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
@@ -323,7 +303,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     if out is None:
         out = torch.empty_like(q)
     else:
-        _check_out(out, q)
+        check_out(out, q)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     if batch == 0:

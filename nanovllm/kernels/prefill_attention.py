@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
-                     check_int_tensor, cuda_sm_count)
+                     check_int_tensor, check_out, cuda_sm_count)
 
 # Tile config measured on an H200 (bf16, D=128, causal, 16x1024 / 4x4096 tokens):
 # 64x64, 4 warps, 3 stages gave 283/402 TFLOP/s packed and 222/313 paged, vs 269/401 and
@@ -301,21 +301,6 @@ def _check_tiles(tile_seq, tile_block, num_tiles, q: torch.Tensor) -> int:
     return cap
 
 
-def _check_out(out, q: torch.Tensor) -> None:
-    """A caller's output buffer: q's shape, dtype and device, last dim contiguous (rows and heads
-    may be strided, e.g. a view of a larger buffer)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a tensor or None, got {type(out)}")
-    if out.dtype != q.dtype:
-        raise TypeError(f"out dtype {out.dtype} != q dtype {q.dtype}")
-    if out.shape != q.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-    if out.device != q.device:
-        raise ValueError(f"out is on {out.device}, q on {q.device}")
-    if out.stride(-1) != 1:
-        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
                            tile_seq=None, tile_block=None, num_tiles=None, out=None):
@@ -399,7 +384,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if out is None:
         out = torch.empty_like(q)
     else:
-        _check_out(out, q)
+        check_out(out, q)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     # Tile mode decides from shapes only (capturable); max_seqlen_q is not consulted.
