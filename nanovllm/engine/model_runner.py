@@ -3,9 +3,9 @@
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
 decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
-attention backend is ours (varlen_graphs.py). `launch(plan)` queues one scheduled step on the device and returns
-a handle whose `tokens()` waits for the sampled token of each sequence that
-completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
+attention backend is ours (varlen_graphs.py). `launch(plan)` queues one scheduled step
+on the device and returns a handle whose `tokens()` waits for the sampled token of each
+sequence that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py).
 """
 
