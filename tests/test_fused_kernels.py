@@ -208,9 +208,11 @@ def test_qk_norm_rope(dtype, d, n, hq, hkv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_qk_norm_rope_writes_kv_cache(dtype, block_size):
-    """kv_write stores exactly what store_kvcache(k_out, v, ...) stores, skipping slot -1 rows,
-    and leaves every other cache row untouched."""
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_rope_kernels_write_kv_cache(dtype, block_size, with_norm):
+    """kv_write (qk_norm_rope, and rope: the no-norm variant) stores exactly what
+    store_kvcache(k_out, v, ...) stores, skipping slot -1 rows, and leaves every other cache
+    row untouched; q/k outputs are those of the call without kv_write."""
     gen = torch.Generator().manual_seed(block_size)
     n, hq, hkv, d = 6, 4, 2, 64
     qkv = randn((n, (hq + 2 * hkv) * d), gen, dtype)
@@ -218,21 +220,26 @@ def test_qk_norm_rope_writes_kv_cache(dtype, block_size):
     q_norm, k_norm = norm_layer(d, gen, dtype), norm_layer(d, gen, dtype)
     cos_sin = RotaryEmbedding(d, MAX_POS, 1e6).cos_sin_cache
     pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+
+    def call(**kw):
+        if with_norm:
+            return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS, **kw)
+        return rope(q, k, pos, cos_sin, **kw)
+
     slots = torch.tensor([3, -1, 2 * block_size + 5, block_size, -1, 4 * block_size - 1])
     caches = [randn((4, block_size, hkv, d), gen, dtype) for _ in range(2)]
     k_cache, v_cache = (c.clone() for c in caches)
-    q_out, k_out = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS,
-                                kv_write=(v, k_cache, v_cache, slots))
-    ref_q, ref_k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS)
+    q_out, k_out = call(kv_write=(v, k_cache, v_cache, slots))
+    ref_q, ref_k = call()
     assert torch.equal(q_out, ref_q) and torch.equal(k_out, ref_k)
     ref_k_cache, ref_v_cache = (c.clone() for c in caches)
     store_kvcache(ref_k, v, ref_k_cache, ref_v_cache, slots)
     assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
     assert not torch.equal(k_cache, caches[0])  # something was written
-    with pytest.raises(ValueError, match="kv_write"):
-        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS, kv_write=(v, k_cache))
+    with pytest.raises(ValueError, match="kv_write must be a tuple.*got a tuple of 2"):
+        call(kv_write=(v, k_cache))
     with pytest.raises(ValueError, match="slot_mapping shape"):
-        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, cos_sin, EPS, kv_write=(v, k_cache, v_cache, slots[:3]))
+        call(kv_write=(v, k_cache, v_cache, slots[:3]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

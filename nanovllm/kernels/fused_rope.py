@@ -1,4 +1,4 @@
-"""Triton per-head q/k RMSNorm fused with neox rotary embedding (Qwen3 attention input).
+"""Triton per-head q/k RMSNorm (optional) fused with neox rotary embedding: the attention input.
 
 Replicates the torch sequence `RMSNorm` (q_norm / k_norm over head_dim, cast to dtype)
 then `RotaryEmbedding` (upcast, rotate, cast back), including the intermediate rounding::
@@ -23,7 +23,8 @@ Positions are not range-checked (that would need a host sync): they must lie in
 With `kv_write`, the k programs also write their rotated heads, and the same heads of v, into
 the paged KV cache at the token's slot (what `store_kvcache` does, one launch fewer per layer).
 
-`rope` is the same kernel without the norm (for `RotaryEmbedding` on its own).
+`rope` is the same kernel without the norm (APPLY_NORM off: Llama, Qwen2), with the same
+optional `kv_write`.
 """
 
 from __future__ import annotations
@@ -153,6 +154,13 @@ def _check_args(q, k, positions, cos_sin_cache) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
+def _check_kv_write(kv_write) -> None:
+    """kv_write is None or (v, k_cache, v_cache, slot_mapping); the tensors are checked at launch."""
+    if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):
+        got = f"a tuple of {len(kv_write)}" if isinstance(kv_write, tuple) else type(kv_write).__name__
+        raise ValueError(f"kv_write must be a tuple (v, k_cache, v_cache, slot_mapping), got {got}")
+
+
 def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None):
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -198,14 +206,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     check_vector("q_weight", q_weight, d, "q", q)
     check_vector("k_weight", k_weight, d, "q", q)
     check_eps(eps)
-    if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):
-        raise ValueError("kv_write must be a tuple (v, k_cache, v_cache, slot_mapping)")
+    _check_kv_write(kv_write)
     return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True, kv_write)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox RoPE only (no norm): same shapes and rules as `qk_norm_rope`."""
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE only (no norm): same shapes, rules and `kv_write` as `qk_norm_rope`."""
     _check_args(q, k, positions, cos_sin_cache)
+    _check_kv_write(kv_write)
     # The weight pointers are never read without the norm; q stands in for them.
-    return _launch(q, k, q, k, positions, cos_sin_cache, 0.0, False)
+    return _launch(q, k, q, k, positions, cos_sin_cache, 0.0, False, kv_write)
