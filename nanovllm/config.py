@@ -12,21 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE
 from nanovllm.models.model_config import ModelConfig
-
-# KV-cache blocks hold a multiple of this many tokens: the Triton kernels tile keys by 16.
-BLOCK_SIZE_MULTIPLE = 16
+from nanovllm.utils.validation import check_int
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -72,18 +64,18 @@ class Config:
         self.model = os.fspath(self.model)
         if not os.path.isdir(self.model):
             raise ValueError(f"model path {self.model!r} is not a directory")
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_model_len", self.max_model_len, 2)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("kvcache_block_size", self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_model_len", self.max_model_len, 2)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("kvcache_block_size", self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
         if self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
             raise ValueError(
                 f"kvcache_block_size must be a multiple of {BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}"
             )
         if self.num_kvcache_blocks is not None:
-            _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
-        _check_int("seed", self.seed, 0)
+            check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        check_int("seed", self.seed, 0)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -9,13 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.utils.validation import check_int
+
 # top_k values that switch top-k filtering off (vLLM accepts both spellings).
 TOP_K_OFF = (0, -1)
-
-
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
 
 
 def _check_float(name: str, value: object) -> None:
@@ -56,7 +53,7 @@ class SamplingParams:
         _check_float("temperature", self.temperature)
         if self.temperature < 0 or math.isinf(self.temperature):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
-        _check_int("top_k", self.top_k)
+        check_int("SamplingParams.top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
         _check_float("top_p", self.top_p)
@@ -66,12 +63,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
-            if self.seed < 0:
-                raise ValueError(f"SamplingParams.seed must be >= 0, got {self.seed!r}")
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens!r}")
+            check_int("SamplingParams.seed", self.seed, 0)
+        check_int("SamplingParams.max_tokens", self.max_tokens, 1)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
@@ -82,9 +75,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id)
-            if token_id < 0:
-                raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {token_id!r}")
+            check_int("SamplingParams.stop_token_ids", token_id, 0)
         self.stop_token_ids = list(self.stop_token_ids)
 
     @property

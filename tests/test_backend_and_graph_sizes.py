@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 
-from nanovllm.engine.cuda_graphs import graph_batch_sizes
+from nanovllm.engine.cuda_graphs import GRAPH_BATCH_STEP, MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes
+from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.layers.attention_backend import select_attention_backend
 
 
@@ -29,11 +31,17 @@ def test_forcing_a_gpu_backend_on_cpu_is_a_clear_error():
         select_attention_backend("triton", "cpu", 16)
 
 
-def test_graph_batch_sizes():
-    assert graph_batch_sizes(512) == [1, 2, 8] + list(range(16, 513, 16))
-    assert graph_batch_sizes(1000)[-1] == 512
-    assert graph_batch_sizes(3) == [1, 2, 3]
-    assert graph_batch_sizes(2) == [1, 2]
-    assert graph_batch_sizes(1) == [1]
-    assert graph_batch_sizes(8) == [1, 2, 8]
-    assert graph_batch_sizes(40) == [1, 2, 8, 16, 32, 40]
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 7, 8, 9, 16, 40, 100, 255, 512, 513, 1000])
+def test_graph_sizes_serve_every_batch_with_bounded_padding(max_num_seqs):
+    """Every decode batch up to the graph limit replays a graph no more than one step larger;
+    GEMV-sized batches replay a graph of their own size (no cuBLAS rows of padding)."""
+    sizes = graph_batch_sizes(max_num_seqs)
+    graphs = SimpleNamespace(sizes=sizes)
+    limit = min(max_num_seqs, MAX_GRAPH_BATCH)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == limit
+    for batch in range(1, limit + 1):
+        padded = DecodeGraphs.padded_size(graphs, batch)
+        assert batch <= padded < batch + GRAPH_BATCH_STEP
+        if batch <= GEMV_MAX_ROWS:
+            assert padded == batch
+    assert DecodeGraphs.padded_size(graphs, limit + 1) is None  # larger batches run eagerly

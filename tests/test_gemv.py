@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, RESIDENT_PER_SM, TALL_TILING, WIDE_TILING,
-                                   Tiling, gemv, silu_mul_gemv, tiling)
+from nanovllm.kernels.checks import next_pow2
+from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, RESIDENT_PER_SM, TALL_TILING, WIDE_N,
+                                   WIDE_TILING, Tiling, gemv, silu_mul_gemv, tiling)
 from nanovllm.layers.activation import SiluAndMul
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
@@ -69,29 +70,38 @@ def test_silu_mul_gemv(dtype, m, n, k):
 
 
 def test_tilings_agree():
-    """Every (BLOCK_N, BLOCK_K) choice computes the same product (masks on both edges)."""
+    """Every (BLOCK_N, BLOCK_K) choice, the kernel's own tilings among them, computes the same
+    product (masks on both edges)."""
     gen = torch.Generator().manual_seed(1)
     x = randn((2, 300), gen, torch.float32)
     w = randn((37, 300), gen, torch.float32)
     ref = ref_linear(x, w, None)
-    tilings = [(4, 64, 1, ""), (8, 128, 3, "evict_first"), (16, 256, 4, ""), (16, 512, 4, "")]
-    for block_n, block_k, stages, evict in tilings:
-        tile = Tiling(block_n=block_n, block_k=block_k, stages=stages, evict=evict)
-        assert rel_err(gemv(x, w, tile=tile), ref) < 1e-5
+    tilings = [Tiling(block_n=4, block_k=64, stages=1, evict=""),
+               Tiling(block_n=8, block_k=128, stages=3, evict="evict_first"),
+               NARROW_TILING, WIDE_TILING, TALL_TILING]
+    for tile in tilings:
+        assert rel_err(gemv(x, w, tile=tile), ref) < 1e-5, tile
 
 
-def test_tiling_by_shape():
-    """Wide layers take 8-row programs (16 where only that fits one wave), narrow ones 4;
-    BLOCK_K fits the accumulator and K."""
-    assert tiling(1, 4096, 1024) == WIDE_TILING
-    h200_wave = 132 * RESIDENT_PER_SM
-    assert tiling(1, 6144, 4096, h200_wave) == TALL_TILING  # 768 programs of 8 rows, 384 of 16
-    assert tiling(1, 6144, 4096, None) == WIDE_TILING  # no GPU, no waves
-    assert tiling(1, 4096, 4096, h200_wave) == WIDE_TILING  # 512 programs: one wave already
-    assert tiling(1, 24576, 4096, h200_wave) == WIDE_TILING  # 1536 programs of 16 rows: still two waves
-    assert tiling(1, 1024, 3072) == NARROW_TILING
-    assert tiling(4, 4096, 4096).block_k == ACC_ELEMS // (4 * WIDE_TILING.block_n)
-    assert tiling(1, 1024, 40).block_k == 64
+# Wave sizes: None (no GPU), smaller than most grids, an H200's (132 SMs), larger than any grid.
+WAVES = [None, 64, 132 * RESIDENT_PER_SM, 1 << 20]
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+def test_tiling_fits_registers_and_waves(rows):
+    """For every shape: one of the kernel's tilings; the accumulator within ACC_ELEMS; a step no
+    wider than K needs; and a wide layer's grid in one wave whenever a tiling can make it fit."""
+    kernel_tilings = {(t.block_n, t.stages, t.evict) for t in (NARROW_TILING, WIDE_TILING, TALL_TILING)}
+    for n_out in (1, 33, 1024, 4095, 4096, 6144, 24576):
+        for k_in in (1, 40, 300, 4096):
+            for wave in WAVES:
+                t = tiling(rows, n_out, k_in, wave)
+                assert (t.block_n, t.stages, t.evict) in kernel_tilings
+                assert t.block_k & (t.block_k - 1) == 0 and t.block_k >= 16
+                assert next_pow2(rows) * t.block_n * t.block_k <= ACC_ELEMS
+                assert t.block_k <= max(16, next_pow2(k_in))
+                if wave is not None and any(-(-n_out // o.block_n) <= wave for o in (WIDE_TILING, TALL_TILING)):
+                    assert n_out < WIDE_N or -(-n_out // t.block_n) <= wave, (n_out, wave, t)
 
 
 def test_bad_inputs():

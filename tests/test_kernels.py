@@ -135,19 +135,6 @@ def test_prefill_packed(d, hq, hkv, dtype, causal, lens):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_prefill_packed_views_of_fused_qkv():
-    """q, k, v as column slices of one fused projection output (different row strides)."""
-    gen = torch.Generator().manual_seed(5)
-    lens, hq, hkv, d = [9, 30], 4, 2, 64
-    qkv = randn((sum(lens), (hq + 2 * hkv) * d), gen, torch.float16)
-    q, k, v = (t.reshape(-1, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
-    c = cu(lens)
-    out = flash_attn_varlen_func(q, k, v, c, c, max(lens), max(lens), causal=True)
-    ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True, d ** -0.5)
-                     for a, b in zip(c[:-1].tolist(), c[1:].tolist())])
-    assert rel_err(out, ref) < TOL[torch.float16]
-
-
 @pytest.mark.parametrize("block_size,d,dtype,q_lens,k_lens", [
     (16, 64, torch.float16, [5, 1, 40, 33], [21, 1, 95, 33]),
     (48, 128, torch.bfloat16, [5, 1, 40, 33], [21, 1, 95, 33]),
@@ -352,19 +339,21 @@ def test_prefill_tiles_persistent_loop_into_out_view(hq, hkv, block_size, dtype)
     assert torch.isnan(outside(buf, real + pad)).all()
 
 
-@pytest.mark.parametrize("v_layout", ["padded_heads", "contiguous"])
-def test_prefill_packed_kv_with_different_strides(v_layout):
-    """k a view of a fused [N, (Hq + 2 Hkv) * D] projection; v with other row (and head) strides."""
+@pytest.mark.parametrize("v_layout", ["fused_qkv", "padded_heads", "contiguous"])
+def test_prefill_packed_qkv_views_and_kv_strides(v_layout):
+    """q and k views of a fused [N, (Hq + 2 Hkv) * D] projection (strided rows); v its third
+    slice (the engine's layout, k's strides) or a tensor with other row (and head) strides."""
     gen = torch.Generator().manual_seed(11)
     lens, hq, hkv, d, dtype = [9, 40], 4, 2, 32, torch.float16
     n = sum(lens)
     qkv = randn((n, (hq + 2 * hkv) * d), gen, dtype)
-    q, k, _ = (t.reshape(n, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
+    q, k, v = (t.reshape(n, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
     if v_layout == "padded_heads":
         v = randn((n, hkv, 2 * d), gen, dtype)[..., :d]  # strides (2 Hkv D, 2 D, 1)
-    else:
+    elif v_layout == "contiguous":
         v = randn((n, hkv, d), gen, dtype)
-    assert k.stride() != v.stride() and not k.is_contiguous()
+    assert not q.is_contiguous() and not k.is_contiguous()
+    assert (k.stride() == v.stride()) == (v_layout == "fused_qkv")
     c = cu(lens)
     out = flash_attn_varlen_func(q, k, v, c, c, max(lens), max(lens), causal=True)
     ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True, d ** -0.5)

@@ -27,9 +27,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from nanovllm.engine.scheduler import ScheduledBatch, StepKind, input_in_flight
+from nanovllm.engine.scheduler import ScheduledBatch, StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
+from nanovllm.utils.host_to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -156,18 +157,11 @@ class StepInputBuilder:
         varlen chunk, decode rows of length 1)."""
         self.block_size = block_size
         self.device = device
-        self.pin = device.type == "cuda"
         # Block tables always span max_model_len, as the CUDA graphs' do: the split-K decode
         # kernel sizes its splits from this width, so eager and graph decode compute in the
         # same order and give identical tokens.
         self.table_width = decode_table_width
         self.query_tile_rows = query_tile_rows
-
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self.pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
 
     # ----- prefill and mixed steps -----
     def tile_capacity(self, num_tokens: int, num_seqs: int) -> int:
@@ -237,7 +231,7 @@ class StepInputBuilder:
     def varlen(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
         """Eager inputs of a prefill / mixed step at its exact size."""
         layout = self.exact_layout(plan)
-        staging = self.to_device(self.varlen_array(plan, layout))
+        staging = to_device(self.varlen_array(plan, layout), self.device)
         ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
         inputs = self.varlen_inputs(staging, layout, max(plan.num_new_tokens), max(ends), sum(plan.sampled))
         if plan.carried_rows:
@@ -271,7 +265,7 @@ class StepInputBuilder:
         """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
         samples on the device (carried rows read their input ids from it)."""
         n = len(plan.starts)
-        rows = self.to_device(self.decode_rows(plan, n))  # [n, DECODE_COLUMNS + width] int32
+        rows = to_device(self.decode_rows(plan, n), self.device)  # [n, DECODE_COLUMNS + width] int32
         input_ids = rows[:, COL_INPUT]
         if plan.carried_rows:
             k = len(plan.carried_rows)

@@ -1,5 +1,6 @@
 """Host-side helpers shared by the Triton kernel wrappers: argument checks (ValueError/TypeError,
-never assert) and constants."""
+never assert) and constants. Imports torch only, never Triton: nanovllm.config reads
+BLOCK_SIZE_MULTIPLE here on machines without Triton."""
 
 import os
 
@@ -7,7 +8,8 @@ import torch
 
 # exp(x) = exp2(x * LOG2E): the kernels use exp2, which maps to one hardware instruction.
 LOG2E = 1.4426950408889634
-# Triton's CPU interpreter mis-computes tl.dot on bfloat16 operands: the kernels upcast there only.
+# Whether the kernels run under Triton's CPU interpreter, where some ops differ from the GPU's
+# (tl.dot on bfloat16 operands, float32 -> bfloat16 casts): the kernels work around them there only.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

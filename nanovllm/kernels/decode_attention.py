@@ -41,12 +41,9 @@ BLOCK_N = 64
 # tl.dot needs >= 16 rows: the GQA group is padded to this (Qwen3 groups are 2..8).
 MIN_BLOCK_G = 16
 # Aim for this many stage-1 programs per SM: ~2 fit at once (96 KB smem each), so 16
-# gives ~8 waves and a small tail (H200, batch 8 x 32k: 4/SM gave 73% of copy BW, 16/SM 96%).
-# BLOCK_N 32/128, 2 stages or 512-token splits measured no better (benchmarks/bench_kernels.py).
+# gives ~8 waves and a small tail (measured: BENCHMARKS.md, "Tuning notes moved from kernel docstrings").
 PROGRAMS_PER_SM = 16
-# From this many (sequence, kv head) programs per SM, one split is best: engine-like batches
-# (lengths spread over [ctx/8, ctx]) at 64x2048, 128x1024, 256x1024 ran 1.0-1.4x faster unsplit
-# (bench_kernels.py --splits, H200, 2026-12-01).
+# From this many (sequence, kv head) programs per SM, one split is best (measured: same section).
 NO_SPLIT_PROGRAMS_PER_SM = 3
 # A split shorter than this costs more in partial writes/merging than it saves.
 MIN_TOKENS_PER_SPLIT = 256

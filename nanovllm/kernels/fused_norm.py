@@ -15,12 +15,11 @@ serves every batch size and the launch is CUDA-graph capturable (no host syncs).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import checks
 from .checks import check_eps, check_matrix, check_vector, next_pow2
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -36,8 +35,9 @@ MAX_ROWS = 16
 ELEMS_PER_WARP = 256
 MIN_WARPS, MAX_WARPS = 4, 16
 # Triton's CPU interpreter casts float32 -> bfloat16 by truncation (GPUs round to nearest
-# even); under it `round_to` rounds the bits by hand so CPU tests see GPU rounding.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# even); under it `round_to` rounds the bits by hand so CPU tests see GPU rounding. A
+# tl.constexpr: jitted code may read a global only in that form.
+INTERPRET = tl.constexpr(checks.INTERPRET)
 
 
 @triton.jit

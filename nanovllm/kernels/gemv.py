@@ -21,10 +21,9 @@ BLOCK_N weight rows, each walking the whole K in BLOCK_K steps with STAGES loads
 Launched with PDL (kernels/pdl.py) only when the whole grid is resident at once (one wave):
 its programs then sit on the SMs while the kernel before runs, and each asks L2 for its first
 weight tile before waiting, so the read starts at L2 latency. A grid of several waves gains
-nothing from the early launch and measured slower with it (Qwen3-8B batch-1 decode: 4.88 ms
-per token with every GEMV under PDL, 4.60 with none, 4.54 with one-wave grids only and the
-prefetch). Wide layers whose 8-row grid spills into a second wave take 16-row programs
-instead (8B qkv: 768 -> 384 programs, 4.46 ms per token).
+nothing from the early launch and measured slower with it. Wide layers whose 8-row grid spills
+into a second wave take 16-row programs instead. (Measurements: BENCHMARKS.md, "Tuning notes
+moved from kernel docstrings".)
 
 Shapes only set the launch, so calls are CUDA-graph capturable.
 """
@@ -48,16 +47,13 @@ MAX_ROWS = 4
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
 NUM_WARPS = 4
-# Tilings from benchmarks/bench_gemm.py --sweep (H200, weights streamed from HBM, 1 row):
-# layers at least WIDE_N wide take 8 weight rows x 512 columns per step, 3 steps in flight
-# (8B: qkv 15.6 us vs cuBLAS 16.8, o 10.7 vs 13.4, down 26.3 vs 30.3, gate_up 50.8 vs 50.4);
-# narrower ones 4 rows (so >= 256 programs still share the read), 4 steps in flight, weight
-# loads marked evict-first (0.6B: o 3.5 vs 12.6, down 4.1 vs 7.4).
+# The tilings below are the fastest of benchmarks/bench_gemm.py --sweep (timings: BENCHMARKS.md,
+# "Tuning notes moved from kernel docstrings").
+# Weight columns per step (before shrinking for more rows or a short K).
 BLOCK_K = 512
+# Layers at least this wide take 8-row programs; narrower ones 4 rows, so enough programs share the read.
 WIDE_N = 4096
-# GEMV programs counted as resident per SM at once, so a grid of up to SMs x this is one wave:
-# 528 on a 132-SM H200, between the grids early launch paid for (8B o and down, 512 programs)
-# and those it cost (8B qkv at 8 rows, 768; gate_up, 3072).
+# GEMV programs counted as resident per SM at once, so a grid of up to SMs x this is one wave.
 RESIDENT_PER_SM = 4
 
 
@@ -69,9 +65,11 @@ class Tiling:
     evict: str  # eviction policy of the weight loads ("" = the default)
 
 
+# 8 weight rows x BLOCK_K columns per step, 3 steps in flight.
 WIDE_TILING = Tiling(block_n=8, block_k=BLOCK_K, stages=3, evict="")
 # Twice the rows per program, half the grid: for wide layers whose 8-row grid needs a second wave.
 TALL_TILING = Tiling(block_n=16, block_k=256, stages=4, evict="")
+# 4 weight rows per program, 4 steps in flight, weight loads marked evict-first.
 NARROW_TILING = Tiling(block_n=4, block_k=BLOCK_K, stages=4, evict="evict_first")
 
 

@@ -46,9 +46,8 @@ import triton.language as tl
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
                      check_int_tensor, check_out, cuda_sm_count)
 
-# Tile config measured on an H200 (bf16, D=128, causal, 16x1024 / 4x4096 tokens):
-# 64x64, 4 warps, 3 stages gave 283/402 TFLOP/s packed and 222/313 paged, vs 269/401 and
-# 206/300 for 128x64 with 8 warps; 8 warps or BLOCK_N=128 at BLOCK_M=64 were much slower.
+# Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
+# "Tuning notes moved from kernel docstrings").
 # Query rows per program: 64 gives 2x more programs (better SM balance for causal tiles).
 BLOCK_M = 64
 # Keys per inner step: 64 keeps the fp32 [BLOCK_M, BLOCK_N] score tile in registers.

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from nanovllm.kernels import gumbel_sample
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
+from nanovllm.utils.host_to_device import to_device
 
 # Largest top_k served by torch.topk instead of a full sort when no row uses top-p.
 _TOPK_PATH_MAX_K = 1024
@@ -48,12 +49,6 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One host-to-device copy (pinned, asynchronous on CUDA)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -108,14 +103,14 @@ class SamplingBatch:
         gens = tuple(None if g else gen for gen, g in zip(generators, greedy))
         use_top_k = any(k < vocab_size for k in top_ks)
         return cls(
-            temperatures=_to_device(temperatures, torch.float32, device),
-            top_ks=_to_device(top_ks, torch.int64, device) if use_top_k else None,
-            top_ps=_to_device(top_ps, torch.float32, device) if any(p < 1.0 for p in top_ps) else None,
-            min_ps=_to_device(min_ps, torch.float32, device) if any(m > 0.0 for m in min_ps) else None,
+            temperatures=to_device(temperatures, device, torch.float32),
+            top_ks=to_device(top_ks, device, torch.int64) if use_top_k else None,
+            top_ps=to_device(top_ps, device, torch.float32) if any(p < 1.0 for p in top_ps) else None,
+            min_ps=to_device(min_ps, device, torch.float32) if any(m > 0.0 for m in min_ps) else None,
             generators=gens if any(gen is not None for gen in gens) else None,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
-            keys=_to_device(keys, torch.int64, device) if keys is not None and not all(greedy) else None,
+            keys=to_device(keys, device, torch.int64) if keys is not None and not all(greedy) else None,
         )
 
 
