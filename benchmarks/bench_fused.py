@@ -1,7 +1,7 @@
 """Device timing of the fused elementwise Triton kernels vs the torch eager path (needs a CUDA GPU).
 
 Qwen3-0.6B shapes (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 128), bf16,
-N = 1, 256, 16384 tokens. For each kernel: torch path (the layers' `forward_native`) and
+N = 1, 256, 16384 tokens. For each kernel: torch path (`forward_native`; RotaryEmbedding's forward) and
 fused times as triton.testing.do_bench medians, run eagerly and replayed inside a CUDA
 graph (what decode sees), and the fused kernel's GB/s over the bytes that must move
 (inputs read once + outputs written once), also as % of a device-to-device copy.
@@ -69,7 +69,7 @@ def cases(n, gen):
                          4 * n * H * e + H * e),
         "silu_and_mul": (lambda: SiluAndMul.forward_native(gate_up), lambda: silu_and_mul(gate_up),
                          3 * n * INTER * e),
-        "qk_norm_rope": (lambda: rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k)),
+        "qk_norm_rope": (lambda: rot(pos, q_norm.forward_native(q), k_norm.forward_native(k)),
                          lambda: qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, rot.cos_sin_cache, EPS),
                          2 * n * (HQ + HKV) * D * e + n * (D * 4 + 8) + 2 * D * e),
     }

@@ -212,7 +212,7 @@ def test_load_errors_name_the_problem(tmp_path):
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="shape"):
         cpu_llm(path)
-    rewrite_config(path, architectures=["LlamaForCausalLM"], model_type="llama")
+    rewrite_config(path, architectures=["MixtralForCausalLM"], model_type="mixtral")
     with pytest.raises(ValueError, match="unsupported architecture"):
         cpu_llm(path)
 

@@ -112,7 +112,7 @@ def test_rms_norm_layer_dispatch_paths_agree():
         assert a.shape == (3, 4, 64) and torch.equal(a, b)
     xt = randn((64, 5), gen, torch.bfloat16).t()  # non-contiguous last dim
     assert torch.equal(layer.forward_triton(xt), layer.forward_native(xt))
-    assert torch.equal(layer(x), layer.forward_native(x))  # CPU tensors keep the torch path
+    assert torch.equal(layer(x), layer.forward_native(x))  # a layer built on the CPU keeps the torch path
 
 
 def test_rms_norm_empty_batch():
@@ -201,7 +201,7 @@ def test_qk_norm_rope(dtype, d, n, hq, hkv):
     assert q_out.is_contiguous() and k_out.is_contiguous() and q_out.dtype == k_out.dtype == dtype
     for out, x, w in ((q_out, q, q_norm.weight), (k_out, k, k_norm.weight)):
         assert rel_err(out, ref_rope(ref_norm(x, w), pos, rot.cos_sin_cache)) < REF_TOL[dtype]
-    ref_q, ref_k = rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k))
+    ref_q, ref_k = rot(pos, q_norm.forward_native(q), k_norm.forward_native(k))
     assert_close_to_torch(q_out, ref_q)
     assert_close_to_torch(k_out, ref_k)
 
@@ -254,7 +254,7 @@ def test_qk_norm_rope_other_layouts(dtype):
     pos = torch.randint(0, MAX_POS, (2 * n,), generator=gen)[::2]
     for p in (pos, pos.int()):
         q_out, k_out = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, p, rot.cos_sin_cache, EPS)
-        ref_q, ref_k = rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k))
+        ref_q, ref_k = rot(pos, q_norm.forward_native(q), k_norm.forward_native(k))
         assert_close_to_torch(q_out, ref_q)
         assert_close_to_torch(k_out, ref_k)
 
@@ -268,11 +268,51 @@ def test_rope_only(dtype, n):
     pos = torch.randint(0, MAX_POS, (n,), generator=gen)
     q_out, k_out = rope(q, k, pos, rot.cos_sin_cache)
     assert rel_err(q_out, ref_rope(q, pos, rot.cos_sin_cache)) < REF_TOL[dtype]
-    ref_q, ref_k = rot.forward_native(pos, q, k)
+    ref_q, ref_k = rot(pos, q, k)
     assert_close_to_torch(q_out, ref_q)
     assert_close_to_torch(k_out, ref_k)
-    fwd_q, fwd_k = rot.forward_triton(pos, q, k)
-    assert torch.equal(fwd_q, q_out) and torch.equal(fwd_k, k_out)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_attention_rope_steps_agree(qk_norm, dtype):
+    """SelfAttention's Triton RoPE step (the one a CUDA-built layer takes: one kernel does the
+    optional q/k norm, RoPE and the K/V cache write; run here on CPU tensors) gives the torch
+    step's q, k and cache: with the norm (Qwen3) through qk_norm_rope, without it (Llama,
+    Qwen2) through rope, both given the attention layer's kv_write."""
+    from nanovllm.layers.attention_backend import select_attention_backend
+    from nanovllm.layers.self_attention import SelfAttention
+    from nanovllm.utils.context import AttentionMetadata, attention_context
+
+    gen = torch.Generator().manual_seed(21 + qk_norm)
+    n, hidden, hq, hkv, d, block = 7, 64, 4, 2, 32, 16
+    with torch.device("cpu"):
+        layer = SelfAttention(hidden, hq, hkv, d, RotaryEmbedding(d, MAX_POS, 1e4), qk_norm=qk_norm,
+                              rms_norm_eps=EPS, qkv_bias=True, o_bias=False)
+    assert not layer.use_triton  # built on the CPU: forward takes the torch step
+    if qk_norm:
+        for norm in (layer.q_norm, layer.k_norm):
+            norm.weight.data = randn((d,), gen, torch.float32, 0.5).add_(1.0).to(dtype)
+    q, k, v = (t.reshape(n, -1, d) for t in randn((n, (hq + 2 * hkv) * d), gen, dtype).split(
+        [hq * d, hkv * d, hkv * d], dim=-1))
+    pos = torch.randint(0, MAX_POS, (n,), generator=gen)
+    slots = torch.tensor([0, 17, -1, 40, 3, 63, 20])
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots)
+    layer.attn.backend = select_attention_backend("torch", "cpu", block)
+    results = []
+    for step in (layer.rope_and_store_triton, layer.rope_and_store_native):
+        layer.attn.k_cache, layer.attn.v_cache = torch.zeros(2, 4, block, hkv, d, dtype=dtype)
+        with attention_context(meta):
+            q_out, k_out = step(pos, q, k, v)
+        results.append((q_out, k_out, layer.attn.k_cache, layer.attn.v_cache))
+    (tq, tk, tkc, tvc), (nq, nk, nkc, nvc) = results
+    assert_close_to_torch(tq, nq)
+    assert_close_to_torch(tk, nk)
+    assert_close_to_torch(tkc, nkc)
+    assert torch.equal(tvc, nvc)
+    stored = slots >= 0
+    assert torch.equal(tvc.view(-1, hkv, d)[slots[stored]], v[stored])
+    assert tkc.view(-1, hkv, d)[slots[stored]].abs().sum() > 0 and not tkc.view(-1, hkv, d)[1].any()
 
 
 def test_qk_norm_rope_empty_batch():

@@ -3,7 +3,8 @@
 bf16, N in {1, 256, 16384}; each kernel vs the torch layer path (`forward_native`, the code
 CPU runs) and a float64 reference. The compiled kernels may contract multiply-adds into
 FMAs and use approximate rsqrt/exp, so results may differ from torch by an ulp, rarely.
-Also checks the Qwen3Attention wiring and that the launches are CUDA-graph capturable.
+Also checks SelfAttention's wiring of each family's RoPE step (norm or not, the KV-cache write)
+and that the launches are CUDA-graph capturable.
 """
 
 import os
@@ -29,7 +30,7 @@ HEADS = [(16, 8), (32, 8)]
 D = 128
 MAX_POS = 40960
 THETA = 1e6
-CONFIG_06B = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "qwen3-0.6b")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs")
 
 
 def randn(shape, gen, dtype=DT, scale=1.0):
@@ -55,7 +56,8 @@ def assert_close_to_torch(out, ref):
 
 
 def norm_layer(h, gen):
-    layer = RMSNorm(h, EPS).to(DEV)
+    with torch.device(DEV):  # a layer built on CUDA: its forward runs the Triton kernel
+        layer = RMSNorm(h, EPS)
     layer.weight.data = randn((h,), gen, torch.float32, 0.5).add_(1.0).to(DT)
     return layer
 
@@ -113,7 +115,7 @@ def test_qk_norm_rope(hq, hkv, n):
     rot = RotaryEmbedding(D, MAX_POS, THETA).to(DEV)
     pos = torch.randint(0, MAX_POS, (n,), generator=gen, device=DEV)
     q_out, k_out = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, pos, rot.cos_sin_cache, EPS)
-    ref_q, ref_k = rot.forward_native(pos, q_norm.forward_native(q), k_norm.forward_native(k))
+    ref_q, ref_k = rot(pos, q_norm.forward_native(q), k_norm.forward_native(k))
     assert_close_to_torch(q_out, ref_q)
     assert_close_to_torch(k_out, ref_k)
     # the rope of the rounded norm, in float64
@@ -122,27 +124,34 @@ def test_qk_norm_rope(hq, hkv, n):
     assert rel_err(q_out, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)) < 1e-2
 
 
-def test_qwen3_attention_norm_rope_and_cache_write_wiring():
-    """Qwen3Attention on CUDA: q/k norm + RoPE + the K/V cache write in one kernel; the cache
-    holds the torch path's rotated k and the raw v at each token's slot, nothing at slot -1."""
+@pytest.mark.parametrize("config_dir,qk_norm,qkv_bias", [
+    ("qwen3-0.6b", True, False),  # qk_norm_rope with kv_write
+    ("llama-3.2-1b", False, False),  # rope with kv_write, llama3-scaled table, head_dim 64
+    ("qwen2.5-7b", False, True),  # rope with kv_write, q/k/v biases
+])
+def test_self_attention_rope_and_cache_write_wiring(config_dir, qk_norm, qkv_bias):
+    """SelfAttention built on CUDA: (q/k norm +) RoPE + the K/V cache write in one kernel; the
+    cache holds the torch path's rotated k and the raw v at each token's slot, nothing at slot -1."""
     from nanovllm.layers.attention_backend import select_attention_backend
+    from nanovllm.layers.self_attention import SelfAttention
     from nanovllm.models.model_config import ModelConfig
-    from nanovllm.models.qwen3 import Qwen3Attention
     from nanovllm.utils.context import AttentionMetadata, attention_context
 
-    cfg = ModelConfig.from_pretrained(CONFIG_06B)
-    attn = Qwen3Attention(cfg).to(DEV)  # cos_sin_cache stays float32, as in the engine
+    cfg = ModelConfig.from_pretrained(os.path.join(CONFIGS, config_dir))
+    d, hq, hkv, n, block, max_pos = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, 33, 16, 4096
+    with torch.device(DEV):
+        rot = RotaryEmbedding(d, max_pos, cfg.rope_theta, cfg.rope_scaling)  # float32, as in the engine
+        attn = SelfAttention(cfg.hidden_size, hq, hkv, d, rot, qk_norm=qk_norm, rms_norm_eps=cfg.rms_norm_eps,
+                             qkv_bias=qkv_bias, o_bias=False)
+    assert attn.use_triton
     gen = torch.Generator(DEV).manual_seed(5)
-    for p in (attn.qkv_proj.weight, attn.o_proj.weight):
-        p.data = randn(p.shape, gen, scale=0.02)
-    attn.q_norm.weight.data = randn((D,), gen)
-    attn.k_norm.weight.data = randn((D,), gen)
-    n, hq, hkv, block = 33, cfg.num_attention_heads, cfg.num_key_value_heads, 16
-    k_cache, v_cache = torch.zeros(2, 4, block, hkv, D, dtype=DT, device=DEV)
+    for name, p in attn.named_parameters():
+        p.data = randn(p.shape, gen, scale=1.0 if "norm" in name else 0.02)  # bf16
+    k_cache, v_cache = torch.zeros(2, 4, block, hkv, d, dtype=DT, device=DEV)
     attn.attn.k_cache, attn.attn.v_cache = k_cache, v_cache
     attn.attn.backend = select_attention_backend("triton", "cuda", block)
     hidden = randn((n, cfg.hidden_size), gen)
-    pos = torch.randint(0, 4096, (n,), generator=gen, device=DEV)
+    pos = torch.randint(0, max_pos, (n,), generator=gen, device=DEV)
     slots = torch.arange(n, device=DEV)
     slots[5] = -1
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
@@ -151,13 +160,15 @@ def test_qwen3_attention_norm_rope_and_cache_write_wiring():
     with attention_context(meta):
         out = attn(pos, hidden)
     assert out.shape == (n, cfg.hidden_size) and not out.isnan().any()
-    q, k, v = attn.qkv_proj(hidden).split([hq * D, hkv * D, hkv * D], -1)
-    q, k, v = q.reshape(n, hq, D), k.reshape(n, hkv, D), v.reshape(n, hkv, D)
-    _, ref_k = attn.rotary_emb.forward_native(pos, attn.q_norm.forward_native(q), attn.k_norm.forward_native(k))
+    q, k, v = attn.qkv_proj(hidden).split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.reshape(n, hq, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+    if qk_norm:
+        q, k = attn.q_norm.forward_native(q), attn.k_norm.forward_native(k)
+    _, ref_k = rot(pos, q, k)
     stored = slots >= 0
-    assert_close_to_torch(k_cache.view(-1, hkv, D)[slots[stored]], ref_k[stored])
-    assert torch.equal(v_cache.view(-1, hkv, D)[slots[stored]], v[stored])
-    assert not k_cache.view(-1, hkv, D)[5].any()  # slot 5 belonged to the padding row
+    assert_close_to_torch(k_cache.view(-1, hkv, d)[slots[stored]], ref_k[stored])
+    assert torch.equal(v_cache.view(-1, hkv, d)[slots[stored]], v[stored])
+    assert not k_cache.view(-1, hkv, d)[5].any()  # slot 5 belonged to the padding row
 
 
 def test_cuda_graph_capture_and_replay():

@@ -28,7 +28,7 @@ from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
@@ -80,7 +80,7 @@ class ModelRunner:
             previous_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = Qwen3ForCausalLM(cfg)
+                self.model = build_model(cfg)  # layers choose their kernels from this device
             finally:
                 torch.set_default_dtype(previous_dtype)
         if config.load_format == "dummy":

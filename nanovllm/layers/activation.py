@@ -1,7 +1,8 @@
-"""SiLU-and-multiply, the gate of Qwen3's MLP: [*, 2 * I] -> [*, I].
+"""SiLU-and-multiply, the gate of the SwiGLU MLP: [*, 2 * I] = gate | up -> [*, I].
 
-CUDA tensors go through the fused Triton kernel (nanovllm/kernels/fused_activation.py,
-same arithmetic); other devices run the plain PyTorch code in `forward_native`.
+A layer built on CUDA runs the fused Triton kernel (nanovllm/kernels/fused_activation.py,
+same arithmetic); on other devices the plain PyTorch code in `forward_native`. The choice is
+made once, at construction (layers/kernel_path.py).
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :I]) * x[..., I:]: the Triton kernel on CUDA, plain PyTorch elsewhere."""
-    if x.is_cuda:
-        return SiluAndMul.forward_triton(x)
-    return SiluAndMul.forward_native(x)
+from nanovllm.layers.kernel_path import construction_device, uses_triton
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.use_triton = uses_triton(construction_device())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        """silu(x[..., :I]) * x[..., I:]."""
+        if self.use_triton:
+            return self.forward_triton(x)
+        return self.forward_native(x)
 
     @staticmethod
     def forward_triton(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Paged attention layer: stores this step's K/V in the cache, then attends.
+"""Paged attention layer: attends over the KV cache that this step's K/V were written into.
 
-Reads the step's metadata from `nanovllm.utils.context`. Prefill attends over this
-step's tokens (or, with a block table, over the cached prefix plus them); decode
-attends one query per sequence over its cached keys.
+Reads the step's metadata from `nanovllm.utils.context`. Writing this step's K/V is the
+caller's part, before `forward` (layers/self_attention.py does it in its RoPE step): either a
+kernel that writes the cache itself, given `kv_write(v)`, or `store(k, v)`. Prefill attends over
+this step's tokens (or, with a block table, over the cached prefix plus them); decode attends
+one query per sequence over its cached keys.
 """
 
 from __future__ import annotations
@@ -33,17 +35,19 @@ class Attention(nn.Module):
 
     def kv_write(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(v, k_cache, v_cache, slot_mapping): where this step's K/V go, for a kernel that
-        writes the cache itself (then call forward with kv_stored=True)."""
+        writes the cache itself (kernels/fused_rope.py's `kv_write`)."""
         self._require_cache()
         return v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Stores k/v in the cache first unless
-        the caller already did (kv_stored)."""
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's k/v [N, Hkv, D] into the cache at the step's slots (slots < 0 skipped)."""
+        backend = self._require_cache()
+        backend.store_kvcache(k, v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (already in the cache) -> [N, Hq, D]."""
         meta = get_attention_metadata()
         backend = self._require_cache()
-        if not kv_stored:
-            backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._varlen(q, k, v, meta, backend)
         out = backend.flash_attn_with_kvcache(

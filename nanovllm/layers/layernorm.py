@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add that precedes it (computed in float32).
 
-CUDA tensors go through the fused Triton kernel (nanovllm/kernels/fused_norm.py, same
-arithmetic); other devices run the plain PyTorch code in `forward_native`.
+A layer built on CUDA runs the fused Triton kernel (nanovllm/kernels/fused_norm.py, same
+arithmetic); on other devices the plain PyTorch code in `forward_native`. The choice is made
+once, at construction (layers/kernel_path.py).
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.layers.kernel_path import uses_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.use_triton = uses_triton(self.weight.device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -25,7 +29,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
-        if x.is_cuda:
+        if self.use_triton:
             return self.forward_triton(x, residual)
         return self.forward_native(x, residual)
 

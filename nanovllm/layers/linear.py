@@ -3,14 +3,15 @@
 Column-parallel layers split the output features (each rank computes a slice);
 row-parallel layers split the input features and all-reduce the partial sums.
 Every parameter carries a `weight_loader(param, loaded, shard_id)` that copies this
-rank's slice of a checkpoint tensor into place; packed layers (QKV, gate/up) take a
-shard id naming which checkpoint tensor is being loaded.
+rank's slice of a checkpoint tensor into place (weights and 1-D biases alike); packed layers
+(QKV, gate/up) take a shard id naming which checkpoint tensor is being loaded.
 
-    qkv_proj.weight rows: [ q: Hq_local*D | k: Hkv_local*D | v: Hkv_local*D ]
+    qkv_proj.weight rows: [ q: Hq_local*D | k: Hkv_local*D | v: Hkv_local*D ]   (bias: same rows)
     gate_up_proj rows:    [ gate: I_local | up: I_local ]
 
-On CUDA, batches of at most GEMV_MAX_ROWS rows (small-batch decode) run through the Triton
-GEMV (nanovllm/kernels/gemv.py) instead of cuBLAS; everything else uses F.linear.
+A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs batches of
+1..GEMV_MAX_ROWS rows (small-batch decode; decided per call, by shape) through the Triton GEMV
+(nanovllm/kernels/gemv.py) instead of cuBLAS; everything else uses F.linear.
 """
 
 from __future__ import annotations
@@ -20,27 +21,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.kernel_path import uses_triton
 from nanovllm.utils.distributed import tp_rank, tp_size
 
-# Rows up to which CUDA projections use the Triton GEMV: at 1-2 rows it streams the weight
-# faster than cuBLAS on Qwen3's shapes (benchmarks/bench_gemm.py, H200: 8B down_proj 26.3 vs
-# 30.3 us, 0.6B o_proj 3.5 vs 12.6 us at 1 row); from 4 rows on cuBLAS's tensor cores win.
+# Rows up to which a CUDA layer's projections run the Triton GEMV: the one decision of when it
+# is used (the kernel itself serves up to kernels/gemv.MAX_ROWS rows). At 1-2 rows it streams the
+# weight faster than cuBLAS on Qwen3's shapes (benchmarks/bench_gemm.py, H200, 1 row: 0.6B o_proj
+# 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us);
+# 3 rows was not measured. BENCHMARKS.md has the table.
 GEMV_MAX_ROWS = 2
-
-
-def use_gemv(x: torch.Tensor) -> bool:
-    """Whether x [rows, in] is a batch the Triton GEMV serves (CUDA, 1..GEMV_MAX_ROWS rows)."""
-    return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the Triton GEMV for few-row CUDA batches."""
-    if use_gemv(x):
-        from nanovllm.kernels.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
@@ -59,9 +49,22 @@ class _LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.use_gemv = uses_triton(self.weight.device)  # the device half of the GEMV choice
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         raise NotImplementedError
+
+    def _gemv_serves(self, x: torch.Tensor) -> bool:
+        """Whether x [rows, in] goes through the Triton GEMV: a CUDA layer and 1..GEMV_MAX_ROWS rows."""
+        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV for the batches it serves."""
+        if self._gemv_serves(x):
+            from nanovllm.kernels.gemv import gemv
+
+            return gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(_LinearBase):
@@ -77,7 +80,7 @@ class ColumnParallelLinear(_LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -138,16 +141,7 @@ class RowParallelLinear(_LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(linear(x, self.weight))
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up [rows, 2 * in / tp] = gate | up. Few-row CUDA
-        batches run the activation inside the GEMV (no separate activation kernel)."""
-        if use_gemv(gate_up):
-            from nanovllm.kernels.gemv import silu_mul_gemv
-
-            return self._reduce(silu_mul_gemv(gate_up, self.weight))
-        return self.forward(silu_and_mul(gate_up))
+        return self._reduce(self._linear(x, None))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products, then add the bias once."""
@@ -156,3 +150,20 @@ class RowParallelLinear(_LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+class SiluMulRowParallelLinear(RowParallelLinear):
+    """The MLP's down projection with SiLU-and-mul in front: gate_up [*, 2 * in / tp] = gate | up
+    -> forward(silu(gate) * up) [*, out]. Batches the GEMV serves run the activation inside it (no
+    activation kernel of its own); the others run SiluAndMul, then the projection."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.act = SiluAndMul()
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._gemv_serves(gate_up):
+            from nanovllm.kernels.gemv import silu_mul_gemv
+
+            return self._reduce(silu_mul_gemv(gate_up, self.weight))
+        return super().forward(self.act(gate_up))

@@ -1,7 +1,9 @@
-"""The model shape read from a checkpoint's config.json, in both formats on the hub.
+"""The model shape read from a checkpoint's config.json, in both spellings on the hub.
 
-Published Qwen3 checkpoints write `rope_theta` and `torch_dtype` at top level;
-transformers 5 writes `rope_parameters: {"rope_theta": ...}` and `dtype`. Both are read.
+Published checkpoints write `rope_theta`, `rope_scaling` (the scaling keys, or null) and
+`torch_dtype` at top level; transformers 5 writes `rope_parameters` (rope_theta and the scaling
+keys in one dict) and `dtype`. Both are read, to the same ModelConfig. The architecture must be
+one models/registry.py builds; RoPE must be plain or Llama 3 scaled.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from nanovllm.layers.rotary_embedding import Llama3RopeScaling
+from nanovllm.models.registry import resolve_architecture
+
+# config.json dtype names -> torch dtypes (also the names LLM(dtype=...) accepts).
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Rope variants that are plain neox RoPE with a theta (no scaling of positions).
 _PLAIN_ROPE_TYPES = (None, "default")
-_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_LLAMA3_ROPE_TYPE = "llama3"
+# The MLP activation every supported family uses (SwiGLU's gate).
+_HIDDEN_ACT = "silu"
+# transformers' default theta when a config names none.
+_DEFAULT_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
@@ -30,9 +40,11 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    rope_scaling: Llama3RopeScaling | None  # None: plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # config.json's key (a family may fix its biases regardless: models/qwen2.py)
+    mlp_bias: bool
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
 
@@ -47,22 +59,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        architectures = raw.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if architecture is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {architectures!r} "
-                f"(model_type {raw.get('model_type')!r}); supported: {SUPPORTED_ARCHITECTURES}"
-            )
+        architecture = resolve_architecture(raw.get("architectures"), source)
         if raw.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported")
+        hidden_act = raw.get("hidden_act", _HIDDEN_ACT)
+        if hidden_act != _HIDDEN_ACT:
+            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only {_HIDDEN_ACT!r})")
+        # transformers 5: rope_parameters holds theta and scaling; published: rope_scaling (or null).
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type"))
-        if rope_type not in _PLAIN_ROPE_TYPES:
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only plain RoPE)")
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", _DEFAULT_ROPE_THETA))
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-        if dtype_name not in _DTYPE_NAMES:
+        if dtype_name not in DTYPES:
             raise ValueError(f"{source}: unsupported dtype {dtype_name!r}")
         try:
             heads = int(raw["num_attention_heads"])
@@ -77,13 +87,15 @@ class ModelConfig:
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=_head_dim(raw, hidden, heads, source),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
+                rope_scaling=_rope_scaling(rope, source),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                torch_dtype=_DTYPE_NAMES[dtype_name],
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=eos_ids,
             )
         except KeyError as e:
@@ -100,3 +112,34 @@ class ModelConfig:
         ):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
+
+
+def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:
+    """config.json's head_dim, or hidden_size / num_attention_heads when it has none (Llama 3.1)."""
+    if raw.get("head_dim"):
+        return int(raw["head_dim"])
+    if heads <= 0 or hidden % heads:
+        raise ValueError(f"{source}: no head_dim, and hidden_size={hidden} is not a multiple of "
+                         f"num_attention_heads={heads}")
+    return hidden // heads
+
+
+def _rope_scaling(rope: dict, source: str) -> Llama3RopeScaling | None:
+    """The RoPE scaling of a rope_parameters / rope_scaling dict: None for plain RoPE."""
+    rope_type = rope.get("rope_type", rope.get("type"))  # "type": configs before transformers 4.45
+    if rope_type in _PLAIN_ROPE_TYPES:
+        return None
+    if rope_type != _LLAMA3_ROPE_TYPE:
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (plain RoPE or {_LLAMA3_ROPE_TYPE!r})")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ValueError(f"{source}: {_LLAMA3_ROPE_TYPE} rope scaling is missing {', '.join(missing)}")
+    try:
+        return Llama3RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None

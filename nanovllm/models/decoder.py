@@ -1,0 +1,115 @@
+"""The dense decoder every supported family shares (Qwen3, Llama 3.x, Qwen2/2.5), on a flat
+token batch.
+
+    embed -> L x [ RMSNorm -> self-attention (GQA, RoPE) -> add -> RMSNorm -> SwiGLU MLP -> add ]
+          -> RMSNorm -> LM head (tied to the embedding or not)
+
+All sequences' tokens are stacked on one axis (no batch dimension): hidden states are
+`[num_tokens, hidden]`. Module and parameter names match the Hugging Face checkpoints, except
+the packed `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`). The families differ
+only in `DecoderTraits`, which each model file states (models/qwen3.py, llama.py, qwen2.py),
+and in the config values they carry (RoPE scaling, eps, head_dim, tying), read by ModelConfig.
+One RoPE table serves all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, SiluMulRowParallelLinear
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.self_attention import SelfAttention
+from nanovllm.models.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """What sets one family's decoder apart from another's."""
+
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    qkv_bias: bool  # biases on the q, k and v projections
+    o_bias: bool  # bias on the attention output projection
+    mlp_bias: bool  # biases on the gate, up and down projections
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = SiluMulRowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))  # [N, 2 I / tp] -> down(SiLU(gate) * up) [N, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = SelfAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary_emb,
+            qk_norm=traits.qk_norm, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=traits.qkv_bias, o_bias=traits.o_bias,
+        )
+        self.mlp = DecoderMLP(cfg, traits.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [N, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the model classes: a model file subclasses it, stating its family's traits."""
+
+    # checkpoint name -> (packed parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
+        super().__init__()
+        self.model = DecoderModel(cfg, traits)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden [N, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_seqs, hidden] -> [num_seqs, vocab] (None on tensor-parallel ranks > 0)."""
+        return self.lm_head(hidden)
