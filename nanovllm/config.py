@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE
-from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.utils.validation import check_int
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 
@@ -83,8 +82,8 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching", "overlap_scheduling", "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in _BACKENDS:
@@ -109,7 +108,7 @@ class Config:
     def torch_dtype(self) -> torch.dtype:
         """Weights and activations dtype: the checkpoint's on CUDA, float32 on CPU, unless set."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         if self.device == "cpu":
             return torch.float32
         return self.model_config.torch_dtype

@@ -41,8 +41,8 @@ from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
 
-# Most rows served: past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers, and from
-# 2 rows on cuBLAS's tensor-core kernels catch up (benchmarks/bench_gemm.py, H200).
+# Most rows the kernel serves (its capability, not when it is used: that is decided once, by
+# layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
 MAX_ROWS = 4
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
