@@ -1,9 +1,10 @@
-"""Builds small Qwen3 checkpoints (random weights) and a small BPE tokenizer for tests,
-and `cpu_llm`, the engine constructor of every test not marked `gpu`.
+"""Builds small checkpoints (random weights) of each supported family and a small BPE tokenizer
+for tests, and `cpu_llm`, the engine constructor of every test not marked `gpu`.
 
-transformers' own Qwen3ForCausalLM writes the checkpoints, so the files have exactly
-the names, shapes and config keys that real checkpoints have; it is also the
-reference the engine's tokens are checked against.
+transformers' own classes (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM) write the
+checkpoints, so the files have exactly the names, shapes and config keys that real checkpoints
+have (in transformers 5's spelling; `rewrite_config_published` turns one into the published
+spelling); they are also the reference the engine's tokens are checked against.
 """
 
 from __future__ import annotations
@@ -76,6 +77,124 @@ def build_checkpoint(path: str, shape: TinyShape = TinyShape(), seed: int = 0,
     return path
 
 
+@dataclass(frozen=True)
+class LlamaShape:
+    """A tiny Llama 3: llama3-scaled RoPE whose original context (64) is shorter than the
+    prompts tests use, so all three wavelength bands of the scaling matter."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = 32  # None: config.json has no head_dim (hidden / heads, as Llama 3.1 8B)
+    intermediate_size: int = 128
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 512
+    vocab_size: int = TEST_VOCAB_SIZE
+    rope_theta: float = 500000.0
+    rope_factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 64
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.2  # weights' std: large, so logits are spread and argmax ties rare
+
+
+@dataclass(frozen=True)
+class Qwen2Shape:
+    """A tiny Qwen2 / Qwen2.5 (q/k/v biases always; head_dim = hidden / heads)."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 1024
+    vocab_size: int = TEST_VOCAB_SIZE
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.2  # weights' std: large, so logits are spread and argmax ties rare
+
+
+# Std of the random biases written into checkpoints (transformers initialises them to zero,
+# which would leave a bias bug invisible); about the weights' scale (initializer_range).
+BIAS_STD = 0.2
+
+
+def _save_family_checkpoint(path: str, model, seed: int) -> str:
+    """Randomise `model`'s biases, save it in float32 with the test tokenizer, drop head_dim
+    from config.json where the model's config derives it."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * BIAS_STD)
+    model.to(torch.float32).eval().save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+def build_llama_checkpoint(path: str, shape: LlamaShape = LlamaShape(), seed: int = 0,
+                           eos_token_id: int | list[int] = 0) -> str:
+    """Write a random-weight Llama 3 checkpoint (llama3 RoPE scaling) plus the test tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=head_dim,
+        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
+        rms_norm_eps=shape.rms_norm_eps, attention_bias=shape.attention_bias, mlp_bias=shape.mlp_bias,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": shape.rope_factor,
+            "low_freq_factor": shape.low_freq_factor, "high_freq_factor": shape.high_freq_factor,
+            "original_max_position_embeddings": shape.original_max_position_embeddings,
+        },
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
+    )
+    _save_family_checkpoint(path, LlamaForCausalLM(config), seed)
+    if shape.head_dim is None:
+        rewrite_config(path, head_dim=None)
+    return path
+
+
+def build_qwen2_checkpoint(path: str, shape: Qwen2Shape = Qwen2Shape(), seed: int = 0,
+                           eos_token_id: int | list[int] = 0) -> str:
+    """Write a random-weight Qwen2 checkpoint (random q/k/v biases) plus the test tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=shape.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
+    )
+    return _save_family_checkpoint(path, Qwen2ForCausalLM(config), seed)
+
+
+def rewrite_config_published(path: str) -> None:
+    """Rewrite a saved config.json (transformers 5: `rope_parameters`, `dtype`) into the spelling of
+    published checkpoints: top-level `rope_theta`, `rope_scaling` (the scaling keys, or null for
+    plain RoPE) and `torch_dtype`."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
 def cpu_llm(model: str, **kwargs):
     """An engine on the CPU, for every test not marked `gpu`: with CUDA present, LLM()
     would otherwise size a KV cache from most of the card and capture decode graphs."""
@@ -85,9 +204,10 @@ def cpu_llm(model: str, **kwargs):
 
 
 def load_reference(path: str):
-    from transformers import Qwen3ForCausalLM
+    """transformers' model of the checkpoint's architecture, float32, eager attention."""
+    from transformers import AutoModelForCausalLM
 
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def rewrite_config(path: str, **changes) -> None:
@@ -114,3 +234,4 @@ def assert_greedy_matches_reference(reference, prompt_ids: list[int], completion
         assert row[token].item() >= best - atol, (
             f"token {i} ({token}) has logit {row[token].item():.6f}, argmax {row.argmax().item()} has {best:.6f}"
         )
+

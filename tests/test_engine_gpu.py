@@ -1,11 +1,12 @@
-"""The engine on a CUDA device in bf16, against transformers on the same GPU."""
+"""The engine on a CUDA device in bf16, against transformers on the same GPU: Qwen3, and each
+other family (Llama 3 with llama3 RoPE scaling, Qwen2 with q/k/v biases)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint
+from checkpoints import LlamaShape, Qwen2Shape, TinyShape, build_checkpoint, build_llama_checkpoint, build_qwen2_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import StepKind
 
@@ -209,3 +210,77 @@ def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
         out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
         check_against(reference, p, out["token_ids"])
     llm.exit()
+
+
+def unit_score_init(hidden: int) -> float:
+    """initializer_range that gives attention scores of std about 1 without a q/k norm."""
+    return hidden**-0.5
+
+
+# The other families at small widths: tied and untied heads, head_dim 64 and 128 (derived from
+# hidden / heads in one), GQA groups 4, 4, 2 and 7. Llama's llama3 RoPE has an original context
+# of 256 tokens, below most prompts here. Without Qwen3's q/k norm, attention scores have std
+# about initializer_range^2 * hidden: at the CPU tests' 0.2 that is 10-20, softmax is nearly
+# one-hot and bf16 rounding (ours or transformers') flips which key wins (a CPU bf16 run of these
+# shapes: 6-10% of the logit range off transformers' argmax); unit_score_init makes it about 1.
+FAMILY_SHAPES = {
+    "llama3-tied-hd64": (build_llama_checkpoint, LlamaShape(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        intermediate_size=512, max_position_embeddings=4096, original_max_position_embeddings=256,
+        initializer_range=unit_score_init(256))),
+    "llama3-untied-hd128-derived": (build_llama_checkpoint, LlamaShape(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=None,
+        intermediate_size=1024, tie_word_embeddings=False, max_position_embeddings=4096,
+        original_max_position_embeddings=256, initializer_range=unit_score_init(512))),
+    "qwen2-tied-hd128": (build_qwen2_checkpoint, Qwen2Shape(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+        max_position_embeddings=4096, initializer_range=unit_score_init(512))),
+    # Qwen2.5-0.5B's attention geometry (14 q heads, 2 kv heads, head_dim 64), untied
+    "qwen2-untied-hd64-group7": (build_qwen2_checkpoint, Qwen2Shape(
+        hidden_size=896, num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2, intermediate_size=1024,
+        tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=unit_score_init(896))),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_SHAPES))
+def family(request, tmp_path_factory):
+    """(checkpoint path, transformers' bf16 model of it on CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    build, shape = FAMILY_SHAPES[request.param]
+    path = build(str(tmp_path_factory.mktemp(request.param)), shape)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return path, reference.cuda().eval()
+
+
+def test_family_bf16_greedy_matches_transformers_with_and_without_graphs(family):
+    """Every family on the GPU path (fused RMSNorm, RoPE + KV write without the q/k norm, SiLU,
+    GEMV with biases at 1-2 rows, our attention kernels): tokens are within tolerance of
+    transformers' argmax with CUDA graphs and without, and identical between the two at
+    captured batch sizes (1 and 2: GEMV graphs; 8: cuBLAS)."""
+    path, reference = family
+    for batch, seed in ((8, 9), (2, 10), (1, 11)):
+        ps = prompts(seed, batch, 1, 600)
+        graph, facts = generate(path, ps)
+        assert facts["graphs"] and facts["backend"] in ("triton", "flash_attn")
+        eager, facts = generate(path, ps, enforce_eager=True)
+        assert not facts["graphs"]
+        assert graph == eager
+        for p, o in zip(ps, graph):
+            check_against(reference, p, o)
+
+
+def test_family_scheduling_regimes_match_transformers(family):
+    """Prefix cache, chunked prefill and preemption on the GPU path of every family."""
+    path, reference = family
+    shared = list(range(100, 372))
+    ps = [shared + p for p in prompts(12, 4, 1, 80)] + prompts(13, 4, 50, 400)
+    for name, kw in {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
+                     "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}}.items():
+        outs, facts = generate(path, ps, **kw)
+        if name == "preempt":
+            assert facts["preemptions"] > 0
+        if name == "prefix-cache":
+            assert facts["prefix_hits"] > 0
+        for p, o in zip(ps, outs):
+            check_against(reference, p, o)

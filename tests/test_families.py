@@ -1,0 +1,268 @@
+"""Llama 3.x and Qwen2/2.5 on CPU against transformers' own classes; the model registry; the
+llama3 RoPE table; config.json's two spellings; the published shapes in benchmarks/configs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import (
+    LlamaShape, Qwen2Shape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
+    cpu_llm, load_reference, rewrite_config, rewrite_config_published,
+)
+from nanovllm import SamplingParams
+from nanovllm.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import SUPPORTED_ARCHITECTURES, build_model, model_class
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# Llama shapes: original_max_position_embeddings is 64, so prompts of 100-200 tokens reach
+# positions where llama3 scaling changes the rotation.
+CHECKPOINTS = {
+    "llama-tied-gqa2": (build_llama_checkpoint, LlamaShape()),  # head_dim 32 in config (not hidden / heads)
+    "llama-untied-gqa4-derived-hd": (build_llama_checkpoint, LlamaShape(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=None, tie_word_embeddings=False)),
+    "llama-biases": (build_llama_checkpoint, LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
+    "qwen2-tied": (build_qwen2_checkpoint, Qwen2Shape()),
+    "qwen2-untied": (build_qwen2_checkpoint, Qwen2Shape(num_attention_heads=8, num_key_value_heads=2,
+                                                          tie_word_embeddings=False)),
+}
+# One checkpoint per family for the slower tests (scheduling regimes, tensor parallelism).
+PER_FAMILY = ["llama-untied-gqa4-derived-hd", "qwen2-untied"]
+
+
+def make_prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 384, (int(n_tok),), generator=g).tolist() for n_tok in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def run(path, prompts, **kwargs):
+    llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
+    try:
+        return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
+    finally:
+        llm.exit()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> path, each built on first use."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            build, shape = CHECKPOINTS[name]
+            built[name] = build(str(tmp_path_factory.mktemp(name)), shape)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_greedy_matches_transformers(checkpoints, name):
+    path = checkpoints(name)
+    prompts = make_prompts(0, 4, 100, 200)
+    outs, _ = run(path, prompts)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert len(out) == GREEDY.max_tokens
+        assert_greedy_matches_reference(reference, prompt, out)
+
+
+@pytest.mark.parametrize("name", PER_FAMILY)
+def test_identical_under_every_scheduling_regime(checkpoints, name):
+    path = checkpoints(name)
+    shared = list(range(100, 148))  # 3 full blocks of 16 for the prefix cache
+    prompts = [shared + p for p in make_prompts(1, 4, 60, 120)] + make_prompts(2, 3, 100, 160)
+    baseline, _ = run(path, prompts, enable_prefix_caching=False)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, baseline):
+        assert_greedy_matches_reference(reference, prompt, out)
+    cached, llm = run(path, prompts)
+    assert cached == baseline
+    assert llm.block_manager.num_prefix_hit_blocks > 0
+    chunked, _ = run(path, prompts, max_num_batched_tokens=16)
+    assert chunked == baseline
+    # 14 blocks of 16 tokens: the longest request (< 184 tokens) fits, all seven together do not.
+    preempted, llm = run(path, prompts, num_kvcache_blocks=14)
+    assert preempted == baseline
+    assert llm.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", PER_FAMILY)
+def test_tp2_matches_tp1(checkpoints, name):
+    path = checkpoints(name)
+    prompts = make_prompts(3, 4, 20, 120)
+    single, _ = run(path, prompts)
+    tp2, _ = run(path, prompts, tensor_parallel_size=2)
+    assert tp2 == single
+
+
+@pytest.mark.parametrize("name", ["llama-tied-gqa2", "qwen2-untied"])
+def test_both_config_spellings_give_identical_tokens(tmp_path, name):
+    build, shape = CHECKPOINTS[name]
+    path = build(str(tmp_path / name), shape)
+    prompts = make_prompts(4, 3, 90, 150)
+    new_spelling, _ = run(path, prompts)
+    new_cfg = ModelConfig.from_pretrained(path)
+    rewrite_config_published(path)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    assert "rope_parameters" not in raw and "dtype" not in raw and "rope_theta" in raw and "torch_dtype" in raw
+    assert ModelConfig.from_pretrained(path) == new_cfg
+    published, _ = run(path, prompts)
+    assert published == new_spelling
+
+
+def test_published_rope_scaling_is_read(tmp_path):
+    """The top-level rope_scaling really reaches the model: another factor, other tokens."""
+    path = build_llama_checkpoint(str(tmp_path / "llama"), LlamaShape())
+    rewrite_config_published(path)
+    prompts = make_prompts(5, 2, 150, 200)
+    before, _ = run(path, prompts)
+    with open(os.path.join(path, "config.json")) as f:
+        scaling = json.load(f)["rope_scaling"]
+    rewrite_config(path, rope_scaling={**scaling, "factor": 2.0})
+    assert ModelConfig.from_pretrained(path).rope_scaling.factor == 2.0
+    after, _ = run(path, prompts)
+    assert after != before
+
+
+def _hf_llama_config(head_dim: int, scaling: Llama3RopeScaling, theta: float, max_position: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=max_position,
+        rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": scaling.factor,
+                         "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+                         "original_max_position_embeddings": scaling.original_max_position_embeddings},
+    )
+
+
+@pytest.mark.parametrize("head_dim,theta,scaling,max_position", [
+    (32, 500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64), 512),  # the test checkpoints' table
+    (128, 500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 8192), 16384),  # Llama 3.1's frequencies
+    (64, 500000.0, Llama3RopeScaling(32.0, 1.0, 4.0, 8192), 16384),  # Llama 3.2's
+])
+def test_llama3_rope_table_matches_transformers(head_dim, theta, scaling, max_position):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_config = _hf_llama_config(head_dim, scaling, theta, max_position)
+    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
+    assert attention_factor == 1.0
+    ours = rope_inv_freq(head_dim, theta, scaling)  # float64
+    # transformers computes in float32: agreement to float32 precision
+    torch.testing.assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)
+    # every band of the scaling is exercised: kept, divided by factor, interpolated
+    plain = rope_inv_freq(head_dim, theta)
+    ratio = ours / plain
+    kept, divided = (ratio - 1).abs() < 1e-12, (ratio - 1 / scaling.factor).abs() < 1e-12
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    # the table is cos | sin of position x inv_freq, stored as float32
+    rot = RotaryEmbedding(head_dim, max_position, theta, scaling)
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), ours)
+    torch.testing.assert_close(rot.cos_sin_cache.double(), torch.cat([angles.cos(), angles.sin()], -1),
+                               rtol=0, atol=1e-7)
+    # and transformers' rotary embedding (float32 angles: about 1e-4 at position 16k) gives the same
+    hf_rot = LlamaRotaryEmbedding(hf_config)
+    positions = torch.arange(max_position)[None]
+    cos, sin = hf_rot(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D] = the halves repeated
+    half = head_dim // 2
+    tol = 2 * max_position * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(rot.cos_sin_cache[:, :half], cos[0, :, :half], rtol=0, atol=tol)
+    torch.testing.assert_close(rot.cos_sin_cache[:, half:], sin[0, :, :half], rtol=0, atol=tol)
+
+
+def test_unsupported_architecture_is_refused_naming_it(tmp_path):
+    path = build_qwen2_checkpoint(str(tmp_path / "q"), Qwen2Shape())
+    rewrite_config(path, architectures=["MistralForCausalLM"], model_type="mistral")
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    with pytest.raises(ValueError, match=rf"unsupported architecture \['MistralForCausalLM'\]; supported: {supported}"):
+        cpu_llm(path)
+    rewrite_config(path, architectures=None)
+    with pytest.raises(ValueError, match="unsupported architecture None; supported: Qwen3ForCausalLM"):
+        cpu_llm(path)
+    with pytest.raises(ValueError, match="unsupported architecture 'Mistral'"):
+        model_class("Mistral")
+
+
+def test_registry_classes_carry_their_architecture_names():
+    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"}
+    for name in SUPPORTED_ARCHITECTURES:
+        assert model_class(name).__name__ == name
+    # the first supported entry of a list wins
+    raw = json.loads((CONFIGS / "llama-3.2-1b" / "config.json").read_text())
+    raw["architectures"] = ["SomethingElse", "LlamaForCausalLM"]
+    assert ModelConfig.from_dict(raw).architecture == "LlamaForCausalLM"
+
+
+# Published parameter counts (model cards / safetensors metadata of the hub checkpoints).
+PUBLISHED_PARAMETERS = {
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
+    "qwen2.5-7b": 7_615_616_512,
+}
+
+
+def test_published_shapes_read_and_build():
+    llama8 = ModelConfig.from_pretrained(str(CONFIGS / "llama-3.1-8b"))
+    assert (llama8.architecture, llama8.head_dim, llama8.num_key_value_heads, llama8.tie_word_embeddings) == (
+        "LlamaForCausalLM", 128, 8, False)
+    assert llama8.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 8192) and llama8.rope_theta == 500000.0
+    assert llama8.rms_norm_eps == 1e-5 and llama8.eos_token_ids == (128001, 128008, 128009)
+    llama1 = ModelConfig.from_pretrained(str(CONFIGS / "llama-3.2-1b"))
+    assert (llama1.head_dim, llama1.tie_word_embeddings, llama1.rope_scaling.factor) == (64, True, 32.0)
+    qwen2 = ModelConfig.from_pretrained(str(CONFIGS / "qwen2.5-7b"))
+    assert (qwen2.architecture, qwen2.head_dim, qwen2.rope_scaling, qwen2.eos_token_ids) == (
+        "Qwen2ForCausalLM", 128, None, (151645,))
+    for name, count in PUBLISHED_PARAMETERS.items():
+        with torch.device("meta"):
+            model = build_model(ModelConfig.from_pretrained(str(CONFIGS / name)))
+        assert sum(p.numel() for p in model.parameters()) == count, name
+    with torch.device("meta"):
+        model = build_model(qwen2)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None and not attn.qk_norm
+
+
+BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "missing factor, original_max_position_embeddings"),
+    ({"rope_scaling": {**BASE["rope_scaling"], "low_freq_factor": 4.0}}, "low_freq_factor=4.0, high_freq_factor=4.0"),
+    ({"rope_scaling": {**BASE["rope_scaling"], "factor": 0}}, "factor must be > 0, got 0.0"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"hidden_size": 4001}, "no head_dim, and hidden_size=4001 is not a multiple of num_attention_heads=32"),
+])
+def test_config_refusals_name_the_value(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **change})
+
+
+def test_llama3_scaling_formula_by_hand():
+    """The three bands on numbers worked out here: L = 64, low 1, high 4 -> wavelengths above 64
+    divided by the factor, below 16 kept, at 32 (s = (64/32 - 1) / 3 = 1/3) interpolated."""
+    scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=64)
+    wavelengths = torch.tensor([8.0, 16.0, 32.0, 64.0, 128.0], dtype=torch.float64)
+    inv_freq = 2 * math.pi / wavelengths
+    s32 = 1 / 3
+    expected = torch.stack([
+        inv_freq[0],  # short: kept
+        inv_freq[1],  # at L / high (s = 1): kept
+        (1 - s32) * inv_freq[2] / 8 + s32 * inv_freq[2],
+        inv_freq[3] / 8,  # at L / low (s = 0): divided
+        inv_freq[4] / 8,  # long: divided
+    ])
+    torch.testing.assert_close(scaling.scale(inv_freq), expected, rtol=1e-12, atol=0)
