@@ -1,7 +1,7 @@
 """Generate completions with nanovllm.
 
     python example.py                      # the small model shipped in nanovllm/default_model
-    python example.py --model ~/Qwen3-0.6B # any Qwen3 checkpoint directory
+    python example.py --model ~/Qwen3-0.6B # any Qwen3, Llama 3.x or Qwen2/2.5 checkpoint directory
     python example.py --device cpu         # on the CPU even where CUDA exists
 
 The shipped model completes code; another checkpoint with a chat template answers
