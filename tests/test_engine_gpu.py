@@ -70,6 +70,19 @@ def generate(ckpt, ps, params=GREEDY, **kw):
         llm.exit()
 
 
+def check_regimes(path, reference, ps, regimes: dict[str, dict], **common):
+    """Each scheduling regime (engine keywords by name) gives transformers' tokens; the
+    "preempt" regime must preempt and the "prefix-cache" one must hit the cache."""
+    for name, kw in regimes.items():
+        outs, facts = generate(path, ps, **common, **kw)
+        if name == "preempt":
+            assert facts["preemptions"] > 0
+        if name == "prefix-cache":
+            assert facts["prefix_hits"] > 0
+        for p, o in zip(ps, outs):
+            check_against(reference, p, o)
+
+
 def test_bf16_greedy_matches_transformers(ckpt, reference):
     ps = prompts(0, 8, 1, 300)
     outs, facts = generate(ckpt, ps)
@@ -88,14 +101,7 @@ def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
         "chunked": {"max_num_batched_tokens": 64},
         "preempt": {"num_kvcache_blocks": -(-(400 + 32) // block_size) + 1},
     }
-    for name, kw in regimes.items():
-        outs, facts = generate(ckpt, ps, kvcache_block_size=block_size, **kw)
-        if name == "preempt":
-            assert facts["preemptions"] > 0
-        if name == "prefix-cache":
-            assert facts["prefix_hits"] > 0
-        for p, o in zip(ps, outs):
-            check_against(reference, p, o)
+    check_regimes(ckpt, reference, ps, regimes, kvcache_block_size=block_size)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8, 16, 48])
@@ -275,12 +281,5 @@ def test_family_scheduling_regimes_match_transformers(family):
     path, reference = family
     shared = list(range(100, 372))
     ps = [shared + p for p in prompts(12, 4, 1, 80)] + prompts(13, 4, 50, 400)
-    for name, kw in {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
-                     "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}}.items():
-        outs, facts = generate(path, ps, **kw)
-        if name == "preempt":
-            assert facts["preemptions"] > 0
-        if name == "prefix-cache":
-            assert facts["prefix_hits"] > 0
-        for p, o in zip(ps, outs):
-            check_against(reference, p, o)
+    check_regimes(path, reference, ps, {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
+                                         "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}})
