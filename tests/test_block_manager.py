@@ -116,7 +116,7 @@ def test_decode_needs_a_new_block_only_at_block_boundaries():
     bm.allocate(a)
     assert len(a.block_table) == 1
     a.token_ids.append(7)  # 17 tokens: the 17th needs block 2
-    assert bm.can_append(a)
+    assert bm.needs_new_block(a, len(a)) and bm.can_append(a, len(a))
     bm.may_append(a, len(a))
     assert len(a.block_table) == 2
     a.token_ids.append(8)

@@ -138,13 +138,17 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """True if `seq` can hold the KV of its newest token (maybe one new block)."""
-        return len(seq.block_table) >= self.blocks_needed(len(seq)) or self.num_free_blocks >= 1
+    def needs_new_block(self, seq: Sequence, num_tokens: int) -> bool:
+        """True if holding `num_tokens` tokens takes one block more than seq's table has."""
+        return len(seq.block_table) < self.blocks_needed(num_tokens)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """True if `seq` can grow to hold `num_tokens` tokens (at most one new block)."""
+        return not self.needs_new_block(seq, num_tokens) or self.num_free_blocks >= 1
 
     def may_append(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to hold `num_tokens` tokens (at most one new block)."""
-        if len(seq.block_table) < self.blocks_needed(num_tokens):
+        if self.needs_new_block(seq, num_tokens):
             seq.block_table.append(self._take_free_block().block_id)
 
     def publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:

@@ -12,8 +12,8 @@ the running sequences keep decoding:
     step 3:  [A | B | C]                          C decodes with the others
 
 With `mixed_steps=False` a step that can admit waiting sequences prefills only
-(nano-vllm's policy). When blocks run short the newest running sequences are preempted (recompute: their
-blocks are freed and they return to the head of `waiting`) and nobody new is admitted.
+(nano-vllm's policy). When blocks run short the newest running sequences are preempted
+(recompute: their blocks are freed and they return to `waiting`) and nobody new is admitted.
 
 Work is booked when it is scheduled: `num_computed_tokens` advances by the step's
 tokens at once, so a step can be planned while the one before it runs (overlap).
@@ -146,7 +146,7 @@ class Scheduler:
         if ahead:
             # A sequence whose in-flight token ends it by length gets no further step.
             candidates = [s for s in candidates if not self._ends_by_length(s, s.num_computed_tokens + 1)]
-            needed = sum(1 for s in candidates[:budget] if bm.blocks_needed(s.num_computed_tokens + 1) > len(s.block_table))
+            needed = sum(bm.needs_new_block(s, s.num_computed_tokens + 1) for s in candidates[:budget])
             if needed > bm.num_free_blocks:
                 return None
         for seq in candidates:
@@ -154,7 +154,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below while making room for an earlier row
-            while not self._room_for_next_token(seq):
+            while not bm.can_append(seq, seq.num_computed_tokens + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -165,10 +165,6 @@ class Scheduler:
                 bm.publish_full_blocks(seq, min(len(seq), seq.num_computed_tokens + 1))
                 rows.append(seq)
         return rows, preempted
-
-    def _room_for_next_token(self, seq: Sequence) -> bool:
-        bm = self.block_manager
-        return bm.blocks_needed(seq.num_computed_tokens + 1) <= len(seq.block_table) or bm.num_free_blocks >= 1
 
     def _schedule_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
         """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens."""
