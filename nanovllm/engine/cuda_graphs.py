@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from nanovllm.engine.step_inputs import (
-    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, gather_carried_ids,
+    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, fill_carried_ids,
 )
 from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.utils.context import AttentionMetadata, attention_context
+from nanovllm.utils.host_to_device import copy_into
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
@@ -100,9 +101,8 @@ class DecodeGraphs:
         the previous step's sampled tokens; the input column of the first num_carried rows
         holds rows of it."""
         size = len(rows)
-        self.staging[:size].copy_(torch.from_numpy(rows).pin_memory(), non_blocking=True)
+        copy_into(self.staging[:size], rows)
         if num_carried:
-            ids = self.staging[:num_carried, COL_INPUT]
-            ids.copy_(gather_carried_ids(carried_from, ids))
+            fill_carried_ids(self.staging[:num_carried, COL_INPUT], carried_from)
         self.graphs[size].replay()
         return self.hidden[:batch_size]

@@ -123,21 +123,23 @@ class VarlenLayout:
     num_tiles: int
     width: int
 
-    def split(self, flat) -> VarlenSections:
-        """Views of `flat` (numpy or torch, 1-D, `size` long)."""
+    def _sizes(self) -> list[int]:
+        """Element count of each section, in VarlenSections' order."""
         t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
-        sizes = [t, t, t, s + 1, s + 1, s, 1, c, c, 1, s, s * self.width]
-        out, offset = [], 0
-        for n in sizes:
-            out.append(flat[offset : offset + n])
-            offset += n
-        out[-1] = out[-1].reshape(s, self.width)
-        return VarlenSections(*out)
+        return [t, t, t, s + 1, s + 1, s, 1, c, c, 1, s, s * self.width]
 
     @property
     def size(self) -> int:
-        t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
-        return 3 * t + 2 * (s + 1) + s + 1 + 2 * c + 1 + s + s * self.width
+        return sum(self._sizes())
+
+    def split(self, flat) -> VarlenSections:
+        """Views of `flat` (numpy or torch, 1-D, `size` long)."""
+        out, offset = [], 0
+        for n in self._sizes():
+            out.append(flat[offset : offset + n])
+            offset += n
+        out[-1] = out[-1].reshape(self.num_seqs, self.width)
+        return VarlenSections(*out)
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,7 @@ class StepInputBuilder:
         ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
         inputs = self.varlen_inputs(staging, layout, max(plan.num_new_tokens), max(ends), sum(plan.sampled))
         if plan.carried_rows:
-            k = len(plan.carried_rows)
-            inputs.input_ids[:k].copy_(gather_carried_ids(previous_tokens, inputs.input_ids[:k]))
+            fill_carried_ids(inputs.input_ids[: len(plan.carried_rows)], previous_tokens)
         return inputs
 
     # ----- pure decode steps -----
@@ -247,7 +248,7 @@ class StepInputBuilder:
             | input id | position | slot | context len | block table (width entries, 0-padded) |
 
         Carried rows hold in the input-id column the row of their input among the previous
-        step's samples (see `gather_carried_ids`)."""
+        step's samples (see `fill_carried_ids`)."""
         bs, n = self.block_size, len(plan.starts)
         out = np.zeros((num_rows, DECODE_COLUMNS + self.table_width), dtype=np.int32)
         positions = np.asarray(plan.starts, dtype=np.int64)
@@ -268,8 +269,7 @@ class StepInputBuilder:
         rows = to_device(self.decode_rows(plan, n), self.device)  # [n, DECODE_COLUMNS + width] int32
         input_ids = rows[:, COL_INPUT]
         if plan.carried_rows:
-            k = len(plan.carried_rows)
-            input_ids[:k].copy_(gather_carried_ids(previous_tokens, input_ids[:k]))
+            fill_carried_ids(input_ids[: len(plan.carried_rows)], previous_tokens)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=rows[:, COL_SLOT].contiguous(),
@@ -284,6 +284,7 @@ class StepInputBuilder:
         )
 
 
-def gather_carried_ids(previous_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Input ids of carried rows: previous_tokens[rows], on the device (no host sync)."""
-    return previous_tokens.index_select(0, rows)
+def fill_carried_ids(ids: torch.Tensor, previous_tokens: torch.Tensor) -> None:
+    """Carried rows' input ids, in place on the device (no host sync): ids arrive holding rows
+    of previous_tokens (the previous step's samples) and leave holding those tokens."""
+    ids.copy_(previous_tokens.index_select(0, ids))

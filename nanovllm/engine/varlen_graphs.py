@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout, gather_carried_ids
+from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout, fill_carried_ids
 from nanovllm.utils.context import attention_context
+from nanovllm.utils.host_to_device import copy_into
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
@@ -88,11 +89,9 @@ class VarlenGraphs:
         """Replay for `plan`; returns the hidden states of its sampled rows [num_sampled, hidden].
         carried_from: the previous step's sampled tokens when the plan has carried rows."""
         layout, staging = self.layouts[bucket], self.staging[bucket]
-        flat = self.builder.varlen_array(plan, layout)
-        staging.copy_(torch.from_numpy(flat).pin_memory(), non_blocking=True)
-        if plan.carried_rows:
-            ids = staging[: len(plan.carried_rows)]  # the input-id section leads the layout
-            ids.copy_(gather_carried_ids(carried_from, ids))
+        copy_into(staging, self.builder.varlen_array(plan, layout))
+        if plan.carried_rows:  # the input-id section leads the layout
+            fill_carried_ids(staging[: len(plan.carried_rows)], carried_from)
         self.graphs[bucket].replay()
         sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
         return self.hidden[bucket].index_select(0, sample_rows)

@@ -23,3 +23,9 @@ def to_device(values: list | np.ndarray | torch.Tensor, device: torch.device | s
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def copy_into(dst: torch.Tensor, values: np.ndarray) -> None:
+    """Copy host values into the device buffer `dst` (same shape, e.g. a CUDA graph's staging
+    buffer): pinned and non-blocking, as `to_device`."""
+    dst.copy_(torch.from_numpy(values).pin_memory(), non_blocking=True)
