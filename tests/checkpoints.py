@@ -203,6 +203,42 @@ def cpu_llm(model: str, **kwargs):
     return LLM(model, device="cpu", **kwargs)
 
 
+def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = TEST_VOCAB_SIZE) -> list[list[int]]:
+    """n prompts of random ids in [1, vocab) with lengths in [lo, hi), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def generate_tokens(path: str, prompts, params, **kwargs):
+    """(token ids of each prompt, the exited engine) from a CPU engine with 16-token blocks and
+    max_model_len 512 unless kwargs say otherwise."""
+    llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
+    try:
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
+    finally:
+        llm.exit()
+
+
+def check_scheduling_regimes(path: str, prompts, params, preempt_blocks: int) -> list[list[int]]:
+    """Without the prefix cache the tokens are transformers' greedy ones; with the cache (which
+    must hit), with 16-token prefill chunks, and with `preempt_blocks` KV blocks (which must
+    preempt) they are the same. Returns them."""
+    baseline, _ = generate_tokens(path, prompts, params, enable_prefix_caching=False)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, baseline):
+        assert_greedy_matches_reference(reference, prompt, out)
+    cached, llm = generate_tokens(path, prompts, params)
+    assert cached == baseline
+    assert llm.block_manager.num_prefix_hit_blocks > 0
+    chunked, _ = generate_tokens(path, prompts, params, max_num_batched_tokens=16)
+    assert chunked == baseline
+    preempted, llm = generate_tokens(path, prompts, params, num_kvcache_blocks=preempt_blocks)
+    assert preempted == baseline
+    assert llm.scheduler.num_preemptions > 0
+    return baseline
+
+
 def load_reference(path: str):
     """transformers' model of the checkpoint's architecture, float32, eager attention."""
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, rewrite_config,
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, check_scheduling_regimes, cpu_llm,
+    generate_tokens, load_reference, make_prompts, rewrite_config,
 )
 from nanovllm import SamplingParams
 
@@ -27,12 +28,6 @@ SHAPES = {
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = 384) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
-
-
 @pytest.fixture(scope="module", params=list(SHAPES))
 def checkpoint(request, tmp_path_factory):
     shape, shard = SHAPES[request.param]
@@ -45,11 +40,7 @@ def tied_checkpoint(tmp_path_factory):
 
 
 def run(path, prompts, params=GREEDY, **kwargs):
-    llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
-    try:
-        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
-    finally:
-        llm.exit()
+    return generate_tokens(path, prompts, params, **kwargs)
 
 
 def test_greedy_matches_transformers(checkpoint):
@@ -65,22 +56,8 @@ def test_identical_under_every_scheduling_regime(tied_checkpoint):
     # shared prefixes (2 full blocks of 16) so the prefix cache has something to hit
     shared = list(range(100, 132))
     prompts = [shared + p for p in make_prompts(1, 6, 1, 40)] + make_prompts(2, 4, 20, 90)
-    baseline, _ = run(tied_checkpoint, prompts, enable_prefix_caching=False)
-    reference = load_reference(tied_checkpoint)
-    for prompt, out in zip(prompts, baseline):
-        assert_greedy_matches_reference(reference, prompt, out)
-
-    cached, llm = run(tied_checkpoint, prompts)
-    assert cached == baseline
-    assert llm.block_manager.num_prefix_hit_blocks > 0
-
-    chunked, _ = run(tied_checkpoint, prompts, max_num_batched_tokens=16)
-    assert chunked == baseline
-
     # 12 blocks of 16 tokens: the longest request (~113 tokens) fits, all ten together do not.
-    preempted, llm = run(tied_checkpoint, prompts, num_kvcache_blocks=12)
-    assert preempted == baseline
-    assert llm.scheduler.num_preemptions > 0
+    baseline = check_scheduling_regimes(tied_checkpoint, prompts, GREEDY, preempt_blocks=12)
 
     big_blocks, _ = run(tied_checkpoint, prompts, kvcache_block_size=256)
     assert big_blocks == baseline

@@ -13,7 +13,8 @@ import torch
 
 from checkpoints import (
     LlamaShape, Qwen2Shape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
-    cpu_llm, load_reference, rewrite_config, rewrite_config_published,
+    check_scheduling_regimes, cpu_llm, generate_tokens, load_reference, make_prompts, rewrite_config,
+    rewrite_config_published,
 )
 from nanovllm import SamplingParams
 from nanovllm.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
@@ -37,17 +38,8 @@ CHECKPOINTS = {
 PER_FAMILY = ["llama-untied-gqa4-derived-hd", "qwen2-untied"]
 
 
-def make_prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 384, (int(n_tok),), generator=g).tolist() for n_tok in torch.randint(lo, hi, (n,), generator=g)]
-
-
 def run(path, prompts, **kwargs):
-    llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
-    try:
-        return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
-    finally:
-        llm.exit()
+    return generate_tokens(path, prompts, GREEDY, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +72,8 @@ def test_identical_under_every_scheduling_regime(checkpoints, name):
     path = checkpoints(name)
     shared = list(range(100, 148))  # 3 full blocks of 16 for the prefix cache
     prompts = [shared + p for p in make_prompts(1, 4, 60, 120)] + make_prompts(2, 3, 100, 160)
-    baseline, _ = run(path, prompts, enable_prefix_caching=False)
-    reference = load_reference(path)
-    for prompt, out in zip(prompts, baseline):
-        assert_greedy_matches_reference(reference, prompt, out)
-    cached, llm = run(path, prompts)
-    assert cached == baseline
-    assert llm.block_manager.num_prefix_hit_blocks > 0
-    chunked, _ = run(path, prompts, max_num_batched_tokens=16)
-    assert chunked == baseline
     # 14 blocks of 16 tokens: the longest request (< 184 tokens) fits, all seven together do not.
-    preempted, llm = run(path, prompts, num_kvcache_blocks=14)
-    assert preempted == baseline
-    assert llm.scheduler.num_preemptions > 0
+    check_scheduling_regimes(path, prompts, GREEDY, preempt_blocks=14)
 
 
 @pytest.mark.parametrize("name", PER_FAMILY)
