@@ -39,6 +39,7 @@ from nanovllm.config import Config
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import RequestOutput
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import build_model
 
 # Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
 PROMPT_ID_MAX = 10000
@@ -111,15 +112,17 @@ def lm_head_elements(cfg: ModelConfig) -> int:
 
 
 def decode_weight_elements(cfg: ModelConfig) -> int:
-    """Parameters a decode step reads in full: every weight, bias and norm, the lm_head included;
-    not an untied input embedding, of which a step gathers only its tokens' rows (a tied one is
-    the lm_head and is counted as such)."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    bias = q + 2 * kv if cfg.attention_bias else 0
-    norms = 2 * cfg.hidden_size + 2 * cfg.head_dim  # input / post-attention RMSNorm, q / k norm
-    per_layer = layer_linear_elements(cfg) + bias + norms
-    return cfg.num_hidden_layers * per_layer + cfg.hidden_size + lm_head_elements(cfg)  # + final norm
+    """Parameters a decode step reads in full: every parameter of the model of `cfg` (weights,
+    biases, norms: whatever its family has), the lm_head included; not an untied input
+    embedding, of which a step gathers only its tokens' rows (a tied one is the lm_head and
+    counts once). Counted on a model built on the meta device (no memory); call it before an
+    engine sets up tensor parallelism, or the model would be one rank's shard."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    if cfg.tie_word_embeddings:
+        return total
+    return total - cfg.vocab_size * cfg.hidden_size  # the input embedding
 
 
 def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
@@ -140,11 +143,12 @@ def causal_pairs(prompt_len: int, max_tokens: int) -> int:
 
 
 def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
-                   max_tokens: Sequence[int]) -> tuple[int, int]:
-    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps."""
+                   max_tokens: Sequence[int], weight_elements: int) -> tuple[int, int]:
+    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps;
+    weight_elements: what one decode step reads (decode_weight_elements)."""
     kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
     steps = max(max_tokens) - 1
-    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), decode_weight_elements(cfg) * elem_bytes * steps
+    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps
 
 
 def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
@@ -464,9 +468,10 @@ def _ms(values: Sequence[float]) -> str:
 
 
 def throughput_rows(
-    args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict
+    args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, decode_weights: int
 ) -> tuple[list[tuple[str, str]], LLM]:
-    """The throughput run (and --compare-hf); returns report rows and the engine left to exit."""
+    """The throughput run (and --compare-hf); returns report rows and the engine left to exit.
+    decode_weights: decode_weight_elements of the model."""
     cfg = llm.config.model_config
     w = workload_of(args)
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
@@ -496,7 +501,7 @@ def throughput_rows(
 
     bw, peak = measure_bandwidth(), measure_gemm_peak()
     elem = torch.empty((), dtype=llm.config.torch_dtype).element_size()
-    kv_bytes, w_bytes = workload_bytes(cfg, elem, prompt_lens, max_tokens)
+    kv_bytes, w_bytes = workload_bytes(cfg, elem, prompt_lens, max_tokens, decode_weights)
     mm_flops, attn_flops = workload_flops(cfg, prompt_lens, max_tokens)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, args.tp * bw, args.tp * peak)
     res.update(bandwidth=bw, gemm_peak_flops=peak, kv_bytes=kv_bytes, weight_bytes=w_bytes, matmul_flops=mm_flops,
@@ -557,6 +562,7 @@ def main() -> None:
     load_format, weights = resolve_load_format(args.load_format, args.model)
     print(weights, flush=True)
     kwargs = engine_kwargs(args, load_format)
+    decode_weights = decode_weight_elements(ModelConfig.from_pretrained(args.model))  # before any TP set-up
     t0 = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     startup_s = time.perf_counter() - t0
@@ -575,7 +581,7 @@ def main() -> None:
     elif args.ttft:
         rows += ttft_rows(args, llm, res)
     else:
-        more, llm = throughput_rows(args, llm, kwargs, res)
+        more, llm = throughput_rows(args, llm, kwargs, res, decode_weights)
         rows += more
     llm.exit()
     width = max(len(r[0]) for r in rows)

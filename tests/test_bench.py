@@ -69,10 +69,16 @@ def test_decode_weights_hand_count_and_model():
     assert model_parameter_count(tied) == TOY_DECODE_WEIGHTS
 
 
-def test_qwen3_0_6b_decode_weights_match_the_model():
-    cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-0.6b"))
-    assert cfg.tie_word_embeddings
-    assert bench.decode_weight_elements(cfg) == model_parameter_count(cfg)
+@pytest.mark.parametrize("name, published_params, untied_embedding", [
+    ("llama-3.1-8b", 8_030_261_248, 128_256 * 4096),  # no q/k norms, no biases
+    ("llama-3.2-1b", 1_235_814_400, 0),  # tied: the embedding is the lm_head, read every step
+    ("qwen2.5-7b", 7_615_616_512, 152_064 * 3584),  # q/k/v biases, no q/k norms
+])
+def test_decode_weights_follow_each_family(name, published_params, untied_embedding):
+    """The published parameter count less an untied input embedding: each family's own norms and
+    biases, not Qwen3's."""
+    cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / name))
+    assert bench.decode_weight_elements(cfg) == published_params - untied_embedding
 
 
 def test_workload_bytes_by_hand():
@@ -81,7 +87,7 @@ def test_workload_bytes_by_hand():
     # Decode reads: request 1 one step at context 4; request 2 steps at 6, 7, 8 -> 4 + 21 = 25 tokens.
     # KV per token: 2 (K, V) x 2 layers x 1 kv head x 4 dims x 2 bytes = 32 bytes -> 800 bytes.
     # Weights: at least 4 - 1 = 3 decode steps x 2008 elements x 2 bytes = 12,048 bytes.
-    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4]) == (800, 12048)
+    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4], bench.decode_weight_elements(cfg)) == (800, 12048)
 
 
 def test_workload_flops_by_hand():
