@@ -189,6 +189,11 @@ def test_load_errors_name_the_problem(tmp_path):
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="shape"):
         cpu_llm(path)
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(128, 64)
+    weights["model.layers.1.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unknown weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"):
+        cpu_llm(path)
     rewrite_config(path, architectures=["MixtralForCausalLM"], model_type="mixtral")
     with pytest.raises(ValueError, match="unsupported architecture"):
         cpu_llm(path)

@@ -239,7 +239,7 @@ class ModelRunner:
         self.attention_layers = []
         self.kv_cache = None
         self.model = None
-        gc.collect()  # parameters reference their modules through weight_loader: a cycle
+        gc.collect()  # parameters reference their modules through weight_slice: a cycle
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -23,17 +23,18 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_slice = self.weight_slice
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the full [vocab, hidden] table; padding rows of the last shard
+        (ids >= vocab_size) are never read (masked in the embedding, sliced off the logits)."""
         if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(
                 f"embedding weight: expected shape ({self.vocab_size}, {param.shape[1]}), "
                 f"checkpoint has {tuple(loaded.shape)}"
             )
         shard = loaded[self.vocab_start : self.vocab_start + self.shard_size]
-        param.data.zero_()
-        param.data[: shard.shape[0]].copy_(shard)
+        return param.data[: shard.shape[0]], shard
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if self.tp_size == 1:

@@ -2,9 +2,11 @@
 
 Column-parallel layers split the output features (each rank computes a slice);
 row-parallel layers split the input features and all-reduce the partial sums.
-Every parameter carries a `weight_loader(param, loaded, shard_id)` that copies this
-rank's slice of a checkpoint tensor into place (weights and 1-D biases alike); packed layers
-(QKV, gate/up) take a shard id naming which checkpoint tensor is being loaded.
+Every parameter carries a `weight_slice(param, loaded, shard_id) -> (destination, source)`:
+the part of the parameter a checkpoint tensor fills on this rank and the part of the tensor
+that fills it (weights and 1-D biases alike), shapes checked, nothing copied yet (the loader
+copies; utils/loader.py). Packed layers (QKV, gate/up) list their checkpoint tensors in
+`param.shard_ids`; the shard id names which one is being loaded.
 
     qkv_proj.weight rows: [ q: Hq_local*D | k: Hkv_local*D | v: Hkv_local*D ]   (bias: same rows)
     gate_up_proj rows:    [ gate: I_local | up: I_local ]
@@ -43,15 +45,21 @@ class _LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_slice = self.weight_slice
+                param.shard_ids = self.shard_ids
         self.use_gemv = uses_triton(self.weight.device)  # the device half of the GEMV choice
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    # The checkpoint tensors one parameter is packed from ((None,): one tensor, unpacked).
+    shard_ids: tuple[str | int | None, ...] = (None,)
+
+    def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def _gemv_serves(self, x: torch.Tensor) -> bool:
@@ -73,11 +81,11 @@ class ColumnParallelLinear(_LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features // tp_size(), bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def weight_slice(self, param, loaded, shard_id=None):
         rows = param.shape[0]
         shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
         _check_shape("column-parallel", param.shape, shard)
-        param.data.copy_(shard)
+        return param.data, shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -88,21 +96,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        if not isinstance(shard_id, int):
-            raise TypeError(f"merged linear needs an int shard id, got {shard_id!r}")
+    def weight_slice(self, param, loaded, shard_id=None):
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"merged linear shard id must be one of {self.shard_ids}, got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         rows = self.output_sizes[shard_id] // self.tp_size
         target = param.data.narrow(0, offset, rows)
         shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
         _check_shape(f"shard {shard_id}", target.shape, shard)
-        target.copy_(shard)
+        return target, shard
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul, heads split over ranks."""
+
+    shard_ids = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = tp_size()
@@ -111,7 +122,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = num_kv_heads // tp
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def weight_slice(self, param, loaded, shard_id=None):
         q_rows = self.num_heads * self.head_dim
         kv_rows = self.num_kv_heads * self.head_dim
         offsets = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}
@@ -121,7 +132,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         target = param.data.narrow(0, offset, rows)
         shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
         _check_shape(f"{shard_id}_proj", target.shape, shard)
-        target.copy_(shard)
+        return target, shard
 
 
 class RowParallelLinear(_LinearBase):
@@ -133,12 +144,12 @@ class RowParallelLinear(_LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features // tp_size(), out_features, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def weight_slice(self, param, loaded, shard_id=None):
         if param.dim() == 2 and self.tp_size > 1:
             cols = param.shape[1]
             loaded = loaded.narrow(1, self.tp_rank * cols, cols)
         _check_shape("row-parallel", param.shape, loaded)
-        param.data.copy_(loaded)
+        return param.data, loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self._linear(x, None))

@@ -110,6 +110,20 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [N] -> hidden [N, hidden]."""
         return self.model(input_ids, positions)
 
+    def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None]:
+        """Checkpoint tensor name -> (parameter name, shard id): `...q_proj.weight` fills shard
+        "q" of `...qkv_proj.weight`; unpacked names map onto themselves (shard None)."""
+        for ckpt_part, (packed_name, shard_id) in self.packed_modules_mapping.items():
+            if f".{ckpt_part}." in name:
+                return name.replace(f".{ckpt_part}.", f".{packed_name}."), shard_id
+        return name, None
+
+    def ignored_checkpoint_name(self, name: str) -> bool:
+        """Names a checkpoint may hold that fill nothing here: the LM head of a tied model (it
+        is the embedding) and RoPE frequency buffers some older checkpoints saved (computed here)."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_seqs, hidden] -> [num_seqs, vocab] (None on tensor-parallel ranks > 0)."""
         return self.lm_head(hidden)

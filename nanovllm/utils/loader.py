@@ -1,15 +1,22 @@
-"""Loads safetensors checkpoints (one file or shards) into the model, tensor by tensor.
+"""Fills the model's parameters from named tensors: a safetensors checkpoint at start-up
+(`load_model`), or a training loop's state dict at run time (`update_weights`).
 
-Checkpoint names map onto parameters directly, or onto a shard of a packed
-parameter through the model's `packed_modules_mapping`. Every expected parameter
-(and every shard of a packed one) must be filled; a missing tensor or a wrong shape
+Names are Hugging Face checkpoint names. The model maps each onto a parameter and a shard
+id (`map_checkpoint_name`: packed parameters such as qkv_proj are filled from several
+checkpoint tensors); a parameter's `weight_slice` picks this rank's part of the tensor and
+the part of the parameter it fills. Names the model ignores on purpose (`ignored_checkpoint_name`:
+e.g. lm_head.weight of a tied model) are skipped; any other unknown name, or a wrong shape,
 is a ValueError naming it.
+
+    checkpoint name --map_checkpoint_name--> (parameter, shard id) --weight_slice--> (destination, source)
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -17,51 +24,111 @@ from torch import nn
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
+# Names listed in an error message before "and N more".
+MAX_NAMES_SHOWN = 8
+
+ParamKey = tuple[str, object]  # (parameter name, shard id or None)
 
 
-def _param_loader(param: nn.Parameter):
-    return getattr(param, "weight_loader", None)
+@dataclass(frozen=True)
+class _Fill:
+    """One checkpoint tensor's destination: copy `source` into `destination`."""
+
+    key: ParamKey
+    destination: torch.Tensor
+    source: torch.Tensor
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def _names(items: Iterable[str]) -> str:
+    items = sorted(items)
+    extra = f" and {len(items) - MAX_NAMES_SHOWN} more" if len(items) > MAX_NAMES_SHOWN else ""
+    return ", ".join(items[:MAX_NAMES_SHOWN]) + extra
+
+
+class _WeightMap:
+    """The model's parameters as the loader sees them: which (parameter, shard) each
+    checkpoint name fills, and every (parameter, shard) a complete checkpoint must fill."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        # Tied parameters appear once, under their first name.
+        self.params = dict(model.named_parameters())
+        self.expected: set[ParamKey] = {
+            (name, sid) for name, p in self.params.items() for sid in getattr(p, "shard_ids", (None,))
+        }
+
+    def fill(self, ckpt_name: str, tensor: torch.Tensor) -> _Fill | None:
+        """Where `tensor` goes; None for a name the model ignores; ValueError if unknown or misshapen."""
+        if self.model.ignored_checkpoint_name(ckpt_name):
+            return None
+        target, shard_id = self.model.map_checkpoint_name(ckpt_name)
+        if (target, shard_id) not in self.expected:
+            raise ValueError(f"unknown weight {ckpt_name!r}: the model has no parameter for it")
+        param = self.params[target]
+        weight_slice = getattr(param, "weight_slice", None)
+        try:
+            if weight_slice is not None:
+                destination, source = weight_slice(param, tensor, shard_id)
+            else:
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                destination, source = param.data, tensor
+        except ValueError as e:
+            raise ValueError(f"weight {ckpt_name!r}: {e}") from None
+        return _Fill((target, shard_id), destination, source)
+
+
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the *.safetensors files in `path`, read one at a time."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model directory {path!r} has no *.safetensors files")
-    # Tied parameters appear once, under their first name (lm_head.weight of a tied model is skipped).
-    params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules_mapping", {})
-    expected: set[tuple[str, object]] = set()
-    for name in params:
-        module_name = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-        shards = [sid for packed_name, sid in packed.values() if packed_name == module_name]
-        expected.update((name, sid) for sid in shards or [None])
-    loaded: set[tuple[str, object]] = set()
     for file in files:
         with safe_open(file, "pt", device="cpu") as f:
-            for ckpt_name in f.keys():
-                target, shard_id = ckpt_name, None
-                for ckpt_part, (packed_name, sid) in packed.items():
-                    if f".{ckpt_part}." in ckpt_name:
-                        target, shard_id = ckpt_name.replace(f".{ckpt_part}.", f".{packed_name}."), sid
-                        break
-                if target not in params:
-                    continue  # e.g. lm_head.weight of a tied checkpoint
-                param = params[target]
-                tensor = f.get_tensor(ckpt_name)
-                loader = _param_loader(param)
-                if loader is not None:
-                    loader(param, tensor, shard_id)
-                else:
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"weight {ckpt_name}: expected shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}"
-                        )
-                    param.data.copy_(tensor)
-                loaded.add((target, shard_id))
-    missing = sorted(f"{n}" + (f" (shard {s})" if s is not None else "") for n, s in expected - loaded)
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Fill every parameter from the checkpoint in `path`, streaming tensor by tensor; a
+    missing tensor, an unknown one or a wrong shape is a ValueError naming it."""
+    weights = _WeightMap(model)
+    loaded: set[ParamKey] = set()
+    for name, tensor in checkpoint_tensors(path):
+        fill = weights.fill(name, tensor)
+        if fill is not None:
+            fill.destination.copy_(fill.source)
+            loaded.add(fill.key)
+    missing = [n + (f" (shard {s})" if s is not None else "") for n, s in weights.expected - loaded]
     if missing:
-        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
+
+
+@torch.inference_mode()
+def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
+    model's `state_dict().items()`) into the parameters in place; any subset of the weights
+    may be given. Every name and shape is checked before any parameter changes (one
+    ValueError naming all the bad ones). Returns the number of tensors copied."""
+    weights = _WeightMap(model)
+    fills: list[_Fill] = []
+    errors: list[str] = []
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+        try:
+            fill = weights.fill(*item)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        if fill is not None:
+            fills.append(fill)
+    if errors:
+        raise ValueError(f"update_weights: {len(errors)} bad weight(s), nothing changed: {'; '.join(errors[:MAX_NAMES_SHOWN])}")
+    for fill in fills:
+        fill.destination.copy_(fill.source)
+    return len(fills)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
