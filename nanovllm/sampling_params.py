@@ -13,6 +13,8 @@ from nanovllm.utils.validation import check_int
 
 # top_k values that switch top-k filtering off (vLLM accepts both spellings).
 TOP_K_OFF = (0, -1)
+# Most alternatives `logprobs` / `prompt_logprobs` may ask for: vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 
 
 def _check_float(name: str, value: object) -> None:
@@ -37,6 +39,12 @@ class SamplingParams:
     stop: strings; generation stops once the decoded completion contains one, and
         the returned text ends before it.
     stop_token_ids: extra token ids that end generation like EOS (kept in token_ids).
+    logprobs: None, or k in [0, MAX_LOGPROBS]: each generated token gets a dict
+        {token_id: logprob} with the sampled token and the k most likely ones; logprobs are
+        log_softmax of the raw logits (before temperature and top-k/top-p/min-p), as vLLM's.
+    prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: the same for every prompt token
+        (given the tokens before it; the first prompt token has None).
+    n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
     """
 
     temperature: float = 1.0
@@ -48,6 +56,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature)
@@ -77,6 +88,13 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             check_int("SamplingParams.stop_token_ids", token_id, 0)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(f"SamplingParams.{name}", value, 0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name} must be at most {MAX_LOGPROBS}, got {value!r}")
+        check_int("SamplingParams.n", self.n, 1)
 
     @property
     def greedy(self) -> bool:
