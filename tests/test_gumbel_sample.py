@@ -1,6 +1,8 @@
-"""The Triton Gumbel-max sampler against a float64 NumPy reference that regenerates the
-same Philox4x32-10 noise (written from the Random123 definition), plus distribution checks.
-CPU runs go through Triton's interpreter (small shapes); the `gpu` ones use real sizes."""
+"""The Triton Gumbel-max sampler and its PyTorch twin against a float64 NumPy reference that
+regenerates the same Philox4x32-10 noise (written from the Random123 definition), against each
+other (bit-identical uniforms, identical tokens), plus distribution checks. Kernel runs on CPU
+go through Triton's interpreter (small shapes, marked `interpreter`); the `gpu` ones use real
+sizes; the PyTorch twin runs everywhere."""
 
 from __future__ import annotations
 
@@ -8,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.gumbel_max import SUB, TILE, gumbel_sample
-
-# Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
-pytestmark = pytest.mark.interpreter
+from nanovllm.kernels.gumbel_max import SUB, TILE, gumbel_sample, gumbel_uniforms
+from nanovllm.kernels.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
 
 M32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -70,7 +70,15 @@ def assert_matches_reference(tokens: torch.Tensor, scores: np.ndarray) -> None:
     assert np.mean(tokens == scores.argmax(axis=1)) >= 0.95
 
 
-DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+# The kernel on CPU tensors runs where Triton's interpreter is on (no CUDA; see conftest.py).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
+           pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+# (implementation, device): the kernel as above, and the PyTorch twin on the CPU.
+SAMPLERS = [pytest.param((gumbel_sample, "cpu"), marks=pytest.mark.interpreter, id="kernel-interpreter"),
+            pytest.param((gumbel_sample, "cuda"), marks=pytest.mark.gpu, id="kernel-cuda"),
+            pytest.param((torch_gumbel_sample, "cpu"), id="torch-cpu")]
+# Keys over the whole 63-bit range, the extremes included.
+KEYS = [0, 1, 7919, 2**32 - 1, 2**32, 2**62 + 987_654_321, 2**63 - 1]
 
 
 def small_or_real(device: str) -> tuple[int, int]:
@@ -107,16 +115,18 @@ def test_filtered_probabilities_never_pick_a_zero(device):
     assert_matches_reference(tokens, reference_scores(probs, keys, None))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_ties_go_to_the_lowest_column(device):
+@pytest.mark.parametrize("impl", SAMPLERS)
+def test_ties_go_to_the_lowest_column(impl):
+    sample, device = impl
     x = torch.zeros(2, 2 * TILE + 5, device=device)
     x[:, [7, TILE + 3, 2 * TILE + 1]] = 5.0
-    tokens = gumbel_sample(x, torch.tensor([1, 2], device=device), torch.zeros(2, device=device))
+    tokens = sample(x, torch.tensor([1, 2], device=device), torch.zeros(2, device=device))
     assert tokens.tolist() == [7, 7]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_row_does_not_depend_on_the_batch(device):
+@pytest.mark.parametrize("impl", SAMPLERS)
+def test_a_row_does_not_depend_on_the_batch(impl):
+    gumbel_sample, device = impl
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 3000, generator=g).to(device)
     t = torch.ones(4, device=device)
@@ -130,8 +140,9 @@ def test_a_row_does_not_depend_on_the_batch(device):
     assert other_keys.tolist() != full.tolist()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_frequencies_follow_softmax(device, monkeypatch):
+@pytest.mark.parametrize("impl", SAMPLERS)
+def test_frequencies_follow_softmax(impl, monkeypatch):
+    gumbel_sample, device = impl
     n = 1500 if device == "cpu" else 200_000
     if device == "cpu":  # the interpreter pays per column: one tile per program covers this vocabulary
         import nanovllm.kernels.gumbel_max as gm
@@ -147,7 +158,8 @@ def test_frequencies_follow_softmax(device, monkeypatch):
     assert torch.all((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt() + 1e-12), (freq, expected)
 
 
-def test_bad_arguments_are_named():
+@pytest.mark.parametrize("gumbel_sample", [gumbel_sample, torch_gumbel_sample], ids=["kernel", "torch"])
+def test_bad_arguments_are_named(gumbel_sample):
     x = torch.randn(2, 64)
     keys = torch.tensor([1, 2])
     with pytest.raises(TypeError, match="keys"):
@@ -160,3 +172,62 @@ def test_bad_arguments_are_named():
         gumbel_sample(x.long(), keys, torch.ones(2))
     with pytest.raises(ValueError, match="temperatures apply to logits"):
         gumbel_sample(x, keys, torch.ones(2), is_probs=True)
+
+
+# ----------------------------------------------------------------------------- the PyTorch twin
+
+
+@pytest.mark.parametrize("vocab", [1, 300, TILE, TILE + 1, 3 * TILE - 17])
+def test_torch_uniforms_equal_the_numpy_philox_reference(vocab):
+    u = torch_gumbel_uniforms(torch.tensor(KEYS), vocab)
+    assert u.dtype == torch.float32 and u.shape == (len(KEYS), vocab)
+    for r, key in enumerate(KEYS):
+        assert np.array_equal(u[r].numpy(), reference_uniforms(key, vocab).astype(np.float32)), key
+    assert 0.0 < u.min().item() and u.max().item() < 1.0
+
+
+def device_vocabs(device: str) -> list[int]:
+    return [1, 300, TILE + 1, 9000] if device == "cpu" else [151_936]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_uniforms_are_the_kernels_bit_for_bit(device):
+    keys = torch.tensor(KEYS, device=device)
+    for vocab in device_vocabs(device):
+        kernel = gumbel_uniforms(keys, vocab)
+        twin = torch_gumbel_uniforms(keys, vocab)
+        assert kernel.shape == twin.shape == (len(KEYS), vocab)
+        assert torch.equal(kernel.view(torch.int32), twin.view(torch.int32)), vocab
+
+
+def assert_same_tokens(kernel: torch.Tensor, twin: torch.Tensor, scores: np.ndarray, device: str) -> None:
+    """Identical tokens. On CUDA the kernel's log and division may round differently from torch's
+    (the uniforms are still identical), so a rare row may differ, but only at a float32 near-tie."""
+    kernel, twin = kernel.cpu().numpy(), twin.cpu().numpy()
+    if device == "cpu":
+        assert kernel.tolist() == twin.tolist()
+        return
+    differ = np.nonzero(kernel != twin)[0]
+    assert len(differ) <= max(1, len(kernel) // 1000), differ
+    for r in differ:
+        best = max(scores[r, kernel[r]], scores[r, twin[r]])
+        assert abs(scores[r, kernel[r]] - scores[r, twin[r]]) <= 1e-5 * max(1.0, abs(best)), r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_twin_samples_the_kernels_tokens(device, dtype):
+    rows, vocab = (7, 3 * TILE - 17) if device == "cpu" else (256, 151_936)
+    g = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    keys = [KEYS[r % len(KEYS)] + r // len(KEYS) for r in range(rows)]
+    temps = [0.0 if r % 5 == 0 else 0.25 + 0.3 * (r % 4) for r in range(rows)]
+    x_d, keys_d = x.to(device), torch.tensor(keys, device=device)
+    temps_d = torch.tensor(temps, dtype=torch.float32, device=device)
+    assert_same_tokens(gumbel_sample(x_d, keys_d, temps_d), torch_gumbel_sample(x_d, keys_d, temps_d),
+                       reference_scores(x, keys, temps), device)
+    probs = torch.softmax(x.float(), dim=-1)
+    probs = torch.where(probs >= probs.amax(dim=-1, keepdim=True) * 1e-3, probs, 0.0)  # a filtered row
+    probs_d = probs.to(device)
+    assert_same_tokens(gumbel_sample(probs_d, keys_d, is_probs=True), torch_gumbel_sample(probs_d, keys_d, is_probs=True),
+                       reference_scores(probs, keys, None), device)

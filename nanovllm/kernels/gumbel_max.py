@@ -9,16 +9,18 @@ argmax(x + Gumbel noise) is distributed as softmax(x), so no normalisation is ne
 u depends only on the row's 64-bit key and the column, so a row's token never depends
 on the other rows of the batch, and a key replays exactly.
 
-Noise layout: columns come in tiles of 4 * SUB; Philox4x32-10 (Triton's randint4x)
-with counter c gives four 32-bit words, used for the four sub-blocks of a tile:
+Noise layout (defined in gumbel_torch.py, whose PyTorch twin draws the same uniforms bit for
+bit): columns come in tiles of 4 * SUB; Philox4x32-10 (Triton's randint4x) with counter c
+gives four 32-bit words, used for the four sub-blocks of a tile:
 
     tile at column t:  | sub 0: t + j | sub 1: t + SUB + j | sub 2 ... | sub 3 ... |
     word k of Philox(key, counter = t / 4 + j), j in [0, SUB)  ->  column t + k * SUB + j
-    u = (word >> 9 + 0.5) / 2**23, strictly inside (0, 1)
+    u = ((word >> 9) + 0.5) / 2**23, strictly inside (0, 1)
 
 Grid (rows, chunks): each program reduces TILES_PER_CHUNK tiles of one row to its best
 (score, column); `gumbel_sample` then picks each row's best chunk (first on ties, so the
-lowest column wins, as in torch.argmax).
+lowest column wins, as in torch.argmax). `gumbel_uniforms` writes the uniforms themselves
+(through the same tile helper), the reference the PyTorch twin is tested against.
 """
 
 from __future__ import annotations
@@ -27,27 +29,37 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_dtype
+from .gumbel_torch import SUB, TILE, UNIFORM_BITS, check_gumbel_args
 
-# Columns per Philox word stream: 4 * SUB = 1024 columns share 256 Philox calls (one per column quadruple).
-SUB = 256
-TILE = 4 * SUB
 # Tiles per program: 4096 columns, ~37 programs per row at Qwen3's 151,936-token vocabulary.
 TILES_PER_CHUNK = 4
 NUM_WARPS = 4
 # Chunks ride grid axis 1, which CUDA caps at 65535.
 MAX_CHUNKS = 65535
+# A uniform keeps a Philox word's top UNIFORM_BITS bits (a float32 mantissa: exact).
+_WORD_SHIFT = tl.constexpr(32 - UNIFORM_BITS)
+_UNIFORM_SCALE = tl.constexpr(1.0 / 2**UNIFORM_BITS)
 
 
 @triton.jit
-def _scores(x_ptr, cols, vocab, scale, noise_scale, word, IS_PROBS: tl.constexpr):
+def _tile_uniforms(key, t0, j):
+    """The uniforms of sub-blocks 0..3 of the tile at column t0, lanes j ([SUB] each)."""
+    w0, w1, w2, w3 = tl.randint4x(key, t0 // 4 + j)
+    u0 = ((w0.to(tl.uint32, bitcast=True) >> _WORD_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+    u1 = ((w1.to(tl.uint32, bitcast=True) >> _WORD_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+    u2 = ((w2.to(tl.uint32, bitcast=True) >> _WORD_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+    u3 = ((w3.to(tl.uint32, bitcast=True) >> _WORD_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+    return u0, u1, u2, u3
+
+
+@triton.jit
+def _scores(x_ptr, cols, vocab, scale, noise_scale, u, IS_PROBS: tl.constexpr):
     mask = cols < vocab
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if IS_PROBS:
         x = tl.log(x)  # log(0) = -inf: filtered tokens never win
     else:
         x = x * scale
-    u = ((word >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 2**23
     score = x - tl.log(-tl.log(u)) * noise_scale
     return tl.where(mask, score, float("-inf"))
 
@@ -81,19 +93,15 @@ def _gumbel_sample_kernel(
     best_col = tl.zeros([SUB], tl.int32)
     for i in range(TILES_PER_CHUNK):
         t0 = (chunk * TILES_PER_CHUNK + i) * (4 * SUB)
-        w0, w1, w2, w3 = tl.randint4x(key, t0 // 4 + j)
-        w0 = w0.to(tl.uint32, bitcast=True)
-        w1 = w1.to(tl.uint32, bitcast=True)
-        w2 = w2.to(tl.uint32, bitcast=True)
-        w3 = w3.to(tl.uint32, bitcast=True)
+        u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
         c = t0 + j
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, w0, IS_PROBS), c)
+        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u0, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, w1, IS_PROBS), c)
+        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u1, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, w2, IS_PROBS), c)
+        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u2, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, w3, IS_PROBS), c)
+        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u3, IS_PROBS), c)
     top = tl.max(best, axis=0)
     # lowest column among the lanes holding the maximum (an all -inf chunk reports column vocab)
     col = tl.min(tl.where(best == top, best_col, vocab), axis=0)
@@ -107,24 +115,10 @@ def gumbel_sample(x: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tenso
     """One token per row of `x` [B, V]: argmax(x / T + Gumbel(key)) for logits
     (`temperatures` [B] float32, 0 = greedy), or argmax(log x + Gumbel(key)) for
     probabilities (`is_probs`). `keys` [B] int64. Returns [B] int64."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be 2-D [rows, vocab] with a contiguous last dim, got {tuple(x.shape)} / {x.stride()}")
-    check_float_dtype("x", x)
+    check_gumbel_args(x, keys, temperatures, is_probs)
     rows, vocab = x.shape
-    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or tuple(keys.shape) != (rows,):
-        raise TypeError(f"keys must be an int64 tensor of shape ({rows},), got "
-                        f"{getattr(keys, 'dtype', type(keys))} {tuple(getattr(keys, 'shape', ()))}")
     if is_probs:
-        if temperatures is not None:
-            raise ValueError("temperatures apply to logits, not to probabilities")
         temperatures = keys  # unused by the kernel (IS_PROBS), any pointer will do
-    elif (not isinstance(temperatures, torch.Tensor) or temperatures.dtype != torch.float32
-          or tuple(temperatures.shape) != (rows,)):
-        raise TypeError(f"temperatures must be a float32 tensor of shape ({rows},), got "
-                        f"{getattr(temperatures, 'dtype', type(temperatures))}")
-    for name, t in (("keys", keys), ("temperatures", temperatures)):
-        if t.device != x.device or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous and on {x.device}")
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     num_chunks = triton.cdiv(vocab, TILE * TILES_PER_CHUNK)
@@ -138,3 +132,34 @@ def gumbel_sample(x: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tenso
     )
     chunk = best.argmax(dim=1, keepdim=True)  # first best chunk: lowest column on ties
     return best_col.gather(1, chunk).squeeze(1).long()
+
+
+@triton.jit
+def _uniforms_kernel(key_ptr, u_ptr, vocab, stride_u, SUB: tl.constexpr):
+    row = tl.program_id(0)
+    t0 = tl.program_id(1) * (4 * SUB)
+    u_row = u_ptr + row.to(tl.int64) * stride_u
+    j = tl.arange(0, SUB)
+    u0, u1, u2, u3 = _tile_uniforms(tl.load(key_ptr + row), t0, j)
+    c = t0 + j
+    tl.store(u_row + c, u0, mask=c < vocab)
+    c = c + SUB
+    tl.store(u_row + c, u1, mask=c < vocab)
+    c = c + SUB
+    tl.store(u_row + c, u2, mask=c < vocab)
+    c = c + SUB
+    tl.store(u_row + c, u3, mask=c < vocab)
+
+
+def gumbel_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The uniforms u(key, v) `gumbel_sample` draws, written out: [B, vocab] float32 for `keys`
+    [B] int64 (contiguous), on their device."""
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1 or not keys.is_contiguous():
+        raise TypeError(f"keys must be a contiguous 1-D int64 tensor, got {getattr(keys, 'dtype', type(keys))}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab must be a positive int, got {vocab!r}")
+    u = torch.empty(keys.shape[0], vocab, dtype=torch.float32, device=keys.device)
+    if keys.shape[0]:
+        _uniforms_kernel[(keys.shape[0], triton.cdiv(vocab, TILE))](keys, u, vocab, u.stride(0), SUB=SUB,
+                                                                    num_warps=NUM_WARPS)
+    return u
