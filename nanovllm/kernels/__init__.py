@@ -1,4 +1,4 @@
-"""Triton attention kernels for nanovllm, with flash-attn's names and semantics.
+"""Triton kernels for nanovllm: attention with flash-attn's names and semantics, and the rest.
 
 - `flash_attn_varlen_func`: prefill over packed or paged (block_table) K/V (prefill_attention.py),
   optionally over a host-built query-tile table (CUDA-graph capturable launch).
@@ -6,13 +6,15 @@
 - `flash_attn_with_kvcache`: single-token decode over the paged KV cache, split-K (decode_attention.py).
 - `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
+- `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
+- `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe.py).
 
 Triton is imported on the first call, so `import nanovllm.kernels` works on machines
 without Triton (the CPU path uses kernels/torch_attention.py); a call there raises ImportError.
 """
 
-__all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "gumbel_sample",
-           "query_tile_rows", "store_kvcache"]
+__all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
+           "moe_align", "query_tile_rows", "store_kvcache"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -79,3 +81,21 @@ def gumbel_sample(x, keys, temperatures=None, is_probs=False):
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(x, keys, temperatures, is_probs)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, tiles=None):
+    """Mixture-of-experts MLP of hidden [T, H] over top-k routing; see moe.fused_moe."""
+    try:
+        from .moe import fused_moe as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(hidden, w13, w2, topk_weights, topk_ids, tiles=tiles)
+
+
+def moe_align(topk_ids, num_experts, block_m):
+    """(token, slot) pairs of topk_ids [T, K] grouped by expert into blocks; see moe.moe_align."""
+    try:
+        from .moe import moe_align as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(topk_ids, num_experts, block_m)

@@ -1,0 +1,181 @@
+"""The fused MoE kernels (nanovllm/kernels/moe.py) on Qwen3-30B-A3B's expert shape (E=128 experts,
+top-8, H=2048, I=768, bf16), per layer call: ms, distinct experts read, their weight bytes
+(distinct x 3 x H x I x 2), GB/s and the fraction of an HBM copy bandwidth measured in the same
+run (bytes read + written by a 2 GiB device-to-device copy / time), TFLOP/s (6 x T x K x H x I).
+
+Routing is uniform: top-8 of torch.randn router logits per token. Each timed CUDA graph holds
+ROUTINGS calls on different routings, so at small batches the experts change between calls and
+come from HBM (the weights are 1.2 GB, L2 is 50 MB). Times are medians of REPEATS replays (CUDA
+events) after WARMUP. `ms` is the whole fused_moe call (alignment, both GEMMs, the sum over the
+K slots); `align ms` is moe_align alone, timed the same way.
+
+    PYTHONPATH=. python benchmarks/bench_moe.py [--tokens 1 64 4096] [--sweep] [--json PATH]
+
+Without CUDA it says so in one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B: experts, experts per token, hidden, expert intermediate
+TOKENS = (1, 16, 64, 128, 256, 4096)  # decode batches and one prefill size
+ROUTINGS = 8  # calls (routings) per timed graph
+WARMUP, REPEATS = 5, 50
+COPY_BYTES = 2 * 2**30
+# --sweep: (block_n, block_k, num_warps, num_stages) of each GEMM, tried one GEMM at a time for
+# every block height; the default tiling of the batch is always the first candidate.
+SWEEP_GATE_UP = [(32, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 5),
+                 (128, 64, 8, 3), (128, 64, 4, 4), (16, 128, 4, 4)]
+SWEEP_DOWN = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (32, 128, 4, 4),
+              (256, 64, 8, 3)]
+NO_CUDA_MESSAGE = "bench_moe.py needs a CUDA device; none is visible"
+
+
+def expert_bytes(distinct: float, hidden: int = H, inter: int = I, elem_size: int = 2) -> float:
+    """Weight bytes of `distinct` experts: w13 (2I x H) and w2 (H x I)."""
+    return distinct * 3 * hidden * inter * elem_size
+
+
+def moe_flops(tokens: int, top_k: int = K, hidden: int = H, inter: int = I) -> int:
+    """2 flops per multiply-add: gate_up T*K x 2I x H, down T*K x H x I."""
+    return 6 * tokens * top_k * hidden * inter
+
+
+def tiles_name(tiles) -> str:
+    """m<block_m> gu<n>x<k>w<warps>s<stages> d<...>: a MoeTiles in one short word per GEMM."""
+    def gemm(t) -> str:
+        return f"{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
+    return f"m{tiles.block_m} gu{gemm(tiles.gate_up)} d{gemm(tiles.down)}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="batch sizes T")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP_* tilings at every T")
+    ap.add_argument("--json", metavar="PATH", help="write the rows here")
+    return ap.parse_args(argv)
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    for _ in range(WARMUP):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEATS)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def graph_ms(calls: list[Callable[[], object]]) -> float:
+    """Median ms per call of `calls`, captured together in one CUDA graph (compiled first, outside)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ms = median_ms(graph.replay) / len(calls)
+    del graph
+    return ms
+
+
+def hbm_copy_gbps() -> float:
+    x = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * COPY_BYTES / (median_ms(lambda: y.copy_(x)) * 1e-3) / 1e9
+
+
+def routings(tokens: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ROUTINGS (weights [T, K] float32, ids [T, K] int64), renormalised top-K of a softmax."""
+    out = []
+    for _ in range(ROUTINGS):
+        probs = torch.softmax(torch.randn(tokens, E, device="cuda", generator=gen), dim=-1)
+        weights, ids = probs.topk(K, dim=-1)
+        out.append(((weights / weights.sum(-1, keepdim=True)).contiguous(), ids.contiguous()))
+    return out
+
+
+def check(fused, hidden, w13, w2, weights, ids) -> None:
+    """Stop on a wrong kernel: compare to an fp32 loop over the experts."""
+    ref = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = (hidden[tok].float() @ w13[e].float().T).chunk(2, dim=-1)
+        ref.index_add_(0, tok, (torch.nn.functional.silu(gate) * up) @ w2[e].float().T * weights[tok, slot, None])
+    err = ((fused(hidden, w13, w2, weights, ids).float() - ref).abs().max() / ref.abs().max()).item()
+    if err > 3e-2:
+        raise SystemExit(f"fused_moe: relative error {err:.2e} against the fp32 reference")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from triton.runtime.errors import OutOfResources
+
+    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_align, moe_tiles
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+    copy_gbps = hbm_copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: HBM copy {copy_gbps:,.0f} GB/s (read + written)")
+    print(f"{'T':>5}{'ms':>9}{'align ms':>10}{'experts':>9}{'MB read':>9}{'GB/s':>8}{'of copy':>9}{'TFLOP/s':>9}"
+          "  tiles")
+    rows = []
+    for t in args.tokens:
+        hidden = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+        routes = routings(t, gen)
+        check(fused_moe, hidden, w13, w2, *routes[0])
+        distinct = statistics.mean(len(ids.unique()) for _, ids in routes)
+        default = moe_tiles(t * K, E)
+        candidates = [default]
+        if args.sweep:
+            for block_m in sorted({default.block_m, 16, 32, 64}):
+                base = replace(default, block_m=block_m)
+                candidates += [MoeTiles(block_m, Tiling(*g), base.down) for g in SWEEP_GATE_UP]
+                candidates += [MoeTiles(block_m, base.gate_up, Tiling(*d)) for d in SWEEP_DOWN]
+        timed = []
+        for tiles in dict.fromkeys(candidates):  # unique, default first
+            try:
+                ms = graph_ms([lambda w=w, i=i, c=tiles: fused_moe(hidden, w13, w2, w, i, tiles=c) for w, i in routes])
+            except OutOfResources as exc:  # a swept tiling past shared memory or registers
+                print(f"      skipped {tiles_name(tiles)}: {exc}")
+                continue
+            timed.append((ms, tiles))
+        ms, tiles = timed[0] if not args.sweep else min(timed, key=lambda x: x[0])
+        align_ms = graph_ms([lambda i=i, m=tiles.block_m: moe_align(i, E, m) for _, i in routes])
+        gbps = expert_bytes(distinct) / (ms * 1e-3) / 1e9
+        row = dict(tokens=t, ms=ms, align_ms=align_ms, distinct_experts=distinct, bytes_read=expert_bytes(distinct),
+                   gbps=gbps, fraction_of_copy=gbps / copy_gbps, tflops=moe_flops(t) / (ms * 1e-3) / 1e12,
+                   tiles=tiles_name(tiles), default_ms=timed[0][0])
+        rows.append(row)
+        print(f"{t:>5}{ms:>9.3f}{align_ms:>10.3f}{distinct:>9.1f}{expert_bytes(distinct) / 1e6:>9.1f}{gbps:>8.0f}"
+              f"{gbps / copy_gbps:>9.1%}{row['tflops']:>9.1f}  {tiles_name(tiles)}"
+              + (f" (default {timed[0][0]:.3f} ms)" if args.sweep else ""))
+    return [dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps)] + rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit(NO_CUDA_MESSAGE)
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Triton fused mixture-of-experts MLP (Qwen3-MoE): routing alignment and two grouped GEMMs.
+
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u),   [g | u] = w13[e] @ hidden[t],  e = topk_ids[t, k]
+
+Each (token t, slot k) is a pair p = t * K + k. `moe_align` groups the T*K pairs by expert
+(a counting sort, stable: an expert's pairs keep ascending p) into blocks of BLOCK_M rows,
+each block holding pairs of one expert and padded with the invalid pair T*K::
+
+    topk_ids [T=3, K=2]   pairs              sorted_pair_ids [P] (BLOCK_M = 4)      block_expert
+     t0: [3, 1]           p0:e3  p1:e1       block 0:  p3  .   .   .                0
+     t1: [1, 0]    ->     p2:e1  p3:e0  ->   block 1:  p1  p2  p5  .                1
+     t2: [3, 1]           p4:e3  p5:e1       block 2:  p0  p4  .   .                3
+                                             block 3:  .   .   .   .  (unused)      (any valid id)
+                                             num_used_blocks = [3]                  . = T*K (padding)
+
+Invariants: every pair appears exactly once in sorted_pair_ids; blocks b < num_used_blocks hold
+pairs of expert block_expert[b] only (then padding), ordered by expert; blocks past it hold only
+padding. Rows P = round_up(T*K + min(E, T*K) * (BLOCK_M - 1), BLOCK_M) bound every routing,
+so shapes depend on (T, K, E, BLOCK_M) only and no host sync is needed (CUDA-graph capturable).
+Alignment is three launches: per-slice expert counts (grid: <= MAX_SLICES slices of the pairs), one
+program scanning them (per-slice offsets, block table, padding fill), a per-slice scatter.
+
+The GEMMs run on grid (blocks, N tiles); blocks on axis 0, so the programs reading one weight
+tile run together (an expert spread over several blocks hits L2). A program of a block past
+num_used_blocks returns at once; padding rows compute on token 0 and never reach the output:
+
+    gate_up: act[r, n] = silu_mul(w13[e, n] . hidden[t(r)], w13[e, I + n] . hidden[t(r)])   act [P, I]
+    down:    pair_out[p(r), h] = topk_weights[p(r)] * (w2[e, h] . act[r])                   [T*K, H] fp32
+    out = pair_out.view(T, K, H).sum(1) in hidden's dtype
+
+Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
+Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from .fused_activation import silu_mul
+from .fused_norm import round_to
+
+# Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.
+MAX_EXPERTS = 512
+# Elements of one alignment tile ([pairs or slices, experts] int32): 32 registers a thread at 4 warps.
+ALIGN_TILE_ELEMS = 4096
+ALIGN_WARPS = 4
+# Most slices (programs of the count and scatter kernels, rows the scan program walks): about one
+# wave of an H200's 132 SMs; more pairs make each slice several chunks long.
+MAX_SLICES = 128
+# Padding rows the scan program stores per step: 8 int32 a thread at 4 warps.
+FILL_ROWS = 1024
+# Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
+# that holds most experts' pairs whole reads each selected expert's weights once per N tile.
+BLOCK_MS = (16, 32, 64)
+# block_m >= this x the mean pairs per expert (routing is uneven: room for the busier experts).
+PAIRS_SLACK = 2
+# Grids below this many programs per SM shrink block_n (down to 16) so every SM streams weights.
+MIN_PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int  # output columns per program (GEMM 1: of gate and of up each)
+    block_k: int  # reduction columns per step
+    num_warps: int
+    num_stages: int  # steps whose loads are in flight (3-4 on Hopper)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int  # sorted pairs per block
+    gate_up: Tiling
+    down: Tiling
+
+
+# Decode (block_m <= 32): memory-bound, 64-column steps (one 128-byte line per bf16 weight row)
+# with 3 steps in flight keep ~48 KB of weights per program on the way; starting points for the
+# GPU sweep (benchmarks/bench_moe.py --sweep).
+DECODE_GATE_UP = Tiling(block_n=64, block_k=64, num_warps=4, num_stages=4)
+DECODE_DOWN = Tiling(block_n=128, block_k=64, num_warps=4, num_stages=4)
+# Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
+PREFILL_GATE_UP = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
+PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class MoeAlignment:
+    sorted_pair_ids: torch.Tensor  # [P] int32, pair p = t * K + k; padding = T * K
+    block_expert: torch.Tensor  # [P / block_m] int32: the expert of each block (any valid id past the used ones)
+    num_used_blocks: torch.Tensor  # [1] int32, on the device
+
+    @property
+    def block_m(self) -> int:
+        return self.sorted_pair_ids.numel() // max(1, self.block_expert.numel())
+
+
+@triton.jit
+def _expert_ids(ids_ptr, pairs, n_pairs, num_experts):
+    """Experts of `pairs`; -1 (matching no expert) past n_pairs or out of [0, num_experts)."""
+    ids = tl.load(ids_ptr + pairs, mask=pairs < n_pairs, other=-1).to(tl.int32)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, -1)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "chunks"])
+def _count_kernel(ids_ptr, counts_ptr, n_pairs, num_experts, chunks, SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[s, e]: pairs of expert e among slice s's `chunks` x SLICE pairs."""
+    s = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(chunks):
+        ids = _expert_ids(ids_ptr, (s * chunks + c) * SLICE + tl.arange(0, SLICE), n_pairs, num_experts)
+        total += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [SLICE, BLOCK_E] -> [BLOCK_E]
+    tl.store(counts_ptr + s * BLOCK_E + experts, total)
+
+
+@triton.jit(do_not_specialize=["n_slices", "n_pairs", "n_blocks"])
+def _scan_kernel(counts_ptr, offsets_ptr, base_ptr, block_expert_ptr, num_used_ptr, sorted_ptr,
+                 n_slices, n_pairs, n_rows, n_blocks, num_experts,
+                 BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, FILL: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, n_slices, ROWS):  # offsets[s, e]: pairs of expert e in slices before s
+        s = s0 + tl.arange(0, ROWS)
+        tile = s[:, None] * BLOCK_E + experts[None, :]  # [ROWS, BLOCK_E]
+        c = tl.load(counts_ptr + tile, mask=(s < n_slices)[:, None], other=0)
+        tl.store(offsets_ptr + tile, tl.cumsum(c, axis=0) - c + totals[None, :], mask=(s < n_slices)[:, None])
+        totals += tl.sum(c, axis=0)
+    blocks = (totals + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)  # [BLOCK_E]: expert e owns blocks [end - blocks, end)
+    tl.store(base_ptr + experts, (block_end - blocks) * BLOCK_M)
+    tl.store(num_used_ptr, tl.sum(blocks, axis=0))
+    for b0 in range(0, n_blocks, ROWS):
+        b = b0 + tl.arange(0, ROWS)
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts ending before b
+        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts - 1), mask=b < n_blocks)
+    for r0 in range(0, n_rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + r, tl.zeros([FILL], dtype=tl.int32) + n_pairs, mask=r < n_rows)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "chunks"])
+def _scatter_kernel(ids_ptr, offsets_ptr, base_ptr, sorted_ptr, n_pairs, num_experts, chunks,
+                    SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each pair of slice s to its sorted row: its expert's first row + pairs of that expert
+    before it (in earlier slices: offsets; earlier in this slice: a running count)."""
+    s = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    next_row = tl.load(base_ptr + experts) + tl.load(offsets_ptr + s * BLOCK_E + experts)  # [BLOCK_E]
+    for c in range(chunks):
+        pairs = (s * chunks + c) * SLICE + tl.arange(0, SLICE)
+        ids = _expert_ids(ids_ptr, pairs, n_pairs, num_experts)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SLICE, BLOCK_E], one 1 a row at most
+        row = tl.sum(hits * (tl.cumsum(hits, axis=0) - 1 + next_row[None, :]), axis=1)
+        tl.store(sorted_ptr + row, pairs, mask=ids >= 0)
+        next_row += tl.sum(hits, axis=0)
+
+
+def _check_ids(topk_ids, num_experts: int) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be an int32/int64 tensor, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be 2-D [T, K] with K >= 1, got shape {tuple(topk_ids.shape)}")
+    if not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous, got strides {topk_ids.stride()}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be an int in [1, {MAX_EXPERTS}], got {num_experts!r}")
+    # Range checks read the data: free on the CPU, a host sync on CUDA (not done there: a pair of an
+    # id outside [0, E) is dropped and its token's output row is undefined).
+    if topk_ids.device.type == "cpu" and topk_ids.numel() and not (
+            0 <= int(topk_ids.min()) and int(topk_ids.max()) < num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group the pairs of topk_ids [T, K] (contiguous int32/int64) by expert into blocks of
+    block_m rows (a power of two >= 16); see the module docstring for the layout."""
+    _check_ids(topk_ids, num_experts)
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    dev, n_pairs = topk_ids.device, topk_ids.numel()
+    n_rows = triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m) * block_m
+    n_blocks = n_rows // block_m
+    sorted_ids = torch.empty(n_rows, dtype=torch.int32, device=dev)  # [P]
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
+    num_used = torch.zeros(1, dtype=torch.int32, device=dev)
+    if n_pairs == 0:
+        return MoeAlignment(sorted_ids, block_expert, num_used)
+    block_e = next_pow2(num_experts)
+    rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step
+    chunks = triton.cdiv(triton.cdiv(n_pairs, rows), MAX_SLICES)  # per slice
+    n_slices = triton.cdiv(n_pairs, rows * chunks)
+    ids = topk_ids.view(-1)  # [T * K]
+    counts = torch.empty((n_slices, block_e), dtype=torch.int32, device=dev)
+    offsets = torch.empty_like(counts)  # [slices, BLOCK_E]
+    base = torch.empty(block_e, dtype=torch.int32, device=dev)  # first sorted row of each expert
+    _count_kernel[(n_slices,)](ids, counts, n_pairs, num_experts, chunks, SLICE=rows, BLOCK_E=block_e,
+                               num_warps=ALIGN_WARPS)
+    _scan_kernel[(1,)](counts, offsets, base, block_expert, num_used, sorted_ids,
+                       n_slices, n_pairs, n_rows, n_blocks, num_experts,
+                       BLOCK_E=block_e, BLOCK_M=block_m, ROWS=rows, FILL=FILL_ROWS, num_warps=ALIGN_WARPS)
+    _scatter_kernel[(n_slices,)](ids, offsets, base, sorted_ids, n_pairs, num_experts, chunks,
+                                 SLICE=rows, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
+    return MoeAlignment(sorted_ids, block_expert, num_used)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Sorted rows, their pairs, which are real (not padding), their tokens (0 for padding) and
+    the expert of this program's block."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)  # P is a multiple of BLOCK_M: no mask
+    real = pairs < n_pairs
+    tokens = tl.where(real, pairs // TOP_K, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    return rows.to(tl.int64), pairs.to(tl.int64), real, tokens, expert
+
+
+@triton.jit
+def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """A [rows, BLOCK_K] operand tile, columns past K (k_ok false) as 0; float32 under UPCAST
+    (the interpreter's tl.dot on bfloat16)."""
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=k_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
+                    n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    if tl.program_id(0) >= tl.load(num_used_ptr):
+        return
+    rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = hidden_ptr + tokens[:, None] * stride_h + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    n_rows = tl.minimum(rn, inter - 1)  # columns past I repeat row I - 1, never stored
+    w_ptrs = w13_ptr + expert * stride_we + rk[None, :]
+    g_ptrs = w_ptrs + n_rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K], gate rows n
+    u_ptrs = w_ptrs + (n_rows + inter)[:, None].to(tl.int64) * stride_wn  # up rows I + n
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        k_ok = k0 + rk < hidden_size
+        a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
+        g = _load_tile(g_ptrs + k0, k_ok, EVEN_K, UPCAST)
+        u = _load_tile(u_ptrs + k0, k_ok, EVEN_K, UPCAST)
+        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+    dtype = act_ptr.dtype.element_ty
+    act = silu_mul(round_to(acc_g, dtype).to(tl.float32), round_to(acc_u, dtype).to(tl.float32), dtype)
+    tl.store(act_ptr + rows[:, None] * inter + rn[None, :], act, mask=(rn < inter)[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
+                 n_pairs, hidden_size, inter, stride_we, stride_wn,
+                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    if tl.program_id(0) >= tl.load(num_used_ptr):
+        return
+    rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * inter + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_rows = tl.minimum(rn, hidden_size - 1).to(tl.int64) * stride_wn
+    w_ptrs = w2_ptr + expert * stride_we + w_rows[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = k0 + rk < inter
+        a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
+        w = _load_tile(w_ptrs + k0, k_ok, EVEN_K, UPCAST)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
+    out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
+    tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Smallest block height of BLOCK_MS holding PAIRS_SLACK x the mean pairs per expert."""
+    want = PAIRS_SLACK * num_pairs / max(1, num_experts)
+    return next((m for m in BLOCK_MS if m >= want), BLOCK_MS[-1])
+
+
+def _fit(t: Tiling, n_out: int, k_in: int, blocks: int, sms: int | None) -> Tiling:
+    """t clamped to the problem (tiles >= 16 for tl.dot) and, on a GPU, block_n halved while the
+    grid is under MIN_PROGRAMS_PER_SM programs per SM."""
+    block_n = max(16, min(t.block_n, next_pow2(n_out)))
+    while sms is not None and block_n > 16 and blocks * triton.cdiv(n_out, block_n) < MIN_PROGRAMS_PER_SM * sms:
+        block_n //= 2
+    return replace(t, block_n=block_n, block_k=max(16, min(t.block_k, next_pow2(k_in))))
+
+
+def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """The batch-based choice: block_m_for, then decode or prefill tilings."""
+    block_m = block_m_for(num_pairs, num_experts)
+    if block_m <= 32:
+        return MoeTiles(block_m, DECODE_GATE_UP, DECODE_DOWN)
+    return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
+
+
+def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    check_matrix("hidden", hidden)
+    t, h = hidden.shape
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [E, N, K], got {getattr(w, 'shape', type(w))}")
+        if w.dtype != hidden.dtype:
+            raise TypeError(f"{name} dtype {w.dtype} != hidden dtype {hidden.dtype}")
+        if w.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {w.stride()}")
+    e, two_i, wh = w13.shape
+    if wh != h or two_i < 2 or two_i % 2:
+        raise ValueError(f"w13 shape {tuple(w13.shape)} must be [E, 2 * I, H={h}] (gate | up)")
+    if tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} must be [E={e}, H={h}, I={two_i // 2}]")
+    _check_ids(topk_ids, e)
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, hidden {t}")
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+        got = getattr(topk_weights, "dtype", type(topk_weights))
+        raise TypeError(f"topk_weights must be a float32 tensor, got {got}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights must be contiguous of topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)} strides {topk_weights.stride()}")
+    for name, x in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H] in hidden's dtype: sum_k topk_weights[t, k] * expert topk_ids[t, k]'s
+    SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). `tiles` overrides moe_tiles (benchmarks)."""
+    _check_moe(hidden, w13, w2, topk_weights, topk_ids)
+    (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
+    inter, n_pairs = two_i // 2, topk_ids.numel()
+    if t == 0:
+        return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
+    if tiles is None:
+        tiles = moe_tiles(n_pairs, e)
+    elif not isinstance(tiles, MoeTiles):
+        raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
+    align = moe_align(topk_ids, e, tiles.block_m)
+    blocks = align.block_expert.numel()
+    sms = cuda_sm_count(hidden.device)
+    gate_up = _fit(tiles.gate_up, inter, h, blocks, sms)
+    down = _fit(tiles.down, h, inter, blocks, sms)
+    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16,
+                  DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
+    act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
+        hidden, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
+        n_pairs, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+        BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **common)
+    pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
+    _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
+        act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
+        n_pairs, h, inter, w2.stride(0), w2.stride(1),
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
+        num_warps=down.num_warps, num_stages=down.num_stages, **common)
+    return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]
