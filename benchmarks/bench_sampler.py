@@ -1,10 +1,12 @@
 """Times nanovllm's Sampler.forward on CUDA at serving size (batch 256 x vocab 151936).
 
 Cases: all greedy, plain temperature sampling, top-k only, a mix of top-k/top-p/min-p
-rows, and 16 seeded rows (plain and mixed), each with noise from torch generators and from
-per-row keys (the Triton kernel, the engine's CUDA path). Each case reports the median and p90 of
-per-call CUDA-event timings in ms (the SamplingBatch is built once per case; its
-build time is reported separately).
+rows, and 16 seeded rows (plain and mixed); every row's noise comes from its key (the
+Triton kernel, the engine's CUDA path). Logprob cases ("<case>+lp5_all", "<case>+lp5_16")
+are a case with logprobs k=5 on all rows or on 16 of them; they also report the ms they add
+to the same case without logprobs. Each case reports the median and p90 of per-call
+CUDA-event timings in ms (the SamplingBatch is built once per case; its host build time,
+one packed host-to-device copy included, is reported separately).
 
     PYTHONPATH=. python3 benchmarks/bench_sampler.py [--dtype bf16|fp32] [--json PATH]
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
+from nanovllm.layers.sampler import Sampler, SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 MIXED = [
@@ -32,7 +34,12 @@ MIXED = [
 ]
 
 
-def case_params(name: str, batch: int) -> list[SamplingParams]:
+# Logprobs asked for by the logprob cases, and the rows of a "some rows" case.
+LOGPROBS_K = 5
+SOME_LOGPROB_ROWS = 16
+
+
+def base_params(name: str, batch: int) -> list[SamplingParams]:
     if name == "greedy":
         return [SamplingParams(temperature=0.0)] * batch
     if name == "plain":
@@ -51,7 +58,23 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     raise ValueError(name)
 
 
-CASES = ["greedy", "plain", "top_k_only", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
+def case_params(name: str, batch: int) -> list[SamplingParams]:
+    """A base case, or "<base>+lp5_all" / "<base>+lp5_16": the base with logprobs k=5 on all rows /
+    on SOME_LOGPROB_ROWS rows spread over the batch."""
+    base, _, logprobs = name.partition("+")
+    params = base_params(base, batch)
+    if not logprobs:
+        return params
+    if logprobs == "lp5_all":
+        asking = set(range(batch))
+    else:
+        asking = set(range(0, batch, max(1, batch // SOME_LOGPROB_ROWS))[:SOME_LOGPROB_ROWS])
+    return [SamplingParams(**{**p.__dict__, "logprobs": LOGPROBS_K}) if i in asking else p for i, p in enumerate(params)]
+
+
+BASE_CASES = ["greedy", "plain", "top_k_only", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
+LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
+CASES = BASE_CASES + LOGPROB_CASES
 
 
 def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
@@ -88,32 +111,35 @@ def main() -> None:
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
     sampler = Sampler()
     results = []
-    for name, noise in [(c, n) for c in args.cases for n in ("generators", "keys")]:
+    medians: dict[str, float] = {}
+    for name in args.cases:
         params = case_params(name, args.batch)
         t0 = time.perf_counter()
-        for _ in range(10):
-            if noise == "keys":  # the engine's CUDA path: one noise key per row
-                keys = [row_key(p.seed, 0) if p.seed is not None else i for i, p in enumerate(params)]
-                batch = SamplingBatch.build(params, [None] * len(params), device, args.vocab, keys=keys)
-            else:
-                gens = [None if p.seed is None else make_generator(p.seed, device) for p in params]
-                batch = SamplingBatch.build(params, gens, device, args.vocab)
+        for _ in range(10):  # seeded rows keyed as the engine does, the others distinct (the engine's RNG draws them)
+            keys = [row_key(p.seed, 0) if p.seed is not None else i for i, p in enumerate(params)]
+            batch = SamplingBatch.build(params, keys, device, args.vocab)
         build_ms = (time.perf_counter() - t0) / 10 * 1e3
         times = time_cuda(lambda: sampler(logits, batch), args.warmup, args.iters)
         times.sort()
+        medians[name] = statistics.median(times)
+        base = name.partition("+")[0]
         results.append({
-            "case": f"{name}/{noise}",
-            "median_ms": statistics.median(times),
+            "case": name,
+            "median_ms": medians[name],
             "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
             "min_ms": times[0],
             "build_host_ms": build_ms,
+            # what the logprobs add to the same case without them (when that case ran first)
+            "logprobs_added_ms": medians[name] - medians[base] if base != name and base in medians else None,
         })
 
     print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} "
           f"({torch.cuda.get_device_name(device)}, torch {torch.__version__})")
-    print(f"{'case':<28}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}")
+    print(f"{'case':<30}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}{'+logprobs ms':>14}")
     for r in results:
-        print(f"{r['case']:<28}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['min_ms']:>9.3f}{r['build_host_ms']:>10.3f}")
+        added = "" if r["logprobs_added_ms"] is None else f"{r['logprobs_added_ms']:.3f}"
+        print(f"{r['case']:<30}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['min_ms']:>9.3f}"
+              f"{r['build_host_ms']:>10.3f}{added:>14}")
     if args.json:
         meta = {"batch": args.batch, "vocab": args.vocab, "dtype": args.dtype, "iters": args.iters,
                 "device": torch.cuda.get_device_name(device), "torch": torch.__version__}

@@ -1,8 +1,10 @@
-"""CPU tests of nanovllm.layers.sampler: greedy, distributions, filters, seeds, mixed batches.
+"""CPU tests of nanovllm.layers.sampler: greedy, distributions, filters, seeds, mixed batches,
+logprobs, batch packing.
 
 Statistical checks compare sampled frequencies with a float64 reference through a
 chi-square statistic and a conservative threshold (Wilson-Hilferty quantile at
-z = 5, i.e. a false-alarm rate below 1e-6); all torch seeds are fixed.
+z = 5, i.e. a false-alarm rate below 1e-6); all torch seeds are fixed. Every row's
+noise comes from its key: unseeded rows here take fresh random 63-bit keys.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import math
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
-from nanovllm.sampling_params import SamplingParams
+import nanovllm.layers.sampler as sampler_module
+from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key, token_logprobs
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU = torch.device("cpu")
 SAMPLER = Sampler()
@@ -77,10 +81,27 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return out / out.sum()
 
 
+def fresh_keys(n: int) -> list[int]:
+    """n random noise keys over the whole 63-bit range (from the seeded torch RNG)."""
+    return torch.randint(0, 2**KEY_BITS - 1, (n,)).tolist()
+
+
+def build(params: list[SamplingParams], vocab: int, keys: list[int] | None = None) -> SamplingBatch:
+    """A CPU batch; rows without given keys take fresh ones."""
+    return SamplingBatch.build(params, fresh_keys(len(params)) if keys is None else keys, CPU, vocab)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampler's tokens, checking the output's types."""
+    out = SAMPLER(logits, batch)
+    assert out.tokens.dtype == torch.int64 and out.tokens.shape == (logits.shape[0],)
+    assert (out.logprobs is None) == (batch.logprobs is None)
+    return out.tokens
+
+
 def sample_counts(logits: torch.Tensor, p: SamplingParams, n: int) -> torch.Tensor:
-    """Counts of ``n`` first tokens drawn from a batch of ``n`` identical rows."""
-    batch = SamplingBatch.build([p] * n, [None] * n, CPU, logits.shape[-1])
-    ids = SAMPLER(logits.expand(n, -1), batch)
+    """Counts of ``n`` first tokens drawn from a batch of ``n`` identical rows (distinct keys)."""
+    ids = sample(logits.expand(n, -1), build([p] * n, logits.shape[-1]))
     assert ids.dtype == torch.int64 and ids.shape == (n,)
     return torch.bincount(ids, minlength=logits.shape[-1])
 
@@ -110,11 +131,11 @@ def test_greedy_rows_return_argmax_in_mixed_batch() -> None:
         for i in range(64)
     ]
     params[5] = SamplingParams(temperature=0.0)
-    batch = SamplingBatch.build(params, [None] * 64, CPU, 300)
-    assert not batch.all_greedy
     expected = logits.argmax(dim=-1)
     for _ in range(5):
-        ids = SAMPLER(logits, batch)
+        batch = build(params, 300)
+        assert not batch.all_greedy
+        ids = sample(logits, batch)
         greedy = torch.tensor([p.greedy for p in params])
         assert torch.equal(ids[greedy], expected[greedy])
     assert ids[5].item() == 7
@@ -124,10 +145,9 @@ def test_greedy_rows_return_argmax_in_mixed_batch() -> None:
 def test_all_greedy_matches_argmax_any_dtype(dtype: torch.dtype) -> None:
     logits = torch.randn(16, 500).to(dtype)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, seed=3)] * 8
-    gens = [None, make_generator(3, CPU)] * 8
-    batch = SamplingBatch.build(params, gens, CPU, 500)
-    assert batch.all_greedy and batch.generators is None
-    assert torch.equal(SAMPLER(logits, batch), logits.argmax(dim=-1))
+    batch = build(params, 500, [0, row_key(3, 0)] * 8)
+    assert batch.all_greedy
+    assert torch.equal(sample(logits, batch), logits.argmax(dim=-1))
 
 
 # ----------------------------------------------------------------------------- distributions
@@ -187,18 +207,23 @@ def test_top_k_paths_agree() -> None:
         allowed = reference(logits, p) > 0
         for extra in ([], [SamplingParams(top_p=0.999)]):
             params = [p] * 300 + extra
-            batch = SamplingBatch.build(params, [None] * len(params), CPU, 2_000)
-            ids = SAMPLER(logits.expand(len(params), -1), batch)[:300]
+            ids = sample(logits.expand(len(params), -1), build(params, 2_000))[:300]
             assert bool(allowed[ids].all())
 
 
 # ----------------------------------------------------------------------------- seeds
 
 
-def run_steps(params: list[SamplingParams], logits: torch.Tensor, steps: int) -> torch.Tensor:
-    gens = [None if p.seed is None else make_generator(p.seed, CPU) for p in params]
-    batch = SamplingBatch.build(params, gens, CPU, logits.shape[-1])
-    return torch.stack([SAMPLER(logits[: len(params)], batch) for _ in range(steps)], dim=1)
+def run_steps(params: list[SamplingParams], logits: torch.Tensor, steps: int, seed: int = 0) -> torch.Tensor:
+    """[rows, steps] tokens of `steps` draws, as the engine keys them: seeded rows by
+    (seed, step), unseeded rows by fresh keys from a torch generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    draws = []
+    for step in range(steps):
+        keys = [row_key(p.seed, step) if p.seed is not None else int(torch.randint(0, 2**KEY_BITS - 1, (), generator=g))
+                for p in params]
+        draws.append(sample(logits[: len(params)], build(params, logits.shape[-1], keys)))
+    return torch.stack(draws, dim=1)
 
 
 @pytest.mark.parametrize(
@@ -218,13 +243,26 @@ def test_seed_reproducible_across_batch_compositions(target: SamplingParams) -> 
         params = others[:pos] + [target] + others[pos:]
         batch_logits = logits.clone()
         batch_logits[pos] = row
-        torch.manual_seed(default_seed)  # the engine RNG must not matter to seeded rows
-        results.append(run_steps(params, batch_logits, 20)[pos])
+        # the other rows' keys (and whether the batch is filtered) must not matter to seeded rows
+        results.append(run_steps(params, batch_logits, 20, default_seed)[pos])
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    assert len(set(results[0].tolist())) > 1  # it samples, step by step
 
     other = SamplingParams(**{**target.__dict__, "seed": 43})
     different = run_steps([other], row.unsqueeze(0), 20)[0]
     assert not torch.equal(results[0], different)
+
+
+def test_seeded_row_is_the_noise_of_its_key() -> None:
+    """A seeded row's token is torch_gumbel_sample of its logits and row_key(seed, position):
+    the same function the Triton kernel computes, so the token does not depend on the device."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5_000, generator=g)
+    params = [SamplingParams(temperature=0.7, seed=5), SamplingParams(seed=6), SamplingParams(temperature=0.0)]
+    keys = [row_key(5, 17), row_key(6, 17), 99]
+    ids = sample(logits, build(params, 5_000, keys))
+    expected = torch_gumbel_sample(logits, torch.tensor(keys), torch.tensor([0.7, 1.0, 0.0]))
+    assert ids.tolist() == expected.tolist()
 
 
 def test_unseeded_rows_differ_between_rows() -> None:
@@ -251,10 +289,10 @@ def test_mixed_batch_all_kinds() -> None:
     ]
     reps = 2_500
     params = kinds * reps
-    gens = [None if p.seed is None else make_generator(p.seed + i, CPU) for i, p in enumerate(params)]
-    batch = SamplingBatch.build(params, gens, CPU, 16)
+    keys = [row_key(p.seed + i, 0) if p.seed is not None else k for i, (p, k) in enumerate(zip(params, fresh_keys(len(params))))]
+    batch = build(params, 16, keys)
     assert batch.top_ks is not None and batch.top_ps is not None and batch.min_ps is not None
-    ids = SAMPLER(logits.expand(len(params), -1), batch).view(reps, len(kinds))
+    ids = sample(logits.expand(len(params), -1), batch).view(reps, len(kinds))
     for j, p in enumerate(kinds):
         if p.greedy:
             assert bool((ids[:, j] == logits.argmax()).all())
@@ -267,29 +305,54 @@ def test_mixed_batch_all_kinds() -> None:
 
 def test_build_flags_and_tensors() -> None:
     params = [SamplingParams(), SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=1)]
-    gens = [None, make_generator(1, CPU)]
-    batch = SamplingBatch.build(params, gens, CPU, 100)
-    assert batch.top_ks is None and batch.top_ps is None and batch.min_ps is None
-    assert batch.generators is None and not batch.all_greedy
-    assert batch.temperatures.dtype == torch.float32
-    assert batch.temperatures.tolist() == [1.0, 0.0]
+    batch = build(params, 100, [5, 2**KEY_BITS - 1])
+    assert batch.top_ks is None and batch.top_ps is None and batch.min_ps is None and batch.logprobs is None
+    assert not batch.all_greedy
+    assert batch.temperatures.dtype == torch.float32 and batch.temperatures.tolist() == [1.0, 0.0]
+    assert batch.keys.dtype == torch.int64 and batch.keys.tolist() == [5, 2**KEY_BITS - 1]
 
-    params = [SamplingParams(top_k=-1), SamplingParams(top_k=7, top_p=0.9, min_p=0.1, seed=2),
-              SamplingParams(top_k=500)]
-    batch = SamplingBatch.build(params, [None, make_generator(2, CPU), None], CPU, 100)
+    params = [SamplingParams(top_k=-1, logprobs=2), SamplingParams(top_k=7, top_p=0.9, min_p=0.1, seed=2),
+              SamplingParams(top_k=500, logprobs=0)]
+    batch = build(params, 100, [1, 2, 3])
     assert batch.top_ks.dtype == torch.int64 and batch.top_ks.tolist() == [100, 7, 100]
     assert batch.top_ps.dtype == torch.float32 and batch.top_ps.tolist() == pytest.approx([1.0, 0.9, 1.0])
     assert batch.min_ps.tolist() == pytest.approx([0.0, 0.1, 0.0])
-    assert batch.generators is not None and batch.generators[0] is None and batch.max_top_k == 7
-    with pytest.raises(ValueError):
-        SamplingBatch.build(params, [None], CPU, 100)
+    assert batch.max_top_k == 7 and batch.keys.tolist() == [1, 2, 3]
+    assert batch.logprobs.rows.dtype == torch.int64 and batch.logprobs.rows.tolist() == [0, 2]
+    assert batch.logprobs.k == 2
+    with pytest.raises(ValueError, match="2 keys for 3 rows"):
+        SamplingBatch.build(params, [1, 2], CPU, 100)
+    for bad in (-1, 2**KEY_BITS):
+        with pytest.raises(ValueError, match="keys must be in"):
+            SamplingBatch.build(params, [1, bad, 3], CPU, 100)
+
+
+def test_build_makes_one_copy_of_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor of a batch is a view of one buffer that reached the device in one copy."""
+    copies = []
+    real = sampler_module.to_device
+
+    def counting(values, device, dtype=None):
+        copies.append(values)
+        return real(values, device, dtype)
+
+    monkeypatch.setattr(sampler_module, "to_device", counting)
+    params = [SamplingParams(top_k=3, top_p=0.8, min_p=0.05, logprobs=1), SamplingParams(temperature=0.3)]
+    batch = build(params, 50, [7, 8])
+    assert len(copies) == 1
+    tensors = [batch.temperatures, batch.keys, batch.top_ks, batch.top_ps, batch.min_ps, batch.logprobs.rows]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert batch.temperatures.tolist() == pytest.approx([1.0, 0.3]) and batch.top_ks.tolist() == [3, 50]
+    assert batch.top_ps.tolist() == pytest.approx([0.8, 1.0]) and batch.min_ps.tolist() == pytest.approx([0.05, 0.0])
+    empty = build([], 50, [])
+    assert empty.all_greedy and empty.keys.shape == (0,) and SAMPLER(torch.zeros(0, 50), empty).tokens.shape == (0,)
 
 
 def test_logits_not_modified() -> None:
     logits = torch.randn(4, 50)
     before = logits.clone()
-    params = [SamplingParams(top_p=0.7), SamplingParams(min_p=0.1), SamplingParams(), SamplingParams(top_k=3)]
-    SAMPLER(logits, SamplingBatch.build(params, [None] * 4, CPU, 50))
+    params = [SamplingParams(top_p=0.7), SamplingParams(min_p=0.1, logprobs=3), SamplingParams(), SamplingParams(top_k=3)]
+    SAMPLER(logits, build(params, 50))
     assert torch.equal(logits, before)
 
 
@@ -298,8 +361,19 @@ def test_low_precision_logits_respect_filters(dtype: torch.dtype) -> None:
     logits = small_logits(16, seed=2).to(dtype)
     p = SamplingParams(temperature=0.9, top_k=8, top_p=0.75)
     allowed = reference(logits.float(), p) > 0
-    ids = SAMPLER(logits.expand(4_000, -1), SamplingBatch.build([p] * 4_000, [None] * 4_000, CPU, 16))
+    ids = sample(logits.expand(4_000, -1), build([p] * 4_000, 16))
     assert bool(allowed[ids].all()) and int(torch.bincount(ids, minlength=16)[allowed].gt(0).sum()) == int(allowed.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_sampling_of_any_dtype_is_the_float32_noise(dtype: torch.dtype) -> None:
+    """float64 logits sample as their float32 rounding (the noise implementations read float32)."""
+    logits = torch.randn(6, 700, dtype=dtype)
+    keys = fresh_keys(6)
+    temperatures = torch.tensor([0.0, 0.5, 1.0, 1.0, 1.5, 2.0])
+    params = [SamplingParams(temperature=float(t)) for t in temperatures]
+    expected = torch_gumbel_sample(logits.float(), torch.tensor(keys), temperatures)
+    assert sample(logits, build(params, 700, keys)).tolist() == expected.tolist()
 
 
 # ----------------------------------------------------------------------------- keyed noise (the CUDA path)
@@ -322,24 +396,133 @@ def test_row_keys_are_splitmix64_distinct_and_fit_int64() -> None:
     assert [row_key(i, position) for i in range(1, 6)] == [out >> 1 for out in SPLITMIX64_OUTPUTS]
 
 
+def test_sampler_picks_the_noise_implementation_of_its_device() -> None:
+    assert Sampler().gumbel_sample is torch_gumbel_sample  # built on the CPU
+    with torch.device("meta"):
+        assert Sampler().gumbel_sample is torch_gumbel_sample  # any device but CUDA: the PyTorch twin
+
+
 @pytest.mark.interpreter
-def test_keyed_batches_use_the_triton_sampler() -> None:
-    """Keys route sampling through gumbel_sample (Triton's interpreter here): greedy rows
-    stay exact, filtered rows stay in their set, a seeded row ignores its batch."""
+def test_the_triton_kernel_samples_the_same_tokens() -> None:
+    """A sampler running the Triton kernel (Triton's interpreter here) gives the tokens of the
+    CPU sampler, through both paths: logits -> tokens, and filtered probabilities -> tokens."""
+    from nanovllm.kernels.gumbel_max import gumbel_sample
+
     g = torch.Generator().manual_seed(9)
-    logits = torch.randn(6, 2048, generator=g) * 3
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
-              SamplingParams(top_k=5), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(top_p=0.5, seed=4), SamplingParams(min_p=0.3)]
-    keys = [11, 12, 13, row_key(3, 0), row_key(4, 0), 16]
-    ids = SAMPLER(logits, SamplingBatch.build(params, [None] * 6, CPU, 2048, keys=keys))
-    assert ids[0].item() == logits[0].argmax().item()
-    for row in (2, 4, 5):
-        allowed = reference(logits[row], params[row]) > 0
-        assert bool(allowed[ids[row]])
-    # rows 1 and 3 alone (no filters in the batch: the fused logits path) give the same tokens
-    alone = SAMPLER(logits[[1, 3]], SamplingBatch.build([params[1], params[3]], [None] * 2, CPU, 2048,
-                                                        keys=[keys[1], keys[3]]))
-    assert alone.tolist() == [ids[1].item(), ids[3].item()]
-    with pytest.raises(ValueError, match="2 keys for 6 rows"):
-        SamplingBatch.build(params, [None] * 6, CPU, 2048, keys=[1, 2])
+    logits = torch.randn(6, 2_100, generator=g) * 3
+    kernel_sampler = Sampler()
+    kernel_sampler.gumbel_sample = gumbel_sample
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(seed=3),
+             SamplingParams(temperature=1.7), SamplingParams(temperature=0.3), SamplingParams(seed=4)]
+    filtered = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50),
+                SamplingParams(top_p=0.9, seed=3), SamplingParams(min_p=0.01), SamplingParams(top_k=600, top_p=0.95),
+                SamplingParams(temperature=1.2, seed=4)]
+    keys = [11, 2**KEY_BITS - 1, row_key(3, 0), 2**62 + 12345, 0, row_key(4, 9)]
+    for params in (plain, filtered):
+        batch = build(params, 2_100, keys)
+        assert SAMPLER(logits, batch).tokens.tolist() == kernel_sampler(logits, batch).tokens.tolist()
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def assert_logprobs_match(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int,
+                          sampled: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
+    """Logprobs of `rows` equal the float64 log_softmax of the raw logits: the sampled token's,
+    and the k largest, ids in descending order of logprob."""
+    ref = log_softmax64(logits)[rows]  # [R, V]
+    assert sampled.dtype == torch.float32 and top_logprobs.dtype == torch.float32 and top_ids.dtype == torch.int64
+    assert sampled.shape == (len(rows),) and top_ids.shape == top_logprobs.shape == (len(rows), k)
+    torch.testing.assert_close(sampled.double(), ref.gather(1, tokens[rows].unsqueeze(1)).squeeze(1),
+                               rtol=1e-5, atol=1e-5)
+    expected = ref.topk(k, dim=-1)
+    assert top_ids.tolist() == expected.indices.tolist()  # distinct logits: no ties
+    torch.testing.assert_close(top_logprobs.double(), expected.values, rtol=1e-5, atol=1e-5)
+    assert bool((top_logprobs[:, :-1] >= top_logprobs[:, 1:]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_logprobs_of_the_rows_that_ask(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, 3_000, generator=g) * 4).to(dtype)
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.9),
+              SamplingParams(top_k=20, top_p=0.9, logprobs=2), SamplingParams(min_p=0.1),
+              SamplingParams(temperature=1.3, seed=2, logprobs=0), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=1, logprobs=MAX_LOGPROBS), SamplingParams(top_p=0.5, logprobs=1),
+              SamplingParams(temperature=0.7)]
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out = SAMPLER(logits, build(params, 3_000))
+    lp = out.logprobs
+    assert lp.rows.tolist() == rows
+    assert_logprobs_match(logits.float() if dtype != torch.float64 else logits, out.tokens, rows, MAX_LOGPROBS,
+                          lp.sampled, lp.top_ids, lp.top_logprobs)
+    # greedy rows sampled the argmax: their sampled logprob is the largest
+    for i, row in enumerate(rows):
+        if params[row].greedy:
+            assert out.tokens[row].item() == logits[row].argmax().item()
+            assert lp.sampled[i].item() == lp.top_logprobs[i, 0].item()
+
+
+def test_logprobs_every_row_and_k_zero() -> None:
+    logits = torch.randn(4, 200)
+    params = [SamplingParams(logprobs=0), SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(top_k=3, logprobs=0), SamplingParams(seed=1, logprobs=0)]
+    out = SAMPLER(logits, build(params, 200))
+    assert out.logprobs.rows.tolist() == [0, 1, 2, 3] and out.logprobs.top_ids.shape == (4, 0)
+    assert_logprobs_match(logits, out.tokens, [0, 1, 2, 3], 0, out.logprobs.sampled, out.logprobs.top_ids,
+                          out.logprobs.top_logprobs)
+
+
+def test_logprobs_k_is_capped_at_the_vocabulary() -> None:
+    logits = small_logits(12).unsqueeze(0)
+    batch = build([SamplingParams(logprobs=MAX_LOGPROBS)], 12)
+    assert batch.logprobs.k == 12
+    lp = SAMPLER(logits, batch).logprobs
+    assert sorted(lp.top_ids[0].tolist()) == list(range(12))
+
+
+def test_logprobs_ignore_temperature_and_filters() -> None:
+    """Logprobs are of the raw logits: the same for every sampling setting of a row."""
+    row = torch.randn(1_000, generator=torch.Generator().manual_seed(3)) * 2
+    settings = [SamplingParams(temperature=0.0, logprobs=4), SamplingParams(temperature=0.2, logprobs=4),
+                SamplingParams(temperature=2.5, top_k=2, logprobs=4), SamplingParams(top_p=0.3, logprobs=4),
+                SamplingParams(temperature=1.5, min_p=0.5, top_k=10, logprobs=4)]
+    lp = SAMPLER(row.expand(len(settings), -1), build(settings, 1_000)).logprobs
+    for i in range(1, len(settings)):
+        assert torch.equal(lp.top_ids[i], lp.top_ids[0]) and torch.equal(lp.top_logprobs[i], lp.top_logprobs[0])
+    torch.testing.assert_close(lp.top_logprobs[0].double(), log_softmax64(row).topk(4).values, rtol=1e-5, atol=1e-5)
+
+
+def test_no_logprob_work_when_no_row_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("logprobs computed for a batch where no row asks")
+
+    monkeypatch.setattr(sampler_module, "token_logprobs", forbidden)
+    monkeypatch.setattr(torch, "log_softmax", forbidden)
+    params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(temperature=0.0)]
+    out = SAMPLER(torch.randn(3, 100), build(params, 100))
+    assert out.logprobs is None
+
+
+def test_token_logprobs_standalone() -> None:
+    """The function the engine scores prompt tokens with: any rows, any float dtype."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 400, generator=g, dtype=torch.float64) * 3
+    targets = torch.tensor([0, 399, 17, 17, 250])
+    for x in (logits, logits.float(), logits.bfloat16()):
+        chosen, top_ids, top_logprobs = token_logprobs(x, targets, 3)
+        assert_logprobs_match(x.double(), targets, [0, 1, 2, 3, 4], 3, chosen, top_ids, top_logprobs)
+    chosen, top_ids, _ = token_logprobs(logits, targets, 0)
+    assert top_ids.shape == (5, 0) and chosen.shape == (5,)
+    with pytest.raises(TypeError, match="k must be an int"):
+        token_logprobs(logits, targets, True)
+    with pytest.raises(ValueError, match="k must be in"):
+        token_logprobs(logits, targets, 401)
+    with pytest.raises(TypeError, match="token_ids"):
+        token_logprobs(logits, targets.int(), 1)
+    with pytest.raises(ValueError, match="2-D float"):
+        token_logprobs(logits[0], targets[:1], 1)

@@ -2,7 +2,9 @@
 
 Greedy exactness, filters never leaving the allowed set (float64 reference with a
 small slack for float32 rounding), first-token frequencies, seeds independent of the
-batch, no host sync (CUDA sync debug mode), and sampling right after a CUDA-graph replay.
+batch, the Triton kernel and the PyTorch noise giving the same tokens, logprobs against
+a float64 reference, no host sync (CUDA sync debug mode), and sampling right after a
+CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -13,14 +15,26 @@ import random
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
+from nanovllm.kernels import gumbel_sample
+from nanovllm.kernels.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 B, V = 256, 151_936
 SLACK = 1e-4
-SAMPLER = Sampler()
+
+
+def make_samplers() -> tuple[Sampler, Sampler]:
+    """The sampler as the engine builds it on CUDA (Triton kernel), and one built on the CPU
+    (the PyTorch noise), which runs on CUDA tensors just as well."""
+    with torch.device("cuda"):
+        kernel = Sampler()
+    return kernel, Sampler()
+
+
+SAMPLER, TWIN = make_samplers() if torch.cuda.is_available() else (None, None)
 KINDS = [
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.7, top_k=1),
@@ -41,18 +55,16 @@ def mixed_params(n: int = B) -> list[SamplingParams]:
     return [KINDS[i % len(KINDS)] for i in range(n)]
 
 
-# Noise sources: per-request torch generators, or per-row keys (the Triton kernel; the engine's CUDA path).
-NOISE = ["generators", "keys"]
+def build(params: list[SamplingParams], step: int = 0, rng: random.Random | None = None) -> SamplingBatch:
+    """A batch for draw number `step`: seeded rows keyed by (seed, step), the others from `rng`
+    (or the torch RNG), as the engine keys them."""
+    draw = rng.getrandbits if rng is not None else (lambda bits: int(torch.randint(0, 2**bits - 1, ()).item()))
+    keys = [row_key(p.seed, step) if p.seed is not None else draw(KEY_BITS) for p in params]
+    return SamplingBatch.build(params, keys, device(), V)
 
 
-def build(params: list[SamplingParams], noise: str, step: int = 0, rng: random.Random | None = None) -> SamplingBatch:
-    """A batch for draw number `step`; keyed unseeded rows take keys from `rng` (or the torch RNG)."""
-    if noise == "generators":
-        gens = [None if p.seed is None else make_generator(p.seed, device()) for p in params]
-        return SamplingBatch.build(params, gens, device(), V)
-    draw = rng.getrandbits if rng is not None else (lambda bits: int(torch.randint(0, 2**62, ()).item()))
-    keys = [row_key(p.seed, step) if p.seed is not None else draw(63) for p in params]
-    return SamplingBatch.build(params, [None] * len(params), device(), V, keys=keys)
+def tokens(logits: torch.Tensor, batch: SamplingBatch, sampler: Sampler | None = None) -> torch.Tensor:
+    return (sampler or SAMPLER)(logits, batch).tokens
 
 
 def random_logits(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -82,34 +94,32 @@ def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs >= floor
 
 
-@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_rows_exact_in_mixed_batch(dtype: torch.dtype, noise: str) -> None:
+def test_greedy_rows_exact_in_mixed_batch(dtype: torch.dtype) -> None:
     logits = random_logits(dtype)
     logits[3, 1000:1010] = 100.0  # ties: the first index wins
     params = mixed_params()
     params[3] = SamplingParams(temperature=0.0)
     greedy = torch.tensor([p.greedy for p in params], device=device())
-    ids = SAMPLER(logits, build(params, noise))
+    ids = tokens(logits, build(params))
     assert ids.dtype == torch.int64 and ids.shape == (B,)
     assert torch.equal(ids[greedy], logits.argmax(dim=-1)[greedy])
     assert ids[3].item() == 1000
     # greedy and plain rows only: the fused logits -> token path
     plain = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.9) for i in range(B)]
     plain[3] = SamplingParams(temperature=0.0)
-    ids = SAMPLER(logits, build(plain, noise))
+    ids = tokens(logits, build(plain))
     odd = torch.arange(B, device=device()) % 2 == 1
     assert torch.equal(ids[odd], logits.argmax(dim=-1)[odd]) and ids[3].item() == 1000
-    all_greedy = build([SamplingParams(temperature=0.0)] * B, noise)
-    assert torch.equal(SAMPLER(logits, all_greedy), logits.argmax(dim=-1))
+    all_greedy = build([SamplingParams(temperature=0.0)] * B)
+    assert torch.equal(tokens(logits, all_greedy), logits.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filters_never_leave_allowed_set(dtype: torch.dtype, noise: str) -> None:
+def test_filters_never_leave_allowed_set(dtype: torch.dtype) -> None:
     logits = random_logits(dtype, seed=1)
     params = mixed_params()
-    draws = torch.stack([SAMPLER(logits, build(params, noise, step)) for step in range(20)], dim=1)
+    draws = torch.stack([tokens(logits, build(params, step)) for step in range(20)], dim=1)
     for i, p in enumerate(params):
         if p.greedy or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0):
             continue
@@ -117,9 +127,8 @@ def test_filters_never_leave_allowed_set(dtype: torch.dtype, noise: str) -> None
         assert bool(allowed[draws[i]].all()), f"row {i} ({p}) sampled outside its allowed set"
 
 
-@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_token_frequencies(dtype: torch.dtype, noise: str) -> None:
+def test_first_token_frequencies(dtype: torch.dtype) -> None:
     # Ten live tokens scattered over the vocabulary; the rest have probability 0.
     g = torch.Generator(device=device()).manual_seed(2)
     live = torch.randperm(V, device=device(), generator=g)[:10]
@@ -128,11 +137,8 @@ def test_first_token_frequencies(dtype: torch.dtype, noise: str) -> None:
     logits = row.to(dtype).expand(B, -1)
     for p in (SamplingParams(temperature=0.8), SamplingParams(top_k=6, top_p=0.8)):
         torch.manual_seed(3)
-        if noise == "generators":
-            batch = build([p] * B, noise)
-            ids = torch.cat([SAMPLER(logits, batch) for _ in range(80)])  # 20480 draws
-        else:  # a key gives the same draw again: fresh keys per draw
-            ids = torch.cat([SAMPLER(logits, build([p] * B, noise, step)) for step in range(80)])
+        # a key gives the same draw again: fresh keys per draw, 20480 draws
+        ids = torch.cat([tokens(logits, build([p] * B, step)) for step in range(80)])
         counts = torch.bincount(ids, minlength=V).double()
         probs = torch.softmax(logits[0].double() / p.temperature, dim=-1)
         allowed = loose_allowed(logits[0], p)
@@ -148,9 +154,8 @@ def test_first_token_frequencies(dtype: torch.dtype, noise: str) -> None:
         assert stat < df * (1.0 - c + 5.0 * math.sqrt(c)) ** 3, f"chi2 {stat:.1f} (df {df}) for {p}"
 
 
-@pytest.mark.parametrize("noise", NOISE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_seeds_independent_of_batch(dtype: torch.dtype, noise: str) -> None:
+def test_seeds_independent_of_batch(dtype: torch.dtype) -> None:
     logits = random_logits(dtype, seed=4)
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
     row = logits[0].clone()
@@ -158,44 +163,89 @@ def test_seeds_independent_of_batch(dtype: torch.dtype, noise: str) -> None:
     def run(params: list[SamplingParams], pos: int, default_seed: int) -> torch.Tensor:
         batch_logits = logits.clone()
         batch_logits[pos] = row
-        torch.manual_seed(default_seed)
         rng = random.Random(default_seed)
-        if noise == "generators":
-            batch = build(params, noise)
-            return torch.stack([SAMPLER(batch_logits[: len(params)], batch)[pos] for _ in range(10)])
-        return torch.stack([SAMPLER(batch_logits[: len(params)], build(params, noise, step, rng))[pos]
-                            for step in range(10)])
+        return torch.stack([tokens(batch_logits[: len(params)], build(params, step, rng))[pos] for step in range(10)])
 
     base = run([target] + mixed_params(B - 1), 0, 0)
     other = [SamplingParams(temperature=1.0)] * (B - 1)
     moved = run(other[:200] + [target] + other[200:], 200, 1)
     alone = run([target], 0, 2)
     plain_target = SamplingParams(temperature=1.0, seed=77)  # alone: the fused logits path
-    if noise == "keys":
-        assert torch.equal(run([plain_target] + other, 0, 3), run([plain_target], 0, 4))
+    assert torch.equal(run([plain_target] + other, 0, 3), run([plain_target], 0, 4))
     assert torch.equal(base, moved) and torch.equal(base, alone)
     reseeded = run([SamplingParams(temperature=1.0, top_p=0.95, seed=78)], 0, 0)
     assert not torch.equal(base, reseeded)
 
 
-@pytest.mark.parametrize("noise", NOISE)
-def test_no_host_sync(noise: str) -> None:
+def test_the_sampler_built_on_cuda_runs_the_kernel() -> None:
+    assert SAMPLER.gumbel_sample is gumbel_sample and TWIN.gumbel_sample is torch_gumbel_sample
+
+
+def test_kernel_and_torch_noise_give_the_same_tokens() -> None:
+    """Seeded rows on fp32 logits: the Triton kernel (the engine's CUDA path) and the PyTorch noise
+    (its CPU path) pick the same tokens. Their uniforms are identical; the kernel's log and
+    division may round differently from torch's, so a token may differ only at a float32 near-tie
+    of the float64 scores."""
+    logits = random_logits(torch.float32, seed=7)
+    plain = [SamplingParams(temperature=0.3 + 0.2 * (i % 5), seed=1000 + i) for i in range(B)]
+    filtered = [SamplingParams(**{**mixed_params()[i].__dict__, "seed": 2000 + i}) for i in range(B)]
+    differ = 0
+    for params in (plain, filtered):
+        for step in range(4):
+            batch = build(params, step)
+            kernel, twin = tokens(logits, batch), tokens(logits, batch, TWIN)
+            rows = torch.nonzero(kernel != twin).flatten().tolist()
+            differ += len(rows)
+            for r in rows:
+                g = -torch.log(-torch.log(torch_gumbel_uniforms(batch.keys[r : r + 1], V)[0].double()))
+                score = logits[r].double() / params[r].temperature + g
+                a, b = score[kernel[r]].item(), score[twin[r]].item()
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (r, a, b)
+    assert differ <= 2, differ
+
+
+def assert_logprobs_match(logits: torch.Tensor, ids: torch.Tensor, rows: list[int], k: int, lp) -> None:
+    """Against float64 log_softmax of the raw logits; bf16 logits tie often, so top ids are
+    checked through their reference logprobs."""
+    ref = torch.log_softmax(logits[rows].double(), dim=-1)  # [R, V]
+    assert lp.rows.tolist() == rows and lp.top_ids.shape == (len(rows), k)
+    sampled_ref = ref.gather(1, ids[rows].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(lp.sampled.double(), sampled_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.top_logprobs.double(), ref.topk(k).values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.gather(1, lp.top_ids), lp.top_logprobs.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_at_serving_size(dtype: torch.dtype) -> None:
+    logits = random_logits(dtype, seed=8)
+    some = [SamplingParams(**{**p.__dict__, "logprobs": 5 if i % 16 == 0 else None})
+            for i, p in enumerate(mixed_params())]
+    every = [SamplingParams(**{**p.__dict__, "logprobs": i % 6}) for i, p in enumerate(mixed_params())]
+    for params in (some, every):
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out = SAMPLER(logits, build(params))
+        assert_logprobs_match(logits, out.tokens, rows, max(params[i].logprobs for i in rows), out.logprobs)
+    assert SAMPLER(logits, build(mixed_params())).logprobs is None
+
+
+def test_no_host_sync() -> None:
     logits = random_logits(torch.bfloat16, seed=5)
     params = mixed_params()
+    with_logprobs = [SamplingParams(**{**p.__dict__, "logprobs": 5 if i % 3 else None}) for i, p in enumerate(params)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for step in range(3):
-            SAMPLER(logits, build(params, noise, step, random.Random(0)))
-        SAMPLER(logits, build([SamplingParams(top_k=40)] * B, noise, 0, random.Random(0)))
-        SAMPLER(logits, build([SamplingParams(temperature=0.5)] * B, noise, 0, random.Random(0)))
+            SAMPLER(logits, build(params, step, random.Random(0)))
+        SAMPLER(logits, build(with_logprobs, 0, random.Random(0)))
+        SAMPLER(logits, build([SamplingParams(top_k=40)] * B, 0, random.Random(0)))
+        SAMPLER(logits, build([SamplingParams(temperature=0.5, logprobs=2)] * B, 0, random.Random(0)))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("noise", NOISE)
-def test_after_cuda_graph_replay(noise: str) -> None:
+def test_after_cuda_graph_replay() -> None:
     src = random_logits(torch.bfloat16, seed=6)
     static_in = src.clone()
     static_out = torch.empty_like(src)
@@ -208,13 +258,13 @@ def test_after_cuda_graph_replay(noise: str) -> None:
     with torch.cuda.graph(graph):
         static_out.copy_(static_in * 2)
     params = mixed_params()
-    batch = build(params, noise)
+    batch = build(params)
     greedy = torch.tensor([p.greedy for p in params], device=device())
     for step in range(3):
         static_in.copy_(random_logits(torch.bfloat16, seed=10 + step))
         graph.replay()
         before = static_out.clone()
-        ids = SAMPLER(static_out, batch)
+        ids = tokens(static_out, batch)
         assert torch.equal(static_out, before)
         assert torch.equal(ids[greedy], (static_in * 2).argmax(dim=-1)[greedy])
         for i in (3, 4, 5, 6):

@@ -7,6 +7,8 @@ import torch
 
 from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
 from nanovllm import SamplingParams
+from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
+from nanovllm.layers.sampler import row_key
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,21 @@ def test_seed_reproduces_across_batch_compositions(llm):
     assert crowd == alone
     other_seed = tokens(llm, [PROMPT], SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True))[0]
     assert other_seed != alone
+
+
+@torch.no_grad()
+def test_seeded_tokens_are_the_keyed_noise_of_the_logits(llm, ckpt):
+    """A seeded request's first token is Gumbel-max of its logits with the noise of
+    row_key(seed, position): the one noise of every device (the CUDA kernel draws it too)."""
+    logits = load_reference(ckpt)(torch.tensor([PROMPT])).logits[0, -1].float()  # [V]
+    seeds = list(range(100, 116))
+    temperature = 1.3
+    firsts = [t[0] for t in tokens(llm, [PROMPT] * len(seeds),
+                                   [SamplingParams(temperature=temperature, seed=s, max_tokens=1) for s in seeds])]
+    keys = torch.tensor([row_key(s, len(PROMPT)) for s in seeds])
+    expected = torch_gumbel_sample(logits.expand(len(seeds), -1), keys, torch.full((len(seeds),), temperature))
+    assert firsts == expected.tolist()
+    assert len(set(firsts)) > 1
 
 
 @torch.no_grad()

@@ -27,16 +27,14 @@ from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, 
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_generator, row_key
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
 from nanovllm.models.registry import build_model
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 
-# Noise keys are int64 tensor values: non-negative, 63 bits.
-KEY_BITS = 63
 # Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
 # their device time hides the host's); bounds the graphs' start-up time and memory.
 MAX_VARLEN_GRAPH_TOKENS = 16384
@@ -89,8 +87,9 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sampler = Sampler()
-        self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests (CUDA)
+        with torch.device(self.device):
+            self.sampler = Sampler()  # its noise implementation follows the device, as the layers' kernels
+        self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
                                        self._query_tile_rows(cfg.head_dim))
 
@@ -153,12 +152,12 @@ class ModelRunner:
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
-            # top-k/top-p take the sampler's most memory-hungry path (a full sort); plain
-            # sampling compiles the fused kernel's other variant.
+            # top-k/top-p take the sampler's most memory-hungry path (a full sort), then every
+            # row's logprobs; plain sampling compiles the fused kernel's other variant.
             keys = [0] * cfg.max_num_seqs
-            for sp in (SamplingParams(temperature=1.0, top_k=50, top_p=0.9), SamplingParams(temperature=1.0)):
-                params = [sp] * cfg.max_num_seqs
-                batch = SamplingBatch.build(params, [None] * len(params), self.device, logits.shape[-1], keys=keys)
+            for sp in (SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
+                       SamplingParams(temperature=1.0)):
+                batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
                 self.sampler(logits, batch)
         torch.cuda.synchronize(self.device)
 
@@ -201,7 +200,8 @@ class ModelRunner:
         if logits is None or sample_seqs is None:
             return LaunchedStep(prepare_s)
         batch = self._sampling_batch(sample_seqs, sampled_positions(plan), logits.shape[-1])
-        tokens = self.sampler(logits, batch)  # [num_sampled] int64
+        out = self.sampler(logits, batch)
+        tokens = out.tokens  # [num_sampled] int64
         if self.device.type != "cuda":
             return LaunchedStep(prepare_s, tokens, tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -219,17 +219,12 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions)
 
     def _sampling_batch(self, seqs: list[Sequence], positions: list[int], vocab_size: int) -> SamplingBatch:
-        """On CUDA each row's noise comes from a key: seeded rows from (seed, position of the
-        sampled token), the others from this runner's RNG. On CPU from torch generators."""
+        """Each row's noise comes from a key, on every device: seeded rows' from (seed, position
+        of the sampled token), the others' from this runner's RNG."""
         params = [s.params for s in seqs]
-        if self.device.type == "cuda":
-            keys = [row_key(p.seed, pos) if p.seed is not None else self._key_rng.getrandbits(KEY_BITS)
-                    for p, pos in zip(params, positions)]
-            return SamplingBatch.build(params, [None] * len(seqs), self.device, vocab_size, keys=keys)
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = make_generator(seq.params.seed, self.device)
-        return SamplingBatch.build(params, [s.generator for s in seqs], self.device, vocab_size)
+        keys = [row_key(p.seed, pos) if p.seed is not None else self._key_rng.getrandbits(KEY_BITS)
+                for p, pos in zip(params, positions)]
+        return SamplingBatch.build(params, keys, self.device, vocab_size)
 
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""

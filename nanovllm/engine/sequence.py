@@ -13,8 +13,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import torch
-
 from nanovllm.engine.stop_strings import StopStringMatcher
 from nanovllm.sampling_params import SamplingParams
 
@@ -46,8 +44,6 @@ class Sequence:
         self.num_hashed_blocks = 0
         # Chained hash of each leading full block computed so far (see BlockManager._block_hashes).
         self.block_hashes: list[int] = []
-        # Per-request RNG for seeded sampling, created lazily by the model runner.
-        self.generator: torch.Generator | None = None
         # Incremental stop-string search (set by the engine when params.stop is not empty).
         self.stop_matcher: StopStringMatcher | None = None
         self.stopped_by_string = False

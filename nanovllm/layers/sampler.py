@@ -1,4 +1,4 @@
-"""Token sampler: one batched pass turns a step's logits into next-token ids.
+"""Token sampler: one batched pass turns a step's logits into next-token ids (and logprobs).
 
 Each row of a batch may be greedy, plain temperature sampling, or filtered by
 top-k / top-p / min-p, seeded or not; all rows go through the same tensor ops.
@@ -14,41 +14,63 @@ Pipeline (vLLM's order), all in float32:
    probability strictly below the threshold get probability 0. Tokens tied with
    the threshold are all kept, so equal probabilities are always treated alike.
 4. min-p: probabilities below ``min_p * max_prob`` get 0 (folded into the same threshold).
-5. Exponential race (Gumbel-max): ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d.
-   picks token i with probability ``probs[i] / sum(probs)``, so no renormalisation
-   is needed. The noise comes from one of two sources:
-   - per-row keys (CUDA): the Triton kernel `gumbel_sample` derives each row's noise
-     from its 64-bit key (Philox); a batch with no top-k/top-p/min-p row goes
-     straight from the logits to tokens in that one kernel (steps 1-2 fused).
-   - torch generators (CPU): unseeded rows share one batched draw from the default
-     RNG; each seeded row draws its own ``[V]`` noise from its own generator.
-   Either way a seeded row's tokens do not depend on the rest of the batch.
+5. Gumbel-max: ``argmax(log probs + G)`` with ``G`` i.i.d. standard Gumbel picks token i
+   with probability ``probs[i] / sum(probs)``, so no renormalisation is needed. A batch
+   with no top-k/top-p/min-p row goes straight from the logits to tokens
+   (``argmax(logits / T + G)``, steps 1-2 folded in).
+
+Noise source: one, on every device. Each row has a 64-bit key (a seeded request's from
+``row_key(seed, position)``, the others from the engine's RNG) and its noise is Philox of
+(key, column) (kernels/gumbel_torch.py defines it): the Triton kernel ``gumbel_sample``
+draws it on CUDA, its PyTorch twin ``torch_gumbel_sample`` elsewhere, bit for bit alike.
+The sampler picks the implementation once, from the device it is built on
+(kernel_path.uses_triton). So a seeded row's tokens do not depend on the rest of the
+batch, and given the same logits they are the same on either device (the uniforms are
+identical; the kernel's log and division may round differently from torch's, which can
+only change a float32 near-tie).
+
+Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
+``log_softmax`` of their raw logits (before temperature and filters, as vLLM's default),
+float32: the sampled token's and the k most likely tokens'. They cost a log_softmax and a
+top-k over those rows only; a batch where no row asks does no logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
-Python-side flags of :class:`SamplingBatch`.
+Python-side flags of :class:`SamplingBatch`, whose tensors reach the device in one copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from nanovllm.kernels import gumbel_sample
+from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
+from nanovllm.layers.kernel_path import construction_device, uses_triton
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
 from nanovllm.utils.host_to_device import to_device
 
 # Largest top_k served by torch.topk instead of a full sort when no row uses top-p.
 _TOPK_PATH_MAX_K = 1024
+# Noise keys are int64 tensor values: non-negative, 63 bits.
+KEY_BITS = 63
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed``, owned by one request."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+@dataclass(frozen=True)
+class LogprobRows:
+    """The rows of a batch that ask for logprobs.
+
+    rows: ``[R]`` int64 on the device, distinct and ascending (R == B: every row).
+    k: most alternatives any of them asks for, capped at the vocabulary (known on the host);
+        every one of the R rows gets this many, a row that asked for fewer keeps its first ones.
+    """
+
+    rows: Tensor
+    k: int
 
 
 @dataclass(frozen=True)
@@ -56,62 +78,101 @@ class SamplingBatch:
     """Per-step sampling tensors for the B rows of a batch.
 
     temperatures: ``[B]`` float32; 0 marks a greedy row (temperature 0 or top_k 1).
+    keys: ``[B]`` int64 noise keys in [0, 2**63) (seeded rows: see ``row_key``).
     top_ks: ``[B]`` int64 (off rows hold the vocab size), or None when no row uses top-k.
     top_ps: ``[B]`` float32 (off rows hold 1.0), or None when no row uses top-p.
     min_ps: ``[B]`` float32 (off rows hold 0.0), or None when no row uses min-p.
-    generators: one entry per row (None: default RNG), or None when no row is seeded.
-    keys: ``[B]`` int64 noise keys (see ``row_key``), or None: noise from ``generators``.
+    logprobs: the rows that ask for logprobs, or None when none does.
     all_greedy: every row is greedy (the sampler only takes the argmax).
     max_top_k: largest top_k in use (0 when top_ks is None); lets the sampler use
         ``torch.topk`` instead of a full sort when no row uses top-p.
+
+    The tensors are views of one device buffer, filled by one host-to-device copy.
     """
 
     temperatures: Tensor
+    keys: Tensor
     top_ks: Tensor | None
     top_ps: Tensor | None
     min_ps: Tensor | None
-    generators: tuple[torch.Generator | None, ...] | None
+    logprobs: LogprobRows | None
     all_greedy: bool
     max_top_k: int = 0
-    keys: Tensor | None = None
 
     @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        device: torch.device,
-        vocab_size: int,
-        keys: Sequence[int] | None = None,
-    ) -> SamplingBatch:
-        """Builds the tensors from Python values: one copy per tensor, no device sync.
-        With `keys` (one per row, in [0, 2**63)) the noise comes from them, not `generators`."""
-        if len(generators) != len(params):
-            raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
-        if keys is not None and len(keys) != len(params):
-            raise ValueError(f"got {len(keys)} keys for {len(params)} rows")
-        device = torch.device(device)
+    def build(cls, params: Sequence[SamplingParams], keys: Sequence[int], device: torch.device,
+              vocab_size: int) -> SamplingBatch:
+        """The batch of rows sampled with `params` and noise `keys` (one per row, in [0, 2**63)):
+        packed on the host into one pinned buffer and copied once; no device sync."""
+        batch = len(params)
+        if len(keys) != batch:
+            raise ValueError(f"got {len(keys)} keys for {batch} rows")
+        if batch and (min(keys) < 0 or max(keys) >= 1 << KEY_BITS):
+            raise ValueError(f"keys must be in [0, 2**63), got {min(keys)} .. {max(keys)}")
         greedy = [p.greedy for p in params]
-        temperatures = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         # Settings of greedy rows are irrelevant: they are stored as "off".
-        top_ks = [
-            vocab_size if g or p.top_k in TOP_K_OFF else min(p.top_k, vocab_size)
-            for p, g in zip(params, greedy)
-        ]
+        temperatures = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if g or p.top_k in TOP_K_OFF else min(p.top_k, vocab_size)
+                  for p, g in zip(params, greedy)]
         top_ps = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
         min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
-        gens = tuple(None if g else gen for gen, g in zip(generators, greedy))
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         use_top_k = any(k < vocab_size for k in top_ks)
+        use_top_p = any(p < 1.0 for p in top_ps)
+        use_min_p = any(m > 0.0 for m in min_ps)
+
+        (keys_d, top_ks_d, rows_d), (temperatures_d, top_ps_d, min_ps_d) = _pack_to_device(
+            [keys, top_ks if use_top_k else [], logprob_rows],
+            [temperatures, top_ps if use_top_p else [], min_ps if use_min_p else []], device)
+        logprobs = None
+        if logprob_rows:
+            logprobs = LogprobRows(rows_d, min(vocab_size, max(params[i].logprobs for i in logprob_rows)))
         return cls(
-            temperatures=to_device(temperatures, device, torch.float32),
-            top_ks=to_device(top_ks, device, torch.int64) if use_top_k else None,
-            top_ps=to_device(top_ps, device, torch.float32) if any(p < 1.0 for p in top_ps) else None,
-            min_ps=to_device(min_ps, device, torch.float32) if any(m > 0.0 for m in min_ps) else None,
-            generators=gens if any(gen is not None for gen in gens) else None,
+            temperatures=temperatures_d,
+            keys=keys_d,
+            top_ks=top_ks_d if use_top_k else None,
+            top_ps=top_ps_d if use_top_p else None,
+            min_ps=min_ps_d if use_min_p else None,
+            logprobs=logprobs,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
-            keys=to_device(keys, device, torch.int64) if keys is not None and not all(greedy) else None,
         )
+
+
+def _pack_to_device(int_parts: list[Sequence[int]], float_parts: list[Sequence[float]],
+                    device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+    """Lists of ints and floats as int64 / float32 tensors on `device`, in one host-to-device copy:
+    one int64 buffer holds the ints, then the floats two to a word, and each tensor is a view of
+    it (a float32 view of the same bytes for the floats)."""
+    int_sizes = [len(part) for part in int_parts]
+    float_sizes = [len(part) for part in float_parts]
+    num_ints, num_floats = sum(int_sizes), sum(float_sizes)
+    # floats two to a word, rounded up by a spare word (so the float view is never empty)
+    host = np.empty(num_ints + num_floats // 2 + 1, dtype=np.int64)
+    host[:num_ints] = np.fromiter(chain.from_iterable(int_parts), dtype=np.int64, count=num_ints)
+    host[num_ints:].view(np.float32)[:num_floats] = np.fromiter(
+        chain.from_iterable(float_parts), dtype=np.float32, count=num_floats)
+    packed = to_device(host, device)
+    floats = packed[num_ints:].view(torch.float32)[:num_floats]
+    return list(packed[:num_ints].split(int_sizes)), list(floats.split(float_sizes))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs (log_softmax of the raw logits, float32) of the R batch rows that asked for them."""
+
+    rows: Tensor  # [R] int64: which batch rows, ascending
+    sampled: Tensor  # [R] float32: logprob of each row's sampled token
+    top_ids: Tensor  # [R, k] int64: the k most likely tokens (k = LogprobRows.k), by descending logprob
+    top_logprobs: Tensor  # [R, k] float32: their logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What one sampler pass returns."""
+
+    tokens: Tensor  # [B] int64: one sampled token per row
+    logprobs: TokenLogprobs | None  # None: no row asked for logprobs (and none were computed)
 
 
 # splitmix64's multipliers (Steele et al.): a bijective mix, so distinct (seed, position) pairs
@@ -162,39 +223,68 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.maximum(kth, pth)
 
 
-def _exponential_noise(like: Tensor, generators: tuple[torch.Generator | None, ...] | None) -> Tensor:
-    """``Exp(1)`` noise shaped like ``like``; seeded rows use their own generator."""
-    noise = torch.empty_like(like)
-    if generators is None or any(g is None for g in generators):
-        noise.exponential_()
-    if generators is not None:
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                noise[row].exponential_(generator=generator)
-    # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax picks.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``log_softmax`` of each row of `logits` ``[R, V]`` (any float dtype, computed in float32;
+    not modified) at `token_ids` ``[R]`` int64, and each row's `k` most likely tokens.
+
+    Returns ``chosen`` ``[R]`` float32, ``top_ids`` ``[R, k]`` int64 by descending logprob and
+    ``top_logprobs`` ``[R, k]`` float32 (k = 0: empty ``[R, 0]``). Writes the ``[R, V]``
+    float32 logprobs once; the top k are found on the raw logits, which order a row's
+    logprobs alike (log_softmax only shifts a row), in their own (maybe narrower) dtype.
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {k!r}")
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a 2-D float tensor [rows, vocab], got {getattr(logits, 'shape', type(logits))}")
+    rows, vocab = logits.shape
+    if not 0 <= k <= vocab:
+        raise ValueError(f"k must be in [0, vocab = {vocab}], got {k}")
+    if not isinstance(token_ids, Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (rows,):
+        raise TypeError(f"token_ids must be an int64 tensor of shape ({rows},), got "
+                        f"{getattr(token_ids, 'dtype', type(token_ids))} {tuple(getattr(token_ids, 'shape', ()))}")
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
+    top_ids = logits.topk(k, dim=-1, sorted=True).indices  # [R, k]
+    return chosen, top_ids, logprobs.gather(1, top_ids)
 
 
 class Sampler(torch.nn.Module):
-    """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`."""
+    """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`, and the
+    logprobs of the rows that ask for them."""
 
-    def forward(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
-        """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids."""
+    def __init__(self) -> None:
+        super().__init__()
+        # The noise implementation of the device this sampler is built on (kernel_path's rule):
+        # the Triton kernel on CUDA, its PyTorch twin elsewhere; both draw the same noise.
+        self.gumbel_sample = gumbel_sample if uses_triton(construction_device()) else torch_gumbel_sample
+
+    def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
+        the logprobs of ``batch.logprobs``'s rows."""
+        tokens = self._sample(logits, batch)  # [B]
+        if batch.logprobs is None:
+            return SamplerOutput(tokens, None)
+        rows = batch.logprobs.rows  # [R]
+        asking_logits, asking_tokens = logits, tokens
+        if rows.shape[0] < logits.shape[0]:  # a subset (rows are distinct): only those rows are read
+            asking_logits, asking_tokens = logits.index_select(0, rows), tokens.index_select(0, rows)
+        sampled, top_ids, top_logprobs = token_logprobs(asking_logits, asking_tokens, batch.logprobs.k)
+        return SamplerOutput(tokens, TokenLogprobs(rows, sampled, top_ids, top_logprobs))
+
+    def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """``[B]`` int64 token ids."""
         if batch.all_greedy:
             return logits.argmax(dim=-1)
+        if logits.dtype == torch.float64:  # the noise implementations read float16/bfloat16/float32
+            logits = logits.to(torch.float32)
         filtered = batch.top_ks is not None or batch.top_ps is not None or batch.min_ps is not None
-        if batch.keys is not None and not filtered and logits.dtype != torch.float64:
-            return gumbel_sample(logits, batch.keys, batch.temperatures)  # greedy rows: T = 0
+        if not filtered:
+            return self.gumbel_sample(logits, batch.keys, batch.temperatures)  # greedy rows: T = 0
         greedy_ids = logits.argmax(dim=-1)
-        temperatures = batch.temperatures
-        is_greedy = temperatures == 0.0
-        if batch.top_ks is not None:
-            is_greedy = is_greedy | (batch.top_ks == 1)
-        safe_t = torch.where(is_greedy, 1.0, temperatures).unsqueeze(-1)
+        is_greedy = batch.temperatures == 0.0  # top_k 1 rows too: build stores them with T = 0
+        safe_t = torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(-1)
         # bf16/fp16 logits divided by a float32 tensor give a fresh float32 tensor
         # in one pass (the caller's logits, maybe a CUDA graph's buffer, stay as they are).
-        if logits.dtype == torch.float64:
-            logits = logits.to(torch.float32)
         probs = torch.softmax(logits / safe_t, dim=-1)
 
         threshold: Tensor | None = None
@@ -206,10 +296,5 @@ class Sampler(torch.nn.Module):
             threshold = min_p_th if threshold is None else torch.maximum(threshold, min_p_th)
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
-
-        if batch.keys is not None:
-            sampled = gumbel_sample(probs, batch.keys, is_probs=True)
-        else:
-            probs.div_(_exponential_noise(probs, batch.generators))
-            sampled = probs.argmax(dim=-1)
+        sampled = self.gumbel_sample(probs, batch.keys, is_probs=True)
         return torch.where(is_greedy, greedy_ids, sampled)
