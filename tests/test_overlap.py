@@ -57,7 +57,7 @@ def test_ahead_step_leaves_out_sequences_that_end_by_length():
 
     # `decode` ends a by EOS: the carried step's result for a is dropped.
     finished = sched.postprocess(decode, {a.seq_id: EOS, b.seq_id: 7})
-    assert {s.seq_id for s in finished} == {0, 1}
+    assert {r.request_id for r in finished} == {0, 1}
     assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.LENGTH
     tokens = list(a.token_ids)
     assert sched.postprocess(following, {a.seq_id: 5}) == []

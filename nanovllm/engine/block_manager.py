@@ -87,10 +87,10 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def _prefix_hits(self, seq: Sequence) -> list[Block]:
-        """Leading full blocks of `seq` whose KV is already cached."""
+    def _prefix_hits(self, seq: Sequence, use_cache: bool = True) -> list[Block]:
+        """Leading full blocks of `seq` whose KV is already cached (none when `use_cache` is off)."""
         hits: list[Block] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return hits
         bs = self.block_size
         num_full = len(seq) // bs
@@ -101,21 +101,22 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._prefix_hits(seq)
+    def can_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
+        hits = self._prefix_hits(seq, use_cache)
         reusable_free = sum(1 for b in hits if b.ref_count == 0)
         new_blocks = self.blocks_needed(len(seq)) - len(hits)
         return new_blocks + reusable_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks.
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks (unless
+        `use_cache` is off: all its tokens are then computed, e.g. for their logprobs).
 
         Sets seq.num_computed_tokens to the cached prefix length, but never to the
         whole sequence: the last token is always recomputed to produce logits.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
-        hits = self._prefix_hits(seq)
+        hits = self._prefix_hits(seq, use_cache)
         self.num_prefix_hit_blocks += len(hits)
         for block in hits:
             if block.ref_count == 0:
@@ -166,12 +167,18 @@ class BlockManager:
             self.hash_to_block_id[hashes[i]] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every published hash (e.g. the weights changed: cached KV is stale). Blocks
+        in use stay allocated; later requests find nothing cached."""
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = []
+
     def reset(self) -> None:
         """Free every block and forget every hash: after a failed or interrupted step no
         sequence remains, and the step may have published blocks whose KV it never wrote."""
-        self.hash_to_block_id.clear()
+        self.clear_prefix_cache()
         for block in self.blocks:
             block.ref_count = 0
-            block.hash = None
-            block.token_ids = []
         self.free_block_ids = OrderedDict.fromkeys(range(len(self.blocks)))

@@ -3,8 +3,10 @@
 Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
     while not engine.is_finished(): result = engine.step()   # StepResult
-Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}.
+Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}
+(plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
 Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
+RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
 """
 
 from __future__ import annotations
@@ -13,21 +15,23 @@ import atexit
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
+import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.chat import render_chat
+from nanovllm.engine.logprobs import logprob_entries
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.prompts import PromptValidator
+from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind
-from nanovllm.engine.sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
+from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_inputs import StepPlan
-from nanovllm.engine.stop_strings import StopStringMatcher, cut_at_stop
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -54,6 +58,7 @@ class _InFlight:
     """A step queued on the device whose tokens the host has not read yet."""
 
     batch: ScheduledBatch
+    plan: StepPlan
     sample_seqs: list[Sequence]  # the sequences it samples, in row order
     launched: LaunchedStep
 
@@ -76,14 +81,13 @@ class LLMEngine:
         eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
-            mixed_steps=cfg.mixed_steps,
+            mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer,
         )
         self.validator = PromptValidator(
             self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,
             self.num_kvcache_blocks * cfg.kvcache_block_size,
         )
         self._ids = itertools.count()
-        self._seqs: dict[int, Sequence] = {}
         # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
         self._overlap = cfg.overlap_scheduling and self.workers is None
         self._in_flight: _InFlight | None = None
@@ -96,12 +100,10 @@ class LLMEngine:
         return self._enqueue(token_ids, sampling_params)
 
     def _enqueue(self, token_ids: list[int], params: SamplingParams) -> int:
-        seq = Sequence(next(self._ids), token_ids, params)
-        if params.stop and self.tokenizer is not None:
-            seq.stop_matcher = StopStringMatcher(params.stop)
-        self._seqs[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
+        seq_ids = [next(self._ids) for _ in range(params.n)]
+        request = Request.create(seq_ids[0], seq_ids, token_ids, params)
+        self.scheduler.add(request)
+        return request.request_id
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
@@ -121,15 +123,9 @@ class LLMEngine:
         sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens)}
         t2 = time.perf_counter()
         batch = current.batch
-        finished = self.scheduler.postprocess(batch, sampled)
-        for seq in batch.seqs:
-            matcher = seq.stop_matcher
-            if seq.seq_id in sampled and not seq.is_finished and matcher is not None \
-                    and matcher.feed(self.tokenizer, seq.completion_token_ids):
-                seq.stopped_by_string = True
-                self.scheduler.finish(seq, FinishReason.STOP)
-                finished.append(seq)
-        outputs = [self._output(seq) for seq in finished]
+        self._record_prompt_logprobs(current)
+        done = self.scheduler.postprocess(batch, sampled, self._sample_logprobs(current, tokens))
+        outputs = [request.output(self.tokenizer) for request in done]
         return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
                           launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
                           postprocess_s=time.perf_counter() - t2)
@@ -141,7 +137,7 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.send("run", plan)
             launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
-        return _InFlight(batch, sample_seqs, launched)
+        return _InFlight(batch, plan, sample_seqs, launched)
 
     @contextlib.contextmanager
     def _worker_errors(self) -> Iterator[None]:
@@ -153,18 +149,28 @@ class LLMEngine:
                 raise
             raise (self.workers.dead_worker_error(e) or e) from e
 
+    def _sample_logprobs(self, step: _InFlight, tokens: list[int]) -> dict[int, dict[int, float]] | None:
+        """{seq_id: {token_id: logprob}} for the sampled rows that ask for logprobs."""
+        host = step.launched.logprobs()
+        if host is None:
+            return None
+        seqs = [step.sample_seqs[r] for r in host.rows]
+        entries = logprob_entries(host, [tokens[r] for r in host.rows], [s.params.logprobs for s in seqs])
+        return {s.seq_id: e for s, e in zip(seqs, entries)}
+
+    def _record_prompt_logprobs(self, step: _InFlight) -> None:
+        """Append the step's prompt logprobs to the sequences that asked, in position order."""
+        spans = step.batch.prompt_logprob_spans
+        host = step.launched.prompt_logprobs()
+        if not spans or host is None:
+            return
+        seqs = [step.batch.seqs[i] for i, span in spans.items() for _ in span]
+        targets = step.plan.prompt_logprob_targets
+        for seq, entry in zip(seqs, logprob_entries(host, targets, [s.params.prompt_logprobs for s in seqs])):
+            seq.prompt_logprobs.append(entry)
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        del self._seqs[seq.seq_id]
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            if seq.stopped_by_string:
-                text = cut_at_stop(text, seq.params.stop)
-        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids,
-                             text, seq.finish_reason)
 
     # ----- batch API -----
     def generate(
@@ -227,19 +233,27 @@ class LLMEngine:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort_all(self) -> None:
-        """Drop every pending request (after an error or interrupt) and reset the KV bookkeeping.
-
-        An interrupt can land anywhere, even inside an allocation, so rather than trusting
-        per-sequence block tables the block manager starts over: nothing is running."""
-        for seq in self._seqs.values():
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.STOP
-            seq.block_table = []
+        """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
         self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
-        self._seqs.clear()
-        self.block_manager.reset()
+        self.scheduler.abort_all()
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place, between generate() calls (an RL step's policy update).
+
+        `weights`: (name, tensor) pairs with Hugging Face checkpoint names and full (unsharded)
+        shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
+        lm_head.weight is accepted and ignored); any subset of the weights may be given.
+        Unknown names and wrong shapes raise ValueError before any parameter changes. The
+        prefix cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid
+        (parameters keep their storage)."""
+        if not self.is_finished():
+            raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
+        weights = list(weights)
+        with self._worker_errors():
+            self.model_runner.update_weights(weights)  # checks everything before changing anything
+            if self.workers is not None:
+                self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
+        self.block_manager.clear_prefix_cache()
 
     def exit(self) -> None:
         """Release the model, cache and any workers. Safe to call more than once."""

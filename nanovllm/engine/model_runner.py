@@ -21,18 +21,20 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_from_memory
+from nanovllm.engine.logprobs import HostLogprobs
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key, token_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.host_to_device import to_device
+from nanovllm.utils.loader import init_dummy_weights, load_model, update_weights
 
 
 # Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
@@ -40,23 +42,45 @@ from nanovllm.utils.loader import init_dummy_weights, load_model
 MAX_VARLEN_GRAPH_TOKENS = 16384
 # Decode inputs travel as int32 (StepInputBuilder.decode_rows): cache slots must fit.
 MAX_KV_SLOTS = 2**31 - 1
+# Prompt-logprob rows scored per LM-head call: bounds the [rows, vocab] float32 logits
+# (1,024 x 151,936 x 4 B = 0.6 GB) whatever the step's token budget.
+PROMPT_LOGPROB_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A step queued on the device. `tokens()` waits for its sampled tokens."""
+    """A step queued on the device. `tokens()` waits for its sampled tokens; `logprobs()` /
+    `prompt_logprobs()` return the step's logprobs (None when no row asked)."""
 
     prepare_s: float  # host time spent building the step's inputs
     device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
     host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
-    ready: torch.cuda.Event | None = None  # recorded after the copy (None on CPU: already done)
+    ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
+    # (rows, chosen, top_ids, top_logprobs) on the host once `ready`, sampled rows / prompt rows
+    host_logprobs: tuple[torch.Tensor, ...] | None = None
+    host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+
+    def _wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
 
     def tokens(self) -> list[int]:
         if self.host_tokens is None:
             return []
-        if self.ready is not None:
-            self.ready.synchronize()
+        self._wait()
         return self.host_tokens.tolist()
+
+    def logprobs(self) -> HostLogprobs | None:
+        if self.host_logprobs is None:
+            return None
+        self._wait()
+        return HostLogprobs.from_tensors(*self.host_logprobs)
+
+    def prompt_logprobs(self) -> HostLogprobs | None:
+        if self.host_prompt_logprobs is None:
+            return None
+        self._wait()
+        return HostLogprobs.from_tensors(*self.host_prompt_logprobs)
 
 
 class ModelRunner:
@@ -169,6 +193,7 @@ class ModelRunner:
         `sample_seqs`: the plan's sampled sequences in order (rank 0; None on workers).
         `previous`: the step launched just before, whose device tokens a carried plan reads."""
         start = time.perf_counter()
+        prompt_logprobs: tuple[torch.Tensor, ...] | None = None
         carried_from = None
         if plan.carried_rows:
             if previous is None or previous.device_tokens is None:
@@ -187,28 +212,67 @@ class ModelRunner:
                 hidden = self._forward(inputs)
         else:
             bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
-            if bucket is not None:
+            if bucket is not None and not plan.prompt_logprob_rows:  # a graph returns sampled rows only
                 hidden = self.varlen_graphs.run(plan, bucket, carried_from)  # [num_sampled, hidden]
                 prepare_s = time.perf_counter() - start
             else:
                 inputs = self.inputs.varlen(plan, carried_from)
                 prepare_s = time.perf_counter() - start
-                hidden = self._forward(inputs)[inputs.sample_indices]  # [num_sampled, hidden]
+                every = self._forward(inputs)  # [num_tokens, hidden]
+                hidden = every[inputs.sample_indices]  # [num_sampled, hidden]
+                if plan.prompt_logprob_rows:
+                    prompt_logprobs = self._prompt_logprobs(plan, every)
         if not any(plan.sampled):
-            return LaunchedStep(prepare_s)
+            return self._finish_launch(prepare_s, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
         if logits is None or sample_seqs is None:
             return LaunchedStep(prepare_s)
         batch = self._sampling_batch(sample_seqs, sampled_positions(plan), logits.shape[-1])
-        out = self.sampler(logits, batch)
-        tokens = out.tokens  # [num_sampled] int64
+        out = self.sampler(logits, batch)  # tokens [num_sampled] int64, logprobs of the rows that ask
+        lp = out.logprobs
+        sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.top_ids, lp.top_logprobs)
+        return self._finish_launch(prepare_s, out.tokens, sample_logprobs, prompt_logprobs)
+
+    def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None,
+                       sample_logprobs: tuple[torch.Tensor, ...] | None,
+                       prompt_logprobs: tuple[torch.Tensor, ...] | None) -> LaunchedStep:
+        """The handle of a queued step: its device results copied to pinned host memory
+        (CUDA: asynchronously, one event after the copies; CPU: as they are)."""
         if self.device.type != "cuda":
-            return LaunchedStep(prepare_s, tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return LaunchedStep(prepare_s, tokens, tokens, None, sample_logprobs, prompt_logprobs)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        host_tokens = to_host(tokens) if tokens is not None else None
+        host_lp = tuple(map(to_host, sample_logprobs)) if sample_logprobs is not None else None
+        host_plp = tuple(map(to_host, prompt_logprobs)) if prompt_logprobs is not None else None
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(prepare_s, tokens, host, ready)
+        return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """(rows, chosen, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
+        `hidden` [num_tokens, hidden] in chunks of PROMPT_LOGPROB_CHUNK_ROWS (every rank takes
+        part in the LM head; rank 0 gets the result, the others None)."""
+        rows = to_device(plan.prompt_logprob_rows, self.device, torch.int64)  # [R]
+        targets = to_device(plan.prompt_logprob_targets, self.device, torch.int64)  # [R]
+        parts = []
+        for a in range(0, rows.shape[0], PROMPT_LOGPROB_CHUNK_ROWS):
+            logits = self.model.compute_logits(hidden[rows[a : a + PROMPT_LOGPROB_CHUNK_ROWS]])  # [r, vocab]
+            if logits is not None:
+                parts.append(token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_CHUNK_ROWS], plan.prompt_logprobs_k))
+        if not parts:
+            return None
+        chosen, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
+        return torch.arange(rows.shape[0], device=self.device), chosen, top_ids, top_lps
+
+    @torch.inference_mode()
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint-named full tensors into this rank's parameters in place (every name
+        and shape checked first; see loader.update_weights)."""
+        update_weights(self.model, weights)
 
     def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
         """Run one step and wait for it: the new token of each of `sample_seqs` ([] on workers)."""
@@ -219,11 +283,11 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions)
 
     def _sampling_batch(self, seqs: list[Sequence], positions: list[int], vocab_size: int) -> SamplingBatch:
-        """Each row's noise comes from a key, on every device: seeded rows' from (seed, position
-        of the sampled token), the others' from this runner's RNG."""
+        """Each row's noise comes from a key, on every device: seeded rows' from (the sample's
+        seed, position of the sampled token), the others' from this runner's RNG."""
         params = [s.params for s in seqs]
-        keys = [row_key(p.seed, pos) if p.seed is not None else self._key_rng.getrandbits(KEY_BITS)
-                for p, pos in zip(params, positions)]
+        keys = [row_key(s.seed, pos) if s.seed is not None else self._key_rng.getrandbits(KEY_BITS)
+                for s, pos in zip(seqs, positions)]
         return SamplingBatch.build(params, keys, self.device, vocab_size)
 
     def exit(self) -> None:

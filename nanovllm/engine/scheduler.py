@@ -27,16 +27,22 @@ flight; its next input is that token, which the step takes from the device:
 A step planned ahead (`schedule(ahead=True)`) leaves out sequences that step N surely
 ends (max_tokens, max_model_len) and never preempts (it returns None instead); a
 sequence that N ends by a stop token is computed once more and its result dropped.
+
+The scheduler owns the requests' lifecycle: it queues a request's samples, records
+each step's tokens (and logprobs), ends samples (EOS, stop token ids, stop strings,
+lengths), reports a request once all its samples are done, and aborts everything.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.engine.stop_strings import StopStringMatcher
 
 
 class StepKind(enum.Enum):
@@ -49,12 +55,15 @@ class StepKind(enum.Enum):
 class ScheduledBatch:
     """One step: `num_new_tokens[i]` tokens of `seqs[i]` from position `starts[i]`.
 
-    seqs[:num_decode] are decode rows (one token each), the rest prefill chunks."""
+    seqs[:num_decode] are decode rows (one token each), the rest prefill chunks.
+    prompt_logprob_spans: row index -> prompt positions [a, b) whose next-token logprobs
+    this step computes (rows of sequences that ask for prompt logprobs)."""
 
     seqs: list[Sequence]
     starts: list[int]
     num_new_tokens: list[int]
     num_decode: int
+    prompt_logprob_spans: dict[int, range] = field(default_factory=dict)
 
     @property
     def kind(self) -> StepKind:
@@ -81,6 +90,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         mixed_steps: bool = True,
+        tokenizer=None,
     ):
         self.block_manager = block_manager
         self.mixed_steps = mixed_steps
@@ -88,12 +98,22 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer  # decodes completions for stop strings (None: no stop strings)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.requests: dict[int, Request] = {}  # unfinished requests by id
         self.num_preemptions = 0  # running total, for tests and stats
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: Request | Sequence) -> None:
+        """Queue a request's samples (sample 0 first: the others reuse its prompt blocks).
+        A bare Sequence is queued as a request of its own."""
+        if isinstance(request, Sequence):
+            request = Request.of_sequence(request)
+        for seq in request.samples:
+            if seq.params.stop and self.tokenizer is not None:
+                seq.stop_matcher = StopStringMatcher(seq.params.stop)
+            self.waiting.append(seq)
+        self.requests[request.request_id] = request
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -125,16 +145,25 @@ class Scheduler:
 
     @staticmethod
     def _book(rows: list[Sequence], prefill: list[tuple[Sequence, int]]) -> ScheduledBatch:
-        """The batch of decode rows and prefill chunks, its tokens booked as computed."""
+        """The batch of decode rows and prefill chunks, its tokens (and the prompt logprobs
+        they yield) booked as computed."""
         # Longest first: the decode attention kernel starts its programs in batch order, so
         # short sequences fill the tail of the launch. Rows with an input in flight lead.
         rows.sort(key=lambda s: (not input_in_flight(s), -s.num_computed_tokens))
         seqs = rows + [s for s, _ in prefill]
         starts = [s.num_computed_tokens for s in seqs]
         num_new = [1] * len(rows) + [n for _, n in prefill]
-        for seq, n in zip(seqs, num_new):
+        spans: dict[int, range] = {}
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
+            if seq.needs_prompt_logprobs:
+                # hidden state at position p gives the logprob of prompt token p + 1
+                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+                span = range(max(seq.num_computed_tokens, seq.num_prompt_logprobs_booked), end)
+                if span:
+                    spans[i] = span
+                    seq.num_prompt_logprobs_booked = end
             seq.num_computed_tokens += n
-        return ScheduledBatch(seqs, starts, num_new, len(rows))
+        return ScheduledBatch(seqs, starts, num_new, len(rows), spans)
 
     def _schedule_running(self, budget: int, ahead: bool) -> tuple[list[Sequence], bool] | None:
         """Decode rows for the running sequences (and whether any were preempted), or None
@@ -172,9 +201,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
+                # Cached blocks have no logits: a prompt whose logprobs are asked is computed whole.
+                use_cache = not seq.needs_prompt_logprobs
+                if not self.block_manager.can_allocate(seq, use_cache):
                     break
-                self.block_manager.allocate(seq)
+                self.block_manager.allocate(seq, use_cache)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             self.block_manager.publish_full_blocks(seq, seq.num_computed_tokens + n)
             chunks.append((seq, n))
@@ -199,19 +230,33 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a step's results; `sampled` maps seq_id to its new token. Returns finished seqs."""
-        finished: list[Sequence] = []
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
+                    logprobs: dict[int, dict[int, float]] | None = None) -> list[Request]:
+        """Record a step's results: `sampled` maps seq_id to its new token, `logprobs` seq_id
+        to that token's {token_id: logprob} (sequences that ask). Returns the requests that
+        finished (all their samples done), no longer tracked here."""
+        done: list[Request] = []
         for seq in batch.seqs:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
             seq.token_ids.append(token)
+            if seq.logprobs is not None and logprobs is not None:
+                entry = logprobs[seq.seq_id]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token]
             reason = self._finish_reason(seq, token)
+            if reason is None and seq.stop_matcher is not None \
+                    and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
+                seq.stopped_by_string = True
+                reason = FinishReason.STOP
             if reason is not None:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+                request = self.requests[seq.request_id]
+                if request.is_finished:
+                    del self.requests[seq.request_id]
+                    done.append(request)
+        return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
@@ -221,8 +266,23 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def abort_all(self) -> None:
+        """Drop every request (after an error or interrupt) and reset the KV bookkeeping.
+
+        An interrupt can land anywhere, even inside an allocation, so rather than trusting
+        per-sequence block tables the block manager starts over: nothing is running."""
+        for request in self.requests.values():
+            for seq in request.samples:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.STOP
+                seq.block_table = []
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self.block_manager.reset()
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End `seq` now (also used for stop strings found by the engine)."""
+        """End `seq` now."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)

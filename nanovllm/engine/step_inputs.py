@@ -44,6 +44,11 @@ class StepPlan:
     num_decode: int = 0  # sequences [0, num_decode) are decode rows
     # Rows [0, len(carried_rows)) take their input from the previous step's sample at these rows.
     carried_rows: list[int] = field(default_factory=list)
+    # Prompt logprobs: the step's token indices whose hidden states score the next prompt
+    # token, that token's id at each, and the most alternatives any of them asks for.
+    prompt_logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprobs_k: int = 0
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
@@ -62,6 +67,13 @@ class StepPlan:
                 token_ids.append(0)
             else:
                 token_ids.extend(seq.token_ids[start : start + n])
+        offsets = np.concatenate([[0], np.cumsum(batch.num_new_tokens)]).tolist()
+        lp_rows: list[int] = []
+        lp_targets: list[int] = []
+        for i, span in batch.prompt_logprob_spans.items():
+            seq, start = batch.seqs[i], batch.starts[i]
+            lp_rows.extend(offsets[i] + p - start for p in span)
+            lp_targets.extend(seq.token_ids[span.start + 1 : span.stop + 1])
         return cls(
             kind=batch.kind,
             starts=list(batch.starts),
@@ -72,6 +84,10 @@ class StepPlan:
                      for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))],
             num_decode=batch.num_decode,
             carried_rows=carried,
+            prompt_logprob_rows=lp_rows,
+            prompt_logprob_targets=lp_targets,
+            prompt_logprobs_k=max((batch.seqs[i].params.prompt_logprobs for i in batch.prompt_logprob_spans),
+                                  default=0),
         )
 
     @property

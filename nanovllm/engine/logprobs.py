@@ -1,0 +1,41 @@
+"""Logprobs on the host: a step's logprob tensors, copied back, turned into vLLM's dicts.
+
+Each scored row (a sampled token, or a prompt token given the ones before it) becomes
+{token_id: logprob} holding the scored token first and then the row's k most likely
+tokens (k = 0: the scored token only), in descending logprob; the scored token appears
+once even when it is among the k. Logprobs are log_softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HostLogprobs:
+    """R scored rows of one step, on the host. `rows`: which of the step's sampled rows each
+    is (prompt logprobs: 0..R-1); `top_ids` / `top_logprobs` hold the step's largest k."""
+
+    rows: list[int]
+    chosen: list[float]  # [R] logprob of the scored token
+    top_ids: list[list[int]]  # [R, k]
+    top_logprobs: list[list[float]]  # [R, k]
+
+    @classmethod
+    def from_tensors(cls, rows: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor,
+                     top_logprobs: torch.Tensor) -> HostLogprobs:
+        """From host tensors ([R], [R], [R, k], [R, k]); one .tolist() each."""
+        return cls(rows.tolist(), chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
+
+
+def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """One {token_id: logprob} per row: `tokens[i]` (the scored token) and the top `ks[i]`."""
+    entries = []
+    for token, chosen, ids, lps, k in zip(tokens, host.chosen, host.top_ids, host.top_logprobs, ks):
+        entry = {token: chosen}
+        for token_id, lp in zip(ids[:k], lps[:k]):
+            entry.setdefault(token_id, lp)
+        entries.append(entry)
+    return entries

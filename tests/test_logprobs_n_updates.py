@@ -1,0 +1,202 @@
+"""Logprobs, prompt logprobs, n samples per prompt and in-place weight updates (CPU), against
+transformers' logits: log_softmax of its float32 logits is the reference for every logprob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm import SamplingParams
+from tests.checkpoints import (
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, make_prompts,
+)
+
+LOGPROB_ATOL = 2e-3  # fp32 engine vs fp32 transformers, different kernels and summation order
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("lp") / "a"), TinyShape(), seed=3)
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("lp") / "b"), TinyShape(), seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return load_reference(ckpt)
+
+
+def engine(path, **kwargs):
+    return cpu_llm(path, **{"kvcache_block_size": BS, "max_model_len": 512, **kwargs})
+
+
+@torch.no_grad()
+def ref_logprobs(reference, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is log P(next token | ids[: i + 1])."""
+    return torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def check_entry(entry: dict[int, float], row: torch.Tensor, token: int, k: int) -> None:
+    """entry = {token: lp, k most likely...}: every value is the reference's, the k best are there."""
+    assert token in entry
+    top = row.topk(k).indices.tolist() if k else []
+    assert set(entry) == {token, *top} or _tied(row, entry, top)
+    for t, lp in entry.items():
+        assert abs(lp - row[t].item()) < LOGPROB_ATOL, (t, lp, row[t].item())
+
+
+def _tied(row: torch.Tensor, entry: dict[int, float], top: list[int]) -> bool:
+    """Top-k sets may differ only by tokens tied (within tolerance) with the k-th value."""
+    if not top:
+        return False
+    kth = row[top[-1]].item()
+    differ = set(entry) ^ set(top)
+    return all(abs(row[t].item() - kth) < LOGPROB_ATOL for t in differ if t in entry or t in top)
+
+
+def test_sampled_logprobs_are_log_softmax_of_raw_logits(ckpt, reference):
+    prompts = make_prompts(1, 3, 20, 60)
+    llm = engine(ckpt)
+    # temperature and top-k change the sampling, not the logprobs (raw logits)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=5),
+              SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=12, logprobs=0),
+              SamplingParams(temperature=1.3, seed=2, max_tokens=12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.exit()
+    assert "logprobs" not in outs[2] and "cumulative_logprob" not in outs[2]
+    for prompt, out, sp in zip(prompts[:2], outs[:2], params[:2]):
+        tokens = out["token_ids"]
+        assert len(out["logprobs"]) == len(tokens)
+        rows = ref_logprobs(reference, prompt + tokens)
+        for i, (token, entry) in enumerate(zip(tokens, out["logprobs"])):
+            check_entry(entry, rows[len(prompt) - 1 + i], token, sp.logprobs)
+            if sp.logprobs == 0:
+                assert list(entry) == [token]
+        assert out["cumulative_logprob"] == pytest.approx(sum(e[t] for t, e in zip(tokens, out["logprobs"])))
+    assert_greedy_matches_reference(reference, prompts[0], outs[0]["token_ids"])
+
+
+@pytest.mark.parametrize("regime", ["whole", "chunked", "prefix_hit"])
+def test_prompt_logprobs(ckpt, reference, regime):
+    prompt = make_prompts(2, 1, 70, 71)[0]
+    kwargs = {"max_num_batched_tokens": 16} if regime == "chunked" else {}
+    llm = engine(ckpt, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    if regime == "prefix_hit":
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        hits = llm.block_manager.num_prefix_hit_blocks
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    if regime == "prefix_hit":
+        # the request that asks for prompt logprobs computes its prompt (cached blocks have no logits) ...
+        assert llm.block_manager.num_prefix_hit_blocks == hits
+        # ... and one that does not ask still hits the cache
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        assert llm.block_manager.num_prefix_hit_blocks > hits
+    llm.exit()
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    rows = ref_logprobs(reference, prompt)
+    for i in range(1, len(prompt)):
+        check_entry(plp[i], rows[i - 1], prompt[i], 2)
+
+
+def test_n_samples_share_the_prompt_and_repeat_with_a_seed(ckpt):
+    prompt = make_prompts(3, 1, 50, 51)[0]
+    llm = engine(ckpt)
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=16, n=4, logprobs=1)
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    hits = llm.block_manager.num_prefix_hit_blocks
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    llm.exit()
+    samples = [o["token_ids"] for o in first["outputs"]]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4
+    assert first["token_ids"] == samples[0] and first["text"] == first["outputs"][0]["text"]
+    assert all(len(o["logprobs"]) == len(o["token_ids"]) for o in first["outputs"])
+    # the repeat hits the prefix cache (other float paths): same tokens, logprobs within rounding
+    assert [o["token_ids"] for o in again["outputs"]] == samples
+    for a, b in zip(again["outputs"], first["outputs"]):
+        assert all(x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+                   for x, y in zip(a["logprobs"], b["logprobs"]))
+    # samples 1..3 reused sample 0's full prompt blocks (50 tokens: 3 full 16-token blocks each)
+    assert hits >= 3 * (len(prompt) // BS)
+
+
+def test_n_greedy_gives_identical_samples_and_n1_keeps_its_shape(ckpt):
+    prompt = make_prompts(4, 1, 30, 31)[0]
+    llm = engine(ckpt)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, n=3), use_tqdm=False)[0]
+    single = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    llm.exit()
+    assert [o["token_ids"] for o in out["outputs"]] == [single["token_ids"]] * 3
+    assert set(single) == {"text", "token_ids", "finish_reason"}
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(logprobs=-1), ValueError), (dict(logprobs=21), ValueError), (dict(logprobs=1.5), TypeError),
+    (dict(prompt_logprobs=-2), ValueError), (dict(n=0), ValueError), (dict(n=2.0), TypeError),
+    (dict(n=True), TypeError),
+])
+def test_bad_values_are_refused_at_the_call(bad, error):
+    with pytest.raises(error, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def hf_state_dict(path):
+    return load_reference(path).state_dict()
+
+
+def test_update_weights_gives_the_new_checkpoints_tokens(ckpt, other_ckpt):
+    prompts = make_prompts(5, 3, 40, 80)
+    sp = SamplingParams(temperature=0.0, max_tokens=10)
+    llm_b = engine(other_ckpt)
+    expected_b = [o["token_ids"] for o in llm_b.generate(prompts, sp, use_tqdm=False)]
+    llm_b.exit()
+    llm = engine(ckpt)
+    before = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert before != expected_b
+    state_b = hf_state_dict(other_ckpt)
+    assert "lm_head.weight" in state_b  # tied model: accepted and ignored
+    # bad names / shapes: refused before anything changes
+    with pytest.raises(ValueError, match="model.layers.0.mlp.nope.weight"):
+        llm.update_weights(list(state_b.items()) + [("model.layers.0.mlp.nope.weight", torch.zeros(2))])
+    bad = dict(state_b)
+    bad["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="k_proj"):
+        llm.update_weights(bad.items())
+    assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == before
+    llm.update_weights(state_b.items())
+    # same prompts: the prefix cache of the old weights must not be reused
+    after = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm.exit()
+    assert after == expected_b
+
+
+def test_tp2_matches_tp1_for_logprobs_n_and_updates(ckpt, other_ckpt):
+    prompts = make_prompts(6, 2, 30, 60)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=6, n=3, logprobs=1)]
+    state_b = hf_state_dict(other_ckpt)
+    results = []
+    for tp in (1, 2):
+        llm = engine(ckpt, tensor_parallel_size=tp)
+        try:
+            first = llm.generate(prompts, params, use_tqdm=False)
+            llm.update_weights(state_b.items())
+            results.append((first, llm.generate(prompts, params, use_tqdm=False)))
+        finally:
+            llm.exit()
+    (one_a, one_b), (two_a, two_b) = results
+    for a, b in ((one_a, two_a), (one_b, two_b)):
+        for x, y in zip(a, b):
+            assert x["token_ids"] == y["token_ids"]
+            assert [o["token_ids"] for o in x.get("outputs", [])] == [o["token_ids"] for o in y.get("outputs", [])]
+            for ex, ey in zip(x["logprobs"], y["logprobs"]):
+                assert ex.keys() == ey.keys()
+                assert all(abs(ex[t] - ey[t]) < LOGPROB_ATOL for t in ex)
+        plx, ply = a[0]["prompt_logprobs"], b[0]["prompt_logprobs"]
+        assert all(abs(ex[t] - ey[t]) < LOGPROB_ATOL for ex, ey in zip(plx[1:], ply[1:]) for t in ex)
+    assert one_a[0]["token_ids"] != one_b[0]["token_ids"]
