@@ -6,7 +6,10 @@ id (`map_checkpoint_name`: packed parameters such as qkv_proj are filled from se
 checkpoint tensors); a parameter's `weight_slice` picks this rank's part of the tensor and
 the part of the parameter it fills. Names the model ignores on purpose (`ignored_checkpoint_name`:
 e.g. lm_head.weight of a tied model) are skipped; any other unknown name, or a wrong shape,
-is a ValueError naming it.
+is a ValueError naming it. A parameter packed from many checkpoint tensors (`param.shard_ids`)
+may also accept one tensor holding several of them (`param.shard_groups`: shard id -> the
+shard ids it fills; e.g. all experts' gate and up projections fused in one 3-D tensor), so a
+checkpoint of either form counts as complete.
 
     checkpoint name --map_checkpoint_name--> (parameter, shard id) --weight_slice--> (destination, source)
 """
@@ -34,7 +37,7 @@ ParamKey = tuple[str, object]  # (parameter name, shard id or None)
 class _Fill:
     """One checkpoint tensor's destination: copy `source` into `destination`."""
 
-    key: ParamKey
+    keys: tuple[ParamKey, ...]  # the (parameter, shard) pairs it fills
     destination: torch.Tensor
     source: torch.Tensor
 
@@ -62,9 +65,11 @@ class _WeightMap:
         if self.model.ignored_checkpoint_name(ckpt_name):
             return None
         target, shard_id = self.model.map_checkpoint_name(ckpt_name)
-        if (target, shard_id) not in self.expected:
+        param = self.params.get(target)
+        groups = getattr(param, "shard_groups", {})
+        keys = tuple((target, s) for s in groups[shard_id]) if shard_id in groups else ((target, shard_id),)
+        if param is None or not all(key in self.expected for key in keys):
             raise ValueError(f"unknown weight {ckpt_name!r}: the model has no parameter for it")
-        param = self.params[target]
         weight_slice = getattr(param, "weight_slice", None)
         try:
             if weight_slice is not None:
@@ -75,7 +80,7 @@ class _WeightMap:
                 destination, source = param.data, tensor
         except ValueError as e:
             raise ValueError(f"weight {ckpt_name!r}: {e}") from None
-        return _Fill((target, shard_id), destination, source)
+        return _Fill(keys, destination, source)
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,7 +103,7 @@ def load_model(model: nn.Module, path: str) -> None:
         fill = weights.fill(name, tensor)
         if fill is not None:
             fill.destination.copy_(fill.source)
-            loaded.add(fill.key)
+            loaded.update(fill.keys)
     missing = [n + (f" (shard {s})" if s is not None else "") for n, s in weights.expected - loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
