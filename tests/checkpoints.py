@@ -1,10 +1,11 @@
 """Builds small checkpoints (random weights) of each supported family and a small BPE tokenizer
 for tests, and `cpu_llm`, the engine constructor of every test not marked `gpu`.
 
-transformers' own classes (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM) write the
-checkpoints, so the files have exactly the names, shapes and config keys that real checkpoints
-have (in transformers 5's spelling; `rewrite_config_published` turns one into the published
-spelling); they are also the reference the engine's tokens are checked against.
+transformers' own classes (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3MoeForCausalLM) write the checkpoints, so the files have exactly the names, shapes and
+config keys that real checkpoints have (in transformers 5's spelling; `rewrite_config_published`
+turns one into the published spelling); they are also the reference the engine's tokens are
+checked against.
 """
 
 from __future__ import annotations
@@ -178,6 +179,62 @@ def build_qwen2_checkpoint(path: str, shape: Qwen2Shape = Qwen2Shape(), seed: in
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
     )
     return _save_family_checkpoint(path, Qwen2ForCausalLM(config), seed)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A tiny Qwen3-MoE: 8 experts of width 32, 2 per token, in every layer but `mlp_only_layers`
+    and those `decoder_sparse_step` skips (those run a dense MLP of width intermediate_size)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1024
+    vocab_size: int = TEST_VOCAB_SIZE
+    initializer_range: float = 0.2  # weights' std: large, so logits are spread and argmax ties rare
+
+
+def build_moe_checkpoint(path: str, shape: MoeShape = MoeShape(), seed: int = 0,
+                         eos_token_id: int | list[int] = 0) -> str:
+    """Write a random-weight Qwen3-MoE checkpoint plus the test tokenizer. transformers keeps the
+    experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and
+    writes one tensor per expert and projection, as published checkpoints have them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=shape.moe_intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim, num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+        norm_topk_prob=shape.norm_topk_prob, decoder_sparse_step=shape.decoder_sparse_step,
+        mlp_only_layers=list(shape.mlp_only_layers), max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=1e-6,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
+    )
+    Qwen3MoeForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+def rewrite_checkpoint_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace a checkpoint's *.safetensors files by one file holding `tensors`."""
+    from safetensors.torch import save_file
+
+    for name in os.listdir(path):
+        if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(path, name))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
 
 
 def rewrite_config_published(path: str) -> None:

@@ -175,7 +175,8 @@ def test_unsupported_architecture_is_refused_naming_it(tmp_path):
 
 
 def test_registry_classes_carry_their_architecture_names():
-    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                                            "Qwen3MoeForCausalLM"}
     for name in SUPPORTED_ARCHITECTURES:
         assert model_class(name).__name__ == name
     # the first supported entry of a list wins

@@ -1,7 +1,8 @@
 """Linear layers split across tensor-parallel ranks.
 
 Column-parallel layers split the output features (each rank computes a slice);
-row-parallel layers split the input features and all-reduce the partial sums.
+row-parallel layers split the input features and all-reduce the partial sums; a replicated
+layer keeps the whole weight on every rank.
 Every parameter carries a `weight_slice(param, loaded, shard_id) -> (destination, source)`:
 the part of the parameter a checkpoint tensor fills on this rank and the part of the tensor
 that fills it (weights and 1-D biases alike), shapes checked, nothing copied yet (the loader
@@ -73,6 +74,17 @@ class _LinearBase(nn.Module):
 
             return gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
+
+
+class ReplicatedLinear(_LinearBase):
+    """y = x W^T with the whole W on every rank (an MoE router): `[*, in] -> [*, out]`."""
+
+    def weight_slice(self, param, loaded, shard_id=None):
+        _check_shape("replicated", param.shape, loaded)
+        return param.data, loaded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(_LinearBase):

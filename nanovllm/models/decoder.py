@@ -1,19 +1,21 @@
-"""The dense decoder every supported family shares (Qwen3, Llama 3.x, Qwen2/2.5), on a flat
-token batch.
+"""The decoder every supported family shares (Qwen3, Llama 3.x, Qwen2/2.5, Qwen3-MoE), on a
+flat token batch.
 
-    embed -> L x [ RMSNorm -> self-attention (GQA, RoPE) -> add -> RMSNorm -> SwiGLU MLP -> add ]
+    embed -> L x [ RMSNorm -> self-attention (GQA, RoPE) -> add -> RMSNorm -> MLP -> add ]
           -> RMSNorm -> LM head (tied to the embedding or not)
 
 All sequences' tokens are stacked on one axis (no batch dimension): hidden states are
 `[num_tokens, hidden]`. Module and parameter names match the Hugging Face checkpoints, except
 the packed `qkv_proj` and `gate_up_proj` (see `packed_modules_mapping`). The families differ
 only in `DecoderTraits`, which each model file states (models/qwen3.py, llama.py, qwen2.py),
-and in the config values they carry (RoPE scaling, eps, head_dim, tying), read by ModelConfig.
-One RoPE table serves all layers.
+in the config values they carry (RoPE scaling, eps, head_dim, tying), read by ModelConfig,
+and in each layer's MLP: the dense SwiGLU unless a family's `build_mlp` says otherwise
+(models/qwen3_moe.py: mixture-of-experts layers). One RoPE table serves all layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +50,13 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary_emb,
             qk_norm=traits.qk_norm, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=traits.qkv_bias, o_bias=traits.o_bias,
         )
-        self.mlp = DecoderMLP(cfg, traits.mlp_bias)
+        self.mlp = mlp  # [N, hidden] -> [N, hidden]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -71,11 +73,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, build_mlp: Callable[[int], nn.Module]):
+        """build_mlp(layer index) -> that layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb, build_mlp(i))
+                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -101,7 +105,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
         super().__init__()
-        self.model = DecoderModel(cfg, traits)
+        self.model = DecoderModel(cfg, traits, lambda layer_idx: self.build_mlp(cfg, traits, layer_idx))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -109,6 +113,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N] -> hidden [N, hidden]."""
         return self.model(input_ids, positions)
+
+    def build_mlp(self, cfg: ModelConfig, traits: DecoderTraits, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: the dense SwiGLU (a family with other MLPs overrides this)."""
+        return DecoderMLP(cfg, traits.mlp_bias)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None]:
         """Checkpoint tensor name -> (parameter name, shard id): `...q_proj.weight` fills shard

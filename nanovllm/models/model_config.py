@@ -4,6 +4,10 @@ Published checkpoints write `rope_theta`, `rope_scaling` (the scaling keys, or n
 `torch_dtype` at top level; transformers 5 writes `rope_parameters` (rope_theta and the scaling
 keys in one dict) and `dtype`. Both are read, to the same ModelConfig. The architecture must be
 one models/registry.py builds; RoPE must be plain or Llama 3 scaled.
+
+A mixture-of-experts architecture (registry.MOE_ARCHITECTURES) also carries `moe`, its router
+and expert shape. Its expert count is `num_experts` in published configs and
+`num_local_experts` in transformers 5's (its attribute map renames it on save); both are read.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.layers.rotary_embedding import Llama3RopeScaling
-from nanovllm.models.registry import resolve_architecture
+from nanovllm.models.registry import MOE_ARCHITECTURES, resolve_architecture
 
 # config.json dtype names -> torch dtypes (also the names LLM(dtype=...) accepts).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -26,6 +30,36 @@ _LLAMA3_ROPE_TYPE = "llama3"
 _HIDDEN_ACT = "silu"
 # transformers' default theta when a config names none.
 _DEFAULT_ROPE_THETA = 10000.0
+# The expert count's spellings: published configs, then transformers 5's (attribute_map).
+_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Router and expert shape of a mixture-of-experts decoder (Qwen3-MoE's config keys)."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top-k experts each token is routed to
+    moe_intermediate_size: int  # one expert's SwiGLU width
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...]  # ... and i is not listed here (those keep the dense MLP)
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` (0-based) routes to experts; the others run the
+        dense MLP of width intermediate_size (transformers' Qwen3MoeDecoderLayer rule)."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +81,13 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
+
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose MLP routes to experts (none for a dense model)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers) if self.moe.is_sparse(i))
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -97,21 +138,47 @@ class ModelConfig:
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=eos_ids,
+                moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raise ValueError unless `tp` ranks can split heads and the MLP evenly."""
+        """Raise ValueError unless `tp` ranks can split heads and the MLPs evenly (the dense
+        MLP's width where a layer is dense, each expert's width where one is sparse)."""
         if tp == 1:
             return
-        for name, value in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("intermediate_size", self.intermediate_size),
-        ):
+        splits = [("num_attention_heads", self.num_attention_heads),
+                  ("num_key_value_heads", self.num_key_value_heads)]
+        sparse = self.sparse_layers()
+        if len(sparse) < self.num_hidden_layers:
+            splits.append(("intermediate_size", self.intermediate_size))
+        if sparse:
+            splits.append(("moe_intermediate_size", self.moe.moe_intermediate_size))
+        for name, value in splits:
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
+
+
+def _moe(raw: dict, source: str) -> MoeConfig:
+    """The MoE section of a mixture-of-experts config.json; a missing key is a KeyError
+    (from_dict names it), an inconsistent value a ValueError naming it."""
+    count_key = next((k for k in _NUM_EXPERTS_KEYS if raw.get(k) is not None), _NUM_EXPERTS_KEYS[0])
+    layers = raw.get("mlp_only_layers") or []
+    num_layers = int(raw["num_hidden_layers"])
+    if not isinstance(layers, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
+        raise ValueError(f"{source}: mlp_only_layers must list layer indices in [0, {num_layers}), got {layers!r}")
+    try:
+        return MoeConfig(
+            num_experts=int(raw[count_key]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(layers),
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:

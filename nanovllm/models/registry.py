@@ -20,8 +20,11 @@ _MODEL_MODULES = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3",
     "LlamaForCausalLM": "nanovllm.models.llama",
     "Qwen2ForCausalLM": "nanovllm.models.qwen2",
+    "Qwen3MoeForCausalLM": "nanovllm.models.qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_MODULES)
+# Architectures whose config.json carries a mixture-of-experts section (ModelConfig.moe).
+MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM"})
 
 
 def resolve_architecture(architectures: object, source: str) -> str:

@@ -1,0 +1,162 @@
+"""The mixture-of-experts MLP (Qwen3-MoE's sparse block): a router picks each token's top-k
+experts, each a SwiGLU MLP, and their outputs are summed with the router's weights.
+
+    hidden [T, H] --gate--> logits [T, E] --softmax (float32)--> top-k: weights [T, K], ids [T, K]
+                                           (weights renormalised to sum to 1 if norm_topk_prob)
+    out[t] = sum_k weights[t, k] * w2[e] @ (silu(g) * u),  [g | u] = w13[e] @ hidden[t],  e = ids[t, k]
+
+Expert weights are stacked: w13 [E, 2 I/tp, H] (rows [0, I/tp): this rank's rows of gate_proj,
+[I/tp, 2 I/tp): of up_proj) and w2 [E, H, I/tp] (this rank's columns of down_proj). As in the
+dense MLP, each rank sums over its part of the intermediate dimension and the ranks all-reduce;
+the router is replicated, so every rank routes identically.
+
+Checkpoint spellings (`map_expert_name`): published checkpoints hold one tensor per expert and
+projection, `...mlp.experts.{e}.{gate,up,down}_proj.weight` (shard (e, "gate_proj") etc. of w13 /
+w2); transformers 5's in-memory state dict (what update_weights gets from a transformers model)
+fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I],
+each filling a whole parameter (its `shard_groups`, utils/loader.py).
+
+A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs the fused
+Triton kernel (nanovllm/kernels/fused_moe.py: fixed shapes, routing read on the device, so decode
+steps stay inside CUDA graphs); on other devices `experts_native`, a plain PyTorch loop over the
+experts that some token picked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.kernel_path import uses_triton
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.utils.distributed import tp_rank, tp_size
+
+# Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
+GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
+# Shard ids of the fused (transformers 5) tensors, each filling a whole parameter.
+FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
+_PER_EXPERT_NAME = re.compile(
+    r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_FUSED_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+
+
+def map_expert_name(name: str) -> tuple[str, tuple[int, str] | str] | None:
+    """A checkpoint's expert tensor name -> (stacked parameter name, shard id); None for a name
+    that is not an expert tensor.
+
+        model.layers.3.mlp.experts.17.gate_proj.weight -> (model.layers.3.mlp.experts.w13, (17, "gate_proj"))
+        model.layers.3.mlp.experts.17.down_proj.weight -> (model.layers.3.mlp.experts.w2, (17, "down_proj"))
+        model.layers.3.mlp.experts.gate_up_proj        -> (model.layers.3.mlp.experts.w13, "gate_up_proj")
+    """
+    m = _PER_EXPERT_NAME.fullmatch(name)
+    if m is not None:
+        param = "w2" if m["proj"] == DOWN_PROJ else "w13"
+        return f"{m['prefix']}.{param}", (int(m["expert"]), m["proj"])
+    m = _FUSED_NAME.fullmatch(name)
+    if m is not None:
+        param = "w2" if m["proj"] == FUSED_DOWN else "w13"
+        return f"{m['prefix']}.{param}", m["proj"]
+    return None
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64): the top-k of
+    the float32 softmax, divided by their sum when `renormalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_native(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts in plain PyTorch: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights /
+    topk_ids [T, K] -> [T, H] in hidden's dtype (weighted sum in float32). Each expert some token
+    picked runs once on the rows that picked it; the others are skipped."""
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)  # [T, H]
+    for expert in torch.unique(topk_ids).tolist():
+        tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)  # [n], [n]
+        gate, up = F.linear(hidden.index_select(0, tokens), w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots].unsqueeze(-1))
+    return out.to(hidden.dtype)
+
+
+def _check_shape(what: str, expected: tuple[int, ...], loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
+
+
+class MoeExperts(nn.Module):
+    """E SwiGLU experts stacked in w13 [E, 2 I/tp, H] and w2 [E, H, I/tp]: forward(hidden [T, H],
+    weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.local_size = intermediate_size // self.tp_size  # I / tp
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size), requires_grad=False)
+        experts = range(num_experts)
+        self.w13.shard_ids = tuple((e, proj) for e in experts for proj in (GATE_PROJ, UP_PROJ))
+        self.w2.shard_ids = tuple((e, DOWN_PROJ) for e in experts)
+        self.w13.shard_groups = {FUSED_GATE_UP: self.w13.shard_ids}
+        self.w2.shard_groups = {FUSED_DOWN: self.w2.shard_ids}
+        for param in (self.w13, self.w2):
+            param.weight_slice = self.weight_slice
+        self.use_triton = uses_triton(self.w13.device)
+
+    def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: tuple[int, str] | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part of w13 / w2 that `loaded` fills, this rank's part of `loaded`); no copy."""
+        E, H, I, local = self.num_experts, self.hidden_size, self.intermediate_size, self.local_size
+        start = self.tp_rank * local  # this rank's first intermediate index
+        if param is self.w13 and shard_id == FUSED_GATE_UP:
+            _check_shape("experts gate_up_proj", (E, 2 * I, H), loaded)
+            # [E, 2, I, H] (gate | up) -> this rank's rows of each: [E, 2, I/tp, H]
+            return param.data.view(E, 2, local, H), loaded.unflatten(1, (2, I)).narrow(2, start, local)
+        if param is self.w2 and shard_id == FUSED_DOWN:
+            _check_shape("experts down_proj", (E, H, I), loaded)
+            return param.data, loaded.narrow(2, start, local)
+        valid = param.shard_ids if param is self.w13 or param is self.w2 else ()
+        if shard_id not in valid:
+            raise ValueError(f"expert shard id must be one of (expert < {E}, projection) or a fused "
+                             f"tensor's name, got {shard_id!r}")
+        expert, proj = shard_id
+        if proj == DOWN_PROJ:
+            _check_shape(f"expert {expert} {proj}", (H, I), loaded)
+            return param.data[expert], loaded.narrow(1, start, local)
+        _check_shape(f"expert {expert} {proj}", (I, H), loaded)
+        offset = 0 if proj == GATE_PROJ else local
+        return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from nanovllm.kernels import fused_moe
+
+            return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated [E, H], no bias) + experts: hidden [T, H] -> [T, H], summed
+    over the ranks' parts of the intermediate dimension."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route(self.gate(hidden), self.top_k, self.renormalize)  # [T, K] each
+        out = self.experts(hidden, topk_weights, topk_ids)  # [T, H]
+        if self.experts.tp_size > 1:
+            dist.all_reduce(out)
+        return out

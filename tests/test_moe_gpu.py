@@ -1,0 +1,183 @@
+"""Qwen3-MoE on a CUDA device in bf16: the engine (fused MoE kernel) against transformers, CUDA
+graphs against eager, and the MoE layer's CUDA path against its PyTorch path on the same weights,
+eagerly and replayed from a CUDA graph with new routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import MoeShape, build_moe_checkpoint
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.fused_moe import SparseMoeBlock, experts_native, route
+
+pytestmark = pytest.mark.gpu
+
+# Qwen3-30B-A3B's attention geometry (32 q heads, 4 kv heads, head_dim 128) and routing (top 8)
+# at a small width, 32 experts; layer 3 dense, so both MLP kinds run in the graphs.
+SHAPE = MoeShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=512, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=8,
+                 mlp_only_layers=(3,), max_position_embeddings=4096)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# A generated token passes if its reference logit is within this fraction of the logit range of
+# the max (as tests/test_engine_gpu.py; the engine in bf16 on CPU stayed within 1% on this shape).
+BF16_TOLERANCE = 0.02
+# KV cache, decode graph sizes and step budget sized for what the tests run (tests/test_engine_gpu.py).
+KV_TOKENS = 16384
+MAX_NUM_SEQS = 48
+MAX_STEP_TOKENS = 1024
+# Layer shapes (experts, top k, hidden, expert width): the test model's; Qwen3-30B-A3B's; its
+# tensor-parallel rank at tp=2 (half the expert width).
+LAYER_SHAPES = [(32, 8, 256, 128), (128, 8, 2048, 768), (128, 8, 2048, 384)]
+# Token counts: decode batches (1, 2: the graphs' smallest; 8), a mixed step, a prefill chunk.
+LAYER_TOKENS = [1, 2, 8, 100, 1024]
+# Expert weight std for the layer tests: outputs of order one at these widths.
+LAYER_WEIGHT_STD = 0.05
+# Router weight std: logits of order one, so the top k stand out without being one-hot.
+ROUTER_WEIGHT_STD = 0.05
+# bf16 against float32: relative error of a few bf16 roundings (inputs, the SwiGLU product, output).
+LAYER_RTOL = 3e-2
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_moe_checkpoint(str(tmp_path_factory.mktemp("moe-gpu")), SHAPE)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+
+
+def prompts(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 384, (int(L),), generator=g).tolist() for L in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@torch.no_grad()
+def check_against(reference, prompt, completion):
+    ids = torch.tensor([prompt + completion], device="cuda")
+    logits = reference(ids).logits[0].float()
+    for i, tok in enumerate(completion):
+        row = logits[len(prompt) - 1 + i]
+        tol = BF16_TOLERANCE * (row.max() - row.min()).item()
+        assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"
+
+
+def generate(ckpt, ps, **kw):
+    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": MAX_NUM_SEQS,
+          "max_num_batched_tokens": MAX_STEP_TOKENS, **kw}
+    kw.setdefault("num_kvcache_blocks", KV_TOKENS // kw["kvcache_block_size"])
+    llm = LLM(ckpt, **kw)
+    try:
+        outs = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+        facts = {"graphs": llm.model_runner.graphs is not None, "preemptions": llm.scheduler.num_preemptions,
+                 "prefix_hits": llm.block_manager.num_prefix_hit_blocks}
+        return outs, facts
+    finally:
+        llm.exit()
+
+
+def test_bf16_greedy_matches_transformers(ckpt, reference):
+    ps = prompts(0, 8, 1, 300)
+    outs, facts = generate(ckpt, ps)
+    assert facts["graphs"]
+    for p, o in zip(ps, outs):
+        check_against(reference, p, o)
+
+
+def test_scheduling_regimes_match_transformers(ckpt, reference):
+    shared = list(range(100, 372))
+    ps = [shared + p for p in prompts(1, 6, 1, 80)] + prompts(2, 6, 50, 400)
+    regimes = {
+        "plain": {"enable_prefix_caching": False},
+        "prefix-cache": {},
+        "chunked": {"max_num_batched_tokens": 64},
+        "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1},
+    }
+    for name, kw in regimes.items():
+        outs, facts = generate(ckpt, ps, **kw)
+        if name == "preempt":
+            assert facts["preemptions"] > 0
+        if name == "prefix-cache":
+            assert facts["prefix_hits"] > 0
+        for p, o in zip(ps, outs):
+            check_against(reference, p, o)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 48])
+def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
+    """At a captured batch size the graph runs the same kernels on the same shapes as eager: the
+    routing, read on the device, changes from step to step inside the replayed graph."""
+    ps = prompts(3, batch, 20, 200)
+    graph, facts = generate(ckpt, ps)
+    assert facts["graphs"]
+    eager, facts = generate(ckpt, ps, enforce_eager=True)
+    assert not facts["graphs"]
+    assert graph == eager
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_matches_transformers(ckpt, reference):
+    """Experts split on their width over two GPUs (bf16 partial sums all-reduced, so tokens may
+    differ from one GPU's where logits nearly tie): transformers' tokens within tolerance."""
+    ps = prompts(5, 8, 20, 200)
+    outs, _ = generate(ckpt, ps, tensor_parallel_size=2)
+    for p, o in zip(ps, outs):
+        check_against(reference, p, o)
+
+
+def _block(num_experts, top_k, hidden, width, seed=0) -> SparseMoeBlock:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.device("cuda"):
+        block = SparseMoeBlock(hidden, num_experts, top_k, width, renormalize=True).to(torch.bfloat16)
+    assert block.experts.use_triton
+    for p in block.parameters():
+        p.data.normal_(0, ROUTER_WEIGHT_STD if p is block.gate.weight else LAYER_WEIGHT_STD, generator=g)
+    return block
+
+
+def _native(block: SparseMoeBlock, hidden: torch.Tensor, topk_weights, topk_ids) -> torch.Tensor:
+    """The PyTorch path in float32 on the same (bf16) weights and routing."""
+    e = block.experts
+    return experts_native(hidden.float(), e.w13.float(), e.w2.float(), topk_weights, topk_ids)
+
+
+def _assert_close_to(out: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=LAYER_RTOL, atol=LAYER_RTOL * scale)
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "E{}-K{}-H{}-I{}".format(*s))
+def test_layer_cuda_path_matches_pytorch_path(shape):
+    block = _block(*shape)
+    with torch.inference_mode():
+        for tokens in LAYER_TOKENS:
+            hidden = torch.randn(tokens, shape[2], device="cuda", dtype=torch.bfloat16)
+            topk_weights, topk_ids = route(block.gate(hidden), block.top_k, block.renormalize)  # [T, K] each
+            out = block.experts(hidden, topk_weights, topk_ids)  # [T, H]
+            assert out.dtype == torch.bfloat16 and out.shape == hidden.shape
+            _assert_close_to(out, _native(block, hidden, topk_weights, topk_ids))
+
+
+def test_layer_replays_from_a_cuda_graph_with_new_routing():
+    """Captured once, replayed on new hidden states: the experts each row picks differ from the
+    capture's, and the output is the eager output of the new inputs, bit for bit."""
+    block = _block(32, 8, 256, 128)
+    with torch.inference_mode():
+        static = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+        captured_ids = route(block.gate(static), 8, True)[1]
+        block(static)  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(static)
+        for seed in range(3):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            fresh = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            static.copy_(fresh)
+            graph.replay()
+            assert not torch.equal(route(block.gate(fresh), 8, True)[1], captured_ids)
+            torch.testing.assert_close(out, block(fresh), rtol=0, atol=0)
