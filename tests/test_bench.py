@@ -160,3 +160,98 @@ def test_check_outputs_rejects_uncounted_tokens():
         bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3)}, Counter({0: 3}))
     with pytest.raises(RuntimeError, match="sampled"):
         bench.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 2}))
+
+
+# ----- mixture-of-experts counting -----
+# Toy MoE: the toy shape above with 4 experts of width 4, 2 per token; layer 0 sparse, layer 1
+# dense (mlp_only_layers [1]).
+#   attention per layer 192 (q 64, k 32, v 32, o 64); dense MLP 3 x 8 x 16 = 384;
+#   router 4 x 8 = 32; one expert 3 x 8 x 4 = 96, four of them 384; norms 24 per layer
+#   read in full per step: layer 0 192 + 32 + 24, layer 1 192 + 384 + 24, final norm 8, lm_head 800 -> 1656
+TOY_MOE_DECODE_WEIGHTS = 1656
+TOY_EXPERT = 96
+
+
+def toy_moe_config() -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+        "norm_topk_prob": True, "mlp_only_layers": [1],
+    })
+
+
+def test_moe_decode_weights_leave_out_the_experts():
+    cfg = toy_moe_config()
+    assert bench.decode_weight_elements(cfg) == TOY_MOE_DECODE_WEIGHTS
+    assert bench.expert_elements(cfg) == TOY_EXPERT
+    with torch.device("meta"):
+        model = bench.build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == TOY_MOE_DECODE_WEIGHTS + 4 * TOY_EXPERT + TOY_EMBEDDING
+
+
+def test_expected_experts_hit_by_enumeration():
+    """The formula against the mean over every equally likely routing of B tokens (each picks
+    K distinct of E experts)."""
+    from itertools import combinations, product
+
+    for experts, top_k, rows in [(5, 2, 3), (4, 1, 2), (6, 3, 2), (4, 4, 1)]:
+        picks = list(combinations(range(experts), top_k))
+        outcomes = [len(set().union(*routing)) for routing in product(picks, repeat=rows)]
+        assert bench.expected_experts_hit(experts, top_k, rows) == pytest.approx(sum(outcomes) / len(outcomes))
+    assert bench.expected_experts_hit(128, 8, 0) == 0
+    assert bench.expected_experts_hit(128, 8, 1) == pytest.approx(8)
+    assert bench.expected_experts_hit(128, 8, 512) == pytest.approx(128)
+
+
+def test_decode_rows_by_hand():
+    # outputs 2 and 4: both decode at step 1, only the second at steps 2 and 3
+    assert bench.decode_rows([2, 4]) == [2, 1, 1]
+    # one output token: no decode step
+    assert bench.decode_rows([1, 3, 3]) == [2, 2]
+    assert bench.decode_rows([1]) == []
+
+
+def test_moe_workload_bytes_and_flops_by_hand():
+    cfg = toy_moe_config()
+    # Decode rows [2, 1, 1] (test above): 4 (1 - 1/2^2) = 3 experts, then 2 and 2 -> 7 experts x 96
+    # elements x 1 sparse layer x 2 bytes = 1,344 bytes, on top of 3 steps x 1656 x 2 = 9,936.
+    # KV as for the dense toy: 800 bytes.
+    assert bench.decode_expert_elements(cfg, [2, 4]) == pytest.approx(672)
+    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
+    # A token goes through 2 x 192 attention + 384 dense MLP + 32 router + 2 x 96 experts = 992:
+    # 12 tokens x 2 x 992 = 23,808; lm_head 9,600; attention pairs as for the dense toy, 2,944.
+    assert bench.token_linear_elements(cfg) == 992
+    assert bench.workload_flops(cfg, [3, 5], [2, 4]) == (23808 + 9600, 2944)
+    # A dense model has no expert term.
+    assert bench.decode_expert_elements(toy_config(tied=False), [2, 4]) == 0
+    assert bench.expert_rows(toy_config(tied=False), [2, 4]) == []
+    assert "E (1 - (1 - K/E)^B) of E = 4, K = 2" in bench.expert_rows(cfg, [2, 4])[0][1]
+
+
+def test_qwen3_30b_a3b_parameters_match_the_model_card():
+    """Model card: 30.5B parameters, 29.9B non-embedding, 3.3B activated (each cut to 0.1B).
+    By hand: attention 2048 x (4096 + 2 x 512) + 4096 x 2048 = 18,874,368; norms 2 x 2048 + 2 x 128;
+    router 128 x 2048; experts 128 x 3 x 2048 x 768 = 603,979,776 -> 623,120,640 per layer; 48 layers,
+    final norm 2048, embedding and lm_head 2 x 151,936 x 2048 = 622,329,856."""
+    cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-30b-a3b"))
+    embedding = 151_936 * 2048
+    total = 48 * 623_120_640 + 2048 + 2 * embedding
+    assert total == 30_532_122_624
+    experts = 48 * 128 * bench.expert_elements(cfg)
+    assert bench.decode_weight_elements(cfg) + experts + embedding == total
+    active = bench.decode_weight_elements(cfg) + embedding + 48 * 8 * bench.expert_elements(cfg)
+    assert int(total / 1e8) == 305 and int((total - 2 * embedding) / 1e8) == 299 and int(active / 1e8) == 33
+    # per token through the layers: attention, router and 8 experts of each of the 48 layers
+    assert bench.token_linear_elements(cfg) == 48 * (18_874_368 + 128 * 2048 + 8 * 3 * 2048 * 768)
+
+
+def test_small_moe_shape_is_what_bench_says():
+    """bench.py's docstring: 1.5B total, 0.46B active."""
+    cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-moe-small"))
+    moe = cfg.moe
+    shape = (cfg.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size)
+    assert shape == (24, 64, 8, 256)
+    total = bench.decode_weight_elements(cfg) + 24 * 64 * bench.expert_elements(cfg)  # tied: no extra embedding
+    active = bench.decode_weight_elements(cfg) + 24 * 8 * bench.expert_elements(cfg)
+    assert round(total / 1e9, 1) == 1.5 and round(active / 1e9, 2) == 0.46
