@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from tests.checkpoints import (
+from checkpoints import (
     TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, make_prompts,
 )
 

@@ -1,0 +1,75 @@
+"""Logprobs, prompt logprobs and n samples on a CUDA device: bf16 logprobs against transformers'
+float32 log_softmax, and a seeded request's tokens on CUDA (float32) equal to the CPU's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=512, max_position_embeddings=4096)
+# A bf16 logprob passes if it is within this fraction of its row's logit range of the float32 reference.
+BF16_TOLERANCE = 0.02
+ENGINE = dict(kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=512, max_num_seqs=16,
+              max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("lpgpu")), SHAPE)
+
+
+@torch.no_grad()
+def reference_logprobs(path, ids):
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    logits = model(torch.tensor([ids], device="cuda")).logits[0].float()  # [len, vocab]
+    return torch.log_softmax(logits, dim=-1).cpu(), (logits.amax(-1) - logits.amin(-1)).cpu()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bf16_logprobs_and_prompt_logprobs_match_transformers(ckpt, enforce_eager):
+    prompt = make_prompts(8, 1, 300, 301)[0]  # longer than the 256-token budget: chunked prompt logprobs
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=4, prompt_logprobs=3, n=2)
+    llm = LLM(ckpt, dtype="bfloat16", enforce_eager=enforce_eager, **ENGINE)
+    try:
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    finally:
+        llm.exit()
+    assert [o["token_ids"] for o in out["outputs"]] == [out["token_ids"]] * 2  # greedy n=2: identical
+    tokens = out["token_ids"]
+    ref, span = reference_logprobs(ckpt, prompt + tokens)
+    for i, (token, entry) in enumerate(zip(tokens, out["logprobs"])):
+        row = len(prompt) - 1 + i
+        assert token in entry and len(entry) <= 5
+        for t, lp in entry.items():
+            assert abs(lp - ref[row, t].item()) <= BF16_TOLERANCE * span[row].item(), (i, t)
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for i in range(1, len(prompt)):
+        assert prompt[i] in plp[i]
+        for t, lp in plp[i].items():
+            assert abs(lp - ref[i - 1, t].item()) <= BF16_TOLERANCE * span[i - 1].item(), (i, t)
+
+
+def test_seeded_request_gives_the_same_tokens_on_cuda_float32_as_on_cpu(ckpt):
+    prompts = make_prompts(9, 4, 20, 80)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(3)]
+    params.append(SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True))
+    llm = LLM(ckpt, dtype="float32", **ENGINE)
+    try:
+        on_cuda = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.exit()
+    llm = cpu_llm(ckpt, dtype="float32", **ENGINE)
+    try:
+        on_cpu = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.exit()
+    assert on_cuda == on_cpu
