@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bench  # noqa: E402
-from nanovllm.engine.sequence import FinishReason, RequestOutput  # noqa: E402
+from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_load_format_follows_safetensors(tmp_path):
 
 def test_check_outputs_rejects_uncounted_tokens():
     def out(rid: int, n: int) -> RequestOutput:
-        return RequestOutput(rid, [1], [5] * n, "", FinishReason.LENGTH)
+        return RequestOutput(rid, [1], [Completion([5] * n, "", FinishReason.LENGTH)])
 
     bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
     with pytest.raises(RuntimeError, match="returned 1 tokens, 2 counted"):

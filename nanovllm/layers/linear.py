@@ -41,6 +41,17 @@ def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
         raise ValueError(f"weight {name}: expected shape {tuple(expected)}, checkpoint has {tuple(loaded.shape)}")
 
 
+def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, tp: int) -> torch.Tensor:
+    """This rank's `size` entries of `loaded` along `dim`, which must hold exactly size * tp
+    (checked on the full tensor, so a wrong size fails on every rank alike)."""
+    if tp == 1:
+        return loaded
+    if loaded.dim() <= dim or loaded.shape[dim] != size * tp:
+        raise ValueError(f"weight {name}: expected {size * tp} entries along dim {dim} "
+                         f"({tp} ranks x {size}), checkpoint has shape {tuple(loaded.shape)}")
+    return loaded.narrow(dim, rank * size, size)
+
+
 class _LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -94,8 +105,7 @@ class ColumnParallelLinear(_LinearBase):
         super().__init__(in_features, out_features // tp_size(), bias)
 
     def weight_slice(self, param, loaded, shard_id=None):
-        rows = param.shape[0]
-        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        shard = _rank_part("column-parallel", loaded, 0, param.shape[0], self.tp_rank, self.tp_size)
         _check_shape("column-parallel", param.shape, shard)
         return param.data, shard
 
@@ -117,7 +127,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         rows = self.output_sizes[shard_id] // self.tp_size
         target = param.data.narrow(0, offset, rows)
-        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        shard = _rank_part(f"shard {shard_id}", loaded, 0, rows, self.tp_rank, self.tp_size)
         _check_shape(f"shard {shard_id}", target.shape, shard)
         return target, shard
 
@@ -142,7 +152,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         offset, rows = offsets[shard_id]
         target = param.data.narrow(0, offset, rows)
-        shard = loaded.narrow(0, self.tp_rank * rows, rows) if self.tp_size > 1 else loaded
+        shard = _rank_part(f"{shard_id}_proj", loaded, 0, rows, self.tp_rank, self.tp_size)
         _check_shape(f"{shard_id}_proj", target.shape, shard)
         return target, shard
 
@@ -157,9 +167,8 @@ class RowParallelLinear(_LinearBase):
         super().__init__(in_features // tp_size(), out_features, bias)
 
     def weight_slice(self, param, loaded, shard_id=None):
-        if param.dim() == 2 and self.tp_size > 1:
-            cols = param.shape[1]
-            loaded = loaded.narrow(1, self.tp_rank * cols, cols)
+        if param.dim() == 2:
+            loaded = _rank_part("row-parallel", loaded, 1, param.shape[1], self.tp_rank, self.tp_size)
         _check_shape("row-parallel", param.shape, loaded)
         return param.data, loaded
 
