@@ -201,7 +201,7 @@ def test_torch_uniforms_are_the_kernels_bit_for_bit(device):
 
 
 def assert_same_tokens(kernel: torch.Tensor, twin: torch.Tensor, scores: np.ndarray, device: str) -> None:
-    """Identical tokens. On CUDA the kernel's log and division may round differently from torch's
+    """Identical tokens. On CUDA the kernel's log (libdevice's) might round differently from torch's
     (the uniforms are still identical), so a rare row may differ, but only at a float32 near-tie."""
     kernel, twin = kernel.cpu().numpy(), twin.cpu().numpy()
     if device == "cpu":

@@ -86,7 +86,8 @@ def _gumbel_sample_kernel(
     else:
         t = tl.load(temperature_ptr + row)
         greedy = t == 0.0  # plain argmax of the logits
-        scale = 1.0 / tl.where(greedy, 1.0, t)
+        # correctly rounded (plain `/` on CUDA is div.full, up to 2 ulp off): the same scale as torch's 1 / t
+        scale = tl.math.div_rn(1.0, tl.where(greedy, 1.0, t))
         noise_scale = tl.where(greedy, 0.0, 1.0)
     j = tl.arange(0, SUB)
     best = tl.full([SUB], float("-inf"), tl.float32)

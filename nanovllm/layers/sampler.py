@@ -26,7 +26,7 @@ draws it on CUDA, its PyTorch twin ``torch_gumbel_sample`` elsewhere, bit for bi
 The sampler picks the implementation once, from the device it is built on
 (kernel_path.uses_triton). So a seeded row's tokens do not depend on the rest of the
 batch, and given the same logits they are the same on either device (the uniforms are
-identical; the kernel's log and division may round differently from torch's, which can
+identical; the kernel's log (libdevice's) might round differently from torch's, which could
 only change a float32 near-tie).
 
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
