@@ -109,7 +109,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
-    sampler = Sampler()
+    with device:
+        sampler = Sampler()  # built on CUDA: the Triton noise kernel, as in the engine
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:

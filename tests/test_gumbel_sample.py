@@ -220,7 +220,7 @@ def test_torch_twin_samples_the_kernels_tokens(device, dtype):
     rows, vocab = (7, 3 * TILE - 17) if device == "cpu" else (256, 151_936)
     g = torch.Generator().manual_seed(3)
     x = (3 * torch.randn(rows, vocab, generator=g)).to(dtype)
-    keys = [KEYS[r % len(KEYS)] + r // len(KEYS) for r in range(rows)]
+    keys = [(KEYS[r % len(KEYS)] + r // len(KEYS)) % 2**63 for r in range(rows)]  # int64 keys
     temps = [0.0 if r % 5 == 0 else 0.25 + 0.3 * (r % 4) for r in range(rows)]
     x_d, keys_d = x.to(device), torch.tensor(keys, device=device)
     temps_d = torch.tensor(temps, dtype=torch.float32, device=device)
