@@ -124,7 +124,7 @@ def check(fused, hidden, w13, w2, weights, ids) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_align, moe_tiles
+    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_align, moe_tiles, size_class
 
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         routes = routings(t, gen)
         check(fused_moe, hidden, w13, w2, *routes[0])
         distinct = statistics.mean(len(ids.unique()) for _, ids in routes)
-        default = moe_tiles(t * K, E)
+        default = moe_tiles(size_class(t) * K, E)  # what fused_moe picks for t tokens
         candidates = [default]
         if args.sweep:
             for block_m in sorted({default.block_m, 16, 32, 64}):

@@ -242,3 +242,25 @@ def test_benchmark_without_cuda_exits_with_one_line():
     assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0], proc.stderr
+
+
+def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps():
+    """A step replayed from a CUDA graph runs at a padded token count (decode: the graph batch
+    size; prefill / mixed: the token bucket). fused_moe must choose every tile for the padded
+    count exactly as for the step's own count, or the two would round differently."""
+    from nanovllm.engine.cuda_graphs import graph_batch_sizes
+    from nanovllm.engine.varlen_graphs import token_buckets
+    from nanovllm.kernels.moe import plan_tiles
+
+    def padded(sizes, t):
+        return next(s for s in sizes if s >= t)
+
+    decode, buckets = graph_batch_sizes(512), token_buckets(16384)
+    for e, k, h, inter in ((128, 8, 2048, 768), (32, 8, 256, 128)):
+        for t in range(1, 16385):
+            sizes = [padded(buckets, t)] + ([padded(decode, t)] if t <= decode[-1] else [])
+            for p in sizes:
+                assert plan_tiles(t, k, e, h, inter, 132) == plan_tiles(p, k, e, h, inter, 132), (e, t, p)
+    # and the choice still follows the batch: decode tiles at small counts, prefill tiles at large
+    small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
+    assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]

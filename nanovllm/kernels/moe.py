@@ -61,6 +61,10 @@ BLOCK_MS = (16, 32, 64)
 PAIRS_SLACK = 2
 # Grids below this many programs per SM shrink block_n (down to 16) so every SM streams weights.
 MIN_PROGRAMS_PER_SM = 2
+# Tiles are picked for the token count's size class, the power of two at or above it (at least
+# this), not for the count: CUDA graphs replay a step padded to a size in [T, size_class(T)] (every
+# power of two >= 16 is a graph size), so an eager step and its replay pick the same tiles and round alike.
+SIZE_CLASS_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,11 @@ def _check_ids(topk_ids, num_experts: int) -> None:
         raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
 
 
+def aligned_blocks(n_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows that hold any routing of n_pairs pairs over num_experts experts."""
+    return triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Group the pairs of topk_ids [T, K] (contiguous int32/int64) by expert into blocks of
     block_m rows (a power of two >= 16); see the module docstring for the layout."""
@@ -183,8 +192,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
     dev, n_pairs = topk_ids.device, topk_ids.numel()
-    n_rows = triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m) * block_m
-    n_blocks = n_rows // block_m
+    n_blocks = aligned_blocks(n_pairs, num_experts, block_m)
+    n_rows = n_blocks * block_m
     sorted_ids = torch.empty(n_rows, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
     num_used = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -301,6 +310,22 @@ def _fit(t: Tiling, n_out: int, k_in: int, blocks: int, sms: int | None) -> Tili
     return replace(t, block_n=block_n, block_k=max(16, min(t.block_k, next_pow2(k_in))))
 
 
+def size_class(num_tokens: int) -> int:
+    """The token count tiles are chosen for (see SIZE_CLASS_MIN)."""
+    return max(SIZE_CLASS_MIN, next_pow2(num_tokens))
+
+
+def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int | None,
+               tiles: MoeTiles | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
+    """(tiles, gate_up tiling, down tiling) for num_tokens tokens: every choice is a function of
+    size_class(num_tokens), never of the count itself. `tiles` overrides moe_tiles (benchmarks)."""
+    pairs = size_class(num_tokens) * top_k
+    if tiles is None:
+        tiles = moe_tiles(pairs, num_experts)
+    blocks = aligned_blocks(pairs, num_experts, tiles.block_m)
+    return tiles, _fit(tiles.gate_up, inter, hidden, blocks, sms), _fit(tiles.down, hidden, inter, blocks, sms)
+
+
 def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     """The batch-based choice: block_m_for, then decode or prefill tilings."""
     block_m = block_m_for(num_pairs, num_experts)
@@ -347,15 +372,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     inter, n_pairs = two_i // 2, topk_ids.numel()
     if t == 0:
         return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
-    if tiles is None:
-        tiles = moe_tiles(n_pairs, e)
-    elif not isinstance(tiles, MoeTiles):
+    if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
+    tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles)
     align = moe_align(topk_ids, e, tiles.block_m)
     blocks = align.block_expert.numel()
-    sms = cuda_sm_count(hidden.device)
-    gate_up = _fit(tiles.gate_up, inter, h, blocks, sms)
-    down = _fit(tiles.down, h, inter, blocks, sms)
     common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
