@@ -328,3 +328,18 @@ def assert_greedy_matches_reference(reference, prompt_ids: list[int], completion
             f"token {i} ({token}) has logit {row[token].item():.6f}, argmax {row.argmax().item()} has {best:.6f}"
         )
 
+
+# A bf16 engine's token passes if the reference's logit for it is within this fraction of the
+# row's logit range of the maximum (bf16 rounding moves near-ties; a wrong token is far off).
+BF16_TOLERANCE = 0.02
+
+
+@torch.no_grad()
+def assert_bf16_greedy_matches(reference, prompt_ids: list[int], completion: list[int]) -> None:
+    """Every generated token is an argmax of the reference's logits within BF16_TOLERANCE."""
+    device = next(reference.parameters()).device
+    logits = reference(torch.tensor([prompt_ids + completion], device=device)).logits[0].float()
+    for i, tok in enumerate(completion):
+        row = logits[len(prompt_ids) - 1 + i]
+        tol = BF16_TOLERANCE * (row.max() - row.min()).item()
+        assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import LlamaShape, Qwen2Shape, TinyShape, build_checkpoint, build_llama_checkpoint, build_qwen2_checkpoint
+from checkpoints import (
+    LlamaShape, Qwen2Shape, TinyShape, assert_bf16_greedy_matches, build_checkpoint, build_llama_checkpoint,
+    build_qwen2_checkpoint, make_prompts,
+)
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import StepKind
 
@@ -16,8 +19,6 @@ pytestmark = pytest.mark.gpu
 QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-# A generated token passes if its reference logit is within this fraction of the logit range of the max.
-BF16_TOLERANCE = 0.02
 # Engines here get a KV cache sized for what a test runs, not 90% of the card, and decode
 # graphs up to the largest batch a test decodes (48: 6 graph sizes), not 512 (35 sizes).
 # Only the tests of memory sizing itself keep gpu_memory_utilization's cache.
@@ -37,21 +38,6 @@ def reference(ckpt):
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-
-
-def prompts(seed, n, lo, hi):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 384, (int(L),), generator=g).tolist() for L in torch.randint(lo, hi, (n,), generator=g)]
-
-
-@torch.no_grad()
-def check_against(reference, prompt, completion):
-    ids = torch.tensor([prompt + completion], device="cuda")
-    logits = reference(ids).logits[0].float()
-    for i, tok in enumerate(completion):
-        row = logits[len(prompt) - 1 + i]
-        tol = BF16_TOLERANCE * (row.max() - row.min()).item()
-        assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"
 
 
 def generate(ckpt, ps, params=GREEDY, **kw):
@@ -80,21 +66,21 @@ def check_regimes(path, reference, ps, regimes: dict[str, dict], **common):
         if name == "prefix-cache":
             assert facts["prefix_hits"] > 0
         for p, o in zip(ps, outs):
-            check_against(reference, p, o)
+            assert_bf16_greedy_matches(reference, p, o)
 
 
 def test_bf16_greedy_matches_transformers(ckpt, reference):
-    ps = prompts(0, 8, 1, 300)
+    ps = make_prompts(0, 8, 1, 300)
     outs, facts = generate(ckpt, ps)
     assert facts["backend"] in ("triton", "flash_attn")
     for p, o in zip(ps, outs):
-        check_against(reference, p, o)
+        assert_bf16_greedy_matches(reference, p, o)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
     shared = list(range(100, 372))  # more than one block even at block size 256
-    ps = [shared + p for p in prompts(1, 6, 1, 80)] + prompts(2, 6, 50, 400)
+    ps = [shared + p for p in make_prompts(1, 6, 1, 80)] + make_prompts(2, 6, 50, 400)
     regimes = {
         "plain": {"enable_prefix_caching": False},
         "prefix-cache": {},
@@ -108,7 +94,7 @@ def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
 def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
     """At a captured batch size the graph runs the same kernels on the same shapes as eager
     (batches 1 and 2 with the Triton GEMV projections, the others with cuBLAS)."""
-    ps = prompts(3, batch, 20, 200)
+    ps = make_prompts(3, batch, 20, 200)
     graph, facts = generate(ckpt, ps)
     assert facts["graphs"]
     eager, facts = generate(ckpt, ps, enforce_eager=True)
@@ -120,11 +106,11 @@ def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
 def test_small_batch_graph_replay_matches_transformers(ckpt, reference, batch):
     """Batches 1 and 2 replay their own graphs (projections through the Triton GEMV); batch 3
     replays the 8-row graph with padding rows. Tokens must be argmaxes of transformers' logits."""
-    ps = prompts(4, batch, 20, 200)
+    ps = make_prompts(4, batch, 20, 200)
     outs, facts = generate(ckpt, ps)
     assert facts["graphs"]
     for p, o in zip(ps, outs):
-        check_against(reference, p, o)
+        assert_bf16_greedy_matches(reference, p, o)
 
 
 def test_reaching_max_model_len_under_graphs(ckpt, reference):
@@ -137,7 +123,7 @@ def test_reaching_max_model_len_under_graphs(ckpt, reference):
     llm.exit()
     assert llm.model_runner.graphs is None and llm.model_runner.kv_cache is None
     for p, o in zip(ps, outs):
-        check_against(reference, p, o["token_ids"])
+        assert_bf16_greedy_matches(reference, p, o["token_ids"])
 
 
 def test_seeded_sampling_reproducible_on_gpu(ckpt):
@@ -180,7 +166,7 @@ def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
 def test_mixed_steps_under_graphs_match_transformers(ckpt, reference):
     """Requests arrive while others decode: mixed steps (decode rows + prefill chunks) replay
     the token-bucket graphs, chunked by a small budget; eager gives transformers' tokens too."""
-    ps = prompts(6, 20, 5, 600)
+    ps = make_prompts(6, 20, 5, 600)
     for eager in (False, True):
         llm = LLM(ckpt, kvcache_block_size=16, max_model_len=2048, dtype="bfloat16", num_kvcache_blocks=1024,
                   max_num_seqs=16, max_num_batched_tokens=512, enforce_eager=eager)
@@ -201,7 +187,7 @@ def test_mixed_steps_under_graphs_match_transformers(ckpt, reference):
         assert StepKind.MIXED in kinds
         for i, p in enumerate(ps):
             assert len(outs[i]) == GREEDY.max_tokens
-            check_against(reference, p, outs[i])
+            assert_bf16_greedy_matches(reference, p, outs[i])
 
 
 def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
@@ -214,7 +200,7 @@ def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
     for n in (15, 16, 17, 255, 256, 257, 1024):
         p = torch.randint(1, 384, (n,), generator=g).tolist()
         out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-        check_against(reference, p, out["token_ids"])
+        assert_bf16_greedy_matches(reference, p, out["token_ids"])
     llm.exit()
 
 
@@ -266,20 +252,20 @@ def test_family_bf16_greedy_matches_transformers_with_and_without_graphs(family)
     captured batch sizes (1 and 2: GEMV graphs; 8: cuBLAS)."""
     path, reference = family
     for batch, seed in ((8, 9), (2, 10), (1, 11)):
-        ps = prompts(seed, batch, 1, 600)
+        ps = make_prompts(seed, batch, 1, 600)
         graph, facts = generate(path, ps)
         assert facts["graphs"] and facts["backend"] in ("triton", "flash_attn")
         eager, facts = generate(path, ps, enforce_eager=True)
         assert not facts["graphs"]
         assert graph == eager
         for p, o in zip(ps, graph):
-            check_against(reference, p, o)
+            assert_bf16_greedy_matches(reference, p, o)
 
 
 def test_family_scheduling_regimes_match_transformers(family):
     """Prefix cache, chunked prefill and preemption on the GPU path of every family."""
     path, reference = family
     shared = list(range(100, 372))
-    ps = [shared + p for p in prompts(12, 4, 1, 80)] + prompts(13, 4, 50, 400)
+    ps = [shared + p for p in make_prompts(12, 4, 1, 80)] + make_prompts(13, 4, 50, 400)
     check_regimes(path, reference, ps, {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
                                          "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}})

@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from checkpoints import BF16_TOLERANCE, TinyShape, build_checkpoint, cpu_llm, make_prompts
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=512, max_position_embeddings=4096)
-# A bf16 logprob passes if it is within this fraction of its row's logit range of the float32 reference.
-BF16_TOLERANCE = 0.02
 ENGINE = dict(kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=512, max_num_seqs=16,
               max_num_batched_tokens=256)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import MoeShape, build_moe_checkpoint
+from checkpoints import MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fused_moe import SparseMoeBlock, experts_native, route
 
@@ -21,7 +21,6 @@ SHAPE = MoeShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=32, n
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # A generated token passes if its reference logit is within this fraction of the logit range of
 # the max (as tests/test_engine_gpu.py; the engine in bf16 on CPU stayed within 1% on this shape).
-BF16_TOLERANCE = 0.02
 # KV cache, decode graph sizes and step budget sized for what the tests run (tests/test_engine_gpu.py).
 KV_TOKENS = 16384
 MAX_NUM_SEQS = 48
@@ -51,21 +50,6 @@ def reference(ckpt):
     return Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
 
 
-def prompts(seed, n, lo, hi):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 384, (int(L),), generator=g).tolist() for L in torch.randint(lo, hi, (n,), generator=g)]
-
-
-@torch.no_grad()
-def check_against(reference, prompt, completion):
-    ids = torch.tensor([prompt + completion], device="cuda")
-    logits = reference(ids).logits[0].float()
-    for i, tok in enumerate(completion):
-        row = logits[len(prompt) - 1 + i]
-        tol = BF16_TOLERANCE * (row.max() - row.min()).item()
-        assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"
-
-
 def generate(ckpt, ps, **kw):
     kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": MAX_NUM_SEQS,
           "max_num_batched_tokens": MAX_STEP_TOKENS, **kw}
@@ -81,16 +65,16 @@ def generate(ckpt, ps, **kw):
 
 
 def test_bf16_greedy_matches_transformers(ckpt, reference):
-    ps = prompts(0, 8, 1, 300)
+    ps = make_prompts(0, 8, 1, 300)
     outs, facts = generate(ckpt, ps)
     assert facts["graphs"]
     for p, o in zip(ps, outs):
-        check_against(reference, p, o)
+        assert_bf16_greedy_matches(reference, p, o)
 
 
 def test_scheduling_regimes_match_transformers(ckpt, reference):
     shared = list(range(100, 372))
-    ps = [shared + p for p in prompts(1, 6, 1, 80)] + prompts(2, 6, 50, 400)
+    ps = [shared + p for p in make_prompts(1, 6, 1, 80)] + make_prompts(2, 6, 50, 400)
     regimes = {
         "plain": {"enable_prefix_caching": False},
         "prefix-cache": {},
@@ -104,14 +88,14 @@ def test_scheduling_regimes_match_transformers(ckpt, reference):
         if name == "prefix-cache":
             assert facts["prefix_hits"] > 0
         for p, o in zip(ps, outs):
-            check_against(reference, p, o)
+            assert_bf16_greedy_matches(reference, p, o)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8, 48])
 def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
     """At a captured batch size the graph runs the same kernels on the same shapes as eager: the
     routing, read on the device, changes from step to step inside the replayed graph."""
-    ps = prompts(3, batch, 20, 200)
+    ps = make_prompts(3, batch, 20, 200)
     graph, facts = generate(ckpt, ps)
     assert facts["graphs"]
     eager, facts = generate(ckpt, ps, enforce_eager=True)
@@ -123,10 +107,10 @@ def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
 def test_tp2_matches_transformers(ckpt, reference):
     """Experts split on their width over two GPUs (bf16 partial sums all-reduced, so tokens may
     differ from one GPU's where logits nearly tie): transformers' tokens within tolerance."""
-    ps = prompts(5, 8, 20, 200)
+    ps = make_prompts(5, 8, 20, 200)
     outs, _ = generate(ckpt, ps, tensor_parallel_size=2)
     for p, o in zip(ps, outs):
-        check_against(reference, p, o)
+        assert_bf16_greedy_matches(reference, p, o)
 
 
 def _block(num_experts, top_k, hidden, width, seed=0) -> SparseMoeBlock:
