@@ -398,8 +398,29 @@ def test_row_keys_are_splitmix64_distinct_and_fit_int64() -> None:
 
 def test_sampler_picks_the_noise_implementation_of_its_device() -> None:
     assert Sampler().gumbel_sample is torch_gumbel_sample  # built on the CPU
+    assert Sampler().token_logprobs is token_logprobs
     with torch.device("meta"):
         assert Sampler().gumbel_sample is torch_gumbel_sample  # any device but CUDA: the PyTorch twin
+
+
+@pytest.mark.interpreter
+def test_the_triton_logprobs_kernel_gives_the_samplers_logprobs() -> None:
+    """The sampler's logprobs through the Triton kernel (interpreter) equal the PyTorch path's."""
+    from nanovllm.kernels.logprobs import row_logprobs
+
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(5, 3_000, generator=g) * 3
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(seed=1),
+              SamplingParams(seed=2, logprobs=0), SamplingParams(temperature=0.5, top_k=9, seed=3, logprobs=5),
+              SamplingParams(seed=4)]
+    batch = SamplingBatch.build(params, [row_key(i, 7) for i in range(5)], "cpu", logits.shape[1])
+    kernel_sampler = Sampler()
+    kernel_sampler.token_logprobs = row_logprobs
+    want, got = Sampler()(logits, batch), kernel_sampler(logits, batch)
+    assert torch.equal(want.tokens, got.tokens) and torch.equal(want.logprobs.rows, got.logprobs.rows)
+    assert torch.allclose(want.logprobs.sampled, got.logprobs.sampled, atol=1e-5)
+    assert torch.equal(want.logprobs.top_ids, got.logprobs.top_ids)
+    assert torch.allclose(want.logprobs.top_logprobs, got.logprobs.top_logprobs, atol=1e-5)
 
 
 @pytest.mark.interpreter

@@ -28,7 +28,7 @@ from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, 
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key, token_logprobs
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
@@ -262,7 +262,8 @@ class ModelRunner:
         for a in range(0, rows.shape[0], PROMPT_LOGPROB_CHUNK_ROWS):
             logits = self.model.compute_logits(hidden[rows[a : a + PROMPT_LOGPROB_CHUNK_ROWS]])  # [r, vocab]
             if logits is not None:
-                parts.append(token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_CHUNK_ROWS], plan.prompt_logprobs_k))
+                parts.append(self.sampler.token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_CHUNK_ROWS],
+                                                          plan.prompt_logprobs_k))
         if not parts:
             return None
         chosen, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))

@@ -6,6 +6,7 @@
 - `flash_attn_with_kvcache`: single-token decode over the paged KV cache, split-K (decode_attention.py).
 - `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
+- `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe.py).
 
@@ -14,7 +15,7 @@ without Triton (the CPU path uses kernels/torch_attention.py); a call there rais
 """
 
 __all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
-           "moe_align", "query_tile_rows", "store_kvcache"]
+           "moe_align", "query_tile_rows", "row_logprobs", "store_kvcache"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -99,3 +100,12 @@ def moe_align(topk_ids, num_experts, block_m):
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(topk_ids, num_experts, block_m)
+
+
+def row_logprobs(logits, token_ids, k):
+    """log_softmax at token_ids and each row's k most likely tokens; see logprobs.row_logprobs."""
+    try:
+        from .logprobs import row_logprobs as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(logits, token_ids, k)

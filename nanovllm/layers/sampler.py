@@ -31,8 +31,10 @@ only change a float32 near-tie).
 
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
 ``log_softmax`` of their raw logits (before temperature and filters, as vLLM's default),
-float32: the sampled token's and the k most likely tokens'. They cost a log_softmax and a
-top-k over those rows only; a batch where no row asks does no logprob work at all.
+float32: the sampled token's and the k most likely tokens'. They cost one pass over those
+rows only (on CUDA the Triton kernel kernels/logprobs.py: row normalisers and top k in one
+read of the logits; elsewhere ``token_logprobs``: a log_softmax and a top-k); a batch where no
+row asks does no logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
 Python-side flags of :class:`SamplingBatch`, whose tensors reach the device in one copy.
@@ -48,7 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanovllm.kernels import gumbel_sample
+from nanovllm.kernels import gumbel_sample, row_logprobs
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import construction_device, uses_triton
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
@@ -256,7 +258,11 @@ class Sampler(torch.nn.Module):
         super().__init__()
         # The noise implementation of the device this sampler is built on (kernel_path's rule):
         # the Triton kernel on CUDA, its PyTorch twin elsewhere; both draw the same noise.
-        self.gumbel_sample = gumbel_sample if uses_triton(construction_device()) else torch_gumbel_sample
+        # Likewise the logprobs: one Triton pass on CUDA, torch's log_softmax and top-k elsewhere
+        # (same contract; the engine's prompt logprobs use it too).
+        triton_path = uses_triton(construction_device())
+        self.gumbel_sample = gumbel_sample if triton_path else torch_gumbel_sample
+        self.token_logprobs = row_logprobs if triton_path else token_logprobs
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
@@ -268,7 +274,7 @@ class Sampler(torch.nn.Module):
         asking_logits, asking_tokens = logits, tokens
         if rows.shape[0] < logits.shape[0]:  # a subset (rows are distinct): only those rows are read
             asking_logits, asking_tokens = logits.index_select(0, rows), tokens.index_select(0, rows)
-        sampled, top_ids, top_logprobs = token_logprobs(asking_logits, asking_tokens, batch.logprobs.k)
+        sampled, top_ids, top_logprobs = self.token_logprobs(asking_logits, asking_tokens, batch.logprobs.k)
         return SamplerOutput(tokens, TokenLogprobs(rows, sampled, top_ids, top_logprobs))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
