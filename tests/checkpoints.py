@@ -343,3 +343,31 @@ def assert_bf16_greedy_matches(reference, prompt_ids: list[int], completion: lis
         row = logits[len(prompt_ids) - 1 + i]
         tol = BF16_TOLERANCE * (row.max() - row.min()).item()
         assert row[tok] >= row.max() - tol, f"position {i}: token {tok} logit {row[tok]:.4f} vs max {row.max():.4f}"
+
+
+# GPU engines of the tests get a KV cache sized for what the tests run, not 90% of the card, and
+# decode graphs up to the largest batch a test decodes (48: 6 graph sizes), not 512 (35 sizes).
+GPU_KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 generated
+GPU_MAX_NUM_SEQS = 48
+# Token budget per step (prefill / mixed graphs are captured up to it): above every prompt there.
+GPU_MAX_STEP_TOKENS = 1024
+
+
+def gpu_generate(path: str, batches, params, **kwargs):
+    """(token ids of each batch's prompts, facts about the engine) from one bf16 CUDA engine that
+    runs the batches one after the other; test-sized KV cache and graph sets unless kwargs say
+    otherwise."""
+    from nanovllm import LLM
+
+    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": GPU_MAX_NUM_SEQS,
+          "max_num_batched_tokens": GPU_MAX_STEP_TOKENS, **kwargs}
+    kw.setdefault("num_kvcache_blocks", GPU_KV_TOKENS // kw["kvcache_block_size"])
+    llm = LLM(path, **kw)
+    try:
+        outs = [[o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)] for ps in batches]
+        facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
+                 "preemptions": llm.scheduler.num_preemptions,
+                 "prefix_hits": llm.block_manager.num_prefix_hit_blocks}
+        return outs, facts
+    finally:
+        llm.exit()

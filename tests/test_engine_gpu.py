@@ -8,7 +8,7 @@ import torch
 
 from checkpoints import (
     LlamaShape, Qwen2Shape, TinyShape, assert_bf16_greedy_matches, build_checkpoint, build_llama_checkpoint,
-    build_qwen2_checkpoint, make_prompts,
+    build_qwen2_checkpoint, gpu_generate, make_prompts,
 )
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import StepKind
@@ -19,13 +19,8 @@ pytestmark = pytest.mark.gpu
 QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-# Engines here get a KV cache sized for what a test runs, not 90% of the card, and decode
-# graphs up to the largest batch a test decodes (48: 6 graph sizes), not 512 (35 sizes).
-# Only the tests of memory sizing itself keep gpu_memory_utilization's cache.
-KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 generated
-MAX_NUM_SEQS = 48
-# Token budget per step (prefill / mixed graphs are captured up to it): above every prompt here.
-MAX_STEP_TOKENS = 1024
+# Engines get checkpoints.gpu_generate's test-sized KV cache and graph sets; only the tests of
+# memory sizing itself keep gpu_memory_utilization's cache.
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +37,8 @@ def reference(ckpt):
 
 def generate(ckpt, ps, params=GREEDY, **kw):
     """Token ids of each prompt, and facts about the engine read before it exits."""
-    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": MAX_NUM_SEQS,
-          "max_num_batched_tokens": MAX_STEP_TOKENS, **kw}
-    kw.setdefault("num_kvcache_blocks", KV_TOKENS // kw["kvcache_block_size"])
-    llm = LLM(ckpt, **kw)
-    try:
-        outs = [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)]
-        facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
-                 "preemptions": llm.scheduler.num_preemptions,
-                 "prefix_hits": llm.block_manager.num_prefix_hit_blocks}
-        return outs, facts
-    finally:
-        llm.exit()
+    outs, facts = gpu_generate(ckpt, [ps], params, **kw)
+    return outs[0], facts
 
 
 def check_regimes(path, reference, ps, regimes: dict[str, dict], **common):
@@ -90,14 +75,14 @@ def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
     check_regimes(ckpt, reference, ps, regimes, kvcache_block_size=block_size)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 8, 16, 48])
-def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
+def test_cuda_graph_and_eager_decode_identical(ckpt):
     """At a captured batch size the graph runs the same kernels on the same shapes as eager
-    (batches 1 and 2 with the Triton GEMV projections, the others with cuBLAS)."""
-    ps = make_prompts(3, batch, 20, 200)
-    graph, facts = generate(ckpt, ps)
+    (batches 1 and 2 with the Triton GEMV projections, the others with cuBLAS): batches of
+    1, 2, 8, 16 and 48 requests, one after another on one engine of each kind."""
+    batches = [make_prompts(3, batch, 20, 200) for batch in (1, 2, 8, 16, 48)]
+    graph, facts = gpu_generate(ckpt, batches, GREEDY)
     assert facts["graphs"]
-    eager, facts = generate(ckpt, ps, enforce_eager=True)
+    eager, facts = gpu_generate(ckpt, batches, GREEDY, enforce_eager=True)
     assert not facts["graphs"]
     assert graph == eager
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, make_prompts
-from nanovllm import LLM, SamplingParams
+from checkpoints import MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, gpu_generate, make_prompts
+from nanovllm import SamplingParams
 from nanovllm.layers.fused_moe import SparseMoeBlock, experts_native, route
 
 pytestmark = pytest.mark.gpu
@@ -19,12 +19,8 @@ SHAPE = MoeShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=32, n
                  intermediate_size=512, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=8,
                  mlp_only_layers=(3,), max_position_embeddings=4096)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-# A generated token passes if its reference logit is within this fraction of the logit range of
-# the max (as tests/test_engine_gpu.py; the engine in bf16 on CPU stayed within 1% on this shape).
-# KV cache, decode graph sizes and step budget sized for what the tests run (tests/test_engine_gpu.py).
-KV_TOKENS = 16384
-MAX_NUM_SEQS = 48
-MAX_STEP_TOKENS = 1024
+# Greedy tokens are checked with checkpoints.BF16_TOLERANCE (the engine in bf16 on CPU stayed
+# within 1% of the logit range on this shape); engines are checkpoints.gpu_generate's.
 # Layer shapes (experts, top k, hidden, expert width): the test model's; Qwen3-30B-A3B's; its
 # tensor-parallel rank at tp=2 (half the expert width).
 LAYER_SHAPES = [(32, 8, 256, 128), (128, 8, 2048, 768), (128, 8, 2048, 384)]
@@ -51,17 +47,8 @@ def reference(ckpt):
 
 
 def generate(ckpt, ps, **kw):
-    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": MAX_NUM_SEQS,
-          "max_num_batched_tokens": MAX_STEP_TOKENS, **kw}
-    kw.setdefault("num_kvcache_blocks", KV_TOKENS // kw["kvcache_block_size"])
-    llm = LLM(ckpt, **kw)
-    try:
-        outs = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-        facts = {"graphs": llm.model_runner.graphs is not None, "preemptions": llm.scheduler.num_preemptions,
-                 "prefix_hits": llm.block_manager.num_prefix_hit_blocks}
-        return outs, facts
-    finally:
-        llm.exit()
+    outs, facts = gpu_generate(ckpt, [ps], GREEDY, **kw)
+    return outs[0], facts
 
 
 def test_bf16_greedy_matches_transformers(ckpt, reference):
@@ -91,14 +78,15 @@ def test_scheduling_regimes_match_transformers(ckpt, reference):
             assert_bf16_greedy_matches(reference, p, o)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 8, 48])
-def test_cuda_graph_and_eager_decode_identical(ckpt, batch):
-    """At a captured batch size the graph runs the same kernels on the same shapes as eager: the
-    routing, read on the device, changes from step to step inside the replayed graph."""
-    ps = make_prompts(3, batch, 20, 200)
-    graph, facts = generate(ckpt, ps)
+def test_cuda_graph_and_eager_decode_identical(ckpt):
+    """At a captured batch size the graph runs the same kernels on the same shapes as eager (the
+    fused MoE picks its tiles by the token count's size class, the same for a step and its padded
+    replay): the routing, read on the device, changes from step to step inside the replayed
+    graph. Batches of 1, 2, 8 and 48 requests, one after another on one engine of each kind."""
+    batches = [make_prompts(3, batch, 20, 200) for batch in (1, 2, 8, 48)]
+    graph, facts = gpu_generate(ckpt, batches, GREEDY)
     assert facts["graphs"]
-    eager, facts = generate(ckpt, ps, enforce_eager=True)
+    eager, facts = gpu_generate(ckpt, batches, GREEDY, enforce_eager=True)
     assert not facts["graphs"]
     assert graph == eager
 
