@@ -15,7 +15,7 @@ without Triton (the CPU path uses kernels/torch_attention.py); a call there rais
 """
 
 __all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
-           "moe_align", "query_tile_rows", "row_logprobs", "store_kvcache"]
+           "moe_align", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -109,3 +109,12 @@ def row_logprobs(logits, token_ids, k):
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(logits, token_ids, k)
+
+
+def moe_route(logits, top_k, renormalize):
+    """MoE routing (softmax, top k, renormalisation) in one launch; see moe_routing.moe_route."""
+    try:
+        from .moe_routing import moe_route as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(logits, top_k, renormalize)

@@ -16,10 +16,11 @@ w2); transformers 5's in-memory state dict (what update_weights gets from a tran
 fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I],
 each filling a whole parameter (its `shard_groups`, utils/loader.py).
 
-A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs the fused
-Triton kernel (nanovllm/kernels/fused_moe.py: fixed shapes, routing read on the device, so decode
-steps stay inside CUDA graphs); on other devices `experts_native`, a plain PyTorch loop over the
-experts that some token picked.
+A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
+Triton kernel (kernels/moe_routing.py) and runs the experts as the fused Triton MoE
+(kernels/moe.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
+graphs); on other devices `route` and `experts_native`, a plain PyTorch loop over the experts
+that some token picked.
 """
 
 from __future__ import annotations
@@ -153,9 +154,15 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+        if self.experts.use_triton:
+            from nanovllm.kernels import moe_route
+
+            self.route = moe_route  # one launch; ids int32
+        else:
+            self.route = route
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(self.gate(hidden), self.top_k, self.renormalize)  # [T, K] each
+        topk_weights, topk_ids = self.route(self.gate(hidden), self.top_k, self.renormalize)  # [T, K] each
         out = self.experts(hidden, topk_weights, topk_ids)  # [T, H]
         if self.experts.tp_size > 1:
             dist.all_reduce(out)

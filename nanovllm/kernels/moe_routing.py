@@ -1,0 +1,73 @@
+"""Triton MoE routing: softmax over the experts, top k, optional renormalisation, in one launch
+(the PyTorch route in layers/fused_moe.py takes four: softmax, topk, sum, divide).
+
+    program t:  p = softmax(logits[t, :E]) in float32
+                K rounds: w_i = max(p), e_i = lowest expert holding it; p[e_i] = -1
+                weights[t] = w / sum(w) if RENORMALIZE else w;  ids[t] = e
+
+Among equal probabilities the lower expert id is picked first. One program per token, the
+whole expert row in registers (E <= MAX_EXPERTS); offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import LOG2E, check_float_dtype, next_pow2
+
+# Expert rows live in one register tile: past this they crowd out (as kernels/moe.MAX_EXPERTS).
+MAX_EXPERTS = 512
+NUM_WARPS = 4
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    x = tl.load(logits_ptr + t * stride_l + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.exp2((x - tl.max(x, axis=0)) * LOG2E)  # padding: exp2(-inf) = 0
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(valid, p, -1.0)  # padding is never picked
+    slots = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        e = tl.min(tl.where(p == best, experts, BLOCK_E), axis=0)
+        w = tl.where(slots == i, best, w)
+        ids = tl.where(slots == i, e, ids)
+        p = tl.where(experts == e, -1.0, p)
+    if RENORMALIZE:
+        w = w / tl.sum(w, axis=0)  # slots past TOP_K hold 0
+    out = t * TOP_K + slots
+    keep = slots < TOP_K
+    tl.store(weights_ptr + out, w, mask=keep)
+    tl.store(ids_ptr + out, ids, mask=keep)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float16/bfloat16/float32, contiguous last dim) -> (weights [T, K]
+    float32, expert ids [T, K] int32): the top-k of the float32 softmax by descending weight,
+    divided by their sum when `renormalize` (as layers/fused_moe.route)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be 2-D [tokens, experts] with a contiguous last dim, got "
+                         f"{tuple(getattr(logits, 'shape', ()))}")
+    check_float_dtype("logits", logits)
+    tokens, num_experts = logits.shape
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"routing serves 1..{MAX_EXPERTS} experts, got {num_experts}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)  # [T, K]
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)  # [T, K]
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=max(16, next_pow2(num_experts)),
+            RENORMALIZE=bool(renormalize), num_warps=NUM_WARPS,
+        )
+    return weights, ids
