@@ -11,22 +11,9 @@ max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 
 Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. A model
 directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
 
-Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run.
-Bytes: each decode step reads every running sequence's whole KV context, and there are at least
-max(max_tokens) - 1 steps, each reading every weight but an untied input embedding (only rows gathered).
-FLOPs: 2 x linear weights x tokens through them: prompt and output tokens but the last output go through
-the layers, one lm_head row per output token; attention 4 x heads x head_dim per layer and query-key
-pair, each token seeing its causal prefix (prefill a triangle of its prompt, decode the whole context).
-
-Mixture-of-experts models (benchmarks/configs/qwen3-30b-a3b: the published Qwen3-30B-A3B shape;
-qwen3-moe-small: an invented 1.5B-total, 0.46B-active shape, Qwen3-0.6B's attention and vocabulary
-with 64 experts of width 256 in each of 24 layers, 8 per token): a decode step reads in full every
-weight but the experts, and of each sparse layer's experts only those its rows picked. Those are
-counted as their expected number under uniform routing (random weights route near-uniformly):
-B rows each picking K distinct of E experts miss a given expert with probability (1 - K/E)^B, so
-they read E (1 - (1 - K/E)^B) experts. Step t's B is the number of requests still decoding at t
-(all running from the start): the fewest expert reads of any schedule, as the count is concave in B.
-FLOPs count the router and the K picked experts per token.
+Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
+(benchmarks/probes.py). What the bytes and FLOPs count, mixture-of-experts models' experts included:
+benchmarks/roofline.py's docstring. Workloads and presets: benchmarks/workloads.py.
 """
 
 from __future__ import annotations
@@ -39,295 +26,33 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.probes import measure_bandwidth, measure_gemm_peak
+from benchmarks.roofline import (
+    decode_rows, decode_weight_elements, expected_experts_hit, prefill_flops, roofline, workload_bytes, workload_flops,
+)
+from benchmarks.stats import percentile
+from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WORKLOADS, Workload, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import RequestOutput
-from nanovllm.layers.fused_moe import MoeExperts
 from nanovllm.models.model_config import ModelConfig
-from nanovllm.models.registry import build_model
 
-# Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
-PROMPT_ID_MAX = 10000
-# Bytes moved by the copy that measures HBM bandwidth (well past the 60 MB L2).
-BANDWIDTH_PROBE_BYTES = 2 * 2**30
-# Square bf16 GEMM side for the compute probe: large enough to run at the tensor cores' peak.
-GEMM_PROBE_N = 8192
-# Operand pairs the GEMM probe cycles through (128 MiB each): no call finds its inputs in L2.
-GEMM_PROBE_PAIRS = 3
-# Untimed, then timed calls of each probe; the median of the timed ones is kept.
-PROBE_WARMUP_CALLS = 3
-PROBE_TIMED_CALLS = 10
 # --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).
 TTFT_REPEATS = 7
 TTFT_WARMUP = 1
 # Percentiles reported for time to first token and inter-token latency.
 LATENCY_PERCENTILES = (50, 99)
-# Sampling temperature of the throughput workload (nano-vllm's).
-WORKLOAD_TEMPERATURE = 0.6
 # transformers' attention kernel for the --compare-hf baseline.
 HF_ATTENTION = "sdpa"
 NO_CUDA_MESSAGE = "bench.py measures GPU throughput and needs a CUDA device; torch sees none"
 # The Qwen3-0.6B shape (config.json only), found from the script so any working directory works.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "configs", "qwen3-0.6b")
-
-
-@dataclass(frozen=True)
-class Workload:
-    num_seqs: int
-    min_input: int
-    max_input: int
-    min_output: int
-    max_output: int
-    seed: int
-
-
-# --workload presets; an explicit flag overrides the preset's value.
-WORKLOADS = {
-    "default": Workload(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0),
-    "long": Workload(num_seqs=1024, min_input=100, max_input=2048, min_output=100, max_output=512, seed=7),
-    "many": Workload(num_seqs=2048, min_input=50, max_input=1024, min_output=50, max_output=512, seed=11),
-}
-
-
-# ----- pure counting (numbers and ModelConfig in, numbers out) -----
-def percentile(values: Sequence[float], q: float) -> float:
-    """q-th percentile (0-100) with linear interpolation between the closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    pos = q / 100 * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def attention_linear_elements(cfg: ModelConfig) -> int:
-    """Weight elements of one decoder layer's attention projections (q, k, v, o)."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
-
-
-def layer_linear_elements(cfg: ModelConfig) -> int:
-    """Weight elements of one dense decoder layer's projections (q, k, v, o, gate, up, down)."""
-    return attention_linear_elements(cfg) + 3 * cfg.hidden_size * cfg.intermediate_size
-
-
-def expert_elements(cfg: ModelConfig) -> int:
-    """Weight elements of one expert of one sparse layer (gate, up, down)."""
-    return 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size
-
-
-def token_linear_elements(cfg: ModelConfig) -> int:
-    """Weight elements one token is multiplied through across the layers: the attention projections
-    of each, the dense MLP of the dense layers, the router and K experts of the sparse ones."""
-    sparse = len(cfg.sparse_layers())
-    dense = cfg.num_hidden_layers - sparse
-    total = cfg.num_hidden_layers * attention_linear_elements(cfg) + dense * 3 * cfg.hidden_size * cfg.intermediate_size
-    if sparse:
-        moe = cfg.moe
-        total += sparse * (moe.num_experts * cfg.hidden_size + moe.num_experts_per_tok * expert_elements(cfg))
-    return total
-
-
-def lm_head_elements(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.hidden_size
-
-
-def decode_weight_elements(cfg: ModelConfig) -> int:
-    """Parameters a decode step reads in full: every parameter of the model of `cfg` (weights,
-    biases, norms: whatever its family has), the lm_head included; not an untied input
-    embedding, of which a step gathers only its tokens' rows (a tied one is the lm_head and
-    counts once), nor the experts of an MoE model (decode_expert_elements counts those read).
-    Counted on a model built on the meta device (no memory); call it before an engine sets up
-    tensor parallelism, or the model would be one rank's shard."""
-    with torch.device("meta"):
-        model = build_model(cfg)
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
-    total -= sum(p.numel() for m in model.modules() if isinstance(m, MoeExperts) for p in m.parameters())
-    if cfg.tie_word_embeddings:
-        return total
-    return total - cfg.vocab_size * cfg.hidden_size  # the input embedding
-
-
-def expected_experts_hit(num_experts: int, top_k: int, rows: int) -> float:
-    """Expected distinct experts `rows` tokens pick, each top_k distinct of num_experts uniformly
-    at random: one token misses a given expert with probability C(E-1, K) / C(E, K) = 1 - K/E,
-    all of them independently with (1 - K/E)^rows."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
-
-
-def decode_rows(max_tokens: Sequence[int]) -> list[int]:
-    """Rows of decode steps t = 1 .. max(max_tokens) - 1 when every request runs from the start:
-    a request of n output tokens decodes at steps 1 .. n - 1."""
-    ends = Counter(n - 1 for n in max_tokens)  # last decode step -> requests ending there
-    rows, running = [], len(max_tokens) - ends[0]
-    for t in range(1, max(max_tokens)):
-        rows.append(running)
-        running -= ends[t]
-    return rows
-
-
-def decode_expert_elements(cfg: ModelConfig, max_tokens: Sequence[int]) -> float:
-    """Expert weight elements the workload's decode steps read (0 for a dense model): per step
-    and sparse layer, the expected distinct experts of its rows (expected_experts_hit of
-    decode_rows) times one expert's elements."""
-    if cfg.moe is None:
-        return 0
-    moe = cfg.moe
-    rows = decode_rows(max_tokens)
-    experts_read = sum(expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, b) for b in rows)
-    return len(cfg.sparse_layers()) * expert_elements(cfg) * experts_read
-
-
-def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
-
-
-def decode_kv_tokens(prompt_len: int, max_tokens: int) -> int:
-    """Context tokens read by one request's decode steps: step t = 1 .. n-1 reads prompt + t."""
-    n = max_tokens
-    return (n - 1) * prompt_len + n * (n - 1) // 2
-
-
-def causal_pairs(prompt_len: int, max_tokens: int) -> int:
-    """Query-key pairs of one request: its prompt and all but its last output token are forwarded,
-    and token i (1-based) attends to tokens 1 .. i."""
-    forwarded = prompt_len + max_tokens - 1
-    return forwarded * (forwarded + 1) // 2
-
-
-def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
-                   max_tokens: Sequence[int], weight_elements: int) -> tuple[int, int]:
-    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps;
-    weight_elements: what one decode step reads in full (decode_weight_elements); an MoE model's
-    experts are added as decode_expert_elements counts them (rounded to whole bytes)."""
-    kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
-    steps = max(max_tokens) - 1
-    experts = round(decode_expert_elements(cfg, max_tokens) * elem_bytes)
-    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps + experts
-
-
-def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
-    """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
-    forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
-    logit_rows = sum(max_tokens)
-    matmul = 2 * (token_linear_elements(cfg) * forwarded + lm_head_elements(cfg) * logit_rows)
-    pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
-    return matmul, attention
-
-
-def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
-    """FLOPs of one prompt's prefill that samples its first token."""
-    return sum(workload_flops(cfg, [prompt_len], [1]))
-
-
-@dataclass(frozen=True)
-class Roofline:
-    memory_s: float
-    compute_s: float
-
-    @property
-    def seconds(self) -> float:
-        return max(self.memory_s, self.compute_s)
-
-    @property
-    def binding(self) -> str:
-        return "memory" if self.memory_s >= self.compute_s else "compute"
-
-
-def roofline(num_bytes: float, flops: float, bandwidth: float, peak_flops: float) -> Roofline:
-    return Roofline(memory_s=num_bytes / bandwidth, compute_s=flops / peak_flops)
-
-
-def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter) -> None:
-    """Raise unless every request finished holding exactly max_tokens tokens, each seen in `sampled`."""
-    missing = sorted(set(max_tokens) - set(outputs))
-    if missing:
-        raise RuntimeError(f"{len(missing)} request(s) never finished, e.g. id {missing[0]}")
-    for rid, n in max_tokens.items():
-        got = len(outputs[rid].token_ids)
-        if got != n:
-            raise RuntimeError(f"request {rid} returned {got} tokens, {n} counted (ignore_eos: all must be made)")
-        if sampled[rid] != n:
-            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
-
-
-def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
-    """(load_format for LLM, a line saying which weights run): auto = dummy iff no *.safetensors."""
-    if requested == "dummy":
-        return "dummy", "random weights (--load-format dummy)"
-    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
-        return "dummy", f"random weights: {model_dir} has no *.safetensors (load_format=dummy)"
-    return requested, f"checkpoint weights from {model_dir}"
-
-
-def make_workload(w: Workload, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's draws, in its order: all prompts, then all max_tokens."""
-    rng = random.Random(w.seed)
-    id_max = min(PROMPT_ID_MAX, vocab_size - 1)
-    prompts = [[rng.randint(0, id_max) for _ in range(rng.randint(w.min_input, w.max_input))]
-               for _ in range(w.num_seqs)]
-    max_tokens = [rng.randint(w.min_output, w.max_output) for _ in range(w.num_seqs)]
-    return prompts, max_tokens
-
-
-# ----- device probes -----
-def _median_event_seconds(fn: Callable[[int], object], calls: int) -> float:
-    """Median over `calls` of fn()'s device time, by CUDA events (fn gets the call index)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(calls):
-        start.record()
-        fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return percentile(times, 50)
-
-
-def measure_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = BANDWIDTH_PROBE_BYTES // 2
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(PROBE_WARMUP_CALLS):
-        dst.copy_(src)
-    seconds = _median_event_seconds(lambda i: dst.copy_(src), PROBE_TIMED_CALLS)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / seconds
-
-
-def measure_gemm_peak() -> float:
-    """Dense bf16 GEMM FLOP/s: an N x N x N matmul, operands rotated so none is cached."""
-    n = GEMM_PROBE_N
-
-    def operand() -> torch.Tensor:
-        return torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-
-    pairs = [(operand(), operand()) for _ in range(GEMM_PROBE_PAIRS)]
-    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
-
-    def call(i: int) -> None:
-        a, b = pairs[i % len(pairs)]
-        torch.matmul(a, b, out=out)
-
-    for i in range(PROBE_WARMUP_CALLS):
-        call(i)
-    seconds = _median_event_seconds(call, PROBE_TIMED_CALLS)
-    del pairs, out
-    torch.cuda.empty_cache()
-    return 2 * n**3 / seconds
 
 
 # ----- engine runs -----
@@ -390,6 +115,19 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> Eng
     run.wall_s = time.perf_counter() - start
     check_outputs(wanted, outputs, sampled)
     return run
+
+
+def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter) -> None:
+    """Raise unless every request finished holding exactly max_tokens tokens, each seen in `sampled`."""
+    missing = sorted(set(max_tokens) - set(outputs))
+    if missing:
+        raise RuntimeError(f"{len(missing)} request(s) never finished, e.g. id {missing[0]}")
+    for rid, n in max_tokens.items():
+        got = len(outputs[rid].token_ids)
+        if got != n:
+            raise RuntimeError(f"request {rid} returned {got} tokens, {n} counted (ignore_eos: all must be made)")
+        if sampled[rid] != n:
+            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
 
 
 def warm_up(llm: LLM) -> None:
@@ -526,6 +264,15 @@ def engine_kwargs(args: argparse.Namespace, load_format: str) -> dict:
     return dict(load_format=load_format, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
                 enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
+    """(load_format for LLM, a line saying which weights run): auto = dummy iff no *.safetensors."""
+    if requested == "dummy":
+        return "dummy", "random weights (--load-format dummy)"
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        return "dummy", f"random weights: {model_dir} has no *.safetensors (load_format=dummy)"
+    return requested, f"checkpoint weights from {model_dir}"
 
 
 def _ms(values: Sequence[float]) -> str:

@@ -20,6 +20,7 @@ import time
 import torch
 
 import bench
+from benchmarks.workloads import WORKLOADS, make_workload
 from nanovllm import LLM, SamplingParams
 
 
@@ -42,7 +43,7 @@ def main() -> None:
         print("bench_n.py measures GPU throughput and needs a CUDA device", file=sys.stderr)
         sys.exit(1)
     load_format, weights_line = bench.resolve_load_format("auto", args.model)
-    prompts, max_tokens = bench.make_workload(bench.WORKLOADS["default"], vocab_size=10**9)
+    prompts, max_tokens = make_workload(WORKLOADS["default"], vocab_size=10**9)
     prompts, max_tokens = prompts[: args.num_prompts], max_tokens[: args.num_prompts]
 
     def params(m: int, n: int) -> SamplingParams:

@@ -1,4 +1,4 @@
-"""bench.py on CPU: it refuses to run without CUDA, and its roofline counting is right.
+"""bench.py on CPU: it refuses to run without CUDA, and its roofline counting (benchmarks/roofline.py) is right.
 
 Expected values are worked out by hand below for a 2-layer toy shape, not by calling the
 functions under test a second way; the parameter count is also checked against the real
@@ -19,9 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bench  # noqa: E402
+from benchmarks.roofline import (  # noqa: E402
+    decode_expert_elements, decode_rows, decode_weight_elements, expected_experts_hit, expert_elements,
+    layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
+)
+from benchmarks.stats import percentile  # noqa: E402
+from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
 from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from nanovllm.models.registry import build_model  # noqa: E402
 
 # Toy shape: vocab 100, hidden 8, intermediate 16, 2 layers, 2 query heads, 1 kv head, head_dim 4.
 #   per layer: q 8x8=64, k 8x4=32, v 32, o 8x8=64, gate 8x16=128, up 128, down 128  -> 576
@@ -60,12 +67,12 @@ def test_no_cuda_exits_with_one_line():
 
 def test_decode_weights_hand_count_and_model():
     untied, tied = toy_config(tied=False), toy_config(tied=True)
-    assert bench.layer_linear_elements(untied) == TOY_LAYER_LINEAR
+    assert layer_linear_elements(untied) == TOY_LAYER_LINEAR
     # Untied: everything but the embedding, whose rows are only gathered.
-    assert bench.decode_weight_elements(untied) == TOY_DECODE_WEIGHTS
+    assert decode_weight_elements(untied) == TOY_DECODE_WEIGHTS
     assert model_parameter_count(untied) == TOY_DECODE_WEIGHTS + TOY_EMBEDDING
     # Tied: the embedding is the lm_head, read once per step, so the count is every parameter.
-    assert bench.decode_weight_elements(tied) == TOY_DECODE_WEIGHTS
+    assert decode_weight_elements(tied) == TOY_DECODE_WEIGHTS
     assert model_parameter_count(tied) == TOY_DECODE_WEIGHTS
 
 
@@ -78,7 +85,7 @@ def test_decode_weights_follow_each_family(name, published_params, untied_embedd
     """The published parameter count less an untied input embedding: each family's own norms and
     biases, not Qwen3's."""
     cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / name))
-    assert bench.decode_weight_elements(cfg) == published_params - untied_embedding
+    assert decode_weight_elements(cfg) == published_params - untied_embedding
 
 
 def test_workload_bytes_by_hand():
@@ -87,7 +94,7 @@ def test_workload_bytes_by_hand():
     # Decode reads: request 1 one step at context 4; request 2 steps at 6, 7, 8 -> 4 + 21 = 25 tokens.
     # KV per token: 2 (K, V) x 2 layers x 1 kv head x 4 dims x 2 bytes = 32 bytes -> 800 bytes.
     # Weights: at least 4 - 1 = 3 decode steps x 2008 elements x 2 bytes = 12,048 bytes.
-    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4], bench.decode_weight_elements(cfg)) == (800, 12048)
+    assert workload_bytes(cfg, 2, [3, 5], [2, 4], decode_weight_elements(cfg)) == (800, 12048)
 
 
 def test_workload_flops_by_hand():
@@ -96,28 +103,28 @@ def test_workload_flops_by_hand():
     # lm_head: one row per output token, 6 x 2 x 800 = 9,600.
     # Pairs: request 1 prefill 1+2+3 = 6, decode 4 -> 10; request 2 prefill 1+..+5 = 15,
     # decode 6+7+8 = 21 -> 36; 46 pairs x 4 x 2 heads x 4 dims x 2 layers = 2,944.
-    assert bench.workload_flops(cfg, [3, 5], [2, 4]) == (27648 + 9600, 2944)
+    assert workload_flops(cfg, [3, 5], [2, 4]) == (27648 + 9600, 2944)
     # Prefill of 3 tokens sampling one: 2 x 1152 x 3 + 2 x 800 + 6 pairs x 64 = 6912 + 1600 + 384.
-    assert bench.prefill_flops(cfg, 3) == 8896
+    assert prefill_flops(cfg, 3) == 8896
 
 
 def test_roofline_picks_the_larger_term():
-    mem = bench.roofline(num_bytes=8e12, flops=1e15, bandwidth=4e12, peak_flops=1e15)
+    mem = roofline(num_bytes=8e12, flops=1e15, bandwidth=4e12, peak_flops=1e15)
     assert (mem.memory_s, mem.compute_s, mem.seconds, mem.binding) == (2.0, 1.0, 2.0, "memory")
-    comp = bench.roofline(num_bytes=1e12, flops=3e15, bandwidth=4e12, peak_flops=1e15)
+    comp = roofline(num_bytes=1e12, flops=3e15, bandwidth=4e12, peak_flops=1e15)
     assert (comp.seconds, comp.binding) == (3.0, "compute")
 
 
 def test_percentile():
-    assert bench.percentile([4, 1, 3, 2], 50) == 2.5  # halfway between 2 and 3
+    assert percentile([4, 1, 3, 2], 50) == 2.5  # halfway between 2 and 3
     values = list(range(1, 102))  # 101 values: rank 99 of 0..100 is the value 100
     random.Random(0).shuffle(values)
-    assert bench.percentile(values, 99) == 100
-    assert bench.percentile(values, 0) == 1 and bench.percentile(values, 100) == 101
-    assert bench.percentile([10, 20], 25) == 12.5
-    assert bench.percentile([7.0], 99) == 7.0
+    assert percentile(values, 99) == 100
+    assert percentile(values, 0) == 1 and percentile(values, 100) == 101
+    assert percentile([10, 20], 25) == 12.5
+    assert percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError):
-        bench.percentile([], 50)
+        percentile([], 50)
 
 
 def test_workload_presets_and_overrides():
@@ -138,7 +145,7 @@ def test_default_workload_is_nano_vllms():
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     max_tokens = [random.randint(100, 1024) for _ in range(256)]
-    assert bench.make_workload(bench.WORKLOADS["default"], vocab_size=151936) == (prompts, max_tokens)
+    assert make_workload(WORKLOADS["default"], vocab_size=151936) == (prompts, max_tokens)
 
 
 def test_load_format_follows_safetensors(tmp_path):
@@ -183,10 +190,10 @@ def toy_moe_config() -> ModelConfig:
 
 def test_moe_decode_weights_leave_out_the_experts():
     cfg = toy_moe_config()
-    assert bench.decode_weight_elements(cfg) == TOY_MOE_DECODE_WEIGHTS
-    assert bench.expert_elements(cfg) == TOY_EXPERT
+    assert decode_weight_elements(cfg) == TOY_MOE_DECODE_WEIGHTS
+    assert expert_elements(cfg) == TOY_EXPERT
     with torch.device("meta"):
-        model = bench.build_model(cfg)
+        model = build_model(cfg)
     assert sum(p.numel() for p in model.parameters()) == TOY_MOE_DECODE_WEIGHTS + 4 * TOY_EXPERT + TOY_EMBEDDING
 
 
@@ -198,18 +205,18 @@ def test_expected_experts_hit_by_enumeration():
     for experts, top_k, rows in [(5, 2, 3), (4, 1, 2), (6, 3, 2), (4, 4, 1)]:
         picks = list(combinations(range(experts), top_k))
         outcomes = [len(set().union(*routing)) for routing in product(picks, repeat=rows)]
-        assert bench.expected_experts_hit(experts, top_k, rows) == pytest.approx(sum(outcomes) / len(outcomes))
-    assert bench.expected_experts_hit(128, 8, 0) == 0
-    assert bench.expected_experts_hit(128, 8, 1) == pytest.approx(8)
-    assert bench.expected_experts_hit(128, 8, 512) == pytest.approx(128)
+        assert expected_experts_hit(experts, top_k, rows) == pytest.approx(sum(outcomes) / len(outcomes))
+    assert expected_experts_hit(128, 8, 0) == 0
+    assert expected_experts_hit(128, 8, 1) == pytest.approx(8)
+    assert expected_experts_hit(128, 8, 512) == pytest.approx(128)
 
 
 def test_decode_rows_by_hand():
     # outputs 2 and 4: both decode at step 1, only the second at steps 2 and 3
-    assert bench.decode_rows([2, 4]) == [2, 1, 1]
+    assert decode_rows([2, 4]) == [2, 1, 1]
     # one output token: no decode step
-    assert bench.decode_rows([1, 3, 3]) == [2, 2]
-    assert bench.decode_rows([1]) == []
+    assert decode_rows([1, 3, 3]) == [2, 2]
+    assert decode_rows([1]) == []
 
 
 def test_moe_workload_bytes_and_flops_by_hand():
@@ -217,14 +224,14 @@ def test_moe_workload_bytes_and_flops_by_hand():
     # Decode rows [2, 1, 1] (test above): 4 (1 - 1/2^2) = 3 experts, then 2 and 2 -> 7 experts x 96
     # elements x 1 sparse layer x 2 bytes = 1,344 bytes, on top of 3 steps x 1656 x 2 = 9,936.
     # KV as for the dense toy: 800 bytes.
-    assert bench.decode_expert_elements(cfg, [2, 4]) == pytest.approx(672)
-    assert bench.workload_bytes(cfg, 2, [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
+    assert decode_expert_elements(cfg, [2, 4]) == pytest.approx(672)
+    assert workload_bytes(cfg, 2, [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
     # A token goes through 2 x 192 attention + 384 dense MLP + 32 router + 2 x 96 experts = 992:
     # 12 tokens x 2 x 992 = 23,808; lm_head 9,600; attention pairs as for the dense toy, 2,944.
-    assert bench.token_linear_elements(cfg) == 992
-    assert bench.workload_flops(cfg, [3, 5], [2, 4]) == (23808 + 9600, 2944)
+    assert token_linear_elements(cfg) == 992
+    assert workload_flops(cfg, [3, 5], [2, 4]) == (23808 + 9600, 2944)
     # A dense model has no expert term.
-    assert bench.decode_expert_elements(toy_config(tied=False), [2, 4]) == 0
+    assert decode_expert_elements(toy_config(tied=False), [2, 4]) == 0
     assert bench.expert_rows(toy_config(tied=False), [2, 4]) == []
     assert "E (1 - (1 - K/E)^B) of E = 4, K = 2" in bench.expert_rows(cfg, [2, 4])[0][1]
 
@@ -238,20 +245,20 @@ def test_qwen3_30b_a3b_parameters_match_the_model_card():
     embedding = 151_936 * 2048
     total = 48 * 623_120_640 + 2048 + 2 * embedding
     assert total == 30_532_122_624
-    experts = 48 * 128 * bench.expert_elements(cfg)
-    assert bench.decode_weight_elements(cfg) + experts + embedding == total
-    active = bench.decode_weight_elements(cfg) + embedding + 48 * 8 * bench.expert_elements(cfg)
+    experts = 48 * 128 * expert_elements(cfg)
+    assert decode_weight_elements(cfg) + experts + embedding == total
+    active = decode_weight_elements(cfg) + embedding + 48 * 8 * expert_elements(cfg)
     assert int(total / 1e8) == 305 and int((total - 2 * embedding) / 1e8) == 299 and int(active / 1e8) == 33
     # per token through the layers: attention, router and 8 experts of each of the 48 layers
-    assert bench.token_linear_elements(cfg) == 48 * (18_874_368 + 128 * 2048 + 8 * 3 * 2048 * 768)
+    assert token_linear_elements(cfg) == 48 * (18_874_368 + 128 * 2048 + 8 * 3 * 2048 * 768)
 
 
 def test_small_moe_shape_is_what_bench_says():
-    """bench.py's docstring: 1.5B total, 0.46B active."""
+    """benchmarks/roofline.py's docstring: 1.5B total, 0.46B active."""
     cfg = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-moe-small"))
     moe = cfg.moe
     shape = (cfg.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size)
     assert shape == (24, 64, 8, 256)
-    total = bench.decode_weight_elements(cfg) + 24 * 64 * bench.expert_elements(cfg)  # tied: no extra embedding
-    active = bench.decode_weight_elements(cfg) + 24 * 8 * bench.expert_elements(cfg)
+    total = decode_weight_elements(cfg) + 24 * 64 * expert_elements(cfg)  # tied: no extra embedding
+    active = decode_weight_elements(cfg) + 24 * 8 * expert_elements(cfg)
     assert round(total / 1e9, 1) == 1.5 and round(active / 1e9, 2) == 0.46

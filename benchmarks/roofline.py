@@ -1,0 +1,173 @@
+"""bench.py's roofline: the bytes and FLOPs any engine must move and do for a workload (numbers and
+ModelConfig in, numbers out; no device).
+
+Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
+(benchmarks/probes.py).
+Bytes: each decode step reads every running sequence's whole KV context, and there are at least
+max(max_tokens) - 1 steps, each reading every weight but an untied input embedding (only rows gathered).
+FLOPs: 2 x linear weights x tokens through them: prompt and output tokens but the last output go through
+the layers, one lm_head row per output token; attention 4 x heads x head_dim per layer and query-key
+pair, each token seeing its causal prefix (prefill a triangle of its prompt, decode the whole context).
+
+Mixture-of-experts models (benchmarks/configs/qwen3-30b-a3b: the published Qwen3-30B-A3B shape;
+qwen3-moe-small: an invented 1.5B-total, 0.46B-active shape, Qwen3-0.6B's attention and vocabulary
+with 64 experts of width 256 in each of 24 layers, 8 per token): a decode step reads in full every
+weight but the experts, and of each sparse layer's experts only those its rows picked. Those are
+counted as their expected number under uniform routing (random weights route near-uniformly):
+B rows each picking K distinct of E experts miss a given expert with probability (1 - K/E)^B, so
+they read E (1 - (1 - K/E)^B) experts. Step t's B is the number of requests still decoding at t
+(all running from the start): the fewest expert reads of any schedule, as the count is concave in B.
+FLOPs count the router and the K picked experts per token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.fused_moe import MoeExperts
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.registry import build_model
+
+
+def attention_linear_elements(cfg: ModelConfig) -> int:
+    """Weight elements of one decoder layer's attention projections (q, k, v, o)."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+
+
+def layer_linear_elements(cfg: ModelConfig) -> int:
+    """Weight elements of one dense decoder layer's projections (q, k, v, o, gate, up, down)."""
+    return attention_linear_elements(cfg) + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def expert_elements(cfg: ModelConfig) -> int:
+    """Weight elements of one expert of one sparse layer (gate, up, down)."""
+    return 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size
+
+
+def token_linear_elements(cfg: ModelConfig) -> int:
+    """Weight elements one token is multiplied through across the layers: the attention projections
+    of each, the dense MLP of the dense layers, the router and K experts of the sparse ones."""
+    sparse = len(cfg.sparse_layers())
+    dense = cfg.num_hidden_layers - sparse
+    total = cfg.num_hidden_layers * attention_linear_elements(cfg) + dense * 3 * cfg.hidden_size * cfg.intermediate_size
+    if sparse:
+        moe = cfg.moe
+        total += sparse * (moe.num_experts * cfg.hidden_size + moe.num_experts_per_tok * expert_elements(cfg))
+    return total
+
+
+def lm_head_elements(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def decode_weight_elements(cfg: ModelConfig) -> int:
+    """Parameters a decode step reads in full: every parameter of the model of `cfg` (weights,
+    biases, norms: whatever its family has), the lm_head included; not an untied input
+    embedding, of which a step gathers only its tokens' rows (a tied one is the lm_head and
+    counts once), nor the experts of an MoE model (decode_expert_elements counts those read).
+    Counted on a model built on the meta device (no memory); call it before an engine sets up
+    tensor parallelism, or the model would be one rank's shard."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    total -= sum(p.numel() for m in model.modules() if isinstance(m, MoeExperts) for p in m.parameters())
+    if cfg.tie_word_embeddings:
+        return total
+    return total - cfg.vocab_size * cfg.hidden_size  # the input embedding
+
+
+def expected_experts_hit(num_experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts `rows` tokens pick, each top_k distinct of num_experts uniformly
+    at random: one token misses a given expert with probability C(E-1, K) / C(E, K) = 1 - K/E,
+    all of them independently with (1 - K/E)^rows."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def decode_rows(max_tokens: Sequence[int]) -> list[int]:
+    """Rows of decode steps t = 1 .. max(max_tokens) - 1 when every request runs from the start:
+    a request of n output tokens decodes at steps 1 .. n - 1."""
+    ends = Counter(n - 1 for n in max_tokens)  # last decode step -> requests ending there
+    rows, running = [], len(max_tokens) - ends[0]
+    for t in range(1, max(max_tokens)):
+        rows.append(running)
+        running -= ends[t]
+    return rows
+
+
+def decode_expert_elements(cfg: ModelConfig, max_tokens: Sequence[int]) -> float:
+    """Expert weight elements the workload's decode steps read (0 for a dense model): per step
+    and sparse layer, the expected distinct experts of its rows (expected_experts_hit of
+    decode_rows) times one expert's elements."""
+    if cfg.moe is None:
+        return 0
+    moe = cfg.moe
+    rows = decode_rows(max_tokens)
+    experts_read = sum(expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, b) for b in rows)
+    return len(cfg.sparse_layers()) * expert_elements(cfg) * experts_read
+
+
+def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
+
+
+def decode_kv_tokens(prompt_len: int, max_tokens: int) -> int:
+    """Context tokens read by one request's decode steps: step t = 1 .. n-1 reads prompt + t."""
+    n = max_tokens
+    return (n - 1) * prompt_len + n * (n - 1) // 2
+
+
+def causal_pairs(prompt_len: int, max_tokens: int) -> int:
+    """Query-key pairs of one request: its prompt and all but its last output token are forwarded,
+    and token i (1-based) attends to tokens 1 .. i."""
+    forwarded = prompt_len + max_tokens - 1
+    return forwarded * (forwarded + 1) // 2
+
+
+def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
+                   max_tokens: Sequence[int], weight_elements: int) -> tuple[int, int]:
+    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps;
+    weight_elements: what one decode step reads in full (decode_weight_elements); an MoE model's
+    experts are added as decode_expert_elements counts them (rounded to whole bytes)."""
+    kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
+    steps = max(max_tokens) - 1
+    experts = round(decode_expert_elements(cfg, max_tokens) * elem_bytes)
+    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps + experts
+
+
+def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
+    """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
+    forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
+    logit_rows = sum(max_tokens)
+    matmul = 2 * (token_linear_elements(cfg) * forwarded + lm_head_elements(cfg) * logit_rows)
+    pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+    return matmul, attention
+
+
+def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
+    """FLOPs of one prompt's prefill that samples its first token."""
+    return sum(workload_flops(cfg, [prompt_len], [1]))
+
+
+@dataclass(frozen=True)
+class Roofline:
+    memory_s: float
+    compute_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def binding(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+def roofline(num_bytes: float, flops: float, bandwidth: float, peak_flops: float) -> Roofline:
+    return Roofline(memory_s=num_bytes / bandwidth, compute_s=flops / peak_flops)

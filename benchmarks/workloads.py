@@ -1,0 +1,39 @@
+"""bench.py's workloads: nano-vllm's random prompts and output lengths, and the --workload presets."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
+PROMPT_ID_MAX = 10000
+# Sampling temperature of the throughput workload (nano-vllm's).
+WORKLOAD_TEMPERATURE = 0.6
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_seqs: int
+    min_input: int
+    max_input: int
+    min_output: int
+    max_output: int
+    seed: int
+
+
+# --workload presets; an explicit flag overrides the preset's value.
+WORKLOADS = {
+    "default": Workload(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0),
+    "long": Workload(num_seqs=1024, min_input=100, max_input=2048, min_output=100, max_output=512, seed=7),
+    "many": Workload(num_seqs=2048, min_input=50, max_input=1024, min_output=50, max_output=512, seed=11),
+}
+
+
+def make_workload(w: Workload, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draws, in its order: all prompts, then all max_tokens."""
+    rng = random.Random(w.seed)
+    id_max = min(PROMPT_ID_MAX, vocab_size - 1)
+    prompts = [[rng.randint(0, id_max) for _ in range(rng.randint(w.min_input, w.max_input))]
+               for _ in range(w.num_seqs)]
+    max_tokens = [rng.randint(w.min_output, w.max_output) for _ in range(w.num_seqs)]
+    return prompts, max_tokens
