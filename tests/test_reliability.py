@@ -229,8 +229,10 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
     shared = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=40))
     prompts = [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
     # Stop ids end some requests early: under overlap scheduling their last step is dropped.
+    # n > 1: greedy samples that share their prompt's blocks (and lose them to preemption).
     params = [SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 24)), ignore_eos=True,
-                             stop_token_ids=data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=8)))
+                             stop_token_ids=data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=8)),
+                             n=data.draw(st.integers(1, 3)))
               for _ in range(n)]
     expected = baseline_engine.generate(prompts, params, use_tqdm=False)
     # down to barely enough KV for the longest request
