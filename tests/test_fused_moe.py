@@ -264,3 +264,10 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     # and the choice still follows the batch: decode tiles at small counts, prefill tiles at large
     small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
+    # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
+    from nanovllm.kernels.moe import MIN_PROGRAMS_PER_SM, aligned_blocks
+
+    tiles, gate_up, down = plan_tiles(1, 8, 128, 2048, 768, 132)
+    used = aligned_blocks(8, 128, tiles.block_m)
+    assert used * -(-768 // gate_up.block_n) >= MIN_PROGRAMS_PER_SM * 132
+    assert used * -(-2048 // down.block_n) >= MIN_PROGRAMS_PER_SM * 132

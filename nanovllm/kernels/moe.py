@@ -319,10 +319,13 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
                tiles: MoeTiles | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
     """(tiles, gate_up tiling, down tiling) for num_tokens tokens: every choice is a function of
     size_class(num_tokens), never of the count itself. `tiles` overrides moe_tiles (benchmarks)."""
-    pairs = size_class(num_tokens) * top_k
+    size = size_class(num_tokens)
     if tiles is None:
-        tiles = moe_tiles(pairs, num_experts)
-    blocks = aligned_blocks(pairs, num_experts, tiles.block_m)
+        tiles = moe_tiles(size * top_k, num_experts)
+    # block_n shrinks until the class's smallest count fills the GPU (one token: K blocks of one
+    # pair each), so every count of the class keeps every SM streaming weights.
+    smallest = 1 if size == SIZE_CLASS_MIN else size // 2 + 1
+    blocks = aligned_blocks(smallest * top_k, num_experts, tiles.block_m)
     return tiles, _fit(tiles.gate_up, inter, hidden, blocks, sms), _fit(tiles.down, hidden, inter, blocks, sms)
 
 
