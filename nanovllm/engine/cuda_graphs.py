@@ -17,7 +17,8 @@ from nanovllm.engine.step_inputs import (
 )
 from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.utils.context import AttentionMetadata, attention_context
-from nanovllm.utils.host_to_device import copy_into
+from nanovllm.layers.sampler import SamplingPack
+from nanovllm.utils.host_to_device import copy_into, with_words, words_view
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
@@ -49,7 +50,10 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
-        self.staging = torch.zeros(n, DECODE_COLUMNS + max_blocks_per_seq, dtype=torch.int32, device=device)
+        cols = DECODE_COLUMNS + max_blocks_per_seq
+        # The staging rows, then room for the step's sampling words (copied with the rows; see run).
+        self.buffer = torch.zeros(n * cols + 2 + 2 * SamplingPack.max_words(n), dtype=torch.int32, device=device)
+        self.staging = self.buffer[: n * cols].view(n, cols)
         self.staging[:, COL_SLOT] = -1
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -94,15 +98,20 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= batch_size), None)
 
     def run(self, rows: np.ndarray, batch_size: int, carried_from: torch.Tensor | None,
-            num_carried: int = 0) -> torch.Tensor:
-        """Replay for a decode batch; returns hidden states [batch_size, hidden] (a view).
+            num_carried: int = 0, words: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay for a decode batch; returns (hidden states [batch_size, hidden], the step's
+        sampling words on the device or None), views.
 
         rows: StepInputBuilder.decode_rows for padded_size(batch_size) rows. carried_from:
         the previous step's sampled tokens; the input column of the first num_carried rows
-        holds rows of it."""
+        holds rows of it. words: int64 sampling values, copied with the rows (one copy): they
+        land past the rows this graph reads, in staging rows of larger graphs or the buffer's
+        tail, which each replay's copy rewrites before it reads them."""
         size = len(rows)
-        copy_into(self.staging[:size], rows)
+        host, offset = with_words(rows, words)
+        copy_into(self.buffer[: host.shape[0]], host)
         if num_carried:
             fill_carried_ids(self.staging[:num_carried, COL_INPUT], carried_from)
         self.graphs[size].replay()
-        return self.hidden[:batch_size]
+        device_words = words_view(self.buffer, offset, words.shape[0]) if words is not None else None
+        return self.hidden[:batch_size], device_words

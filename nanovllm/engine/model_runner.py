@@ -28,7 +28,7 @@ from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, 
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
+from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, SamplingPack, row_key
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
@@ -199,36 +199,39 @@ class ModelRunner:
             if previous is None or previous.device_tokens is None:
                 raise ValueError("a step with carried rows needs the previous step's sampled tokens")
             carried_from = previous.device_tokens
+        # The step's sampling values travel in its input copy (rank 0; workers sample nothing).
+        pack = self._sampling_pack(sample_seqs, sampled_positions(plan)) if sample_seqs else None
+        words = pack.words if pack is not None else None
         if plan.kind is StepKind.DECODE:
             batch_size = len(plan.starts)
             graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
             if graph_size is not None:
                 rows = self.inputs.decode_rows(plan, graph_size)
                 prepare_s = time.perf_counter() - start
-                hidden = self.graphs.run(rows, batch_size, carried_from, len(plan.carried_rows))  # [batch, hidden]
+                hidden, device_words = self.graphs.run(rows, batch_size, carried_from, len(plan.carried_rows),
+                                                       words)  # [batch, hidden]
             else:
-                inputs = self.inputs.decode(plan, carried_from)
+                inputs = self.inputs.decode(plan, carried_from, words)
                 prepare_s = time.perf_counter() - start
-                hidden = self._forward(inputs)
+                hidden, device_words = self._forward(inputs), inputs.sampling_words
         else:
             bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
             if bucket is not None and not plan.prompt_logprob_rows:  # a graph returns sampled rows only
-                hidden = self.varlen_graphs.run(plan, bucket, carried_from)  # [num_sampled, hidden]
+                hidden, device_words = self.varlen_graphs.run(plan, bucket, carried_from, words)  # [num_sampled, hidden]
                 prepare_s = time.perf_counter() - start
             else:
-                inputs = self.inputs.varlen(plan, carried_from)
+                inputs = self.inputs.varlen(plan, carried_from, words)
                 prepare_s = time.perf_counter() - start
                 every = self._forward(inputs)  # [num_tokens, hidden]
-                hidden = every[inputs.sample_indices]  # [num_sampled, hidden]
+                hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
                 if plan.prompt_logprob_rows:
                     prompt_logprobs = self._prompt_logprobs(plan, every)
         if not any(plan.sampled):
             return self._finish_launch(prepare_s, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
-        if logits is None or sample_seqs is None:
+        if logits is None or pack is None:
             return LaunchedStep(prepare_s)
-        batch = self._sampling_batch(sample_seqs, sampled_positions(plan), logits.shape[-1])
-        out = self.sampler(logits, batch)  # tokens [num_sampled] int64, logprobs of the rows that ask
+        out = self.sampler(logits, pack.unpack(device_words))  # tokens [num_sampled] int64, logprobs of asking rows
         lp = out.logprobs
         sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.top_ids, lp.top_logprobs)
         return self._finish_launch(prepare_s, out.tokens, sample_logprobs, prompt_logprobs)
@@ -283,13 +286,13 @@ class ModelRunner:
         with attention_context(inputs.meta):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def _sampling_batch(self, seqs: list[Sequence], positions: list[int], vocab_size: int) -> SamplingBatch:
-        """Each row's noise comes from a key, on every device: seeded rows' from (the sample's
+    def _sampling_pack(self, seqs: list[Sequence], positions: list[int]) -> SamplingPack:
+        """The sampling values of `seqs` (the step's sampled rows), for the step's input copy.
+        Each row's noise comes from a key, on every device: seeded rows' from (the sample's
         seed, position of the sampled token), the others' from this runner's RNG."""
-        params = [s.params for s in seqs]
         keys = [row_key(s.seed, pos) if s.seed is not None else self._key_rng.getrandbits(KEY_BITS)
                 for s, pos in zip(seqs, positions)]
-        return SamplingBatch.build(params, keys, self.device, vocab_size)
+        return SamplingPack.of([s.params for s in seqs], keys, self.config.model_config.vocab_size)
 
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""

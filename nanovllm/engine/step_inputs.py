@@ -16,12 +16,13 @@ ids on the device before the forward.
 
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
 Each step's integers travel in one pinned int32 array, one host-to-device copy:
-a pure decode step as `decode_rows`, any other step as `VarlenLayout`.
+a pure decode step as `decode_rows`, any other step as `VarlenLayout`; the step's sampling
+values (layers/sampler.SamplingPack words) ride at its end (utils/host_to_device.with_words).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from nanovllm.engine.scheduler import ScheduledBatch, StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
-from nanovllm.utils.host_to_device import to_device
+from nanovllm.utils.host_to_device import to_device, with_words, words_view
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int32/int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampled]: rows of the hidden states to turn into logits
+    sampling_words: torch.Tensor | None = None  # [n] int64: the step's SamplingPack words, if given
 
 
 class StepInputBuilder:
@@ -246,15 +248,21 @@ class StepInputBuilder:
         )
         return StepInputs(v.input_ids, v.positions, meta, v.sample_rows[:num_sampled])
 
-    def varlen(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
-        """Eager inputs of a prefill / mixed step at its exact size."""
+    def varlen(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
+               words: np.ndarray | None = None) -> StepInputs:
+        """Eager inputs of a prefill / mixed step at its exact size; `words` (int64, the step's
+        sampling values) come in the same copy, as `sampling_words`."""
         layout = self.exact_layout(plan)
-        staging = to_device(self.varlen_array(plan, layout), self.device)
+        host, offset = with_words(self.varlen_array(plan, layout), words)
+        flat = to_device(host, self.device)
         ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
-        inputs = self.varlen_inputs(staging, layout, max(plan.num_new_tokens), max(ends), sum(plan.sampled))
+        inputs = self.varlen_inputs(flat[: layout.size], layout, max(plan.num_new_tokens), max(ends),
+                                    sum(plan.sampled))
         if plan.carried_rows:
             fill_carried_ids(inputs.input_ids[: len(plan.carried_rows)], previous_tokens)
-        return inputs
+        if words is None:
+            return inputs
+        return replace(inputs, sampling_words=words_view(flat, offset, words.shape[0]))
 
     # ----- pure decode steps -----
     def decode_rows(self, plan: StepPlan, num_rows: int) -> np.ndarray:
@@ -278,11 +286,15 @@ class StepInputBuilder:
             out[i, DECODE_COLUMNS : DECODE_COLUMNS + len(bt)] = bt
         return out
 
-    def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepInputs:
+    def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
+               words: np.ndarray | None = None) -> StepInputs:
         """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
-        samples on the device (carried rows read their input ids from it)."""
+        samples on the device (carried rows read their input ids from it); `words` as in varlen."""
         n = len(plan.starts)
-        rows = to_device(self.decode_rows(plan, n), self.device)  # [n, DECODE_COLUMNS + width] int32
+        host_rows = self.decode_rows(plan, n)
+        host, offset = with_words(host_rows, words)
+        flat = to_device(host, self.device)
+        rows = flat[: host_rows.size].view(host_rows.shape)  # [n, DECODE_COLUMNS + width] int32
         input_ids = rows[:, COL_INPUT]
         if plan.carried_rows:
             fill_carried_ids(input_ids[: len(plan.carried_rows)], previous_tokens)
@@ -297,6 +309,7 @@ class StepInputBuilder:
             positions=rows[:, COL_POSITION].contiguous(),
             meta=meta,
             sample_indices=torch.arange(n, device=self.device),
+            sampling_words=words_view(flat, offset, words.shape[0]) if words is not None else None,
         )
 
 

@@ -16,11 +16,13 @@ whatever the number of layers. Steps above the largest bucket run eagerly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout, fill_carried_ids
+from nanovllm.layers.sampler import SamplingPack
 from nanovllm.utils.context import attention_context
-from nanovllm.utils.host_to_device import copy_into
+from nanovllm.utils.host_to_device import copy_into, with_words, words_view
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
@@ -52,6 +54,7 @@ class VarlenGraphs:
         self.builder = builder
         self.buckets = token_buckets(max_tokens)
         self.layouts: dict[int, VarlenLayout] = {}
+        self.buffers: dict[int, torch.Tensor] = {}  # per bucket: staging (the layout) + sampling words
         self.staging: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -68,7 +71,10 @@ class VarlenGraphs:
         pool = None
         for t in reversed(self.buckets):
             layout = self.layouts[t]
-            staging = torch.zeros(layout.size, dtype=torch.int32, device=device)
+            # the layout, then room for the step's sampling words (copied with it; see run)
+            buffer = torch.zeros(layout.size + 1 + 2 * SamplingPack.max_words(layout.num_seqs), dtype=torch.int32,
+                                 device=device)
+            staging = buffer[: layout.size]
             layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
             inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs)
             graph = torch.cuda.CUDAGraph()
@@ -78,20 +84,25 @@ class VarlenGraphs:
                     hidden = model(inputs.input_ids, inputs.positions)  # [t, hidden]
             if pool is None:
                 pool = graph.pool()
-            self.staging[t], self.hidden[t], self.graphs[t] = staging, hidden, graph
+            self.buffers[t], self.staging[t], self.hidden[t], self.graphs[t] = buffer, staging, hidden, graph
             torch.cuda.synchronize(device)
 
     def bucket(self, num_tokens: int) -> int | None:
         """The bucket a step of num_tokens tokens replays, or None if it is too large."""
         return next((t for t in self.buckets if t >= num_tokens), None)
 
-    def run(self, plan: StepPlan, bucket: int, carried_from: torch.Tensor | None) -> torch.Tensor:
-        """Replay for `plan`; returns the hidden states of its sampled rows [num_sampled, hidden].
-        carried_from: the previous step's sampled tokens when the plan has carried rows."""
-        layout, staging = self.layouts[bucket], self.staging[bucket]
-        copy_into(staging, self.builder.varlen_array(plan, layout))
+    def run(self, plan: StepPlan, bucket: int, carried_from: torch.Tensor | None,
+            words: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay for `plan`; returns (the hidden states of its sampled rows [num_sampled, hidden],
+        the step's sampling words on the device or None). carried_from: the previous step's
+        sampled tokens when the plan has carried rows; words: int64 sampling values, copied
+        with the layout (one copy) into the buffer's tail."""
+        layout, staging, buffer = self.layouts[bucket], self.staging[bucket], self.buffers[bucket]
+        host, offset = with_words(self.builder.varlen_array(plan, layout), words)
+        copy_into(buffer[: host.shape[0]], host)
         if plan.carried_rows:  # the input-id section leads the layout
             fill_carried_ids(staging[: len(plan.carried_rows)], carried_from)
         self.graphs[bucket].replay()
         sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
-        return self.hidden[bucket].index_select(0, sample_rows)
+        device_words = words_view(buffer, offset, words.shape[0]) if words is not None else None
+        return self.hidden[bucket].index_select(0, sample_rows), device_words

@@ -37,7 +37,8 @@ read of the logits; elsewhere ``token_logprobs``: a log_softmax and a top-k); a 
 row asks does no logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
-Python-side flags of :class:`SamplingBatch`, whose tensors reach the device in one copy.
+Python-side flags of :class:`SamplingBatch`, whose tensors are views of :class:`SamplingPack`'s
+words; the engine copies those with the step's inputs (one host-to-device copy per step).
 """
 
 from __future__ import annotations
@@ -104,8 +105,35 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], keys: Sequence[int], device: torch.device,
               vocab_size: int) -> SamplingBatch:
-        """The batch of rows sampled with `params` and noise `keys` (one per row, in [0, 2**63)):
-        packed on the host into one pinned buffer and copied once; no device sync."""
+        """The batch of rows sampled with `params` and noise `keys` (one per row, in [0, 2**63)),
+        in its own host-to-device copy (the engine's steps carry it in their input copy instead:
+        SamplingPack.words travel with the step's integers)."""
+        pack = SamplingPack.of(params, keys, vocab_size)
+        return pack.unpack(to_device(pack.words, device))
+
+
+@dataclass(frozen=True)
+class SamplingPack:
+    """A batch's sampling values on the host, packed as int64 words for one host-to-device copy:
+
+        | keys B | top_ks B or 0 | logprob rows R | temperatures B, top_ps B or 0, min_ps B or 0: float32, two a word |
+
+    `unpack` turns the copied words into a SamplingBatch of views (no further copy)."""
+
+    words: np.ndarray  # [n] int64, n <= max_words(B)
+    int_sizes: tuple[int, int, int]  # keys, top_ks, logprob rows
+    float_sizes: tuple[int, int, int]  # temperatures, top_ps, min_ps
+    logprobs_k: int  # alternatives the logprob rows ask for (0 when R = 0)
+    all_greedy: bool
+    max_top_k: int
+
+    @staticmethod
+    def max_words(rows: int) -> int:
+        """Words any batch of `rows` rows packs into (3 ints and 3 floats a row, one spare word)."""
+        return 3 * rows + (3 * rows) // 2 + 1
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab_size: int) -> SamplingPack:
         batch = len(params)
         if len(keys) != batch:
             raise ValueError(f"got {len(keys)} keys for {batch} rows")
@@ -120,43 +148,41 @@ class SamplingBatch:
         min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         use_top_k = any(k < vocab_size for k in top_ks)
-        use_top_p = any(p < 1.0 for p in top_ps)
-        use_min_p = any(m > 0.0 for m in min_ps)
-
-        (keys_d, top_ks_d, rows_d), (temperatures_d, top_ps_d, min_ps_d) = _pack_to_device(
-            [keys, top_ks if use_top_k else [], logprob_rows],
-            [temperatures, top_ps if use_top_p else [], min_ps if use_min_p else []], device)
-        logprobs = None
-        if logprob_rows:
-            logprobs = LogprobRows(rows_d, min(vocab_size, max(params[i].logprobs for i in logprob_rows)))
+        int_parts = [keys, top_ks if use_top_k else [], logprob_rows]
+        float_parts = [temperatures, top_ps if any(p < 1.0 for p in top_ps) else [],
+                       min_ps if any(m > 0.0 for m in min_ps) else []]
+        int_sizes = tuple(len(part) for part in int_parts)
+        float_sizes = tuple(len(part) for part in float_parts)
+        num_ints, num_floats = sum(int_sizes), sum(float_sizes)
+        # floats two to a word, rounded up by a spare word (so the float view is never empty)
+        words = np.empty(num_ints + num_floats // 2 + 1, dtype=np.int64)
+        words[:num_ints] = np.fromiter(chain.from_iterable(int_parts), dtype=np.int64, count=num_ints)
+        words[num_ints:].view(np.float32)[:num_floats] = np.fromiter(
+            chain.from_iterable(float_parts), dtype=np.float32, count=num_floats)
         return cls(
-            temperatures=temperatures_d,
-            keys=keys_d,
-            top_ks=top_ks_d if use_top_k else None,
-            top_ps=top_ps_d if use_top_p else None,
-            min_ps=min_ps_d if use_min_p else None,
-            logprobs=logprobs,
+            words, int_sizes, float_sizes,
+            logprobs_k=min(vocab_size, max(params[i].logprobs for i in logprob_rows)) if logprob_rows else 0,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
         )
 
-
-def _pack_to_device(int_parts: list[Sequence[int]], float_parts: list[Sequence[float]],
-                    device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
-    """Lists of ints and floats as int64 / float32 tensors on `device`, in one host-to-device copy:
-    one int64 buffer holds the ints, then the floats two to a word, and each tensor is a view of
-    it (a float32 view of the same bytes for the floats)."""
-    int_sizes = [len(part) for part in int_parts]
-    float_sizes = [len(part) for part in float_parts]
-    num_ints, num_floats = sum(int_sizes), sum(float_sizes)
-    # floats two to a word, rounded up by a spare word (so the float view is never empty)
-    host = np.empty(num_ints + num_floats // 2 + 1, dtype=np.int64)
-    host[:num_ints] = np.fromiter(chain.from_iterable(int_parts), dtype=np.int64, count=num_ints)
-    host[num_ints:].view(np.float32)[:num_floats] = np.fromiter(
-        chain.from_iterable(float_parts), dtype=np.float32, count=num_floats)
-    packed = to_device(host, device)
-    floats = packed[num_ints:].view(torch.float32)[:num_floats]
-    return list(packed[:num_ints].split(int_sizes)), list(floats.split(float_sizes))
+    def unpack(self, words: Tensor) -> SamplingBatch:
+        """The batch as views of `words` (this pack's words, copied to the device)."""
+        num_ints, num_floats = sum(self.int_sizes), sum(self.float_sizes)
+        if words.dtype != torch.int64 or words.shape[0] != self.words.shape[0]:
+            raise ValueError(f"expected {self.words.shape[0]} int64 words, got {words.dtype} {tuple(words.shape)}")
+        keys, top_ks, rows = words[:num_ints].split(self.int_sizes)
+        temperatures, top_ps, min_ps = words[num_ints:].view(torch.float32)[:num_floats].split(self.float_sizes)
+        return SamplingBatch(
+            temperatures=temperatures,
+            keys=keys,
+            top_ks=top_ks if self.int_sizes[1] else None,
+            top_ps=top_ps if self.float_sizes[1] else None,
+            min_ps=min_ps if self.float_sizes[2] else None,
+            logprobs=LogprobRows(rows, self.logprobs_k) if self.int_sizes[2] else None,
+            all_greedy=self.all_greedy,
+            max_top_k=self.max_top_k,
+        )
 
 
 @dataclass(frozen=True)
