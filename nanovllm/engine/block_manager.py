@@ -128,6 +128,25 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (a fresh sequence with parent's tokens) parent's blocks: the full ones
+        shared (ref counts), the partial last one copied into a block of its own, as the returned
+        (source, destination) block ids for the device to copy (None: no partial block).
+        Needs one free block when there is a partial block."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already has blocks")
+        num_full = len(parent) // self.block_size
+        for block_id in parent.block_table[:num_full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:num_full]
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_full)
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        if len(parent.block_table) == num_full:
+            return None
+        copy = self._take_free_block().block_id
+        child.block_table.append(copy)
+        return parent.block_table[num_full], copy
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks (last block first, so a prefix outlives its tail)."""
         for block_id in reversed(seq.block_table):

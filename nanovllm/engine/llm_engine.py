@@ -132,7 +132,7 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
-        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled]
+        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
         with self._worker_errors():
             if self.workers is not None:
                 self.workers.send("run", plan)

@@ -226,11 +226,15 @@ class ModelRunner:
                 hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
                 if plan.prompt_logprob_rows:
                     prompt_logprobs = self._prompt_logprobs(plan, every)
+        if plan.block_copies:  # forked samples' copies of their parents' partial blocks, now written
+            self._copy_blocks(plan.block_copies)
         if not any(plan.sampled):
             return self._finish_launch(prepare_s, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
         if logits is None or pack is None:
             return LaunchedStep(prepare_s)
+        if plan.fork_rows:  # forked samples draw from their parents' rows: [num_sampled + forks, vocab]
+            logits = torch.cat([logits, logits[to_device(plan.fork_rows, self.device, torch.int64)]])
         out = self.sampler(logits, pack.unpack(device_words))  # tokens [num_sampled] int64, logprobs of asking rows
         lp = out.logprobs
         sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.top_ids, lp.top_logprobs)
@@ -271,6 +275,12 @@ class ModelRunner:
             return None
         chosen, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
         return torch.arange(rows.shape[0], device=self.device), chosen, top_ids, top_lps
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV-cache block `source` -> block `destination` for each pair, every layer, K and V."""
+        src = to_device([a for a, _ in copies], self.device, torch.int64)
+        dst = to_device([b for _, b in copies], self.device, torch.int64)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, copies, block, heads, dim]
 
     @torch.inference_mode()
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:

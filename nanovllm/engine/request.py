@@ -1,10 +1,11 @@
 """A request: one prompt, its SamplingParams and its n samples (sequences).
 
-    request 7, n = 3:   seq 7 (sample 0) | seq 8 (sample 1) | seq 9 (sample 2)
-                        prompt blocks shared: samples 1..n-1 queue right behind sample 0
-                        and find its blocks in the prefix cache (published when sample 0's
-                        prefill is scheduled); each recomputes only the prompt's last,
-                        partial block and samples its own tokens.
+    request 7, n = 3:   seq 7 (sample 0) computes the prompt; in the step that completes it,
+                        seq 8 and seq 9 fork from it: they share its full prompt blocks (ref
+                        counts), get a copy of its partial last block, and sample their first
+                        tokens from its last logits row (scheduler.Fork). Without free running
+                        slots or blocks for the copies they queue behind it instead and find its
+                        prompt blocks in the prefix cache.
 
 Sample 0 samples with params.seed; sample i > 0 with a seed derived from (seed, i), so
 with a seed the samples differ from each other and the whole result repeats. Sample 0

@@ -28,9 +28,10 @@ A step planned ahead (`schedule(ahead=True)`) leaves out sequences that step N s
 ends (max_tokens, max_model_len) and never preempts (it returns None instead); a
 sequence that N ends by a stop token is computed once more and its result dropped.
 
-The scheduler owns the requests' lifecycle: it queues a request's samples, records
-each step's tokens (and logprobs), ends samples (EOS, stop token ids, stop strings,
-lengths), reports a request once all its samples are done, and aborts everything.
+The scheduler owns the requests' lifecycle: it queues a request's sample 0, forks the
+other samples from it when its prompt completes (engine/request.py), records each step's
+tokens (and logprobs), ends samples (EOS, stop token ids, stop strings, lengths), reports a
+request once all its samples are done, and aborts everything.
 """
 
 from __future__ import annotations
@@ -52,10 +53,24 @@ class StepKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Fork:
+    """A sample started from its request's sample 0 (`parent`) at the end of its prompt: it holds
+    parent's full prompt blocks (shared) and a copy of the partial last one (`block_copy`:
+    (source, destination) block ids, copied on the device after the step's forward; None when
+    the prompt fills its blocks)."""
+
+    parent: Sequence
+    child: Sequence
+    block_copy: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """One step: `num_new_tokens[i]` tokens of `seqs[i]` from position `starts[i]`.
 
     seqs[:num_decode] are decode rows (one token each), the rest prefill chunks.
+    forks: samples 1..n-1 of requests whose prompt this step completes; each samples its first
+    token from its parent's logits and computes nothing in this step.
     prompt_logprob_spans: row index -> prompt positions [a, b) whose next-token logprobs
     this step computes (rows of sequences that ask for prompt logprobs)."""
 
@@ -64,6 +79,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_decode: int
     prompt_logprob_spans: dict[int, range] = field(default_factory=dict)
+    forks: list[Fork] = field(default_factory=list)
 
     @property
     def kind(self) -> StepKind:
@@ -102,18 +118,22 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.requests: dict[int, Request] = {}  # unfinished requests by id
+        # samples 1..n-1 of requests whose sample 0 has not completed its prompt yet, by request id
+        self._unstarted: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0  # running total, for tests and stats
 
     def add(self, request: Request | Sequence) -> None:
-        """Queue a request's samples (sample 0 first: the others reuse its prompt blocks).
-        A bare Sequence is queued as a request of its own."""
+        """Queue a request: its sample 0 computes the prompt; the other samples start from it
+        when it completes the prompt (forked, see _start_samples). A bare Sequence is queued as
+        a request of its own."""
         if isinstance(request, Sequence):
             request = Request.of_sequence(request)
         for seq in request.samples:
             if seq.params.stop and self.tokenizer is not None:
                 seq.stop_matcher = StopStringMatcher(seq.params.stop)
-            self.waiting.append(seq)
+        self.waiting.append(request.samples[0])
         self.requests[request.request_id] = request
+        self._unstarted[request.request_id] = request.samples[1:]
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -124,16 +144,17 @@ class Scheduler:
         previous step's results are all on the host and a step is always found."""
         budget = self.max_num_batched_tokens
         if not self.mixed_steps:
-            prefill = self._schedule_waiting(budget)
+            prefill, forks = self._schedule_waiting(budget)
             if prefill:
-                return self._book([], prefill)
+                return self._book([], prefill, forks)
         decode = self._schedule_running(budget, ahead)
         if decode is None:
             return None
         rows, preempted = decode
         prefill: list[tuple[Sequence, int]] = []
+        forks: list[Fork] = []
         if not preempted or not rows:  # after preempting, admit only into an idle step
-            prefill = self._schedule_waiting(budget - len(rows))
+            prefill, forks = self._schedule_waiting(budget - len(rows))
         if not rows and not prefill:
             if ahead:
                 return None
@@ -141,10 +162,10 @@ class Scheduler:
                 f"scheduler could not schedule any of {len(self.waiting)} waiting and "
                 f"{len(self.running)} running sequences (free blocks: {self.block_manager.num_free_blocks})"
             )
-        return self._book(rows, prefill)
+        return self._book(rows, prefill, forks)
 
     @staticmethod
-    def _book(rows: list[Sequence], prefill: list[tuple[Sequence, int]]) -> ScheduledBatch:
+    def _book(rows: list[Sequence], prefill: list[tuple[Sequence, int]], forks: list[Fork]) -> ScheduledBatch:
         """The batch of decode rows and prefill chunks, its tokens (and the prompt logprobs
         they yield) booked as computed."""
         # Longest first: the decode attention kernel starts its programs in batch order, so
@@ -163,7 +184,7 @@ class Scheduler:
                     spans[i] = span
                     seq.num_prompt_logprobs_booked = end
             seq.num_computed_tokens += n
-        return ScheduledBatch(seqs, starts, num_new, len(rows), spans)
+        return ScheduledBatch(seqs, starts, num_new, len(rows), spans, forks)
 
     def _schedule_running(self, budget: int, ahead: bool) -> tuple[list[Sequence], bool] | None:
         """Decode rows for the running sequences (and whether any were preempted), or None
@@ -195,9 +216,11 @@ class Scheduler:
                 rows.append(seq)
         return rows, preempted
 
-    def _schedule_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
-        """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens."""
+    def _schedule_waiting(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[Fork]]:
+        """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens, and
+        the samples forked from the prompts they complete."""
         chunks: list[tuple[Sequence, int]] = []
+        forks: list[Fork] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -215,7 +238,29 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return chunks
+            forks += self._start_samples(seq)
+        return chunks, forks
+
+    def _start_samples(self, parent: Sequence) -> list[Fork]:
+        """Start the other samples of `parent`'s request as its prompt completes: forked from it
+        (sharing its blocks) when running slots and blocks allow; otherwise queued right behind,
+        to find its prompt blocks in the prefix cache."""
+        samples = self._unstarted.pop(parent.request_id, [])
+        partial = len(parent) % self.block_manager.block_size != 0
+        if not samples:
+            return []
+        if (len(self.running) + len(samples) > self.max_num_seqs
+                or partial and self.block_manager.num_free_blocks < len(samples)):
+            self.waiting.extendleft(reversed(samples))
+            return []
+        forks = []
+        for child in samples:
+            copy = self.block_manager.fork(parent, child)
+            child.num_computed_tokens = len(child)  # computed by parent's step; its first token in flight
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            forks.append(Fork(parent, child, copy))
+        return forks
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """True if `seq` is done once it holds `num_tokens` tokens (max_tokens / max_model_len)."""
@@ -236,7 +281,7 @@ class Scheduler:
         to that token's {token_id: logprob} (sequences that ask). Returns the requests that
         finished (all their samples done), no longer tracked here."""
         done: list[Request] = []
-        for seq in batch.seqs:
+        for seq in batch.seqs + [f.child for f in batch.forks]:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
@@ -277,6 +322,7 @@ class Scheduler:
                 seq.finish_reason = FinishReason.STOP
                 seq.block_table = []
         self.requests.clear()
+        self._unstarted.clear()
         self.waiting.clear()
         self.running.clear()
         self.block_manager.reset()

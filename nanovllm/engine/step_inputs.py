@@ -50,6 +50,11 @@ class StepPlan:
     prompt_logprob_rows: list[int] = field(default_factory=list)
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_logprobs_k: int = 0
+    # Forked samples (scheduler.Fork): each samples from the logits of this sampled row (an
+    # index among the step's sampled rows), after the cache blocks (source, destination) are
+    # copied once the forward has written them.
+    fork_rows: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
@@ -75,20 +80,25 @@ class StepPlan:
             seq, start = batch.seqs[i], batch.starts[i]
             lp_rows.extend(offsets[i] + p - start for p in span)
             lp_targets.extend(seq.token_ids[span.start + 1 : span.stop + 1])
+        sampled = [i < batch.num_decode or a + n == len(s)
+                   for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))]
+        sampled_ids = [seq.seq_id for seq, on in zip(batch.seqs, sampled) if on]
+        sample_row = {seq_id: r for r, seq_id in enumerate(sampled_ids)}
         return cls(
             kind=batch.kind,
             starts=list(batch.starts),
             num_new_tokens=list(batch.num_new_tokens),
             token_ids=token_ids,
             block_tables=[s.block_table for s in batch.seqs],
-            sampled=[i < batch.num_decode or a + n == len(s)
-                     for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))],
+            sampled=sampled,
             num_decode=batch.num_decode,
             carried_rows=carried,
             prompt_logprob_rows=lp_rows,
             prompt_logprob_targets=lp_targets,
             prompt_logprobs_k=max((batch.seqs[i].params.prompt_logprobs for i in batch.prompt_logprob_spans),
                                   default=0),
+            fork_rows=[sample_row[f.parent.seq_id] for f in batch.forks],
+            block_copies=[f.block_copy for f in batch.forks if f.block_copy is not None],
         )
 
     @property
@@ -102,8 +112,10 @@ DECODE_COLUMNS = 4
 
 
 def sampled_positions(plan: StepPlan) -> list[int]:
-    """Position of the token each sampled sequence of `plan` samples (in row order)."""
-    return [a + n for a, n, s in zip(plan.starts, plan.num_new_tokens, plan.sampled) if s]
+    """Position of the token each sampled row of `plan` samples: the sampled sequences in row
+    order, then the forked samples (at their parent's position)."""
+    rows = [a + n for a, n, s in zip(plan.starts, plan.num_new_tokens, plan.sampled) if s]
+    return rows + [rows[r] for r in plan.fork_rows]
 
 
 class VarlenSections(NamedTuple):
