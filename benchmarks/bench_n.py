@@ -8,7 +8,8 @@ cache on either side), in the same process:
   n      one request per prompt with SamplingParams(n=N)
   copies N requests per prompt (each prompt repeated N times in a row) with n=1
 Both generate the same number of tokens; the report gives each side's output tok/s and
-their ratio, and how many KV blocks each found in the prefix cache.
+their ratio, and how many KV blocks each found in the prefix cache (the copies reuse the
+first copy's prompt blocks through it; n's samples fork from sample 0 and need none).
 """
 
 from __future__ import annotations
