@@ -19,8 +19,8 @@ each filling a whole parameter (its `shard_groups`, utils/loader.py).
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (kernels/moe_routing.py) and runs the experts as the fused Triton MoE
 (kernels/moe.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
-graphs); on other devices `route` and `experts_native`, a plain PyTorch loop over the experts
-that some token picked.
+graphs), or for decode steps of 1-2 tokens as two GEMV launches (kernels/moe_gemv.py); on other
+devices `route` and `experts_native`, a plain PyTorch loop over the experts that some token picked.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ from torch import nn
 
 from nanovllm.layers.kernel_path import uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
+
+# Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_gemv.MAX_TOKENS).
+MOE_GEMV_MAX_TOKENS = 2
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
 GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
@@ -138,11 +142,16 @@ class MoeExperts(nn.Module):
         return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from nanovllm.kernels import fused_moe
+        if not self.use_triton:
+            return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        from nanovllm.kernels import fused_moe, moe_gemv
 
-            return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
-        return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        # Decode steps of 1-2 tokens: two GEMV launches. Decided by the step's kind as well as its
+        # size, so that an eager step and the CUDA graph replaying it (decode graphs of 1 and 2
+        # rows; prefill / mixed graphs pad to 16+ tokens) always run the same kernels.
+        if in_decode_step() and hidden.shape[0] <= MOE_GEMV_MAX_TOKENS:
+            return moe_gemv(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):

@@ -79,3 +79,10 @@ def get_attention_metadata() -> AttentionMetadata:
     if meta is None:
         raise RuntimeError("attention layer called outside `with attention_context(...)`")
     return meta
+
+
+def in_decode_step() -> bool:
+    """Whether the forward running now is a pure decode step (False outside any forward, e.g. a
+    layer called on its own): for layers whose kernel choice depends on the step's kind."""
+    meta = _current.get()
+    return meta is not None and not meta.is_prefill
