@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
     from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_align, moe_tiles, size_class
+    from nanovllm.kernels.moe_decode import MAX_TOKENS as GEMV_MAX_TOKENS
+    from nanovllm.kernels.moe_decode import moe_gemv
 
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
@@ -164,6 +166,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"{t:>5}{ms:>9.3f}{align_ms:>10.3f}{distinct:>9.1f}{expert_bytes(distinct) / 1e6:>9.1f}{gbps:>8.0f}"
               f"{gbps / copy_gbps:>9.1%}{row['tflops']:>9.1f}  {tiles_name(tiles)}"
               + (f" (default {timed[0][0]:.3f} ms)" if args.sweep else ""))
+        if t <= GEMV_MAX_TOKENS:  # decode steps of this size run the GEMV path instead
+            check(moe_gemv, hidden, w13, w2, *routes[0])
+            gemv_ms = graph_ms([lambda w=w, i=i: moe_gemv(hidden, w13, w2, w, i) for w, i in routes])
+            gemv_gbps = expert_bytes(distinct) / (gemv_ms * 1e-3) / 1e9
+            row.update(gemv_ms=gemv_ms, gemv_fraction_of_copy=gemv_gbps / copy_gbps)
+            print(f"{t:>5}{gemv_ms:>9.3f}{'-':>10}{distinct:>9.1f}{expert_bytes(distinct) / 1e6:>9.1f}"
+                  f"{gemv_gbps:>8.0f}{gemv_gbps / copy_gbps:>9.1%}{'':>9}  moe_gemv (decode path)")
     return [dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps)] + rows
 
 

@@ -5,6 +5,8 @@ sequence through the block table, softmax is explicit with a bottom-right causal
 Shapes are tiny because the interpreter is slow.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -668,4 +670,8 @@ def test_import_exports():
                                     "fused_moe", "gumbel_sample", "moe_align", "moe_gemv", "moe_route", "query_tile_rows",
                                     "row_logprobs",
                                     "store_kvcache"]
+    assert all(callable(getattr(kmod, name)) for name in kmod.__all__)
+    # a kernel module named like an exported function would replace it once imported
+    for module in ("logprobs", "moe", "moe_decode", "moe_routing", "gumbel_max", "kv_store"):
+        importlib.import_module(f"nanovllm.kernels.{module}")
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

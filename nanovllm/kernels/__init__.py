@@ -9,7 +9,7 @@
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe.py).
-- `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_gemv.py).
+- `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py).
 - `moe_route`: the router's softmax, top k and renormalisation in one launch (moe_routing.py).
 
 Triton is imported on the first call, so `import nanovllm.kernels` works on machines
@@ -123,9 +123,9 @@ def moe_route(logits, top_k, renormalize):
 
 
 def moe_gemv(hidden, w13, w2, topk_weights, topk_ids):
-    """MoE experts of a 1-2 token decode step in two launches; see moe_gemv.moe_gemv."""
+    """MoE experts of a 1-2 token decode step in two launches; see moe_decode.moe_gemv."""
     try:
-        from .moe_gemv import moe_gemv as impl
+        from .moe_decode import moe_gemv as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(hidden, w13, w2, topk_weights, topk_ids)

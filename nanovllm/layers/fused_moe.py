@@ -19,7 +19,7 @@ each filling a whole parameter (its `shard_groups`, utils/loader.py).
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (kernels/moe_routing.py) and runs the experts as the fused Triton MoE
 (kernels/moe.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
-graphs), or for decode steps of 1-2 tokens as two GEMV launches (kernels/moe_gemv.py); on other
+graphs), or for decode steps of 1-2 tokens as two GEMV launches (kernels/moe_decode.py); on other
 devices `route` and `experts_native`, a plain PyTorch loop over the experts that some token picked.
 """
 
@@ -37,7 +37,7 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
 
-# Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_gemv.MAX_TOKENS).
+# Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_decode.MAX_TOKENS).
 MOE_GEMV_MAX_TOKENS = 2
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).

@@ -1,4 +1,4 @@
-"""The decode-step MoE GEMV (kernels/moe_gemv.py) against the float64 reference of
+"""The decode-step MoE GEMV (kernels/moe_decode.py) against the float64 reference of
 tests/test_fused_moe.py: under the CPU interpreter on small shapes, compiled on CUDA at the
 Qwen3-30B-A3B shape, and against fused_moe (the grouped path) on the same inputs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.moe_gemv import moe_gemv
+from nanovllm.kernels.moe_decode import moe_gemv
 from test_fused_moe import DEVICES, QWEN3_30B, TOLERANCE, assert_close, make_case, reference_moe
 
 
