@@ -1,4 +1,4 @@
-"""The fused MoE kernels (nanovllm/kernels/moe.py) on Qwen3-30B-A3B's expert shape (E=128 experts,
+"""The fused MoE kernels (nanovllm/kernels/moe.py, moe_sort.py) on Qwen3-30B-A3B's expert shape (E=128 experts,
 top-8, H=2048, I=768, bf16), per layer call: ms, distinct experts read, their weight bytes
 (distinct x 3 x H x I x 2), GB/s and the fraction of an HBM copy bandwidth measured in the same
 run (bytes read + written by a 2 GiB device-to-device copy / time), TFLOP/s (6 x T x K x H x I).
@@ -124,7 +124,8 @@ def check(fused, hidden, w13, w2, weights, ids) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_align, moe_tiles, size_class
+    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_tiles, size_class
+    from nanovllm.kernels.moe_sort import moe_align
     from nanovllm.kernels.moe_decode import MAX_TOKENS as GEMV_MAX_TOKENS
     from nanovllm.kernels.moe_decode import moe_gemv
 

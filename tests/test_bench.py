@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bench  # noqa: E402
+from benchmarks import runs  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     decode_expert_elements, decode_rows, decode_weight_elements, expected_experts_hit, expert_elements,
     layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
@@ -160,13 +161,13 @@ def test_check_outputs_rejects_uncounted_tokens():
     def out(rid: int, n: int) -> RequestOutput:
         return RequestOutput(rid, [1], [Completion([5] * n, "", FinishReason.LENGTH)])
 
-    bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
+    runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
     with pytest.raises(RuntimeError, match="returned 1 tokens, 2 counted"):
-        bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 1)}, Counter({0: 3, 1: 2}))
+        runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 1)}, Counter({0: 3, 1: 2}))
     with pytest.raises(RuntimeError, match="never finished"):
-        bench.check_outputs({0: 3, 1: 2}, {0: out(0, 3)}, Counter({0: 3}))
+        runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3)}, Counter({0: 3}))
     with pytest.raises(RuntimeError, match="sampled"):
-        bench.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 2}))
+        runs.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 2}))
 
 
 # ----- mixture-of-experts counting -----

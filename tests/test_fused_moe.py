@@ -1,4 +1,4 @@
-"""The fused mixture-of-experts kernels (nanovllm/kernels/moe.py) against a float64 PyTorch
+"""The fused mixture-of-experts kernels (nanovllm/kernels/moe.py, moe_sort.py) against a float64 PyTorch
 reference written here; moe_align's layout invariants; CUDA-graph replay; argument checks.
 CPU runs go through Triton's interpreter (small shapes); the `gpu` ones use Qwen3-30B-A3B's
 expert shape (E=128, K=8, H=2048, I=768)."""
@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import nanovllm.kernels as kernels
-import nanovllm.kernels.moe as moe
+import nanovllm.kernels.moe_sort as moe_sort
 from nanovllm.kernels import fused_moe, moe_align
-from nanovllm.kernels.moe import BLOCK_MS, MAX_EXPERTS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
+from nanovllm.kernels.moe import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
+from nanovllm.kernels.moe_sort import MAX_EXPERTS
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -115,7 +116,8 @@ def test_moe_align_invariants(device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_align_slices_of_several_chunks(device, monkeypatch):
-    monkeypatch.setattr(moe, "MAX_SLICES", 3)  # 400 pairs in 32-pair chunks: 3 slices of 5 chunks, some past the end
+    # 400 pairs in 32-pair chunks: 3 slices of 5 chunks, some past the end
+    monkeypatch.setattr(moe_sort, "MAX_SLICES", 3)
     ids = random_ids(50, 128, 8, torch.Generator().manual_seed(7))
     check_alignment(moe_align(ids.to(device), 128, 16), ids, 128, 16)
 
@@ -265,7 +267,8 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
     # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
-    from nanovllm.kernels.moe import MIN_PROGRAMS_PER_SM, aligned_blocks
+    from nanovllm.kernels.moe import MIN_PROGRAMS_PER_SM
+    from nanovllm.kernels.moe_sort import aligned_blocks
 
     tiles, gate_up, down = plan_tiles(1, 8, 128, 2048, 768, 132)
     used = aligned_blocks(8, 128, tiles.block_m)

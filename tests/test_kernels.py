@@ -672,6 +672,6 @@ def test_import_exports():
                                     "store_kvcache"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)
     # a kernel module named like an exported function would replace it once imported
-    for module in ("logprobs", "moe", "moe_decode", "moe_routing", "gumbel_max", "kv_store"):
+    for module in ("logprobs", "moe", "moe_decode", "moe_routing", "moe_sort", "gumbel_max", "kv_store"):
         importlib.import_module(f"nanovllm.kernels.{module}")
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

@@ -8,7 +8,7 @@
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
-- `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe.py).
+- `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe_sort.py).
 - `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py).
 - `moe_route`: the router's softmax, top k and renormalisation in one launch (moe_routing.py).
 
@@ -96,9 +96,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, tiles=None):
 
 
 def moe_align(topk_ids, num_experts, block_m):
-    """(token, slot) pairs of topk_ids [T, K] grouped by expert into blocks; see moe.moe_align."""
+    """(token, slot) pairs of topk_ids [T, K] grouped by expert into blocks; see moe_sort.moe_align."""
     try:
-        from .moe import moe_align as impl
+        from .moe_sort import moe_align as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(topk_ids, num_experts, block_m)

@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 
 from .checks import LOG2E, check_float_dtype, next_pow2
+from .moe_sort import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
 
-# Expert rows live in one register tile: past this they crowd out (as kernels/moe.MAX_EXPERTS).
-MAX_EXPERTS = 512
 NUM_WARPS = 4
 
 

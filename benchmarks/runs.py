@@ -1,0 +1,187 @@
+"""bench.py's runs: the engine over a workload (timed per step kind, every output checked), decode
+latency at fixed batch sizes, time to first token on an idle engine, and transformers' generate on
+the same prompts (the --compare-hf baseline). bench.py turns what they return into report rows."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.stats import percentile
+from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.sequence import RequestOutput
+
+# --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).
+TTFT_REPEATS = 7
+TTFT_WARMUP = 1
+# Percentiles reported for time to first token and inter-token latency.
+LATENCY_PERCENTILES = (50, 99)
+# transformers' attention kernel for the --compare-hf baseline.
+HF_ATTENTION = "sdpa"
+
+
+@dataclass
+class EngineRun:
+    """One timed run_engine: wall time, per-kind step totals and per-token arrival latencies."""
+
+    wall_s: float = 0.0
+    prefill_s: float = 0.0  # steps with prefill in them (PREFILL and MIXED)
+    prefill_tokens: int = 0
+    decode_s: float = 0.0  # decode-only steps
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_host_s: float = 0.0  # launch + postprocess of decode-only steps
+    decode_wait_s: float = 0.0
+    steps_by_kind: Counter = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)  # from all requests queued to the first token
+    itl_s: list[float] = field(default_factory=list)  # gaps between a request's successive tokens
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if k not in ("ttft_s", "itl_s", "steps_by_kind")}
+        out["steps_by_kind"] = dict(self.steps_by_kind)
+        for name, values in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+            for q in LATENCY_PERCENTILES:
+                out[f"{name}_p{q}_ms"] = 1e3 * percentile(values, q)
+        return out
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> EngineRun:
+    """Queue every request, step to completion, and check each returned the tokens counted."""
+    wanted = {llm.add_request(p, SamplingParams(temperature=WORKLOAD_TEMPERATURE, ignore_eos=True, max_tokens=n)): n
+              for p, n in zip(prompts, max_tokens, strict=True)}
+    run = EngineRun()
+    outputs: dict[int, RequestOutput] = {}
+    sampled: Counter = Counter()
+    last_token_at: dict[int, float] = {}
+    start = time.perf_counter()
+    while not llm.is_finished():
+        t = time.perf_counter()
+        r = llm.step()
+        now = time.perf_counter()
+        run.steps_by_kind[r.kind.value] += 1
+        if r.kind is StepKind.DECODE:
+            run.decode_s += now - t
+            run.decode_tokens += r.num_tokens
+            run.decode_steps += 1
+            run.decode_host_s += r.launch_s + r.postprocess_s
+            run.decode_wait_s += r.wait_s
+        else:
+            run.prefill_s += now - t
+            run.prefill_tokens += r.num_tokens
+        for rid in r.sampled:
+            if rid in last_token_at:
+                run.itl_s.append(now - last_token_at[rid])
+            else:
+                run.ttft_s.append(now - start)
+            last_token_at[rid] = now
+            sampled[rid] += 1
+        outputs.update((out.request_id, out) for out in r.finished)
+    run.wall_s = time.perf_counter() - start
+    check_outputs(wanted, outputs, sampled)
+    return run
+
+
+def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter) -> None:
+    """Raise unless every request finished holding exactly max_tokens tokens, each seen in `sampled`."""
+    missing = sorted(set(max_tokens) - set(outputs))
+    if missing:
+        raise RuntimeError(f"{len(missing)} request(s) never finished, e.g. id {missing[0]}")
+    for rid, n in max_tokens.items():
+        got = len(outputs[rid].token_ids)
+        if got != n:
+            raise RuntimeError(f"request {rid} returned {got} tokens, {n} counted (ignore_eos: all must be made)")
+        if sampled[rid] != n:
+            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
+
+
+def warm_up(llm: LLM) -> None:
+    """One short generate unrelated to the workload (compiles, fills allocator pools)."""
+    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+
+
+@dataclass(frozen=True)
+class HFRun:
+    seconds: float
+    generated_tokens: int  # every token transformers made: rows x the batch's max_new_tokens
+    settings: str
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> HFRun:
+    """transformers' generate on the same prompts. Batches group prompts of similar max_tokens (sorted)
+    and every row runs to the batch's maximum; all those tokens are counted."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION).eval()
+    cache = model.generation_config.cache_implementation or "dynamic (transformers' default)"
+    order = sorted(range(len(prompts)), key=lambda i: max_tokens[i], reverse=True)
+    pad = 0
+    generated = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device="cuda")
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device="cuda")
+        new = max(max_tokens[i] for i in idx)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
+        if out.shape[1] != width + new:
+            raise RuntimeError(f"transformers made {out.shape[1] - width} tokens per row, {new} counted")
+        generated += len(idx) * new
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
+                f"batches of {batch_size} sorted by max_tokens, left padding, do_sample T={WORKLOAD_TEMPERATURE} "
+                f"top_k=0 top_p=1, min_new_tokens=max_new_tokens, cache {cache}")
+    return HFRun(seconds, generated, settings)
+
+
+def latency(llm: LLM, batch_sizes: list[int], context: int, steps: int) -> dict[int, float]:
+    """Mean decode ms per step (= per token of each sequence) at each batch size."""
+    out = {}
+    for bs in batch_sizes:
+        for i in range(bs):
+            llm.add_request([(7 * i + j) % min(PROMPT_ID_MAX, llm.config.model_config.vocab_size) for j in range(context)],
+                            SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+        times = []
+        while not llm.is_finished():
+            t = time.perf_counter()
+            r = llm.step()
+            if r.kind is StepKind.DECODE:
+                times.append(time.perf_counter() - t)
+        times = times[len(times) // 4 :]  # drop the first quarter (warm-up of caches and clocks)
+        out[bs] = 1e3 * sum(times) / len(times)
+    return out
+
+
+def measure_ttft(llm: LLM, sizes: list[int], seed: int) -> dict[int, list[float]]:
+    """Seconds from add_request to the first token of one request alone on the engine, per prompt size.
+    Every prompt is fresh random ids, so no prefix-cache block is ever hit."""
+    rng = random.Random(seed)
+    id_max = min(PROMPT_ID_MAX, llm.config.model_config.vocab_size - 1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    for size in sizes:
+        times = []
+        for _ in range(TTFT_WARMUP + TTFT_REPEATS):
+            prompt = [rng.randint(0, id_max) for _ in range(size)]
+            t = time.perf_counter()
+            llm.add_request(prompt, params)
+            while not llm.is_finished():
+                llm.step()
+            times.append(time.perf_counter() - t)
+        out[size] = times[TTFT_WARMUP:]
+    return out

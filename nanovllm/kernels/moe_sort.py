@@ -1,0 +1,167 @@
+"""Triton MoE alignment: the (token, slot) pairs of a top-k routing grouped by expert into blocks,
+the layout the grouped GEMMs of kernels/moe.py read.
+
+Each (token t, slot k) is a pair p = t * K + k. `moe_align` groups the T*K pairs by expert
+(a counting sort, stable: an expert's pairs keep ascending p) into blocks of BLOCK_M rows,
+each block holding pairs of one expert and padded with the invalid pair T*K::
+
+    topk_ids [T=3, K=2]   pairs              sorted_pair_ids [P] (BLOCK_M = 4)      block_expert
+     t0: [3, 1]           p0:e3  p1:e1       block 0:  p3  .   .   .                0
+     t1: [1, 0]    ->     p2:e1  p3:e0  ->   block 1:  p1  p2  p5  .                1
+     t2: [3, 1]           p4:e3  p5:e1       block 2:  p0  p4  .   .                3
+                                             block 3:  .   .   .   .  (unused)      (any valid id)
+                                             num_used_blocks = [3]                  . = T*K (padding)
+
+Invariants: every pair appears exactly once in sorted_pair_ids; blocks b < num_used_blocks hold
+pairs of expert block_expert[b] only (then padding), ordered by expert; blocks past it hold only
+padding. Rows P = round_up(T*K + min(E, T*K) * (BLOCK_M - 1), BLOCK_M) bound every routing,
+so shapes depend on (T, K, E, BLOCK_M) only and no host sync is needed (CUDA-graph capturable).
+Alignment is three launches: per-slice expert counts (grid: <= MAX_SLICES slices of the pairs), one
+program scanning them (per-slice offsets, block table, padding fill), a per-slice scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import next_pow2
+
+# Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.
+MAX_EXPERTS = 512
+# Elements of one alignment tile ([pairs or slices, experts] int32): 32 registers a thread at 4 warps.
+ALIGN_TILE_ELEMS = 4096
+ALIGN_WARPS = 4
+# Most slices (programs of the count and scatter kernels, rows the scan program walks): about one
+# wave of an H200's 132 SMs; more pairs make each slice several chunks long.
+MAX_SLICES = 128
+# Padding rows the scan program stores per step: 8 int32 a thread at 4 warps.
+FILL_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class MoeAlignment:
+    sorted_pair_ids: torch.Tensor  # [P] int32, pair p = t * K + k; padding = T * K
+    block_expert: torch.Tensor  # [P / block_m] int32: the expert of each block (any valid id past the used ones)
+    num_used_blocks: torch.Tensor  # [1] int32, on the device
+
+    @property
+    def block_m(self) -> int:
+        return self.sorted_pair_ids.numel() // max(1, self.block_expert.numel())
+
+
+@triton.jit
+def _expert_ids(ids_ptr, pairs, n_pairs, num_experts):
+    """Experts of `pairs`; -1 (matching no expert) past n_pairs or out of [0, num_experts)."""
+    ids = tl.load(ids_ptr + pairs, mask=pairs < n_pairs, other=-1).to(tl.int32)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, -1)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "chunks"])
+def _count_kernel(ids_ptr, counts_ptr, n_pairs, num_experts, chunks, SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[s, e]: pairs of expert e among slice s's `chunks` x SLICE pairs."""
+    s = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(chunks):
+        ids = _expert_ids(ids_ptr, (s * chunks + c) * SLICE + tl.arange(0, SLICE), n_pairs, num_experts)
+        total += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [SLICE, BLOCK_E] -> [BLOCK_E]
+    tl.store(counts_ptr + s * BLOCK_E + experts, total)
+
+
+@triton.jit(do_not_specialize=["n_slices", "n_pairs", "n_blocks"])
+def _scan_kernel(counts_ptr, offsets_ptr, base_ptr, block_expert_ptr, num_used_ptr, sorted_ptr,
+                 n_slices, n_pairs, n_rows, n_blocks, num_experts,
+                 BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, FILL: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, n_slices, ROWS):  # offsets[s, e]: pairs of expert e in slices before s
+        s = s0 + tl.arange(0, ROWS)
+        tile = s[:, None] * BLOCK_E + experts[None, :]  # [ROWS, BLOCK_E]
+        c = tl.load(counts_ptr + tile, mask=(s < n_slices)[:, None], other=0)
+        tl.store(offsets_ptr + tile, tl.cumsum(c, axis=0) - c + totals[None, :], mask=(s < n_slices)[:, None])
+        totals += tl.sum(c, axis=0)
+    blocks = (totals + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)  # [BLOCK_E]: expert e owns blocks [end - blocks, end)
+    tl.store(base_ptr + experts, (block_end - blocks) * BLOCK_M)
+    tl.store(num_used_ptr, tl.sum(blocks, axis=0))
+    for b0 in range(0, n_blocks, ROWS):
+        b = b0 + tl.arange(0, ROWS)
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts ending before b
+        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts - 1), mask=b < n_blocks)
+    for r0 in range(0, n_rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + r, tl.zeros([FILL], dtype=tl.int32) + n_pairs, mask=r < n_rows)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "chunks"])
+def _scatter_kernel(ids_ptr, offsets_ptr, base_ptr, sorted_ptr, n_pairs, num_experts, chunks,
+                    SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each pair of slice s to its sorted row: its expert's first row + pairs of that expert
+    before it (in earlier slices: offsets; earlier in this slice: a running count)."""
+    s = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    next_row = tl.load(base_ptr + experts) + tl.load(offsets_ptr + s * BLOCK_E + experts)  # [BLOCK_E]
+    for c in range(chunks):
+        pairs = (s * chunks + c) * SLICE + tl.arange(0, SLICE)
+        ids = _expert_ids(ids_ptr, pairs, n_pairs, num_experts)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SLICE, BLOCK_E], one 1 a row at most
+        row = tl.sum(hits * (tl.cumsum(hits, axis=0) - 1 + next_row[None, :]), axis=1)
+        tl.store(sorted_ptr + row, pairs, mask=ids >= 0)
+        next_row += tl.sum(hits, axis=0)
+
+
+def _check_ids(topk_ids, num_experts: int) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be an int32/int64 tensor, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be 2-D [T, K] with K >= 1, got shape {tuple(topk_ids.shape)}")
+    if not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous, got strides {topk_ids.stride()}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be an int in [1, {MAX_EXPERTS}], got {num_experts!r}")
+    # Range checks read the data: free on the CPU, a host sync on CUDA (not done there: a pair of an
+    # id outside [0, E) is dropped and its token's output row is undefined).
+    if topk_ids.device.type == "cpu" and topk_ids.numel() and not (
+            0 <= int(topk_ids.min()) and int(topk_ids.max()) < num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def aligned_blocks(n_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows that hold any routing of n_pairs pairs over num_experts experts."""
+    return triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group the pairs of topk_ids [T, K] (contiguous int32/int64) by expert into blocks of
+    block_m rows (a power of two >= 16); see the module docstring for the layout."""
+    _check_ids(topk_ids, num_experts)
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    dev, n_pairs = topk_ids.device, topk_ids.numel()
+    n_blocks = aligned_blocks(n_pairs, num_experts, block_m)
+    n_rows = n_blocks * block_m
+    sorted_ids = torch.empty(n_rows, dtype=torch.int32, device=dev)  # [P]
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
+    num_used = torch.zeros(1, dtype=torch.int32, device=dev)
+    if n_pairs == 0:
+        return MoeAlignment(sorted_ids, block_expert, num_used)
+    block_e = next_pow2(num_experts)
+    rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step
+    chunks = triton.cdiv(triton.cdiv(n_pairs, rows), MAX_SLICES)  # per slice
+    n_slices = triton.cdiv(n_pairs, rows * chunks)
+    ids = topk_ids.view(-1)  # [T * K]
+    counts = torch.empty((n_slices, block_e), dtype=torch.int32, device=dev)
+    offsets = torch.empty_like(counts)  # [slices, BLOCK_E]
+    base = torch.empty(block_e, dtype=torch.int32, device=dev)  # first sorted row of each expert
+    _count_kernel[(n_slices,)](ids, counts, n_pairs, num_experts, chunks, SLICE=rows, BLOCK_E=block_e,
+                               num_warps=ALIGN_WARPS)
+    _scan_kernel[(1,)](counts, offsets, base, block_expert, num_used, sorted_ids,
+                       n_slices, n_pairs, n_rows, n_blocks, num_experts,
+                       BLOCK_E=block_e, BLOCK_M=block_m, ROWS=rows, FILL=FILL_ROWS, num_warps=ALIGN_WARPS)
+    _scatter_kernel[(n_slices,)](ids, offsets, base, sorted_ids, n_pairs, num_experts, chunks,
+                                 SLICE=rows, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
+    return MoeAlignment(sorted_ids, block_expert, num_used)
