@@ -246,9 +246,9 @@ class Scheduler:
         (sharing its blocks) when running slots and blocks allow; otherwise queued right behind,
         to find its prompt blocks in the prefix cache."""
         samples = self._unstarted.pop(parent.request_id, [])
-        partial = len(parent) % self.block_manager.block_size != 0
         if not samples:
             return []
+        partial = len(parent) % self.block_manager.block_size != 0  # each fork then copies one block
         if (len(self.running) + len(samples) > self.max_num_seqs
                 or partial and self.block_manager.num_free_blocks < len(samples)):
             self.waiting.extendleft(reversed(samples))
