@@ -73,17 +73,9 @@ class StepPlan:
                 token_ids.append(0)
             else:
                 token_ids.extend(seq.token_ids[start : start + n])
-        offsets = np.concatenate([[0], np.cumsum(batch.num_new_tokens)]).tolist()
-        lp_rows: list[int] = []
-        lp_targets: list[int] = []
-        for i, span in batch.prompt_logprob_spans.items():
-            seq, start = batch.seqs[i], batch.starts[i]
-            lp_rows.extend(offsets[i] + p - start for p in span)
-            lp_targets.extend(seq.token_ids[span.start + 1 : span.stop + 1])
         sampled = [i < batch.num_decode or a + n == len(s)
                    for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))]
-        sampled_ids = [seq.seq_id for seq, on in zip(batch.seqs, sampled) if on]
-        sample_row = {seq_id: r for r, seq_id in enumerate(sampled_ids)}
+        lp_rows, lp_targets, lp_k = _prompt_logprob_rows(batch)
         return cls(
             kind=batch.kind,
             starts=list(batch.starts),
@@ -95,15 +87,39 @@ class StepPlan:
             carried_rows=carried,
             prompt_logprob_rows=lp_rows,
             prompt_logprob_targets=lp_targets,
-            prompt_logprobs_k=max((batch.seqs[i].params.prompt_logprobs for i in batch.prompt_logprob_spans),
-                                  default=0),
-            fork_rows=[sample_row[f.parent.seq_id] for f in batch.forks],
+            prompt_logprobs_k=lp_k,
+            fork_rows=_fork_rows(batch, sampled),
             block_copies=[f.block_copy for f in batch.forks if f.block_copy is not None],
         )
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def _prompt_logprob_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], int]:
+    """(the step's token indices that score a prompt token, those tokens, the largest k asked);
+    empty for a step without prompt-logprob spans (no per-step work then)."""
+    if not batch.prompt_logprob_spans:
+        return [], [], 0
+    offsets = np.concatenate([[0], np.cumsum(batch.num_new_tokens)]).tolist()  # first token index of each row
+    rows: list[int] = []
+    targets: list[int] = []
+    for i, span in batch.prompt_logprob_spans.items():
+        seq, start = batch.seqs[i], batch.starts[i]
+        rows.extend(offsets[i] + p - start for p in span)
+        targets.extend(seq.token_ids[span.start + 1 : span.stop + 1])
+    k = max(batch.seqs[i].params.prompt_logprobs for i in batch.prompt_logprob_spans)
+    return rows, targets, k
+
+
+def _fork_rows(batch: ScheduledBatch, sampled: list[bool]) -> list[int]:
+    """For each fork of `batch`, its parent's index among the step's sampled rows."""
+    if not batch.forks:
+        return []
+    sampled_ids = [seq.seq_id for seq, on in zip(batch.seqs, sampled) if on]
+    sample_row = {seq_id: r for r, seq_id in enumerate(sampled_ids)}
+    return [sample_row[f.parent.seq_id] for f in batch.forks]
 
 
 # Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
