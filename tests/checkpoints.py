@@ -371,3 +371,16 @@ def gpu_generate(path: str, batches, params, **kwargs):
         return outs, facts
     finally:
         llm.exit()
+
+
+def check_gpu_regimes(path: str, reference, ps, params, regimes: dict[str, dict], **common) -> None:
+    """Each scheduling regime (gpu_generate keywords by name) gives the reference's bf16 greedy
+    tokens; the "preempt" regime must preempt and the "prefix-cache" one must hit the cache."""
+    for name, kw in regimes.items():
+        (outs,), facts = gpu_generate(path, [ps], params, **common, **kw)
+        if name == "preempt":
+            assert facts["preemptions"] > 0
+        if name == "prefix-cache":
+            assert facts["prefix_hits"] > 0
+        for p, o in zip(ps, outs):
+            assert_bf16_greedy_matches(reference, p, o)

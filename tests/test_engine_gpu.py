@@ -8,7 +8,7 @@ import torch
 
 from checkpoints import (
     LlamaShape, Qwen2Shape, TinyShape, assert_bf16_greedy_matches, build_checkpoint, build_llama_checkpoint,
-    build_qwen2_checkpoint, gpu_generate, make_prompts,
+    build_qwen2_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
 )
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import StepKind
@@ -41,19 +41,6 @@ def generate(ckpt, ps, params=GREEDY, **kw):
     return outs[0], facts
 
 
-def check_regimes(path, reference, ps, regimes: dict[str, dict], **common):
-    """Each scheduling regime (engine keywords by name) gives transformers' tokens; the
-    "preempt" regime must preempt and the "prefix-cache" one must hit the cache."""
-    for name, kw in regimes.items():
-        outs, facts = generate(path, ps, **common, **kw)
-        if name == "preempt":
-            assert facts["preemptions"] > 0
-        if name == "prefix-cache":
-            assert facts["prefix_hits"] > 0
-        for p, o in zip(ps, outs):
-            assert_bf16_greedy_matches(reference, p, o)
-
-
 def test_bf16_greedy_matches_transformers(ckpt, reference):
     ps = make_prompts(0, 8, 1, 300)
     outs, facts = generate(ckpt, ps)
@@ -72,7 +59,7 @@ def test_scheduling_regimes_match_transformers(ckpt, reference, block_size):
         "chunked": {"max_num_batched_tokens": 64},
         "preempt": {"num_kvcache_blocks": -(-(400 + 32) // block_size) + 1},
     }
-    check_regimes(ckpt, reference, ps, regimes, kvcache_block_size=block_size)
+    check_gpu_regimes(ckpt, reference, ps, GREEDY, regimes, kvcache_block_size=block_size)
 
 
 def test_cuda_graph_and_eager_decode_identical(ckpt):
@@ -252,5 +239,5 @@ def test_family_scheduling_regimes_match_transformers(family):
     path, reference = family
     shared = list(range(100, 372))
     ps = [shared + p for p in make_prompts(12, 4, 1, 80)] + make_prompts(13, 4, 50, 400)
-    check_regimes(path, reference, ps, {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
-                                         "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}})
+    check_gpu_regimes(path, reference, ps, GREEDY, {"prefix-cache": {}, "chunked": {"max_num_batched_tokens": 64},
+                                                    "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1}})

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, gpu_generate, make_prompts
+from checkpoints import (
+    MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
+)
 from nanovllm import SamplingParams
 from nanovllm.layers.fused_moe import SparseMoeBlock, experts_native, route
 
@@ -68,14 +70,7 @@ def test_scheduling_regimes_match_transformers(ckpt, reference):
         "chunked": {"max_num_batched_tokens": 64},
         "preempt": {"num_kvcache_blocks": -(-(400 + 32) // 16) + 1},
     }
-    for name, kw in regimes.items():
-        outs, facts = generate(ckpt, ps, **kw)
-        if name == "preempt":
-            assert facts["preemptions"] > 0
-        if name == "prefix-cache":
-            assert facts["prefix_hits"] > 0
-        for p, o in zip(ps, outs):
-            assert_bf16_greedy_matches(reference, p, o)
+    check_gpu_regimes(ckpt, reference, ps, GREEDY, regimes)
 
 
 def test_cuda_graph_and_eager_decode_identical(ckpt):
