@@ -17,7 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LOG2E, check_float_dtype
+from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype
+
+# Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
+LOG2E = tl.constexpr(_LOG2E_VALUE)
 
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 32 values a thread at
 # NUM_WARPS = 4 (one tile in registers while the K rounds of max run over it).

@@ -15,8 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LOG2E, check_float_dtype, next_pow2
+from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
 from .moe_sort import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
+
+# Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
+LOG2E = tl.constexpr(_LOG2E_VALUE)
 
 NUM_WARPS = 4
 

@@ -1,0 +1,88 @@
+"""Every module-level name a Triton kernel reads is one compiled Triton accepts.
+
+The interpreter (TRITON_INTERPRET=1, CI's only Triton) runs kernels as Python and reads any global;
+the compiler refuses a plain int/float/bool/str global ("Cannot access global variable ... from
+within @jit'ed function"), which only a GPU run would show. This test finds such reads statically.
+"""
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import KernelInterface  # noqa: E402
+
+import nanovllm.kernels  # noqa: E402
+
+PLAIN_SCALARS = (bool, int, float, str)
+
+
+def _jit_functions():
+    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
+        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, KernelInterface):
+                fn = _python_function(value)
+                if fn.__module__ == module.__name__:
+                    yield f"{info.name}.{name}", fn
+
+
+def _python_function(kernel):
+    """The Python function under a jit/interpreted/autotuned kernel."""
+    fn = kernel
+    while isinstance(fn, KernelInterface):
+        fn = fn.fn
+    return fn
+
+
+def _local_names(fn_node: ast.FunctionDef) -> set[str]:
+    names = {a.arg for a in fn_node.args.args + fn_node.args.kwonlyargs}
+    for node in ast.walk(fn_node):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _plain_global_reads(fn) -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    fn_node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    local = _local_names(fn_node)
+    module_globals = fn.__globals__
+    bad = []
+    for node in ast.walk(fn_node):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            value = module_globals.get(node.id)
+            if isinstance(value, PLAIN_SCALARS) and not isinstance(value, tl.constexpr):
+                bad.append(node.id)
+    return sorted(set(bad))
+
+
+KERNELS = sorted(_jit_functions())
+
+
+def test_kernels_are_found():
+    names = {name for name, _ in KERNELS}
+    # One kernel of each family that once read a plain float global: the scan must reach them.
+    assert "logprobs._chunk_stats_kernel" in names
+    assert "moe_routing._route_kernel" in names
+
+
+@pytest.mark.parametrize("name,fn", KERNELS, ids=[name for name, _ in KERNELS])
+def test_kernel_reads_only_constexpr_globals(name, fn):
+    assert _plain_global_reads(fn) == [], f"{name} reads plain Python globals; wrap them in tl.constexpr"
+
+
+def test_the_scan_catches_a_plain_float_global():
+    from nanovllm.kernels import logprobs
+
+    original = logprobs.LOG2E
+    try:
+        logprobs.LOG2E = 1.4426950408889634  # what the kernel read before the fix
+        assert _plain_global_reads(_python_function(logprobs._chunk_stats_kernel)) == ["LOG2E"]
+    finally:
+        logprobs.LOG2E = original
