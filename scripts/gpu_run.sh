@@ -27,7 +27,7 @@ for part in $parts; do
     moekernel) timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     moebench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --json "$OUT/moe-bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/moebench.log"
               timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moebench.log" ;;
-    readme) s=$(date +%s); timeout 590 python3 -m pytest -q -rfE -p no:cacheprovider --durations=25 2>&1 | tee "$OUT/readme-full.log" | tail -45 | tee "$OUT/readme.log"
+    readme) s=$(date +%s); timeout 590 python3 -m pytest -q -rfE -p no:cacheprovider --durations=60 2>&1 | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac

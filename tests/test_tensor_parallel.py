@@ -46,9 +46,14 @@ def test_tp2_matches_tp1_in_every_regime(ckpt):
 
 
 def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
+    import torch
+
+    threads = torch.get_num_threads()
     llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    assert torch.get_num_threads() == max(1, threads // 2)  # rank 0's half of the cores
     pids = [p.pid for p in llm.workers.procs]
     llm.exit()
+    assert torch.get_num_threads() == threads
     llm.exit()  # harmless twice
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -10,6 +10,10 @@ collectives inside the model keep them in lock-step.
     rank 0:  schedule -> send(plan) -> run(plan) -> sample
     rank k:            recv(plan)  -> run(plan)
 
+On CPU the N ranks share the cores that rank 0's torch had: each rank gets 1/N of its
+threads (rank 0's own count is restored on close), since OpenMP threads that outnumber the
+cores spin against each other inside every collective.
+
 A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
 collective makes gloo fail on rank 0 (NCCL: after the group's timeout).
@@ -23,6 +27,7 @@ import os
 import time
 from multiprocessing.connection import Connection
 
+import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
@@ -45,14 +50,11 @@ def _backend(config: Config) -> str:
     return "nccl" if config.device == "cuda" else "gloo"
 
 
-def _worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
-    import torch
-
+def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_threads: int | None) -> None:
     from nanovllm.engine.model_runner import ModelRunner
 
-    if config.device == "cpu":
-        # N ranks on one host share its cores; oversubscribed threads spin against each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
 
     store = dist.TCPStore(LOCALHOST, port, config.tensor_parallel_size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)
@@ -81,13 +83,20 @@ class WorkerGroup:
         for key, value in _INHERITED_ENV.items():
             os.environ.setdefault(key, value)
         ctx = mp.get_context("spawn")
+        # CPU ranks split rank 0's threads (module docstring); None: CUDA ranks leave theirs alone.
+        self.saved_threads: int | None = None
+        cpu_threads: int | None = None
+        if config.device == "cpu":
+            self.saved_threads = torch.get_num_threads()
+            cpu_threads = max(1, self.saved_threads // n)
+            torch.set_num_threads(cpu_threads)
         self.store = dist.TCPStore(LOCALHOST, 0, n, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         for rank in range(1, n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child),
+            proc = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child, cpu_threads),
                                name=f"nanovllm-tp{rank}", daemon=True)
             proc.start()
             child.close()
@@ -145,6 +154,9 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+        if self.saved_threads is not None:
+            torch.set_num_threads(self.saved_threads)
+            self.saved_threads = None
 
     def close(self) -> None:
         """Stop the workers and leave the process group. Safe to call more than once."""
