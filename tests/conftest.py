@@ -5,6 +5,11 @@ before any test module imports nanovllm.kernels. It is only set when no CUDA dev
 exists: on the H200 the kernels compile for real. So tests marked `interpreter` (Triton
 kernels on CPU tensors) run only without CUDA, and tests marked `gpu` only with it; on a
 GPU machine the `gpu` tests cover the same kernels compiled.
+
+CPU work in the tests (tiny models: hidden <= 256) runs on at most CPU_TEST_THREADS threads, here
+and in the subprocesses the tests start: on a many-core GPU host, torch's default of one thread a
+core made the CPU tests 2x slower than on CI's 2 cores (OpenMP fork/join and spinning cost more
+than such small matmuls save).
 """
 
 import os
@@ -15,6 +20,14 @@ if not shutil.which("nvidia-smi") and "TRITON_INTERPRET" not in os.environ:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+CPU_TEST_THREADS = 4
+
+
+def pytest_configure(config):
+    threads = min(torch.get_num_threads(), CPU_TEST_THREADS)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # subprocesses: example.py, python -O, bench.py
 
 
 def pytest_collection_modifyitems(config, items):
