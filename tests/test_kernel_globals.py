@@ -68,7 +68,7 @@ KERNELS = sorted(_jit_functions())
 def test_kernels_are_found():
     names = {name for name, _ in KERNELS}
     # One kernel of each family that once read a plain float global: the scan must reach them.
-    assert "logprobs._chunk_stats_kernel" in names
+    assert "logprobs._stats_kernel" in names
     assert "moe_routing._route_kernel" in names
 
 
@@ -83,6 +83,6 @@ def test_the_scan_catches_a_plain_float_global():
     original = logprobs.LOG2E
     try:
         logprobs.LOG2E = 1.4426950408889634  # what the kernel read before the fix
-        assert _plain_global_reads(_python_function(logprobs._chunk_stats_kernel)) == ["LOG2E"]
+        assert _plain_global_reads(_python_function(logprobs._stats_kernel)) == ["LOG2E"]
     finally:
         logprobs.LOG2E = original

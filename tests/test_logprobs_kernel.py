@@ -60,6 +60,25 @@ def test_row_strides_and_empty_batches(device):
     assert [tuple(t.shape) for t in none] == [(0,), (0, 2), (0, 2)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_subset_of_rows_is_scored_in_place(device):
+    """`rows` picks the scored rows of logits and tokens (the sampler's asking rows), in their order."""
+    from nanovllm.layers.sampler import token_logprobs
+
+    vocab, block = (300, 128) if device == "cpu" else (151_936, None)
+    kw = {"block": block} if block else {}
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g).to(device)
+    tokens = torch.randint(0, vocab, (6,), generator=g).to(device)
+    rows = torch.tensor([4, 1, 5], device=device)
+    chosen, top_ids, top_lps = row_logprobs(logits, tokens, 4, rows, **kw)
+    want, lp = reference(logits.cpu()[rows.cpu()], tokens.cpu()[rows.cpu()], 4)
+    assert torch.allclose(chosen.cpu().double(), want, atol=ATOL)
+    assert torch.allclose(top_lps.cpu().double(), lp.topk(4, dim=1).values, atol=ATOL)
+    twin = token_logprobs(logits.cpu(), tokens.cpu(), 4, rows.cpu())  # the CPU path's same contract
+    assert torch.equal(twin[1], top_ids.cpu()) and torch.allclose(twin[0], chosen.cpu(), atol=ATOL)
+
+
 def test_bad_arguments_name_the_problem():
     logits = torch.randn(2, 50)
     tokens = torch.tensor([1, 2])
@@ -73,3 +92,5 @@ def test_bad_arguments_name_the_problem():
         row_logprobs(logits.double(), tokens, 1)
     with pytest.raises(ValueError, match="contiguous last dim"):
         row_logprobs(logits.t(), tokens, 1)
+    with pytest.raises(TypeError, match="rows must be"):
+        row_logprobs(logits, tokens, 1, torch.tensor([0.0]))

@@ -104,13 +104,13 @@ def moe_align(topk_ids, num_experts, block_m):
     return impl(topk_ids, num_experts, block_m)
 
 
-def row_logprobs(logits, token_ids, k):
+def row_logprobs(logits, token_ids, k, rows=None):
     """log_softmax at token_ids and each row's k most likely tokens; see logprobs.row_logprobs."""
     try:
         from .logprobs import row_logprobs as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(logits, token_ids, k)
+    return impl(logits, token_ids, k, rows)
 
 
 def moe_route(logits, top_k, renormalize):

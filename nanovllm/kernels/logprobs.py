@@ -1,14 +1,18 @@
-"""Triton logprobs: log_softmax of a few tokens per row and each row's k most likely tokens, in
-one pass over the logits (no [rows, vocab] float32 log_softmax written, no full-row top-k).
+"""Triton logprobs: log_softmax at one token per row and each row's k most likely tokens, in one
+read of the logits (no [rows, vocab] float32 log_softmax written, no full-row top-k), two launches.
 
-    grid (rows, chunks): program (r, c) reads columns [c * BLOCK, (c + 1) * BLOCK) of row r once
-      -> chunk max m[r, c], sum of exp(x - m[r, c]) s[r, c], and the chunk's K largest (value, column)
-    host (small tensors): lse[r] = M + log(sum_c s[r, c] * exp(m[r, c] - M)),  M = max_c m[r, c]
-      chosen[r] = x[r, token[r]] - lse[r];  top k = the k largest of the rows' chunk candidates - lse[r]
+    stats   grid (R, C): program (r, c) reads columns [c * BLOCK, (c + 1) * BLOCK) of logits row
+            rows[r] once -> chunk max m[r, c], sum of exp(x - m[r, c]) s[r, c], the chunk's K best keys
+    combine grid (R):    lse = M + log(sum_c s[r, c] * exp(m[r, c] - M)),  M = max_c m[r, c]
+            chosen[r] = x[rows[r], token[rows[r]]] - lse;  top k = the k best of the C * K keys - lse
 
-The chunk's K largest come from K rounds of (max, lowest column holding it, mask it out), so
-among equal logits the lower token id ranks first. Logits are read in their dtype and
-computed on in float32; offsets are int64.
+A key packs a logit and its column into one int64 that orders like (logit, -column):
+
+    bits 63..32: the float32 logit's bits, negatives' magnitude bits flipped (signed order = float order)
+    bits 31..0 : MAX_COL - column (the lower column wins a tie)
+
+so each of the K rounds (best key, mask it out) is one reduction, and among equal logits the lower
+token id ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype
+from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
+# Column part of a key: columns stay below 2**31 (any vocabulary), so MAX_COL - column >= 0.
+MAX_COL = tl.constexpr(2**31 - 1)
+# A key below every real one (a masked-out or padding candidate).
+NO_KEY = tl.constexpr(-(2**63))
 
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 32 values a thread at
 # NUM_WARPS = 4 (one tile in registers while the K rounds of max run over it).
@@ -31,31 +39,78 @@ MAX_CHUNKS = 65535
 
 
 @triton.jit
-def _chunk_stats_kernel(x_ptr, max_ptr, sum_ptr, top_val_ptr, top_col_ptr, vocab, stride_x, num_chunks,
-                        K: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _to_key(x, cols):
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (MAX_COL + -cols.to(tl.int64))
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_col(key):
+    return -(key & 0xFFFFFFFF) + MAX_COL
+
+
+@triton.jit
+def _stats_kernel(x_ptr, rows_ptr, max_ptr, sum_ptr, key_ptr, vocab, stride_x, num_chunks,
+                  K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    row = tl.load(rows_ptr + r)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)  # every chunk holds at least one column: finite for finite logits
-    s = tl.sum(tl.exp2((x - m) * LOG2E), axis=0)  # masked columns: exp2(-inf) = 0
-    out = row.to(tl.int64) * num_chunks + chunk
+    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    out = r * num_chunks + chunk
+    if K > 0:
+        keys = tl.where(valid, _to_key(x, cols), NO_KEY)
+        best = tl.max(keys, axis=0)
+        m = _key_value(best)  # the chunk max: round 0's key
+        tl.store(key_ptr + out * K, best)
+        for i in tl.static_range(1, K):
+            keys = tl.where(keys == best, NO_KEY, keys)  # keys are distinct: one column leaves
+            best = tl.max(keys, axis=0)
+            tl.store(key_ptr + out * K + i, best)
+    else:
+        m = tl.max(x, axis=0)
+    # every chunk holds at least one column: m is finite for finite logits; exp2(-inf) = 0
     tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, s)
-    for i in tl.static_range(K):
-        best = tl.max(x, axis=0)
-        col = tl.min(tl.where(x == best, cols, vocab), axis=0)  # lowest column among ties
-        tl.store(top_val_ptr + out * K + i, best)
-        tl.store(top_col_ptr + out * K + i, col)
-        x = tl.where(cols == col, float("-inf"), x)
+    tl.store(sum_ptr + out, tl.sum(tl.exp2((x - m) * LOG2E), axis=0))
 
 
-def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+@triton.jit
+def _combine_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, key_ptr, chosen_ptr, top_id_ptr, top_lp_ptr,
+                    stride_x, num_chunks, K: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + r)
+    c = tl.arange(0, C_PAD)
+    c_ok = c < num_chunks
+    m = tl.load(max_ptr + r * num_chunks + c, mask=c_ok, other=float("-inf"))
+    s = tl.load(sum_ptr + r * num_chunks + c, mask=c_ok, other=0.0)
+    row_max = tl.max(m, axis=0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp2((m - row_max) * LOG2E), axis=0))
+    token = tl.load(tokens_ptr + row)
+    tl.store(chosen_ptr + r, tl.load(x_ptr + row * stride_x + token).to(tl.float32) - lse)
+    if K > 0:
+        j = tl.arange(0, KEYS_PAD)
+        keys = tl.load(key_ptr + r * num_chunks * K + j, mask=j < num_chunks * K, other=NO_KEY)
+        for i in tl.static_range(K):
+            best = tl.max(keys, axis=0)
+            tl.store(top_id_ptr + r * K + i, _key_col(best))
+            tl.store(top_lp_ptr + r * K + i, _key_value(best) - lse)
+            keys = tl.where(keys == best, NO_KEY, keys)
+
+
+def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as layers/sampler.token_logprobs: `logits` [R, V] (float16/bfloat16/float32,
-    contiguous last dim; not modified), `token_ids` [R] int64 -> (chosen [R] float32 logprob of
-    each row's token, top_ids [R, k] int64 by descending logprob, top_logprobs [R, k] float32).
+    """Same contract as layers/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
+    contiguous last dim; not modified), `token_ids` [B] int64, `rows` [R] int64 rows of both to
+    score (None: all B) -> (chosen [R] float32 logprob of each scored row's token, top_ids [R, k]
+    int64 by descending logprob, top_logprobs [R, k] float32).
     `block`: columns per program (a power of two; tests shrink it)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
@@ -63,32 +118,37 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
         raise ValueError(f"logits must be 2-D [rows, vocab] with a contiguous last dim, got "
                          f"{tuple(getattr(logits, 'shape', ()))}")
     check_float_dtype("logits", logits)
-    rows, vocab = logits.shape
+    batch, vocab = logits.shape
     if not 0 <= k <= min(vocab, block):
         raise ValueError(f"k must be in [0, {min(vocab, block)}], got {k}")
-    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (rows,):
-        raise TypeError(f"token_ids must be an int64 tensor of shape ({rows},), got "
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (batch,):
+        raise TypeError(f"token_ids must be an int64 tensor of shape ({batch},), got "
                         f"{getattr(token_ids, 'dtype', type(token_ids))} {tuple(getattr(token_ids, 'shape', ()))}")
-    if token_ids.device != logits.device:
-        raise ValueError(f"token_ids is on {token_ids.device}, logits on {logits.device}")
+    dev = logits.device
+    if rows is None:
+        rows = torch.arange(batch, device=dev)
+    elif not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+        raise TypeError(f"rows must be a 1-D int64 tensor, got {getattr(rows, 'dtype', type(rows))}")
+    for name, t in (("token_ids", token_ids), ("rows", rows)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, logits on {dev}")
     num_chunks = triton.cdiv(vocab, block)
     if num_chunks > MAX_CHUNKS:
         raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
-    dev = logits.device
-    if rows == 0:
-        empty = torch.empty((0, k), device=dev)
-        return torch.empty(0, device=dev), empty.long(), empty
-    chunk_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)  # [R, C]
-    chunk_sum = torch.empty_like(chunk_max)  # [R, C]
-    top_val = torch.empty((rows, num_chunks * k), dtype=torch.float32, device=dev)  # [R, C * k]
-    top_col = torch.empty((rows, num_chunks * k), dtype=torch.int32, device=dev)  # [R, C * k]
-    _chunk_stats_kernel[(rows, num_chunks)](
-        logits, chunk_max, chunk_sum, top_val, top_col, vocab, logits.stride(0), num_chunks,
+    r = rows.shape[0]
+    chosen = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
+    top_ids = torch.empty((r, k), dtype=torch.int64, device=dev)  # [R, k]
+    top_lps = torch.empty((r, k), dtype=torch.float32, device=dev)  # [R, k]
+    if r == 0:
+        return chosen, top_ids, top_lps
+    stats = torch.empty((2, r, num_chunks), dtype=torch.float32, device=dev)  # chunk max, chunk sum
+    keys = torch.empty((r, num_chunks * k), dtype=torch.int64, device=dev)  # [R, C * k]
+    _stats_kernel[(r, num_chunks)](
+        logits, rows, stats[0], stats[1], keys, vocab, logits.stride(0), num_chunks,
         K=k, BLOCK=block, num_warps=NUM_WARPS,
     )
-    row_max = chunk_max.amax(dim=1, keepdim=True)  # [R, 1]
-    lse = row_max.squeeze(1) + (chunk_sum * torch.exp(chunk_max - row_max)).sum(dim=1).log()  # [R]
-    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).float() - lse  # [R]
-    best = top_val.topk(k, dim=1, sorted=True)  # [R, k] among the rows' chunk candidates
-    top_ids = top_col.gather(1, best.indices).long()
-    return chosen, top_ids, best.values - lse.unsqueeze(1)
+    _combine_kernel[(r,)](
+        logits, rows, token_ids, stats[0], stats[1], keys, chosen, top_ids, top_lps, logits.stride(0), num_chunks,
+        K=k, C_PAD=next_pow2(num_chunks), KEYS_PAD=next_pow2(max(1, num_chunks * k)), num_warps=NUM_WARPS,
+    )
+    return chosen, top_ids, top_lps

@@ -251,9 +251,11 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.maximum(kth, pth)
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``log_softmax`` of each row of `logits` ``[R, V]`` (any float dtype, computed in float32;
-    not modified) at `token_ids` ``[R]`` int64, and each row's `k` most likely tokens.
+def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
+                   rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``log_softmax`` of rows `rows` ``[R]`` int64 (None: all) of `logits` ``[B, V]`` (any float
+    dtype, computed in float32; not modified) at their `token_ids` ``[B]`` int64, and each such
+    row's `k` most likely tokens.
 
     Returns ``chosen`` ``[R]`` float32, ``top_ids`` ``[R, k]`` int64 by descending logprob and
     ``top_logprobs`` ``[R, k]`` float32 (k = 0: empty ``[R, 0]``). Writes the ``[R, V]``
@@ -264,12 +266,16 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, T
         raise TypeError(f"k must be an int, got {k!r}")
     if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a 2-D float tensor [rows, vocab], got {getattr(logits, 'shape', type(logits))}")
-    rows, vocab = logits.shape
+    batch, vocab = logits.shape
     if not 0 <= k <= vocab:
         raise ValueError(f"k must be in [0, vocab = {vocab}], got {k}")
-    if not isinstance(token_ids, Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (rows,):
-        raise TypeError(f"token_ids must be an int64 tensor of shape ({rows},), got "
+    if not isinstance(token_ids, Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (batch,):
+        raise TypeError(f"token_ids must be an int64 tensor of shape ({batch},), got "
                         f"{getattr(token_ids, 'dtype', type(token_ids))} {tuple(getattr(token_ids, 'shape', ()))}")
+    if rows is not None:
+        if not isinstance(rows, Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+            raise TypeError(f"rows must be a 1-D int64 tensor, got {getattr(rows, 'dtype', type(rows))}")
+        logits, token_ids = logits.index_select(0, rows), token_ids.index_select(0, rows)
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
     top_ids = logits.topk(k, dim=-1, sorted=True).indices  # [R, k]
@@ -297,10 +303,9 @@ class Sampler(torch.nn.Module):
         if batch.logprobs is None:
             return SamplerOutput(tokens, None)
         rows = batch.logprobs.rows  # [R]
-        asking_logits, asking_tokens = logits, tokens
-        if rows.shape[0] < logits.shape[0]:  # a subset (rows are distinct): only those rows are read
-            asking_logits, asking_tokens = logits.index_select(0, rows), tokens.index_select(0, rows)
-        sampled, top_ids, top_logprobs = self.token_logprobs(asking_logits, asking_tokens, batch.logprobs.k)
+        # A subset (rows are distinct) is read in place: the rows that do not ask cost nothing.
+        subset = rows if rows.shape[0] < logits.shape[0] else None
+        sampled, top_ids, top_logprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, subset)
         return SamplerOutput(tokens, TokenLogprobs(rows, sampled, top_ids, top_logprobs))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
