@@ -49,6 +49,24 @@ def test_ties_pick_the_lower_expert_and_empty_batches(device):
     assert w.shape == i.shape == (0, 2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_rows_still_name_distinct_valid_experts(device):
+    """A padded CUDA-graph row can hold garbage (NaN / inf): its ids must stay in range (the
+    decode GEMV reads the weights of the ids it is given), distinct, and real rows unaffected."""
+    logits = torch.randn(3, 12)
+    logits[0, 3] = float("nan")
+    logits[1] = float("nan")
+    logits[2, 7] = float("inf")
+    weights, ids = moe_route(logits.to(device), 4, True)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < 12)).all()
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+    clean = torch.randn(2, 12)
+    w_mixed, i_mixed = moe_route(torch.cat([clean, logits]).to(device), 4, True)
+    w_clean, i_clean = moe_route(clean.to(device), 4, True)
+    assert torch.equal(i_mixed[:2].cpu(), i_clean.cpu()) and torch.equal(w_mixed[:2].cpu(), w_clean.cpu())
+
+
 def test_bad_arguments_name_the_problem():
     logits = torch.randn(3, 8)
     with pytest.raises(ValueError, match="top_k"):

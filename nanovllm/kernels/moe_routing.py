@@ -33,7 +33,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     x = tl.load(logits_ptr + t * stride_l + experts, mask=valid, other=float("-inf")).to(tl.float32)
     p = tl.exp2((x - tl.max(x, axis=0)) * LOG2E)  # padding: exp2(-inf) = 0
     p = p / tl.sum(p, axis=0)
-    p = tl.where(valid, p, -1.0)  # padding is never picked
+    # Padding is never picked; a row with non-finite logits (a padded graph row's garbage) has
+    # NaN weights, read as 0 so that its ids still name distinct experts in [0, num_experts).
+    p = tl.where(valid, tl.where(p == p, p, 0.0), -1.0)
     slots = tl.arange(0, K_PAD)
     w = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
