@@ -31,6 +31,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    # With CUDA graphs on: also capture prefill / mixed steps, one graph per token bucket (their
+    # host cost leaves the critical path; start-up +3-10 s). False: decode graphs only (vLLM's
+    # FULL_DECODE_ONLY), prefill and mixed steps run eagerly at their exact token count.
+    prefill_graphs: bool = True
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
     device: str | None = None
@@ -79,7 +83,8 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "overlap_scheduling", "mixed_steps"):
+        for name in ("enforce_eager", "prefill_graphs", "enable_prefix_caching", "overlap_scheduling",
+                     "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -366,6 +366,7 @@ def gpu_generate(path: str, batches, params, **kwargs):
     try:
         outs = [[o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)] for ps in batches]
         facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
+                 "prefill_graphs": llm.model_runner.varlen_graphs is not None,
                  "preemptions": llm.scheduler.num_preemptions,
                  "prefix_hits": llm.block_manager.num_prefix_hit_blocks}
         return outs, facts

@@ -117,6 +117,7 @@ BAD_CONFIG = [
     ({"attention_backend": "flash_attn", "device": "cpu"}, ValueError, "CUDA"),
     ({"load_format": "gguf"}, ValueError, "load_format"),
     ({"enforce_eager": 1}, TypeError, "enforce_eager"),
+    ({"prefill_graphs": "no"}, TypeError, "prefill_graphs"),
 ]
 
 

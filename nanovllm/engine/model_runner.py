@@ -3,7 +3,7 @@
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
 decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
-attention backend is ours (varlen_graphs.py). `launch(plan)` queues one scheduled step
+attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch(plan)` queues one scheduled step
 on the device and returns a handle whose `tokens()` waits for the sampled token of each
 sequence that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py).
@@ -136,7 +136,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
                                        cfg.hidden_size, self.dtype, self.device)
-            if self.inputs.query_tile_rows is not None:
+            if config.prefill_graphs and self.inputs.query_tile_rows is not None:
                 self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
                                                   MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
 
