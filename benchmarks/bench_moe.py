@@ -10,6 +10,10 @@ events) after WARMUP. `ms` is the whole fused_moe call (alignment, both GEMMs, t
 K slots); `align ms` is moe_align alone, timed the same way.
 
     PYTHONPATH=. python benchmarks/bench_moe.py [--tokens 1 64 4096] [--sweep] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_moe.py --sweep-gemv [--json PATH]
+
+--sweep-gemv times only the decode path (kernels/moe_decode.moe_gemv) at T = 1 and 2, for every
+GemvTiles of gemv_candidates(), and lists them best first with the default's row last.
 
 Without CUDA it says so in one line and exits non-zero.
 """
@@ -36,6 +40,13 @@ SWEEP_GATE_UP = [(32, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 3
                  (128, 64, 8, 3), (128, 64, 4, 4), (16, 128, 4, 4)]
 SWEEP_DOWN = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (32, 128, 4, 4),
               (256, 64, 8, 3)]
+# --sweep-gemv: the GemvTiles grid (30B shape, K = 8 slots), pruned by gemv_register_tile.
+SWEEP_GEMV_GATE_UP = [(n, k) for n in (8, 16, 32) for k in (128, 256, 512)]  # (block_n, block_k)
+SWEEP_GEMV_DOWN = [(n, k) for n in (4, 8, 16, 32) for k in (128, 256)]
+SWEEP_GEMV_WARPS = (4, 8)
+# float32 values a thread holds per step (the loaded tile or accumulators); past 64 the tile and its
+# loads in flight need more than ~128 registers a thread and spill.
+SWEEP_GEMV_MAX_PER_THREAD = 64
 NO_CUDA_MESSAGE = "bench_moe.py needs a CUDA device; none is visible"
 
 
@@ -56,10 +67,35 @@ def tiles_name(tiles) -> str:
     return f"m{tiles.block_m} gu{gemm(tiles.gate_up)} d{gemm(tiles.down)}"
 
 
+def gemv_tiles_name(tiles) -> str:
+    """gu<n>x<k> d<n>x<k> w<warps>: a moe_decode.GemvTiles in one short line."""
+    return (f"gu{tiles.gate_up_block_n}x{tiles.gate_up_block_k} d{tiles.down_block_n}x{tiles.down_block_k}"
+            f" w{tiles.num_warps}")
+
+
+def gemv_register_tile(tiles, top_k: int = K) -> int:
+    """Largest per-thread float32 tile of the two launches: gate_up 2 x [BN, BK], down [KP, BN, BK]."""
+    slots = 1 << (top_k - 1).bit_length()
+    gate_up = 2 * tiles.gate_up_block_n * tiles.gate_up_block_k
+    down = slots * tiles.down_block_n * tiles.down_block_k
+    return max(gate_up, down) // (32 * tiles.num_warps)
+
+
+def gemv_candidates() -> list:
+    """The default GemvTiles first, then every grid point whose register tile fits (58 of 144)."""
+    from nanovllm.kernels.moe_decode import DEFAULT_TILES, GemvTiles
+
+    grid = [GemvTiles(gn, gk, dn, dk, w) for w in SWEEP_GEMV_WARPS for gn, gk in SWEEP_GEMV_GATE_UP
+            for dn, dk in SWEEP_GEMV_DOWN]
+    return list(dict.fromkeys([DEFAULT_TILES] + [t for t in grid if gemv_register_tile(t) <= SWEEP_GEMV_MAX_PER_THREAD]))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="batch sizes T")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP_* tilings at every T")
+    ap.add_argument("--sweep-gemv", action="store_true",
+                    help="only time moe_gemv (decode path) over gemv_candidates() at T = 1 and 2")
     ap.add_argument("--json", metavar="PATH", help="write the rows here")
     return ap.parse_args(argv)
 
@@ -121,6 +157,48 @@ def check(fused, hidden, w13, w2, weights, ids) -> None:
         raise SystemExit(f"fused_moe: relative error {err:.2e} against the fp32 reference")
 
 
+def sweep_gemv(w13: torch.Tensor, w2: torch.Tensor, copy_gbps: float, gen: torch.Generator) -> list[dict]:
+    """moe_gemv at T = 1 and 2 for every gemv_candidates() tile: ms, GB/s, fraction of copy."""
+    from triton.runtime.errors import OutOfResources
+
+    from nanovllm.kernels.moe_decode import DEFAULT_TILES, MAX_TOKENS, moe_gemv
+
+    rows = []
+    for t in range(1, MAX_TOKENS + 1):
+        hidden = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+        routes = routings(t, gen)
+        distinct = statistics.mean(len(ids.unique()) for _, ids in routes)
+        timed = []
+        for tiles in gemv_candidates():
+            name = gemv_tiles_name(tiles)
+            try:
+                check(lambda *a, c=tiles: moe_gemv(*a, tiles=c), hidden, w13, w2, *routes[0])
+                ms = graph_ms([lambda w=w, i=i, c=tiles: moe_gemv(hidden, w13, w2, w, i, tiles=c) for w, i in routes])
+            except OutOfResources as exc:
+                print(f"      skipped {name}: {exc}")
+                continue
+            except SystemExit as exc:  # check's message names fused_moe: say which tiles failed
+                raise SystemExit(f"moe_gemv {name}: {exc}") from None
+            gbps = expert_bytes(distinct) / (ms * 1e-3) / 1e9
+            timed.append(dict(sweep="gemv", tokens=t, tiles=name, ms=ms, gbps=gbps, fraction_of_copy=gbps / copy_gbps,
+                              default=tiles == DEFAULT_TILES))
+        timed.sort(key=lambda r: r["ms"])
+        print(f"moe_gemv T={t}: {len(timed)} tiles, {distinct:.1f} experts ({expert_bytes(distinct) / 1e6:.1f} MB)"
+              " a call, best first")
+        print(f"{'rank':>5}{'ms':>9}{'GB/s':>8}{'of copy':>9}  tiles")
+        for rank, r in enumerate(timed, 1):
+            print(f"{rank:>5}{r['ms']:>9.4f}{r['gbps']:>8.0f}{r['fraction_of_copy']:>9.1%}  {r['tiles']}"
+                  + ("  (default)" if r["default"] else ""))
+        rank, default = next(((rank, r) for rank, r in enumerate(timed, 1) if r["default"]), (None, None))
+        if default is None:
+            print(f"default {gemv_tiles_name(DEFAULT_TILES)}: skipped (out of resources)\n")
+        else:
+            print(f"default {default['tiles']}: rank {rank} of {len(timed)}, {default['ms']:.4f} ms,"
+                  f" {default['fraction_of_copy']:.1%} of copy; best {timed[0]['tiles']} {timed[0]['ms']:.4f} ms\n")
+        rows += timed
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
@@ -134,6 +212,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
     copy_gbps = hbm_copy_gbps()
     print(f"{torch.cuda.get_device_name()}: HBM copy {copy_gbps:,.0f} GB/s (read + written)")
+    if args.sweep_gemv:
+        return [dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps)] + sweep_gemv(w13, w2, copy_gbps, gen)
     print(f"{'T':>5}{'ms':>9}{'align ms':>10}{'experts':>9}{'MB read':>9}{'GB/s':>8}{'of copy':>9}{'TFLOP/s':>9}"
           "  tiles")
     rows = []

@@ -1,24 +1,100 @@
 """The decode-step MoE GEMV (kernels/moe_decode.py) against the float64 reference of
 tests/test_fused_moe.py: under the CPU interpreter on small shapes, compiled on CUDA at the
-Qwen3-30B-A3B shape, and against fused_moe (the grouped path) on the same inputs."""
+Qwen3-30B-A3B shape, and against fused_moe (the grouped path) on the same inputs; tile overrides
+(GemvTiles) and the bench's --sweep-gemv candidate grid."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
-from nanovllm.kernels.moe_decode import moe_gemv
+from nanovllm.kernels.moe_decode import DEFAULT_TILES, GemvTiles, moe_gemv
 from test_fused_moe import DEVICES, QWEN3_30B, TOLERANCE, assert_close, make_case, reference_moe
+
+
+def shape(device, k=None):
+    """(E, K, H, I): small under the interpreter, Qwen3-30B-A3B's on CUDA."""
+    e, top_k, h, i = (8, 2, 96, 40) if device == "cpu" else (QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"])
+    return e, k or top_k, h, i
+
+
+def check_against_reference(args, dtype, **kwargs):
+    hidden, w13, w2, weights, ids = args
+    out = moe_gemv(hidden, w13, w2, weights, ids, **kwargs)
+    assert_close(out.cpu(), reference_moe(hidden.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()), dtype)
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_matches_float64_reference(device, dtype, tokens):
-    e, k, h, i = (8, 2, 96, 40) if device == "cpu" else (QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"])
-    hidden, w13, w2, weights, ids = make_case(tokens, e, k, h, i, dtype, device, seed=tokens, row_pad=3)
-    out = moe_gemv(hidden, w13, w2, weights, ids)
-    assert_close(out.cpu(), reference_moe(hidden.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()), dtype)
+    e, k, h, i = shape(device)
+    check_against_reference(make_case(tokens, e, k, h, i, dtype, device, seed=tokens, row_pad=3), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+def test_any_top_k_pads_the_expert_axis_to_a_power_of_two(device, top_k):
+    """The down kernel's slot axis is next_pow2(K) wide (K = 3, 6: 4, 8); padded slots add nothing."""
+    e, k, h, i = shape(device, top_k)
+    dtype = torch.bfloat16
+    check_against_reference(make_case(2, e, k, h, i, dtype, device, seed=10 + top_k), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_tokens_with_shared_and_distinct_experts(device, dtype):
+    """Token 0 and token 1 both pick expert 5 (in different slots); the other picks differ, ids int32."""
+    e, k, h, i = shape(device, 4)
+    ids = torch.tensor([[5, 0, 7, 2], [1, 5, 3, 6]], dtype=torch.int32)
+    args = make_case(2, e, k, h, i, dtype, device, ids=ids, seed=3, row_pad=5)
+    out = check_against_reference(args, dtype)
+    # each token's row equals that token alone: no slot of one token leaks into the other
+    hidden, w13, w2, weights, ids = args
+    for t in range(2):
+        alone = moe_gemv(hidden[t:t + 1], w13, w2, weights[t:t + 1].contiguous(), ids[t:t + 1].contiguous())
+        torch.testing.assert_close(alone, out[t:t + 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tiles_override_matches_the_default(device):
+    """Smaller column steps: under the interpreter H = 96 and I = 40 take several steps, the last partial."""
+    e, k, h, i = shape(device, 6)
+    dtype = torch.bfloat16
+    args = make_case(2, e, k, h, i, dtype, device, seed=7)
+    other = GemvTiles(gate_up_block_n=8, gate_up_block_k=64, down_block_n=16, down_block_k=16, num_warps=8)
+    assert other != DEFAULT_TILES
+    default = check_against_reference(args, dtype)
+    swapped = check_against_reference(args, dtype, tiles=other)
+    ref = default.double().abs().max().item()
+    assert (swapped.double() - default.double()).abs().max().item() <= TOLERANCE[dtype] * ref
+
+
+def test_bad_tiles_are_refused():
+    args = make_case(1, 4, 2, 32, 16, torch.float32, "cpu")
+    for bad in ((16, 256, 4, 256, 4), {"gate_up_block_n": 16}, "default"):
+        with pytest.raises(TypeError, match="tiles must be a GemvTiles"):
+            moe_gemv(*args, tiles=bad)
+    for field, value in (("down_block_n", 6), ("num_warps", 0), ("gate_up_block_k", 256.0), ("down_block_k", True)):
+        with pytest.raises(ValueError, match=field):
+            GemvTiles(**{**DEFAULT_TILES.__dict__, field: value})
+
+
+def test_the_bench_sweep_grid_parses_and_stays_small():
+    """bench_moe.py --sweep-gemv (GPU only) on CPU: its arguments parse and its candidate grid holds
+    the defaults, only valid tiles, and at most 60 candidates."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_args(["--sweep-gemv"]).sweep_gemv and not bench.parse_args([]).sweep_gemv
+    candidates = bench.gemv_candidates()
+    assert candidates[0] == DEFAULT_TILES and len(set(candidates)) == len(candidates) <= 60
+    assert all(isinstance(c, GemvTiles) for c in candidates)
 
 
 @pytest.mark.gpu

@@ -2,18 +2,27 @@
 alignment, no [T*K, H] intermediate, no separate sum over the top k (kernels/moe.py needs
 seven launches; at one token those launches, not the weight reads, dominate).
 
-    gate_up  grid (T*K pairs, I / BLOCK_N):  pair p = t*K + k, e = ids[t, k]
-             act[p, n] = silu_mul(w13[e, n] . hidden[t], w13[e, I + n] . hidden[t])       act [T*K, I]
-    down     grid (T, H / BLOCK_N):
-             out[t, n] = sum_k weights[t, k] * (w2[ids[t, k], n] . act[t*K + k])            out [T, H]
+    gate_up  grid (T*K pairs, I / BN):  pair p = t*K + k, e = ids[t, k]
+             act[p, n] = silu_mul(w13[e, n] . hidden[t], w13[e, I + n] . hidden[t])     act [T*K, I]
+             each step: [BN, BK] of gate and of up (one expert)
+    down     grid (T, H / BN):  all K experts of token t at once
+             acc[k, n] = w2[ids[t, k], n] . act[t*K + k]                              acc [KP, BN]
+             out[t, n] = sum_k weights[t, k] * acc[k, n]                              out [T, H]
+             each step: [KP, BN, BK] = BN rows of every picked expert, KP = next_pow2(K)
 
-Each program streams BLOCK_N weight rows over the whole reduction in BLOCK_K steps
-(accumulator [BLOCK_N, BLOCK_K] in float32, as kernels/gemv.py). g, u and act are rounded to
-the input dtype as the unfused MLP does; the sum over k stays float32 until the output.
-Offsets are int64. Shapes only set the launch: CUDA-graph capturable.
+gate_up streams BN weight rows over H in BK steps (accumulators [BN, BK] float32, as
+kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in flight together
+(one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
+every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0). g, u and act are
+rounded to the input dtype as the unfused MLP does; the sum over k stays float32 until the
+output. Offsets are int64; no atomics (deterministic). Shapes only set the launch: CUDA-graph
+capturable. Tiles are GemvTiles; moe_gemv(tiles=...) overrides them (benchmarks/bench_moe.py
+--sweep-gemv).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -26,13 +35,37 @@ from .fused_norm import round_to
 # Most tokens this path serves: past 2 the grouped GEMMs of kernels/moe.py read each picked
 # expert once for all its tokens, where this path reads it once per (token, slot).
 MAX_TOKENS = 2
-# Weight rows per program and columns per step: a [16, 256] float32 accumulator is 32 registers a
-# thread at 4 warps; 16 rows keep 384 gate/up programs (8 pairs x 768 / 16) over 132 SMs at one token.
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Powers of two. Per-thread register tiles: gate_up 2 * BN * BK, down KP * BN * BK float32
+    values over 32 * num_warps threads."""
+    gate_up_block_n: int  # gate (and up) rows per program
+    gate_up_block_k: int  # H columns per step
+    down_block_n: int  # output columns per program
+    down_block_k: int  # I columns per step
+    num_warps: int  # both launches
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if type(v) is not int or v < 1 or v & (v - 1):
+                raise ValueError(f"GemvTiles.{f.name} must be a positive power of two, got {v!r}")
+
+
+# All unmeasured guesses (bench_moe.py --sweep-gemv on the H200 decides), at the 30B shape:
+# 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16) over 132 SMs, as the first version.
 GATE_UP_BLOCK_N = 16
-# The down projection has T programs per row tile only: 8 rows doubles the grid (256 at H = 2048).
-DOWN_BLOCK_N = 8
-BLOCK_K = 256
+# 256 columns: 512-byte bf16 row segments; 2 x [16, 256] float32 = 64 accumulators a thread at 4 warps.
+GATE_UP_BLOCK_K = 256
+# 4 rows: 512 down programs at one token (2048 / 4), ~4 per SM, all resident together.
+DOWN_BLOCK_N = 4
+# 256 columns: [8, 4, 256] = 16 KB of bf16 weights in flight per step, 64 values a thread at 4 warps.
+DOWN_BLOCK_K = 256
+# 4 warps: the register tiles above fit without spills (~128 registers a thread at most).
 NUM_WARPS = 4
+DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
 
 
 @triton.jit
@@ -64,33 +97,38 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, hidden_size, inter, str
 
 @triton.jit
 def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inter, stride_we, stride_wn, stride_o,
-               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0)
+    slot = tl.arange(0, K_PAD)  # [K_PAD]; slots >= TOP_K are padding
+    slot_ok = slot < TOP_K
+    pair = (token * TOP_K + slot).to(tl.int64)
+    expert = tl.load(ids_ptr + pair, mask=slot_ok, other=0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < hidden_size
-    rows = tl.minimum(rn, hidden_size - 1).to(tl.int64)
+    rows = tl.minimum(rn, hidden_size - 1).to(tl.int64)  # columns past H repeat row H - 1, never stored
     rk = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_ptrs = w2_ptr + expert * stride_we + rows[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
-        a_ptrs = act_ptr + pair.to(tl.int64) * inter + rk
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = k0 + rk < inter
-            a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * a
-        total += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+    # [K_PAD, BLOCK_N, BLOCK_K]: row rn of each slot's expert
+    w_ptrs = (w2_ptr + (expert * stride_we)[:, None, None] + (rows * stride_wn)[None, :, None]
+              + rk[None, None, :])
+    a_ptrs = act_ptr + (pair * inter)[:, None] + rk[None, :]  # [K_PAD, BLOCK_K]
+    acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = k0 + rk < inter
+        a_ok = slot_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptrs + k0, mask=a_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=a_ok[:, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    weights = tl.load(weights_ptr + pair, mask=slot_ok, other=0.0)  # float32 [K_PAD]
+    total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N] float32
     out = out_ptr + token.to(tl.int64) * stride_o + rn
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor) -> torch.Tensor:
+             topk_ids: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
     """Same contract as kernels/moe.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
     in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights [T, K] float32,
-    topk_ids [T, K] int32/int64 (contiguous)."""
+    topk_ids [T, K] int32/int64 (contiguous). `tiles` overrides DEFAULT_TILES (benchmarks)."""
     check_matrix("hidden", hidden)
     t, h = hidden.shape
     if not 1 <= t <= MAX_TOKENS:
@@ -112,13 +150,18 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for name, x in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
+    if tiles is None:
+        tiles = DEFAULT_TILES
+    if not isinstance(tiles, GemvTiles):
+        raise TypeError(f"tiles must be a GemvTiles or None, got {type(tiles).__name__}")
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
-    block_k = max(16, min(BLOCK_K, next_pow2(h)))
-    _gate_up_gemv[(t * k, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+    _gate_up_gemv[(t * k, triton.cdiv(inter, tiles.gate_up_block_n))](
         hidden, w13, topk_ids, act, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=k, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS)
+        TOP_K=k, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
+        num_warps=tiles.num_warps)
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
-    _down_gemv[(t, triton.cdiv(h, DOWN_BLOCK_N))](
+    _down_gemv[(t, triton.cdiv(h, tiles.down_block_n))](
         act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=max(16, min(BLOCK_K, next_pow2(inter))), num_warps=NUM_WARPS)
+        TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n,
+        BLOCK_K=max(16, min(tiles.down_block_k, next_pow2(inter))), num_warps=tiles.num_warps)
     return out
