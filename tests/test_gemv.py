@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.checks import next_pow2
-from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, RESIDENT_PER_SM, TALL_TILING, WIDE_N,
+from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, TALL_TILING, WIDE_N,
                                    WIDE_TILING, Tiling, gemv, silu_mul_gemv, tiling)
+from nanovllm.kernels.pdl import RESIDENT_PER_SM
 from nanovllm.layers.activation import SiluAndMul
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).

@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, check_vector, cuda_sm_count, next_pow2
+from .checks import check_matrix, check_vector, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
-from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
+from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_l2, wait_for_prior
 
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
 # layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
@@ -53,8 +53,6 @@ NUM_WARPS = 4
 BLOCK_K = 512
 # Layers at least this wide take 8-row programs; narrower ones 4 rows, so enough programs share the read.
 WIDE_N = 4096
-# GEMV programs counted as resident per SM at once, so a grid of up to SMs x this is one wave.
-RESIDENT_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -128,12 +126,6 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
 
 
-def one_wave(device: torch.device) -> int | None:
-    """Programs of this kernel resident at once on a CUDA device (None elsewhere)."""
-    sms = cuda_sm_count(device)
-    return None if sms is None else sms * RESIDENT_PER_SM
-
-
 def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
     check_matrix("x", x)
     check_matrix("weight", weight, x.dtype)
@@ -156,7 +148,7 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     grid = triton.cdiv(n_out, tile.block_n)
-    pdl = pdl_launch_options(x) if wave is not None and grid <= wave else {"PDL": False}
+    pdl = pdl_for_grid(x, grid)
     line_elems = LINE_BYTES // x.element_size()
     _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),

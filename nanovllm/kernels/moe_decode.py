@@ -15,7 +15,8 @@ kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in
 (one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
 every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0). g, u and act are
 rounded to the input dtype as the unfused MLP does; the sum over k stays float32 until the
-output. Offsets are int64; no atomics (deterministic). Shapes only set the launch: CUDA-graph
+output. Offsets are int64; no atomics (deterministic). One-wave grids launch with PDL
+(kernels/pdl.py): each waits for its inputs before its first load. Shapes only set the launch: CUDA-graph
 capturable. Tiles are GemvTiles; moe_gemv(tiles=...) overrides them (benchmarks/bench_moe.py
 --sweep-gemv).
 """
@@ -31,6 +32,7 @@ import triton.language as tl
 from .checks import check_matrix, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
+from .pdl import pdl_for_grid, wait_for_prior
 
 # Most tokens this path serves: past 2 the grouped GEMMs of kernels/moe.py read each picked
 # expert once for all its tokens, where this path reads it once per (token, slot).
@@ -70,7 +72,8 @@ DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_B
 
 @triton.jit
 def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, hidden_size, inter, stride_h, stride_we, stride_wn,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)  # before any load: hidden and the ids are written upstream
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -97,7 +100,9 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, hidden_size, inter, str
 
 @triton.jit
 def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inter, stride_we, stride_wn, stride_o,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL: tl.constexpr):
+    wait_for_prior(PDL)  # act comes from the gate_up launch
     token = tl.program_id(0)
     slot = tl.arange(0, K_PAD)  # [K_PAD]; slots >= TOP_K are padding
     slot_ok = slot < TOP_K
@@ -155,13 +160,16 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if not isinstance(tiles, GemvTiles):
         raise TypeError(f"tiles must be a GemvTiles or None, got {type(tiles).__name__}")
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
-    _gate_up_gemv[(t * k, triton.cdiv(inter, tiles.gate_up_block_n))](
+    gate_up_grid = (t * k, triton.cdiv(inter, tiles.gate_up_block_n))
+    _gate_up_gemv[gate_up_grid](
         hidden, w13, topk_ids, act, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=k, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
-    _down_gemv[(t, triton.cdiv(h, tiles.down_block_n))](
+    down_grid = (t, triton.cdiv(h, tiles.down_block_n))
+    _down_gemv[down_grid](
         act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=max(16, min(tiles.down_block_k, next_pow2(inter))), num_warps=tiles.num_warps)
+        BLOCK_K=max(16, min(tiles.down_block_k, next_pow2(inter))), num_warps=tiles.num_warps,
+        **pdl_for_grid(hidden, down_grid[0] * down_grid[1]))
     return out

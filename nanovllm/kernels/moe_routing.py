@@ -6,7 +6,8 @@
                 weights[t] = w / sum(w) if RENORMALIZE else w;  ids[t] = e
 
 Among equal probabilities the lower expert id is picked first. One program per token, the
-whole expert row in registers (E <= MAX_EXPERTS); offsets are int64.
+whole expert row in registers (E <= MAX_EXPERTS); offsets are int64. Decode-sized grids (one
+wave) launch with PDL: the kernel waits for the router's logits before reading them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
 from .moe_sort import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
+from .pdl import pdl_for_grid, wait_for_prior
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
@@ -26,7 +28,9 @@ NUM_WARPS = 4
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_prior(PDL)  # the logits come from the router's projection
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -72,6 +76,6 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
         _route_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=max(16, next_pow2(num_experts)),
-            RENORMALIZE=bool(renormalize), num_warps=NUM_WARPS,
+            RENORMALIZE=bool(renormalize), num_warps=NUM_WARPS, **pdl_for_grid(logits, tokens),
         )
     return weights, ids

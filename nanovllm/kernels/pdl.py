@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET
+from .checks import INTERPRET, cuda_sm_count
 
 try:  # Triton >= 3.3 exposes the PTX griddepcontrol instructions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -35,6 +35,9 @@ except ImportError:  # older Triton: no PDL
 LINE_BYTES = 128
 # PDL needs compute capability 9.0 (Hopper) or newer.
 MIN_PDL_CAPABILITY = (9, 0)
+# Small decode-path programs counted as resident per SM at once, so a grid of up to SMs x this is
+# one wave: only such grids gain from the early launch (BENCHMARKS.md, gemv tuning notes).
+RESIDENT_PER_SM = 4
 
 _capable: dict[int, bool] = {}
 
@@ -64,3 +67,15 @@ def pdl_launch_options(t: torch.Tensor) -> dict:
     if idx not in _capable:
         _capable[idx] = torch.cuda.get_device_capability(idx) >= MIN_PDL_CAPABILITY
     return {"PDL": True, "launch_pdl": True} if _capable[idx] else {"PDL": False}
+
+
+def one_wave(device: torch.device) -> int | None:
+    """Programs of a small decode-path kernel resident at once on a CUDA device (None elsewhere)."""
+    sms = cuda_sm_count(device)
+    return None if sms is None else sms * RESIDENT_PER_SM
+
+
+def pdl_for_grid(t: torch.Tensor, programs: int) -> dict:
+    """`pdl_launch_options(t)` for a grid of `programs` that fits one wave, else {'PDL': False}."""
+    wave = one_wave(t.device)
+    return pdl_launch_options(t) if wave is not None and programs <= wave else {"PDL": False}
