@@ -24,19 +24,20 @@ def reference(logits: torch.Tensor, tokens: torch.Tensor, k: int):
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
 def test_matches_float64_log_softmax(device, dtype, k):
     rows, vocab, block = (5, 3 * 256 - 17, 256) if device == "cpu" else (256, 151_936, None)
-    g = torch.Generator().manual_seed(k)
-    logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    # drawn, and the float64 reference computed, on the device under test (39M values on CUDA)
+    g = torch.Generator(device=device).manual_seed(k)
+    logits = (4 * torch.randn(rows, vocab, generator=g, device=device)).to(dtype)
     logits[1, 100:110] = logits[1].max()  # ties at the top: the lower ids rank first within a chunk
-    tokens = torch.randint(0, vocab, (rows,), generator=g)
-    tokens[0] = int(logits[0].argmax())
+    tokens = torch.randint(0, vocab, (rows,), generator=g, device=device)
+    tokens[0] = logits[0].argmax()
     kw = {"block": block} if block else {}
-    chosen, top_ids, top_lps = row_logprobs(logits.to(device), tokens.to(device), k, **kw)
+    chosen, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
     want, lp = reference(logits, tokens, k)
     assert chosen.dtype == top_lps.dtype == torch.float32 and top_ids.dtype == torch.int64
     assert top_ids.shape == top_lps.shape == (rows, k)
-    assert torch.allclose(chosen.cpu().double(), want, atol=ATOL)
+    assert torch.allclose(chosen.double(), want, atol=ATOL)
     if k:
-        top_ids, top_lps = top_ids.cpu(), top_lps.cpu().double()
+        top_lps = top_lps.double()
         # each listed token's logprob is its own, in descending order, and no better token is left out
         assert torch.allclose(top_lps, lp.gather(1, top_ids), atol=ATOL)
         assert (top_lps[:, :-1] >= top_lps[:, 1:] - ATOL).all()
