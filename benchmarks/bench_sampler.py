@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingBatch, row_key
+from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 MIXED = [

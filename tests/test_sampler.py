@@ -14,9 +14,10 @@ import math
 import pytest
 import torch
 
-import nanovllm.layers.sampler as sampler_module
+import nanovllm.layers.sampling_batch as sampling_batch_module
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key, token_logprobs
+from nanovllm.layers.sampler import Sampler, token_logprobs
+from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, row_key
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU = torch.device("cpu")
@@ -330,13 +331,13 @@ def test_build_flags_and_tensors() -> None:
 def test_build_makes_one_copy_of_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tensor of a batch is a view of one buffer that reached the device in one copy."""
     copies = []
-    real = sampler_module.to_device
+    real = sampling_batch_module.to_device
 
     def counting(values, device, dtype=None):
         copies.append(values)
         return real(values, device, dtype)
 
-    monkeypatch.setattr(sampler_module, "to_device", counting)
+    monkeypatch.setattr(sampling_batch_module, "to_device", counting)
     params = [SamplingParams(top_k=3, top_p=0.8, min_p=0.05, logprobs=1), SamplingParams(temperature=0.3)]
     batch = build(params, 50, [7, 8])
     assert len(copies) == 1
@@ -522,7 +523,7 @@ def test_no_logprob_work_when_no_row_asks(monkeypatch: pytest.MonkeyPatch) -> No
     def forbidden(*args, **kwargs):
         raise AssertionError("logprobs computed for a batch where no row asks")
 
-    monkeypatch.setattr(sampler_module, "token_logprobs", forbidden)
+    monkeypatch.setattr(SAMPLER, "token_logprobs", forbidden)  # the implementation this sampler picked
     monkeypatch.setattr(torch, "log_softmax", forbidden)
     params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(temperature=0.0)]
     out = SAMPLER(torch.randn(3, 100), build(params, 100))

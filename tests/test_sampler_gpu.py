@@ -17,7 +17,8 @@ import torch
 
 from nanovllm.kernels import gumbel_sample
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, row_key
+from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import torch
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan
-from nanovllm.layers.sampler import SamplingBatch, SamplingPack
+from nanovllm.layers.sampling_batch import SamplingBatch, SamplingPack
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
 
 PARAMS = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, top_k=5, seed=1),

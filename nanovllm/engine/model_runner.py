@@ -28,7 +28,8 @@ from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, 
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import KEY_BITS, Sampler, SamplingBatch, SamplingPack, row_key
+from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context

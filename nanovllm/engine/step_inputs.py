@@ -17,7 +17,7 @@ ids on the device before the forward.
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
 Each step's integers travel in one pinned int32 array, one host-to-device copy:
 a pure decode step as `decode_rows`, any other step as `VarlenLayout`; the step's sampling
-values (layers/sampler.SamplingPack words) ride at its end (utils/host_to_device.with_words).
+values (layers/sampling_batch.SamplingPack words) ride at its end (utils/host_to_device.with_words).
 """
 
 from __future__ import annotations

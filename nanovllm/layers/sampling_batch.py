@@ -1,0 +1,162 @@
+"""A step's sampling settings as device tensors: SamplingPack packs them on the host into int64
+words that ride the step's one host-to-device copy; SamplingBatch is the device view the Sampler
+reads (layers/sampler.py). Also the noise key of a seeded request's row (`row_key`).
+
+    words: | keys B | top_ks B or 0 | logprob rows R | temperatures B, top_ps B or 0, min_ps B or 0 |
+             int64 .................................  float32, two a word ......................
+
+Parts no row uses are left out (length 0) and read as None, so the sampler skips their work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
+from nanovllm.utils.host_to_device import to_device
+
+# Noise keys are int64 tensor values: non-negative, 63 bits.
+KEY_BITS = 63
+
+
+@dataclass(frozen=True)
+class LogprobRows:
+    """The rows of a batch that ask for logprobs.
+
+    rows: ``[R]`` int64 on the device, distinct and ascending (R == B: every row).
+    k: most alternatives any of them asks for, capped at the vocabulary (known on the host);
+        every one of the R rows gets this many, a row that asked for fewer keeps its first ones.
+    """
+
+    rows: Tensor
+    k: int
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-step sampling tensors for the B rows of a batch.
+
+    temperatures: ``[B]`` float32; 0 marks a greedy row (temperature 0 or top_k 1).
+    keys: ``[B]`` int64 noise keys in [0, 2**63) (seeded rows: see ``row_key``).
+    top_ks: ``[B]`` int64 (off rows hold the vocab size), or None when no row uses top-k.
+    top_ps: ``[B]`` float32 (off rows hold 1.0), or None when no row uses top-p.
+    min_ps: ``[B]`` float32 (off rows hold 0.0), or None when no row uses min-p.
+    logprobs: the rows that ask for logprobs, or None when none does.
+    all_greedy: every row is greedy (the sampler only takes the argmax).
+    max_top_k: largest top_k in use (0 when top_ks is None); lets the sampler use
+        ``torch.topk`` instead of a full sort when no row uses top-p.
+
+    The tensors are views of one device buffer, filled by one host-to-device copy.
+    """
+
+    temperatures: Tensor
+    keys: Tensor
+    top_ks: Tensor | None
+    top_ps: Tensor | None
+    min_ps: Tensor | None
+    logprobs: LogprobRows | None
+    all_greedy: bool
+    max_top_k: int = 0
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], keys: Sequence[int], device: torch.device,
+              vocab_size: int) -> SamplingBatch:
+        """The batch of rows sampled with `params` and noise `keys` (one per row, in [0, 2**63)),
+        in its own host-to-device copy (the engine's steps carry it in their input copy instead:
+        SamplingPack.words travel with the step's integers)."""
+        pack = SamplingPack.of(params, keys, vocab_size)
+        return pack.unpack(to_device(pack.words, device))
+
+
+@dataclass(frozen=True)
+class SamplingPack:
+    """A batch's sampling values on the host, packed as int64 words for one host-to-device copy:
+
+        | keys B | top_ks B or 0 | logprob rows R | temperatures B, top_ps B or 0, min_ps B or 0: float32, two a word |
+
+    `unpack` turns the copied words into a SamplingBatch of views (no further copy)."""
+
+    words: np.ndarray  # [n] int64, n <= max_words(B)
+    int_sizes: tuple[int, int, int]  # keys, top_ks, logprob rows
+    float_sizes: tuple[int, int, int]  # temperatures, top_ps, min_ps
+    logprobs_k: int  # alternatives the logprob rows ask for (0 when R = 0)
+    all_greedy: bool
+    max_top_k: int
+
+    @staticmethod
+    def max_words(rows: int) -> int:
+        """Words any batch of `rows` rows packs into (3 ints and 3 floats a row, one spare word)."""
+        return 3 * rows + (3 * rows) // 2 + 1
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab_size: int) -> SamplingPack:
+        batch = len(params)
+        if len(keys) != batch:
+            raise ValueError(f"got {len(keys)} keys for {batch} rows")
+        if batch and (min(keys) < 0 or max(keys) >= 1 << KEY_BITS):
+            raise ValueError(f"keys must be in [0, 2**63), got {min(keys)} .. {max(keys)}")
+        greedy = [p.greedy for p in params]
+        # Settings of greedy rows are irrelevant: they are stored as "off".
+        temperatures = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if g or p.top_k in TOP_K_OFF else min(p.top_k, vocab_size)
+                  for p, g in zip(params, greedy)]
+        top_ps = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        use_top_k = any(k < vocab_size for k in top_ks)
+        int_parts = [keys, top_ks if use_top_k else [], logprob_rows]
+        float_parts = [temperatures, top_ps if any(p < 1.0 for p in top_ps) else [],
+                       min_ps if any(m > 0.0 for m in min_ps) else []]
+        int_sizes = tuple(len(part) for part in int_parts)
+        float_sizes = tuple(len(part) for part in float_parts)
+        num_ints, num_floats = sum(int_sizes), sum(float_sizes)
+        # floats two to a word, rounded up by a spare word (so the float view is never empty)
+        words = np.empty(num_ints + num_floats // 2 + 1, dtype=np.int64)
+        words[:num_ints] = np.fromiter(chain.from_iterable(int_parts), dtype=np.int64, count=num_ints)
+        words[num_ints:].view(np.float32)[:num_floats] = np.fromiter(
+            chain.from_iterable(float_parts), dtype=np.float32, count=num_floats)
+        return cls(
+            words, int_sizes, float_sizes,
+            logprobs_k=min(vocab_size, max(params[i].logprobs for i in logprob_rows)) if logprob_rows else 0,
+            all_greedy=all(greedy),
+            max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
+        )
+
+    def unpack(self, words: Tensor) -> SamplingBatch:
+        """The batch as views of `words` (this pack's words, copied to the device)."""
+        num_ints, num_floats = sum(self.int_sizes), sum(self.float_sizes)
+        if words.dtype != torch.int64 or words.shape[0] != self.words.shape[0]:
+            raise ValueError(f"expected {self.words.shape[0]} int64 words, got {words.dtype} {tuple(words.shape)}")
+        keys, top_ks, rows = words[:num_ints].split(self.int_sizes)
+        temperatures, top_ps, min_ps = words[num_ints:].view(torch.float32)[:num_floats].split(self.float_sizes)
+        return SamplingBatch(
+            temperatures=temperatures,
+            keys=keys,
+            top_ks=top_ks if self.int_sizes[1] else None,
+            top_ps=top_ps if self.float_sizes[1] else None,
+            min_ps=min_ps if self.float_sizes[2] else None,
+            logprobs=LogprobRows(rows, self.logprobs_k) if self.int_sizes[2] else None,
+            all_greedy=self.all_greedy,
+            max_top_k=self.max_top_k,
+        )
+
+
+# splitmix64's multipliers (Steele et al.): a bijective mix, so distinct (seed, position) pairs
+# give well-spread keys.
+_MIX_GAMMA, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = 2**64 - 1
+
+
+def row_key(seed: int, position: int) -> int:
+    """Noise key of a seeded request's row: a function of its seed and the position of the
+    token being sampled only, so it repeats whatever the batch (and after a recompute)."""
+    z = (seed * _MIX_GAMMA + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: fits int64
