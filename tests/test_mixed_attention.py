@@ -13,7 +13,8 @@ import torch
 
 from nanovllm import kernels
 from nanovllm.engine.scheduler import StepKind
-from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout
+from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.prefill_attention import query_tile_rows
 from nanovllm.layers.attention import Attention

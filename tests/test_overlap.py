@@ -10,7 +10,8 @@ from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler, StepKind
 from nanovllm.engine.sequence import FinishReason, Sequence
-from nanovllm.engine.step_inputs import COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, StepInputBuilder, StepPlan
+from nanovllm.engine.step_inputs import COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, StepInputBuilder
+from nanovllm.engine.step_plan import StepPlan
 
 BS = 4
 EOS = 99

@@ -10,7 +10,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request, sample_seed
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import SequenceStatus
-from nanovllm.engine.step_inputs import StepPlan, sampled_positions
+from nanovllm.engine.step_plan import StepPlan, sampled_positions
 
 BS = 4
 

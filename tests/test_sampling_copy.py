@@ -9,7 +9,8 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import StepKind
-from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan
+from nanovllm.engine.step_inputs import StepInputBuilder
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingBatch, SamplingPack
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
 

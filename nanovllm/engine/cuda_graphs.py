@@ -16,8 +16,8 @@ from nanovllm.engine.step_inputs import (
     COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, fill_carried_ids,
 )
 from nanovllm.layers.linear import GEMV_MAX_ROWS
-from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.layers.sampling_batch import SamplingPack
+from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.utils.host_to_device import copy_into, with_words, words_view
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).

@@ -31,7 +31,7 @@ from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind
 from nanovllm.engine.sequence import RequestOutput, Sequence
-from nanovllm.engine.step_inputs import StepPlan
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer

@@ -24,7 +24,8 @@ from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_
 from nanovllm.engine.logprobs import HostLogprobs
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs, StepPlan, sampled_positions
+from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
+from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanovllm.engine.step_inputs import StepInputBuilder, StepPlan, VarlenLayout, fill_carried_ids
+from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout, fill_carried_ids
+from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingPack
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.host_to_device import copy_into, with_words, words_view
