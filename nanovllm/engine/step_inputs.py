@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.kernels.query_tiles import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
 
@@ -139,8 +140,6 @@ class StepInputBuilder:
         sampled = np.asarray(plan.sampled, dtype=bool)
         v.sample_rows[: int(sampled.sum())] = (q_ends - 1)[sampled]
         if layout.num_tiles:
-            from nanovllm.kernels.prefill_attention import build_query_tiles
-
             d = plan.num_decode  # decode rows: the decode kernel's; chunks: the tile table's
             v.decode_lens[:d] = starts[:d] + 1
             v.num_decode[0] = d

@@ -48,11 +48,9 @@ def query_tile_rows(head_dim, dtype):
 
 
 def build_query_tiles(q_lens, block_m, k_lens=None):
-    """Host query-tile table (tile_seq, tile_block), heaviest first; see prefill_attention.build_query_tiles."""
-    try:
-        from .prefill_attention import build_query_tiles as impl
-    except ImportError as exc:
-        raise _triton_missing(exc) from exc
+    """Host query-tile table (tile_seq, tile_block), heaviest first; see query_tiles.build_query_tiles."""
+    from .query_tiles import build_query_tiles as impl  # numpy only: no Triton needed
+
     return impl(q_lens, block_m, k_lens)
 
 

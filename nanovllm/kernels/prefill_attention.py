@@ -21,7 +21,7 @@ Two launch modes, one per-tile body (`_prefill_tile`):
 - grid (Hq, num_seqs, cdiv(max_seqlen_q, BLOCK_M)): shaped by the batch; one tile per
   program, programs past a sequence's end skip it.
 - query-tile table (``tile_seq``/``tile_block``/``num_tiles``, built on the host with
-  `build_query_tiles`, heaviest tile first): a persistent grid (Hq, P) with
+  kernels/query_tiles.build_query_tiles, heaviest tile first): a persistent grid (Hq, P) with
   P = min(cap, max(1, TILE_PROGRAMS_PER_SM * SMs // Hq)), cap the table length. P depends
   on shapes and the device only, so the launch can sit in a CUDA graph and replay with any
   table of that cap. Program (h, p) walks entries t = p, p + P, p + 2P, ... < num_tiles
@@ -38,13 +38,13 @@ Output rows no tile covers (e.g. bucket padding past cu_seqlens_q[-1]) are never
 so a caller's preallocated ``out`` keeps whatever those rows held.
 """
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
                      check_int_tensor, check_out, cuda_sm_count)
+from .query_tiles import MAX_GRID_YZ, check_tiles
 
 # Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
 # "Tuning notes moved from kernel docstrings").
@@ -55,8 +55,6 @@ BLOCK_N = 64
 # One warpgroup per program; 3 stages let K/V loads overlap the MMAs.
 NUM_WARPS = 4
 NUM_STAGES = 3
-# CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
-MAX_GRID_YZ = 65535
 # Tile mode launches up to this many programs per SM over all heads (P per head = this x SMs // Hq):
 # ~2 programs fit per SM (the pipelined K/V tiles' shared memory), so 4 is two resident waves,
 # enough slack for the block scheduler to even out tiles of unequal key counts, while a small
@@ -89,47 +87,6 @@ def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of float16/bfloat16/float32, got {dtype}")
     return _config(head_dim, dtype)[0]
-
-
-def build_query_tiles(q_lens, block_m: int, k_lens=None) -> tuple[np.ndarray, np.ndarray]:
-    """Host-built query-tile table: (tile_seq, tile_block), int32 [num_tiles] each.
-
-    Every sequence i with q_lens[i] > 0 contributes cdiv(q_lens[i], block_m) tiles
-    (i, 0 .. cdiv - 1); sequences with no queries contribute none. Tiles are ordered by the
-    number of keys they attend to under bottom-right causal masking, most first (ties keep
-    sequence, then block order), so the longest programs start first and the tail is short::
-
-        keys(i, b) = (k_lens[i] - q_lens[i]) + min(q_lens[i], (b + 1) * block_m)
-
-    k_lens (optional, >= q_lens) are the key counts incl. any cached prefix; without them
-    no prefix is assumed. Vectorised numpy, no per-tile Python work.
-    """
-    if isinstance(block_m, bool) or not isinstance(block_m, (int, np.integer)) or block_m <= 0:
-        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    q = np.asarray(q_lens)
-    if q.ndim != 1 or (q.size and not np.issubdtype(q.dtype, np.integer)):
-        raise ValueError(f"q_lens must be a 1-D integer array, got shape {q.shape} dtype {q.dtype}")
-    q = q.astype(np.int64)
-    if q.size and q.min() < 0:
-        raise ValueError("q_lens must be non-negative")
-    if k_lens is None:
-        prefix = np.zeros_like(q)
-    else:
-        k = np.asarray(k_lens)
-        if k.shape != q.shape or (k.size and not np.issubdtype(k.dtype, np.integer)):
-            raise ValueError(f"k_lens must be an integer array of shape {q.shape}, got shape {k.shape} "
-                             f"dtype {k.dtype}")
-        prefix = k.astype(np.int64) - q
-        if prefix.size and prefix.min() < 0:
-            raise ValueError("k_lens must be >= q_lens element-wise")
-    per_seq = (q + block_m - 1) // block_m  # [num_seqs] tiles of each sequence
-    total = int(per_seq.sum())
-    seq = np.repeat(np.arange(q.size, dtype=np.int64), per_seq)  # [total]
-    first = np.cumsum(per_seq) - per_seq  # index of each sequence's first tile
-    block = np.arange(total, dtype=np.int64) - np.repeat(first, per_seq)
-    keys = prefix[seq] + np.minimum(q[seq], (block + 1) * block_m)
-    order = np.argsort(-keys, kind="stable")
-    return seq[order].astype(np.int32), block[order].astype(np.int32)
 
 
 @triton.jit
@@ -279,27 +236,6 @@ def _prefill_kernel(
                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, CAUSAL, PAGED, DOT_PREC, UPCAST)
 
 
-def _check_tiles(tile_seq, tile_block, num_tiles, q: torch.Tensor) -> int:
-    """Validate a query-tile table (all three tensors or none); return its cap (0: none given)."""
-    given = [t is not None for t in (tile_seq, tile_block, num_tiles)]
-    if not any(given):
-        return 0
-    if not all(given):
-        raise ValueError("tile_seq, tile_block and num_tiles must be given together (or none of them)")
-    check_int_tensor("tile_seq", tile_seq, dims=1)
-    check_int_tensor("tile_block", tile_block, dims=1)
-    check_int_tensor("num_tiles", num_tiles, shape=(1,))
-    cap = tile_seq.shape[0]
-    if tile_block.shape[0] != cap:
-        raise ValueError(f"tile_block length {tile_block.shape[0]} != tile_seq length {cap}")
-    if cap > MAX_GRID_YZ:
-        raise ValueError(f"tile_seq length {cap} exceeds the grid limit {MAX_GRID_YZ}")
-    for name, t in (("tile_seq", tile_seq), ("tile_block", tile_block), ("num_tiles", num_tiles)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    return cap
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
                            tile_seq=None, tile_block=None, num_tiles=None, out=None):
@@ -378,7 +314,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in tensors:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    cap = _check_tiles(tile_seq, tile_block, num_tiles, q)
+    cap = check_tiles(tile_seq, tile_block, num_tiles, q.device)
     tiled = tile_seq is not None
     if out is None:
         out = torch.empty_like(q)
