@@ -111,9 +111,9 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
                    rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``log_softmax`` of rows `rows` ``[R]`` int64 (None: all) of `logits` ``[B, V]`` (any float
-    dtype, computed in float32; not modified) at their `token_ids` ``[B]`` int64, and each such
-    row's `k` most likely tokens.
+    """``log_softmax`` of rows `rows` ``[R]`` int64 (distinct, ascending; None: all) of `logits`
+    ``[B, V]`` (any float dtype, computed in float32; not modified) at their `token_ids` ``[B]``
+    int64, and each such row's `k` most likely tokens.
 
     Returns ``chosen`` ``[R]`` float32, ``top_ids`` ``[R, k]`` int64 by descending logprob and
     ``top_logprobs`` ``[R, k]`` float32 (k = 0: empty ``[R, 0]``). Writes the ``[R, V]``
@@ -133,7 +133,8 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
     if rows is not None:
         if not isinstance(rows, Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
             raise TypeError(f"rows must be a 1-D int64 tensor, got {getattr(rows, 'dtype', type(rows))}")
-        logits, token_ids = logits.index_select(0, rows), token_ids.index_select(0, rows)
+        if rows.shape[0] < batch:  # distinct rows: B of them are all rows, in order
+            logits, token_ids = logits.index_select(0, rows), token_ids.index_select(0, rows)
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
     top_ids = logits.topk(k, dim=-1, sorted=True).indices  # [R, k]
@@ -160,10 +161,8 @@ class Sampler(torch.nn.Module):
         tokens = self._sample(logits, batch)  # [B]
         if batch.logprobs is None:
             return SamplerOutput(tokens, None)
-        rows = batch.logprobs.rows  # [R]
-        # A subset (rows are distinct) is read in place: the rows that do not ask cost nothing.
-        subset = rows if rows.shape[0] < logits.shape[0] else None
-        sampled, top_ids, top_logprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, subset)
+        rows = batch.logprobs.rows  # [R], read in place: the rows that do not ask cost nothing
+        sampled, top_ids, top_logprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, rows)
         return SamplerOutput(tokens, TokenLogprobs(rows, sampled, top_ids, top_logprobs))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
