@@ -1,8 +1,10 @@
-"""Every module-level name a Triton kernel reads is one compiled Triton accepts.
+"""Every module-level name a Triton kernel reads or calls is one compiled Triton accepts.
 
-The interpreter (TRITON_INTERPRET=1, CI's only Triton) runs kernels as Python and reads any global;
-the compiler refuses a plain int/float/bool/str global ("Cannot access global variable ... from
-within @jit'ed function"), which only a GPU run would show. This test finds such reads statically.
+The interpreter (TRITON_INTERPRET=1, CI's only Triton) runs kernels as Python: it reads any global
+and calls any function. The compiler refuses a plain int/float/bool/str global ("Cannot access
+global variable ... from within @jit'ed function") and cannot compile a call to a plain Python
+function of ours (a helper missing its @triton.jit); only a GPU run would show either. This test
+finds both statically.
 """
 
 import ast
@@ -62,6 +64,20 @@ def _plain_global_reads(fn) -> list[str]:
     return sorted(set(bad))
 
 
+def _plain_python_calls(fn) -> list[str]:
+    """Names of our own module-level functions that `fn` calls without them being Triton kernels."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    fn_node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    bad = []
+    for node in ast.walk(fn_node):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            value = fn.__globals__.get(node.func.id)
+            if (inspect.isfunction(value) and value.__module__.startswith("nanovllm")
+                    and not isinstance(value, KernelInterface)):
+                bad.append(node.func.id)
+    return sorted(set(bad))
+
+
 KERNELS = sorted(_jit_functions())
 
 
@@ -75,6 +91,22 @@ def test_kernels_are_found():
 @pytest.mark.parametrize("name,fn", KERNELS, ids=[name for name, _ in KERNELS])
 def test_kernel_reads_only_constexpr_globals(name, fn):
     assert _plain_global_reads(fn) == [], f"{name} reads plain Python globals; wrap them in tl.constexpr"
+
+
+@pytest.mark.parametrize("name,fn", KERNELS, ids=[name for name, _ in KERNELS])
+def test_kernel_calls_only_triton_functions(name, fn):
+    assert _plain_python_calls(fn) == [], f"{name} calls plain Python functions; mark them @triton.jit"
+
+
+def test_the_scan_catches_a_call_to_a_plain_python_helper():
+    from nanovllm.kernels import logprobs
+
+    original = logprobs._key_value
+    try:
+        logprobs._key_value = _python_function(original)  # the helper without its @triton.jit
+        assert _plain_python_calls(_python_function(logprobs._stats_kernel)) == ["_key_value"]
+    finally:
+        logprobs._key_value = original
 
 
 def test_the_scan_catches_a_plain_float_global():
