@@ -4,7 +4,8 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
-# Next session: `readme` alone (one call, <= 590 s), then `newtests sampler moesweep moekernel moebench`.
+# Next session: `readme` alone (one call, <= 590 s), then `newtests sampler moesweep moekernel moebench`;
+# `diag` if the MoE graph-vs-eager test fails (where graph and eager engines part).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -30,6 +31,7 @@ for part in $parts; do
     readme) s=$(date +%s); timeout 590 python3 -m pytest -q -rfE -p no:cacheprovider --durations=60 2>&1 | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
+    diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
