@@ -42,8 +42,10 @@ SWEEP_DOWN = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)
               (256, 64, 8, 3)]
 # --sweep-gemv: the GemvTiles grid (30B shape, K = 8 slots), pruned by gemv_register_tile.
 SWEEP_GEMV_GATE_UP = [(n, k) for n in (8, 16, 32) for k in (128, 256, 512)]  # (block_n, block_k)
-SWEEP_GEMV_DOWN = [(n, k) for n in (4, 8, 16, 32) for k in (128, 256)]
-SWEEP_GEMV_WARPS = (4, 8)
+SWEEP_GEMV_DOWN = [(n, k) for n in (2, 4, 8, 16) for k in (128, 256)]
+# 4 warps only: 8 warps on a tile take the registers a thread of 4 warps on half of it (ptxas, sm_90),
+# so they hold the same bytes in flight per SM as a smaller tile of this grid.
+SWEEP_GEMV_WARPS = (4,)
 # float32 values a thread holds per step (the loaded tile or accumulators); past 64 the tile and its
 # loads in flight need more than ~128 registers a thread and spill.
 SWEEP_GEMV_MAX_PER_THREAD = 64

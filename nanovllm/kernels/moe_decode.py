@@ -56,16 +56,18 @@ class GemvTiles:
                 raise ValueError(f"GemvTiles.{f.name} must be a positive power of two, got {v!r}")
 
 
-# All unmeasured guesses (bench_moe.py --sweep-gemv on the H200 decides), at the 30B shape:
-# 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16) over 132 SMs, as the first version.
+# Not yet timed (bench_moe.py --sweep-gemv on the H200 decides). Chosen so that each launch keeps
+# <= 128 registers a thread at 4 warps (ptxas for sm_90, Triton 3.9: gate_up 16 x 128 takes 128,
+# down 2 x 256 takes 125; the 16 x 256 / 4 x 256 tiles took 211 / 206), so 4 programs fit per SM,
+# as kernels/pdl.RESIDENT_PER_SM assumes, with 8 KB of weights in flight per program and step.
+# 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16), one wave of 4 x 132 SMs.
 GATE_UP_BLOCK_N = 16
-# 256 columns: 512-byte bf16 row segments; 2 x [16, 256] float32 = 64 accumulators a thread at 4 warps.
-GATE_UP_BLOCK_K = 256
-# 4 rows: 512 down programs at one token (2048 / 4), ~4 per SM, all resident together.
-DOWN_BLOCK_N = 4
-# 256 columns: [8, 4, 256] = 16 KB of bf16 weights in flight per step, 64 values a thread at 4 warps.
+# 128 columns: 256-byte bf16 row segments; 2 x [16, 128] float32 accumulators.
+GATE_UP_BLOCK_K = 128
+# 2 rows: 1,024 down programs at one token (2048 / 2), each streaming 8 experts x 2 rows.
+DOWN_BLOCK_N = 2
+# 256 columns: [8, 2, 256] bf16 = 8 KB of weights in flight per step.
 DOWN_BLOCK_K = 256
-# 4 warps: the register tiles above fit without spills (~128 registers a thread at most).
 NUM_WARPS = 4
 DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
 
