@@ -56,10 +56,11 @@ class GemvTiles:
                 raise ValueError(f"GemvTiles.{f.name} must be a positive power of two, got {v!r}")
 
 
-# Not yet timed (bench_moe.py --sweep-gemv on the H200 decides). Chosen so that each launch keeps
-# <= 128 registers a thread at 4 warps (ptxas for sm_90, Triton 3.9: gate_up 16 x 128 takes 128,
-# down 2 x 256 takes 125; the 16 x 256 / 4 x 256 tiles took 211 / 206), so 4 programs fit per SM,
-# as kernels/pdl.RESIDENT_PER_SM assumes, with 8 KB of weights in flight per program and step.
+# Not yet timed (bench_moe.py --sweep-gemv on the H200 decides). Chosen so that 4 programs fit per
+# SM, as kernels/pdl.RESIDENT_PER_SM assumes when it launches a one-wave grid early: ptxas for
+# sm_90 (Triton 3.9, aligned arguments) gives gate_up 16 x 128 95 registers a thread and down 2 x 256
+# 94 (5 programs per SM), where 16 x 256 / 4 x 256 took 164 / 153 (3 per SM); 8 KB of weights in
+# flight per program and step.
 # 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16), one wave of 4 x 132 SMs.
 GATE_UP_BLOCK_N = 16
 # 128 columns: 256-byte bf16 row segments; 2 x [16, 128] float32 accumulators.
