@@ -4,9 +4,9 @@ CI runs the kernels under Triton's CPU interpreter only, which executes them as 
 accepts code the compiler refuses (a plain float global cost 57 GPU tests once). Triton ships the
 NVIDIA backend and ptxas, so `triton.compile` with an explicit target builds the kernel to a cubin
 with no GPU present. This runs in a subprocess with the interpreter off (pytest's process has the
-kernels decorated for the interpreter), for the kernels and variants listed in SPECS: the
-kernels added or changed since their last GPU run, each with every constexpr branch the engine
-takes (PDL on and off, k = 0 and k > 0, top-k not a power of two).
+kernels decorated for the interpreter), for every kernel the engine launches, in the variants
+listed in SPECS: each constexpr branch the engine takes (PDL on and off, k = 0 and k > 0, top-k not
+a power of two, paged or packed, tiled or not, split or folded decode, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET_ARCH = 90
 WARP_SIZE = 32
 
-# (module, kernel, pointer dtypes by argument name (others: *bf16), constexpr values)
+# (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
+# scalars to i32), constexpr values of each variant)
 SPECS = [
     ("logprobs", "_stats_kernel", {"rows_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32", "key_ptr": "*i64"},
      [{"K": k, "BLOCK": 4096} for k in (0, 5, 20)]),
@@ -59,25 +60,60 @@ SPECS = [
        "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl}
       for silu, bias, m, n, k, st, ev, pdl in ((False, False, 1, 8, 512, 3, "", True),
                                               (True, True, 2, 4, 512, 4, "evict_first", False))]),
+    # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
+    ("fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
+     [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}
+      for r in (True, False) for p in (True, False) for h, rows, w in ((1024, 1, 4), (128, 8, 4))]),
+    ("fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
+    ("kv_store", "_store_kvcache_kernel", {"slot_ptr": "*i64"},
+     [{"BLOCK_SIZE": 256, "HEAD_DIM": 128, "BLOCK_H": 8}]),
+    ("fused_rope", "_qk_norm_rope_kernel", {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64",
+                                            "eps": "fp32"},
+     [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": kv, "BLOCK_SIZE": 256 if kv else 1,
+       "PDL": p} for n in (True, False) for kv in (True, False) for p in (True, False)]),
+    ("prefill_attention", "_prefill_kernel", {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32",
+                                              "tile_seq_ptr": "*i32", "tile_block_ptr": "*i32",
+                                              "num_tiles_ptr": "*i32", "qk_scale": "fp32"},
+     [{"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_SIZE": 256, "CAUSAL": True,
+       "PAGED": paged, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for paged in (True, False)
+      for tiled in (True, False)]),
+    ("decode_attention", "_decode_split_kernel", {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32",
+                                                  "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
+                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
+     [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
+       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROW_LOOP": loop, "PDL": True}
+      for splits, fold, loop in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]),
+    ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
+     [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
+    ("gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",
+                                             "best_col_ptr": "*i32"},
+     [{"IS_PROBS": False, "SUB": 256, "TILES_PER_CHUNK": 4}]),
+    ("gumbel_max", "_gumbel_sample_kernel", {"x_ptr": "*fp32", "temperature_ptr": "*fp32", "key_ptr": "*i64",
+                                             "best_ptr": "*fp32", "best_col_ptr": "*i32"},
+     [{"IS_PROBS": True, "SUB": 256, "TILES_PER_CHUNK": 4}]),
+    ("gumbel_max", "_uniforms_kernel", {"key_ptr": "*i64", "u_ptr": "*fp32"}, [{"SUB": 256}]),
+    ("moe_sort", "_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"}, [{"SLICE": 32, "BLOCK_E": 128}]),
+    ("moe_sort", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "block_expert",
+                                                               "num_used", "sorted")},
+     [{"BLOCK_E": 128, "BLOCK_M": 16, "ROWS": 32, "FILL": 1024}]),
+    ("moe_sort", "_scatter_kernel", {f"{n}_ptr": "*i32" for n in ("ids", "offsets", "base", "sorted")},
+     [{"SLICE": 32, "BLOCK_E": 128}]),
 ]
 
 
-def _signature(fn, pointers: dict[str, str], constexprs: dict) -> tuple[dict[str, str], dict]:
-    """(Triton's type string of each parameter: pointers as given (default *bf16), strides i64,
-    other integers i32, constexprs marked; the specialization a real launch gives: pointers
-    16-byte aligned and strides multiples of 16, which lets the compiler vectorize and pipeline loads)."""
+def _signature(fn, types: dict[str, str], constexprs: dict) -> tuple[dict[str, str], dict]:
+    """(Triton's type string of each parameter: as `types` gives, else pointers *bf16, strides i64,
+    other scalars i32, constexprs marked; the specialization a real launch gives: pointers 16-byte
+    aligned and strides multiples of 16, which lets the compiler vectorize and pipeline loads)."""
     sig, attrs = {}, {}
-    for i, (name, param) in enumerate(inspect.signature(fn).parameters.items()):
+    for i, name in enumerate(inspect.signature(fn).parameters):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = pointers.get(name, "*bf16")
+            continue
+        default = "*bf16" if name.endswith("_ptr") else "i64" if name.startswith("stride") else "i32"
+        sig[name] = types.get(name, default)
+        if name.endswith("_ptr") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name.startswith("stride"):
-            sig[name] = "i64"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
     return sig, attrs
 
 
@@ -87,12 +123,13 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", TARGET_ARCH, WARP_SIZE)
-    for module, kernel, pointers, variants in SPECS:
+    for module, kernel, types, variants in SPECS:
         jit = getattr(importlib.import_module(f"nanovllm.kernels.{module}"), kernel)
         for constexprs in variants:
-            sig, attrs = _signature(jit.fn, pointers, constexprs)
+            options = {"num_warps": constexprs.pop("num_warps", 4), "num_stages": constexprs.pop("num_stages", 3)}
+            sig, attrs = _signature(jit.fn, types, constexprs)
             src = ASTSource(jit, sig, constexprs=constexprs, attrs=attrs)
-            compiled = triton.compile(src, target=target, options={"num_warps": 4})
+            compiled = triton.compile(src, target=target, options=options)
             if not compiled.asm.get("cubin"):
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no cubin")
             print(f"compiled {module}.{kernel} {constexprs}")
