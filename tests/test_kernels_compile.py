@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.kernels import moe
 from nanovllm.kernels.moe_decode import DEFAULT_TILES as DECODE_TILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +47,16 @@ SPECS = [
     ("moe_decode", "_down_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
      [{"TOP_K": k, "K_PAD": 1 << (k - 1).bit_length(), "BLOCK_N": DECODE_TILES.down_block_n,
        "BLOCK_K": DECODE_TILES.down_block_k, "PDL": p} for k in (8, 6, 1) for p in (True, False)]),
-    # The fused MoE's grouped GEMMs at their decode and prefill tilings (kernels/moe.py).
+    # The fused MoE's grouped GEMMs at the engine's decode and prefill tilings (kernels/moe.py).
     ("moe", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_used_ptr": "*i32"},
-     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "EVEN_K": True, "UPCAST": False, "DOT_PREC": None}
-      for m, n in ((16, 64), (64, 128))]),
+     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+       "DOT_PREC": None, "num_warps": t.num_warps, "num_stages": t.num_stages}
+      for m, t in ((16, moe.DECODE_GATE_UP), (32, moe.DECODE_GATE_UP), (64, moe.PREFILL_GATE_UP))]),
     ("moe", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                              "block_expert_ptr": "*i32", "num_used_ptr": "*i32"},
-     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": 128, "BLOCK_K": 64, "EVEN_K": True, "UPCAST": False, "DOT_PREC": None}
-      for m in (16, 64)]),
+     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+       "DOT_PREC": None, "num_warps": t.num_warps, "num_stages": t.num_stages}
+      for m, t in ((16, moe.DECODE_DOWN), (32, moe.DECODE_DOWN), (64, moe.PREFILL_DOWN))]),
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
     ("gemv", "_gemv_kernel", {},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
