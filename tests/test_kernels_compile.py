@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET_ARCH = 90
 WARP_SIZE = 32
 
+# Launch options a variant may set beside its constexprs, with the values a launch takes by default.
+DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}
+
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
-# scalars to i32), constexpr values of each variant)
+# scalars to i32), each variant's constexpr values and launch options)
 SPECS = [
     ("logprobs", "_stats_kernel", {"rows_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32", "key_ptr": "*i64"},
      [{"K": k, "BLOCK": 4096} for k in (0, 5, 20)]),
@@ -129,8 +132,9 @@ def compile_all() -> None:
     target = GPUTarget("cuda", TARGET_ARCH, WARP_SIZE)
     for module, kernel, types, variants in SPECS:
         jit = getattr(importlib.import_module(f"nanovllm.kernels.{module}"), kernel)
-        for constexprs in variants:
-            options = {"num_warps": constexprs.pop("num_warps", 4), "num_stages": constexprs.pop("num_stages", 3)}
+        for variant in variants:
+            constexprs = {k: v for k, v in variant.items() if k not in DEFAULT_OPTIONS}
+            options = {k: variant.get(k, v) for k, v in DEFAULT_OPTIONS.items()}
             sig, attrs = _signature(jit.fn, types, constexprs)
             src = ASTSource(jit, sig, constexprs=constexprs, attrs=attrs)
             compiled = triton.compile(src, target=target, options=options)
