@@ -25,10 +25,11 @@ for part in $parts; do
     profile) timeout 200 python3 benchmarks/profile_step.py 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
     latency) for m in qwen3-0.6b qwen3-8b; do timeout 100 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
     newtests) timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_moe_routing.py tests/test_moe_decode.py tests/test_logprobs_kernel.py tests/test_moe_gpu.py tests/test_logprobs_gpu.py tests/test_sampler_gpu.py 2>&1 | tail -40 | tee "$OUT/newtests.log" ;;
+    moedecode) timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_moe_decode.py tests/test_moe_gpu.py 2>&1 | tail -20 | tee "$OUT/moedecode.log" ;;
     moekernel) timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     moebench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --json "$OUT/moe-bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/moebench.log"
               timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moebench.log" ;;
-    readme) s=$(date +%s); timeout 590 python3 -m pytest -q -rfE -p no:cacheprovider --durations=60 2>&1 | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
+    readme) s=$(date +%s); timeout -s INT 575 python3 -m pytest -q -rfE -p no:cacheprovider --durations=120 --junitxml="$OUT/readme-junit.xml" 2>&1 | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;

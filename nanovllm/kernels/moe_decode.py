@@ -56,19 +56,18 @@ class GemvTiles:
                 raise ValueError(f"GemvTiles.{f.name} must be a positive power of two, got {v!r}")
 
 
-# Not yet timed (bench_moe.py --sweep-gemv on the H200 decides). Chosen so that 4 programs fit per
-# SM, as kernels/pdl.RESIDENT_PER_SM assumes when it launches a one-wave grid early: ptxas for
-# sm_90 (Triton 3.9, aligned arguments) gives gate_up 16 x 128 95 registers a thread and down 2 x 256
-# 94 (5 programs per SM), where 16 x 256 / 4 x 256 took 164 / 153 (3 per SM); 8 KB of weights in
-# flight per program and step.
-# 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16), one wave of 4 x 132 SMs.
+# Timed by bench_moe.py --sweep-gemv on the H200 (30 candidates at 1 and 2 tokens, BENCHMARKS.md,
+# 2026-12-01): 16 x 256 / 2 x 128 is 2nd at one token (0.0280 ms against 0.0272 for the best) and
+# 5th at two, 2nd on the sum; the earlier 16 x 128 / 2 x 256 ranked 22nd (0.0388 ms). Wider gate/up
+# tiles cost registers (164 a thread for 16 x 256, 3 programs per SM) but halve the programs.
+# 16 gate/up rows: 384 programs at one token (8 pairs x 768 / 16), within one wave of 3 x 132 SMs.
 GATE_UP_BLOCK_N = 16
-# 128 columns: 256-byte bf16 row segments; 2 x [16, 128] float32 accumulators.
-GATE_UP_BLOCK_K = 128
+# 256 columns: 512-byte bf16 row segments; 2 x [16, 256] float32 accumulators.
+GATE_UP_BLOCK_K = 256
 # 2 rows: 1,024 down programs at one token (2048 / 2), each streaming 8 experts x 2 rows.
 DOWN_BLOCK_N = 2
-# 256 columns: [8, 2, 256] bf16 = 8 KB of weights in flight per step.
-DOWN_BLOCK_K = 256
+# 128 columns: [8, 2, 128] bf16 = 4 KB of weights in flight per step.
+DOWN_BLOCK_K = 128
 NUM_WARPS = 4
 DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
 
