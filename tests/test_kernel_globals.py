@@ -84,7 +84,7 @@ KERNELS = sorted(_jit_functions())
 def test_kernels_are_found():
     names = {name for name, _ in KERNELS}
     # One kernel of each family that once read a plain float global: the scan must reach them.
-    assert "logprobs._stats_kernel" in names
+    assert "logprobs._logprobs_kernel" in names
     assert "moe_routing._route_kernel" in names
 
 
@@ -104,7 +104,7 @@ def test_the_scan_catches_a_call_to_a_plain_python_helper():
     original = logprobs._key_value
     try:
         logprobs._key_value = _python_function(original)  # the helper without its @triton.jit
-        assert _plain_python_calls(_python_function(logprobs._stats_kernel)) == ["_key_value"]
+        assert _plain_python_calls(_python_function(logprobs._logprobs_kernel)) == ["_key_value"]
     finally:
         logprobs._key_value = original
 
@@ -115,6 +115,6 @@ def test_the_scan_catches_a_plain_float_global():
     original = logprobs.LOG2E
     try:
         logprobs.LOG2E = 1.4426950408889634  # what the kernel read before the fix
-        assert _plain_global_reads(_python_function(logprobs._stats_kernel)) == ["LOG2E"]
+        assert _plain_global_reads(_python_function(logprobs._logprobs_kernel)) == ["LOG2E"]
     finally:
         logprobs.LOG2E = original

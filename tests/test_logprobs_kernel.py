@@ -19,6 +19,23 @@ def reference(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     return lp.gather(1, tokens[:, None]).squeeze(1), lp
 
 
+def ranked(logits: torch.Tensor, k: int):
+    """(float64 log_softmax [B, V], each row's k best ids [B, k]: by descending logit, the lower id
+    first among equal ones (a stable descending sort of the exact logits))."""
+    x = logits.double()
+    return torch.log_softmax(x, dim=-1), torch.sort(x, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def check_exact(logits: torch.Tensor, tokens: torch.Tensor, k: int, **kw) -> None:
+    """row_logprobs on every row: the chosen logprobs and top logprobs within ATOL of float64, the
+    top ids exactly the reference's (ties to the lower id)."""
+    chosen, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
+    lp, want_ids = ranked(logits.cpu(), k)
+    assert torch.allclose(chosen.cpu().double(), lp.gather(1, tokens.cpu()[:, None]).squeeze(1), atol=ATOL)
+    assert torch.equal(top_ids.cpu(), want_ids), (top_ids.cpu(), want_ids)
+    assert torch.allclose(top_lps.cpu().double(), lp.gather(1, want_ids), atol=ATOL)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
@@ -95,3 +112,86 @@ def test_bad_arguments_name_the_problem():
         row_logprobs(logits.t(), tokens, 1)
     with pytest.raises(TypeError, match="rows must be"):
         row_logprobs(logits, tokens, 1, torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="block must be a power of two, got 48"):
+        row_logprobs(logits, tokens, 1, block=48)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_rank_the_lower_id_first_across_groups_and_chunks(device):
+    """Equal logits in one group, in different groups of a chunk and in different chunks (block 256:
+    8 groups of 32 columns a chunk): the k best are the lowest ids among the ties, as a stable sort."""
+    vocab, block = 3 * 256 - 40, 256
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[0] = 0.25  # all equal: ids 0..k-1
+    logits[1, [700, 600, 300, 299, 40, 5, 260]] = 9.0  # one tie over three chunks, five groups
+    logits[2, 513:520] = 9.0  # seven ties in one group of the last chunk ...
+    logits[2, [511, 100]] = 9.0  # ... behind two in earlier chunks
+    logits[3, 256:288] = 7.0  # a whole group tied, one more in the next group and the previous chunk
+    logits[3, [288, 255]] = 7.0
+    logits[4, 40:45] = torch.tensor([9.0, 8.0, 7.0, 6.0, 5.0])  # the top 5 in 5 adjacent columns of one group
+    logits[5, ::2] = 1.0  # half the row tied below a runner-up in every chunk
+    logits[5, 1::64] = 2.0
+    tokens = torch.tensor([0, 5, 513, 700, 41, 3])
+    for k in (1, 5, 9, 20):
+        check_exact(logits.to(device), tokens.to(device), k, block=block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab,block,k", [(300, 128, 5), (7, 16, 7), (70, 32, 20), (33, 32, 5), (515, 64, 64),
+                                           (1000, 512, 5)])
+def test_few_distinct_values_ragged_chunks_and_single_group_blocks(device, dtype, vocab, block, k):
+    """Small integer logits (ties everywhere), vocabularies that leave a last chunk with fewer than k
+    columns (7: one chunk, 33: one column in the last), blocks of one group (16, 32) or two (64)."""
+    g = torch.Generator().manual_seed(vocab + k)
+    logits = torch.randint(-3, 4, (4, vocab), generator=g).to(dtype)
+    logits[3] = torch.randn(vocab, generator=g).to(dtype)
+    tokens = torch.randint(0, vocab, (4,), generator=g)
+    check_exact(logits.to(device), tokens.to(device), k, block=block)
+    check_exact(logits.to(device), tokens.to(device), 0, block=block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_in_a_row_on_different_inputs(device):
+    """Each call starts from fresh arrival counters and workspace: a second call (other shapes, other
+    values, other rows) is not affected by the first."""
+    g = torch.Generator().manual_seed(11)
+    first = torch.randn(4, 500, generator=g)
+    second = 3 * torch.randn(6, 400, generator=g)
+    t1, t2 = torch.randint(0, 500, (4,), generator=g), torch.randint(0, 400, (6,), generator=g)
+    for _ in range(2):
+        check_exact(first.to(device), t1.to(device), 5, block=128)
+        check_exact(second.to(device), t2.to(device), 3, block=128)
+        check_exact(second.to(device), t2.to(device), 3, block=64)
+    rows = torch.tensor([5, 0, 2])
+    chosen, top_ids, _ = row_logprobs(second.to(device), t2.to(device), 3, rows.to(device), block=128)
+    lp, want_ids = ranked(second[rows], 3)
+    assert torch.allclose(chosen.cpu().double(), lp.gather(1, t2[rows][:, None]).squeeze(1), atol=ATOL)
+    assert torch.equal(top_ids.cpu(), want_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chunk_of_minus_infinity_adds_nothing(device):
+    """Masked logits (-inf) over a whole chunk: the row's logprobs are those of its finite part."""
+    vocab, block = 600, 128
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, vocab, generator=g)
+    logits[0, 128:256] = float("-inf")
+    logits[1, 512:] = float("-inf")  # the last (ragged) chunk
+    logits[2, :-3] = float("-inf")  # three finite logits, all in the last chunk
+    tokens = torch.tensor([3, 500, vocab - 1])
+    check_exact(logits.to(device), tokens.to(device), 3, block=block)
+
+
+@pytest.mark.gpu
+def test_many_chunks_combine_under_contention():
+    """CUDA: thousands of programs per row arrive at a row's counter concurrently (block 64 at a
+    151,936 vocabulary: 2374 chunks), over many rows and calls: the last one to arrive sees them all."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for call in range(3):
+        logits = (2 * torch.randn(64, 151_936, generator=g, device="cuda")).to(torch.bfloat16)
+        logits[:, 1000 * call: 1000 * call + 40] = logits.max()  # ties in one chunk's neighbours
+        tokens = torch.randint(0, 151_936, (64,), generator=g, device="cuda")
+        for block in (64, 1024):
+            check_exact(logits, tokens, 5, block=block)

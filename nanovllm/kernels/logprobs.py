@@ -1,18 +1,31 @@
 """Triton logprobs: log_softmax at one token per row and each row's k most likely tokens, in one
-read of the logits (no [rows, vocab] float32 log_softmax written, no full-row top-k), two launches.
+read of the logits (no [rows, vocab] float32 log_softmax written, no full-row top-k), one launch.
 
-    stats   grid (R, C): program (r, c) reads columns [c * BLOCK, (c + 1) * BLOCK) of logits row
-            rows[r] once -> chunk max m[r, c], sum of exp(x - m[r, c]) s[r, c], the chunk's K best keys
-    combine grid (R):    lse = M + log(sum_c s[r, c] * exp(m[r, c] - M)),  M = max_c m[r, c]
-            chosen[r] = x[rows[r], token[rows[r]]] - lse;  top k = the k best of the C * K keys - lse
+Grid (R, C): program (r, c) reads columns [c * BLOCK, (c + 1) * BLOCK) of logits row rows[r] once,
+as a [G, S] tile (G groups of S adjacent columns), and publishes its chunk's max m, sum of
+exp(x - m) s and K best keys to a workspace; the last of the row's C programs to arrive combines:
+
+    chunk tile [G, S] --max per group--> group maxima [G] --K rounds--> the K best groups
+    reload those groups [K_PAD, S] (cache hits) --K rounds--> the chunk's K best keys -> workspace
+    arrival counter of row r += 1; the program that brings it to C (the last) then computes
+        lse = M + log(sum_c s[c] * exp(m[c] - M)),  M = max_c m[c]
+        chosen[r] = x[rows[r], token[rows[r]]] - lse;  top k = the k best of the C * K keys - lse
+
+The chunk's K best keys lie in its K best groups (ranked by (group max, -group index)): every
+group ranked above the group of a top-K element holds a key above that element's (its first
+column at its max), and at most K - 1 keys are above a top-K element's. So the K rounds of
+max run over G group maxima and K * S reloaded values, not over the BLOCK values.
 
 A key packs a logit and its column into one int64 that orders like (logit, -column):
 
     bits 63..32: the float32 logit's bits, negatives' magnitude bits flipped (signed order = float order)
     bits 31..0 : MAX_COL - column (the lower column wins a tie)
 
-so each of the K rounds (best key, mask it out) is one reduction, and among equal logits the lower
-token id ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
+so each round (best key, mask it out) is one reduction, and among equal logits the lower token id
+ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
+
+Workspace (one zeroed int64 buffer per call, so the counters start at 0 and need no reset):
+    [R] arrival counters | [R, C, K] chunk keys | [R, C, 2] float32 (m, s) in R * C int64 slots
 """
 
 from __future__ import annotations
@@ -31,9 +44,12 @@ MAX_COL = tl.constexpr(2**31 - 1)
 NO_KEY = tl.constexpr(-(2**63))
 
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 32 values a thread at
-# NUM_WARPS = 4 (one tile in registers while the K rounds of max run over it).
+# NUM_WARPS = 4 (the whole tile in registers: one read of the logits).
 BLOCK = 4096
 NUM_WARPS = 4
+# Columns per group: one 64-byte bf16 run, so a reloaded group is two full 32-byte sectors and
+# the group max is mostly in-thread; G = BLOCK / GROUP = 128 group maxima enter the K rounds.
+GROUP = 32
 # Chunks ride grid axis 1, which CUDA caps at 65535.
 MAX_CHUNKS = 65535
 
@@ -57,52 +73,76 @@ def _key_col(key):
 
 
 @triton.jit
-def _stats_kernel(x_ptr, rows_ptr, max_ptr, sum_ptr, key_ptr, vocab, stride_x, num_chunks,
-                  K: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    row = tl.load(rows_ptr + r)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = cols < vocab
-    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    out = r * num_chunks + chunk
-    if K > 0:
-        keys = tl.where(valid, _to_key(x, cols), NO_KEY)
-        best = tl.max(keys, axis=0)
-        m = _key_value(best)  # the chunk max: round 0's key
-        tl.store(key_ptr + out * K, best)
-        for i in tl.static_range(1, K):
-            keys = tl.where(keys == best, NO_KEY, keys)  # keys are distinct: one column leaves
-            best = tl.max(keys, axis=0)
-            tl.store(key_ptr + out * K + i, best)
-    else:
-        m = tl.max(x, axis=0)
-    # every chunk holds at least one column: m is finite for finite logits; exp2(-inf) = 0
-    tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, tl.sum(tl.exp2((x - m) * LOG2E), axis=0))
+def _best_keys(keys, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The K best of `keys` (any shape; distinct but for NO_KEY), best first, as [K_PAD] (NO_KEY past K)."""
+    slot = tl.arange(0, K_PAD)
+    best_keys = tl.full([K_PAD], NO_KEY, tl.int64)
+    for i in tl.static_range(K):
+        best = tl.max(keys)
+        best_keys = tl.where(slot == i, best, best_keys)
+        keys = tl.where(keys == best, NO_KEY, keys)  # one key leaves (NO_KEY stays NO_KEY)
+    return best_keys
 
 
 @triton.jit
-def _combine_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, key_ptr, chosen_ptr, top_id_ptr, top_lp_ptr,
-                    stride_x, num_chunks, K: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
+def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab, stride_x,
+                     HAS_ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                     S: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows_ptr + r)
-    c = tl.arange(0, C_PAD)
-    c_ok = c < num_chunks
-    m = tl.load(max_ptr + r * num_chunks + c, mask=c_ok, other=float("-inf"))
-    s = tl.load(sum_ptr + r * num_chunks + c, mask=c_ok, other=0.0)
-    row_max = tl.max(m, axis=0)
-    lse = row_max + tl.log(tl.sum(s * tl.exp2((m - row_max) * LOG2E), axis=0))
-    token = tl.load(tokens_ptr + row)
-    tl.store(chosen_ptr + r, tl.load(x_ptr + row * stride_x + token).to(tl.float32) - lse)
+    chunk = tl.program_id(1)
+    num_rows = tl.num_programs(0).to(tl.int64)
+    num_chunks = tl.num_programs(1)
+    row = tl.load(rows_ptr + r) if HAS_ROWS else r
+    x_row = x_ptr + row * stride_x
+    counter = work_ptr + r
+    keys_ptr = work_ptr + num_rows + r * num_chunks * K  # this row's [C, K] chunk keys
+    # this row's [C, 2] float32 (m, s), in the int64 slots after all keys
+    stats_ptr = (work_ptr + num_rows * (1 + num_chunks * K)).to(tl.pointer_type(tl.float32)) + r * num_chunks * 2
+    slot = tl.arange(0, K_PAD)
+    lane = tl.arange(0, S)
+    group = tl.arange(0, BLOCK // S)
+    start = chunk * BLOCK
+    cols = start + group[:, None] * S + lane[None, :]  # [G, S]
+    x = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)  # [G, S]
+    group_max = tl.max(x, axis=1)  # [G]
+    m = tl.max(group_max, axis=0)
+    # a chunk of -inf logits (masked tokens) adds nothing: shifted by 0, not by -inf (NaN), exp2(-inf) = 0
+    s = tl.sum(tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E))
     if K > 0:
-        j = tl.arange(0, KEYS_PAD)
-        keys = tl.load(key_ptr + r * num_chunks * K + j, mask=j < num_chunks * K, other=NO_KEY)
-        for i in tl.static_range(K):
-            best = tl.max(keys, axis=0)
-            tl.store(top_id_ptr + r * K + i, _key_col(best))
-            tl.store(top_lp_ptr + r * K + i, _key_value(best) - lse)
-            keys = tl.where(keys == best, NO_KEY, keys)
+        # groups past the vocabulary rank last; picked anyway (under K valid groups), they add NO_KEY
+        group_keys = tl.where(start + group * S < vocab, _to_key(group_max, group), NO_KEY)  # [G]
+        picked = _best_keys(group_keys, K, K_PAD)  # [K_PAD]
+        has = picked != NO_KEY
+        firsts = start + tl.where(has, _key_col(picked), 0).to(tl.int32) * S  # [K_PAD] first column of each
+        sub = firsts[:, None] + lane[None, :]  # [K_PAD, S]
+        ok = has[:, None] & (sub < vocab)
+        xs = tl.load(x_row + sub, mask=ok, other=0.0).to(tl.float32)  # [K_PAD, S] same values as x's
+        cand = tl.where(ok, _to_key(xs, sub), NO_KEY)
+        tl.store(keys_ptr + chunk * K + slot, _best_keys(cand, K, K_PAD), mask=slot < K)
+    tl.store(stats_ptr + 2 * chunk, m)
+    tl.store(stats_ptr + 2 * chunk + 1, s)
+    # Publish, then count: the scalar atomic is issued by one thread, so the barrier first orders
+    # every thread's workspace stores before it (CTA scope) and its release (GPU scope) then makes
+    # them visible to whichever program acquires the counter after it.
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:  # the row's last chunk
+        # The acquire covers the issuing thread; this barrier orders every thread's loads below
+        # after it, so they read the other programs' stores (not stale cache lines).
+        tl.debug_barrier()
+        c = tl.arange(0, C_PAD)
+        c_ok = c < num_chunks
+        ms = tl.load(stats_ptr + 2 * c, mask=c_ok, other=float("-inf"))  # [C_PAD]
+        ss = tl.load(stats_ptr + 2 * c + 1, mask=c_ok, other=0.0)  # [C_PAD]
+        row_max = tl.max(ms, axis=0)
+        lse = row_max + tl.log(tl.sum(ss * tl.exp2((ms - row_max) * LOG2E), axis=0))
+        token = tl.load(tokens_ptr + row)
+        tl.store(chosen_ptr + r, tl.load(x_row + token).to(tl.float32) - lse)
+        if K > 0:
+            j = tl.arange(0, KEYS_PAD)
+            keys = tl.load(keys_ptr + j, mask=j < num_chunks * K, other=NO_KEY)  # [KEYS_PAD]
+            top = _best_keys(keys, K, K_PAD)  # [K_PAD]: at least K real keys (k <= vocab)
+            tl.store(top_id_ptr + r * K + slot, _key_col(top), mask=slot < K)
+            tl.store(top_lp_ptr + r * K + slot, _key_value(top) - lse, mask=slot < K)
 
 
 def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
@@ -114,6 +154,8 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     `block`: columns per program (a power of two; tests shrink it)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block!r}")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be 2-D [rows, vocab] with a contiguous last dim, got "
                          f"{tuple(getattr(logits, 'shape', ()))}")
@@ -125,30 +167,26 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
         raise TypeError(f"token_ids must be an int64 tensor of shape ({batch},), got "
                         f"{getattr(token_ids, 'dtype', type(token_ids))} {tuple(getattr(token_ids, 'shape', ()))}")
     dev = logits.device
-    if rows is None:
-        rows = torch.arange(batch, device=dev)
-    elif not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+    if rows is not None and (not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1):
         raise TypeError(f"rows must be a 1-D int64 tensor, got {getattr(rows, 'dtype', type(rows))}")
     for name, t in (("token_ids", token_ids), ("rows", rows)):
-        if t.device != dev:
+        if t is not None and t.device != dev:
             raise ValueError(f"{name} is on {t.device}, logits on {dev}")
     num_chunks = triton.cdiv(vocab, block)
     if num_chunks > MAX_CHUNKS:
         raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
-    r = rows.shape[0]
+    r = batch if rows is None else rows.shape[0]
     chosen = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
     top_ids = torch.empty((r, k), dtype=torch.int64, device=dev)  # [R, k]
     top_lps = torch.empty((r, k), dtype=torch.float32, device=dev)  # [R, k]
     if r == 0:
         return chosen, top_ids, top_lps
-    stats = torch.empty((2, r, num_chunks), dtype=torch.float32, device=dev)  # chunk max, chunk sum
-    keys = torch.empty((r, num_chunks * k), dtype=torch.int64, device=dev)  # [R, C * k]
-    _stats_kernel[(r, num_chunks)](
-        logits, rows, stats[0], stats[1], keys, vocab, logits.stride(0), num_chunks,
-        K=k, BLOCK=block, num_warps=NUM_WARPS,
-    )
-    _combine_kernel[(r,)](
-        logits, rows, token_ids, stats[0], stats[1], keys, chosen, top_ids, top_lps, logits.stride(0), num_chunks,
-        K=k, C_PAD=next_pow2(num_chunks), KEYS_PAD=next_pow2(max(1, num_chunks * k)), num_warps=NUM_WARPS,
+    # [R] counters, [R, C, k] keys, [R, C, 2] float32 stats: zeroed, as the counters must start at 0
+    work = torch.zeros(r * (1 + num_chunks * (k + 1)), dtype=torch.int64, device=dev)
+    _logprobs_kernel[(r, num_chunks)](
+        logits, token_ids if rows is None else rows, token_ids, work, chosen, top_ids, top_lps, vocab,
+        logits.stride(0), HAS_ROWS=rows is not None, K=k, K_PAD=next_pow2(max(1, k)), BLOCK=block,
+        S=min(GROUP, block), C_PAD=next_pow2(num_chunks), KEYS_PAD=next_pow2(max(1, num_chunks * k)),
+        num_warps=NUM_WARPS,
     )
     return chosen, top_ids, top_lps
