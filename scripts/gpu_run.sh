@@ -4,8 +4,8 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
-# Next session: `readme` alone (one call, <= 590 s), then `newtests sampler moesweep moekernel moebench`;
-# `diag` if the MoE graph-vs-eager test fails (where graph and eager engines part).
+# Next session: `readme` alone (one call, <= 590 s; scripts/test_times.py sums its per-test times),
+# then `sampler moedecode newtests` for the logprobs kernel rewrite.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -29,7 +29,10 @@ for part in $parts; do
     moekernel) timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     moebench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --json "$OUT/moe-bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/moebench.log"
               timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moebench.log" ;;
-    readme) s=$(date +%s); timeout -s INT 575 python3 -m pytest -q -rfE -p no:cacheprovider --durations=120 --junitxml="$OUT/readme-junit.xml" 2>&1 | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
+    readme) # -v with a wall-clock stamp on every line: per-test times survive a kill at the call's limit
+            s=$(date +%s); timeout 590 python3 -m pytest -v -rfE -p no:cacheprovider --durations=60 2>&1 \
+              | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done \
+              | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;

@@ -24,8 +24,17 @@ PROMPTS = [list(range(100, 140)) + [i] * (5 + 7 * i) for i in range(6)]
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
-def ckpt(request, tmp_path_factory):
+def shaped_ckpt(request, tmp_path_factory):
+    """Both shapes: the sharded weights (tied or not, head_dim apart from hidden / heads) must give
+    one rank's tokens."""
     return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), SHAPES[request.param])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The worker life-cycle tests do not depend on the shape: one is enough (each costs 2-20 s of
+    process start-up, twice that on the H200 host)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("tied")), SHAPES["tied"])
 
 
 def generate(path, tp, **kw):
@@ -36,10 +45,10 @@ def generate(path, tp, **kw):
         llm.exit()
 
 
-def test_tp2_matches_tp1_in_every_regime(ckpt):
-    single, _ = generate(ckpt, 1, enable_prefix_caching=False)
+def test_tp2_matches_tp1_in_every_regime(shaped_ckpt):
+    single, _ = generate(shaped_ckpt, 1, enable_prefix_caching=False)
     # prefix cache + chunked prefill + preemption (10 blocks of 16 for ~150 tokens of work at once)
-    tp2, llm = generate(ckpt, 2, max_num_batched_tokens=32, num_kvcache_blocks=10)
+    tp2, llm = generate(shaped_ckpt, 2, max_num_batched_tokens=32, num_kvcache_blocks=10)
     assert tp2 == single
     assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_prefix_hit_blocks > 0
