@@ -245,6 +245,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         row = dict(tokens=t, ms=ms, align_ms=align_ms, distinct_experts=distinct, bytes_read=expert_bytes(distinct),
                    gbps=gbps, fraction_of_copy=gbps / copy_gbps, tflops=moe_flops(t) / (ms * 1e-3) / 1e12,
                    tiles=tiles_name(tiles), default_ms=timed[0][0])
+        if args.sweep:  # every candidate, fastest first: the two GEMMs' bests can then be combined
+            row["candidates"] = [dict(tiles=tiles_name(c), ms=m) for m, c in sorted(timed, key=lambda x: x[0])]
         rows.append(row)
         print(f"{t:>5}{ms:>9.3f}{align_ms:>10.3f}{distinct:>9.1f}{expert_bytes(distinct) / 1e6:>9.1f}{gbps:>8.0f}"
               f"{gbps / copy_gbps:>9.1%}{row['tflops']:>9.1f}  {tiles_name(tiles)}"

@@ -35,6 +35,7 @@ for part in $parts; do
               | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
+    moefsweep) timeout 400 python3 benchmarks/bench_moe.py --sweep --tokens 64 128 256 512 --json "$OUT/fused-sweep.json" 2>&1 | grep -v skipped | tail -20 | tee "$OUT/moefsweep.log" ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
