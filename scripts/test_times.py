@@ -1,8 +1,9 @@
 """Per-test and per-file wall times from a time-stamped `pytest -v` log (scripts/gpu_run.sh readme).
 
 Each log line is "<unix seconds> <pytest output line>"; pytest -v ends a test's line when the test
-ends, so a test's time is its line's stamp minus the previous test's (the first test's includes
-collection). Works on a log cut short by a timeout.
+ends, so a test's time is its line's stamp minus the previous test's of the same worker (xdist
+workers run their tests one after another; a worker's first test includes its start-up). Works on
+a log cut short by a timeout.
 
     python3 scripts/test_times.py LOG [--top N]
 """
@@ -15,6 +16,8 @@ import re
 
 # "tests/test_x.py::test_y[param] PASSED   [ 12%]" (SKIPPED / FAILED / ERROR / XFAIL alike)
 RESULT = re.compile(r"^(\S+\.py)::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+# under xdist: "[gw3] [ 12%] PASSED tests/test_x.py::test_y[param]"
+XDIST_RESULT = re.compile(r"^\[(gw\d+)\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+\.py)::(\S+)")
 
 
 def main() -> None:
@@ -23,7 +26,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="slowest tests to list")
     args = parser.parse_args()
     tests: list[tuple[float, str, str]] = []  # (seconds, file, test)
-    first = last = None
+    first = None
+    last: dict[str, float] = {}  # worker ("" without xdist) -> stamp of its last result
     with open(args.log) as f:
         for raw in f:
             stamp, _, line = raw.rstrip("\n").partition(" ")
@@ -32,15 +36,16 @@ def main() -> None:
             except ValueError:
                 continue
             first = t if first is None else first
-            m = RESULT.match(line)
-            if m:
-                tests.append((t - (last if last is not None else first), m.group(1), m.group(2)))
-                last = t
+            m, x = RESULT.match(line), XDIST_RESULT.match(line)
+            if m or x:
+                worker, path, name = ("", m.group(1), m.group(2)) if m else (x.group(1), x.group(3), x.group(4))
+                tests.append((t - last.get(worker, first), path, name))
+                last[worker] = t
     per_file: collections.Counter[str] = collections.Counter()
     for seconds, path, _ in tests:
         per_file[path] += seconds
     total = sum(per_file.values())
-    print(f"{len(tests)} tests, {total:.0f} s between the log's first line and the last result")
+    print(f"{len(tests)} tests in {len(last)} worker(s), {total:.0f} s of test time in all")
     print("per file:")
     for path, seconds in per_file.most_common():
         print(f"  {seconds:7.1f} s  {path}")

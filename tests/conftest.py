@@ -9,7 +9,10 @@ GPU machine the `gpu` tests cover the same kernels compiled.
 CPU work in the tests (tiny models: hidden <= 256) runs on at most CPU_TEST_THREADS threads, here
 and in the subprocesses the tests start: on a many-core GPU host, torch's default of one thread a
 core made the CPU tests 2x slower than on CI's 2 cores (OpenMP fork/join and spinning cost more
-than such small matmuls save).
+than such small matmuls save). Under pytest-xdist (`-n auto --dist loadgroup`, the README's
+command) the workers share the cores, and every `gpu` test joins one xdist group, so the GPU
+tests run one at a time in one worker (they size KV caches from the card's free memory and
+check what exit() gives back) while the other workers take the CPU tests.
 """
 
 import os
@@ -22,10 +25,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 CPU_TEST_THREADS = 4
+# The xdist group of every gpu test: one worker runs them all, in order.
+GPU_GROUP = "gpu"
 
 
 def pytest_configure(config):
-    threads = min(torch.get_num_threads(), CPU_TEST_THREADS)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each xdist worker
+    threads = max(1, min(torch.get_num_threads() // workers, CPU_TEST_THREADS))
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # subprocesses: example.py, python -O, bench.py
 
@@ -40,3 +46,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+        elif "gpu" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group(GPU_GROUP))
