@@ -30,7 +30,7 @@ for part in $parts; do
     moebench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --json "$OUT/moe-bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/moebench.log"
               timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moebench.log" ;;
     readme) # -v with a wall-clock stamp on every line: per-test times survive a kill at the call's limit
-            s=$(date +%s); timeout 590 python3 -m pytest -q -n auto --dist loadgroup -v -rfE -p no:cacheprovider --durations=60 2>&1 \
+            s=$(date +%s); timeout 590 python3 -m pytest -n auto --dist loadgroup -v -rfE -p no:cacheprovider --durations=60 2>&1 \
               | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done \
               | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
