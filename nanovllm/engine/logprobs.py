@@ -16,18 +16,19 @@ import torch
 @dataclass(frozen=True)
 class HostLogprobs:
     """R scored rows of one step, on the host. `rows`: which of the step's sampled rows each
-    is (prompt logprobs: 0..R-1); `top_ids` / `top_logprobs` hold the step's largest k."""
+    is (None for prompt logprobs, scored in the plan's order); `top_ids` / `top_logprobs` hold
+    the step's largest k."""
 
-    rows: list[int]
+    rows: list[int] | None
     chosen: list[float]  # [R] logprob of the scored token
     top_ids: list[list[int]]  # [R, k]
     top_logprobs: list[list[float]]  # [R, k]
 
     @classmethod
-    def from_tensors(cls, rows: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor,
+    def from_tensors(cls, rows: torch.Tensor | None, chosen: torch.Tensor, top_ids: torch.Tensor,
                      top_logprobs: torch.Tensor) -> HostLogprobs:
-        """From host tensors ([R], [R], [R, k], [R, k]); one .tolist() each."""
-        return cls(rows.tolist(), chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
+        """From host tensors ([R] or None, [R], [R, k], [R, k]); one .tolist() each."""
+        return cls(None if rows is None else rows.tolist(), chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
 
 
 def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:

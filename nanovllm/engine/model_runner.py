@@ -58,7 +58,8 @@ class LaunchedStep:
     device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
     host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
     ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
-    # (rows, chosen, top_ids, top_logprobs) on the host once `ready`, sampled rows / prompt rows
+    # on the host once `ready`: (rows, chosen, top_ids, top_logprobs) of the sampled rows that
+    # asked, and (chosen, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
     host_logprobs: tuple[torch.Tensor, ...] | None = None
     host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
 
@@ -82,7 +83,7 @@ class LaunchedStep:
         if self.host_prompt_logprobs is None:
             return None
         self._wait()
-        return HostLogprobs.from_tensors(*self.host_prompt_logprobs)
+        return HostLogprobs.from_tensors(None, *self.host_prompt_logprobs)
 
 
 class ModelRunner:
@@ -262,7 +263,7 @@ class ModelRunner:
         return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(rows, chosen, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
+        """(chosen, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
         `hidden` [num_tokens, hidden] in chunks of PROMPT_LOGPROB_CHUNK_ROWS (every rank takes
         part in the LM head; rank 0 gets the result, the others None)."""
         rows = to_device(plan.prompt_logprob_rows, self.device, torch.int64)  # [R]
@@ -275,8 +276,7 @@ class ModelRunner:
                                                           plan.prompt_logprobs_k))
         if not parts:
             return None
-        chosen, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
-        return torch.arange(rows.shape[0], device=self.device), chosen, top_ids, top_lps
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV-cache block `source` -> block `destination` for each pair, every layer, K and V."""
