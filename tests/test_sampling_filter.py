@@ -15,7 +15,8 @@ import torch
 
 from nanovllm.kernels.sampling_filter import TILE, top_k_top_p_threshold
 from nanovllm.kernels.gumbel_torch import torch_gumbel_uniforms
-from nanovllm.layers.sampler import Sampler, _kernel_threshold, _top_k_top_p_threshold
+from nanovllm.layers.sampler import (KERNEL_THRESHOLD_MIN_ROWS, Sampler, _cuda_threshold, _kernel_threshold,
+                                     _top_k_top_p_threshold)
 from nanovllm.layers.sampling_batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
@@ -235,7 +236,7 @@ def test_sampler_on_cuda_samples_the_torch_paths_tokens() -> None:
     with torch.device("cuda"):
         kernel_sampler = Sampler()
     torch_sampler = Sampler()
-    assert kernel_sampler.top_k_top_p_threshold is _kernel_threshold
+    assert kernel_sampler.top_k_top_p_threshold is _cuda_threshold and batch >= KERNEL_THRESHOLD_MIN_ROWS
     assert torch_sampler.top_k_top_p_threshold is _top_k_top_p_threshold
     g = torch.Generator().manual_seed(6)
     logits = torch.full((batch, vocab), -1e4)

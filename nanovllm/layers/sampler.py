@@ -12,9 +12,10 @@ Pipeline (vLLM's order), all in float32:
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
-   the threshold are all kept, so equal probabilities are always treated alike. On CUDA a
-   Triton radix select on the probabilities' bits finds the same thresholds without a sort
-   (kernels/sampling_filter.py); elsewhere ``_top_k_top_p_threshold`` sorts.
+   the threshold are all kept, so equal probabilities are always treated alike. On CUDA, for
+   batches of KERNEL_THRESHOLD_MIN_ROWS rows or more, a Triton radix select on the probabilities'
+   bits finds the same thresholds without a sort (kernels/sampling_filter.py); otherwise
+   ``_top_k_top_p_threshold`` sorts.
 4. min-p: probabilities below ``min_p * max_prob`` get 0 (folded into the same threshold).
 5. Gumbel-max: ``argmax(log probs + G)`` with ``G`` i.i.d. standard Gumbel picks token i
    with probability ``probs[i] / sum(probs)``, so no renormalisation is needed. A batch
@@ -111,6 +112,20 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.maximum(kth, pth)
 
 
+# Rows from which CUDA takes the Triton threshold kernel over the sort: the kernel gives each row
+# one program with few loads in flight (estimated 0.1-0.3 ms for a lone row), where torch's
+# segmented sort of a few rows is quicker; at 256 rows the sort took 4.4 ms (H200). A guess until
+# bench_sampler times both at batch 1-256 on the H200.
+KERNEL_THRESHOLD_MIN_ROWS = 32
+
+
+def _cuda_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """The CUDA sampler's thresholds: the kernel from KERNEL_THRESHOLD_MIN_ROWS rows, the sort below."""
+    if probs.shape[0] >= KERNEL_THRESHOLD_MIN_ROWS:
+        return _kernel_threshold(probs, batch)
+    return _top_k_top_p_threshold(probs, batch)
+
+
 def _kernel_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """``_top_k_top_p_threshold`` by the Triton radix select (kernels/sampling_filter.py): no sort.
     The same thresholds (top-p within float32 rounding of its partial sums), except 0.0 where
@@ -164,7 +179,7 @@ class Sampler(torch.nn.Module):
         triton_path = uses_triton(construction_device())
         self.gumbel_sample = gumbel_sample if triton_path else torch_gumbel_sample
         self.token_logprobs = row_logprobs if triton_path else token_logprobs
-        self.top_k_top_p_threshold = _kernel_threshold if triton_path else _top_k_top_p_threshold
+        self.top_k_top_p_threshold = _cuda_threshold if triton_path else _top_k_top_p_threshold
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
