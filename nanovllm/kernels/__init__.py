@@ -131,10 +131,10 @@ def moe_gemv(hidden, w13, w2, topk_weights, topk_ids):
     return impl(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def top_k_top_p_threshold(probs, top_ks, top_ps, block=None):
+def top_k_top_p_threshold(probs, top_ks, top_ps):
     """Per-row top-k/top-p probability thresholds [B, 1]; see sampling_filter.top_k_top_p_threshold."""
     try:
-        from .sampling_filter import BLOCK, top_k_top_p_threshold as impl
+        from .sampling_filter import top_k_top_p_threshold as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(probs, top_ks, top_ps, BLOCK if block is None else block)
+    return impl(probs, top_ks, top_ps)
