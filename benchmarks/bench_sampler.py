@@ -1,6 +1,6 @@
 """Times nanovllm's Sampler.forward on CUDA at serving size (batch 256 x vocab 151936).
 
-Cases: all greedy, plain temperature sampling, top-k only, top-p only, a mix of top-k/top-p/min-p
+Cases: all greedy, plain temperature sampling, top-k only, a mix of top-k/top-p/min-p
 rows, and 16 seeded rows (plain and mixed); every row's noise comes from its key (the
 Triton kernel, the engine's CUDA path). Logprob cases ("<case>+lp5_all", "<case>+lp5_16")
 are a case with logprobs k=5 on all rows or on 16 of them; they also report the ms they add
@@ -9,11 +9,6 @@ CUDA-event timings in ms (the SamplingBatch is built once per case; its host bui
 one packed host-to-device copy included, is reported separately).
 
     PYTHONPATH=. python3 benchmarks/bench_sampler.py [--dtype bf16|fp32] [--json PATH]
-        [--batch B] [--thresholds auto|kernel|sort]
-
---thresholds forces the top-k/top-p thresholds' path (the Triton radix select or the torch sort)
-at any batch; `auto` is the engine's rule (layers/sampler.KERNEL_THRESHOLD_MIN_ROWS). Running the
-filtered cases at a few batch sizes both ways places that crossover.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, _kernel_threshold, _top_k_top_p_threshold
+from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
@@ -52,8 +47,6 @@ def base_params(name: str, batch: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.8)] * batch
     if name == "top_k_only":
         return [SamplingParams(temperature=0.8, top_k=50)] * batch
-    if name == "top_p_only":  # the threshold kernel's costliest path: float masses over every chunk
-        return [SamplingParams(temperature=0.7, top_p=0.9)] * batch
     if name == "mixed_topk_topp":
         return [MIXED[i % len(MIXED)] for i in range(batch)]
     if name == "plain_16_seeded":
@@ -80,11 +73,9 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(**{**p.__dict__, "logprobs": LOGPROBS_K}) if i in asking else p for i, p in enumerate(params)]
 
 
-BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
+BASE_CASES = ["greedy", "plain", "top_k_only", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
 LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
 CASES = BASE_CASES + LOGPROB_CASES
-# --thresholds: None keeps the Sampler's own choice.
-THRESHOLD_PATHS = {"auto": None, "kernel": _kernel_threshold, "sort": _top_k_top_p_threshold}
 
 
 def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
@@ -111,8 +102,6 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cases", nargs="*", choices=CASES, default=CASES)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--thresholds", choices=list(THRESHOLD_PATHS), default="auto",
-                        help="top-k/top-p thresholds: the engine's rule, or one path at every batch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler needs a CUDA device")
@@ -123,8 +112,6 @@ def main() -> None:
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
     with device:
         sampler = Sampler()  # built on CUDA: the Triton noise kernel, as in the engine
-    if args.thresholds != "auto":
-        sampler.top_k_top_p_threshold = THRESHOLD_PATHS[args.thresholds]
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:
@@ -148,7 +135,7 @@ def main() -> None:
             "logprobs_added_ms": medians[name] - medians[base] if base != name and base in medians else None,
         })
 
-    print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} thresholds={args.thresholds} "
+    print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} "
           f"({torch.cuda.get_device_name(device)}, torch {torch.__version__})")
     print(f"{'case':<30}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}{'+logprobs ms':>14}")
     for r in results:
@@ -157,8 +144,7 @@ def main() -> None:
               f"{r['build_host_ms']:>10.3f}{added:>14}")
     if args.json:
         meta = {"batch": args.batch, "vocab": args.vocab, "dtype": args.dtype, "iters": args.iters,
-                "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                "thresholds": args.thresholds}
+                "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
         with open(args.json, "w") as f:
             json.dump({"config": meta, "results": results}, f, indent=2)
 

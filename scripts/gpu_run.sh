@@ -5,7 +5,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # Next session: `readme` alone (one call, <= 590 s; scripts/test_times.py sums its per-test times),
-# then `newtests sampler samplerbatch moefsweep` (one-launch logprobs, Triton top-k/top-p thresholds, fused MoE
+# then `newtests sampler moefsweep` (one-launch logprobs, Triton top-k/top-p thresholds, fused MoE
 # tilings), then `moebench bench` after setting the fused MoE tilings from the sweep.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
@@ -36,7 +36,6 @@ for part in $parts; do
               | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
-    samplerbatch) for b in 1 4 16 64 256; do for t in kernel sort; do timeout 60 python3 benchmarks/bench_sampler.py --batch $b --thresholds $t --cases top_k_only top_p_only mixed_topk_topp --iters 30 2>&1 | tail -4 | tee -a "$OUT/samplerbatch.log"; done; done ;;
     moefsweep) timeout 400 python3 benchmarks/bench_moe.py --sweep --tokens 64 128 256 512 --json "$OUT/fused-sweep.json" 2>&1 | grep -v skipped | tail -20 | tee "$OUT/moefsweep.log" ;;
     profilemoe) timeout 150 python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-30b-a3b --batch 1 --context 1024 --rows 30 2>&1 | grep -v "it/s" | tee "$OUT/profilemoe.log" | tail -60 ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;

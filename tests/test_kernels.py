@@ -669,10 +669,9 @@ def test_import_exports():
     assert sorted(kmod.__all__) == ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache",
                                     "fused_moe", "gumbel_sample", "moe_align", "moe_gemv", "moe_route", "query_tile_rows",
                                     "row_logprobs",
-                                    "store_kvcache", "top_k_top_p_threshold"]
+                                    "store_kvcache"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)
     # a kernel module named like an exported function would replace it once imported
-    for module in ("logprobs", "moe", "moe_decode", "moe_routing", "moe_sort", "gumbel_max", "kv_store",
-                   "sampling_filter"):
+    for module in ("logprobs", "moe", "moe_decode", "moe_routing", "moe_sort", "gumbel_max", "kv_store"):
         importlib.import_module(f"nanovllm.kernels.{module}")
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

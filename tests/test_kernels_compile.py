@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm.kernels import moe, sampling_filter
+from nanovllm.kernels import moe
 from nanovllm.kernels.moe_decode import DEFAULT_TILES as DECODE_TILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,12 +103,6 @@ SPECS = [
                                              "best_ptr": "*fp32", "best_col_ptr": "*i32"},
      [{"IS_PROBS": True, "SUB": 256, "TILES_PER_CHUNK": 4}]),
     ("gumbel_max", "_uniforms_kernel", {"key_ptr": "*i64", "u_ptr": "*fp32"}, [{"SUB": 256}]),
-    # top-k/top-p thresholds (radix select) at the default chunk: both filters, top-k only, top-p only.
-    ("sampling_filter", "_threshold_kernel", {"probs_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
-                                              "chunks_ptr": "*i32", "out_ptr": "*fp32"},
-     [{"HAS_TOP_K": k, "HAS_TOP_P": p, "BLOCK": sampling_filter.BLOCK, "TILE": sampling_filter.TILE,
-       "num_warps": sampling_filter.NUM_WARPS}
-      for k, p in ((True, True), (True, False), (False, True))]),
     ("moe_sort", "_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"}, [{"SLICE": 32, "BLOCK_E": 128}]),
     ("moe_sort", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "block_expert",
                                                                "num_used", "sorted")},

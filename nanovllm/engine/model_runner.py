@@ -179,12 +179,10 @@ class ModelRunner:
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
-            # top-k/top-p with every row's logprobs (on the CPU the sampler's most memory-hungry
-            # path, a full sort), top-k and top-p alone, plain sampling: each kernel variant the
-            # sampler launches is compiled here, not in the middle of a run.
+            # top-k/top-p take the sampler's most memory-hungry path (a full sort), then every
+            # row's logprobs; plain sampling compiles the fused kernel's other variant.
             keys = [0] * cfg.max_num_seqs
             for sp in (SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
-                       SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_p=0.9),
                        SamplingParams(temperature=1.0)):
                 batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
                 self.sampler(logits, batch)

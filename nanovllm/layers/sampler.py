@@ -12,10 +12,7 @@ Pipeline (vLLM's order), all in float32:
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
-   the threshold are all kept, so equal probabilities are always treated alike. On CUDA, for
-   batches of KERNEL_THRESHOLD_MIN_ROWS rows or more, a Triton radix select on the probabilities'
-   bits finds the same thresholds without a sort (kernels/sampling_filter.py); otherwise
-   ``_top_k_top_p_threshold`` sorts.
+   the threshold are all kept, so equal probabilities are always treated alike.
 4. min-p: probabilities below ``min_p * max_prob`` get 0 (folded into the same threshold).
 5. Gumbel-max: ``argmax(log probs + G)`` with ``G`` i.i.d. standard Gumbel picks token i
    with probability ``probs[i] / sum(probs)``, so no renormalisation is needed. A batch
@@ -52,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nanovllm.kernels import gumbel_sample, row_logprobs, top_k_top_p_threshold
+from nanovllm.kernels import gumbel_sample, row_logprobs
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import construction_device, uses_triton
 from nanovllm.layers.sampling_batch import SamplingBatch
@@ -112,27 +109,6 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.maximum(kth, pth)
 
 
-# Rows from which CUDA takes the Triton threshold kernel over the sort: the kernel gives each row
-# one program with few loads in flight (estimated 0.1-0.3 ms for a lone row), where torch's
-# segmented sort of a few rows is quicker; at 256 rows the sort took 4.4 ms (H200). A guess until
-# bench_sampler times both at batch 1-256 on the H200.
-KERNEL_THRESHOLD_MIN_ROWS = 32
-
-
-def _cuda_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """The CUDA sampler's thresholds: the kernel from KERNEL_THRESHOLD_MIN_ROWS rows, the sort below."""
-    if probs.shape[0] >= KERNEL_THRESHOLD_MIN_ROWS:
-        return _kernel_threshold(probs, batch)
-    return _top_k_top_p_threshold(probs, batch)
-
-
-def _kernel_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """``_top_k_top_p_threshold`` by the Triton radix select (kernels/sampling_filter.py): no sort.
-    The same thresholds (top-p within float32 rounding of its partial sums), except 0.0 where
-    nothing is filtered (the sort branch gives the row's smallest value: the same tokens kept)."""
-    return top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
-
-
 def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
                    rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``log_softmax`` of rows `rows` ``[R]`` int64 (distinct, ascending; None: all) of `logits`
@@ -174,12 +150,10 @@ class Sampler(torch.nn.Module):
         # The noise implementation of the device this sampler is built on (kernel_path's rule):
         # the Triton kernel on CUDA, its PyTorch twin elsewhere; both draw the same noise.
         # Likewise the logprobs: one Triton pass on CUDA, torch's log_softmax and top-k elsewhere
-        # (same contract; the engine's prompt logprobs use it too). And the top-k/top-p thresholds:
-        # a Triton radix select on CUDA, a sort (or torch.topk) elsewhere.
+        # (same contract; the engine's prompt logprobs use it too).
         triton_path = uses_triton(construction_device())
         self.gumbel_sample = gumbel_sample if triton_path else torch_gumbel_sample
         self.token_logprobs = row_logprobs if triton_path else token_logprobs
-        self.top_k_top_p_threshold = _cuda_threshold if triton_path else _top_k_top_p_threshold
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
@@ -209,7 +183,7 @@ class Sampler(torch.nn.Module):
 
         threshold: Tensor | None = None
         if batch.top_ks is not None or batch.top_ps is not None:
-            threshold = self.top_k_top_p_threshold(probs, batch)
+            threshold = _top_k_top_p_threshold(probs, batch)
         if batch.min_ps is not None:
             # The top token survives top-k/top-p, so the max is unchanged by them.
             min_p_th = batch.min_ps.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
