@@ -1,7 +1,7 @@
 """Times nanovllm's Sampler.forward on CUDA at serving size (batch 256 x vocab 151936).
 
-Cases: all greedy, plain temperature sampling, top-k only, a mix of top-k/top-p/min-p
-rows, and 16 seeded rows (plain and mixed); every row's noise comes from its key (the
+Cases: all greedy, plain temperature sampling, top-k only, top-p only, top-k with top-p (Qwen3's
+suggested 20 / 0.95), a mix of top-k/top-p/min-p rows, and 16 seeded rows (plain and mixed); every row's noise comes from its key (the
 Triton kernel, the engine's CUDA path). Logprob cases ("<case>+lp5_all", "<case>+lp5_16")
 are a case with logprobs k=5 on all rows or on 16 of them; they also report the ms they add
 to the same case without logprobs. Each case reports the median and p90 of per-call
@@ -47,6 +47,10 @@ def base_params(name: str, batch: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.8)] * batch
     if name == "top_k_only":
         return [SamplingParams(temperature=0.8, top_k=50)] * batch
+    if name == "top_p_only":  # no top-k bound: the full sort
+        return [SamplingParams(temperature=0.7, top_p=0.9)] * batch
+    if name == "top_k_top_p":  # Qwen3's suggested settings: top-p within torch.topk's 20 largest
+        return [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * batch
     if name == "mixed_topk_topp":
         return [MIXED[i % len(MIXED)] for i in range(batch)]
     if name == "plain_16_seeded":
@@ -73,7 +77,7 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(**{**p.__dict__, "logprobs": LOGPROBS_K}) if i in asking else p for i, p in enumerate(params)]
 
 
-BASE_CASES = ["greedy", "plain", "top_k_only", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
+BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "top_k_top_p", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
 LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
 CASES = BASE_CASES + LOGPROB_CASES
 

@@ -37,13 +37,13 @@ DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 SPECS = [
     # logprobs at the serving vocabulary (151,936 = 38 chunks of 4096): k = 0, 5 and 20, scored rows
     # given or all (the prompt-logprobs path), bfloat16 and float32 logits.
-    ("logprobs", "_logprobs_kernel", {"rows_ptr": "*i64", "tokens_ptr": "*i64", "work_ptr": "*i64",
+    ("logprobs", "_logprobs_kernel", {"rows_ptr": "*i64", "tokens_ptr": "*i64", "counter_ptr": "*i32", "work_ptr": "*i64",
                                       "chosen_ptr": "*fp32", "top_id_ptr": "*i64", "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": rows, "K": k, "K_PAD": max(1, 1 << (k - 1).bit_length()) if k else 1, "BLOCK": 4096, "S": 32,
        "C_PAD": 64, "KEYS_PAD": 1 << (38 * k - 1).bit_length() if k else 1}
       for rows, k in ((True, 0), (True, 5), (True, 20), (False, 5))]),
     ("logprobs", "_logprobs_kernel", {"x_ptr": "*fp32", "rows_ptr": "*i64", "tokens_ptr": "*i64",
-                                      "work_ptr": "*i64", "chosen_ptr": "*fp32", "top_id_ptr": "*i64",
+                                      "counter_ptr": "*i32", "work_ptr": "*i64", "chosen_ptr": "*fp32", "top_id_ptr": "*i64",
                                       "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": True, "K": k, "K_PAD": 8 if k else 1, "BLOCK": 4096, "S": 32, "C_PAD": 64,
        "KEYS_PAD": 256 if k else 1} for k in (0, 5)]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.logprobs import row_logprobs
+from nanovllm.kernels.logprobs import LogprobsWorkspace, row_logprobs
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -153,22 +153,28 @@ def test_few_distinct_values_ragged_chunks_and_single_group_blocks(device, dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_calls_in_a_row_on_different_inputs(device):
-    """Each call starts from fresh arrival counters and workspace: a second call (other shapes, other
-    values, other rows) is not affected by the first."""
+@pytest.mark.parametrize("shared", [False, True], ids=["fresh", "workspace"])
+def test_calls_in_a_row_on_different_inputs(device, shared):
+    """A second call (other shapes, other values, other rows) is not affected by the first, whether
+    each call takes fresh scratch or all share one LogprobsWorkspace (grown by the larger calls,
+    its counters back at 0 after each call)."""
     g = torch.Generator().manual_seed(11)
     first = torch.randn(4, 500, generator=g)
     second = 3 * torch.randn(6, 400, generator=g)
     t1, t2 = torch.randint(0, 500, (4,), generator=g), torch.randint(0, 400, (6,), generator=g)
+    ws = LogprobsWorkspace() if shared else None
     for _ in range(2):
-        check_exact(first.to(device), t1.to(device), 5, block=128)
-        check_exact(second.to(device), t2.to(device), 3, block=128)
-        check_exact(second.to(device), t2.to(device), 3, block=64)
+        check_exact(first.to(device), t1.to(device), 5, block=128, workspace=ws)
+        check_exact(second.to(device), t2.to(device), 3, block=128, workspace=ws)
+        check_exact(second.to(device), t2.to(device), 3, block=64, workspace=ws)
+        check_exact(first.to(device), t1.to(device), 1, block=64, workspace=ws)
     rows = torch.tensor([5, 0, 2])
-    chosen, top_ids, _ = row_logprobs(second.to(device), t2.to(device), 3, rows.to(device), block=128)
+    chosen, top_ids, _ = row_logprobs(second.to(device), t2.to(device), 3, rows.to(device), block=128, workspace=ws)
     lp, want_ids = ranked(second[rows], 3)
     assert torch.allclose(chosen.cpu().double(), lp.gather(1, t2[rows][:, None]).squeeze(1), atol=ATOL)
     assert torch.equal(top_ids.cpu(), want_ids)
+    if shared:
+        assert ws.counters.numel() == 6 and not bool(ws.counters.any())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,11 +9,13 @@ noise comes from its key: unseeded rows here take fresh random 63-bit keys.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+import nanovllm.layers.sampler as sampler_module
 import nanovllm.layers.sampling_batch as sampling_batch_module
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.sampler import Sampler, token_logprobs
@@ -210,6 +212,29 @@ def test_top_k_paths_agree() -> None:
             params = [p] * 300 + extra
             ids = sample(logits.expand(len(params), -1), build(params, 2_000))[:300]
             assert bool(allowed[ids].all())
+
+
+def test_top_p_from_the_top_k_matches_the_full_sort() -> None:
+    """Every top-p row also using top-k: thresholds from torch.topk's max_top_k largest equal the
+    full sort's, tokens kept alike, with ties of the k-th value past max_top_k (a flat row) and
+    rows with neither filter (greedy) in the batch."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 3_000
+    probs = torch.softmax(torch.randn(6, vocab, generator=g) * 3, dim=-1)
+    probs[4] = 1.0 / vocab  # flat: every token ties the k-th value
+    probs[5, :40] = probs[5, 40:].max() * 2  # 40 tied leaders, top_k 10 < 40 <= max_top_k 50
+    params = [SamplingParams(top_k=50, top_p=0.9), SamplingParams(top_k=3, top_p=0.5),
+              SamplingParams(top_k=20, top_p=1e-6), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=10, top_p=0.3), SamplingParams(top_k=10, top_p=0.95)]
+    batch = build(params, vocab)
+    assert batch.top_p_within_top_k and batch.max_top_k == 50
+    fast = sampler_module._threshold_from_top(probs, batch)
+    full = dataclasses.replace(batch, top_p_within_top_k=False)  # forces the sort
+    slow = sampler_module._top_k_top_p_threshold(probs, full)
+    assert torch.equal(probs < fast, probs < slow)
+    assert torch.equal(fast[:3], slow[:3])  # no ties past the top: the same float32 sums
+    assert fast[3].item() == 0.0  # neither filter (the sort gives the row's smallest value: also all kept)
+    assert not build(params + [SamplingParams(top_p=0.9)], vocab).top_p_within_top_k
 
 
 # ----------------------------------------------------------------------------- seeds

@@ -102,13 +102,14 @@ def moe_align(topk_ids, num_experts, block_m):
     return impl(topk_ids, num_experts, block_m)
 
 
-def row_logprobs(logits, token_ids, k, rows=None):
-    """log_softmax at token_ids and each row's k most likely tokens; see logprobs.row_logprobs."""
+def row_logprobs(logits, token_ids, k, rows=None, *, workspace=None):
+    """log_softmax at token_ids and each row's k most likely tokens, with scratch reused from
+    `workspace` (a logprobs.LogprobsWorkspace, None: fresh); see logprobs.row_logprobs."""
     try:
         from .logprobs import row_logprobs as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(logits, token_ids, k, rows)
+    return impl(logits, token_ids, k, rows, workspace=workspace)
 
 
 def moe_route(logits, top_k, renormalize):

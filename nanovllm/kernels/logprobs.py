@@ -24,8 +24,10 @@ A key packs a logit and its column into one int64 that orders like (logit, -colu
 so each round (best key, mask it out) is one reduction, and among equal logits the lower token id
 ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
 
-Workspace (one zeroed int64 buffer per call, so the counters start at 0 and need no reset):
-    [R] arrival counters | [R, C, K] chunk keys | [R, C, 2] float32 (m, s) in R * C int64 slots
+Scratch: [R] int32 arrival counters, which must be 0 at launch, and an int64 workspace
+    [R, C, K] chunk keys | [R, C, 2] float32 (m, s) in R * C int64 slots
+that is written before it is read. A LogprobsWorkspace keeps both across calls on one stream (the
+combining program sets its row's counter back to 0), so a call allocates only its outputs.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _best_keys(keys, K: tl.constexpr, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab, stride_x,
+def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab, stride_x,
                      HAS_ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      S: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -94,10 +96,10 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, work_ptr, chosen_ptr, top_id_p
     num_chunks = tl.num_programs(1)
     row = tl.load(rows_ptr + r) if HAS_ROWS else r
     x_row = x_ptr + row * stride_x
-    counter = work_ptr + r
-    keys_ptr = work_ptr + num_rows + r * num_chunks * K  # this row's [C, K] chunk keys
+    counter = counter_ptr + r
+    keys_ptr = work_ptr + r * num_chunks * K  # this row's [C, K] chunk keys
     # this row's [C, 2] float32 (m, s), in the int64 slots after all keys
-    stats_ptr = (work_ptr + num_rows * (1 + num_chunks * K)).to(tl.pointer_type(tl.float32)) + r * num_chunks * 2
+    stats_ptr = (work_ptr + num_rows * num_chunks * K).to(tl.pointer_type(tl.float32)) + r * num_chunks * 2
     slot = tl.arange(0, K_PAD)
     lane = tl.arange(0, S)
     group = tl.arange(0, BLOCK // S)
@@ -143,15 +145,36 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, work_ptr, chosen_ptr, top_id_p
             top = _best_keys(keys, K, K_PAD)  # [K_PAD]: at least K real keys (k <= vocab)
             tl.store(top_id_ptr + r * K + slot, _key_col(top), mask=slot < K)
             tl.store(top_lp_ptr + r * K + slot, _key_value(top) - lse, mask=slot < K)
+        tl.store(counter, 0)  # every other program of the row has counted: ready for the next call
+
+
+class LogprobsWorkspace:
+    """row_logprobs' scratch kept across the calls of one stream (the Sampler's): grows to the
+    largest call. Invariant between calls: every counter is 0 (new ones are zeroed; a call's
+    combining programs reset theirs)."""
+
+    def __init__(self) -> None:
+        self.counters: torch.Tensor | None = None  # [>= R] int32
+        self.work: torch.Tensor | None = None  # [>= R * C * (K + 1)] int64, no invariant
+
+    def take(self, rows: int, work_numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counters, work) holding at least `rows` and `work_numel` entries on `device`."""
+        if self.counters is None or self.counters.device != device or self.counters.numel() < rows:
+            self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
+        if self.work is None or self.work.device != device or self.work.numel() < work_numel:
+            self.work = torch.empty(work_numel, dtype=torch.int64, device=device)
+        return self.counters, self.work
 
 
 def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
-                 block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block: int = BLOCK, workspace: LogprobsWorkspace | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as layers/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
     contiguous last dim; not modified), `token_ids` [B] int64, `rows` [R] int64 rows of both to
     score (None: all B) -> (chosen [R] float32 logprob of each scored row's token, top_ids [R, k]
     int64 by descending logprob, top_logprobs [R, k] float32).
-    `block`: columns per program (a power of two; tests shrink it)."""
+    `block`: columns per program (a power of two; tests shrink it). `workspace`: scratch reused
+    by calls on one stream (None: allocated for this call)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
@@ -181,10 +204,10 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     top_lps = torch.empty((r, k), dtype=torch.float32, device=dev)  # [R, k]
     if r == 0:
         return chosen, top_ids, top_lps
-    # [R] counters, [R, C, k] keys, [R, C, 2] float32 stats: zeroed, as the counters must start at 0
-    work = torch.zeros(r * (1 + num_chunks * (k + 1)), dtype=torch.int64, device=dev)
+    # [R, C, k] keys and [R, C, 2] float32 stats; the [R] counters start at 0
+    counters, work = (workspace or LogprobsWorkspace()).take(r, r * num_chunks * (k + 1), dev)
     _logprobs_kernel[(r, num_chunks)](
-        logits, token_ids if rows is None else rows, token_ids, work, chosen, top_ids, top_lps, vocab,
+        logits, token_ids if rows is None else rows, token_ids, counters, work, chosen, top_ids, top_lps, vocab,
         logits.stride(0), HAS_ROWS=rows is not None, K=k, K_PAD=next_pow2(max(1, k)), BLOCK=block,
         S=min(GROUP, block), C_PAD=next_pow2(num_chunks), KEYS_PAD=next_pow2(max(1, num_chunks * k)),
         num_warps=NUM_WARPS,

@@ -45,6 +45,7 @@ host-to-device copy per step).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -54,7 +55,7 @@ from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import construction_device, uses_triton
 from nanovllm.layers.sampling_batch import SamplingBatch
 
-# Largest top_k served by torch.topk instead of a full sort when no row uses top-p.
+# Largest top_k served by torch.topk instead of a full sort (when every top-p row uses top-k too).
 _TOPK_PATH_MAX_K = 1024
 
 
@@ -80,13 +81,8 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """``[B, 1]`` float32: tokens with probability below it are filtered by top-k/top-p."""
     top_ks, top_ps = batch.top_ks, batch.top_ps
     vocab = probs.shape[-1]
-    if top_ps is None and top_ks is not None and batch.max_top_k <= _TOPK_PATH_MAX_K:
-        # Only top-k: the k-th largest value among the max_top_k largest.
-        kmax = batch.max_top_k
-        top = probs.topk(kmax, dim=-1, sorted=True).values
-        kth = top.gather(-1, (top_ks.clamp(max=kmax) - 1).unsqueeze(-1))
-        # Rows with top_k off hold the vocab size (> kmax): keep everything.
-        return torch.where(top_ks.unsqueeze(-1) > kmax, 0.0, kth)
+    if top_ks is not None and batch.max_top_k <= _TOPK_PATH_MAX_K and batch.top_p_within_top_k:
+        return _threshold_from_top(probs, batch)
 
     sorted_probs = probs.sort(dim=-1, descending=True).values
     if top_ks is not None:
@@ -106,6 +102,31 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     # top_p 1.0 (off) keeps everything, whatever the rounding of the sum.
     num_kept = torch.where(top_ps.unsqueeze(-1) >= 1.0, vocab, num_kept)
     pth = sorted_probs.gather(-1, num_kept - 1)
+    return torch.maximum(kth, pth)
+
+
+def _threshold_from_top(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """``_top_k_top_p_threshold`` from the max_top_k largest probabilities of each row (torch.topk),
+    when every top-p row also uses top-k. The sort's first max_top_k positions, with the same
+    float32 cumulative sums; the survivors (>= kth) past them can only be ties of kth:
+
+        sorted row   | top (kmax values)             | ties of kth | the rest (< kth) |
+        survivors    | x >= kth, cumsum `inclusive`  | counted     | 0                |
+
+    their mass joins the total, and a limit reached only among them makes kth the threshold."""
+    top_ks, top_ps, kmax = batch.top_ks, batch.top_ps, batch.max_top_k
+    top = probs.topk(kmax, dim=-1, sorted=True).values  # [B, kmax] descending
+    kth = top.gather(-1, (top_ks.clamp(max=kmax) - 1).unsqueeze(-1))  # [B, 1]
+    # Rows with top_k off hold the vocab size (> kmax): keep everything (top-p is off there too).
+    kth = torch.where(top_ks.unsqueeze(-1) > kmax, 0.0, kth)
+    if top_ps is None:
+        return kth
+    survivors = torch.where(top >= kth, top, 0.0)
+    inclusive = survivors.cumsum(dim=-1)  # [B, kmax]
+    ties_past_top = (probs >= kth).sum(dim=-1, keepdim=True) - (top >= kth).sum(dim=-1, keepdim=True)
+    limit = top_ps.unsqueeze(-1) * (inclusive[:, -1:] + ties_past_top * kth)
+    num_kept = 1 + (inclusive[:, :-1] < limit).sum(dim=-1, keepdim=True)  # [B, 1] in [1, kmax]
+    pth = torch.where(top_ps.unsqueeze(-1) >= 1.0, 0.0, top.gather(-1, num_kept - 1))
     return torch.maximum(kth, pth)
 
 
@@ -153,7 +174,13 @@ class Sampler(torch.nn.Module):
         # (same contract; the engine's prompt logprobs use it too).
         triton_path = uses_triton(construction_device())
         self.gumbel_sample = gumbel_sample if triton_path else torch_gumbel_sample
-        self.token_logprobs = row_logprobs if triton_path else token_logprobs
+        if triton_path:
+            from nanovllm.kernels.logprobs import LogprobsWorkspace  # Triton is present on this path
+
+            # one scratch for this sampler's launches (one stream): a call allocates only its outputs
+            self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
+        else:
+            self.token_logprobs = token_logprobs
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and

@@ -50,7 +50,9 @@ class SamplingBatch:
     logprobs: the rows that ask for logprobs, or None when none does.
     all_greedy: every row is greedy (the sampler only takes the argmax).
     max_top_k: largest top_k in use (0 when top_ks is None); lets the sampler use
-        ``torch.topk`` instead of a full sort when no row uses top-p.
+        ``torch.topk`` instead of a full sort.
+    top_p_within_top_k: every row using top-p uses top-k too (vacuously true without top-p
+        rows), so each top-p row's candidates lie among its max_top_k largest probabilities.
 
     The tensors are views of one device buffer, filled by one host-to-device copy.
     """
@@ -63,6 +65,7 @@ class SamplingBatch:
     logprobs: LogprobRows | None
     all_greedy: bool
     max_top_k: int = 0
+    top_p_within_top_k: bool = True
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], keys: Sequence[int], device: torch.device,
@@ -88,6 +91,7 @@ class SamplingPack:
     logprobs_k: int  # alternatives the logprob rows ask for (0 when R = 0)
     all_greedy: bool
     max_top_k: int
+    top_p_within_top_k: bool
 
     @staticmethod
     def max_words(rows: int) -> int:
@@ -126,6 +130,7 @@ class SamplingPack:
             logprobs_k=min(vocab_size, max(params[i].logprobs for i in logprob_rows)) if logprob_rows else 0,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
+            top_p_within_top_k=all(k < vocab_size for k, p in zip(top_ks, top_ps) if p < 1.0),
         )
 
     def unpack(self, words: Tensor) -> SamplingBatch:
@@ -144,6 +149,7 @@ class SamplingPack:
             logprobs=LogprobRows(rows, self.logprobs_k) if self.int_sizes[2] else None,
             all_greedy=self.all_greedy,
             max_top_k=self.max_top_k,
+            top_p_within_top_k=self.top_p_within_top_k,
         )
 
 
