@@ -36,6 +36,9 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # subprocesses: example.py, python -O, bench.py
 
 
+# tryfirst: pytest-xdist reads the xdist_group marks in its own collection hook (the `@gpu` suffix
+# of the node ids that --dist loadgroup schedules by); run after it, the marks would come too late.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         skip = pytest.mark.skip(reason="Triton's CPU interpreter is off where CUDA exists; the gpu tests run the kernels")
