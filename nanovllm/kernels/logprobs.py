@@ -205,7 +205,7 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     if r == 0:
         return chosen, top_ids, top_lps
     # [R, C, k] keys and [R, C, 2] float32 stats; the [R] counters start at 0
-    counters, work = (workspace or LogprobsWorkspace()).take(r, r * num_chunks * (k + 1), dev)
+    counters, work = (workspace if workspace is not None else LogprobsWorkspace()).take(r, r * num_chunks * (k + 1), dev)
     _logprobs_kernel[(r, num_chunks)](
         logits, token_ids if rows is None else rows, token_ids, counters, work, chosen, top_ids, top_lps, vocab,
         logits.stride(0), HAS_ROWS=rows is not None, K=k, K_PAD=next_pow2(max(1, k)), BLOCK=block,
