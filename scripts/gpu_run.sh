@@ -5,8 +5,8 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session, first call: `decodegpu moesweep moebench` (the folded GQA-8 merge, the wide-K MoE GEMV
-# tiles, Qwen3-30B-A3B batch-1 latency).
+# Next session, first call: `decodegpu moesweep moebench profilemoe` (the folded GQA-8 merge, routing
+# inside the MoE GEMVs, the wide-K GEMV tiles, Qwen3-30B-A3B batch-1 latency and profile).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -27,7 +27,7 @@ for part in $parts; do
     latency) for m in qwen3-0.6b qwen3-8b; do timeout 100 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;
     newtests) timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_moe_routing.py tests/test_moe_decode.py tests/test_logprobs_kernel.py tests/test_moe_gpu.py tests/test_logprobs_gpu.py tests/test_sampler_gpu.py tests/test_sampling_filter.py 2>&1 | tail -40 | tee "$OUT/newtests.log" ;;
     verify) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_logprobs_kernel.py tests/test_sampler_gpu.py tests/test_fused_moe.py tests/test_moe_gpu.py tests/test_logprobs_gpu.py > "$OUT/verify.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/verify.log" | head -30 ;;
-    decodegpu) timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_moe_gpu.py -k "decode or graph" 2>&1 | tail -8 | tee "$OUT/decodegpu.log" ;;
+    decodegpu) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_moe_decode.py tests/test_moe_routing.py tests/test_moe_gpu.py > "$OUT/decodegpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/decodegpu.log" | head -20 ;;
     moedecode) timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_moe_decode.py tests/test_moe_gpu.py 2>&1 | tail -20 | tee "$OUT/moedecode.log" ;;
     moekernel) timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     moebench) timeout 300 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --json "$OUT/moe-bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/moebench.log"
