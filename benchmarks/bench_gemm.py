@@ -1,5 +1,5 @@
-"""Decode's few-row linear layers (y = x W^T, bf16) under CUDA-graph replay, per Qwen3-0.6B / 8B
-layer: cuBLAS (F.linear) next to our Triton GEMV (nanovllm/kernels/gemv.py) over tilings, and
+"""Decode's few-row linear layers (y = x W^T, bf16) under CUDA-graph replay, per Qwen3-0.6B / 8B /
+30B-A3B layer: cuBLAS (F.linear) next to our Triton GEMV (nanovllm/kernels/gemv.py) over tilings, and
 the down projection with SiLU-and-mul fused in next to the two kernels it replaces.
 
 Each timed graph walks through enough distinct weight copies (>= 256 MB) that the weights come
@@ -23,6 +23,8 @@ from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+    # Qwen3-30B-A3B's dense projections and its MoE router (128 outputs: 32 programs at 4 rows each)
+    "30B qkv": (5120, 2048), "30B o": (2048, 4096), "30B router": (128, 2048),
 }
 # Bytes of distinct weights one timed graph reads: several times the H200's 50 MB L2.
 ROTATE_BYTES = 256 * 2**20
@@ -30,7 +32,9 @@ REPLAYS = 10
 # GEMV tilings swept with --sweep: (BLOCK_N, BLOCK_K, pipeline stages, weight eviction policy), 4 warps
 TILINGS = [(4, 512, 1, ""), (4, 512, 3, ""), (4, 512, 4, ""), (4, 512, 4, "evict_first"),
            (8, 512, 3, ""), (8, 512, 4, ""), (8, 512, 5, ""), (8, 512, 3, "evict_first"),
-           (8, 256, 4, ""), (8, 256, 6, ""), (16, 256, 4, ""), (16, 512, 3, "")]
+           (8, 256, 4, ""), (8, 256, 6, ""), (16, 256, 4, ""), (16, 512, 3, ""),
+           # few rows a program, wide steps: grids of 64-128 programs for the router's 128 outputs
+           (2, 1024, 2, ""), (2, 2048, 1, ""), (4, 1024, 2, ""), (4, 2048, 1, "")]
 
 
 def graph_time_us(calls) -> float:

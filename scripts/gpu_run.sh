@@ -5,8 +5,8 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session, first call: `decodegpu moesweep moebench profilemoe` (the folded GQA-8 merge, routing
-# inside the MoE GEMVs, the wide-K GEMV tiles, Qwen3-30B-A3B batch-1 latency and profile).
+# Next session, first call: `decodegpu moesweep gemmsweep moebench profilemoe` (the folded GQA-8 merge,
+# routing inside the MoE GEMVs, wide-K MoE GEMV tiles, the router GEMV's tilings, Qwen3-30B-A3B batch-1).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -37,6 +37,7 @@ for part in $parts; do
               | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done \
               | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
+    gemmsweep) timeout 300 python3 benchmarks/bench_gemm.py --sweep --json "$OUT/gemm-sweep.json" 2>&1 | tail -40 | tee "$OUT/gemmsweep.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
     moefsweep) timeout 400 python3 benchmarks/bench_moe.py --sweep --tokens 64 128 256 512 --json "$OUT/fused-sweep.json" 2>&1 | grep -v skipped | tail -20 | tee "$OUT/moefsweep.log" ;;
     profilemoe) timeout 150 python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-30b-a3b --batch 1 --context 1024 --rows 30 2>&1 | grep -v "it/s" | tee "$OUT/profilemoe.log" | tail -60 ;;
