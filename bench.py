@@ -13,7 +13,8 @@ directory without *.safetensors (benchmarks/configs/*) is run with random weight
 
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
 (benchmarks/probes.py). What the bytes and FLOPs count, mixture-of-experts models' experts included:
-benchmarks/roofline.py's docstring. Workloads and presets: benchmarks/workloads.py. The engine and
+benchmarks/roofline.py's docstring. Decode-only steps are also summed by row count (1-8, 9-32, ...) next
+to the memory term's steps of as many rows, which shows the batch sizes that lose time. Workloads and presets: benchmarks/workloads.py. The engine and
 transformers runs: benchmarks/runs.py; here the command line, the report rows and main.
 """
 
@@ -31,10 +32,11 @@ import torch
 
 from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.roofline import (
-    decode_rows, decode_weight_elements, expected_experts_hit, prefill_flops, roofline, workload_bytes, workload_flops,
+    decode_rows, decode_step_bytes, decode_weight_elements, expected_experts_hit, prefill_flops, roofline,
+    workload_bytes, workload_flops,
 )
-from benchmarks.runs import LATENCY_PERCENTILES, latency, measure_ttft, run_engine, run_hf, warm_up
-from benchmarks.stats import percentile
+from benchmarks.runs import LATENCY_PERCENTILES, EngineRun, latency, measure_ttft, run_engine, run_hf, warm_up
+from benchmarks.stats import bucket_edges, percentile, sum_by_rows
 from benchmarks.workloads import WORKLOADS, Workload, make_workload
 from nanovllm import LLM
 from nanovllm.config import Config
@@ -155,6 +157,8 @@ def throughput_rows(
              (f"roofline ({roof.binding} binds)", f"{roof.seconds:.2f} s = {out_tokens / roof.seconds:,.0f} tok/s"),
              ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
              *expert_rows(cfg, max_tokens),
+             *decode_bucket_rows(run, decode_step_bytes(cfg, elem, prompt_lens, max_tokens, decode_weights),
+                                 args.tp * bw, res),
              ("peak memory (torch)", f"{peak_mem / 2**30:.1f} GiB")]
 
     if args.compare_hf:
@@ -178,6 +182,25 @@ def throughput_rows(
                  ("speed-up over transformers: tok/s / time",
                   f"{ours / theirs:.1f}x / {hf.seconds / sub.wall_s:.1f}x")]
     return rows, llm
+
+
+def decode_bucket_rows(run: EngineRun, floor_steps: list[tuple[int, float]], bandwidth: float,
+                       res: dict) -> list[tuple[str, str]]:
+    """Decode-only steps by row count: measured wall time next to the memory term's steps of as
+    many rows (floor_steps: decode_step_bytes, every request running from the start), so the
+    report shows which batch sizes lose time against the roofline."""
+    floor_rows = [r for r, _ in floor_steps]
+    edges = bucket_edges(max(run.decode_step_rows + floor_rows, default=1))
+    measured = sum_by_rows(run.decode_step_rows, run.decode_step_s, edges)
+    floor = sum_by_rows(floor_rows, [b / bandwidth for _, b in floor_steps], edges)
+    rows, res["decode_by_rows"] = [], []
+    for lo, hi, (n, s), (nf, sf) in zip([1] + [e + 1 for e in edges], edges, measured, floor):
+        if n or nf:
+            res["decode_by_rows"].append(dict(rows=[lo, hi], steps=n, s=s, floor_steps=nf, floor_s=sf))
+            share = f" ({sf / s:.0%})" if s else ""
+            rows.append((f"decode-only steps of {lo}-{hi} rows: measured / memory floor",
+                         f"{n} steps {s:.2f} s / {nf} steps {sf:.2f} s{share}"))
+    return rows
 
 
 def expert_rows(cfg: ModelConfig, max_tokens: Sequence[int]) -> list[tuple[str, str]]:

@@ -140,6 +140,28 @@ def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int]
     return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps + experts
 
 
+def decode_step_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                      weight_elements: int) -> list[tuple[int, float]]:
+    """(rows, bytes) of each decode step t = 1 .. max(max_tokens) - 1 as workload_bytes counts
+    them (every request running from the start): the weights read in full, an MoE model's
+    expected experts of its rows, and each running request's context, prompt + t tokens. Their
+    bytes sum to workload_bytes' two terms (experts up to its rounding)."""
+    ends = Counter(n - 1 for n in max_tokens)  # last decode step -> requests ending there
+    ends_prompt = Counter()
+    for p, n in zip(prompt_lens, max_tokens, strict=True):
+        ends_prompt[n - 1] += p
+    running, prompt_sum = len(max_tokens) - ends[0], sum(prompt_lens) - ends_prompt[0]
+    per_token, weights = kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes
+    moe = cfg.moe
+    steps = []
+    for t in range(1, max(max_tokens)):
+        experts = 0.0 if moe is None else (len(cfg.sparse_layers()) * expert_elements(cfg) * elem_bytes
+                                           * expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, running))
+        steps.append((running, weights + experts + per_token * (prompt_sum + running * t)))
+        running, prompt_sum = running - ends[t], prompt_sum - ends_prompt[t]
+    return steps
+
+
 def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
     """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
     forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))

@@ -38,12 +38,15 @@ class EngineRun:
     decode_steps: int = 0
     decode_host_s: float = 0.0  # launch + postprocess of decode-only steps
     decode_wait_s: float = 0.0
+    decode_step_rows: list[int] = field(default_factory=list)  # each decode-only step's rows ...
+    decode_step_s: list[float] = field(default_factory=list)  # ... and its wall time
     steps_by_kind: Counter = field(default_factory=Counter)
     ttft_s: list[float] = field(default_factory=list)  # from all requests queued to the first token
     itl_s: list[float] = field(default_factory=list)  # gaps between a request's successive tokens
 
     def summary(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if k not in ("ttft_s", "itl_s", "steps_by_kind")}
+        lists = ("ttft_s", "itl_s", "steps_by_kind", "decode_step_rows", "decode_step_s")
+        out = {k: v for k, v in vars(self).items() if k not in lists}
         out["steps_by_kind"] = dict(self.steps_by_kind)
         for name, values in (("ttft", self.ttft_s), ("itl", self.itl_s)):
             for q in LATENCY_PERCENTILES:
@@ -71,6 +74,8 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> Eng
             run.decode_steps += 1
             run.decode_host_s += r.launch_s + r.postprocess_s
             run.decode_wait_s += r.wait_s
+            run.decode_step_rows.append(r.num_tokens)
+            run.decode_step_s.append(now - t)
         else:
             run.prefill_s += now - t
             run.prefill_tokens += r.num_tokens

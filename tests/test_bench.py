@@ -21,10 +21,10 @@ sys.path.insert(0, str(REPO))
 import bench  # noqa: E402
 from benchmarks import runs  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
-    decode_expert_elements, decode_rows, decode_weight_elements, expected_experts_hit, expert_elements,
-    layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
+    decode_expert_elements, decode_rows, decode_step_bytes, decode_weight_elements, expected_experts_hit,
+    expert_elements, layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
 )
-from benchmarks.stats import percentile  # noqa: E402
+from benchmarks.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
 from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
 from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
@@ -210,6 +210,35 @@ def test_expected_experts_hit_by_enumeration():
     assert expected_experts_hit(128, 8, 0) == 0
     assert expected_experts_hit(128, 8, 1) == pytest.approx(8)
     assert expected_experts_hit(128, 8, 512) == pytest.approx(128)
+
+
+def test_decode_step_bytes_by_hand_and_summing_to_the_memory_term():
+    cfg = toy_config(tied=False)
+    weights = decode_weight_elements(cfg)
+    # As test_workload_bytes_by_hand: step 1 reads contexts 4 and 6, steps 2 and 3 contexts 7 and 8,
+    # 32 bytes a token, and each step 2008 x 2 weight bytes.
+    steps = decode_step_bytes(cfg, 2, [3, 5], [2, 4], weights)
+    assert steps == [(2, 4016 + 32 * 10), (1, 4016 + 32 * 7), (1, 4016 + 32 * 8)]
+    rng = random.Random(3)
+    prompts, outputs = [rng.randint(1, 50) for _ in range(40)], [rng.randint(1, 30) for _ in range(40)]
+    for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
+        kv, wb = workload_bytes(c, 2, prompts, outputs, w)
+        per_step = decode_step_bytes(c, 2, prompts, outputs, w)
+        assert [r for r, _ in per_step] == decode_rows(outputs)
+        assert sum(b for _, b in per_step) == pytest.approx(kv + wb, abs=1.0)  # experts rounded there
+
+
+def test_decode_buckets_sum_steps_by_rows():
+    assert bucket_edges(256) == [8, 32, 128, 512] and bucket_edges(1) == [8] and bucket_edges(9) == [8, 32]
+    assert sum_by_rows([1, 8, 9, 300, 40], [1.0, 2.0, 4.0, 8.0, 16.0], [8, 32, 128, 512]) == [
+        (2, 3.0), (1, 4.0), (1, 16.0), (1, 8.0)]
+    run = runs.EngineRun(decode_step_rows=[3, 3, 100], decode_step_s=[0.5, 0.5, 2.0])
+    res = {}
+    rows = bench.decode_bucket_rows(run, [(3, 1.0), (100, 3.0), (100, 3.0)], 2.0, res)
+    assert rows == [("decode-only steps of 1-8 rows: measured / memory floor", "2 steps 1.00 s / 1 steps 0.50 s (50%)"),
+                    ("decode-only steps of 33-128 rows: measured / memory floor",
+                     "1 steps 2.00 s / 2 steps 3.00 s (150%)")]
+    assert [b["rows"] for b in res["decode_by_rows"]] == [[1, 8], [33, 128]]
 
 
 def test_decode_rows_by_hand():
