@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bench  # noqa: E402
+from checkpoints import cpu_llm  # noqa: E402
 from benchmarks import runs  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     decode_expert_elements, decode_rows, decode_step_bytes, decode_weight_elements, expected_experts_hit,
@@ -292,3 +293,26 @@ def test_small_moe_shape_is_what_bench_says():
     total = decode_weight_elements(cfg) + 24 * 64 * expert_elements(cfg)  # tied: no extra embedding
     active = decode_weight_elements(cfg) + 24 * 8 * expert_elements(cfg)
     assert round(total / 1e9, 1) == 1.5 and round(active / 1e9, 2) == 0.46
+
+
+def test_throughput_report_runs_end_to_end_on_a_cpu_engine(monkeypatch):
+    """bench.throughput_rows on the shipped default model on the CPU (the probes and torch's CUDA
+    memory counter stubbed: they need a GPU): every report row is built, the decode steps it
+    sums by row count are the run's, and their memory floor sums to the memory term."""
+    model = str(REPO / "nanovllm" / "default_model")
+    args = bench.parse_args([f"--model={model}", "--num-seqs=6", "--min-input=5", "--max-input=20",
+                             "--min-output=2", "--max-output=12"])
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "measure_gemm_peak", lambda: 1e15)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    llm = cpu_llm(model, enforce_eager=True)
+    res = {}
+    try:
+        rows, llm = bench.throughput_rows(args, llm, {}, res, decode_weight_elements(llm.config.model_config))
+    finally:
+        llm.exit()
+    names = [name for name, _ in rows]
+    assert "fraction of roofline reached" in names and any(n.startswith("decode-only steps of") for n in names)
+    buckets = res["decode_by_rows"]
+    assert sum(b["steps"] for b in buckets) == res["decode_steps"]
+    assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])
