@@ -179,10 +179,12 @@ class ModelRunner:
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
-            # top-k/top-p take the sampler's most memory-hungry path (a full sort), then every
-            # row's logprobs; plain sampling compiles the fused kernel's other variant.
+            # top-p without top-k takes the sampler's most memory-hungry path (a full sort: its
+            # peak is what the KV cache must leave room for); top-k with top-p its torch.topk path,
+            # with every row's logprobs; plain sampling the fused noise kernel's other variant.
             keys = [0] * cfg.max_num_seqs
-            for sp in (SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
+            for sp in (SamplingParams(temperature=1.0, top_p=0.9),
+                       SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
                        SamplingParams(temperature=1.0)):
                 batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
                 self.sampler(logits, batch)

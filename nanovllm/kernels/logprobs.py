@@ -158,7 +158,12 @@ class LogprobsWorkspace:
         self.work: torch.Tensor | None = None  # [>= R * C * (K + 1)] int64, no invariant
 
     def take(self, rows: int, work_numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counters, work) holding at least `rows` and `work_numel` entries on `device`."""
+        """(counters, work) holding at least `rows` and `work_numel` entries on `device`. Inside a
+        CUDA-graph capture, fresh ones of this call only: a zero fill captured into a graph runs at
+        each replay, not now, so a kept buffer would hold garbage for the eager calls before it."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return (torch.zeros(rows, dtype=torch.int32, device=device),
+                    torch.empty(work_numel, dtype=torch.int64, device=device))
         if self.counters is None or self.counters.device != device or self.counters.numel() < rows:
             self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
         if self.work is None or self.work.device != device or self.work.numel() < work_numel:
