@@ -60,7 +60,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
-        for m in (1, 2, 8):
+        for m in (1, 2, 4, 8):  # 4: the kernel's MAX_ROWS, past layers/linear.GEMV_MAX_ROWS = 2
             x = torch.randn(m, k, device=dev, dtype=bf16)
             gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)
             row = {"layer": name, "M": m, "cublas_us": graph_time_us([lambda w=w: F.linear(x, w) for w in ws])}
