@@ -7,7 +7,8 @@
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
 
 Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with lengths in [min_input,
-max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos.
+max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos
+(--top-k / --top-p add those filters, on both sides of --compare-hf).
 Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. A model
 directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
 
@@ -37,7 +38,7 @@ from benchmarks.roofline import (
 )
 from benchmarks.runs import LATENCY_PERCENTILES, EngineRun, latency, measure_ttft, run_engine, run_hf, warm_up
 from benchmarks.stats import bucket_edges, percentile, sum_by_rows
-from benchmarks.workloads import WORKLOADS, Workload, make_workload
+from benchmarks.workloads import WORKLOADS, Workload, WorkloadSampling, make_workload
 from nanovllm import LLM
 from nanovllm.config import Config
 from nanovllm.models.model_config import ModelConfig
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(WORKLOADS["default"], name),
                         help="default: from --workload")
+    ap.add_argument("--top-k", type=int, default=0, help="the workload's top-k (0: off), both sides")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the workload's top-p (1.0: off), both sides")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
@@ -83,7 +86,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     known, _ = ap.parse_known_args(argv)
     preset = WORKLOADS[known.workload]
     ap.set_defaults(**{name: getattr(preset, name) for name in Workload.__dataclass_fields__})
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        args.sampling = WorkloadSampling(args.top_k, args.top_p)
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
+    return args
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
@@ -119,15 +127,15 @@ def throughput_rows(
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
     prompt_lens = [len(p) for p in prompts]
     warm_up(llm)
-    run = run_engine(llm, prompts, max_tokens)
+    run = run_engine(llm, prompts, max_tokens, args.sampling)
     peak_mem = torch.cuda.max_memory_allocated()
     out_tokens, in_tokens = sum(max_tokens), sum(prompt_lens)
     tput = out_tokens / run.wall_s
-    res.update(run.summary(), workload=vars(w), output_tokens=out_tokens, input_tokens=in_tokens, throughput=tput,
+    res.update(run.summary(), workload=vars(w), sampling=vars(args.sampling), output_tokens=out_tokens, input_tokens=in_tokens, throughput=tput,
                peak_mem_bytes=peak_mem)
     steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
     rows = [("workload", f"{args.workload}: {w.num_seqs} requests, prompts {w.min_input}-{w.max_input}, "
-                         f"outputs {w.min_output}-{w.max_output}, seed {w.seed}"),
+                         f"outputs {w.min_output}-{w.max_output}, seed {w.seed}, {args.sampling.describe()}"),
             ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
             ("steps", steps),
             ("steps with prefill (prefill, mixed) tok/s", f"{run.prefill_tokens / max(run.prefill_s, 1e-9):,.0f}"),
@@ -166,9 +174,9 @@ def throughput_rows(
         llm.exit()
         llm = LLM(args.model, **kwargs)  # fresh: no prefix cache from the run above
         warm_up(llm)
-        sub = run_engine(llm, prompts[:k], max_tokens[:k])
+        sub = run_engine(llm, prompts[:k], max_tokens[:k], args.sampling)
         llm.exit()
-        hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size)
+        hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size, args.sampling)
         ours_tokens = sum(max_tokens[:k])
         ours, theirs = ours_tokens / sub.wall_s, hf.generated_tokens / hf.seconds
         res.update(hf_seqs=k, hf_s=hf.seconds, hf_generated_tokens=hf.generated_tokens, hf_settings=hf.settings,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.stats import percentile
-from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE
+from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import RequestOutput
@@ -54,10 +54,10 @@ class EngineRun:
         return out
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> EngineRun:
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
+               sampling: WorkloadSampling = WorkloadSampling()) -> EngineRun:
     """Queue every request, step to completion, and check each returned the tokens counted."""
-    wanted = {llm.add_request(p, SamplingParams(temperature=WORKLOAD_TEMPERATURE, ignore_eos=True, max_tokens=n)): n
-              for p, n in zip(prompts, max_tokens, strict=True)}
+    wanted = {llm.add_request(p, sampling.params(n)): n for p, n in zip(prompts, max_tokens, strict=True)}
     run = EngineRun()
     outputs: dict[int, RequestOutput] = {}
     sampled: Counter = Counter()
@@ -117,7 +117,8 @@ class HFRun:
     settings: str
 
 
-def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> HFRun:
+def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
+           sampling: WorkloadSampling = WorkloadSampling()) -> HFRun:
     """transformers' generate on the same prompts. Batches group prompts of similar max_tokens (sorted)
     and every row runs to the batch's maximum; all those tokens are counted."""
     import transformers
@@ -140,7 +141,8 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
         new = max(max_tokens[i] for i in idx)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
+                                 do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=sampling.top_k,
+                                 top_p=sampling.top_p, pad_token_id=pad)
         if out.shape[1] != width + new:
             raise RuntimeError(f"transformers made {out.shape[1] - width} tokens per row, {new} counted")
         generated += len(idx) * new
@@ -149,8 +151,8 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
     del model
     torch.cuda.empty_cache()
     settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
-                f"batches of {batch_size} sorted by max_tokens, left padding, do_sample T={WORKLOAD_TEMPERATURE} "
-                f"top_k=0 top_p=1, min_new_tokens=max_new_tokens, cache {cache}")
+                f"batches of {batch_size} sorted by max_tokens, left padding, do_sample {sampling.describe()}, "
+                f"min_new_tokens=max_new_tokens, cache {cache}")
     return HFRun(seconds, generated, settings)
 
 

@@ -12,6 +12,27 @@ WORKLOAD_TEMPERATURE = 0.6
 
 
 @dataclass(frozen=True)
+class WorkloadSampling:
+    """How the throughput workload samples: nano-vllm's temperature; top-k / top-p off unless asked
+    (bench.py --top-k / --top-p), for both nanovllm and transformers."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        self.params(1)  # SamplingParams' own checks: a bad value fails here, before any engine starts
+
+    def params(self, max_tokens: int):
+        from nanovllm import SamplingParams
+
+        return SamplingParams(temperature=WORKLOAD_TEMPERATURE, top_k=self.top_k, top_p=self.top_p,
+                              ignore_eos=True, max_tokens=max_tokens)
+
+    def describe(self) -> str:
+        return f"T={WORKLOAD_TEMPERATURE} top_k={self.top_k} top_p={self.top_p:g}"
+
+
+@dataclass(frozen=True)
 class Workload:
     num_seqs: int
     min_input: int

@@ -23,6 +23,7 @@ for part in $parts; do
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
     bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
+    benchfilters) for f in "--top-p 0.9" "--top-k 20 --top-p 0.95"; do timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy $f 2>&1 | grep -v "it/s" | grep -E "workload|tok/s|decode step|fraction" | tee -a "$OUT/benchfilters.log"; done ;;
     benchhf) timeout 400 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf --json "$OUT/benchhf.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/benchhf.log" ;;
     profile) timeout 200 python3 benchmarks/profile_step.py 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
     latency) for m in qwen3-0.6b qwen3-8b; do timeout 100 python3 bench.py --model benchmarks/configs/$m --load-format dummy --latency --json "$OUT/latency-$m.json" 2>&1 | grep -v "it/s" | tail -6 | tee -a "$OUT/latency.log"; done ;;

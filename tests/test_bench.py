@@ -26,7 +26,7 @@ from benchmarks.roofline import (  # noqa: E402
     expert_elements, layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
 )
 from benchmarks.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
-from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
+from benchmarks.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
 from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
@@ -301,7 +301,7 @@ def test_throughput_report_runs_end_to_end_on_a_cpu_engine(monkeypatch):
     sums by row count are the run's, and their memory floor sums to the memory term."""
     model = str(REPO / "nanovllm" / "default_model")
     args = bench.parse_args([f"--model={model}", "--num-seqs=6", "--min-input=5", "--max-input=20",
-                             "--min-output=2", "--max-output=12"])
+                             "--min-output=2", "--max-output=12", "--top-k=20", "--top-p=0.9"])
     monkeypatch.setattr(bench, "measure_bandwidth", lambda: 1e12)
     monkeypatch.setattr(bench, "measure_gemm_peak", lambda: 1e15)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
@@ -311,8 +311,18 @@ def test_throughput_report_runs_end_to_end_on_a_cpu_engine(monkeypatch):
         rows, llm = bench.throughput_rows(args, llm, {}, res, decode_weight_elements(llm.config.model_config))
     finally:
         llm.exit()
+    assert dict(rows)["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
     names = [name for name, _ in rows]
     assert "fraction of roofline reached" in names and any(n.startswith("decode-only steps of") for n in names)
     buckets = res["decode_by_rows"]
     assert sum(b["steps"] for b in buckets) == res["decode_steps"]
     assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])
+
+
+def test_sampling_flags_are_checked_when_parsed(capsys):
+    """--top-k / --top-p go through SamplingParams' checks before any engine starts."""
+    assert bench.parse_args([]).sampling == WorkloadSampling(0, 1.0)
+    for bad in (["--top-p=1.5"], ["--top-p=0"], ["--top-k=-2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert "top_" in capsys.readouterr().err
