@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from nanovllm import SamplingParams
+
 # Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
 PROMPT_ID_MAX = 10000
 # Sampling temperature of the throughput workload (nano-vllm's).
@@ -22,9 +24,7 @@ class WorkloadSampling:
     def __post_init__(self):
         self.params(1)  # SamplingParams' own checks: a bad value fails here, before any engine starts
 
-    def params(self, max_tokens: int):
-        from nanovllm import SamplingParams
-
+    def params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=WORKLOAD_TEMPERATURE, top_k=self.top_k, top_p=self.top_p,
                               ignore_eos=True, max_tokens=max_tokens)
 
