@@ -5,7 +5,7 @@ Measures (1) HBM bandwidth by a large device-to-device copy (bytes read + writte
 (3) prefill TFLOP/s vs torch's FA2 varlen_attn (packed) and our paged variant,
 (4) store_kvcache GB/s. Times are triton.testing.do_bench medians.
 
-    python benchmarks/bench_kernels.py [--json PATH] [--sweep]
+    python benchmarks/bench_kernels.py [--json PATH] [--sweep] [--sweep-decode] [--splits | --sweep-decode-engine]
 """
 
 import argparse
@@ -84,19 +84,27 @@ def small_batch_splits(bw):
     return rows
 
 
+def engine_batch(batch, ctx, longest_first=False):
+    """An engine-like decode batch: lengths uniform in [ctx/8, ctx] (longest first, as the engine
+    orders its rows, if asked), block table as wide as max_model_len 4096. Returns the call's
+    arguments (q, k_cache, v_cache, seqlens, table) and the KV bytes it must read."""
+    gen = torch.Generator(DEV).manual_seed(1)
+    lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=DEV).tolist()
+    if longest_first:
+        lens.sort(reverse=True)
+    kc, vc, table = paged_cache(lens, 256, torch.bfloat16, gen)
+    table = torch.nn.functional.pad(table, (0, 16 - table.shape[1]))
+    q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return (q, kc, vc, seqlens, table), 2 * sum(lens) * HKV * D * 2
+
+
 def split_study(bw):
-    """Engine-like decode batches (lengths uniform in [ctx/8, ctx], block table as wide as
-    max_model_len 4096): time per num_splits (0 = the automatic choice)."""
+    """Engine-like decode batches (engine_batch): time per num_splits (0 = the automatic choice)."""
     from nanovllm.kernels.decode_attention import _sm_count, choose_num_splits
     rows = []
     for batch, ctx in [(256, 1024), (256, 2048), (160, 1024), (128, 1024), (64, 2048), (32, 2048)]:
-        gen = torch.Generator(DEV).manual_seed(1)
-        lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=DEV).tolist()
-        kc, vc, table = paged_cache(lens, 256, torch.bfloat16, gen)
-        table = torch.nn.functional.pad(table, (0, 16 - table.shape[1]))
-        q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        nbytes = 2 * sum(lens) * HKV * D * 2
+        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx)
         row = {"batch": batch, "ctx": ctx, "auto": choose_num_splits(batch, HKV, 4096, _sm_count(q.device))}
         for n in (0, 1, 2, 4, 8):
             t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
@@ -166,6 +174,33 @@ def sweep_prefill():
     return out
 
 
+def sweep_decode_engine(bw):
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS) of the decode kernel (module constants patched) on
+    engine-like batches, rows longest first, graph-replayed as in the engine: % of copy bandwidth.
+    The default is the first tiling."""
+    import nanovllm.kernels.decode_attention as dec
+    names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS")
+    saved = tuple(getattr(dec, n) for n in names)
+    cases = {(b, c): engine_batch(b, c, longest_first=True) for b, c in [(256, 1024), (256, 2048), (128, 1024),
+                                                                          (64, 2048)]}
+    out = []
+    for cfg in [saved, (64, 4, 4), (64, 2, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8), (32, 4, 4), (128, 2, 8)]:
+        for n, val in zip(names, cfg):
+            setattr(dec, n, val)
+        row = {"cfg": cfg}
+        for (batch, ctx), (call, nbytes) in cases.items():
+            try:
+                t = graph_bench(lambda call=call: flash_attn_with_kvcache(*call))
+                row[f"{batch}x{ctx}"] = round(100 * nbytes / t / 1e9 / bw, 1)
+            except Exception as exc:  # noqa: BLE001 - report, keep sweeping
+                row[f"{batch}x{ctx}"] = repr(exc)[:80]
+        out.append(row)
+        print("engine decode sweep (% of copy)", row, flush=True)
+    for n, val in zip(names, saved):
+        setattr(dec, n, val)
+    return out
+
+
 def sweep_decode(bw):
     """Try decode tile/split settings (module constants patched) on the weaker points."""
     import nanovllm.kernels.decode_attention as dec
@@ -194,13 +229,18 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also sweep prefill tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="also sweep decode settings")
     ap.add_argument("--splits", action="store_true", help="only the num_splits study on engine-like batches")
+    ap.add_argument("--sweep-decode-engine", action="store_true",
+                    help="only the decode kernel's tilings on engine-like batches")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     res = {"hbm_GBps": hbm_bandwidth()}
     bw = res["hbm_GBps"]
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
-    if args.splits:
-        res["splits"] = split_study(bw)
+    if args.splits or args.sweep_decode_engine:
+        if args.splits:
+            res["splits"] = split_study(bw)
+        if args.sweep_decode_engine:
+            res["sweep_decode_engine"] = sweep_decode_engine(bw)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)

@@ -20,6 +20,7 @@ for part in $parts; do
     profile1) for m in qwen3-0.6b qwen3-8b; do timeout 120 python3 benchmarks/profile_step.py --model benchmarks/configs/$m --batch 1 --context 1024 --rows 14 2>&1 | grep -v "it/s" | tee -a "$OUT/profile1.log" | tail -40; done ;;
     enginetests) timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
     fused) timeout 120 python3 benchmarks/bench_fused.py --json "$OUT/fused.json" 2>&1 | tail -20 | tee "$OUT/fused.log" ;;
+    decodesweep) timeout 200 python3 benchmarks/bench_kernels.py --sweep-decode-engine --json "$OUT/decodesweep.json" 2>&1 | tail -12 | tee "$OUT/decodesweep.log" ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
     bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
