@@ -14,9 +14,10 @@ directory without *.safetensors (benchmarks/configs/*) is run with random weight
 
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
 (benchmarks/probes.py). What the bytes and FLOPs count, mixture-of-experts models' experts included:
-benchmarks/roofline.py's docstring. Decode-only steps are also summed by row count (1-8, 9-32, ...) next
-to the memory term's steps of as many rows, which shows the batch sizes that lose time. Workloads and presets: benchmarks/workloads.py. The engine and
-transformers runs: benchmarks/runs.py; here the command line, the report rows and main.
+benchmarks/roofline.py's docstring. Decode-only steps are also summed by row count (1-8, 9-32, ...)
+next to the memory term's steps of as many rows, which shows the batch sizes that lose time.
+Workloads and presets: benchmarks/workloads.py. The engine and transformers runs: benchmarks/runs.py;
+here the command line, the report rows and main.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def throughput_rows(
     peak_mem = torch.cuda.max_memory_allocated()
     out_tokens, in_tokens = sum(max_tokens), sum(prompt_lens)
     tput = out_tokens / run.wall_s
-    res.update(run.summary(), workload=vars(w), sampling=vars(args.sampling), output_tokens=out_tokens, input_tokens=in_tokens, throughput=tput,
-               peak_mem_bytes=peak_mem)
+    res.update(run.summary(), workload=vars(w), sampling=vars(args.sampling), output_tokens=out_tokens,
+               input_tokens=in_tokens, throughput=tput, peak_mem_bytes=peak_mem)
     steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
     rows = [("workload", f"{args.workload}: {w.num_seqs} requests, prompts {w.min_input}-{w.max_input}, "
                          f"outputs {w.min_output}-{w.max_output}, seed {w.seed}, {args.sampling.describe()}"),

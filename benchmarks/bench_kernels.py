@@ -5,11 +5,13 @@ Measures (1) HBM bandwidth by a large device-to-device copy (bytes read + writte
 (3) prefill TFLOP/s vs torch's FA2 varlen_attn (packed) and our paged variant,
 (4) store_kvcache GB/s. Times are triton.testing.do_bench medians.
 
-    python benchmarks/bench_kernels.py [--json PATH] [--sweep] [--sweep-decode] [--splits | --sweep-decode-engine]
+    python benchmarks/bench_kernels.py [--json PATH] [--sweep] [--sweep-decode]
+    python benchmarks/bench_kernels.py --splits | --sweep-decode-engine [--json PATH]
 """
 
 import argparse
 import json
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -155,22 +157,34 @@ def bench_store(n=65536, dtype=torch.bfloat16, block_size=256):
     return {"n": n, "us": t * 1e6, "GB/s": 4 * key.numel() * key.element_size() / t / 1e9}
 
 
+@contextmanager
+def patched(module, names, values):
+    """The module's constants `names` set to `values` inside the block, restored after (a sweep's
+    tiling, read by the kernel wrappers at each call)."""
+    saved = tuple(getattr(module, n) for n in names)
+    for n, v in zip(names, values):
+        setattr(module, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(module, n, v)
+
+
 def sweep_prefill():
     """Try a few tile configs on causal prefill cases (module constants patched)."""
     import nanovllm.kernels.prefill_attention as pf
-    saved = (pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES)
     out = []
     for cfg, shape in [(c, s) for s in [(16, 1024), (4, 4096)]
                        for c in [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
                                  (64, 64, 8, 3), (128, 128, 8, 2)]]:
-        pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES = cfg
-        try:
-            r = bench_prefill(*shape)
-            out.append({"cfg": cfg, "shape": shape, "ours": r["ours_tflops"], "paged": r["paged_tflops"]})
-        except Exception as exc:  # noqa: BLE001
-            out.append({"cfg": cfg, "error": repr(exc)[:100]})
+        with patched(pf, ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"), cfg):
+            try:
+                r = bench_prefill(*shape)
+                out.append({"cfg": cfg, "shape": shape, "ours": r["ours_tflops"], "paged": r["paged_tflops"]})
+            except Exception as exc:  # noqa: BLE001
+                out.append({"cfg": cfg, "error": repr(exc)[:100]})
         print("sweep", out[-1], flush=True)
-    pf.BLOCK_M, pf.BLOCK_N, pf.NUM_WARPS, pf.NUM_STAGES = saved
     return out
 
 
@@ -180,24 +194,21 @@ def sweep_decode_engine(bw):
     The default is the first tiling."""
     import nanovllm.kernels.decode_attention as dec
     names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS")
-    saved = tuple(getattr(dec, n) for n in names)
-    cases = {(b, c): engine_batch(b, c, longest_first=True) for b, c in [(256, 1024), (256, 2048), (128, 1024),
-                                                                          (64, 2048)]}
+    cases = {(b, c): engine_batch(b, c, longest_first=True)
+             for b, c in [(256, 1024), (256, 2048), (128, 1024), (64, 2048)]}
     out = []
-    for cfg in [saved, (64, 4, 4), (64, 2, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8), (32, 4, 4), (128, 2, 8)]:
-        for n, val in zip(names, cfg):
-            setattr(dec, n, val)
+    default = tuple(getattr(dec, n) for n in names)
+    for cfg in [default, (64, 4, 4), (64, 2, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8), (32, 4, 4), (128, 2, 8)]:
         row = {"cfg": cfg}
-        for (batch, ctx), (call, nbytes) in cases.items():
-            try:
-                t = graph_bench(lambda call=call: flash_attn_with_kvcache(*call))
-                row[f"{batch}x{ctx}"] = round(100 * nbytes / t / 1e9 / bw, 1)
-            except Exception as exc:  # noqa: BLE001 - report, keep sweeping
-                row[f"{batch}x{ctx}"] = repr(exc)[:80]
+        with patched(dec, names, cfg):
+            for (batch, ctx), (call, nbytes) in cases.items():
+                try:
+                    t = graph_bench(lambda call=call: flash_attn_with_kvcache(*call))
+                    row[f"{batch}x{ctx}"] = round(100 * nbytes / t / 1e9 / bw, 1)
+                except Exception as exc:  # noqa: BLE001 - report, keep sweeping
+                    row[f"{batch}x{ctx}"] = repr(exc)[:80]
         out.append(row)
         print("engine decode sweep (% of copy)", row, flush=True)
-    for n, val in zip(names, saved):
-        setattr(dec, n, val)
     return out
 
 
@@ -205,21 +216,17 @@ def sweep_decode(bw):
     """Try decode tile/split settings (module constants patched) on the weaker points."""
     import nanovllm.kernels.decode_attention as dec
     names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM")
-    saved = tuple(getattr(dec, n) for n in names)
     out = []
     for cfg in [(64, 3, 4, 256, 16), (64, 2, 4, 256, 16), (32, 4, 4, 256, 16), (64, 3, 4, 512, 16),
                 (32, 3, 4, 256, 16), (64, 2, 4, 512, 8), (128, 2, 8, 512, 16)]:
-        for n, val in zip(names, cfg):
-            setattr(dec, n, val)
-        for batch, ctx in [(8, 8192), (1, 32768), (256, 4096)]:
-            try:
-                r = bench_decode(batch, ctx, bw)
-                out.append({"cfg": cfg, "batch": batch, "ctx": ctx, "pct_bw": r["pct_bw"], "us": r["us"]})
-            except Exception as exc:  # noqa: BLE001
-                out.append({"cfg": cfg, "batch": batch, "error": repr(exc)[:100]})
-            print("dsweep", out[-1], flush=True)
-    for n, val in zip(names, saved):
-        setattr(dec, n, val)
+        with patched(dec, names, cfg):
+            for batch, ctx in [(8, 8192), (1, 32768), (256, 4096)]:
+                try:
+                    r = bench_decode(batch, ctx, bw)
+                    out.append({"cfg": cfg, "batch": batch, "ctx": ctx, "pct_bw": r["pct_bw"], "us": r["us"]})
+                except Exception as exc:  # noqa: BLE001
+                    out.append({"cfg": cfg, "batch": batch, "error": repr(exc)[:100]})
+                print("dsweep", out[-1], flush=True)
     return out
 
 

@@ -1,11 +1,11 @@
 """Times nanovllm's Sampler.forward on CUDA at serving size (batch 256 x vocab 151936).
 
 Cases: all greedy, plain temperature sampling, top-k only, top-p only, top-k with top-p (Qwen3's
-suggested 20 / 0.95), a mix of top-k/top-p/min-p rows, and 16 seeded rows (plain and mixed); every row's noise comes from its key (the
-Triton kernel, the engine's CUDA path). Logprob cases ("<case>+lp5_all", "<case>+lp5_16")
-are a case with logprobs k=5 on all rows or on 16 of them; they also report the ms they add
-to the same case without logprobs. Each case reports the median and p90 of per-call
-CUDA-event timings in ms (the SamplingBatch is built once per case; its host build time,
+suggested 20 / 0.95), a mix of top-k/top-p/min-p rows, and 16 seeded rows (plain and mixed); every
+row's noise comes from its key (the Triton kernel, the engine's CUDA path). Logprob cases
+("<case>+lp5_all", "<case>+lp5_16") are a case with logprobs k=5 on all rows or on 16 of them; they
+also report the ms they add to the same case without logprobs. Each case reports the median and p90
+of per-call CUDA-event timings in ms (the SamplingBatch is built once per case; its host build time,
 one packed host-to-device copy included, is reported separately).
 
     PYTHONPATH=. python3 benchmarks/bench_sampler.py [--dtype bf16|fp32] [--json PATH]
@@ -77,7 +77,8 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(**{**p.__dict__, "logprobs": LOGPROBS_K}) if i in asking else p for i, p in enumerate(params)]
 
 
-BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "top_k_top_p", "mixed_topk_topp", "plain_16_seeded", "mixed_16_seeded"]
+BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "top_k_top_p", "mixed_topk_topp", "plain_16_seeded",
+              "mixed_16_seeded"]
 LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
 CASES = BASE_CASES + LOGPROB_CASES
 

@@ -104,12 +104,17 @@ def decode_expert_elements(cfg: ModelConfig, max_tokens: Sequence[int]) -> float
     """Expert weight elements the workload's decode steps read (0 for a dense model): per step
     and sparse layer, the expected distinct experts of its rows (expected_experts_hit of
     decode_rows) times one expert's elements."""
+    return sum(step_expert_elements(cfg, b) for b in decode_rows(max_tokens))
+
+
+def step_expert_elements(cfg: ModelConfig, rows: int) -> float:
+    """Expert weight elements one decode step of `rows` rows reads (0 for a dense model): per
+    sparse layer, the expected distinct experts of its rows times one expert's elements."""
     if cfg.moe is None:
         return 0
     moe = cfg.moe
-    rows = decode_rows(max_tokens)
-    experts_read = sum(expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, b) for b in rows)
-    return len(cfg.sparse_layers()) * expert_elements(cfg) * experts_read
+    hit = expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, rows)
+    return len(cfg.sparse_layers()) * expert_elements(cfg) * hit
 
 
 def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
@@ -146,19 +151,16 @@ def decode_step_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[i
     them (every request running from the start): the weights read in full, an MoE model's
     expected experts of its rows, and each running request's context, prompt + t tokens. Their
     bytes sum to workload_bytes' two terms (experts up to its rounding)."""
-    ends = Counter(n - 1 for n in max_tokens)  # last decode step -> requests ending there
-    ends_prompt = Counter()
+    ends_prompt = Counter()  # last decode step -> prompt tokens of the requests ending there
     for p, n in zip(prompt_lens, max_tokens, strict=True):
         ends_prompt[n - 1] += p
-    running, prompt_sum = len(max_tokens) - ends[0], sum(prompt_lens) - ends_prompt[0]
+    prompt_sum = sum(prompt_lens) - ends_prompt[0]  # prompts of the requests decoding at step t
     per_token, weights = kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes
-    moe = cfg.moe
     steps = []
-    for t in range(1, max(max_tokens)):
-        experts = 0.0 if moe is None else (len(cfg.sparse_layers()) * expert_elements(cfg) * elem_bytes
-                                           * expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, running))
+    for t, running in enumerate(decode_rows(max_tokens), start=1):
+        experts = step_expert_elements(cfg, running) * elem_bytes
         steps.append((running, weights + experts + per_token * (prompt_sum + running * t)))
-        running, prompt_sum = running - ends[t], prompt_sum - ends_prompt[t]
+        prompt_sum -= ends_prompt[t]
     return steps
 
 

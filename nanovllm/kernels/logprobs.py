@@ -87,7 +87,8 @@ def _best_keys(keys, K: tl.constexpr, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab, stride_x,
+def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab,
+                     stride_x,
                      HAS_ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      S: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -210,7 +211,9 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     if r == 0:
         return chosen, top_ids, top_lps
     # [R, C, k] keys and [R, C, 2] float32 stats; the [R] counters start at 0
-    counters, work = (workspace if workspace is not None else LogprobsWorkspace()).take(r, r * num_chunks * (k + 1), dev)
+    if workspace is None:
+        workspace = LogprobsWorkspace()  # this call's own, zeroed counters
+    counters, work = workspace.take(r, r * num_chunks * (k + 1), dev)
     _logprobs_kernel[(r, num_chunks)](
         logits, token_ids if rows is None else rows, token_ids, counters, work, chosen, top_ids, top_lps, vocab,
         logits.stride(0), HAS_ROWS=rows is not None, K=k, K_PAD=next_pow2(max(1, k)), BLOCK=block,
