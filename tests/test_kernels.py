@@ -667,7 +667,8 @@ def test_decode_num_seqs_out_bad_inputs():
 def test_import_exports():
     import nanovllm.kernels as kmod
     assert sorted(kmod.__all__) == ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-                                    "fused_moe", "gumbel_sample", "moe_align", "moe_gemv", "moe_route", "query_tile_rows",
+                                    "fused_moe", "gumbel_sample", "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route",
+                                    "query_tile_rows",
                                     "row_logprobs",
                                     "store_kvcache"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

@@ -49,9 +49,11 @@ SPECS = [
        "KEYS_PAD": 256 if k else 1} for k in (0, 5)]),
     ("moe_routing", "_route_kernel", {"weights_ptr": "*fp32", "ids_ptr": "*i32"},
      [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]),
-    ("moe_decode", "_gate_up_gemv", {"ids_ptr": "*i32"},
-     [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k, "PDL": p}
-      for p in (True, False)]),
+    # routed ids given, or routing from bf16 logits folded in (128 experts, top 8)
+    ("moe_decode", "_gate_up_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
+     [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
+       "ROUTE": route, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": route, "PDL": p}
+      for route in (False, True) for p in (True, False)]),
     ("moe_decode", "_down_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
      [{"TOP_K": k, "K_PAD": 1 << (k - 1).bit_length(), "BLOCK_N": DECODE_TILES.down_block_n,
        "BLOCK_K": DECODE_TILES.down_block_k, "PDL": p} for k in (8, 6, 1) for p in (True, False)]),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm.kernels.moe_decode import DEFAULT_TILES, GemvTiles, moe_gemv
+from nanovllm.kernels.moe_decode import DEFAULT_TILES, GemvTiles, moe_gemv, moe_gemv_routed
+from nanovllm.kernels.moe_routing import moe_route
 from test_fused_moe import DEVICES, QWEN3_30B, TOLERANCE, assert_close, make_case, reference_moe
 
 
@@ -34,6 +35,43 @@ def check_against_reference(args, dtype, **kwargs):
 def test_matches_float64_reference(device, dtype, tokens):
     e, k, h, i = shape(device)
     check_against_reference(make_case(tokens, e, k, h, i, dtype, device, seed=tokens, row_pad=3), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,top_k,renormalize", [(1, 2, True), (2, 3, False), (2, 8, True)])
+def test_routing_folded_in_equals_moe_route_then_moe_gemv(device, tokens, top_k, renormalize):
+    """moe_gemv_routed: its weights and ids are moe_route's on the same logits (ties among the
+    logits included: the lower expert first), and its output is moe_gemv's on them, bit for bit,
+    and within tolerance of the float64 reference; a row of NaN logits (a padded graph row) still
+    names distinct experts."""
+    e, _, h, i = shape(device)
+    dtype = torch.bfloat16
+    hidden, w13, w2, _, _ = make_case(tokens, e, top_k, h, i, dtype, device, seed=20 + top_k)
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(tokens, e, generator=g).to(dtype)
+    logits[0, 1] = logits[0, 4] = logits[0].max()  # a tie at the top
+    if tokens == 2:
+        logits[1] = float("nan")
+    logits = logits.to(device)
+    out, weights, ids = moe_gemv_routed(hidden, w13, w2, logits, top_k, renormalize)
+    want_weights, want_ids = moe_route(logits, top_k, renormalize)
+    assert torch.equal(ids, want_ids) and torch.equal(weights.nan_to_num(-1), want_weights.nan_to_num(-1))
+    assert ids[0, :2].tolist() == [1, 4]
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    torch.testing.assert_close(out, moe_gemv(hidden, w13, w2, want_weights, want_ids), rtol=0, atol=0, equal_nan=True)
+    if tokens == 1:
+        assert_close(out, reference_moe(hidden, w13, w2, weights, ids), dtype)
+
+
+def test_routed_path_refuses_logits_that_do_not_fit():
+    e, k, h, i = shape("cpu")
+    hidden, w13, w2, _, _ = make_case(1, e, k, h, i, torch.float32, "cpu", seed=1)
+    with pytest.raises(ValueError, match="router_logits"):
+        moe_gemv_routed(hidden, w13, w2, torch.zeros(1, e + 1), k, True)
+    with pytest.raises(ValueError, match="router_logits"):
+        moe_gemv_routed(hidden, w13, w2, torch.zeros(2, e), k, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_gemv_routed(hidden, w13, w2, torch.zeros(1, e), e + 1, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,7 +9,8 @@
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe_sort.py).
-- `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py).
+- `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py);
+  `moe_gemv_routed`: the same with the routing folded into the first launch.
 - `moe_route`: the router's softmax, top k and renormalisation in one launch (moe_routing.py).
 
 Triton is imported on the first call, so `import nanovllm.kernels` works on machines
@@ -17,7 +18,7 @@ without Triton (the CPU path uses kernels/torch_attention.py); a call there rais
 """
 
 __all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
-           "moe_align", "moe_gemv", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache"]
+           "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -128,3 +129,13 @@ def moe_gemv(hidden, w13, w2, topk_weights, topk_ids):
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def moe_gemv_routed(hidden, w13, w2, router_logits, top_k, renormalize):
+    """moe_route + moe_gemv in moe_gemv's two launches -> (out, weights, ids); see
+    moe_decode.moe_gemv_routed."""
+    try:
+        from .moe_decode import moe_gemv_routed as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(hidden, w13, w2, router_logits, top_k, renormalize)

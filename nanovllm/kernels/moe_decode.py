@@ -10,6 +10,11 @@ seven launches; at one token those launches, not the weight reads, dominate).
              out[t, n] = sum_k weights[t, k] * acc[k, n]                              out [T, H]
              each step: [KP, BN, BK] = BN rows of every picked expert, KP = next_pow2(K)
 
+moe_gemv_routed folds the routing (kernels/moe_routing.route_row) into gate_up: each program
+computes its token's softmax and top k from the router logits (E values) and takes its slot's
+expert; the slot-0, first-tile program of each token also writes the token's weights and ids for
+the down launch. One launch (the separate routing kernel) fewer a layer.
+
 gate_up streams BN weight rows over H in BK steps (accumulators [BN, BK] float32, as
 kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in flight together
 (one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
@@ -32,6 +37,7 @@ import triton.language as tl
 from .checks import check_matrix, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
+from .moe_routing import check_router_logits, expert_block, route_row
 from .pdl import pdl_for_grid, wait_for_prior
 
 # Most tokens this path serves: past 2 the grouped GEMMs of kernels/moe.py read each picked
@@ -73,12 +79,24 @@ DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_B
 
 
 @triton.jit
-def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, hidden_size, inter, stride_h, stride_we, stride_wn,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)  # before any load: hidden and the ids are written upstream
+def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr, hidden_size, inter, num_experts,
+                  stride_h, stride_we, stride_wn, stride_l,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
+                  K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)  # before any load: hidden and the ids (or the router logits) are written upstream
     pair = tl.program_id(0)
     token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTE:  # this token's routing, from its E logits; ids / weights are outputs
+        w, ids = route_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD, BLOCK_E,
+                           RENORMALIZE)  # [K_PAD] each
+        slots = tl.arange(0, K_PAD)
+        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0).to(tl.int64)
+        # slot 0's first tile (one program a token) publishes its TOP_K slots; the others none
+        publish = slots < tl.where(pair % TOP_K + tl.program_id(1) == 0, TOP_K, 0)
+        tl.store(weights_ptr + token * TOP_K + slots, w, mask=publish)
+        tl.store(ids_ptr + token * TOP_K + slots, ids, mask=publish)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < inter
     rows = tl.minimum(rn, inter - 1).to(tl.int64)  # columns past I repeat row I - 1, never stored
@@ -131,11 +149,8 @@ def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inte
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
-    """Same contract as kernels/moe.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
-    in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights [T, K] float32,
-    topk_ids [T, K] int32/int64 (contiguous). `tiles` overrides DEFAULT_TILES (benchmarks)."""
+def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """(T, H, I) of a 1..MAX_TOKENS token step over these stacked experts; else a clear error."""
     check_matrix("hidden", hidden)
     t, h = hidden.shape
     if not 1 <= t <= MAX_TOKENS:
@@ -143,10 +158,21 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.stride(-1) != 1 or w.dtype != hidden.dtype:
             raise ValueError(f"{name} must be a 3-D {hidden.dtype} tensor with a contiguous last dim")
+        if w.device != hidden.device:
+            raise ValueError(f"{name} is on {w.device}, hidden on {hidden.device}")
     e, two_i, wh = w13.shape
     inter = two_i // 2
     if wh != h or two_i % 2 or tuple(w2.shape) != (e, h, inter):
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {tuple(hidden.shape)}")
+    return t, h, inter
+
+
+def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
+    """Same contract as kernels/moe.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
+    in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights [T, K] float32,
+    topk_ids [T, K] int32/int64 (contiguous). `tiles` overrides DEFAULT_TILES (benchmarks)."""
+    t, _, _ = _check_experts(hidden, w13, w2)
     if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
             or topk_ids.dim() != 2 or topk_ids.shape[0] != t or not topk_ids.is_contiguous()):
         raise TypeError(f"topk_ids must be a contiguous int32/int64 [{t}, K] tensor")
@@ -154,18 +180,47 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
             or topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous()):
         raise TypeError(f"topk_weights must be a contiguous float32 [{t}, {k}] tensor")
-    for name, x in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+    for name, x in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
+    return _launch(hidden, w13, w2, topk_weights, topk_ids, None, False, tiles)
+
+
+def moe_gemv_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
+                    top_k: int, renormalize: bool, tiles: GemvTiles | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_route + moe_gemv in moe_gemv's two launches: router_logits [T, E] (E = w13's experts;
+    float16/bfloat16/float32, contiguous last dim) -> (out [T, H], weights [T, K] float32, ids
+    [T, K] int32), the routing exactly as moe_route gives it."""
+    t, _, _ = _check_experts(hidden, w13, w2)
+    tokens, num_experts = check_router_logits(router_logits, top_k)
+    if tokens != t or num_experts != w13.shape[0] or router_logits.device != hidden.device:
+        raise ValueError(f"router_logits {tuple(router_logits.shape)} on {router_logits.device} must be "
+                         f"[{t}, {w13.shape[0]}] on {hidden.device}")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=hidden.device)  # [T, K], written by gate_up
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=hidden.device)  # [T, K], written by gate_up
+    out = _launch(hidden, w13, w2, weights, ids, router_logits, bool(renormalize), tiles)
+    return out, weights, ids
+
+
+def _launch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, router_logits: torch.Tensor | None, renormalize: bool,
+            tiles: GemvTiles | None) -> torch.Tensor:
+    """The two launches on checked arguments; with router_logits, gate_up routes and writes
+    topk_weights / topk_ids."""
     if tiles is None:
         tiles = DEFAULT_TILES
     if not isinstance(tiles, GemvTiles):
         raise TypeError(f"tiles must be a GemvTiles or None, got {type(tiles).__name__}")
+    (t, h), inter, k = hidden.shape, w2.shape[2], topk_ids.shape[1]
+    route = router_logits is not None
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
     gate_up_grid = (t * k, triton.cdiv(inter, tiles.gate_up_block_n))
     _gate_up_gemv[gate_up_grid](
-        hidden, w13, topk_ids, act, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+        hidden, w13, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
+        hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0,
         TOP_K=k, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
+        ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
     down_grid = (t, triton.cdiv(h, tiles.down_block_n))

@@ -27,14 +27,13 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PDL: tl.constexpr):
-    wait_for_prior(PDL)  # the logits come from the router's projection
-    t = tl.program_id(0).to(tl.int64)
+def route_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+              RENORMALIZE: tl.constexpr):
+    """One token's routing from its logits at row_ptr ([num_experts]): (weights [K_PAD] float32,
+    ids [K_PAD] int32), slots past TOP_K holding 0 (kernels/moe_decode.py routes with it too)."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    x = tl.load(logits_ptr + t * stride_l + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
     p = tl.exp2((x - tl.max(x, axis=0)) * LOG2E)  # padding: exp2(-inf) = 0
     p = p / tl.sum(p, axis=0)
     # Padding is never picked; a row with non-finite logits (a padded graph row's garbage) has
@@ -51,16 +50,31 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         p = tl.where(experts == e, -1.0, p)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)  # slots past TOP_K hold 0
+    return w, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_prior(PDL)  # the logits come from the router's projection
+    t = tl.program_id(0).to(tl.int64)
+    w, ids = route_row(logits_ptr + t * stride_l, num_experts, TOP_K, K_PAD, BLOCK_E, RENORMALIZE)
+    slots = tl.arange(0, K_PAD)
     out = t * TOP_K + slots
     keep = slots < TOP_K
     tl.store(weights_ptr + out, w, mask=keep)
     tl.store(ids_ptr + out, ids, mask=keep)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float16/bfloat16/float32, contiguous last dim) -> (weights [T, K]
-    float32, expert ids [T, K] int32): the top-k of the float32 softmax by descending weight,
-    divided by their sum when `renormalize` (as layers/fused_moe.route)."""
+def expert_block(num_experts: int) -> int:
+    """BLOCK_E of route_row for num_experts experts: a power of two, at least 16."""
+    return max(16, next_pow2(num_experts))
+
+
+def check_router_logits(logits: torch.Tensor, top_k: int) -> tuple[int, int]:
+    """(tokens, experts) of router logits [T, E] that route_row can take with this top_k; else a
+    ValueError naming what is wrong."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be 2-D [tokens, experts] with a contiguous last dim, got "
                          f"{tuple(getattr(logits, 'shape', ()))}")
@@ -70,12 +84,20 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
         raise ValueError(f"routing serves 1..{MAX_EXPERTS} experts, got {num_experts}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+    return tokens, num_experts
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float16/bfloat16/float32, contiguous last dim) -> (weights [T, K]
+    float32, expert ids [T, K] int32): the top-k of the float32 softmax by descending weight,
+    divided by their sum when `renormalize` (as layers/fused_moe.route)."""
+    tokens, num_experts = check_router_logits(logits, top_k)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)  # [T, K]
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)  # [T, K]
     if tokens:
         _route_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=max(16, next_pow2(num_experts)),
+            TOP_K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=expert_block(num_experts),
             RENORMALIZE=bool(renormalize), num_warps=NUM_WARPS, **pdl_for_grid(logits, tokens),
         )
     return weights, ids

@@ -19,8 +19,9 @@ each filling a whole parameter (its `shard_groups`, utils/loader.py).
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (kernels/moe_routing.py) and runs the experts as the fused Triton MoE
 (kernels/moe.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
-graphs), or for decode steps of 1-2 tokens as two GEMV launches (kernels/moe_decode.py); on other
-devices `route` and `experts_native`, a plain PyTorch loop over the experts that some token picked.
+graphs), or for decode steps of 1-2 tokens as two GEMV launches that route too
+(kernels/moe_decode.moe_gemv_routed); on other devices `route` and `experts_native`, a plain
+PyTorch loop over the experts that some token picked.
 """
 
 from __future__ import annotations
@@ -141,17 +142,28 @@ class MoeExperts(nn.Module):
         offset = 0 if proj == GATE_PROJ else local
         return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
 
+    def runs_gemv(self, hidden: torch.Tensor) -> bool:
+        """Whether this step's experts run as the decode GEMVs (kernels/moe_decode.py): on CUDA, in
+        a decode step of 1-2 tokens. Decided by the step's kind as well as its size, so that an
+        eager step and the CUDA graph replaying it (decode graphs of 1 and 2 rows; prefill / mixed
+        graphs pad to 16+ tokens) always run the same kernels."""
+        return self.use_triton and in_decode_step() and hidden.shape[0] <= MOE_GEMV_MAX_TOKENS
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if not self.use_triton:
             return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
         from nanovllm.kernels import fused_moe, moe_gemv
 
-        # Decode steps of 1-2 tokens: two GEMV launches. Decided by the step's kind as well as its
-        # size, so that an eager step and the CUDA graph replaying it (decode graphs of 1 and 2
-        # rows; prefill / mixed graphs pad to 16+ tokens) always run the same kernels.
-        if in_decode_step() and hidden.shape[0] <= MOE_GEMV_MAX_TOKENS:
+        if self.runs_gemv(hidden):
             return moe_gemv(hidden, self.w13, self.w2, topk_weights, topk_ids)
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+
+    def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                       renormalize: bool) -> torch.Tensor:
+        """The decode GEMVs with the routing folded into their first launch (runs_gemv steps only)."""
+        from nanovllm.kernels import moe_gemv_routed
+
+        return moe_gemv_routed(hidden, self.w13, self.w2, router_logits, top_k, renormalize)[0]
 
 
 class SparseMoeBlock(nn.Module):
@@ -171,8 +183,12 @@ class SparseMoeBlock(nn.Module):
             self.route = route
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(self.gate(hidden), self.top_k, self.renormalize)  # [T, K] each
-        out = self.experts(hidden, topk_weights, topk_ids)  # [T, H]
+        logits = self.gate(hidden)  # [T, E]
+        if self.experts.runs_gemv(hidden):  # routing inside the expert GEMVs: one launch fewer
+            out = self.experts.forward_routed(hidden, logits, self.top_k, self.renormalize)  # [T, H]
+        else:
+            topk_weights, topk_ids = self.route(logits, self.top_k, self.renormalize)  # [T, K] each
+            out = self.experts(hidden, topk_weights, topk_ids)  # [T, H]
         if self.experts.tp_size > 1:
             dist.all_reduce(out)
         return out
