@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, _top_k_top_p_threshold
 from nanovllm.layers.sampling_batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cases", nargs="*", choices=CASES, default=CASES)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--torch-thresholds", action="store_true",
+                        help="top-k/top-p thresholds by the CPU path's torch.topk / sort instead of the Triton select")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler needs a CUDA device")
@@ -117,6 +119,8 @@ def main() -> None:
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
     with device:
         sampler = Sampler()  # built on CUDA: the Triton noise kernel, as in the engine
+    if args.torch_thresholds:
+        sampler.top_k_top_p_threshold = _top_k_top_p_threshold
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:

@@ -40,6 +40,8 @@ for part in $parts; do
               | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done \
               | tee "$OUT/readme-full.log" | tail -75 | tee "$OUT/readme.log"
             echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
+    samplercmp) for b in 1 16 256; do for t in "" --torch-thresholds; do timeout 90 python3 benchmarks/bench_sampler.py --batch $b $t --cases top_k_only top_p_only top_k_top_p mixed_topk_topp --iters 30 2>&1 | tail -5 | tee -a "$OUT/samplercmp.log"; done; done ;;
+    filtergpu) timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sampling_filter.py tests/test_sampler_gpu.py > "$OUT/filtergpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/filtergpu.log" | head -20 ;;
     gemmsweep) timeout 300 python3 benchmarks/bench_gemm.py --sweep --json "$OUT/gemm-sweep.json" 2>&1 | tail -40 | tee "$OUT/gemmsweep.log" ;;
     moesweep) timeout 200 python3 benchmarks/bench_moe.py --sweep-gemv --json "$OUT/gemv-sweep.json" 2>&1 | tail -70 | tee "$OUT/moesweep.log" ;;
     moefsweep) timeout 400 python3 benchmarks/bench_moe.py --sweep --tokens 64 128 256 512 --json "$OUT/fused-sweep.json" 2>&1 | grep -v skipped | tail -20 | tee "$OUT/moefsweep.log" ;;

@@ -47,6 +47,17 @@ SPECS = [
                                       "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": True, "K": k, "K_PAD": 8 if k else 1, "BLOCK": 4096, "S": 32, "C_PAD": 64,
        "KEYS_PAD": 256 if k else 1} for k in (0, 5)]),
+    # top-k/top-p radix select at the serving vocabulary (38 chunks of 4096): first / second / later
+    # passes, counts (top-k) and masses (top-p), and the final choice
+    ("sampling_filter", "_histogram_kernel", {"probs_ptr": "*fp32", "target_ptr": "*fp32", "floor_ptr": "*i32",
+                                              "part_in_ptr": "*fp32", "part_out_ptr": "*fp32",
+                                              "prefix_in_ptr": "*i32", "state_in_ptr": "*fp32",
+                                              "prefix_out_ptr": "*i32", "state_out_ptr": "*fp32"},
+     [{"PASS0": i == 0, "FIRST": i == 1, "WEIGHTED": w, "BINS": 16, "CHUNK": 4096, "TILE": 256, "C_PAD": 64}
+      for i in (0, 1, 2) for w in (False, True)]),
+    ("sampling_filter", "_final_kernel", {"target_ptr": "*fp32", "floor_ptr": "*i32", "part_ptr": "*fp32",
+                                          "prefix_ptr": "*i32", "state_ptr": "*fp32", "out_ptr": "*i32"},
+     [{"WEIGHTED": w, "BINS": 16, "C_PAD": 64} for w in (False, True)]),
     ("moe_routing", "_route_kernel", {"weights_ptr": "*fp32", "ids_ptr": "*i32"},
      [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]),
     # routed ids given, or routing from bf16 logits folded in (128 experts, top 8)

@@ -7,6 +7,7 @@
 - `store_kvcache`: scatter new K/V rows into the paged cache, slots < 0 skipped (kv_store.py).
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
+- `top_k_top_p_threshold`: each row's top-k/top-p probability threshold by radix select (sampling_filter.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe_sort.py).
 - `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py);
@@ -18,7 +19,8 @@ without Triton (the CPU path uses kernels/torch_attention.py); a call there rais
 """
 
 __all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
-           "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache"]
+           "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache",
+           "top_k_top_p_threshold"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -111,6 +113,15 @@ def row_logprobs(logits, token_ids, k, rows=None, *, workspace=None):
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(logits, token_ids, k, rows, workspace=workspace)
+
+
+def top_k_top_p_threshold(probs, top_ks, top_ps):
+    """Per-row top-k/top-p probability thresholds [B, 1]; see sampling_filter.top_k_top_p_threshold."""
+    try:
+        from .sampling_filter import top_k_top_p_threshold as impl
+    except ImportError as exc:
+        raise _triton_missing(exc) from exc
+    return impl(probs, top_ks, top_ps)
 
 
 def moe_route(logits, top_k, renormalize):

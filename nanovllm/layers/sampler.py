@@ -9,7 +9,8 @@ Pipeline (vLLM's order), all in float32:
 2. ``probs = softmax(scaled)``.
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
    probabilities (only torch.topk's max_top_k largest when every top-p row also uses
-   top-k) give each row a *threshold* value; top-k's is the k-th largest
+   top-k; on CUDA a Triton radix select on the float bits, no sort: kernels/sampling_filter.py)
+   give each row a *threshold* value; top-k's is the k-th largest
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
@@ -51,7 +52,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from nanovllm.kernels import gumbel_sample, row_logprobs
+from nanovllm.kernels import gumbel_sample, row_logprobs, top_k_top_p_threshold
 from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import construction_device, uses_triton
 from nanovllm.layers.sampling_batch import SamplingBatch
@@ -163,6 +164,13 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
     return chosen, top_ids, logprobs.gather(1, top_ids)
 
 
+def _kernel_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """``_top_k_top_p_threshold`` by the Triton radix select (kernels/sampling_filter.py): no sort,
+    no topk. The same thresholds (top-p within float32 rounding of its partial sums), except 0.0
+    where neither filter is on (the same tokens kept)."""
+    return top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
+
+
 class Sampler(torch.nn.Module):
     """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`, and the
     logprobs of the rows that ask for them."""
@@ -182,6 +190,8 @@ class Sampler(torch.nn.Module):
             self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
         else:
             self.token_logprobs = token_logprobs
+        # top-k/top-p thresholds: the Triton radix select on CUDA, torch.topk or a sort elsewhere.
+        self.top_k_top_p_threshold = _kernel_threshold if triton_path else _top_k_top_p_threshold
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
@@ -211,7 +221,7 @@ class Sampler(torch.nn.Module):
 
         threshold: Tensor | None = None
         if batch.top_ks is not None or batch.top_ps is not None:
-            threshold = _top_k_top_p_threshold(probs, batch)
+            threshold = self.top_k_top_p_threshold(probs, batch)
         if batch.min_ps is not None:
             # The top token survives top-k/top-p, so the max is unchanged by them.
             min_p_th = batch.min_ps.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
