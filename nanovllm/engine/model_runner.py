@@ -179,9 +179,9 @@ class ModelRunner:
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if logits is not None:
-            # top-p without top-k takes the sampler's most memory-hungry path (a full sort: its
-            # peak is what the KV cache must leave room for); top-k with top-p its torch.topk path,
-            # with every row's logprobs; plain sampling the fused noise kernel's other variant.
+            # Each threshold path the sampler can take, at full batch, so its kernels compile here
+            # and its peak memory is what the KV cache leaves room for: top-p alone (on the CPU a
+            # full sort), top-k with top-p and every row's logprobs, plain sampling.
             keys = [0] * cfg.max_num_seqs
             for sp in (SamplingParams(temperature=1.0, top_p=0.9),
                        SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
