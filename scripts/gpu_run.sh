@@ -5,9 +5,9 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session: branch gpu-unverified (main plus what only the interpreter has run: the folded GQA-8
-# merge, routing inside the MoE GEMVs, radix-select top-k/top-p thresholds) lists the calls that verify
-# it in its copy of this comment; fast-forward main to it once they pass.
+# Next session (this branch, gpu-unverified, holds what only the interpreter has run: the folded GQA-8
+# merge, routing inside the MoE GEMVs, the radix-select thresholds): call 1 `decodegpu filtergpu
+# samplercmp`, call 2 `moesweep gemmsweep moebench profilemoe bench`; fast-forward main to what passes.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
