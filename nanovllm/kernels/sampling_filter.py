@@ -22,7 +22,9 @@ program keeps the row's state (prefix, weight above it, target weight) for the p
 
     launch i:  read part[(i-1) % 2], state[i % 2]  ->  write part[i % 2], state[(i-1) % 2]
 
-A last one-program-a-row launch makes the final choice. Per-chunk histograms are summed in a
+A program whose chunk weighed nothing in the bin just chosen has no element under the new prefix
+and reads nothing: after the first passes, most chunks. A last one-program-a-row launch makes the
+final choice. Per-chunk histograms are summed in a
 fixed order, so a row's threshold does not depend on timing. Top-p sums float32 masses in another
 order than torch's cumsum: where a limit lies within rounding of a partial sum, the threshold may
 keep one value (with its ties) more or less than the torch path. Top-k is exact.
@@ -47,6 +49,10 @@ CHUNK = 4096
 # Columns per step: [BINS, TILE] float32 accumulators, 32 a thread at NUM_WARPS = 4.
 TILE = 256
 NUM_WARPS = 4
+# Counts are float32 histograms: exact up to 2**24 elements a row.
+MAX_VOCAB = 2**24
+# Chunks ride grid axis 1, which CUDA caps at 65535.
+MAX_CHUNKS = 65535
 
 
 @triton.jit
@@ -66,8 +72,9 @@ def _choose(hist, above, limit, BINS: tl.constexpr):
 @triton.jit
 def _redo_choice(row, target, part_ptr, prefix_ptr, state_ptr, num_chunks, prev_shift,
                  FIRST: tl.constexpr, WEIGHTED: tl.constexpr, BINS: tl.constexpr, C_PAD: tl.constexpr):
-    """The row's (prefix, above, limit) after the previous pass: its choice redone from that pass's
-    per-chunk histograms at part_ptr and the state before it (FIRST: the start)."""
+    """The row's (prefix, above, limit) after the previous pass, and the digit it chose: that
+    pass's choice redone from its per-chunk histograms at part_ptr and the state before it
+    (FIRST: the start)."""
     c = tl.arange(0, C_PAD)
     bins = tl.arange(0, BINS)
     offs = (row * num_chunks + c[:, None]) * BINS + bins[None, :]
@@ -81,10 +88,11 @@ def _redo_choice(row, target, part_ptr, prefix_ptr, state_ptr, num_chunks, prev_
         above = tl.load(state_ptr + 2 * row)
         limit = tl.load(state_ptr + 2 * row + 1)
     digit, above = _choose(hist, above, limit, BINS)
-    return prefix | (digit << prev_shift), above, limit
+    return prefix | (digit << prev_shift), above, limit, digit
 
 
-@triton.jit
+# The digit position and its mask change every pass: specialized, they would compile per pass.
+@triton.jit(do_not_specialize=["shift", "decided"])
 def _histogram_kernel(probs_ptr, target_ptr, floor_ptr, part_in_ptr, part_out_ptr, prefix_in_ptr, state_in_ptr,
                       prefix_out_ptr, state_out_ptr, vocab, stride_p, num_chunks, shift, decided,
                       PASS0: tl.constexpr, FIRST: tl.constexpr, WEIGHTED: tl.constexpr, BINS: tl.constexpr,
@@ -94,17 +102,21 @@ def _histogram_kernel(probs_ptr, target_ptr, floor_ptr, part_in_ptr, part_out_pt
     bins = tl.arange(0, BINS)
     target = tl.load(target_ptr + row)
     acc = tl.zeros([BINS, TILE], tl.float32)  # [BINS, TILE] per-lane weights of each digit
-    if target > 0:  # rows with this filter off read nothing (their histograms stay 0)
-        if PASS0:
-            prefix = tl.zeros([], tl.int32)
-        else:
+    live = target > 0  # rows with this filter off read nothing (their histograms stay 0)
+    prefix = tl.zeros([], tl.int32)
+    if not PASS0:
+        if live:
             # the previous pass's digit sits just above this one's
-            prefix, above, limit = _redo_choice(row, target, part_in_ptr, prefix_in_ptr, state_in_ptr, num_chunks,
-                                                shift + RADIX_BITS, FIRST, WEIGHTED, BINS, C_PAD)
+            prefix, above, limit, digit = _redo_choice(row, target, part_in_ptr, prefix_in_ptr, state_in_ptr,
+                                                       num_chunks, shift + RADIX_BITS, FIRST, WEIGHTED, BINS, C_PAD)
             if chunk == 0:
                 tl.store(prefix_out_ptr + row, prefix)
                 tl.store(state_out_ptr + 2 * row, above)
                 tl.store(state_out_ptr + 2 * row + 1, limit)
+            # this chunk's weight in the chosen bin is the weight of its elements under the new
+            # prefix: none (0) and it has nothing to read (zero-valued matches weigh nothing either)
+            live = tl.load(part_in_ptr + (row * num_chunks + chunk) * BINS + digit) > 0
+    if live:
         floor = tl.load(floor_ptr + row)
         row_ptr = probs_ptr + row * stride_p
         for s in tl.static_range(CHUNK // TILE):
@@ -113,8 +125,8 @@ def _histogram_kernel(probs_ptr, target_ptr, floor_ptr, part_in_ptr, part_out_pt
             x = tl.load(row_ptr + cols, mask=inside, other=0.0)  # [TILE] float32
             bits = x.to(tl.int32, bitcast=True) & ABS_MASK
             matched = inside & ((bits & decided) == prefix) & (bits >= floor)  # decided: the bits above the digit
-            digit = tl.where(matched, (bits >> shift) & (BINS - 1), BINS)  # BINS: no bin
-            hit = digit[None, :] == bins[:, None]  # [BINS, TILE]
+            nibble = tl.where(matched, (bits >> shift) & (BINS - 1), BINS)  # [TILE] this pass's digit; BINS: none
+            hit = nibble[None, :] == bins[:, None]  # [BINS, TILE]
             if WEIGHTED:
                 acc += tl.where(hit, x[None, :], 0.0)
             else:
@@ -130,8 +142,8 @@ def _final_kernel(target_ptr, floor_ptr, part_ptr, prefix_ptr, state_ptr, out_pt
     target = tl.load(target_ptr + row)
     result = tl.load(floor_ptr + row)
     if target > 0:
-        result, _, _ = _redo_choice(row, target, part_ptr, prefix_ptr, state_ptr, num_chunks, 0, False, WEIGHTED,
-                                    BINS, C_PAD)
+        result, _, _, _ = _redo_choice(row, target, part_ptr, prefix_ptr, state_ptr, num_chunks, 0, False, WEIGHTED,
+                                       BINS, C_PAD)
     tl.store(out_ptr + row, result)
 
 
@@ -141,9 +153,11 @@ def _select(probs: torch.Tensor, target: torch.Tensor, floor: torch.Tensor, weig
     batch, vocab = probs.shape
     num_chunks = triton.cdiv(vocab, chunk)
     dev = probs.device
-    part = torch.empty((2, batch, num_chunks, BINS), dtype=torch.float32, device=dev)  # by pass parity
-    prefix = torch.empty((2, batch), dtype=torch.int32, device=dev)
-    state = torch.empty((2, batch, 2), dtype=torch.float32, device=dev)  # (above, limit)
+    # by pass parity, each its own allocation: a slice of one would start unaligned at some batch
+    # sizes, and Triton compiles a kernel per pointer alignment (mid-run, for a new batch size)
+    part = [torch.empty((batch, num_chunks, BINS), dtype=torch.float32, device=dev) for _ in range(2)]
+    prefix = [torch.empty(batch, dtype=torch.int32, device=dev) for _ in range(2)]
+    state = [torch.empty((batch, 2), dtype=torch.float32, device=dev) for _ in range(2)]  # (above, limit)
     common = dict(WEIGHTED=weighted, BINS=BINS, C_PAD=next_pow2(num_chunks))
     for i in range(PASSES):
         shift = 32 - RADIX_BITS.value * (i + 1)  # this pass's digit: bits shift .. shift + RADIX_BITS - 1
@@ -184,8 +198,10 @@ def top_k_top_p_threshold(probs: torch.Tensor, top_ks: torch.Tensor | None, top_
     if probs.dtype != torch.float32:
         raise TypeError(f"probs must be float32, got {probs.dtype}")
     batch, vocab = probs.shape
-    if vocab < 1 or vocab >= 2**31 - block:
-        raise ValueError(f"vocab must be in [1, 2**31 - block), got {vocab}")
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"vocab must be in [1, {MAX_VOCAB}], got {vocab}")
+    if triton.cdiv(vocab, block) > MAX_CHUNKS:
+        raise ValueError(f"vocab {vocab} needs more than {MAX_CHUNKS} chunks of {block}")
     if probs.stride(1) != 1 and vocab > 1:
         raise ValueError(f"probs must have a contiguous last dim, got strides {probs.stride()}")
     if top_ks is not None:
