@@ -169,3 +169,27 @@ def test_the_step_kind_reaches_layers_through_the_forward_context():
     with attention_context(AttentionMetadata(is_prefill=True, slot_mapping=slots)):
         assert not in_decode_step()
     assert not in_decode_step()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_layer_routes_inside_the_gemvs_in_decode_steps(tokens):
+    """SparseMoeBlock on its Triton path (forced on CPU: the interpreter) in a decode step of 1-2
+    tokens takes moe_gemv_routed and gives the PyTorch path's output on the same weights; outside
+    a decode step it does not (it routes, then fused_moe)."""
+    from nanovllm.layers.fused_moe import SparseMoeBlock
+    from nanovllm.utils.context import AttentionMetadata, attention_context
+
+    torch.manual_seed(tokens)
+    e, k, h, i = shape("cpu")
+    block = SparseMoeBlock(h, e, k, i, renormalize=True)
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    hidden = torch.randn(tokens, h)
+    want = block(hidden)  # built on CPU: route + experts_native
+    block.experts.use_triton = True  # the CUDA path's kernels, under the interpreter
+    assert not block.experts.runs_gemv(hidden)  # no decode step running
+    with attention_context(AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(tokens, dtype=torch.int64))):
+        assert block.experts.runs_gemv(hidden)
+        got = block(hidden)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
