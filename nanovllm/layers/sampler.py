@@ -9,7 +9,7 @@ Pipeline (vLLM's order), all in float32:
 2. ``probs = softmax(scaled)``.
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
    probabilities (only torch.topk's max_top_k largest when every top-p row also uses
-   top-k; on CUDA a Triton radix select on the float bits, no sort: kernels/sampling_filter.py)
+   top-k; on CUDA, for large batches that would sort, a Triton radix select on the float bits: kernels/sampling_filter.py)
    give each row a *threshold* value; top-k's is the k-th largest
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
@@ -59,6 +59,10 @@ from nanovllm.layers.sampling_batch import SamplingBatch
 
 # Largest top_k served by torch.topk instead of a full sort (when every top-p row uses top-k too).
 _TOPK_PATH_MAX_K = 1024
+# Fewest rows for which the radix select beats a full sort (H200, 151,936 columns, BENCHMARKS.md):
+# at 16 rows the two tie (0.88 / 0.85 ms), at 256 the select takes 1.58 ms against 4.39. Where
+# torch.topk applies it stays: it matches the select at 256 rows (1.36 / 1.38) and wins below.
+_RADIX_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,17 @@ class SamplerOutput:
     logprobs: TokenLogprobs | None  # None: no row asked for logprobs (and none were computed)
 
 
+def _takes_topk_path(batch: SamplingBatch) -> bool:
+    """Whether the torch path's thresholds come from torch.topk (every top-p row bounded by a
+    small top-k) rather than a full sort of each row."""
+    return batch.top_ks is not None and batch.max_top_k <= _TOPK_PATH_MAX_K and batch.top_p_within_top_k
+
+
 def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """``[B, 1]`` float32: tokens with probability below it are filtered by top-k/top-p."""
     top_ks, top_ps = batch.top_ks, batch.top_ps
     vocab = probs.shape[-1]
-    if top_ks is not None and batch.max_top_k <= _TOPK_PATH_MAX_K and batch.top_p_within_top_k:
+    if _takes_topk_path(batch):
         return _threshold_from_top(probs, batch)
 
     sorted_probs = probs.sort(dim=-1, descending=True).values
@@ -165,10 +175,13 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
 
 
 def _kernel_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """``_top_k_top_p_threshold`` by the Triton radix select (kernels/sampling_filter.py): no sort,
-    no topk. The same thresholds (top-p within float32 rounding of its partial sums), except 0.0
-    where neither filter is on (the same tokens kept)."""
-    return top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
+    """``_top_k_top_p_threshold`` on CUDA: the Triton radix select (kernels/sampling_filter.py)
+    where the torch path would sort whole rows of a large batch, the torch path otherwise. The
+    same thresholds (top-p within float32 rounding of its partial sums), except 0.0 where neither
+    filter is on (the same tokens kept)."""
+    if probs.shape[0] >= _RADIX_MIN_ROWS and not _takes_topk_path(batch):
+        return top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
+    return _top_k_top_p_threshold(probs, batch)
 
 
 class Sampler(torch.nn.Module):
@@ -190,7 +203,7 @@ class Sampler(torch.nn.Module):
             self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
         else:
             self.token_logprobs = token_logprobs
-        # top-k/top-p thresholds: the Triton radix select on CUDA, torch.topk or a sort elsewhere.
+        # top-k/top-p thresholds: on CUDA the Triton radix select where a sort would be slower.
         self.top_k_top_p_threshold = _kernel_threshold if triton_path else _top_k_top_p_threshold
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
