@@ -475,30 +475,28 @@ def test_decode(block_size, d, hq, hkv, dtype):
 
 
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float16), (48, torch.bfloat16)])
-@pytest.mark.parametrize("fold", ["whole", "passes", "kernel"])
+@pytest.mark.parametrize("fold", [True, False])
 def test_decode_split_k(monkeypatch, block_size, dtype, fold):
     """Force several splits (some empty for short rows) so the merge is exercised: in the last
-    split's program (fold, arrival counters) for the whole GQA group of 4 at once or 2 heads a
-    pass (a tile bound that holds two heads' partials), or as the merge kernel (not one head fits)."""
+    split's program (fold, arrival counters) or as the merge kernel (tile too large to fold)."""
     import nanovllm.kernels.decode_attention as dec
+    if fold:  # the merge kernel must not be launched
+        monkeypatch.setattr(dec, "_decode_merge_kernel", None)
+    else:
+        monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", 0)
     monkeypatch.setattr(dec, "MIN_TOKENS_PER_SPLIT", 16)
     monkeypatch.setattr(dec, "CPU_SM_COUNT", 64)
+    assert dec.choose_num_splits(3, 2, 160, 64) > 4
     gen = torch.Generator().manual_seed(6)
     lens = [1, 150, 70]
     k_cache, v_cache, table = make_paged(lens, block_size, 2, 64, dtype, gen)
-    splits = dec.choose_num_splits(3, 2, table.shape[1] * block_size, 64)
-    assert splits > 4
-    if fold != "kernel":  # the merge kernel must not be launched
-        monkeypatch.setattr(dec, "_decode_merge_kernel", None)
-    one_head = dec.next_pow2(splits) * 64  # fp32 elements of one head's [splits, head_dim] partials
-    monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", {"whole": 4 * one_head, "passes": 2 * one_head, "kernel": one_head - 1}[fold])
     q = randn((3, 1, 8, 64), gen, dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2)
     ref = torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
                                      True, 0.2) for i, n in enumerate(lens)])
     assert rel_err(out, ref) < TOL[dtype]
-    if fold != "kernel":
+    if fold:
         assert not dec._counter_cache[q.device].any()  # every merging program reset its counter
     again = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2)
     assert torch.equal(again, out)  # a second call finds the counters at zero

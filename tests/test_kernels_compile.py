@@ -105,12 +105,8 @@ SPECS = [
                                                   "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
                                                   "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "MERGE_G": 2, "BLOCK_S": splits, "ROW_LOOP": loop, "PDL": True}
-      for splits, fold, loop in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]
-     # Qwen3-30B-A3B at batch 1: GQA 8 over 16 splits, merged 4 heads a pass (two passes)
-     + [{"GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": 16,
-         "DOT_PREC": None, "UPCAST": False, "FOLD": True, "MERGE_G": 4, "BLOCK_S": 16, "ROW_LOOP": False,
-         "PDL": True}]),
+       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROW_LOOP": loop, "PDL": True}
+      for splits, fold, loop in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]),
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     ("gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",

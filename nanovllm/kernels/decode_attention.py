@@ -5,8 +5,7 @@ whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV 
 tl.dot MMAs) over its slice of the sequence, and writes a partial
 (log-sum-exp, normalised accumulator) pair. The merge of the splits either runs in the
 last stage-1 program to finish for its (sequence, kv head), which it learns from an
-arrival counter ([heads, splits, D] tiles of at most FOLD_MAX_ELEMS, the group in one pass or
-several), or as stage 2 (grid batch x Hq) when not even one head's tile fits.
+arrival counter (small [group, splits, D] tiles), or as stage 2 (grid batch x Hq).
 With a single split, stage 1 writes the final output and nothing is merged.
 
 Paging and split arithmetic for a sequence of length L (BLOCK_N = 64 here)::
@@ -50,10 +49,9 @@ NO_SPLIT_PROGRAMS_PER_SM = 3
 MIN_TOKENS_PER_SPLIT = 256
 # Upper bound on splits (also sizes the merge kernel's tile).
 MAX_SPLITS = 128
-# The last split of a (sequence, kv head) merges its group's partials itself, as [heads, splits,
-# head_dim] fp32 tiles of at most this many elements (64 registers per thread at 4 warps): the
-# whole group in one pass, or a large group (GQA 8 at 16 splits) in passes of fewer heads. Only
-# when one head's [splits, head_dim] exceeds it does the separate merge kernel run.
+# The last split of a (sequence, kv head) merges its group's partials itself when the
+# [group, splits, head_dim] fp32 tile has at most this many elements (64 registers per thread
+# at 4 warps); larger merges run as the separate merge kernel.
 FOLD_MAX_ELEMS = 8192
 # Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
 # by every call (the merging program resets its own). Batches needing more use the merge kernel.
@@ -130,11 +128,10 @@ def _decode_row(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FOLD: tl.constexpr, MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
-    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive,
-    MERGE_G heads a pass)."""
+    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive)."""
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -194,10 +191,9 @@ def _decode_row(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             counter = count_ptr + b * tl.num_programs(0) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split here
-                for h0 in tl.static_range(0, GROUP, MERGE_G):  # heads h0 .. h0 + MERGE_G - 1 (< GROUP)
-                    _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, kv_head * GROUP + h0, GROUP - h0,
-                                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                                 NUM_SPLITS, BLOCK_S, HEAD_DIM, MERGE_G)
+                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, kv_head * GROUP, GROUP,
+                             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                             NUM_SPLITS, BLOCK_S, HEAD_DIM, GP)
                 tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
@@ -211,7 +207,7 @@ def _decode_split_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FOLD: tl.constexpr, MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
     ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
@@ -226,14 +222,14 @@ def _decode_split_kernel(
                         qk_scale, kv_head, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, MERGE_G,
+                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                         BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, MERGE_G,
+                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                     BLOCK_S)
 
 
@@ -318,11 +314,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
-    block_s = next_pow2(num_splits)
-    # heads a fold pass merges: the group's power of two, or fewer to keep the tile in bounds
-    merge_g = min(next_pow2(group), FOLD_MAX_ELEMS // (block_s * d))
+    block_s, gp = next_pow2(num_splits), next_pow2(group)
     counters = None
-    if num_splits > 1 and merge_g >= 1:
+    if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
         counters = _arrival_counters(q.device, batch * hkv)
     if num_seqs is None:
         # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
@@ -342,7 +336,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        FOLD=counters is not None, MERGE_G=max(1, merge_g), BLOCK_S=block_s, ROW_LOOP=num_seqs is not None,
+        FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROW_LOOP=num_seqs is not None,
         # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
         num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
         **pdl_launch_options(q),
