@@ -70,9 +70,11 @@ class GemvTiles:
 GATE_UP_BLOCK_N = 16
 # 256 columns: 512-byte bf16 row segments; 2 x [16, 256] float32 accumulators.
 GATE_UP_BLOCK_K = 256
-# 2 rows: 1,024 down programs at one token (2048 / 2), each streaming 8 experts x 2 rows.
-DOWN_BLOCK_N = 2
-# 128 columns: [8, 2, 128] bf16 = 4 KB of weights in flight per step.
+# 1 row: 2,048 down programs at one token, each streaming 8 experts x 1 row. The 2026-12-02 sweep
+# (24 candidates): 16 x 256 / 1 x 128 first at one token (0.0263 ms, 67% of copy; 2 rows 0.0276),
+# 8th at two (0.0464 ms against 0.0462 for 2 rows).
+DOWN_BLOCK_N = 1
+# 128 columns: [8, 1, 128] bf16 = 2 KB of weights in flight per step.
 DOWN_BLOCK_K = 128
 NUM_WARPS = 4
 DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
