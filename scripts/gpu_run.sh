@@ -23,7 +23,10 @@ for part in $parts; do
     decodesweep) timeout 200 python3 benchmarks/bench_kernels.py --sweep-decode-engine --json "$OUT/decodesweep.json" 2>&1 | tail -12 | tee "$OUT/decodesweep.log" ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
-    bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/bench.log" ;;
+    bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/bench.log" ;;
+    bench8b) timeout 200 python3 bench.py --model benchmarks/configs/qwen3-8b --load-format dummy --json "$OUT/bench8b.json" 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/bench8b.log" ;;
+    moelat) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moelat.log" ;;
+    tilegpu) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_moe_decode.py > "$OUT/tilegpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tilegpu.log" | head -20 ;;
     benchfilters) for f in "--top-p 0.9" "--top-k 20 --top-p 0.95"; do timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy $f 2>&1 | grep -v "it/s" | grep -E "workload|tok/s|decode step|fraction" | tee -a "$OUT/benchfilters.log"; done ;;
     benchhf) timeout 400 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf --json "$OUT/benchhf.json" 2>&1 | grep -v "it/s" | tail -20 | tee "$OUT/benchhf.log" ;;
     profile) timeout 200 python3 benchmarks/profile_step.py 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
