@@ -188,17 +188,27 @@ def sweep_prefill():
     return out
 
 
+# Engine-like decode batches (rows x longest context) for --sweep-decode-engine: the row counts
+# of the default workload's decode steps (bench.py's buckets), mid-size batches most.
+ENGINE_DECODE_CASES = [(32, 2048), (48, 2048), (64, 1024), (64, 2048), (96, 1024), (96, 2048),
+                       (128, 1024), (128, 2048), (192, 1024), (256, 1024), (256, 2048)]
+# (BLOCK_N, NUM_STAGES, NUM_WARPS, NO_SPLIT_PROGRAMS_PER_SM) candidates; the default runs first.
+ENGINE_DECODE_CONFIGS = [(64, 4, 4, 3), (64, 2, 4, 3), (128, 2, 4, 3), (128, 3, 8, 3), (128, 2, 8, 3),
+                         (64, 3, 4, 6), (128, 2, 4, 6), (128, 2, 8, 6)]
+
+
 def sweep_decode_engine(bw):
-    """(BLOCK_N, NUM_STAGES, NUM_WARPS) of the decode kernel (module constants patched) on
-    engine-like batches, rows longest first, graph-replayed as in the engine: % of copy bandwidth.
-    The default is the first tiling."""
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS, NO_SPLIT_PROGRAMS_PER_SM) of the decode kernel (module
+    constants patched) on engine-like batches, rows longest first, graph-replayed as in the
+    engine: % of copy bandwidth. The default is the first row."""
     import nanovllm.kernels.decode_attention as dec
-    names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS")
-    cases = {(b, c): engine_batch(b, c, longest_first=True)
-             for b, c in [(256, 1024), (256, 2048), (128, 1024), (64, 2048)]}
+    names = ("BLOCK_N", "NUM_STAGES", "NUM_WARPS", "NO_SPLIT_PROGRAMS_PER_SM")
+    cases = {(b, c): engine_batch(b, c, longest_first=True) for b, c in ENGINE_DECODE_CASES}
     out = []
     default = tuple(getattr(dec, n) for n in names)
-    for cfg in [default, (64, 4, 4), (64, 2, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8), (32, 4, 4), (128, 2, 8)]:
+    print("engine decode sweep, % of copy; columns rows x longest context:",
+          " ".join(f"{b}x{c}" for b, c in cases), flush=True)
+    for cfg in [default] + [c for c in ENGINE_DECODE_CONFIGS if c != default]:
         row = {"cfg": cfg}
         with patched(dec, names, cfg):
             for (batch, ctx), (call, nbytes) in cases.items():
@@ -208,7 +218,7 @@ def sweep_decode_engine(bw):
                 except Exception as exc:  # noqa: BLE001 - report, keep sweeping
                     row[f"{batch}x{ctx}"] = repr(exc)[:80]
         out.append(row)
-        print("engine decode sweep (% of copy)", row, flush=True)
+        print(f"{str(cfg):>18}", " ".join(f"{row[f'{b}x{c}']!s:>8}" for b, c in cases), flush=True)
     return out
 
 

@@ -20,10 +20,11 @@ for part in $parts; do
     profile1) for m in qwen3-0.6b qwen3-8b; do timeout 120 python3 benchmarks/profile_step.py --model benchmarks/configs/$m --batch 1 --context 1024 --rows 14 2>&1 | grep -v "it/s" | tee -a "$OUT/profile1.log" | tail -40; done ;;
     enginetests) timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py tests/test_sampling_engine.py 2>&1 | tail -30 | tee "$OUT/enginetests.log" ;;
     fused) timeout 120 python3 benchmarks/bench_fused.py --json "$OUT/fused.json" 2>&1 | tail -20 | tee "$OUT/fused.log" ;;
-    decodesweep) timeout 200 python3 benchmarks/bench_kernels.py --sweep-decode-engine --json "$OUT/decodesweep.json" 2>&1 | tail -12 | tee "$OUT/decodesweep.log" ;;
+    decodesweep) timeout 300 python3 benchmarks/bench_kernels.py --sweep-decode-engine --json "$OUT/decodesweep.json" 2>&1 | tail -14 | tee "$OUT/decodesweep.log" ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
     bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/bench.log" ;;
+    benchlong) for w in long many; do timeout 200 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --workload $w --json "$OUT/bench-$w.json" 2>&1 | grep -v "it/s" | tail -24 | tee "$OUT/bench-$w.log"; done ;;
     bench8b) timeout 200 python3 bench.py --model benchmarks/configs/qwen3-8b --load-format dummy --json "$OUT/bench8b.json" 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/bench8b.log" ;;
     moelat) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | grep -v "it/s" | tail -5 | tee -a "$OUT/moelat.log" ;;
     tilegpu) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_moe_decode.py > "$OUT/tilegpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tilegpu.log" | head -20 ;;
