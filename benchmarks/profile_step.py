@@ -3,7 +3,10 @@
     python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256 --context 512
 
 Prints the top CUDA kernels of a few decode steps (eager, so each kernel is visible),
-the kernel count per step, and host-side timings of graph-replayed steps.
+the kernel count per step, and host-side timings of graph-replayed steps. With
+`--mixed-prompt L` every timed and profiled step is a mixed one: the running rows' decode
+tokens plus a new L-token prompt (a one-token request, so the batch stays the same), as when
+requests arrive while others decode (bench.py --workload long).
 """
 
 from __future__ import annotations
@@ -36,21 +39,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--timed-steps", type=int, default=50, help="unprofiled steps timed first")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--mixed-prompt", type=int, default=0, help="prompt tokens added to every step (0: decode steps)")
     args = ap.parse_args()
 
     for eager in (True, False):
         llm = LLM(args.model, load_format="dummy", enforce_eager=eager, max_model_len=4096)
         fill(llm, args.batch, args.context, args.timed_steps + args.steps)
         times = []
-        for _ in range(args.timed_steps):  # without the profiler attached
+        vocab = llm.config.model_config.vocab_size
+
+        def arrive(step: int) -> None:  # one new prompt per step: every step mixed
+            if args.mixed_prompt:
+                llm.add_request([(7 * step + j) % vocab for j in range(args.mixed_prompt)],
+                                SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True))
+
+        for i in range(args.timed_steps):  # without the profiler attached
+            arrive(i)
             t = time.perf_counter()
             r = llm.step()
             times.append((time.perf_counter() - t, r.launch_s, r.prepare_s, r.wait_s, r.postprocess_s))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
+            for i in range(args.steps):
+                arrive(args.timed_steps + i)
                 llm.step()
         mode = "eager" if eager else "graphs"
-        print(f"===== decode, batch {args.batch}, context ~{args.context}, {mode}")
+        kind = f"mixed (+{args.mixed_prompt} prompt tokens a step)" if args.mixed_prompt else "decode"
+        print(f"===== {kind}, batch {args.batch}, context ~{args.context}, {mode}")
         total, launch, prep, wait, post = (1e3 * sum(col) / len(times) for col in zip(*times))
         print(f"mean of {len(times)} unprofiled steps: {total:.3f} ms (host: launch {launch:.3f} incl. "
               f"prepare {prep:.3f}, post {post:.3f}; waiting on the device {wait:.3f})")

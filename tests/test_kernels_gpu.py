@@ -252,7 +252,9 @@ def decode_ref(q, kc, vc, table, lens):
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 1000, 4097, 8192], [8192] * 2, [5000] * 40])
+# split (few rows), unsplit with 128-key tiles (64 rows: few programs per SM), unsplit 64-key tiles
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 1000, 4097, 8192], [8192] * 2, [5000] * 40,
+                                  [1 + 37 * i for i in range(64)], [1 + 13 * i for i in range(160)]])
 def test_decode(hq, hkv, block_size, dtype, lens):
     gen = torch.Generator(DEV).manual_seed(3)
     kc, vc, table = make_paged(lens, block_size, hkv, dtype, gen)

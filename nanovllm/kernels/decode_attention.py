@@ -65,6 +65,13 @@ ROW_LOOP_PROGRAMS_PER_SM = 4
 CPU_SM_COUNT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+# An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles,
+# 2 in flight (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
+# (3.9 / 5.8 programs per SM) ran at 84-99% of copy bandwidth instead of 65-87%, while 128 rows
+# (7.8 per SM) and more lose ~1% (bench_kernels.py --sweep-decode-engine, H200, 2026-12-02).
+WIDE_TILE_PROGRAMS_PER_SM = 7
+WIDE_BLOCK_N = 128
+WIDE_STAGES = 2
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}
 
@@ -318,6 +325,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     counters = None
     if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
         counters = _arrival_counters(q.device, batch * hkv)
+    # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
+    block_n, stages = BLOCK_N, 2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES
+    if (num_splits == 1 and num_seqs is None and stages == NUM_STAGES
+            and batch * hkv < WIDE_TILE_PROGRAMS_PER_SM * _sm_count(q.device)):
+        block_n, stages = WIDE_BLOCK_N, WIDE_STAGES
     if num_seqs is None:
         # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
         # sequence together, so a batch ordered longest first leaves only short work for the tail.
@@ -334,11 +346,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
-        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=BLOCK_N,
+        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROW_LOOP=num_seqs is not None,
-        # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
-        num_warps=NUM_WARPS, num_stages=2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=stages,
         **pdl_launch_options(q),
     )
     if num_splits == 1 or counters is not None:
