@@ -105,8 +105,11 @@ SPECS = [
                                                   "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
                                                   "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROW_LOOP": loop, "PDL": True}
-      for splits, fold, loop in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]),
+       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True}
+      for splits, fold, rows in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]
+     + [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 128, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
+         "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1, "ROWS_ON_DEVICE": False,
+         "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     ("gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",

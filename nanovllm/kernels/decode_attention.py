@@ -21,11 +21,11 @@ is computed in the kernel from the device length, balancing splits for every L.
 Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
 
 With `num_seqs` (an int32 [1] device tensor: rows in use of a CUDA graph captured at a
-fixed capacity `batch`), the kernel runs unsplit as a persistent row loop instead: grid
-Hkv x P (P from the SM count and Hkv, shapes only), program p of a kv head computes rows
-p, p + P, ... below num_seqs[0] and writes their final output; rows past it are neither
-read nor written. Both variants share the per-row body (`_decode_row`). The output may be
-a caller's buffer (`out`, any row stride).
+fixed capacity `batch`), the kernel runs unsplit over a grid as wide as the capacity
+(Hkv x batch): the programs of rows below num_seqs[0] write their final output, the others
+exit at once, reading and writing nothing. (A persistent loop of fewer programs, each taking
+rows p, p + P, ..., balanced uneven rows worse: ~82% of copy bandwidth in mixed steps.) The
+output may be a caller's buffer (`out`, any row stride).
 """
 
 import torch
@@ -56,11 +56,6 @@ FOLD_MAX_ELEMS = 8192
 # Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
 # by every call (the merging program resets its own). Batches needing more use the merge kernel.
 NUM_COUNTERS = 4096
-# With num_seqs, the persistent row loop launches about this many programs per SM in all
-# (split over the kv heads): ~2 fit at once (pipelined shared memory), so 4 gives each SM a
-# second program in reserve to even out uneven row lengths, while few enough that each
-# program still serves several rows of a large batch. Not yet tuned by benchmark.
-ROW_LOOP_PROGRAMS_PER_SM = 4
 # Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
 CPU_SM_COUNT = 2
 NUM_WARPS = 4
@@ -215,16 +210,15 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
+    ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
     kv_head = tl.program_id(0).to(tl.int64)
-    if ROW_LOOP:
-        # Persistent rows (NUM_SPLITS == 1): program p takes rows p, p + P, ... below the device
-        # row count, clamped to the capacity; rows past it are never read or written.
-        # int64 bounds: b is an int64 induction variable (64-bit row offsets in _decode_row).
-        n_rows = tl.minimum(tl.load(num_seqs_ptr), batch).to(tl.int64)
-        for b in range(tl.program_id(1).to(tl.int64), n_rows, tl.num_programs(1).to(tl.int64)):
+    if ROWS_ON_DEVICE:
+        # NUM_SPLITS == 1, one program per (kv head, row of the capacity): rows at or past the
+        # device row count num_seqs[0] do nothing.
+        b = tl.program_id(1).to(tl.int64)
+        if b < tl.load(num_seqs_ptr):
             _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                         qk_scale, kv_head, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
@@ -264,8 +258,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
 
     num_seqs: optional int32 [1] on q's device, the number of rows in use (for a CUDA graph
     captured at capacity `batch`): only rows b < min(num_seqs[0], batch) are read and written,
-    rows past it of the output are left as they were. The launch depends on shapes only (a
-    persistent row loop); it runs unsplit, so num_splits must be 0 or 1.
+    rows past it of the output are left as they were. The launch depends on shapes only (its
+    programs of rows past the count exit); it runs unsplit, so num_splits must be 0 or 1.
     out: optional preallocated output [batch, 1, Hq, D] of q's dtype and device (any row
     stride, e.g. a view of a larger buffer; last dim contiguous; must not overlap the inputs),
     written and returned; without it the output is allocated.
@@ -330,13 +324,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     if (num_splits == 1 and num_seqs is None and stages == NUM_STAGES
             and batch * hkv < WIDE_TILE_PROGRAMS_PER_SM * _sm_count(q.device)):
         block_n, stages = WIDE_BLOCK_N, WIDE_STAGES
-    if num_seqs is None:
-        # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
-        # sequence together, so a batch ordered longest first leaves only short work for the tail.
-        grid = (hkv, batch, num_splits)
-    else:
-        # A fixed number of programs per kv head, each looping over rows (rows p, p + P, ...).
-        grid = (hkv, min(batch, max(1, ROW_LOOP_PROGRAMS_PER_SM * _sm_count(q.device) // hkv)), 1)
+    # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
+    # sequence together, so a batch ordered longest first leaves only short work for the tail.
+    grid = (hkv, batch, num_splits)
     dummy = cache_seqlens  # stands in for pointers the variant never reads
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
@@ -348,7 +338,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROW_LOOP=num_seqs is not None,
+        FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
         num_warps=NUM_WARPS, num_stages=stages,
         **pdl_launch_options(q),
     )
