@@ -9,8 +9,8 @@ Pipeline (vLLM's order), all in float32:
 2. ``probs = softmax(scaled)``.
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
    probabilities (only torch.topk's max_top_k largest when every top-p row also uses
-   top-k; on CUDA, for large batches that would sort, a Triton radix select on the float bits: kernels/sampling_filter.py)
-   give each row a *threshold* value; top-k's is the k-th largest
+   top-k; on CUDA, for a large batch that would sort, a Triton radix select on the float
+   bits instead: kernels/sampling_filter.py) give each row a *threshold* value; top-k's is the k-th largest
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
