@@ -5,9 +5,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session (this branch, gpu-unverified, holds what only the interpreter has run: the folded GQA-8
-# merge, routing inside the MoE GEMVs, the radix-select thresholds): call 1 `decodegpu filtergpu benchfilters
-# samplercmp`, call 2 `moesweep gemmsweep decodesweep moebench profilemoe bench`; fast-forward main to what passes.
+# Work not yet run on the GPU waits on branch gpu-unverified; its copy of this script lists the calls.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
