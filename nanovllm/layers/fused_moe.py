@@ -150,12 +150,11 @@ class MoeExperts(nn.Module):
         return self.use_triton and in_decode_step() and hidden.shape[0] <= MOE_GEMV_MAX_TOKENS
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts for a given routing (the steps runs_gemv serves take forward_routed)."""
         if not self.use_triton:
             return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
-        from nanovllm.kernels import fused_moe, moe_gemv
+        from nanovllm.kernels import fused_moe
 
-        if self.runs_gemv(hidden):
-            return moe_gemv(hidden, self.w13, self.w2, topk_weights, topk_ids)
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
     def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
