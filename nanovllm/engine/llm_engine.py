@@ -26,7 +26,8 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.chat import render_chat
 from nanovllm.engine.logprobs import logprob_entries
-from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
+from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind

@@ -14,14 +14,13 @@ from __future__ import annotations
 import gc
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_from_memory
-from nanovllm.engine.logprobs import HostLogprobs
+from nanovllm.engine.launched_step import LaunchedStep
 from nanovllm.engine.scheduler import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
@@ -47,43 +46,6 @@ MAX_KV_SLOTS = 2**31 - 1
 # Prompt-logprob rows scored per LM-head call: bounds the [rows, vocab] float32 logits
 # (1,024 x 151,936 x 4 B = 0.6 GB) whatever the step's token budget.
 PROMPT_LOGPROB_CHUNK_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class LaunchedStep:
-    """A step queued on the device. `tokens()` waits for its sampled tokens; `logprobs()` /
-    `prompt_logprobs()` return the step's logprobs (None when no row asked)."""
-
-    prepare_s: float  # host time spent building the step's inputs
-    device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
-    host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
-    ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
-    # on the host once `ready`: (rows, chosen, top_ids, top_logprobs) of the sampled rows that
-    # asked, and (chosen, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
-    host_logprobs: tuple[torch.Tensor, ...] | None = None
-    host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
-
-    def _wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    def tokens(self) -> list[int]:
-        if self.host_tokens is None:
-            return []
-        self._wait()
-        return self.host_tokens.tolist()
-
-    def logprobs(self) -> HostLogprobs | None:
-        if self.host_logprobs is None:
-            return None
-        self._wait()
-        return HostLogprobs.from_tensors(*self.host_logprobs)
-
-    def prompt_logprobs(self) -> HostLogprobs | None:
-        if self.host_prompt_logprobs is None:
-            return None
-        self._wait()
-        return HostLogprobs.from_tensors(None, *self.host_prompt_logprobs)
 
 
 class ModelRunner:

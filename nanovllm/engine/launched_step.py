@@ -1,0 +1,48 @@
+"""The handle of a step queued on the device (ModelRunner.launch): its sampled tokens and
+logprobs, copied to pinned host memory behind one event, read only when the engine needs them
+(overlap scheduling plans the next step before waiting here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.logprobs import HostLogprobs
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device. `tokens()` waits for its sampled tokens; `logprobs()` /
+    `prompt_logprobs()` return the step's logprobs (None when no row asked)."""
+
+    prepare_s: float  # host time spent building the step's inputs
+    device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
+    host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
+    ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
+    # on the host once `ready`: (rows, chosen, top_ids, top_logprobs) of the sampled rows that
+    # asked, and (chosen, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
+    host_logprobs: tuple[torch.Tensor, ...] | None = None
+    host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+
+    def _wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def tokens(self) -> list[int]:
+        if self.host_tokens is None:
+            return []
+        self._wait()
+        return self.host_tokens.tolist()
+
+    def logprobs(self) -> HostLogprobs | None:
+        if self.host_logprobs is None:
+            return None
+        self._wait()
+        return HostLogprobs.from_tensors(*self.host_logprobs)
+
+    def prompt_logprobs(self) -> HostLogprobs | None:
+        if self.host_prompt_logprobs is None:
+            return None
+        self._wait()
+        return HostLogprobs.from_tensors(None, *self.host_prompt_logprobs)
