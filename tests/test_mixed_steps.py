@@ -12,7 +12,9 @@ import torch
 
 from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
 from nanovllm import SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.sequence import Sequence
 
 BUDGET = 24
 MAX_SEQS = 4
@@ -36,11 +38,13 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def run_staggered(ckpt: str, **kwargs) -> tuple[dict[int, list[int]], list, object]:
-    """Drive the step API with staggered arrivals; returns outputs by prompt index, the steps, the engine."""
+def run_staggered(ckpt: str, fill_sizes: tuple[int, ...] = (), **kwargs) -> tuple[dict[int, list[int]], list, object]:
+    """Drive the step API with staggered arrivals; returns outputs by prompt index, the steps, the engine.
+    `fill_sizes`: step sizes the scheduler trims mixed steps down to (as a GPU runner's graph buckets)."""
     prompts, params = workload()
     llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=BUDGET,
                   max_num_seqs=MAX_SEQS, **kwargs)
+    llm.scheduler.fill_sizes = fill_sizes
     arrivals = dict(ARRIVALS)
     ids: dict[int, int] = {}  # request id -> prompt index
     outs: dict[int, list[int]] = {}
@@ -81,6 +85,13 @@ def test_staggered_arrivals_give_transformers_tokens_with_and_without_mixing(ckp
         if kwargs.get("mixed_steps") is False:
             assert StepKind.MIXED not in {s.kind for s in other_steps}
 
+    # mixed steps trimmed down to fill sizes: other chunks, same tokens
+    trimmed, trimmed_steps, llm = run_staggered(ckpt, fill_sizes=(6, 12, 18, 24), num_kvcache_blocks=10)
+    llm.exit()
+    assert trimmed == outs
+    assert [s.num_tokens for s in trimmed_steps] != [s.num_tokens for s in steps]
+    assert all(s.num_tokens <= BUDGET and s.num_seqs <= MAX_SEQS for s in trimmed_steps)
+
 
 def test_each_step_reports_the_requests_that_got_a_token(ckpt):
     _, steps, llm = run_staggered(ckpt)
@@ -92,3 +103,56 @@ def test_each_step_reports_the_requests_that_got_a_token(ckpt):
         for rid in s.sampled:
             got[rid] = got.get(rid, 0) + 1
     assert sorted(got.values()) == sorted(sp.max_tokens for sp in params)
+
+
+# ----- trimming a mixed step down to a fill size (the runner's compute-bound graph buckets) -----
+FILL_SIZES = (256, 320, 384, 448, 512)
+
+
+def running_rows(num_rows: int, budget: int = 1024) -> Scheduler:
+    """A scheduler with `num_rows` one-token prompts prefilled, so each is a decode row next."""
+    sched = Scheduler(BlockManager(512, 16), max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=4096,
+                      eos_token_ids=frozenset(), fill_sizes=FILL_SIZES)
+    for i in range(num_rows):
+        sched.add(Sequence(i, [7], SamplingParams(max_tokens=100)))
+    first = sched.schedule()
+    assert first.kind is StepKind.PREFILL and first.num_tokens == num_rows  # no decode rows: never trimmed
+    sched.postprocess(first, sampled_by(first))
+    return sched
+
+
+def sampled_by(step) -> dict[int, int]:
+    """A token for each sequence the step samples for (decode rows, completed prompts)."""
+    return {s.seq_id: 1 for s in step.seqs if s.num_computed_tokens == len(s)}
+
+
+def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
+    seq = Sequence(seq_id, list(range(1, length + 1)), SamplingParams(max_tokens=100))
+    sched.add(seq)
+    return seq
+
+
+@pytest.mark.parametrize("prompt, expected_chunks", [
+    (240, [216, 24]),  # 280 tokens: 24 above 256, 40 below 320 -> trimmed to 256, 24 deferred
+    (250, [250]),      # 290: 34 above 256, 30 below 320 -> padded to 320 in one step
+    (280, [280]),      # 320: a fill size itself
+    (180, [180]),      # 220: below the smallest fill size (memory-bound: padding is free)
+    (500, [500]),      # 540: above the largest size (no graph: the step runs at its own size)
+])
+def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(prompt, expected_chunks):
+    sched = running_rows(40)
+    seq = add_prompt(sched, 100, prompt)
+    chunks = []
+    while seq.num_computed_tokens < prompt:
+        step = sched.schedule()
+        assert step.num_decode == 40 and step.num_tokens <= 1024
+        chunks.append(step.num_new_tokens[-1])
+        sched.postprocess(step, sampled_by(step))
+    assert chunks == expected_chunks
+
+
+def test_fill_sizes_must_be_increasing_and_positive():
+    for bad in ((320, 256), (256, 256), (0, 16)):
+        with pytest.raises(ValueError, match="fill_sizes"):
+            Scheduler(BlockManager(8, 16), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                      eos_token_ids=frozenset(), fill_sizes=bad)

@@ -82,7 +82,7 @@ class LLMEngine:
         eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
-            mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer,
+            mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer, fill_sizes=self.model_runner.fill_sizes,
         )
         self.validator = PromptValidator(
             self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,

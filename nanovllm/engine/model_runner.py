@@ -105,6 +105,12 @@ class ModelRunner:
                 self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
                                                   MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
 
+    @property
+    def fill_sizes(self) -> tuple[int, ...]:
+        """Step sizes in tokens that steps are padded up to (the scheduler's `fill_sizes`); ()
+        where steps run at their own size (no prefill graphs)."""
+        return self.varlen_graphs.fill_sizes if self.varlen_graphs is not None else ()
+
     def _query_tile_rows(self, head_dim: int) -> int | None:
         """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""
         if self.backend.name != "triton":

@@ -11,6 +11,15 @@ the running sequences keep decoding:
     step 2:  [A | B | C6 C7 C8 C9]                C completes its prompt and samples
     step 3:  [A | B | C]                          C decodes with the others
 
+Where a step's size is paid in padded graph buckets (`fill_sizes`: the runner's compute-bound
+CUDA-graph token buckets), a mixed step whose tokens end just above a bucket is trimmed down to
+it when that defers fewer prompt tokens than padding up would waste; the deferred tokens lead
+the next step, whose decode rows run anyway:
+
+    fill sizes 256, 320; 40 decode rows + 240 prompt tokens = 280
+    padded:   [40 rows | 240 prompt | 40 padding]         -> the 320 graph
+    trimmed:  [40 rows | 216 prompt]                      -> the 256 graph, 24 deferred
+
 With `mixed_steps=False` a step that can admit waiting sequences prefills only
 (nano-vllm's policy). When blocks run short the newest running sequences are preempted
 (recompute: their blocks are freed and they return to `waiting`) and nobody new is admitted.
@@ -37,6 +46,7 @@ request once all its samples are done, and aborts everything.
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -107,9 +117,15 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         mixed_steps: bool = True,
         tokenizer=None,
+        fill_sizes: tuple[int, ...] = (),
     ):
+        if list(fill_sizes) != sorted(set(fill_sizes)) or any(n < 1 for n in fill_sizes):
+            raise ValueError(f"fill_sizes must be increasing positive token counts, got {fill_sizes!r}")
         self.block_manager = block_manager
         self.mixed_steps = mixed_steps
+        # Token counts a step is padded up to (the runner's compute-bound graph buckets); () on
+        # paths that run a step at its own size: nothing is trimmed there.
+        self.fill_sizes = tuple(fill_sizes)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -154,7 +170,7 @@ class Scheduler:
         prefill: list[tuple[Sequence, int]] = []
         forks: list[Fork] = []
         if not preempted or not rows:  # after preempting, admit only into an idle step
-            prefill, forks = self._schedule_waiting(budget - len(rows))
+            prefill, forks = self._schedule_waiting(self._prefill_budget(len(rows), budget - len(rows)))
         if not rows and not prefill:
             if ahead:
                 return None
@@ -215,6 +231,33 @@ class Scheduler:
                 bm.publish_full_blocks(seq, min(len(seq), seq.num_computed_tokens + 1))
                 rows.append(seq)
         return rows, preempted
+
+    def _prefill_budget(self, num_rows: int, budget: int) -> int:
+        """Prompt tokens a step with `num_rows` decode rows may take: `budget`, or fewer when its
+        tokens would end between two fill sizes, closer to the lower one (trimmed down to it; see
+        the module docstring). Steps without decode rows are never trimmed: an idle engine's
+        prompt runs in one step."""
+        if not num_rows or not self.fill_sizes:
+            return budget
+        total = num_rows + self._waiting_tokens(budget)
+        i = bisect_left(self.fill_sizes, total)  # fill_sizes[i] >= total: the size padded up to
+        if i == 0 or i == len(self.fill_sizes) or self.fill_sizes[i] == total:
+            return budget  # below the smallest size, above the largest (no graph) or exact
+        lower, upper = self.fill_sizes[i - 1], self.fill_sizes[i]
+        if lower <= num_rows or total - lower >= upper - total:
+            return budget
+        return lower - num_rows
+
+    def _waiting_tokens(self, budget: int) -> int:
+        """Prompt tokens `_schedule_waiting(budget)` takes at most (blocks and prefix-cache hits
+        aside, which can only make it fewer)."""
+        total, seats = 0, self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if total >= budget or seats <= 0:
+                break
+            total += len(seq) - seq.num_computed_tokens
+            seats -= 1
+        return min(total, budget)
 
     def _schedule_waiting(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[Fork]]:
         """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens, and

@@ -27,9 +27,12 @@ from nanovllm.utils.host_to_device import copy_into, with_words, words_view
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
-# From this size on, buckets step by a quarter of the power of two below them, so a step
-# pads by at most 25% (large steps are compute-bound: padding costs its share of FLOPs).
-QUARTER_STEPS_FROM = 256
+# Steps of this many tokens and more are compute-bound: a token's FLOPs (2 per weight) outgrow
+# its share of the weight reads (2 bytes per weight) past ~190 tokens on an H200 (~790 TFLOP/s
+# over ~4.2 TB/s), so padding costs its share of FLOPs there. From this size on, buckets step by
+# a quarter of the power of two below them (a step pads by at most 25%), and the scheduler may
+# trim a mixed step down to one of them instead of padding (`fill_sizes`).
+COMPUTE_BOUND_TOKENS = 256
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -37,7 +40,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     sizes, p = [], MIN_BUCKET
     while p < max_tokens:
         sizes.append(p)
-        if p >= QUARTER_STEPS_FROM:
+        if p >= COMPUTE_BOUND_TOKENS:
             sizes += [p * 5 // 4, p * 3 // 2, p * 7 // 4]
         p *= 2
     sizes = [s for s in sizes if s < max_tokens]
@@ -87,6 +90,11 @@ class VarlenGraphs:
                 pool = graph.pool()
             self.buffers[t], self.staging[t], self.hidden[t], self.graphs[t] = buffer, staging, hidden, graph
             torch.cuda.synchronize(device)
+
+    @property
+    def fill_sizes(self) -> tuple[int, ...]:
+        """The compute-bound buckets, which a step costs no less to fall short of than to fill."""
+        return tuple(t for t in self.buckets if t >= COMPUTE_BOUND_TOKENS)
 
     def bucket(self, num_tokens: int) -> int | None:
         """The bucket a step of num_tokens tokens replays, or None if it is too large."""
