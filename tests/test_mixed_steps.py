@@ -111,7 +111,7 @@ FILL_SIZES = (256, 320, 384, 448, 512)
 
 def running_rows(num_rows: int, budget: int = 1024) -> Scheduler:
     """A scheduler with `num_rows` one-token prompts prefilled, so each is a decode row next."""
-    sched = Scheduler(BlockManager(512, 16), max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=4096,
+    sched = Scheduler(BlockManager(1024, 16), max_num_seqs=512, max_num_batched_tokens=budget, max_model_len=4096,
                       eos_token_ids=frozenset(), fill_sizes=FILL_SIZES)
     for i in range(num_rows):
         sched.add(Sequence(i, [7], SamplingParams(max_tokens=100)))
@@ -132,20 +132,21 @@ def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
     return seq
 
 
-@pytest.mark.parametrize("prompt, expected_chunks", [
-    (240, [216, 24]),  # 280 tokens: 24 above 256, 40 below 320 -> trimmed to 256, 24 deferred
-    (250, [250]),      # 290: 34 above 256, 30 below 320 -> padded to 320 in one step
-    (280, [280]),      # 320: a fill size itself
-    (180, [180]),      # 220: below the smallest fill size (memory-bound: padding is free)
-    (500, [500]),      # 540: above the largest size (no graph: the step runs at its own size)
+@pytest.mark.parametrize("rows, prompt, expected_chunks", [
+    (40, 240, [216, 24]),  # 280 tokens: 24 above 256, 40 below 320 -> trimmed to 256, 24 deferred
+    (40, 250, [250]),      # 290: 34 above 256, 30 below 320 -> padded to 320 in one step
+    (40, 280, [280]),      # 320: a fill size itself
+    (40, 180, [180]),      # 220: below the smallest fill size (memory-bound: padding is free)
+    (40, 500, [500]),      # 540: above the largest size (no graph: the step runs at its own size)
+    (250, 30, [30]),       # 280: trimming would keep 6 tokens and defer 24 (a crawl): padded
 ])
-def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(prompt, expected_chunks):
-    sched = running_rows(40)
-    seq = add_prompt(sched, 100, prompt)
+def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(rows, prompt, expected_chunks):
+    sched = running_rows(rows)
+    seq = add_prompt(sched, 1000, prompt)
     chunks = []
     while seq.num_computed_tokens < prompt:
         step = sched.schedule()
-        assert step.num_decode == 40 and step.num_tokens <= 1024
+        assert step.num_decode == rows and step.num_tokens <= 1024
         chunks.append(step.num_new_tokens[-1])
         sched.postprocess(step, sampled_by(step))
     assert chunks == expected_chunks

@@ -13,8 +13,8 @@ the running sequences keep decoding:
 
 Where a step's size is paid in padded graph buckets (`fill_sizes`: the runner's compute-bound
 CUDA-graph token buckets), a mixed step whose tokens end just above a bucket is trimmed down to
-it when that defers fewer prompt tokens than padding up would waste; the deferred tokens lead
-the next step, whose decode rows run anyway:
+it when that defers fewer prompt tokens than padding up would waste and than the step keeps;
+the deferred tokens lead the next step, whose decode rows run anyway:
 
     fill sizes 256, 320; 40 decode rows + 240 prompt tokens = 280
     padded:   [40 rows | 240 prompt | 40 padding]         -> the 320 graph
@@ -244,9 +244,12 @@ class Scheduler:
         if i == 0 or i == len(self.fill_sizes) or self.fill_sizes[i] == total:
             return budget  # below the smallest size, above the largest (no graph) or exact
         lower, upper = self.fill_sizes[i - 1], self.fill_sizes[i]
-        if lower <= num_rows or total - lower >= upper - total:
+        kept, deferred = lower - num_rows, total - lower
+        # trimmed only if that defers less than it pads away and than it keeps (no prompt crawls
+        # a few tokens a step behind a large decode batch)
+        if deferred >= upper - total or deferred >= kept:
             return budget
-        return lower - num_rows
+        return kept
 
     def _waiting_tokens(self, budget: int) -> int:
         """Prompt tokens `_schedule_waiting(budget)` takes at most (blocks and prefix-cache hits
