@@ -5,7 +5,9 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Work not yet run on the GPU waits on branch gpu-unverified; its copy of this script lists the calls.
+# Next session, first call: `trimcheck gputests` (59c50f2's trimming rule on the default, many and
+# long workloads, then the whole GPU suite). Branch gpu-unverified's experiments (split mixed
+# steps, skinny GEMM, early PDL + deep prefetch) were measured on 2026-12-02 and lost (BENCHMARKS.md).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -22,6 +24,8 @@ for part in $parts; do
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 benchmarks/bench_sampler.py --json "$OUT/sampler.json" 2>&1 | tail -16 | tee "$OUT/sampler.log" ;;
     bench) timeout 150 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --json "$OUT/bench.json" 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/bench.log" ;;
+    trimcheck) # mixed steps trimmed to graph buckets: steps and roofline fraction on the default, many and long workloads
+      for w in default many long; do timeout 100 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --workload $w 2>&1 | grep -E "^(workload|output tokens|steps|HBM|roofline|fraction)" | tee -a "$OUT/trimcheck.log"; done ;;
     benchlong) for w in long many; do timeout 200 python3 bench.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --workload $w --json "$OUT/bench-$w.json" 2>&1 | grep -v "it/s" | tail -24 | tee "$OUT/bench-$w.log"; done ;;
     decodetest) timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/decodetest.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/decodetest.log" | head -20 ;;
     profilemixed) timeout 200 python3 benchmarks/profile_step.py --batch 400 --context 1200 --mixed-prompt 2000 --timed-steps 20 --rows 22 2>&1 | grep -v "it/s" | tee "$OUT/profilemixed.log" | grep -E "=====|mean of|kernels per" ;;
