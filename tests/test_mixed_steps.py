@@ -86,10 +86,14 @@ def test_staggered_arrivals_give_transformers_tokens_with_and_without_mixing(ckp
             assert StepKind.MIXED not in {s.kind for s in other_steps}
 
     # mixed steps trimmed down to fill sizes: other chunks, same tokens
-    trimmed, trimmed_steps, llm = run_staggered(ckpt, fill_sizes=(6, 12, 18, 24), num_kvcache_blocks=10)
+    fill = (6, 12, 18, 24)
+    trimmed, trimmed_steps, llm = run_staggered(ckpt, fill_sizes=fill, num_kvcache_blocks=10)
     llm.exit()
     assert trimmed == outs
-    assert [s.num_tokens for s in trimmed_steps] != [s.num_tokens for s in steps]
+    # the first step the trimming changed is a mixed step landing on a fill size, below its untrimmed size
+    first = next(i for i, (a, b) in enumerate(zip(trimmed_steps, steps)) if a.num_tokens != b.num_tokens)
+    assert trimmed_steps[first].kind is StepKind.MIXED
+    assert trimmed_steps[first].num_tokens in fill and trimmed_steps[first].num_tokens < steps[first].num_tokens
     assert all(s.num_tokens <= BUDGET and s.num_seqs <= MAX_SEQS for s in trimmed_steps)
 
 
@@ -127,7 +131,8 @@ def sampled_by(step) -> dict[int, int]:
 
 
 def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
-    seq = Sequence(seq_id, list(range(1, length + 1)), SamplingParams(max_tokens=100))
+    """A prompt of `length` tokens no other prompt shares (no prefix-cache hits)."""
+    seq = Sequence(seq_id, [seq_id * 10_000 + j for j in range(length)], SamplingParams(max_tokens=100))
     sched.add(seq)
     return seq
 
@@ -139,6 +144,8 @@ def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
     (40, 180, [180]),      # 220: below the smallest fill size (memory-bound: padding is free)
     (40, 500, [500]),      # 540: above the largest size (no graph: the step runs at its own size)
     (250, 30, [30]),       # 280: trimming would keep 6 tokens and defer 24 (a crawl): padded
+    (40, 248, [248]),      # 288: 32 above 256 and 32 below 320: a tie pads
+    (240, 32, [32]),       # 272: keeping 16 and deferring 16: a tie pads
 ])
 def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(rows, prompt, expected_chunks):
     sched = running_rows(rows)
@@ -150,6 +157,21 @@ def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(rows, prompt, expec
         chunks.append(step.num_new_tokens[-1])
         sched.postprocess(step, sampled_by(step))
     assert chunks == expected_chunks
+
+
+def test_trim_spans_prompts_and_skips_prompt_logprob_steps():
+    sched = running_rows(40)
+    a, b = add_prompt(sched, 1000, 100), add_prompt(sched, 1001, 140)  # 280 tokens: trimmed to 256
+    step = sched.schedule()
+    assert step.num_tokens == 256 and step.num_new_tokens[40:] == [100, 116]
+    sched.postprocess(step, sampled_by(step))
+    assert a.num_computed_tokens == 100 and b.num_computed_tokens == 116
+
+    sched = running_rows(40)
+    seq = Sequence(1000, list(range(1, 241)), SamplingParams(max_tokens=100, prompt_logprobs=1),
+                   wants_prompt_logprobs=True)
+    sched.add(seq)  # a prompt-logprob step runs eagerly (no graph, no padding): never trimmed
+    assert sched.schedule().num_new_tokens[40:] == [240]
 
 
 def test_fill_sizes_must_be_increasing_and_positive():

@@ -107,8 +107,8 @@ class ModelRunner:
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:
-        """Step sizes in tokens that steps are padded up to (the scheduler's `fill_sizes`); ()
-        where steps run at their own size (no prefill graphs)."""
+        """The compute-bound token buckets of the prefill / mixed-step graphs, where padding a
+        step costs real FLOPs (the scheduler's `fill_sizes`); () without prefill graphs."""
         return self.varlen_graphs.fill_sizes if self.varlen_graphs is not None else ()
 
     def _query_tile_rows(self, head_dim: int) -> int | None:

@@ -14,7 +14,8 @@ the running sequences keep decoding:
 Where a step's size is paid in padded graph buckets (`fill_sizes`: the runner's compute-bound
 CUDA-graph token buckets), a mixed step whose tokens end just above a bucket is trimmed down to
 it when that defers fewer prompt tokens than padding up would waste and than the step keeps;
-the deferred tokens lead the next step, whose decode rows run anyway:
+the deferred tokens lead the next step, whose decode rows run anyway (that step may then be a
+mixed step instead of a decode step, and the prompt's first token comes a step later):
 
     fill sizes 256, 320; 40 decode rows + 240 prompt tokens = 280
     padded:   [40 rows | 240 prompt | 40 padding]         -> the 320 graph
@@ -239,28 +240,33 @@ class Scheduler:
         prompt runs in one step."""
         if not num_rows or not self.fill_sizes:
             return budget
-        total = num_rows + self._waiting_tokens(budget)
+        reached = self._waiting_reached(budget)
+        if any(s.needs_prompt_logprobs for s in reached):
+            return budget  # such steps run eagerly, at their own size (ModelRunner.launch)
+        total = num_rows + min(budget, sum(len(s) - s.num_computed_tokens for s in reached))
         i = bisect_left(self.fill_sizes, total)  # fill_sizes[i] >= total: the size padded up to
-        if i == 0 or i == len(self.fill_sizes) or self.fill_sizes[i] == total:
-            return budget  # below the smallest size, above the largest (no graph) or exact
+        if i == 0 or i == len(self.fill_sizes):
+            return budget  # below the smallest size, or above the largest (no graph)
         lower, upper = self.fill_sizes[i - 1], self.fill_sizes[i]
         kept, deferred = lower - num_rows, total - lower
-        # trimmed only if that defers less than it pads away and than it keeps (no prompt crawls
-        # a few tokens a step behind a large decode batch)
+        # trimmed only if that defers less than it pads away (nothing at an exact size) and than
+        # it keeps (no prompt crawls a few tokens a step behind a large decode batch)
         if deferred >= upper - total or deferred >= kept:
             return budget
         return kept
 
-    def _waiting_tokens(self, budget: int) -> int:
-        """Prompt tokens `_schedule_waiting(budget)` takes at most (blocks and prefix-cache hits
-        aside, which can only make it fewer)."""
-        total, seats = 0, self.max_num_seqs - len(self.running)
+    def _waiting_reached(self, budget: int) -> list[Sequence]:
+        """The waiting sequences `_schedule_waiting(budget)` reaches as far as the budget and
+        the free seats tell; blocks, prefix-cache hits and forks re-queued at the head can make
+        the step take other tokens (a trim then lands off its size, or is missed: never wrong)."""
+        reached, tokens, seats = [], 0, self.max_num_seqs - len(self.running)
         for seq in self.waiting:
-            if total >= budget or seats <= 0:
+            if tokens >= budget or seats <= 0:
                 break
-            total += len(seq) - seq.num_computed_tokens
+            reached.append(seq)
+            tokens += len(seq) - seq.num_computed_tokens
             seats -= 1
-        return min(total, budget)
+        return reached
 
     def _schedule_waiting(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[Fork]]:
         """Prefill chunks (sequence, tokens) of waiting sequences within `budget` tokens, and

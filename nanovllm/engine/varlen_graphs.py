@@ -28,8 +28,9 @@ from nanovllm.utils.host_to_device import copy_into, with_words, words_view
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
 # Steps of this many tokens and more are compute-bound: a token's FLOPs (2 per weight) outgrow
-# its share of the weight reads (2 bytes per weight) past ~190 tokens on an H200 (~790 TFLOP/s
-# over ~4.2 TB/s), so padding costs its share of FLOPs there. From this size on, buckets step by
+# its share of the weight reads (2 bytes per weight) past ~190 tokens on an H200 in bf16 (its
+# measured ~790 TFLOP/s over ~4.2 TB/s; other GPUs differ a little, the threshold is shared), so
+# padding costs its share of FLOPs there. From this size on, buckets step by
 # a quarter of the power of two below them (a step pads by at most 25%), and the scheduler may
 # trim a mixed step down to one of them instead of padding (`fill_sizes`).
 COMPUTE_BOUND_TOKENS = 256
@@ -93,7 +94,7 @@ class VarlenGraphs:
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:
-        """The compute-bound buckets, which a step costs no less to fall short of than to fill."""
+        """The compute-bound buckets: padding a step up to one of them costs its share of FLOPs."""
         return tuple(t for t in self.buckets if t >= COMPUTE_BOUND_TOKENS)
 
     def bucket(self, num_tokens: int) -> int | None:
