@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 
 
 def main() -> None:

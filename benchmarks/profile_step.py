@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 
 
 def fill(llm: LLM, batch: int, context: int, steps: int) -> None:

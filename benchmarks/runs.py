@@ -14,7 +14,7 @@ import torch
 from benchmarks.stats import percentile
 from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import RequestOutput
 
 # --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).

@@ -11,7 +11,7 @@ from checkpoints import (
     build_qwen2_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
 )
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 
 pytestmark = pytest.mark.gpu
 

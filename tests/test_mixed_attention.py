@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanovllm import kernels
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention

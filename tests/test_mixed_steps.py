@@ -13,7 +13,8 @@ import torch
 from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.scheduled_batch import StepKind
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 
 BUDGET = 24

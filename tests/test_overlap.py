@@ -8,7 +8,8 @@ import torch
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, StepKind
+from nanovllm.engine.scheduled_batch import StepKind
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import FinishReason, Sequence
 from nanovllm.engine.step_inputs import COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, StepInputBuilder
 from nanovllm.engine.step_plan import StepPlan

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.engine.scheduler import StepKind
+from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.step_inputs import StepInputBuilder
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingBatch, SamplingPack

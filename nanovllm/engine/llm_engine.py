@@ -30,7 +30,8 @@ from nanovllm.engine.launched_step import LaunchedStep
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.request import Request
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, StepKind
+from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup

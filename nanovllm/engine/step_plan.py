@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanovllm.engine.scheduler import ScheduledBatch, StepKind
+from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.sequence import Sequence
 
 
