@@ -140,6 +140,8 @@ def throughput_rows(
             ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
             ("steps", steps),
             ("steps with prefill (prefill, mixed) tok/s", f"{run.prefill_tokens / max(run.prefill_s, 1e-9):,.0f}"),
+            ("their graph padding", f"{run.prefill_padding:,} tokens = "
+                                    f"{100 * run.prefill_padding / max(run.prefill_tokens, 1):.1f}% of their tokens"),
             ("decode-only steps tok/s", f"{run.decode_tokens / max(run.decode_s, 1e-9):,.0f}")]
     n = max(run.decode_steps, 1)
     res.update(decode_step_ms=1e3 * run.decode_s / n, decode_host_ms=1e3 * run.decode_host_s / n,

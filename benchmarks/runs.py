@@ -33,6 +33,7 @@ class EngineRun:
     wall_s: float = 0.0
     prefill_s: float = 0.0  # steps with prefill in them (PREFILL and MIXED)
     prefill_tokens: int = 0
+    prefill_padding: int = 0  # tokens those steps' CUDA graphs padded them with (0 without prefill graphs)
     decode_s: float = 0.0  # decode-only steps
     decode_tokens: int = 0
     decode_steps: int = 0
@@ -62,6 +63,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
     outputs: dict[int, RequestOutput] = {}
     sampled: Counter = Counter()
     last_token_at: dict[int, float] = {}
+    graphs = llm.model_runner.varlen_graphs  # None: prefill / mixed steps run at their own size
     start = time.perf_counter()
     while not llm.is_finished():
         t = time.perf_counter()
@@ -79,6 +81,8 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
         else:
             run.prefill_s += now - t
             run.prefill_tokens += r.num_tokens
+            bucket = graphs.bucket(r.num_tokens) if graphs is not None else None
+            run.prefill_padding += bucket - r.num_tokens if bucket is not None else 0
         for rid in r.sampled:
             if rid in last_token_at:
                 run.itl_s.append(now - last_token_at[rid])

@@ -314,6 +314,7 @@ def test_throughput_report_runs_end_to_end_on_a_cpu_engine(monkeypatch):
     assert dict(rows)["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
     names = [name for name, _ in rows]
     assert "fraction of roofline reached" in names and any(n.startswith("decode-only steps of") for n in names)
+    assert res["prefill_padding"] == 0 and dict(rows)["their graph padding"].startswith("0 tokens")  # eager: no buckets
     buckets = res["decode_by_rows"]
     assert sum(b["steps"] for b in buckets) == res["decode_steps"]
     assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])
