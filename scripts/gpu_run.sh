@@ -6,8 +6,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
 # Next session, first call: `trimcheck gputests` (59c50f2's trimming rule on the default, many and
-# long workloads, then the whole GPU suite). Branch gpu-unverified's experiments (split mixed
-# steps, skinny GEMM, early PDL + deep prefetch) were measured on 2026-12-02 and lost (BENCHMARKS.md).
+# long workloads, then the whole GPU suite). Then branch gumbel-fast (a faster Gumbel kernel, CPU-tested
+# only): its copy of this script runs `gumbelcheck trimcheck`. Branch gpu-unverified's experiments
+# (split mixed steps, skinny GEMM, early PDL + deep prefetch) were measured on 2026-12-02 and lost.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
