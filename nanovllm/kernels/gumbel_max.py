@@ -104,7 +104,8 @@ def _gumbel_sample_kernel(
         c = c + SUB
         best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u3, IS_PROBS), c)
     top = tl.max(best, axis=0)
-    # lowest column among the lanes holding the maximum (an all -inf chunk reports column vocab)
+    # lowest column among the lanes holding the maximum (an all -inf chunk reports column 0, its lanes
+    # never having taken a score: such a chunk wins only when the whole row is -inf)
     col = tl.min(tl.where(best == top, best_col, vocab), axis=0)
     out = row.to(tl.int64) * num_chunks + chunk
     tl.store(best_ptr + out, top)
