@@ -30,9 +30,9 @@ MIN_BUCKET = 16
 # Steps of this many tokens and more are compute-bound: a token's FLOPs (2 per weight) outgrow
 # its share of the weight reads (2 bytes per weight) past ~190 tokens on an H200 in bf16 (its
 # measured ~790 TFLOP/s over ~4.2 TB/s; other GPUs differ a little, the threshold is shared), so
-# padding costs its share of FLOPs there. From this size on, buckets step by
-# a quarter of the power of two below them (a step pads by at most 25%), and the scheduler may
-# trim a mixed step down to one of them instead of padding (`fill_sizes`).
+# padding costs its share of FLOPs there. From this size on, buckets step by a quarter of the
+# power of two below them (a step pads by at most 25%), and the scheduler may trim a mixed step
+# down to one of them instead of padding (`fill_sizes`).
 COMPUTE_BOUND_TOKENS = 256
 
 

@@ -87,8 +87,8 @@ def _best_keys(keys, K: tl.constexpr, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr, vocab,
-                     stride_x,
+def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr,
+                     vocab, stride_x,
                      HAS_ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      S: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
