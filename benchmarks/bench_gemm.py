@@ -52,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
     ap.add_argument("--json")
+    ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
@@ -60,6 +61,12 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
+        for m in [int(r) for r in args.cublas_rows.split(",") if r]:  # prefill-sized: weights and FLOPs both count
+            x = torch.randn(m, k, device=dev, dtype=bf16)
+            us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
+            print(f"{name:<14}{m:>5} cuBLAS {us:8.2f} us  {(n * k + m * (n + k)) * 2 / us / 1e3:6.0f} GB/s  "
+                  f"{2 * m * n * k / us / 1e6:6.1f} TFLOP/s", flush=True)
+            rows.append({"layer": name, "M": m, "cublas_us": us})
         for m in (1, 2, 4, 8):  # 4: the kernel's MAX_ROWS, past layers/linear.GEMV_MAX_ROWS = 2
             x = torch.randn(m, k, device=dev, dtype=bf16)
             gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)

@@ -1,5 +1,6 @@
-"""Host cost of one prefill step: time to first token of one request on an idle engine, and
-cProfile of those steps (where the host time goes).
+"""Where the time to first token goes: one request on an idle engine, split into host phases
+(StepResult's launch / prepare / wait / postprocess) and the device's kernels (torch.profiler
+over a few requests; CUDA-graph replays show their kernels too), then cProfile of the host.
 
     PYTHONPATH=. python3 benchmarks/prefill_probe.py --model benchmarks/configs/qwen3-0.6b
 """
@@ -10,20 +11,27 @@ import argparse
 import cProfile
 import pstats
 import random
+import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 
+REPEATS = 7  # timed requests a size, after one untimed
 
-def ttft(llm: LLM, n: int, rng: random.Random) -> float:
-    llm.add_request([rng.randrange(10000) for _ in range(n)], SamplingParams(temperature=0, max_tokens=1))
+
+def ttft(llm: LLM, n: int, rng: random.Random) -> tuple[float, list]:
+    """Seconds from add_request to the first token, and the StepResults of those steps."""
+    prompt = [rng.randrange(10000) for _ in range(n)]
     torch.cuda.synchronize()
     t = time.perf_counter()
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    results = []
     while not llm.is_finished():
-        llm.step()
-    return time.perf_counter() - t
+        results.append(llm.step())
+    return time.perf_counter() - t, results
 
 
 def main() -> None:
@@ -31,21 +39,39 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--sizes", default="128,1000,4000")
     ap.add_argument("--profile-size", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=20, help="kernel rows printed")
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile the host")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", max_model_len=8192, enforce_eager=args.enforce_eager)
     rng = random.Random(0)
     for n in map(int, args.sizes.split(",")):
-        times = sorted(ttft(llm, n, rng) for _ in range(7))
-        print(f"TTFT {n:>5} tokens: median {1e3 * times[3]:.2f} ms, min {1e3 * times[0]:.2f} ms")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(5):
-        ttft(llm, args.profile_size, rng)
-    prof.disable()
-    st = pstats.Stats(prof)
-    st.sort_stats("tottime").print_stats(30)
-    st.sort_stats("cumulative").print_stats(30)
+        ttft(llm, n, rng)  # compile / first-touch
+        runs = [ttft(llm, n, rng) for _ in range(REPEATS)]
+        wall = statistics.median(w for w, _ in runs)
+        steps = [r for _, rs in runs for r in rs]
+        per = {f: 1e3 * sum(getattr(r, f) for r in steps) / REPEATS
+               for f in ("launch_s", "prepare_s", "wait_s", "postprocess_s")}
+        print(f"TTFT {n:>5} tokens: median {1e3 * wall:.3f} ms, min {1e3 * min(w for w, _ in runs):.3f}; "
+              f"{len(steps) / REPEATS:.1f} steps; per request: host launch {per['launch_s']:.3f} "
+              f"(prepare {per['prepare_s']:.3f}), wait {per['wait_s']:.3f}, post {per['postprocess_s']:.3f} ms")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEATS):
+            ttft(llm, args.profile_size, rng)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / REPEATS / 1e3
+    print(f"profiled {args.profile_size}-token requests: {sum(e.count for e in kernels) / REPEATS:.0f} kernels, "
+          f"{device_ms:.3f} ms of device time each")
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    for e in kernels[: args.rows]:
+        print(f"  {e.self_device_time_total / REPEATS / 1e3:8.3f} ms  x{e.count / REPEATS:5.0f}  {e.key[:90]}")
+    if args.host_profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            ttft(llm, args.profile_size, rng)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     llm.exit()
 
 

@@ -56,6 +56,8 @@ for part in $parts; do
     moefsweep) timeout 400 python3 benchmarks/bench_moe.py --sweep --tokens 64 128 256 512 --json "$OUT/fused-sweep.json" 2>&1 | grep -v skipped | tail -20 | tee "$OUT/moefsweep.log" ;;
     profilemoe) timeout 150 python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-30b-a3b --batch 1 --context 1024 --rows 30 2>&1 | grep -v "it/s" | tee "$OUT/profilemoe.log" | tail -60 ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;
+    ttftprobe) for m in qwen3-8b qwen3-0.6b; do timeout 150 python3 benchmarks/prefill_probe.py --model benchmarks/configs/$m --sizes 128,1000 2>&1 | grep -v "it/s" | tee -a "$OUT/ttftprobe.log" | tail -26; done ;;
+    gemmrows) timeout 200 python3 benchmarks/bench_gemm.py --cublas-rows 64,128,256 2>&1 | grep -E "cuBLAS " | tee "$OUT/gemmrows.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
