@@ -1,5 +1,6 @@
 """A step's sampling values travel in the step's one host-to-device copy: SamplingPack words
-appended to the step's int32 array at an even index, viewed back as int64 on the device."""
+appended to the step's int32 array 16-byte aligned, viewed back as int64 on the device, every part
+of them 16-byte aligned whatever the batch (Triton compiles a kernel variant per pointer alignment)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_words_ride_after_the_ints_and_read_back_exactly(num_ints):
     ints = np.arange(num_ints, dtype=np.int32) - 3
     words = np.array([2**63 - 1, -1, 0, 1 << 40], dtype=np.int64)
     host, offset = with_words(ints, words)
-    assert host.dtype == np.int32 and offset % 2 == 0 and offset >= num_ints
+    assert host.dtype == np.int32 and offset % 4 == 0 and num_ints <= offset < num_ints + 4
     flat = to_device(host, "cpu")
     assert flat[:num_ints].tolist() == ints.tolist()
     assert words_view(flat, offset, len(words)).tolist() == words.tolist()
@@ -45,8 +46,26 @@ def test_unpacked_words_are_the_batch_build_makes():
         pack.unpack(torch.from_numpy(pack.words[:-1].copy()))
 
 
+@pytest.mark.parametrize("batch", [3, 4, 5, 6, 9])  # each holds all of PARAMS: every part present
+def test_every_unpacked_part_is_16_byte_aligned_at_any_batch_size(batch):
+    params = (PARAMS * batch)[:batch]
+    pack = SamplingPack.of(params, (KEYS * batch)[:batch], 50)
+    assert pack.words.shape[0] <= SamplingPack.max_words(batch)
+    # the words as a step's copy leaves them: after an odd number of int32s, in a fresh buffer
+    host, offset = with_words(np.arange(7, dtype=np.int32), pack.words)
+    flat = torch.from_numpy(host.copy())
+    unpacked = pack.unpack(words_view(flat, offset, pack.words.shape[0]))
+    built = SamplingBatch.build(params, (KEYS * batch)[:batch], "cpu", 50)
+    parts = {"temperatures": unpacked.temperatures, "keys": unpacked.keys, "top_ks": unpacked.top_ks,
+             "top_ps": unpacked.top_ps, "min_ps": unpacked.min_ps, "rows": unpacked.logprobs.rows}
+    for name, part in parts.items():
+        assert (part.data_ptr() - flat.data_ptr()) % 16 == 0, name
+        expected = built.logprobs.rows if name == "rows" else getattr(built, name)
+        assert torch.equal(part, expected), name
+
+
 @pytest.mark.parametrize("kind", [StepKind.DECODE, StepKind.PREFILL])
-@pytest.mark.parametrize("width", [3, 4])  # odd and even row widths: the words start at an even index
+@pytest.mark.parametrize("width", [3, 4])  # odd and even row widths: the words start 16-byte aligned
 def test_step_inputs_carry_the_words_without_changing_the_step(kind, width):
     builder = StepInputBuilder(4, torch.device("cpu"), decode_table_width=width)
     lens = [1, 1, 1] if kind is StepKind.DECODE else [5, 3, 2]

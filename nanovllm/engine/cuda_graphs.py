@@ -18,7 +18,7 @@ from nanovllm.engine.step_inputs import (
 from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.layers.sampling_batch import SamplingPack
 from nanovllm.utils.context import AttentionMetadata, attention_context
-from nanovllm.utils.host_to_device import copy_into, with_words, words_view
+from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
@@ -52,7 +52,8 @@ class DecodeGraphs:
         n = self.max_batch
         cols = DECODE_COLUMNS + max_blocks_per_seq
         # The staging rows, then room for the step's sampling words (copied with the rows; see run).
-        self.buffer = torch.zeros(n * cols + 2 + 2 * SamplingPack.max_words(n), dtype=torch.int32, device=device)
+        self.buffer = torch.zeros(words_offset(n * cols) + 2 * SamplingPack.max_words(n), dtype=torch.int32,
+                                  device=device)
         self.staging = self.buffer[: n * cols].view(n, cols)
         self.staging[:, COL_SLOT] = -1
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

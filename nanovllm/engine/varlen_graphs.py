@@ -23,7 +23,7 @@ from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout, fill_car
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingPack
 from nanovllm.utils.context import attention_context
-from nanovllm.utils.host_to_device import copy_into, with_words, words_view
+from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
@@ -77,8 +77,8 @@ class VarlenGraphs:
         for t in reversed(self.buckets):
             layout = self.layouts[t]
             # the layout, then room for the step's sampling words (copied with it; see run)
-            buffer = torch.zeros(layout.size + 1 + 2 * SamplingPack.max_words(layout.num_seqs), dtype=torch.int32,
-                                 device=device)
+            buffer = torch.zeros(words_offset(layout.size) + 2 * SamplingPack.max_words(layout.num_seqs),
+                                 dtype=torch.int32, device=device)
             staging = buffer[: layout.size]
             layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
             inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs)

@@ -5,24 +5,45 @@ reads (layers/sampler.py). Also the noise key of a seeded request's row (`row_ke
     words: | keys B | top_ks B or 0 | logprob rows R | temperatures B, top_ps B or 0, min_ps B or 0 |
              int64 .................................  float32, two a word ......................
 
-Parts no row uses are left out (length 0) and read as None, so the sampler skips their work.
+Each part starts at a 16-byte boundary (its length padded: int64 parts to even, float32 parts to
+multiples of 4), so the sampler's kernels see the same pointer alignment every step (see
+utils/host_to_device.ALIGN_BYTES). Parts no row uses are left out (length 0) and read as None, so
+the sampler skips their work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
-from nanovllm.utils.host_to_device import to_device
+from nanovllm.utils.host_to_device import aligned_count, to_device
 
 # Noise keys are int64 tensor values: non-negative, 63 bits.
 KEY_BITS = 63
+
+
+@dataclass(frozen=True)
+class _PackLayout:
+    """Where a pack's parts lie when every part starts 16-byte aligned (host_to_device.ALIGN_BYTES)."""
+
+    int_starts: tuple[int, ...]  # int64 word index of each int part
+    floats_word: int  # word index where the float32 region starts
+    float_starts: tuple[int, ...]  # float32 index of each float part within that region
+    num_words: int
+
+    @classmethod
+    def of(cls, int_sizes: Sequence[int], float_sizes: Sequence[int]) -> _PackLayout:
+        int_ends = np.cumsum([aligned_count(n, 8) for n in int_sizes])
+        float_ends = np.cumsum([aligned_count(n, 4) for n in float_sizes])
+        floats_word = int(int_ends[-1])
+        # at least one float word: torch cannot view an empty int64 slice as float32
+        return cls((0, *map(int, int_ends[:-1])), floats_word, (0, *map(int, float_ends[:-1])),
+                   floats_word + max(int(float_ends[-1]) // 2, 1))
 
 
 @dataclass(frozen=True)
@@ -95,8 +116,8 @@ class SamplingPack:
 
     @staticmethod
     def max_words(rows: int) -> int:
-        """Words any batch of `rows` rows packs into (3 ints and 3 floats a row, one spare word)."""
-        return 3 * rows + (3 * rows) // 2 + 1
+        """Words any batch of `rows` rows packs into (3 ints and 3 floats a row, padded)."""
+        return _PackLayout.of((rows,) * 3, (rows,) * 3).num_words
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab_size: int) -> SamplingPack:
@@ -119,12 +140,13 @@ class SamplingPack:
                        min_ps if any(m > 0.0 for m in min_ps) else []]
         int_sizes = tuple(len(part) for part in int_parts)
         float_sizes = tuple(len(part) for part in float_parts)
-        num_ints, num_floats = sum(int_sizes), sum(float_sizes)
-        # floats two to a word, rounded up by a spare word (so the float view is never empty)
-        words = np.empty(num_ints + num_floats // 2 + 1, dtype=np.int64)
-        words[:num_ints] = np.fromiter(chain.from_iterable(int_parts), dtype=np.int64, count=num_ints)
-        words[num_ints:].view(np.float32)[:num_floats] = np.fromiter(
-            chain.from_iterable(float_parts), dtype=np.float32, count=num_floats)
+        layout = _PackLayout.of(int_sizes, float_sizes)
+        words = np.zeros(layout.num_words, dtype=np.int64)
+        floats = words[layout.floats_word :].view(np.float32)
+        for start, part in zip(layout.int_starts, int_parts):
+            words[start : start + len(part)] = part
+        for start, part in zip(layout.float_starts, float_parts):
+            floats[start : start + len(part)] = part
         return cls(
             words, int_sizes, float_sizes,
             logprobs_k=min(vocab_size, max(params[i].logprobs for i in logprob_rows)) if logprob_rows else 0,
@@ -135,11 +157,12 @@ class SamplingPack:
 
     def unpack(self, words: Tensor) -> SamplingBatch:
         """The batch as views of `words` (this pack's words, copied to the device)."""
-        num_ints, num_floats = sum(self.int_sizes), sum(self.float_sizes)
         if words.dtype != torch.int64 or words.shape[0] != self.words.shape[0]:
             raise ValueError(f"expected {self.words.shape[0]} int64 words, got {words.dtype} {tuple(words.shape)}")
-        keys, top_ks, rows = words[:num_ints].split(self.int_sizes)
-        temperatures, top_ps, min_ps = words[num_ints:].view(torch.float32)[:num_floats].split(self.float_sizes)
+        layout = _PackLayout.of(self.int_sizes, self.float_sizes)
+        floats = words[layout.floats_word :].view(torch.float32)
+        keys, top_ks, rows = (words[a : a + n] for a, n in zip(layout.int_starts, self.int_sizes))
+        temperatures, top_ps, min_ps = (floats[a : a + n] for a, n in zip(layout.float_starts, self.float_sizes))
         return SamplingBatch(
             temperatures=temperatures,
             keys=keys,

@@ -10,6 +10,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Sampling words start 16 bytes (4 int32) into their copy, and each of their parts at a 16-byte
+# boundary (layers/sampling_batch.py): Triton specializes a kernel on whether each pointer is
+# 16-byte aligned, so pointers whose alignment varied from step to step would compile new variants
+# of the sampler's kernels in the middle of a run (~0.4 s each on an empty Triton cache).
+ALIGN_BYTES = 16
+
+
+def aligned_count(n: int, item_bytes: int) -> int:
+    """n items of item_bytes each, rounded up to fill whole ALIGN_BYTES units."""
+    per = ALIGN_BYTES // item_bytes
+    return -(-n // per) * per
+
+
+def words_offset(num_ints: int) -> int:
+    """The index of the int32 array where `with_words` puts words after `num_ints` int32s."""
+    return aligned_count(num_ints, 4)
+
 
 def to_device(values: list | np.ndarray | torch.Tensor, device: torch.device | str,
               dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -33,16 +50,16 @@ def copy_into(dst: torch.Tensor, values: np.ndarray) -> None:
 
 def with_words(ints: np.ndarray, words: np.ndarray | None) -> tuple[np.ndarray, int]:
     """One int32 host array for one copy: `ints` (int32, flattened), then, when given, the int64
-    `words` (e.g. a step's sampling values) starting at an even index so that they can be
-    viewed as int64 on the device. Returns (array, index of the words: len(ints) rounded up
-    to even).
+    `words` (e.g. a step's sampling values) starting 16-byte aligned (`words_offset`), so that
+    they can be viewed as int64 on the device with the same alignment every step (the copy's
+    device buffer starts aligned). Returns (array, index of the words).
 
-        | ints ............ | pad (0-1) | words as int32 pairs ... |
+        | ints ............ | pad (0-3) | words as int32 pairs ... |
     """
     ints = ints.reshape(-1)
     if words is None:
         return ints, ints.shape[0]
-    offset = ints.shape[0] + ints.shape[0] % 2
+    offset = words_offset(ints.shape[0])
     out = np.zeros(offset + 2 * words.shape[0], dtype=np.int32)
     out[: ints.shape[0]] = ints
     out[offset:].view(np.int64)[:] = words
