@@ -18,6 +18,7 @@ from nanovllm.engine.step_inputs import (
 from nanovllm.layers.linear import GEMV_MAX_ROWS
 from nanovllm.layers.sampling_batch import SamplingPack
 from nanovllm.utils.context import AttentionMetadata, attention_context
+from nanovllm.utils.graph_warmup import replay_each_once
 from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
@@ -93,6 +94,7 @@ class DecodeGraphs:
                 pool = graph.pool()
             self.graphs[b] = graph
             torch.cuda.synchronize()
+        replay_each_once(self.graphs.values())
 
     def padded_size(self, batch_size: int) -> int | None:
         """The captured size a batch replays (the smallest >= batch_size), or None if none fits."""

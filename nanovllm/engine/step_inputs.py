@@ -18,7 +18,7 @@ import torch
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.query_tiles import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
-from nanovllm.utils.host_to_device import to_device, with_words, words_view
+from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
 
 
 # Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
@@ -51,9 +51,11 @@ class VarlenLayout:
           T     T           T       S+1    S+1    S             1            C          C            1           S             S x width
 
     T tokens, S sequences, C query tiles (0 when the attention backend takes no tile
-    table). CUDA graphs use a fixed layout per token bucket; rows past the step are
-    padding (slot -1, empty sequences, tiles past num_tiles and rows past num_decode
-    never read)."""
+    table). Each section starts 16-byte aligned (0-3 unused ints before it), so the kernels'
+    pointer arguments are aligned alike at every step size: Triton compiles a kernel variant
+    per pointer alignment, and eager steps of new sizes would otherwise compile mid-run.
+    CUDA graphs use a fixed layout per token bucket; rows past the step are padding (slot -1,
+    empty sequences, tiles past num_tiles and rows past num_decode never read)."""
 
     num_tokens: int
     num_seqs: int
@@ -65,16 +67,20 @@ class VarlenLayout:
         t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
         return [t, t, t, s + 1, s + 1, s, 1, c, c, 1, s, s * self.width]
 
+    def _starts(self) -> list[int]:
+        """Start of each section, and the end of the last one: each start 16-byte aligned."""
+        starts = [0]
+        for n in self._sizes():
+            starts.append(aligned_count(starts[-1] + n, 4))
+        return starts
+
     @property
     def size(self) -> int:
-        return sum(self._sizes())
+        return self._starts()[-1]
 
     def split(self, flat) -> VarlenSections:
         """Views of `flat` (numpy or torch, 1-D, `size` long)."""
-        out, offset = [], 0
-        for n in self._sizes():
-            out.append(flat[offset : offset + n])
-            offset += n
+        out = [flat[a : a + n] for a, n in zip(self._starts(), self._sizes())]
         out[-1] = out[-1].reshape(self.num_seqs, self.width)
         return VarlenSections(*out)
 

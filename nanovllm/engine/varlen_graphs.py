@@ -23,6 +23,7 @@ from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout, fill_car
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingPack
 from nanovllm.utils.context import attention_context
+from nanovllm.utils.graph_warmup import replay_each_once
 from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
@@ -91,6 +92,7 @@ class VarlenGraphs:
                 pool = graph.pool()
             self.buffers[t], self.staging[t], self.hidden[t], self.graphs[t] = buffer, staging, hidden, graph
             torch.cuda.synchronize(device)
+        replay_each_once(self.graphs.values())
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:
