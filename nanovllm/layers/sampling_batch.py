@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -38,12 +39,11 @@ class _PackLayout:
 
     @classmethod
     def of(cls, int_sizes: Sequence[int], float_sizes: Sequence[int]) -> _PackLayout:
-        int_ends = np.cumsum([aligned_count(n, 8) for n in int_sizes])
-        float_ends = np.cumsum([aligned_count(n, 4) for n in float_sizes])
-        floats_word = int(int_ends[-1])
+        int_ends = list(accumulate(aligned_count(n, 8) for n in int_sizes))
+        float_ends = list(accumulate(aligned_count(n, 4) for n in float_sizes))
         # at least one float word: torch cannot view an empty int64 slice as float32
-        return cls((0, *map(int, int_ends[:-1])), floats_word, (0, *map(int, float_ends[:-1])),
-                   floats_word + max(int(float_ends[-1]) // 2, 1))
+        return cls((0, *int_ends[:-1]), int_ends[-1], (0, *float_ends[:-1]),
+                   int_ends[-1] + max(float_ends[-1] // 2, 1))
 
 
 @dataclass(frozen=True)
