@@ -159,8 +159,9 @@ class BlockManager:
         seq.num_hashed_blocks = 0
 
     def needs_new_block(self, seq: Sequence, num_tokens: int) -> bool:
-        """True if holding `num_tokens` tokens takes one block more than seq's table has."""
-        return len(seq.block_table) < self.blocks_needed(num_tokens)
+        """True if holding `num_tokens` tokens takes one block more than seq's table has
+        (len(table) < blocks_needed(num_tokens), without the division: called per row per step)."""
+        return len(seq.block_table) * self.block_size < num_tokens
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """True if `seq` can grow to hold `num_tokens` tokens (at most one new block)."""
@@ -174,17 +175,17 @@ class BlockManager:
     def publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the hashes of the full blocks among seq's first `num_tokens` tokens,
         whose KV the step being scheduled writes (or has written)."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
         num_full = num_tokens // bs
+        if not self.enable_prefix_caching or num_full <= seq.num_hashed_blocks:
+            return  # nothing new (block_hashes already holds the first num_hashed_blocks hashes)
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             block.hash = hashes[i]
             block.token_ids = seq.token_ids[i * bs : (i + 1) * bs]
             self.hash_to_block_id[hashes[i]] = block.block_id
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        seq.num_hashed_blocks = num_full
 
     def clear_prefix_cache(self) -> None:
         """Forget every published hash (e.g. the weights changed: cached KV is stale). Blocks

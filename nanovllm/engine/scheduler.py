@@ -48,12 +48,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
+from operator import attrgetter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.stop_strings import StopStringMatcher
+
+
+_COMPUTED = attrgetter("num_computed_tokens")
 
 
 def input_in_flight(seq: Sequence) -> bool:
@@ -140,7 +144,12 @@ class Scheduler:
         they yield) booked as computed."""
         # Longest first: the decode attention kernel starts its programs in batch order, so
         # short sequences fill the tail of the launch. Rows with an input in flight lead.
-        rows.sort(key=lambda s: (not input_in_flight(s), -s.num_computed_tokens))
+        # (Two stable descending sorts by a C key: the order of sorting by (not in flight, -computed).)
+        in_flight = [s for s in rows if input_in_flight(s)]
+        rest = [s for s in rows if not input_in_flight(s)] if len(in_flight) < len(rows) else []
+        in_flight.sort(key=_COMPUTED, reverse=True)
+        rest.sort(key=_COMPUTED, reverse=True)
+        rows = in_flight + rest
         seqs = rows + [s for s, _ in prefill]
         starts = [s.num_computed_tokens for s in seqs]
         num_new = [1] * len(rows) + [n for _, n in prefill]
@@ -174,15 +183,20 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below while making room for an earlier row
-            while not bm.can_append(seq, seq.num_computed_tokens + 1):
+            num_tokens = seq.num_computed_tokens + 1
+            if not bm.needs_new_block(seq, num_tokens):  # most rows: nothing to grow or preempt
+                bm.publish_full_blocks(seq, min(len(seq), num_tokens))
+                rows.append(seq)
+                continue
+            while not bm.can_append(seq, num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                bm.may_append(seq, seq.num_computed_tokens + 1)
-                bm.publish_full_blocks(seq, min(len(seq), seq.num_computed_tokens + 1))
+                bm.may_append(seq, num_tokens)
+                bm.publish_full_blocks(seq, min(len(seq), num_tokens))
                 rows.append(seq)
         return rows, preempted
 

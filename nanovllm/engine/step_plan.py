@@ -51,21 +51,24 @@ class StepPlan:
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
         """`previous_sampled`: the sequences sampled by the step launched just before, in
         row order (needed when `batch` has rows whose input is still in flight)."""
-        row = {s.seq_id: i for i, s in enumerate(previous_sampled or [])}
-        carried: list[int] = []
-        token_ids: list[int] = []
-        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
-            if start == len(seq):  # input in flight (only a decode row)
-                if seq.seq_id not in row:
-                    raise ValueError(f"sequence {seq.seq_id}'s input token is not among the previous step's samples")
-                if len(carried) != i:
-                    raise RuntimeError("rows whose input is in flight must lead the step")
-                carried.append(row[seq.seq_id])
-                token_ids.append(0)
-            else:
-                token_ids.extend(seq.token_ids[start : start + n])
-        sampled = [i < batch.num_decode or a + n == len(s)
-                   for i, (s, a, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens))]
+        seqs, starts, d = batch.seqs, batch.starts, batch.num_decode
+        in_flight = [start == len(seq) for seq, start in zip(seqs, starts)]  # only decode rows can be
+        num_carried = in_flight.index(False) if False in in_flight else len(seqs)
+        if any(in_flight[num_carried:]):
+            raise RuntimeError("rows whose input is in flight must lead the step")
+        previous = previous_sampled or []
+        if len(previous) >= num_carried and all(a is b for a, b in zip(previous, seqs[:num_carried])):
+            carried = list(range(num_carried))  # steady decode: the same rows, in the same order
+        else:
+            row = {s.seq_id: i for i, s in enumerate(previous)}
+            missing = [s.seq_id for s in seqs[:num_carried] if s.seq_id not in row]
+            if missing:
+                raise ValueError(f"sequence {missing[0]}'s input token is not among the previous step's samples")
+            carried = [row[s.seq_id] for s in seqs[:num_carried]]
+        token_ids = [0] * num_carried
+        for seq, start, n in zip(seqs[num_carried:], starts[num_carried:], batch.num_new_tokens[num_carried:]):
+            token_ids.extend(seq.token_ids[start : start + n])
+        sampled = [True] * d + [a + n == len(s) for s, a, n in zip(seqs[d:], starts[d:], batch.num_new_tokens[d:])]
         lp_rows, lp_targets, lp_k = _prompt_logprob_rows(batch)
         return cls(
             kind=batch.kind,

@@ -13,6 +13,7 @@ the sampler skips their work.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -26,6 +27,8 @@ from nanovllm.utils.host_to_device import aligned_count, to_device
 
 # Noise keys are int64 tensor values: non-negative, 63 bits.
 KEY_BITS = 63
+# Pack layouts remembered (a step's part sizes mostly repeat the previous step's).
+LAYOUT_CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,14 @@ class _PackLayout:
     float_starts: tuple[int, ...]  # float32 index of each float part within that region
     num_words: int
 
-    @classmethod
-    def of(cls, int_sizes: Sequence[int], float_sizes: Sequence[int]) -> _PackLayout:
+    @staticmethod
+    @functools.lru_cache(maxsize=LAYOUT_CACHE_SIZE)
+    def of(int_sizes: tuple[int, ...], float_sizes: tuple[int, ...]) -> _PackLayout:
         int_ends = list(accumulate(aligned_count(n, 8) for n in int_sizes))
         float_ends = list(accumulate(aligned_count(n, 4) for n in float_sizes))
         # at least one float word: torch cannot view an empty int64 slice as float32
-        return cls((0, *int_ends[:-1]), int_ends[-1], (0, *float_ends[:-1]),
-                   int_ends[-1] + max(float_ends[-1] // 2, 1))
+        return _PackLayout((0, *int_ends[:-1]), int_ends[-1], (0, *float_ends[:-1]),
+                           int_ends[-1] + max(float_ends[-1] // 2, 1))
 
 
 @dataclass(frozen=True)
