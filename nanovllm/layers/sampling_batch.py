@@ -165,15 +165,19 @@ class SamplingPack:
             raise ValueError(f"expected {self.words.shape[0]} int64 words, got {words.dtype} {tuple(words.shape)}")
         layout = _PackLayout.of(self.int_sizes, self.float_sizes)
         floats = words[layout.floats_word :].view(torch.float32)
-        keys, top_ks, rows = (words[a : a + n] for a, n in zip(layout.int_starts, self.int_sizes))
-        temperatures, top_ps, min_ps = (floats[a : a + n] for a, n in zip(layout.float_starts, self.float_sizes))
+        # only the parts in use become views (each view op costs host time every step)
+        keys, top_ks, rows = (words[a : a + n] if n else None for a, n in zip(layout.int_starts, self.int_sizes))
+        temperatures, top_ps, min_ps = (floats[a : a + n] if n else None
+                                         for a, n in zip(layout.float_starts, self.float_sizes))
+        if keys is None:  # an empty batch
+            keys, temperatures = words[:0], floats[:0]
         return SamplingBatch(
             temperatures=temperatures,
             keys=keys,
-            top_ks=top_ks if self.int_sizes[1] else None,
-            top_ps=top_ps if self.float_sizes[1] else None,
-            min_ps=min_ps if self.float_sizes[2] else None,
-            logprobs=LogprobRows(rows, self.logprobs_k) if self.int_sizes[2] else None,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            logprobs=LogprobRows(rows, self.logprobs_k) if rows is not None else None,
             all_greedy=self.all_greedy,
             max_top_k=self.max_top_k,
             top_p_within_top_k=self.top_p_within_top_k,
