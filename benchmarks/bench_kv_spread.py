@@ -52,7 +52,7 @@ def main() -> None:
                 at += n
             us = graph_us(lambda: [flash_attn_with_kvcache(q, cache[0, layer], cache[1, layer], seqlens, table)
                                    for layer in range(LAYERS)])
-            line += f"  {name}: {us:8.1f} us {nbytes / us / 1e6:6.0f} GB/s"
+            line += f"  {name}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s"
         print(line, flush=True)
 
 
