@@ -1,13 +1,14 @@
-"""Does decode attention slow down when a batch's KV blocks are spread over a large cache?
+"""Decode attention as a decode step runs it: every layer in one CUDA graph, over the engine's
+cache layout [2, layers, blocks, block_size, kv_heads, head_dim] sized like the engine's (~100 GB).
 
-The engine's cache fills most of the GPU (~110 GB for Qwen3-0.6B on an H200) and the block
-manager hands out the least recently freed block first, so after a while a step's blocks lie
-anywhere in it; bench_kernels.py's decode cases read a cache holding only their own blocks.
-This times one decode step's attention (every layer, one CUDA graph) over the engine's cache
-layout [2, layers, blocks, block_size, kv_heads, head_dim] with the batch's blocks either
-packed at the lowest ids or drawn at random from the whole cache (or its lowest `--fraction`).
+Two questions:
+- where a batch's blocks lie (packed at the lowest ids, in the lowest 10%, anywhere): the engine's
+  free list hands out the least recently freed block, so a long run spreads a step's blocks over
+  the whole cache (H200, 2026-12-02: no difference, BENCHMARKS.md);
+- `--sweep`: the split count and key-tile width per batch, in this 28-layer setting, where mid-size
+  batches (64-128 rows) reached an estimated 85-90% of copy bandwidth and 256 rows ~100%.
 
-    PYTHONPATH=. python3 benchmarks/bench_kv_spread.py --cache-gb 100
+    PYTHONPATH=. python3 benchmarks/bench_kv_spread.py --cache-gb 100 [--sweep]
 """
 
 from __future__ import annotations
@@ -16,43 +17,67 @@ import argparse
 
 import torch
 
+import nanovllm.kernels.decode_attention as da
+from bench_kernels import hbm_bandwidth, patched
 from graph_timing import graph_us
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 
 LAYERS, HQ, HKV, D, BLOCK = 28, 16, 8, 128, 256  # Qwen3-0.6B, the engine's block size
 TABLE_WIDTH = 16  # max_model_len 4096 / 256
+# (num_splits, WIDE_TILE_PROGRAMS_PER_SM): the default first (0 = the kernel's split choice; unsplit
+# calls take 128-key tiles below 7 programs per SM), then unsplit with 64-key / 128-key tiles
+# always, then forced split counts.
+SWEEP = ((0, da.WIDE_TILE_PROGRAMS_PER_SM), (1, 0), (1, 10**6), (2, 0), (4, 0), (8, 0))
+
+
+def step_us(cache, q, seqlens, table, num_splits: int = 0) -> float:
+    """us per replay of all layers' decode attention for this batch."""
+    return graph_us(lambda: [flash_attn_with_kvcache(q, cache[0, layer], cache[1, layer], seqlens, table,
+                                                     num_splits=num_splits) for layer in range(LAYERS)])
+
+
+def batch_of(batch: int, ctx: int, num_blocks: int, pool: int, gen: torch.Generator):
+    """(q, seqlens, block table, KV bytes) of `batch` rows, lengths uniform in [ctx/8, ctx],
+    longest first (as the engine orders them), blocks drawn from the lowest `pool` ids."""
+    dev = "cuda"
+    lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=dev).sort(descending=True).values
+    need = [-(-int(n) // BLOCK) for n in lens.tolist()]
+    ids = torch.randperm(max(pool, sum(need)), generator=gen, device=dev)[: sum(need)].to(torch.int32)
+    table = torch.zeros((batch, TABLE_WIDTH), dtype=torch.int32, device=dev)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = ids[at : at + n]
+        at += n
+    q = torch.randn((batch, 1, HQ, D), generator=gen, device=dev).to(torch.bfloat16)
+    return q, lens.to(torch.int32), table, 2 * LAYERS * int(lens.sum()) * HKV * D * 2
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache-gb", type=float, default=100.0)
-    ap.add_argument("--cases", default="256x1024,128x1024,64x2048")
+    ap.add_argument("--cases", default="256x1024,192x1024,128x1024,96x2048,64x2048,32x2048")
+    ap.add_argument("--sweep", action="store_true", help="split counts and tile widths instead of block placement")
     args = ap.parse_args()
-    dev, bf16 = "cuda", torch.bfloat16
+    bw = hbm_bandwidth()
     block_bytes = 2 * LAYERS * BLOCK * HKV * D * 2
     num_blocks = int(args.cache_gb * 1e9 // block_bytes)
-    cache = torch.zeros((2, LAYERS, num_blocks, BLOCK, HKV, D), dtype=bf16, device=dev)
-    print(f"cache {num_blocks} blocks x {block_bytes / 2**20:.0f} MiB = {cache.numel() * 2 / 1e9:.1f} GB", flush=True)
-    gen = torch.Generator(dev).manual_seed(0)
+    cache = torch.zeros((2, LAYERS, num_blocks, BLOCK, HKV, D), dtype=torch.bfloat16, device="cuda")
+    print(f"copy bandwidth {bw:.0f} GB/s; cache {num_blocks} blocks = {cache.numel() * 2 / 1e9:.1f} GB", flush=True)
+    gen = torch.Generator("cuda").manual_seed(0)
     for case in args.cases.split(","):
         batch, ctx = map(int, case.split("x"))
-        lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=dev).sort(descending=True).values
-        need = [-(-int(n) // BLOCK) for n in lens.tolist()]
-        total = sum(need)
-        q = torch.randn((batch, 1, HQ, D), generator=gen, device=dev).to(bf16)
-        seqlens = lens.to(torch.int32)
-        nbytes = 2 * LAYERS * int(lens.sum()) * HKV * D * 2
-        line = f"{batch:>4} rows x ctx <= {ctx}: {total} blocks;"
-        for name, pool in (("packed", total), ("lowest 10%", max(total, num_blocks // 10)), ("anywhere", num_blocks)):
-            ids = torch.randperm(pool, generator=gen, device=dev)[:total].to(torch.int32)
-            table = torch.zeros((batch, TABLE_WIDTH), dtype=torch.int32, device=dev)
-            at = 0
-            for i, n in enumerate(need):
-                table[i, :n] = ids[at : at + n]
-                at += n
-            us = graph_us(lambda: [flash_attn_with_kvcache(q, cache[0, layer], cache[1, layer], seqlens, table)
-                                   for layer in range(LAYERS)])
-            line += f"  {name}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s"
+        line = f"{batch:>4} rows x ctx <= {ctx:<5}"
+        if not args.sweep:
+            for name, pool in (("packed", 0), ("lowest 10%", num_blocks // 10), ("anywhere", num_blocks)):
+                q, seqlens, table, nbytes = batch_of(batch, ctx, num_blocks, pool, gen)
+                us = step_us(cache, q, seqlens, table)
+                line += f"  {name}: {us:8.1f} us {100 * nbytes / us / 1e3 / bw:5.1f}%"
+        else:
+            q, seqlens, table, nbytes = batch_of(batch, ctx, num_blocks, num_blocks, gen)
+            for splits, wide in SWEEP:
+                with patched(da, ("WIDE_TILE_PROGRAMS_PER_SM",), (wide,)):
+                    us = step_us(cache, q, seqlens, table, splits)
+                line += f"  s{splits}w{min(wide, 99)}: {100 * nbytes / us / 1e3 / bw:5.1f}%"
         print(line, flush=True)
 
 

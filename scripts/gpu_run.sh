@@ -5,10 +5,10 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session, first call: `trimcheck gputests` (59c50f2's trimming rule on the default, many and
-# long workloads, then the whole GPU suite). Then branch gumbel-fast (a faster Gumbel kernel, CPU-tested
-# only): its copy of this script runs `gumbelcheck trimcheck`. Branch gpu-unverified's experiments
-# (split mixed steps, skinny GEMM, early PDL + deep prefetch) were measured on 2026-12-02 and lost.
+# Next session: `decodestep` (split count and tile width of decode attention over a step's 28
+# layers, where 64-128-row batches reached an estimated 85-90% of copy bandwidth, 256 rows ~100%)
+# and `hostprobe` (where a batch-1 / batch-8 step's host time goes). Branch gumbel-fast (faster
+# Gumbel kernel) measured no gain end to end.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -58,6 +58,8 @@ for part in $parts; do
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;
     ttftprobe) for m in qwen3-8b qwen3-0.6b; do timeout 150 python3 benchmarks/prefill_probe.py --model benchmarks/configs/$m --sizes 128,1000 2>&1 | grep -v "it/s" | tee -a "$OUT/ttftprobe.log" | tail -26; done ;;
     gemmrows) timeout 200 python3 benchmarks/bench_gemm.py --cublas-rows 64,128,256 2>&1 | grep -E "cuBLAS " | tee "$OUT/gemmrows.log" ;;
+    decodestep) timeout 400 python3 benchmarks/bench_kv_spread.py --sweep 2>&1 | tee "$OUT/decodestep.log" ;;
+    hostprobe) for b in 1 8; do timeout 60 python3 benchmarks/host_probe.py --batch $b --steps 200 2>&1 | grep -v "it/s" | head -45 | tee -a "$OUT/hostprobe.log"; done ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
