@@ -184,20 +184,16 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below while making room for an earlier row
             num_tokens = seq.num_computed_tokens + 1
-            if not bm.needs_new_block(seq, num_tokens):  # most rows: nothing to grow or preempt
-                bm.publish_full_blocks(seq, min(len(seq), num_tokens))
-                rows.append(seq)
-                continue
-            while not bm.can_append(seq, num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
+            if bm.needs_new_block(seq, num_tokens):  # most rows fit their blocks: nothing to grow
+                # make room by preempting the newest running sequences, seq itself last
+                while not bm.can_append(seq, num_tokens) and seq.status is SequenceStatus.RUNNING:
+                    self._preempt(self.running[-1])
+                    preempted = True
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
                 bm.may_append(seq, num_tokens)
-                bm.publish_full_blocks(seq, min(len(seq), num_tokens))
-                rows.append(seq)
+            bm.publish_full_blocks(seq, min(len(seq), num_tokens))
+            rows.append(seq)
         return rows, preempted
 
     def _prefill_budget(self, num_rows: int, budget: int) -> int:
