@@ -1,7 +1,8 @@
 """Replay freshly captured CUDA graphs once at start-up.
 
-A graph's first launch also uploads it to the device (benchmarks/graph_first_replay.py
-measures it), so without this the first step of each size in a run pays that. The captured
+A graph's first launch costs 0.3-0.5 ms more than the next ones on an H200 (the driver sets it
+up on the device; benchmarks/graph_first_replay.py, BENCHMARKS.md), so without this the first
+step of each size in a run pays that. The captured
 staging buffers hold padding (slots -1, empty sequences, zero tiles), so a replay writes no
 KV-cache entry: only the graphs' own output buffers change.
 """
