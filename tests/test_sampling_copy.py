@@ -1,6 +1,7 @@
 """A step's sampling values travel in the step's one host-to-device copy: SamplingPack words
 appended to the step's int32 array 16-byte aligned, viewed back as int64 on the device, every part
-of them 16-byte aligned whatever the batch (Triton compiles a kernel variant per pointer alignment)."""
+of them 16-byte aligned whatever the batch, as is every section of a prefill / mixed step's array
+(Triton compiles a kernel variant per pointer alignment)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
-from nanovllm.engine.step_inputs import StepInputBuilder
+from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.layers.sampling_batch import SamplingBatch, SamplingPack
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
@@ -81,3 +82,20 @@ def test_step_inputs_carry_the_words_without_changing_the_step(kind, width):
     assert torch.equal(plain.meta.slot_mapping, carrying.meta.slot_mapping)
     assert torch.equal(plain.meta.block_tables, carrying.meta.block_tables)
     assert torch.equal(plain.sample_indices, carrying.sample_indices)
+
+
+@pytest.mark.parametrize("tokens, seqs, tiles, width", [(1, 1, 2, 3), (7, 3, 5, 16), (33, 5, 0, 1), (64, 8, 9, 7)])
+def test_every_varlen_section_starts_16_byte_aligned(tokens, seqs, tiles, width):
+    layout = VarlenLayout(tokens, seqs, tiles, width)
+    flat = torch.zeros(layout.size, dtype=torch.int32)
+    sections = layout.split(flat)
+    expected = [tokens, tokens, tokens, seqs + 1, seqs + 1, seqs, 1, tiles, tiles, 1, seqs, seqs * width]
+    ends = []
+    for section, n in zip(sections, expected):
+        assert section.numel() == n
+        if n:  # (an empty view's data pointer says nothing)
+            offset = section.data_ptr() - flat.data_ptr()
+            assert offset % 16 == 0
+            ends.append((offset, offset + 4 * n))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))  # in order, no overlap
+    assert ends[-1][1] <= 4 * layout.size
