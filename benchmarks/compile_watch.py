@@ -1,51 +1,61 @@
-"""Which Triton kernels compile (or load from the disk cache) while bench.py's workload runs, after
-start-up and warm-up should have compiled them all. A fresh machine has an empty Triton cache, so
-every such kernel costs a full compile inside the timed run.
+"""Which Triton kernels compile (or load from the disk cache) while a bench.py workload runs, after
+start-up and bench's warm-up should have compiled them all. A fresh machine has an empty Triton
+cache, so every such kernel costs a full compile inside the timed run (run this with
+TRITON_CACHE_DIR set to a new directory to see that cost).
 
-    PYTHONPATH=. python3 benchmarks/compile_watch.py [bench.py arguments]
+    PYTHONPATH=. python3 benchmarks/compile_watch.py --model benchmarks/configs/qwen3-0.6b [--workload many]
 """
 
 from __future__ import annotations
 
-import os
-import runpy
-import sys
+import argparse
 import time
 
 import triton
 
-# Kernels compiled within this process, by phase: (seconds since start, name and specialization).
-events: dict[str, list[tuple[float, str]]] = {"startup": [], "run": []}
-phase = ["startup"]
-T0 = time.perf_counter()
+from benchmarks.runs import run_engine, warm_up
+from benchmarks.workloads import WORKLOADS, WorkloadSampling, make_workload
+from nanovllm import LLM
+
+# Characters of a kernel's description kept (name, launch options and the specialisation of each argument).
+REPR_CHARS = 700
 
 
-def on_compile(**kw) -> None:
-    events[phase[0]].append((time.perf_counter() - T0, kw["repr"][:700]))
+class CompileLog:
+    """Triton's post-compile hook: the kernels compiled in this process, by phase."""
+
+    def __init__(self) -> None:
+        self.phase = "start-up"
+        self.events: dict[str, list[str]] = {}
+
+    def __call__(self, **kw) -> None:
+        self.events.setdefault(self.phase, []).append(kw["repr"][:REPR_CHARS])
 
 
 def main() -> None:
-    triton.knobs.runtime.jit_post_compile_hook = on_compile
-    bench = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "bench.py"), run_name="bench")
-    run_engine = bench["run_engine"]
-
-    def timed_run(*args, **kwargs):
-        phase[0] = "run"
-        start = time.perf_counter()
-        try:
-            return run_engine(*args, **kwargs)
-        finally:
-            phase[0] = "after"
-            events.setdefault("after", [])
-            print(f"[compile_watch] run_engine {time.perf_counter() - start:.2f} s", flush=True)
-
-    bench["main"].__globals__["run_engine"] = timed_run  # run_path returned a copy of those globals
-    sys.argv = ["bench.py"] + sys.argv[1:]
-    bench["main"]()
-    print(f"[compile_watch] kernels compiled or loaded before the run: {len(events['startup'])}")
-    print(f"[compile_watch] during the run: {len(events['run'])}")
-    for t, what in events["run"]:
-        print(f"  {t:8.2f} s  {what}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    args = ap.parse_args()
+    log = CompileLog()
+    triton.knobs.runtime.jit_post_compile_hook = log
+    llm = LLM(args.model, load_format=args.load_format, max_model_len=4096)
+    prompts, max_tokens = make_workload(WORKLOADS[args.workload], llm.config.model_config.vocab_size)
+    log.phase = "warm-up"
+    warm_up(llm)
+    log.phase = "run"
+    start = time.perf_counter()
+    run_engine(llm, prompts, max_tokens, WorkloadSampling(args.top_k, args.top_p))
+    wall = time.perf_counter() - start
+    print(f"{args.workload}: {sum(max_tokens)} output tokens in {wall:.2f} s = {sum(max_tokens) / wall:,.0f} tok/s")
+    for phase, kernels in log.events.items():
+        print(f"kernels compiled or loaded during {phase}: {len(kernels)}")
+    for what in log.events.get("run", []):
+        print(f"  {what}")
+    llm.exit()
 
 
 if __name__ == "__main__":
