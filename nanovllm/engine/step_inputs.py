@@ -10,6 +10,7 @@ Carried rows (engine/step_plan.py) get their input ids on the device: `fill_carr
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -67,8 +68,10 @@ class VarlenLayout:
         t, s, c = self.num_tokens, self.num_seqs, self.num_tiles
         return [t, t, t, s + 1, s + 1, s, 1, c, c, 1, s, s * self.width]
 
+    @cached_property
     def _starts(self) -> list[int]:
-        """Start of each section, and the end of the last one: each start 16-byte aligned."""
+        """Start of each section, and the end of the last one: each start 16-byte aligned
+        (computed once per layout: size and split read it every step)."""
         starts = [0]
         for n in self._sizes():
             starts.append(aligned_count(starts[-1] + n, 4))
@@ -76,11 +79,11 @@ class VarlenLayout:
 
     @property
     def size(self) -> int:
-        return self._starts()[-1]
+        return self._starts[-1]
 
     def split(self, flat) -> VarlenSections:
         """Views of `flat` (numpy or torch, 1-D, `size` long)."""
-        out = [flat[a : a + n] for a, n in zip(self._starts(), self._sizes())]
+        out = [flat[a : a + n] for a, n in zip(self._starts, self._sizes())]
         out[-1] = out[-1].reshape(self.num_seqs, self.width)
         return VarlenSections(*out)
 
