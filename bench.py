@@ -34,8 +34,8 @@ import torch
 
 from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.roofline import (
-    decode_rows, decode_step_bytes, decode_weight_elements, expected_experts_hit, prefill_flops, roofline,
-    workload_bytes, workload_flops,
+    DecodeStep, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit, phase_bound_s, prefill_flops,
+    roofline, workload_bytes, workload_flops,
 )
 from benchmarks.runs import LATENCY_PERCENTILES, EngineRun, latency, measure_ttft, run_engine, run_hf, warm_up
 from benchmarks.stats import bucket_edges, percentile, sum_by_rows
@@ -157,9 +157,11 @@ def throughput_rows(
     kv_bytes, w_bytes = workload_bytes(cfg, elem, prompt_lens, max_tokens, decode_weights)
     mm_flops, attn_flops = workload_flops(cfg, prompt_lens, max_tokens)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, args.tp * bw, args.tp * peak)
+    phase_s = phase_bound_s(cfg, elem, prompt_lens, max_tokens, decode_weights, args.tp * bw, args.tp * peak)
     res.update(bandwidth=bw, gemm_peak_flops=peak, kv_bytes=kv_bytes, weight_bytes=w_bytes, matmul_flops=mm_flops,
                attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s, roofline_s=roof.seconds,
-               roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s)
+               roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,
+               phase_bound_s=phase_s)
     per_gpu = f" x {args.tp} GPUs" if args.tp > 1 else ""
     rows += [("HBM copy bandwidth / bf16 GEMM peak", f"{bw / 1e12:.2f} TB/s / {peak / 1e12:.0f} TFLOP/s{per_gpu}"),
              ("memory term: KV + weights", f"{kv_bytes / 1e12:.2f} + {w_bytes / 1e12:.2f} TB = {roof.memory_s:.2f} s"),
@@ -167,8 +169,11 @@ def throughput_rows(
                                                   f"= {roof.compute_s:.2f} s"),
              (f"roofline ({roof.binding} binds)", f"{roof.seconds:.2f} s = {out_tokens / roof.seconds:,.0f} tok/s"),
              ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
+             ("phase bound: prefill, then each step's projections and attention in turn",
+              f"{phase_s:.2f} s (the roofline is {100 * roof.seconds / phase_s:.1f}% of it); "
+              f"reached {100 * phase_s / run.wall_s:.1f}%"),
              *expert_rows(cfg, max_tokens),
-             *decode_bucket_rows(run, decode_step_bytes(cfg, elem, prompt_lens, max_tokens, decode_weights),
+             *decode_bucket_rows(run, decode_steps(cfg, elem, prompt_lens, max_tokens, decode_weights),
                                  args.tp * bw, res),
              ("peak memory (torch)", f"{peak_mem / 2**30:.1f} GiB")]
 
@@ -195,15 +200,15 @@ def throughput_rows(
     return rows, llm
 
 
-def decode_bucket_rows(run: EngineRun, floor_steps: list[tuple[int, float]], bandwidth: float,
+def decode_bucket_rows(run: EngineRun, floor_steps: list[DecodeStep], bandwidth: float,
                        res: dict) -> list[tuple[str, str]]:
     """Decode-only steps by row count: measured wall time next to the memory term's steps of as
-    many rows (floor_steps: decode_step_bytes, every request running from the start), so the
+    many rows (floor_steps: decode_steps, every request running from the start), so the
     report shows which batch sizes lose time against the roofline."""
-    floor_rows = [r for r, _ in floor_steps]
+    floor_rows = [step.rows for step in floor_steps]
     edges = bucket_edges(max(run.decode_step_rows + floor_rows, default=1))
     measured = sum_by_rows(run.decode_step_rows, run.decode_step_s, edges)
-    floor = sum_by_rows(floor_rows, [b / bandwidth for _, b in floor_steps], edges)
+    floor = sum_by_rows(floor_rows, [step.bytes / bandwidth for step in floor_steps], edges)
     rows, res["decode_by_rows"] = [], []
     for lo, hi, (n, s), (nf, sf) in zip([1] + [e + 1 for e in edges], edges, measured, floor):
         if n or nf:

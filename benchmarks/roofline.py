@@ -145,12 +145,25 @@ def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int]
     return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps + experts
 
 
-def decode_step_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
-                      weight_elements: int) -> list[tuple[int, float]]:
-    """(rows, bytes) of each decode step t = 1 .. max(max_tokens) - 1 as workload_bytes counts
-    them (every request running from the start): the weights read in full, an MoE model's
-    expected experts of its rows, and each running request's context, prompt + t tokens. Their
-    bytes sum to workload_bytes' two terms (experts up to its rounding)."""
+@dataclass(frozen=True)
+class DecodeStep:
+    """What one decode step of the roofline's schedule must read."""
+
+    rows: int  # requests decoding at this step
+    weight_bytes: float  # every weight read in full, plus the expected experts its rows pick
+    kv_bytes: int  # each running request's whole context
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+def decode_steps(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                 weight_elements: int) -> list[DecodeStep]:
+    """Decode steps t = 1 .. max(max_tokens) - 1 as workload_bytes counts them (every request
+    running from the start): the weights read in full, an MoE model's expected experts of its
+    rows, and each running request's context, prompt + t tokens. Their bytes sum to
+    workload_bytes' two terms (experts up to its rounding)."""
     ends_prompt = Counter()  # last decode step -> prompt tokens of the requests ending there
     for p, n in zip(prompt_lens, max_tokens, strict=True):
         ends_prompt[n - 1] += p
@@ -159,19 +172,52 @@ def decode_step_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[i
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
         experts = step_expert_elements(cfg, running) * elem_bytes
-        steps.append((running, weights + experts + per_token * (prompt_sum + running * t)))
+        steps.append(DecodeStep(running, weights + experts, per_token * (prompt_sum + running * t)))
         prompt_sum -= ends_prompt[t]
     return steps
+
+
+def attention_flops(cfg: ModelConfig, pairs: int) -> int:
+    """FLOPs of `pairs` query-key pairs: q.k and p.v, 2 x 2 x head_dim a head and layer."""
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+
+
+def projection_flops(cfg: ModelConfig, tokens: int, logit_rows: int) -> int:
+    """FLOPs of `tokens` tokens through the layers' projections and `logit_rows` lm_head rows."""
+    return 2 * (token_linear_elements(cfg) * tokens + lm_head_elements(cfg) * logit_rows)
 
 
 def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
     """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
     forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
-    logit_rows = sum(max_tokens)
-    matmul = 2 * (token_linear_elements(cfg) * forwarded + lm_head_elements(cfg) * logit_rows)
     pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
-    return matmul, attention
+    return projection_flops(cfg, forwarded, sum(max_tokens)), attention_flops(cfg, pairs)
+
+
+def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                  weight_elements: int, bandwidth: float, peak_flops: float) -> float:
+    """Seconds the roofline's own schedule takes when the phases that wait on each other run in
+    turn, each at the roofline of its own bytes and FLOPs::
+
+        every prefill        max(prompts' FLOPs / peak, weights / BW)
+        then decode step t:
+          projections        max((weights + experts) / BW, its rows' projection FLOPs / peak)
+          + attention        max(its contexts' KV / BW, their attention FLOPs / peak)
+
+    A step's attention needs its projections' q, k, v, and the next projection needs the
+    attention's output: on one batch the two cannot overlap (two micro-batches on two streams
+    could, each reading the weights again; benchmarks/lanes_probe.py measured no gain). Every
+    request decodes from step 1, as the roofline's weight term counts, so every prefill comes
+    first. Never below the roofline: roofline / this is the most of the roofline that
+    schedule can reach."""
+    per_token = kv_bytes_per_token(cfg, elem_bytes)
+    total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens))) / peak_flops,
+                weight_elements * elem_bytes / bandwidth)
+    for step in decode_steps(cfg, elem_bytes, prompt_lens, max_tokens, weight_elements):
+        total += max(step.weight_bytes / bandwidth, projection_flops(cfg, step.rows, step.rows) / peak_flops)
+        # each row's query pairs with every token of its context
+        total += max(step.kv_bytes / bandwidth, attention_flops(cfg, step.kv_bytes // per_token) / peak_flops)
+    return total
 
 
 def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:

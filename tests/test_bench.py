@@ -22,8 +22,9 @@ import bench  # noqa: E402
 from checkpoints import cpu_llm  # noqa: E402
 from benchmarks import runs  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
-    decode_expert_elements, decode_rows, decode_step_bytes, decode_weight_elements, expected_experts_hit,
-    expert_elements, layer_linear_elements, prefill_flops, roofline, token_linear_elements, workload_bytes, workload_flops,
+    DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
+    expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
+    workload_flops,
 )
 from benchmarks.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
 from benchmarks.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
@@ -213,20 +214,46 @@ def test_expected_experts_hit_by_enumeration():
     assert expected_experts_hit(128, 8, 512) == pytest.approx(128)
 
 
-def test_decode_step_bytes_by_hand_and_summing_to_the_memory_term():
+def test_decode_steps_by_hand_and_summing_to_the_memory_term():
     cfg = toy_config(tied=False)
     weights = decode_weight_elements(cfg)
     # As test_workload_bytes_by_hand: step 1 reads contexts 4 and 6, steps 2 and 3 contexts 7 and 8,
     # 32 bytes a token, and each step 2008 x 2 weight bytes.
-    steps = decode_step_bytes(cfg, 2, [3, 5], [2, 4], weights)
-    assert steps == [(2, 4016 + 32 * 10), (1, 4016 + 32 * 7), (1, 4016 + 32 * 8)]
+    steps = decode_steps(cfg, 2, [3, 5], [2, 4], weights)
+    assert steps == [DecodeStep(2, 4016, 32 * 10), DecodeStep(1, 4016, 32 * 7), DecodeStep(1, 4016, 32 * 8)]
     rng = random.Random(3)
     prompts, outputs = [rng.randint(1, 50) for _ in range(40)], [rng.randint(1, 30) for _ in range(40)]
     for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
         kv, wb = workload_bytes(c, 2, prompts, outputs, w)
-        per_step = decode_step_bytes(c, 2, prompts, outputs, w)
-        assert [r for r, _ in per_step] == decode_rows(outputs)
-        assert sum(b for _, b in per_step) == pytest.approx(kv + wb, abs=1.0)  # experts rounded there
+        per_step = decode_steps(c, 2, prompts, outputs, w)
+        assert [step.rows for step in per_step] == decode_rows(outputs)
+        assert sum(step.bytes for step in per_step) == pytest.approx(kv + wb, abs=1.0)  # experts rounded there
+
+
+def test_phase_bound_by_hand():
+    """Prompts 3 and 5, outputs 2 and 4 on the untied toy (test_workload_flops_by_hand: 1,152
+    projection elements a token, an 800-element lm_head, 64 FLOPs a query-key pair).
+    Prefill: 8 tokens x 2 x 1,152 + 2 lm_head rows x 1,600 + (6 + 15) pairs x 64 = 22,976 FLOPs.
+    Decode steps of 2, 1, 1 rows: 3,904 projection FLOPs a row; contexts 10, 7, 8 tokens = 640,
+    448, 512 attention FLOPs and 320, 224, 256 KV bytes; 4,016 weight bytes each."""
+    cfg = toy_config(tied=False)
+    weights = decode_weight_elements(cfg)
+    args = (cfg, 2, [3, 5], [2, 4], weights)
+    # FLOPs free: the prefill's weight read, then every step's bytes (the memory term + 4,016)
+    assert phase_bound_s(*args, bandwidth=1.0, peak_flops=1e30) == pytest.approx(4016 + 3 * 4016 + 800)
+    # bytes free: all FLOPs, the compute term (27,648 + 9,600 + 2,944)
+    assert phase_bound_s(*args, bandwidth=1e30, peak_flops=1.0) == pytest.approx(40192)
+    # both at 1 / s: each phase takes its larger side
+    by_phase = 22976 + (7808 + 640) + (4016 + 448) + (4016 + 512)
+    assert phase_bound_s(*args, bandwidth=1.0, peak_flops=1.0) == pytest.approx(by_phase)
+    assert by_phase > roofline(800 + 3 * 4016, 40192, 1.0, 1.0).seconds
+    rng = random.Random(5)
+    for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
+        prompts, outputs = [rng.randint(1, 50) for _ in range(30)], [rng.randint(1, 30) for _ in range(30)]
+        kv, wb = workload_bytes(c, 2, prompts, outputs, w)
+        flops = sum(workload_flops(c, prompts, outputs))
+        for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
+            assert phase_bound_s(c, 2, prompts, outputs, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
 
 
 def test_decode_buckets_sum_steps_by_rows():
@@ -235,7 +262,7 @@ def test_decode_buckets_sum_steps_by_rows():
         (2, 3.0), (1, 4.0), (1, 16.0), (1, 8.0)]
     run = runs.EngineRun(decode_step_rows=[3, 3, 100], decode_step_s=[0.5, 0.5, 2.0])
     res = {}
-    rows = bench.decode_bucket_rows(run, [(3, 1.0), (100, 3.0), (100, 3.0)], 2.0, res)
+    rows = bench.decode_bucket_rows(run, [DecodeStep(3, 1.0, 0), DecodeStep(100, 1.0, 2), DecodeStep(100, 3.0, 0)], 2.0, res)
     assert rows == [("decode-only steps of 1-8 rows: measured / memory floor", "2 steps 1.00 s / 1 steps 0.50 s (50%)"),
                     ("decode-only steps of 33-128 rows: measured / memory floor",
                      "1 steps 2.00 s / 2 steps 3.00 s (150%)")]
