@@ -47,8 +47,10 @@ def base_params(name: str, batch: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.8)] * batch
     if name == "top_k_only":
         return [SamplingParams(temperature=0.8, top_k=50)] * batch
-    if name == "top_p_only":  # no top-k bound: the full sort
+    if name == "top_p_only":  # no top-k bound: the candidate walk (--no-walk: the full sort / radix select)
         return [SamplingParams(temperature=0.7, top_p=0.9)] * batch
+    if name == "min_p_only":
+        return [SamplingParams(temperature=1.0, min_p=0.05)] * batch
     if name == "top_k_top_p":  # Qwen3's suggested settings: top-p within torch.topk's 20 largest
         return [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * batch
     if name == "mixed_topk_topp":
@@ -77,8 +79,8 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(**{**p.__dict__, "logprobs": LOGPROBS_K}) if i in asking else p for i, p in enumerate(params)]
 
 
-BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "top_k_top_p", "mixed_topk_topp", "plain_16_seeded",
-              "mixed_16_seeded"]
+BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "min_p_only", "top_k_top_p", "mixed_topk_topp",
+              "plain_16_seeded", "mixed_16_seeded"]
 LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
 CASES = BASE_CASES + LOGPROB_CASES
 
@@ -109,6 +111,10 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--torch-thresholds", action="store_true",
                         help="top-k/top-p thresholds by the CPU path's torch.topk / sort instead of the Triton select")
+    parser.add_argument("--no-walk", action="store_true",
+                        help="top-p / min-p batches through thresholds too, not the candidate walk (kernels/top_p_sample.py)")
+    parser.add_argument("--logit-scale", type=float, default=3.0,
+                        help="logits ~ N(0, scale^2): 3 peaked rows, 0.3 near-flat ones (random-weight models)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler needs a CUDA device")
@@ -116,11 +122,13 @@ def main() -> None:
     device = torch.device("cuda")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
+    logits = (torch.randn(args.batch, args.vocab, device=device) * args.logit_scale).to(dtype)
     with device:
         sampler = Sampler()  # built on CUDA: the Triton noise kernel, as in the engine
     if args.torch_thresholds:
         sampler.top_k_top_p_threshold = _top_k_top_p_threshold
+    if args.no_walk:
+        sampler.top_p_sample = None
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:
