@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--torch-thresholds", action="store_true",
                         help="top-k/top-p thresholds by the CPU path's torch.topk / sort instead of the Triton select")
     parser.add_argument("--no-walk", action="store_true",
-                        help="top-p / min-p batches through thresholds too, not the candidate walk (kernels/top_p_sample.py)")
+                        help="top-p / min-p batches through thresholds too, not the candidate walk (kernels/candidate_walk.py)")
     parser.add_argument("--logit-scale", type=float, default=3.0,
                         help="logits ~ N(0, scale^2): 3 peaked rows, 0.3 near-flat ones (random-weight models)")
     args = parser.parse_args()
@@ -128,7 +128,7 @@ def main() -> None:
     if args.torch_thresholds:
         sampler.top_k_top_p_threshold = _top_k_top_p_threshold
     if args.no_walk:
-        sampler.top_p_sample = None
+        sampler.walk_sample = None
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:

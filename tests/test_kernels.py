@@ -669,10 +669,10 @@ def test_import_exports():
                                     "fused_moe", "gumbel_sample", "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route",
                                     "query_tile_rows",
                                     "row_logprobs",
-                                    "store_kvcache", "top_k_top_p_threshold"]
+                                    "store_kvcache", "top_k_top_p_threshold", "walk_sample"]
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)
     # a kernel module named like an exported function would replace it once imported
     for module in ("logprobs", "moe", "moe_decode", "moe_routing", "moe_sort", "gumbel_max", "kv_store",
-                   "sampling_filter"):
+                   "sampling_filter", "candidate_walk"):
         importlib.import_module(f"nanovllm.kernels.{module}")
     assert all(callable(getattr(kmod, name)) for name in kmod.__all__)

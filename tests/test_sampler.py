@@ -425,7 +425,7 @@ def test_row_keys_are_splitmix64_distinct_and_fit_int64() -> None:
 def test_sampler_picks_the_noise_implementation_of_its_device() -> None:
     assert Sampler().gumbel_sample is torch_gumbel_sample  # built on the CPU
     assert Sampler().token_logprobs is token_logprobs
-    assert Sampler().top_p_sample is None  # the threshold path serves every filter
+    assert Sampler().walk_sample is None  # the threshold path serves every filter
     with torch.device("meta"):
         assert Sampler().gumbel_sample is torch_gumbel_sample  # any device but CUDA: the PyTorch twin
 
@@ -456,12 +456,12 @@ def test_the_triton_kernel_samples_the_same_tokens() -> None:
     CPU sampler, through every path: logits -> tokens, filtered probabilities -> tokens, and the
     candidate walk of batches filtered by top-p / min-p alone."""
     from nanovllm.kernels.gumbel_max import gumbel_sample
-    from nanovllm.kernels.top_p_sample import top_p_sample
+    from nanovllm.kernels.candidate_walk import walk_sample
 
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(6, 2_100, generator=g) * 3
     kernel_sampler = Sampler()
-    kernel_sampler.gumbel_sample, kernel_sampler.top_p_sample = gumbel_sample, top_p_sample
+    kernel_sampler.gumbel_sample, kernel_sampler.walk_sample = gumbel_sample, walk_sample
     plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(seed=3),
              SamplingParams(temperature=1.7), SamplingParams(temperature=0.3), SamplingParams(seed=4)]
     filtered = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50),
@@ -470,8 +470,11 @@ def test_the_triton_kernel_samples_the_same_tokens() -> None:
     top_p_only = [SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(temperature=0.8, top_p=0.9),
                   SamplingParams(top_p=0.3, seed=3), SamplingParams(min_p=0.05), SamplingParams(top_p=0.7, min_p=0.1),
                   SamplingParams(temperature=1.2, seed=4)]
+    top_k_only = [SamplingParams(temperature=0.9, top_k=40), SamplingParams(top_k=3, seed=3), SamplingParams(min_p=0.05),
+                  SamplingParams(top_k=500, min_p=0.02), SamplingParams(temperature=0.0, top_k=7),
+                  SamplingParams(temperature=1.2, seed=4)]
     keys = [11, 2**KEY_BITS - 1, row_key(3, 0), 2**62 + 12345, 0, row_key(4, 9)]
-    for params in (plain, filtered, top_p_only):
+    for params in (plain, filtered, top_p_only, top_k_only):
         batch = build(params, 2_100, keys)
         assert SAMPLER(logits, batch).tokens.tolist() == kernel_sampler(logits, batch).tokens.tolist()
 

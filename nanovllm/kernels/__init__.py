@@ -8,7 +8,7 @@
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `top_k_top_p_threshold`: each row's top-k/top-p probability threshold by radix select (sampling_filter.py).
-- `top_p_sample`: Gumbel-max sampling under top-p / min-p by walking candidates, no threshold (top_p_sample.py).
+- `walk_sample`: Gumbel-max sampling under top-p, top-k or min-p by walking candidates, no threshold (candidate_walk.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe_sort.py).
 - `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py);
@@ -21,7 +21,7 @@ without Triton (the CPU path uses kernels/torch_attention.py); a call there rais
 
 __all__ = ["build_query_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_moe", "gumbel_sample",
            "moe_align", "moe_gemv", "moe_gemv_routed", "moe_route", "query_tile_rows", "row_logprobs", "store_kvcache",
-           "top_k_top_p_threshold", "top_p_sample"]
+           "top_k_top_p_threshold", "walk_sample"]
 
 
 def _triton_missing(exc: ImportError) -> ImportError:
@@ -153,10 +153,10 @@ def moe_gemv_routed(hidden, w13, w2, router_logits, top_k, renormalize):
     return impl(hidden, w13, w2, router_logits, top_k, renormalize)
 
 
-def top_p_sample(logits, keys, temperatures, top_ps, min_ps):
-    """One token per row under top-p / min-p; see top_p_sample.top_p_sample."""
+def walk_sample(logits, keys, temperatures, top_ps, top_ks, min_ps):
+    """One token per row under top-p or top-k, and min-p; see candidate_walk.walk_sample."""
     try:
-        from .top_p_sample import top_p_sample as impl
+        from .candidate_walk import walk_sample as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(logits, keys, temperatures, top_ps, min_ps)
+    return impl(logits, keys, temperatures, top_ps, top_ks, min_ps)

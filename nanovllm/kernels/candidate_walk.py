@@ -1,4 +1,4 @@
-"""Top-p / min-p sampling without a threshold: Gumbel-max candidates checked one at a time.
+"""Top-p / top-k / min-p sampling without a threshold: Gumbel-max candidates checked one at a time.
 
 The sampler's filtered path (layers/sampler.py) keeps the tokens whose probability reaches a
 per-row threshold and takes argmax(log p + g) over them, g the row's Gumbel noise
@@ -16,13 +16,15 @@ over the row:
 
     top-p:  M(c) < top_p * Z,  M(c) = sum_{x[v] > x[c]} e^(x[v] - m),  Z = sum_v e^(x[v] - m)
             (or nothing lies above c); ties of c are kept with it, as the sorted prefix keeps them
+    top-k:  N(c) < k,          N(c) = #{v : x[v] > x[c]}   (ties of the k-th value all kept)
     min-p:  e^(x[c] - m) >= min_p,  m = max_v x[v]
 
 One program per row: pass 1 finds m, Z and the first candidate (online softmax); each further
 pass sums M of the current candidate and finds the next one (skipping what min-p already
 removes). Rows whose first candidate is kept take two passes; each rejection costs one more,
-and x[c] strictly rises, so the loop ends (the row's maximum is always kept). Top-k needs the
-k-th value, which this walk does not give: batches with top-k rows keep the threshold path.
+and x[c] strictly rises, so the loop ends (the row's maximum is always kept). A row with both
+top-k and top-p sums top-p's mass over the top-k survivors only, which needs the k-th value the
+walk does not find: a batch using both filters keeps the threshold path (layers/sampler.py).
 """
 
 from __future__ import annotations
@@ -63,16 +65,17 @@ def _first_sub(x_row, cols, vocab, t, g, m_vec, z_vec, best, best_col):
 
 
 @triton.jit
-def _walk_sub(x_row, cols, vocab, t, g, xc, m, min_p, mass, best, best_col):
-    """A later pass over one sub-block: mass above the candidate's xc, and the best noisy score
-    among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
+def _walk_sub(x_row, cols, vocab, t, g, xc, m, min_p, mass, count, best, best_col):
+    """A later pass over one sub-block: mass and count above the candidate's xc, and the best noisy
+    score among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
     x = _load_x(x_row, cols, vocab, t)
     rel = tl.exp(x - m)  # [SUB] p * Z
     above = x > xc
     mass += tl.where(above, rel, 0.0)
+    count += above.to(tl.int32)
     score = tl.where(above & (rel >= min_p), x + g, float("-inf"))
     better = score > best
-    return mass, tl.where(better, score, best), tl.where(better, cols, best_col)
+    return mass, count, tl.where(better, score, best), tl.where(better, cols, best_col)
 
 
 @triton.jit
@@ -83,8 +86,9 @@ def _lowest_best(best, best_col, vocab):
 
 
 @triton.jit
-def _top_p_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, out_ptr, vocab, stride_x,
-                         HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, SUB: tl.constexpr):
+def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, top_k_ptr, min_p_ptr, out_ptr, vocab, stride_x,
+                         HAS_TOP_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                         SUB: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     key = tl.load(key_ptr + row)
@@ -95,6 +99,9 @@ def _top_p_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, 
     top_p = 1.0
     if HAS_TOP_P:
         top_p = tl.load(top_p_ptr + row)
+    top_k = vocab
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row).to(tl.int32)
     min_p = 0.0
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
@@ -119,58 +126,70 @@ def _top_p_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, 
     z = tl.sum(z_vec * tl.exp(m_vec - m), axis=0)
     cand = _lowest_best(best, best_col, vocab)
     # greedy rows and rows without a filter keep their first candidate
-    done = greedy | ((top_p >= 1.0) & (min_p <= 0.0))
+    done = greedy | ((top_p >= 1.0) & (top_k >= vocab) & (min_p <= 0.0))
     while not done:
         xc = tl.load(x_row + cand).to(tl.float32)
         xc = tl.math.div_rn(xc, t)
         mass = tl.zeros([SUB], tl.float32)
+        count = tl.zeros([SUB], tl.int32)
         best = tl.full([SUB], float("-inf"), tl.float32)
         best_col = tl.zeros([SUB], tl.int32)
         for t0 in range(0, vocab, 4 * SUB):
             u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
             c = t0 + j
-            mass, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u0, noise), xc, m, min_p, mass, best, best_col)
+            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u0, noise), xc, m, min_p, mass,
+                                                  count, best, best_col)
             c += SUB
-            mass, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u1, noise), xc, m, min_p, mass, best, best_col)
+            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u1, noise), xc, m, min_p, mass,
+                                                  count, best, best_col)
             c += SUB
-            mass, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u2, noise), xc, m, min_p, mass, best, best_col)
+            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u2, noise), xc, m, min_p, mass,
+                                                  count, best, best_col)
             c += SUB
-            mass, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u3, noise), xc, m, min_p, mass, best, best_col)
+            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u3, noise), xc, m, min_p, mass,
+                                                  count, best, best_col)
         above = tl.sum(mass, axis=0)
         kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z)
+        kept_k = tl.sum(count, axis=0) < top_k
         kept_min_p = tl.exp(xc - m) >= min_p
         # nothing left above c (it is the row's max, or the row holds NaN): keep c, so the walk
         # always ends; otherwise x[c] strictly rises each round
-        done = (kept_p & kept_min_p) | (tl.max(best, axis=0) == float("-inf"))
+        done = (kept_p & kept_k & kept_min_p) | (tl.max(best, axis=0) == float("-inf"))
         if not done:
             cand = _lowest_best(best, best_col, vocab)
     tl.store(out_ptr + row, cand.to(tl.int64))
 
 
-def check_filter(name: str, values: torch.Tensor | None, x: torch.Tensor) -> None:
-    """A per-row filter parameter: None, or float32 [rows] contiguous on x's device."""
+def check_filter(name: str, values: torch.Tensor | None, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """A per-row filter parameter: None, or `dtype` [rows] contiguous on x's device."""
     if values is None:
         return
-    if (not isinstance(values, torch.Tensor) or values.dtype != torch.float32
+    if (not isinstance(values, torch.Tensor) or values.dtype != dtype
             or tuple(values.shape) != (x.shape[0],) or not values.is_contiguous() or values.device != x.device):
-        raise TypeError(f"{name} must be a contiguous float32 tensor of shape ({x.shape[0]},) on {x.device}, got "
+        raise TypeError(f"{name} must be a contiguous {dtype} tensor of shape ({x.shape[0]},) on {x.device}, got "
                         f"{getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
 
 
-def top_p_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor,
-                 top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
+def walk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor | None,
+                 top_ks: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
     """One token per row of `logits` [B, V]: the Gumbel-max sample (noise of `keys` [B] int64, as
-    gumbel_sample) of softmax(logits / T) restricted to the row's top-p set and min-p floor.
-    `temperatures` [B] float32 (0: greedy argmax), `top_ps` [B] float32 (1.0: off) or None,
-    `min_ps` [B] float32 (0.0: off) or None. Returns [B] int64."""
+    gumbel_sample) of softmax(logits / T) restricted to the row's top-p set, top-k set and min-p
+    floor. `temperatures` [B] float32 (0: greedy argmax); `top_ps` [B] float32 (1.0: off),
+    `top_ks` [B] int64 (>= V: off), `min_ps` [B] float32 (0.0: off), each None when no row uses
+    it. top_ps and top_ks together are refused (ValueError): top-p within top-k needs the k-th
+    value, which the walk does not find. Returns [B] int64."""
     check_gumbel_args(logits, keys, temperatures, is_probs=False)
-    check_filter("top_ps", top_ps, logits)
-    check_filter("min_ps", min_ps, logits)
+    if top_ps is not None and top_ks is not None:
+        raise ValueError("walk_sample takes top_ps or top_ks, not both (top-p within top-k needs the k-th value)")
+    check_filter("top_ps", top_ps, logits, torch.float32)
+    check_filter("top_ks", top_ks, logits, torch.int64)
+    check_filter("min_ps", min_ps, logits, torch.float32)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _top_p_sample_kernel[(rows,)](
+        _walk_sample_kernel[(rows,)](
             logits, temperatures, keys, top_ps if top_ps is not None else temperatures,
-            min_ps if min_ps is not None else temperatures, out, vocab, logits.stride(0),
-            HAS_TOP_P=top_ps is not None, HAS_MIN_P=min_ps is not None, SUB=SUB, num_warps=NUM_WARPS)
+            top_ks if top_ks is not None else keys, min_ps if min_ps is not None else temperatures, out, vocab,
+            logits.stride(0), HAS_TOP_P=top_ps is not None, HAS_TOP_K=top_ks is not None,
+            HAS_MIN_P=min_ps is not None, SUB=SUB, num_warps=NUM_WARPS)
     return out
