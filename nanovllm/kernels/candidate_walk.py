@@ -21,7 +21,9 @@ over the row:
 
 One program per row: pass 1 finds m, Z and the first candidate (online softmax); each further
 pass sums M of the current candidate and finds the next one (skipping what min-p already
-removes). Rows whose first candidate is kept take two passes; each rejection costs one more,
+removes; a tile wholly at or below the candidate is only read, its noise never drawn, so on
+peaked rows these passes cost little more than the read). Rows whose first candidate is kept
+take two passes; each rejection costs one more,
 and x[c] strictly rises, so the loop ends (the row's maximum is always kept). A row with both
 top-k and top-p sums top-p's mass over the top-k survivors only, which needs the k-th value the
 walk does not find: a batch using both filters keeps the threshold path (layers/sampler.py).
@@ -65,10 +67,9 @@ def _first_sub(x_row, cols, vocab, t, g, m_vec, z_vec, best, best_col):
 
 
 @triton.jit
-def _walk_sub(x_row, cols, vocab, t, g, xc, m, min_p, mass, count, best, best_col):
-    """A later pass over one sub-block: mass and count above the candidate's xc, and the best noisy
-    score among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
-    x = _load_x(x_row, cols, vocab, t)
+def _walk_sub(x, cols, g, xc, m, min_p, mass, count, best, best_col):
+    """A later pass over one sub-block (x at `cols`): mass and count above the candidate's xc, and
+    the best noisy score among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
     rel = tl.exp(x - m)  # [SUB] p * Z
     above = x > xc
     mass += tl.where(above, rel, 0.0)
@@ -135,19 +136,23 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, top_k_ptr, m
         best = tl.full([SUB], float("-inf"), tl.float32)
         best_col = tl.zeros([SUB], tl.int32)
         for t0 in range(0, vocab, 4 * SUB):
-            u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
             c = t0 + j
-            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u0, noise), xc, m, min_p, mass,
-                                                  count, best, best_col)
-            c += SUB
-            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u1, noise), xc, m, min_p, mass,
-                                                  count, best, best_col)
-            c += SUB
-            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u2, noise), xc, m, min_p, mass,
-                                                  count, best, best_col)
-            c += SUB
-            mass, count, best, best_col = _walk_sub(x_row, c, vocab, t, _gumbel(u3, noise), xc, m, min_p, mass,
-                                                  count, best, best_col)
+            x0 = _load_x(x_row, c, vocab, t)
+            x1 = _load_x(x_row, c + SUB, vocab, t)
+            x2 = _load_x(x_row, c + 2 * SUB, vocab, t)
+            x3 = _load_x(x_row, c + 3 * SUB, vocab, t)
+            top = tl.maximum(tl.maximum(tl.max(x0, axis=0), tl.max(x1, axis=0)),
+                             tl.maximum(tl.max(x2, axis=0), tl.max(x3, axis=0)))
+            if top > xc:  # a tile wholly at or below the candidate adds nothing: no noise drawn
+                u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
+                mass, count, best, best_col = _walk_sub(x0, c, _gumbel(u0, noise), xc, m, min_p, mass, count,
+                                                        best, best_col)
+                mass, count, best, best_col = _walk_sub(x1, c + SUB, _gumbel(u1, noise), xc, m, min_p, mass, count,
+                                                        best, best_col)
+                mass, count, best, best_col = _walk_sub(x2, c + 2 * SUB, _gumbel(u2, noise), xc, m, min_p, mass,
+                                                        count, best, best_col)
+                mass, count, best, best_col = _walk_sub(x3, c + 3 * SUB, _gumbel(u3, noise), xc, m, min_p, mass,
+                                                        count, best, best_col)
         above = tl.sum(mass, axis=0)
         kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z)
         kept_k = tl.sum(count, axis=0) < top_k
