@@ -2,7 +2,7 @@
 
 The sampler's filtered path (layers/sampler.py) keeps the tokens whose probability reaches a
 per-row threshold and takes argmax(log p + g) over them, g the row's Gumbel noise
-(gumbel_max.py's Philox layout). Both filters keep an *upper set* of the probabilities, so
+(gumbel_max.py's Philox layout). Each filter keeps an *upper set* of the probabilities, so
 that argmax is also found by walking candidates down the noisy scores without ever computing
 the threshold:
 
@@ -23,8 +23,8 @@ One program per row: pass 1 finds m, Z and the first candidate (online softmax);
 pass sums M of the current candidate and finds the next one (skipping what min-p already
 removes; a tile wholly at or below the candidate is only read, its noise never drawn, so on
 peaked rows these passes cost little more than the read). Rows whose first candidate is kept
-take two passes; each rejection costs one more,
-and x[c] strictly rises, so the loop ends (the row's maximum is always kept). A row with both
+take two passes; each rejection costs one more, and x[c] strictly rises, so the loop ends (the
+row's maximum is always kept; so is a candidate with nothing above it). A row with both
 top-k and top-p sums top-p's mass over the top-k survivors only, which needs the k-th value the
 walk does not find: a batch using both filters keeps the threshold path (layers/sampler.py).
 """
