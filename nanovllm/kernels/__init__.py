@@ -8,7 +8,7 @@
 - `gumbel_sample`: one sampled token per row with counter-based noise (gumbel_max.py).
 - `row_logprobs`: logprobs of given tokens and each row's top k in one pass (logprobs.py).
 - `top_k_top_p_threshold`: each row's top-k/top-p probability threshold by radix select (sampling_filter.py).
-- `walk_sample`: Gumbel-max sampling under top-p, top-k or min-p by walking candidates, no threshold (candidate_walk.py).
+- `walk_sample`: Gumbel-max sampling under top-p / min-p by walking candidates, no threshold (candidate_walk.py).
 - `fused_moe`: the mixture-of-experts MLP (top-k routed SiLU experts) as two grouped GEMMs (moe.py).
 - `moe_align`: its grouping of (token, slot) pairs by expert into blocks, CUDA-graph capturable (moe_sort.py).
 - `moe_gemv`: the same MLP for decode steps of 1-2 tokens in two GEMV-style launches (moe_decode.py);
@@ -153,10 +153,10 @@ def moe_gemv_routed(hidden, w13, w2, router_logits, top_k, renormalize):
     return impl(hidden, w13, w2, router_logits, top_k, renormalize)
 
 
-def walk_sample(logits, keys, temperatures, top_ps, top_ks, min_ps):
-    """One token per row under top-p or top-k, and min-p; see candidate_walk.walk_sample."""
+def walk_sample(logits, keys, temperatures, top_ps, min_ps):
+    """One token per row under top-p / min-p; see candidate_walk.walk_sample."""
     try:
         from .candidate_walk import walk_sample as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
-    return impl(logits, keys, temperatures, top_ps, top_ks, min_ps)
+    return impl(logits, keys, temperatures, top_ps, min_ps)

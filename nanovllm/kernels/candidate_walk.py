@@ -1,4 +1,4 @@
-"""Top-p / top-k / min-p sampling without a threshold: Gumbel-max candidates checked one at a time.
+"""Top-p / min-p sampling without a threshold: Gumbel-max candidates checked one at a time.
 
 The sampler's filtered path (layers/sampler.py) keeps the tokens whose probability reaches a
 per-row threshold and takes argmax(log p + g) over them, g the row's Gumbel noise
@@ -16,7 +16,6 @@ over the row:
 
     top-p:  M(c) < top_p * Z,  M(c) = sum_{x[v] > x[c]} e^(x[v] - m),  Z = sum_v e^(x[v] - m)
             (or nothing lies above c); ties of c are kept with it, as the sorted prefix keeps them
-    top-k:  N(c) < k,          N(c) = #{v : x[v] > x[c]}   (ties of the k-th value all kept)
     min-p:  e^(x[c] - m) >= min_p,  m = max_v x[v]
 
 One program per row: pass 1 finds m, Z and the first candidate (online softmax); each further
@@ -24,9 +23,9 @@ pass sums M of the current candidate and finds the next one (skipping what min-p
 removes; a tile wholly at or below the candidate is only read, its noise never drawn, so on
 peaked rows these passes cost little more than the read). Rows whose first candidate is kept
 take two passes; each rejection costs one more, and x[c] strictly rises, so the loop ends (the
-row's maximum is always kept; so is a candidate with nothing above it). A row with both
-top-k and top-p sums top-p's mass over the top-k survivors only, which needs the k-th value the
-walk does not find: a batch using both filters keeps the threshold path (layers/sampler.py).
+row's maximum is always kept; so is a candidate with nothing above it). Top-k is left to the
+threshold path (layers/sampler.py): top-p within top-k needs the k-th value, and on near-flat rows
+(random-weight models) a small k takes ~log2(V / k) rounds, each drawing the noise of half the row.
 """
 
 from __future__ import annotations
@@ -38,7 +37,10 @@ import triton.language as tl
 from .gumbel_max import _tile_uniforms
 from .gumbel_torch import SUB, check_gumbel_args
 
-NUM_WARPS = 4
+# Noise tiles (4 x SUB columns each) a loop step covers: 8,192 columns, enough loads in flight for
+# one program to stream its row (one tile a step left a pass latency-bound: ~200 us a row, H200).
+STEP_TILES = 8
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -55,41 +57,44 @@ def _gumbel(u, noise):
 
 
 @triton.jit
-def _first_sub(x_row, cols, vocab, t, g, m_vec, z_vec, best, best_col):
-    """Pass 1 over one sub-block: per-lane running max and sum of e^(x - max), best noisy score."""
-    x = _load_x(x_row, cols, vocab, t)
-    m_new = tl.maximum(m_vec, x)
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing finite yet: no inf - inf
-    z_vec = z_vec * tl.exp(m_vec - shift) + tl.exp(x - shift)
-    score = x + g
-    better = score > best  # strict: the earlier column keeps a tie
-    return m_new, z_vec, tl.where(better, score, best), tl.where(better, cols, best_col)
+def _max2(x):
+    return tl.max(tl.max(x, axis=1), axis=0)
 
 
 @triton.jit
-def _walk_sub(x, cols, g, xc, m, min_p, mass, count, best, best_col):
-    """A later pass over one sub-block (x at `cols`): mass and count above the candidate's xc, and
-    the best noisy score among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
-    rel = tl.exp(x - m)  # [SUB] p * Z
+def _first_sub(x, cols, g, m_acc, z_acc, best, best_col):
+    """Pass 1 over one sub-block: per-lane running max and sum of e^(x - max), best noisy score."""
+    m_new = tl.maximum(m_acc, x)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing finite yet: no inf - inf
+    z_acc = z_acc * tl.exp(m_acc - shift) + tl.exp(x - shift)
+    score = x + g
+    better = score > best  # strict: the earlier column keeps a tie
+    return m_new, z_acc, tl.where(better, score, best), tl.where(better, cols, best_col)
+
+
+@triton.jit
+def _walk_sub(x, cols, g, xc, m, min_p, mass, best, best_col):
+    """A later pass over one sub-block: mass above the candidate's xc, and the best noisy score
+    among the tokens above it that min-p keeps (e^(x - m) >= min_p)."""
+    rel = tl.exp(x - m)  # p * Z
     above = x > xc
     mass += tl.where(above, rel, 0.0)
-    count += above.to(tl.int32)
     score = tl.where(above & (rel >= min_p), x + g, float("-inf"))
     better = score > best
-    return mass, count, tl.where(better, score, best), tl.where(better, cols, best_col)
+    return mass, tl.where(better, score, best), tl.where(better, cols, best_col)
 
 
 @triton.jit
 def _lowest_best(best, best_col, vocab):
     """The lowest column among the lanes holding the best score."""
-    top = tl.max(best, axis=0)
-    return tl.min(tl.where(best == top, best_col, vocab), axis=0)
+    top = _max2(best)
+    return tl.min(tl.min(tl.where(best == top, best_col, vocab), axis=1), axis=0)
 
 
 @triton.jit
-def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, top_k_ptr, min_p_ptr, out_ptr, vocab, stride_x,
-                         HAS_TOP_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                         SUB: tl.constexpr):
+def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, out_ptr, vocab, stride_x,
+                        HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, SUB: tl.constexpr,
+                        STEP_TILES: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     key = tl.load(key_ptr + row)
@@ -100,66 +105,61 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, top_k_ptr, m
     top_p = 1.0
     if HAS_TOP_P:
         top_p = tl.load(top_p_ptr + row)
-    top_k = vocab
-    if HAS_TOP_K:
-        top_k = tl.load(top_k_ptr + row).to(tl.int32)
     min_p = 0.0
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
-    j = tl.arange(0, SUB)
+    j = tl.arange(0, SUB)[None, :]
+    tiles = tl.arange(0, STEP_TILES)[:, None] * (4 * SUB)  # [STEP_TILES, 1] tile offsets in a step
 
     # pass 1: m, Z and the first candidate
-    m_vec = tl.full([SUB], float("-inf"), tl.float32)
-    z_vec = tl.zeros([SUB], tl.float32)
-    best = tl.full([SUB], float("-inf"), tl.float32)
-    best_col = tl.zeros([SUB], tl.int32)
-    for t0 in range(0, vocab, 4 * SUB):
+    m_acc = tl.full([STEP_TILES, SUB], float("-inf"), tl.float32)
+    z_acc = tl.zeros([STEP_TILES, SUB], tl.float32)
+    best = tl.full([STEP_TILES, SUB], float("-inf"), tl.float32)
+    best_col = tl.zeros([STEP_TILES, SUB], tl.int32)
+    for s0 in range(0, vocab, STEP_TILES * 4 * SUB):
+        t0 = s0 + tiles
         u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
-        c = t0 + j
-        m_vec, z_vec, best, best_col = _first_sub(x_row, c, vocab, t, _gumbel(u0, noise), m_vec, z_vec, best, best_col)
-        c += SUB
-        m_vec, z_vec, best, best_col = _first_sub(x_row, c, vocab, t, _gumbel(u1, noise), m_vec, z_vec, best, best_col)
-        c += SUB
-        m_vec, z_vec, best, best_col = _first_sub(x_row, c, vocab, t, _gumbel(u2, noise), m_vec, z_vec, best, best_col)
-        c += SUB
-        m_vec, z_vec, best, best_col = _first_sub(x_row, c, vocab, t, _gumbel(u3, noise), m_vec, z_vec, best, best_col)
-    m = tl.max(m_vec, axis=0)
-    z = tl.sum(z_vec * tl.exp(m_vec - m), axis=0)
+        c = t0 + j  # [STEP_TILES, SUB] columns of sub-block 0
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c, vocab, t), c, _gumbel(u0, noise),
+                                                  m_acc, z_acc, best, best_col)
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + SUB, vocab, t), c + SUB, _gumbel(u1, noise),
+                                                  m_acc, z_acc, best, best_col)
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 2 * SUB, vocab, t), c + 2 * SUB,
+                                                  _gumbel(u2, noise), m_acc, z_acc, best, best_col)
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 3 * SUB, vocab, t), c + 3 * SUB,
+                                                  _gumbel(u3, noise), m_acc, z_acc, best, best_col)
+    m = _max2(m_acc)
+    z = tl.sum(tl.sum(z_acc * tl.exp(m_acc - m), axis=1), axis=0)
     cand = _lowest_best(best, best_col, vocab)
     # greedy rows and rows without a filter keep their first candidate
-    done = greedy | ((top_p >= 1.0) & (top_k >= vocab) & (min_p <= 0.0))
+    done = greedy | ((top_p >= 1.0) & (min_p <= 0.0))
     while not done:
-        xc = tl.load(x_row + cand).to(tl.float32)
-        xc = tl.math.div_rn(xc, t)
-        mass = tl.zeros([SUB], tl.float32)
-        count = tl.zeros([SUB], tl.int32)
-        best = tl.full([SUB], float("-inf"), tl.float32)
-        best_col = tl.zeros([SUB], tl.int32)
-        for t0 in range(0, vocab, 4 * SUB):
+        xc = tl.math.div_rn(tl.load(x_row + cand).to(tl.float32), t)
+        mass = tl.zeros([STEP_TILES, SUB], tl.float32)
+        best = tl.full([STEP_TILES, SUB], float("-inf"), tl.float32)
+        best_col = tl.zeros([STEP_TILES, SUB], tl.int32)
+        for s0 in range(0, vocab, STEP_TILES * 4 * SUB):
+            t0 = s0 + tiles
             c = t0 + j
             x0 = _load_x(x_row, c, vocab, t)
             x1 = _load_x(x_row, c + SUB, vocab, t)
             x2 = _load_x(x_row, c + 2 * SUB, vocab, t)
             x3 = _load_x(x_row, c + 3 * SUB, vocab, t)
-            top = tl.maximum(tl.maximum(tl.max(x0, axis=0), tl.max(x1, axis=0)),
-                             tl.maximum(tl.max(x2, axis=0), tl.max(x3, axis=0)))
-            if top > xc:  # a tile wholly at or below the candidate adds nothing: no noise drawn
+            if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
+                # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
                 u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
-                mass, count, best, best_col = _walk_sub(x0, c, _gumbel(u0, noise), xc, m, min_p, mass, count,
-                                                        best, best_col)
-                mass, count, best, best_col = _walk_sub(x1, c + SUB, _gumbel(u1, noise), xc, m, min_p, mass, count,
-                                                        best, best_col)
-                mass, count, best, best_col = _walk_sub(x2, c + 2 * SUB, _gumbel(u2, noise), xc, m, min_p, mass,
-                                                        count, best, best_col)
-                mass, count, best, best_col = _walk_sub(x3, c + 3 * SUB, _gumbel(u3, noise), xc, m, min_p, mass,
-                                                        count, best, best_col)
-        above = tl.sum(mass, axis=0)
+                mass, best, best_col = _walk_sub(x0, c, _gumbel(u0, noise), xc, m, min_p, mass, best, best_col)
+                mass, best, best_col = _walk_sub(x1, c + SUB, _gumbel(u1, noise), xc, m, min_p, mass, best, best_col)
+                mass, best, best_col = _walk_sub(x2, c + 2 * SUB, _gumbel(u2, noise), xc, m, min_p, mass, best,
+                                                 best_col)
+                mass, best, best_col = _walk_sub(x3, c + 3 * SUB, _gumbel(u3, noise), xc, m, min_p, mass, best,
+                                                 best_col)
+        above = tl.sum(tl.sum(mass, axis=1), axis=0)
         kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z)
-        kept_k = tl.sum(count, axis=0) < top_k
         kept_min_p = tl.exp(xc - m) >= min_p
         # nothing left above c (it is the row's max, or the row holds NaN): keep c, so the walk
         # always ends; otherwise x[c] strictly rises each round
-        done = (kept_p & kept_k & kept_min_p) | (tl.max(best, axis=0) == float("-inf"))
+        done = (kept_p & kept_min_p) | (_max2(best) == float("-inf"))
         if not done:
             cand = _lowest_best(best, best_col, vocab)
     tl.store(out_ptr + row, cand.to(tl.int64))
@@ -176,25 +176,20 @@ def check_filter(name: str, values: torch.Tensor | None, x: torch.Tensor, dtype:
 
 
 def walk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor | None,
-                 top_ks: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
+                min_ps: torch.Tensor | None) -> torch.Tensor:
     """One token per row of `logits` [B, V]: the Gumbel-max sample (noise of `keys` [B] int64, as
-    gumbel_sample) of softmax(logits / T) restricted to the row's top-p set, top-k set and min-p
-    floor. `temperatures` [B] float32 (0: greedy argmax); `top_ps` [B] float32 (1.0: off),
-    `top_ks` [B] int64 (>= V: off), `min_ps` [B] float32 (0.0: off), each None when no row uses
-    it. top_ps and top_ks together are refused (ValueError): top-p within top-k needs the k-th
-    value, which the walk does not find. Returns [B] int64."""
+    gumbel_sample) of softmax(logits / T) restricted to the row's top-p set and min-p floor.
+    `temperatures` [B] float32 (0: greedy argmax); `top_ps` [B] float32 (1.0: off) and `min_ps`
+    [B] float32 (0.0: off), each None when no row uses it. Returns [B] int64."""
     check_gumbel_args(logits, keys, temperatures, is_probs=False)
-    if top_ps is not None and top_ks is not None:
-        raise ValueError("walk_sample takes top_ps or top_ks, not both (top-p within top-k needs the k-th value)")
     check_filter("top_ps", top_ps, logits, torch.float32)
-    check_filter("top_ks", top_ks, logits, torch.int64)
     check_filter("min_ps", min_ps, logits, torch.float32)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _walk_sample_kernel[(rows,)](
             logits, temperatures, keys, top_ps if top_ps is not None else temperatures,
-            top_ks if top_ks is not None else keys, min_ps if min_ps is not None else temperatures, out, vocab,
-            logits.stride(0), HAS_TOP_P=top_ps is not None, HAS_TOP_K=top_ks is not None,
-            HAS_MIN_P=min_ps is not None, SUB=SUB, num_warps=NUM_WARPS)
+            min_ps if min_ps is not None else temperatures, out, vocab, logits.stride(0),
+            HAS_TOP_P=top_ps is not None, HAS_MIN_P=min_ps is not None, SUB=SUB, STEP_TILES=STEP_TILES,
+            num_warps=NUM_WARPS)
     return out

@@ -19,10 +19,10 @@ Pipeline (vLLM's order), all in float32:
 5. Gumbel-max: ``argmax(log probs + G)`` with ``G`` i.i.d. standard Gumbel picks token i
    with probability ``probs[i] / sum(probs)``, so no renormalisation is needed. A batch
    with no top-k/top-p/min-p row goes straight from the logits to tokens
-   (``argmax(logits / T + G)``, steps 1-2 folded in). On CUDA a batch that does not use both
-   top-k and top-p goes from the logits to the same tokens in one kernel that walks the
-   Gumbel-max candidates down until one passes the filters (kernels/candidate_walk.py), with no
-   threshold computed.
+   (``argmax(logits / T + G)``, steps 1-2 folded in). On CUDA a batch filtered by top-p /
+   min-p alone (no top-k row) goes from the logits to the same tokens in one kernel that walks
+   the Gumbel-max candidates down until one passes the filters (kernels/candidate_walk.py),
+   with no threshold computed.
 
 Noise source: one, on every device. Each row has a 64-bit key (a seeded request's from
 ``row_key(seed, position)``, the others from the engine's RNG) and its noise is Philox of
@@ -208,7 +208,7 @@ class Sampler(torch.nn.Module):
             self.token_logprobs = token_logprobs
         # top-k/top-p thresholds: on CUDA the Triton radix select where a sort would be slower.
         self.top_k_top_p_threshold = _kernel_threshold if triton_path else _top_k_top_p_threshold
-        # Batches not using both top-k and top-p: on CUDA one kernel walks Gumbel-max candidates
+        # Batches filtered by top-p / min-p alone: on CUDA one kernel walks Gumbel-max candidates
         # (kernels/candidate_walk.py), the same tokens as the threshold path without its passes.
         self.walk_sample = walk_sample if triton_path else None
 
@@ -231,8 +231,8 @@ class Sampler(torch.nn.Module):
         filtered = batch.top_ks is not None or batch.top_ps is not None or batch.min_ps is not None
         if not filtered:
             return self.gumbel_sample(logits, batch.keys, batch.temperatures)  # greedy rows: T = 0
-        if self.walk_sample is not None and (batch.top_ks is None or batch.top_ps is None):
-            return self.walk_sample(logits, batch.keys, batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps)
+        if self.walk_sample is not None and batch.top_ks is None:
+            return self.walk_sample(logits, batch.keys, batch.temperatures, batch.top_ps, batch.min_ps)
         greedy_ids = logits.argmax(dim=-1)
         is_greedy = batch.temperatures == 0.0  # top_k 1 rows too: build stores them with T = 0
         safe_t = torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(-1)
