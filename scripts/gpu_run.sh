@@ -5,10 +5,8 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session: `decodestep` (split count and tile width of decode attention over a step's 28
-# layers, where 64-128-row batches reached an estimated 85-90% of copy bandwidth, 256 rows ~100%)
-# and `hostprobe` (where a batch-1 / batch-8 step's host time goes). Branch gumbel-fast (faster
-# Gumbel kernel) measured no gain end to end.
+# Next session: `walk` (the candidate-walk sampler: tests, then walk vs thresholds) and `bench`; the
+# walk does not serve top-k (flat rows take ~log2(V/k) rounds); top-k + top-p stays on torch.topk.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
