@@ -18,6 +18,10 @@ B rows each picking K distinct of E experts miss a given expert with probability
 they read E (1 - (1 - K/E)^B) experts. Step t's B is the number of requests still decoding at t
 (all running from the start): the fewest expert reads of any schedule, as the count is concave in B.
 FLOPs count the router and the K picked experts per token.
+
+Phase bound (phase_bound_s): the same schedule with the phases that wait on each other in turn
+(every prefill, then each decode step's projections, then its attention), each at the roofline of
+its own bytes and FLOPs; the roofline / this is the most of the roofline that schedule can reach.
 """
 
 from __future__ import annotations
