@@ -122,7 +122,7 @@ def test_bad_filter_tensors_are_refused():
     keys, temps = torch.zeros(2, dtype=torch.int64), torch.ones(2)
     with pytest.raises(TypeError, match="top_ps"):
         walk_sample(logits, keys, temps, torch.ones(2, dtype=torch.float64), None)
-    with pytest.raises(TypeError, match="min_ps"):
+    with pytest.raises(ValueError, match="min_ps"):
         walk_sample(logits, keys, temps, None, torch.zeros(3))
     with pytest.raises(TypeError, match="temperatures"):
         walk_sample(logits, keys, None, None, None)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .gumbel_max import _tile_uniforms
+from .checks import check_row_vector
 from .gumbel_torch import SUB, check_gumbel_args
 
 # Noise tiles (4 x SUB columns each) a loop step covers: 8,192 columns, enough loads in flight for
@@ -166,16 +167,6 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
     tl.store(out_ptr + row, cand.to(tl.int64))
 
 
-def check_filter(name: str, values: torch.Tensor | None, x: torch.Tensor, dtype: torch.dtype) -> None:
-    """A per-row filter parameter: None, or `dtype` [rows] contiguous on x's device."""
-    if values is None:
-        return
-    if (not isinstance(values, torch.Tensor) or values.dtype != dtype
-            or tuple(values.shape) != (x.shape[0],) or not values.is_contiguous() or values.device != x.device):
-        raise TypeError(f"{name} must be a contiguous {dtype} tensor of shape ({x.shape[0]},) on {x.device}, got "
-                        f"{getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
-
-
 def walk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor | None,
                 min_ps: torch.Tensor | None) -> torch.Tensor:
     """One token per row of `logits` [B, V]: the Gumbel-max sample (noise of `keys` [B] int64, as
@@ -183,9 +174,10 @@ def walk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Te
     `temperatures` [B] float32 (0: greedy argmax); `top_ps` [B] float32 (1.0: off) and `min_ps`
     [B] float32 (0.0: off), each None when no row uses it. Returns [B] int64."""
     check_gumbel_args(logits, keys, temperatures, is_probs=False)
-    check_filter("top_ps", top_ps, logits, torch.float32)
-    check_filter("min_ps", min_ps, logits, torch.float32)
     rows, vocab = logits.shape
+    for name, values in (("top_ps", top_ps), ("min_ps", min_ps)):
+        if values is not None:
+            check_row_vector(name, values, rows, torch.float32, logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _walk_sample_kernel[(rows,)](

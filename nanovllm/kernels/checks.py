@@ -61,6 +61,17 @@ def check_vector(name: str, t, n: int, like_name: str, like: torch.Tensor) -> No
         raise ValueError(f"{name} is on {t.device}, {like_name} on {like.device}")
 
 
+def check_row_vector(name: str, t, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    """t: a per-row parameter, a contiguous `dtype` tensor of shape (rows,) on `device`
+    (TypeError for its dtype, ValueError for its shape or device)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t))}")
+    if tuple(t.shape) != (rows,) or (rows > 1 and t.stride(0) != 1):
+        raise ValueError(f"{name} must be contiguous of shape ({rows},), got {tuple(t.shape)} strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, not on {device}")
+
+
 def check_eps(eps) -> None:
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import next_pow2
+from .checks import check_row_vector, next_pow2
 
 # Bits chosen per pass: a digit's 16 bins cost 16 compares an element; 8 passes cover 32 bits.
 RADIX_BITS = tl.constexpr(4)
@@ -175,15 +175,6 @@ def _select(probs: torch.Tensor, target: torch.Tensor, floor: torch.Tensor, weig
     return out
 
 
-def _check_vector(name: str, t, batch: int, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t))}")
-    if tuple(t.shape) != (batch,) or (batch > 1 and t.stride(0) != 1):
-        raise ValueError(f"{name} must be contiguous of shape ({batch},), got {tuple(t.shape)} strides {t.stride()}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, probs on {device}")
-
-
 def top_k_top_p_threshold(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
                           block: int = CHUNK) -> torch.Tensor:
     """``[B, 1]`` float32 thresholds of `probs` ``[B, V]`` float32 (values >= 0, contiguous last
@@ -205,9 +196,9 @@ def top_k_top_p_threshold(probs: torch.Tensor, top_ks: torch.Tensor | None, top_
     if probs.stride(1) != 1 and vocab > 1:
         raise ValueError(f"probs must have a contiguous last dim, got strides {probs.stride()}")
     if top_ks is not None:
-        _check_vector("top_ks", top_ks, batch, torch.int64, probs.device)
+        check_row_vector("top_ks", top_ks, batch, torch.int64, probs.device)
     if top_ps is not None:
-        _check_vector("top_ps", top_ps, batch, torch.float32, probs.device)
+        check_row_vector("top_ps", top_ps, batch, torch.float32, probs.device)
     bits = torch.zeros(batch, dtype=torch.int32, device=probs.device)  # [B] kth's bits; 0: top-k off
     if batch and top_ks is not None:
         target = torch.where(top_ks < vocab, top_ks.clamp(min=1), 0).to(torch.float32)  # counts, exact below 2**24
