@@ -6,6 +6,11 @@ Each timed graph walks through enough distinct weight copies (>= 256 MB) that th
 from HBM, not the 50 MB L2, as they do in a real decode step.
 
     PYTHONPATH=. python3 benchmarks/bench_gemm.py [--sweep] [--json PATH]
+    PYTHONPATH=. python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256,512
+
+--batch-rows times cuBLAS alone at a decode batch's row counts instead, each call against its own
+roofline: max(weight bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the run
+(benchmarks/probes.py). The gap is what a batched decode step loses in its projections.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.fused_activation import silu_and_mul
 from graph_timing import graph_us
+from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 
 SHAPES = {  # name: (N, K)
@@ -48,13 +54,39 @@ def check(out, ref, what):
         raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
+def batch_rows_study(row_counts: list[int]) -> list[dict]:
+    """cuBLAS at each row count, per layer shape, against the call's roofline."""
+    bw, peak = measure_bandwidth(), measure_gemm_peak()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s")
+    print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
+            floor_us = 1e6 * max((n * k + m * (n + k)) * 2 / bw, 2 * m * n * k / peak)
+            rows.append({"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us})
+            print(f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%", flush=True)
+        del ws
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
+    ap.add_argument("--batch-rows", help="comma-separated row counts: cuBLAS against its roofline only")
     ap.add_argument("--json")
     ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.batch_rows:
+        rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     dev, bf16 = "cuda", torch.bfloat16
     rows = []
     print(f"{'layer':<14}{'M':>3}{'cuBLAS':>9}{'gemv':>9}{'GB/s':>7}{'unfused':>9}{'fused':>9}  sweep (us)")
