@@ -11,6 +11,7 @@ from HBM, not the 50 MB L2, as they do in a real decode step.
 --batch-rows times cuBLAS alone at a decode batch's row counts instead, each call against its own
 roofline: max(weight bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the run
 (benchmarks/probes.py). The gap is what a batched decode step loses in its projections.
+--sweep-skinny adds kernels/skinny_gemm.py (default tiles and the best of SKINNY_TILINGS).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import torch.nn.functional as F
 from nanovllm.kernels.fused_activation import silu_and_mul
 from graph_timing import graph_us
 from benchmarks.probes import measure_bandwidth, measure_gemm_peak
+from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
+from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
+from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
@@ -54,11 +58,19 @@ def check(out, ref, what):
         raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
-def batch_rows_study(row_counts: list[int]) -> list[dict]:
-    """cuBLAS at each row count, per layer shape, against the call's roofline."""
+# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, PDL), 4 warps;
+# row tiles past the batch's power of two are skipped.
+SKINNY_TILINGS = [(bm, bn, bk, st, pdl) for bm in (16, 32, 64) for bn in (64, 128) for bk in (64, 128)
+                  for st in (3, 4) for pdl in (True, False)]
+
+
+def batch_rows_study(row_counts: list[int], sweep_skinny: bool) -> list[dict]:
+    """cuBLAS (and with sweep_skinny our skinny GEMM's tilings) at each row count, per layer
+    shape, against the call's roofline."""
     bw, peak = measure_bandwidth(), measure_gemm_peak()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s")
-    print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}")
+    print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}"
+          f"{'  skinny: default us, best us (tiling)' if sweep_skinny else ''}")
     rows = []
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
@@ -67,8 +79,22 @@ def batch_rows_study(row_counts: list[int]) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
             floor_us = 1e6 * max((n * k + m * (n + k)) * 2 / bw, 2 * m * n * k / peak)
-            rows.append({"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us})
-            print(f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%", flush=True)
+            row = {"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us}
+            line = f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%"
+            if sweep_skinny and m <= SKINNY_MAX_ROWS:
+                check(skinny_gemm(x, ws[0]), F.linear(x, ws[0]), f"{name} M={m} skinny_gemm")
+                row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
+                row["skinny"] = {}
+                for bm, bn, bk, st, pdl in SKINNY_TILINGS:
+                    if bm > max(16, next_pow2(m)):
+                        continue
+                    tile = SkinnyTiling(bm, bn, bk, st, 4, pdl)
+                    t = graph_time_us([lambda w=w: skinny_gemm(x, w, tile=tile) for w in ws])
+                    row["skinny"][f"{bm}x{bn}x{bk}s{st}{'p' if pdl else ''}"] = t
+                best = min(row["skinny"], key=row["skinny"].get)
+                line += f"  {row['skinny_default_us']:.2f}, {row['skinny'][best]:.2f} ({best})"
+            rows.append(row)
+            print(line, flush=True)
         del ws
     return rows
 
@@ -77,12 +103,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
     ap.add_argument("--batch-rows", help="comma-separated row counts: cuBLAS against its roofline only")
+    ap.add_argument("--sweep-skinny", action="store_true", help="with --batch-rows: also kernels/skinny_gemm.py")
     ap.add_argument("--json")
     ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.batch_rows:
-        rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")])
+        rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")], args.sweep_skinny)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -112,6 +112,11 @@ SPECS = [
          "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
+    # the batched-decode GEMM (not yet in the layers): default tiles at 16 / 64 rows, SiLU-and-mul, PDL
+    ("skinny_gemm", "_skinny_gemm_kernel", {},
+     [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True,
+       "STAGES": 4, "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True}
+      for silu, bias, bm in ((False, False, 16), (False, True, 64), (True, False, 64))]),
     ("gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",
                                              "best_col_ptr": "*i32"},
      [{"IS_PROBS": False, "SUB": 256, "TILES_PER_CHUNK": 4}]),

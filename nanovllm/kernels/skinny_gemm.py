@@ -1,0 +1,160 @@
+"""Triton GEMM for a decode batch's linear layers (16-512 rows), an experiment beside cuBLAS.
+
+A batched decode step's projections are small GEMMs (Qwen3-0.6B at 256 rows: 256 x 4096 x 1024
+for qkv) that take a few microseconds each: too short for cuBLAS's large tiles to fill 132 SMs,
+and launched without PDL, so every one waits for the kernel before it to drain. This kernel
+tiles the output finely and may launch early (PDL), asking L2 for its first weight tile while
+the previous kernel finishes; the MLP's SiLU-and-mul can be computed on the fly in front of the
+down projection, as in the GEMV (kernels/gemv.py):
+
+    out[m, n] = a[m, :] . weight[n, :] (+ bias[n])              weight [N, K]
+    plain:      a = x                                            x [M, K]
+    SILU_MUL:   a = round(round(silu(x[:, :K])) * x[:, K:])      x [M, 2K] = gate | up
+
+    grid (M / BM, N / BN): program (i, j) owns out[i*BM : (i+1)*BM, j*BN : (j+1)*BN]
+        for k0 in 0, BK, 2 BK, ... K:   acc[BM, BN] += a[i's rows, k0 : k0+BK] @ weight[j's rows, k0 : k0+BK]^T
+
+The row blocks are grid axis 0, the fastest in launch order: the programs that share a weight
+tile (same j) start together, so the weights are read from HBM about once and the few rows of
+x stay in L2. No split-K, no reduce pass; shapes alone set the launch (CUDA-graph capturable).
+Not yet wired into the layers: `benchmarks/bench_gemm.py --batch-rows` times it against cuBLAS
+first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import INTERPRET, check_matrix, check_vector, next_pow2
+from .fused_activation import silu_mul
+from .fused_norm import round_to
+from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
+
+# Most rows served: past a few hundred rows cuBLAS's large tiles are efficient.
+MAX_ROWS = 512
+# tl.dot needs at least 16 rows (and columns) a tile.
+MIN_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class SkinnyTiling:
+    block_m: int  # output rows per program (>= 16, power of two)
+    block_n: int  # output columns per program (>= 16, power of two)
+    block_k: int  # reduction columns per step (>= 16, power of two)
+    stages: int  # steps whose loads are in flight at once
+    num_warps: int
+    pdl: bool  # launch early (PDL) and prefetch the first weight tile into L2
+
+
+# A first guess, to be replaced by the sweep's winner (bench_gemm.py --batch-rows --sweep-skinny).
+DEFAULT_BLOCK_N = 64
+DEFAULT_BLOCK_K = 64
+DEFAULT_STAGES = 4
+DEFAULT_WARPS = 4
+
+
+def skinny_tiling(rows: int) -> SkinnyTiling:
+    """The default tiling for `rows` rows: row tiles of the rows' power of two, 16 to 64."""
+    block_m = min(64, max(MIN_BLOCK, next_pow2(rows)))
+    return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
+):
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < n_out
+    w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
+        first_lines = tl.minimum(tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
+        prefetch_l2(w_rows + first_lines[None, :])
+    wait_for_prior(PDL)  # x (and out) belong to earlier kernels
+    dtype = out_ptr.dtype.element_ty
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < n_rows
+    x_rows = x_ptr + tl.minimum(rm, n_rows - 1)[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :])  # [BLOCK_N, BLOCK_K]
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=(kk < k_in)[None, :], other=0.0)
+        a_mask = (kk < k_in)[None, :]  # rows past M load row M - 1 (clamped above): stored nowhere
+        if SILU_MUL:
+            gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            a = silu_mul(gate, up, dtype)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
+        if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
+    tl.store(out, round_to(acc, dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
+    check_matrix("x", x)
+    check_matrix("weight", weight, x.dtype)
+    m, xk = x.shape
+    n_out, k_in = weight.shape
+    want_k = 2 * k_in if silu_mul else k_in
+    if xk != want_k:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
+                         f"(x needs {want_k} columns{' = gate | up' if silu_mul else ''})")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny_gemm serves 1..{MAX_ROWS} rows, got {m}")
+    if n_out < 1 or k_in < 1:
+        raise ValueError(f"weight must be non-empty, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if bias is not None:
+        check_vector("bias", bias, n_out, "x", x)
+    if tile is None:
+        tile = skinny_tiling(m)
+    elif not isinstance(tile, SkinnyTiling):
+        raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(tile, name)
+        if v < MIN_BLOCK or v & (v - 1):
+            raise ValueError(f"tile.{name} must be a power of two >= {MIN_BLOCK}, got {v}")
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    pdl = pdl_launch_options(x) if tile.pdl else {"PDL": False}
+    line_elems = LINE_BYTES // x.element_size()
+    upcast = INTERPRET and x.dtype == torch.bfloat16
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n))
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
+        out.stride(0),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages,
+        DOT_PREC="ieee" if x.dtype == torch.float32 or upcast else None, UPCAST=upcast,
+        PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems,
+        num_warps=tile.num_warps, **pdl,
+    )
+    return out
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tile: SkinnyTiling | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
+    `tile` overrides skinny_tiling(M) (benchmarks)."""
+    return _skinny(x, weight, bias, False, tile)
+
+
+def silu_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         tile: SkinnyTiling | None = None) -> torch.Tensor:
+    """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection."""
+    return _skinny(x, weight, bias, True, tile)

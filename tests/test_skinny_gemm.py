@@ -1,0 +1,96 @@
+"""The batched-decode GEMM (kernels/skinny_gemm.py), plain and with SiLU-and-mul in front, against
+a float64 matmul of the exact inputs and the unfused torch path: on CPU tensors under Triton's
+interpreter (set by conftest.py; small shapes, it is slow) and compiled on CUDA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.skinny_gemm import MAX_ROWS, SkinnyTiling, silu_mul_skinny_gemm, skinny_gemm, skinny_tiling
+from nanovllm.layers.activation import SiluAndMul
+
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
+           pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+DTYPES = [torch.float32, torch.bfloat16]
+# Relative (Frobenius) error vs the float64 reference: the output's own rounding dominates.
+REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+def randn(shape, gen, dtype, scale=1.0):
+    return (scale * torch.randn(shape, generator=gen)).to(dtype)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "output has NaN (unwritten elements)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def near_torch(out, ref):
+    """Within a few output ulp of the torch path (the float32 sums run in another order)."""
+    tol = 1e-5 if out.dtype == torch.float32 else 4 * torch.finfo(out.dtype).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+# ragged rows / columns / reduction against the 16-64 tiles; 40 rows: a partial second row tile
+@pytest.mark.parametrize("m,n,k", [(3, 40, 96), (17, 64, 72), (40, 100, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_linear(device, dtype, m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = randn((m, k + 8), gen, dtype)[:, :k].to(device)  # strided rows, like a view into a wider tensor
+    w = randn((n, k), gen, dtype, k ** -0.5).to(device)
+    bias = randn((n,), gen, dtype).to(device) if with_bias else None
+    tile = SkinnyTiling(block_m=16, block_n=32, block_k=32, stages=2, num_warps=4, pdl=True)
+    out = skinny_gemm(x, w, bias, tile=tile)
+    assert out.shape == (m, n) and out.dtype == dtype
+    y = x.double() @ w.double().T
+    assert rel_err(out, y if bias is None else y + bias.double()) < REF_TOL[dtype]
+    near_torch(out, F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_in_front(device, dtype):
+    m, n, k = 20, 48, 80
+    gen = torch.Generator().manual_seed(7)
+    x = randn((m, 2 * k), gen, dtype, 2.0).to(device)
+    w = randn((n, k), gen, dtype, k ** -0.5).to(device)
+    out = silu_mul_skinny_gemm(x, w, tile=SkinnyTiling(32, 16, 64, 2, 4, pdl=False))
+    gate, up = x.double().chunk(2, dim=-1)
+    assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < REF_TOL[dtype]
+    near_torch(out, F.linear(SiluAndMul.forward_native(x), w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 256, 512])
+def test_serving_shapes_with_default_tiles(m):
+    """Qwen3-0.6B's gate_up and down (SiLU-and-mul in front) at decode batch sizes, bfloat16."""
+    gen = torch.Generator().manual_seed(m)
+    x = randn((m, 1024), gen, torch.bfloat16).cuda()
+    w = randn((6144, 1024), gen, torch.bfloat16, 1024 ** -0.5).cuda()
+    out = skinny_gemm(x, w)
+    assert rel_err(out, x.double() @ w.double().T) < REF_TOL[torch.bfloat16]
+    near_torch(out, F.linear(x, w))
+    wd = randn((1024, 3072), gen, torch.bfloat16, 3072 ** -0.5).cuda()
+    out = silu_mul_skinny_gemm(out, wd)
+    gate, up = F.linear(x, w).double().chunk(2, dim=-1)
+    assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ wd.double().T) < REF_TOL[torch.bfloat16]
+
+
+@pytest.mark.interpreter
+def test_default_tiling_and_bad_inputs():
+    gen = torch.Generator().manual_seed(1)
+    x, w = randn((5, 64), gen, torch.float32), randn((24, 64), gen, torch.float32)
+    assert rel_err(skinny_gemm(x, w), x.double() @ w.double().T) < REF_TOL[torch.float32]  # default tiles
+    assert [skinny_tiling(m).block_m for m in (1, 16, 17, 64, 300)] == [16, 16, 32, 64, 64]
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gemm(torch.zeros(MAX_ROWS + 1, 64), w)
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_gemm(torch.zeros(2, 63), w)
+    with pytest.raises(TypeError, match="dtype"):
+        skinny_gemm(x, w.double())
+    with pytest.raises(ValueError, match="block_n"):
+        skinny_gemm(x, w, tile=SkinnyTiling(16, 24, 32, 2, 4, pdl=False))
+    with pytest.raises(TypeError, match="SkinnyTiling"):
+        skinny_gemm(x, w, tile=(16, 16, 16))
