@@ -86,9 +86,10 @@ def batch_rows_study(row_counts: list[int], sweep_skinny: bool) -> list[dict]:
                 row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
                 row["skinny"] = {}
                 for bm, bn, bk, st, pdl in SKINNY_TILINGS:
-                    if bm > max(16, next_pow2(m)):
+                    if bm > max(16, next_pow2(m)) and pdl:  # (the no-PDL baseline runs at every M)
                         continue
-                    tile = SkinnyTiling(bm, bn, bk, st, 4, pdl)
+                    tile = SkinnyTiling(min(bm, max(16, next_pow2(m))), bn, bk, st, 4, pdl)
+                    check(skinny_gemm(x, ws[0], tile=tile), F.linear(x, ws[0]), f"{name} M={m} {tile}")
                     t = graph_time_us([lambda w=w: skinny_gemm(x, w, tile=tile) for w in ws])
                     row["skinny"][f"{bm}x{bn}x{bk}s{st}{'p' if pdl else ''}"] = t
                 best = min(row["skinny"], key=row["skinny"].get)

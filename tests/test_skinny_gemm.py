@@ -33,15 +33,17 @@ def near_torch(out, ref):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-# ragged rows / columns / reduction against the 16-64 tiles; 40 rows: a partial second row tile
+# ragged rows / columns / reduction against the 16-64 tiles; 40 rows: a partial third row tile
 @pytest.mark.parametrize("m,n,k", [(3, 40, 96), (17, 64, 72), (40, 100, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_linear(device, dtype, m, n, k, with_bias):
+@pytest.mark.parametrize("tile", [SkinnyTiling(block_m=16, block_n=32, block_k=32, stages=2, num_warps=4, pdl=True),
+                                  None], ids=["small-tiles", "default-tiles"])  # default: 64-column steps, prefetch
+def test_matches_linear(device, dtype, m, n, k, with_bias, tile):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = randn((m, k + 8), gen, dtype)[:, :k].to(device)  # strided rows, like a view into a wider tensor
+    x = randn((m, k + 8), gen, dtype).to(device)[:, :k]  # strided rows, like a view into a wider tensor
+    assert x.stride(0) == k + 8
     w = randn((n, k), gen, dtype, k ** -0.5).to(device)
     bias = randn((n,), gen, dtype).to(device) if with_bias else None
-    tile = SkinnyTiling(block_m=16, block_n=32, block_k=32, stages=2, num_warps=4, pdl=True)
     out = skinny_gemm(x, w, bias, tile=tile)
     assert out.shape == (m, n) and out.dtype == dtype
     y = x.double() @ w.double().T
@@ -51,15 +53,18 @@ def test_matches_linear(device, dtype, m, n, k, with_bias):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_in_front(device, dtype):
-    m, n, k = 20, 48, 80
+@pytest.mark.parametrize("n, with_bias, pdl", [(48, False, False), (40, True, True)])  # 40: a column tail
+def test_silu_mul_in_front(device, dtype, n, with_bias, pdl):
+    m, k = 20, 80
     gen = torch.Generator().manual_seed(7)
     x = randn((m, 2 * k), gen, dtype, 2.0).to(device)
     w = randn((n, k), gen, dtype, k ** -0.5).to(device)
-    out = silu_mul_skinny_gemm(x, w, tile=SkinnyTiling(32, 16, 64, 2, 4, pdl=False))
+    bias = randn((n,), gen, dtype).to(device) if with_bias else None
+    out = silu_mul_skinny_gemm(x, w, bias, tile=SkinnyTiling(32, 16, 64, 2, 4, pdl=pdl))
     gate, up = x.double().chunk(2, dim=-1)
-    assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < REF_TOL[dtype]
-    near_torch(out, F.linear(SiluAndMul.forward_native(x), w))
+    ref = (gate * torch.sigmoid(gate) * up) @ w.double().T
+    assert rel_err(out, ref if bias is None else ref + bias.double()) < REF_TOL[dtype]
+    near_torch(out, F.linear(SiluAndMul.forward_native(x), w, bias))
 
 
 @pytest.mark.gpu
@@ -73,8 +78,8 @@ def test_serving_shapes_with_default_tiles(m):
     assert rel_err(out, x.double() @ w.double().T) < REF_TOL[torch.bfloat16]
     near_torch(out, F.linear(x, w))
     wd = randn((1024, 3072), gen, torch.bfloat16, 3072 ** -0.5).cuda()
+    gate, up = out.double().chunk(2, dim=-1)  # the kernel's own gate | up, as it reads them
     out = silu_mul_skinny_gemm(out, wd)
-    gate, up = F.linear(x, w).double().chunk(2, dim=-1)
     assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ wd.double().T) < REF_TOL[torch.bfloat16]
 
 
@@ -88,6 +93,14 @@ def test_default_tiling_and_bad_inputs():
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 64), w)
     with pytest.raises(ValueError, match="does not match"):
         skinny_gemm(torch.zeros(2, 63), w)
+    with pytest.raises(ValueError, match="gate | up"):
+        silu_mul_skinny_gemm(torch.zeros(2, 64), w)  # needs 2 x 64 columns
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gemm(torch.zeros(0, 64), w)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_gemm(x, w, torch.zeros(23))
+    with pytest.raises(ValueError, match="stages"):
+        skinny_gemm(x, w, tile=SkinnyTiling(16, 16, 16, 0, 4, pdl=False))
     with pytest.raises(TypeError, match="dtype"):
         skinny_gemm(x, w.double())
     with pytest.raises(ValueError, match="block_n"):

@@ -32,7 +32,7 @@ import triton.language as tl
 from .checks import INTERPRET, check_matrix, check_vector, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
-from .pdl import LINE_BYTES, pdl_launch_options, prefetch_l2, wait_for_prior
+from .pdl import LINE_BYTES, pdl_for_grid, prefetch_l2, wait_for_prior
 
 # Most rows served: past a few hundred rows cuBLAS's large tiles are efficient.
 MAX_ROWS = 512
@@ -47,7 +47,7 @@ class SkinnyTiling:
     block_k: int  # reduction columns per step (>= 16, power of two)
     stages: int  # steps whose loads are in flight at once
     num_warps: int
-    pdl: bool  # launch early (PDL) and prefetch the first weight tile into L2
+    pdl: bool  # launch early (PDL, when the grid fits one wave) and prefetch the first weight tile into L2
 
 
 # A first guess, to be replaced by the sweep's winner (bench_gemm.py --batch-rows --sweep-skinny).
@@ -61,6 +61,17 @@ def skinny_tiling(rows: int) -> SkinnyTiling:
     """The default tiling for `rows` rows: row tiles of the rows' power of two, 16 to 64."""
     block_m = min(64, max(MIN_BLOCK, next_pow2(rows)))
     return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True)
+
+
+@triton.jit
+def _load_k(ptrs, kk, k_in, EVEN_K: tl.constexpr):
+    """The elements at `ptrs` (reduction columns kk on the last axis): 0 past k_in, where a
+    column can be (EVEN_K: none can, no mask)."""
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(kk < k_in)[None, :], other=0.0)
+    return x
 
 
 @triton.jit
@@ -85,17 +96,14 @@ def _skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :])  # [BLOCK_N, BLOCK_K]
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=(kk < k_in)[None, :], other=0.0)
-        a_mask = (kk < k_in)[None, :]  # rows past M load row M - 1 (clamped above): stored nowhere
+        w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
+        # rows past M load row M - 1 (clamped above): their results are stored nowhere
         if SILU_MUL:
-            gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            gate = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K).to(tl.float32)
+            up = _load_k(x_rows + k_in + kk[None, :], kk, k_in, EVEN_K).to(tl.float32)
             a = silu_mul(gate, up, dtype)
         else:
-            a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
+            a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
@@ -130,11 +138,14 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
         v = getattr(tile, name)
         if v < MIN_BLOCK or v & (v - 1):
             raise ValueError(f"tile.{name} must be a power of two >= {MIN_BLOCK}, got {v}")
+    if tile.stages < 1 or tile.num_warps < 1 or tile.num_warps & (tile.num_warps - 1):
+        raise ValueError(f"tile.stages must be >= 1 and tile.num_warps a power of two, got {tile}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    pdl = pdl_launch_options(x) if tile.pdl else {"PDL": False}
     line_elems = LINE_BYTES // x.element_size()
     upcast = INTERPRET and x.dtype == torch.bfloat16
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n))
+    # PDL, as the GEMV takes it, only for a grid resident at once (kernels/pdl.py, pdl_for_grid)
+    pdl = pdl_for_grid(x, grid[0] * grid[1]) if tile.pdl else {"PDL": False}
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
