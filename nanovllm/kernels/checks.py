@@ -72,6 +72,29 @@ def check_row_vector(name: str, t, rows: int, dtype: torch.dtype, device: torch.
         raise ValueError(f"{name} is on {t.device}, not on {device}")
 
 
+def check_linear(kernel: str, x, weight, bias, silu_mul: bool, max_rows: int) -> tuple[int, int, int]:
+    """The arguments of a linear kernel (gemv.py, skinny_gemm.py): x [M, K] (or [M, 2K] = gate | up
+    with silu_mul) with 1 <= M <= max_rows, weight [N, K] of x's dtype and device, bias [N] or
+    None. Returns (M, N, K)."""
+    check_matrix("x", x)
+    check_matrix("weight", weight, x.dtype)
+    m, xk = x.shape
+    n_out, k_in = weight.shape
+    want_k = 2 * k_in if silu_mul else k_in
+    if xk != want_k:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
+                         f"(x needs {want_k} columns{' = gate | up' if silu_mul else ''})")
+    if not 1 <= m <= max_rows:
+        raise ValueError(f"{kernel} serves 1..{max_rows} rows, got {m}")
+    if n_out < 1 or k_in < 1:
+        raise ValueError(f"weight must be non-empty, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if bias is not None:
+        check_vector("bias", bias, n_out, "x", x)
+    return m, n_out, k_in
+
+
 def check_eps(eps) -> None:
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")

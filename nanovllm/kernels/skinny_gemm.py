@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET, check_matrix, check_vector, next_pow2
+from .checks import INTERPRET, check_linear, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
-from .pdl import LINE_BYTES, pdl_for_grid, prefetch_l2, wait_for_prior
+from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
 # Most rows served: past a few hundred rows cuBLAS's large tiles are efficient.
 MAX_ROWS = 512
@@ -85,8 +85,7 @@ def _skinny_gemm_kernel(
     n_ok = rn < n_out
     w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        first_lines = tl.minimum(tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
-        prefetch_l2(w_rows + first_lines[None, :])
+        prefetch_rows_l2(w_rows, k_in, 1, BLOCK_K, LINE_ELEMS)
     wait_for_prior(PDL)  # x (and out) belong to earlier kernels
     dtype = out_ptr.dtype.element_ty
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,22 +113,7 @@ def _skinny_gemm_kernel(
 
 
 def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
-    check_matrix("x", x)
-    check_matrix("weight", weight, x.dtype)
-    m, xk = x.shape
-    n_out, k_in = weight.shape
-    want_k = 2 * k_in if silu_mul else k_in
-    if xk != want_k:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
-                         f"(x needs {want_k} columns{' = gate | up' if silu_mul else ''})")
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"skinny_gemm serves 1..{MAX_ROWS} rows, got {m}")
-    if n_out < 1 or k_in < 1:
-        raise ValueError(f"weight must be non-empty, got {tuple(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    if bias is not None:
-        check_vector("bias", bias, n_out, "x", x)
+    m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, silu_mul, MAX_ROWS)
     if tile is None:
         tile = skinny_tiling(m)
     elif not isinstance(tile, SkinnyTiling):
