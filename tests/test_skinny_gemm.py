@@ -91,3 +91,32 @@ def test_default_tiling_and_bad_inputs():
         skinny_gemm(x, w, tile=SkinnyTiling(16, 24, 32, 2, 4, pdl=False))
     with pytest.raises(TypeError, match="SkinnyTiling"):
         skinny_gemm(x, w, tile=(16, 16, 16))
+
+
+@pytest.mark.interpreter
+def test_layers_take_the_skinny_gemm_between_the_gemv_and_cublas(monkeypatch):
+    """With SKINNY_MAX_ROWS set, a layer on its Triton path (forced on CPU: the interpreter)
+    sends batches of GEMV_MAX_ROWS + 1 .. SKINNY_MAX_ROWS rows to the skinny GEMM (the down
+    projection with SiLU-and-mul in front), fewer to the GEMV, more to F.linear: one output."""
+    import nanovllm.kernels.skinny_gemm as skinny
+    import nanovllm.layers.linear as linear
+
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", 20)
+    calls = []
+    for name in ("skinny_gemm", "silu_mul_skinny_gemm"):
+        kernel = getattr(skinny, name)
+        monkeypatch.setattr(skinny, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+    torch.manual_seed(0)
+    up = linear.MergedColumnParallelLinear(64, [48, 48])
+    down = linear.SiluMulRowParallelLinear(48, 64)
+    for layer in (up, down):
+        layer.weight.data.normal_(0, 0.1)
+    for rows, want in ((2, []), (5, ["skinny_gemm", "silu_mul_skinny_gemm"]), (21, [])):
+        x = torch.randn(rows, 64)
+        ref = down(up(x))  # built on CPU: F.linear and SiluAndMul
+        up.use_gemv = down.use_gemv = True  # the CUDA path's kernels, under the interpreter
+        calls.clear()
+        got = down(up(x))
+        up.use_gemv = down.use_gemv = False
+        assert calls == want, rows
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

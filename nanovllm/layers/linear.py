@@ -14,7 +14,8 @@ copies; utils/loader.py). Packed layers (QKV, gate/up) list their checkpoint ten
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs batches of
 1..GEMV_MAX_ROWS rows (small-batch decode; decided per call, by shape) through the Triton GEMV
-(nanovllm/kernels/gemv.py) instead of cuBLAS; everything else uses F.linear.
+(nanovllm/kernels/gemv.py) instead of cuBLAS, and up to SKINNY_MAX_ROWS rows (0 for now) through
+the skinny GEMM (kernels/skinny_gemm.py); everything else uses F.linear.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from nanovllm.utils.distributed import tp_rank, tp_size
 # 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us);
 # 3 rows was not measured. BENCHMARKS.md has the table.
 GEMV_MAX_ROWS = 2
+# Rows up to which a CUDA layer's projections above GEMV_MAX_ROWS run the Triton GEMM for decode
+# batches (kernels/skinny_gemm.py, at most its MAX_ROWS) instead of cuBLAS. 0: none, until it is
+# measured against cuBLAS on the GPU (bench_gemm.py --batch-rows --sweep-skinny; benchmarks/variants.py
+# runs bench.py with this set).
+SKINNY_MAX_ROWS = 0
 
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
@@ -78,12 +84,22 @@ class _LinearBase(nn.Module):
         """Whether x [rows, in] goes through the Triton GEMV: a CUDA layer and 1..GEMV_MAX_ROWS rows."""
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
 
+    def _skinny_serves(self, x: torch.Tensor) -> bool:
+        """Whether x [rows, in] goes through the skinny GEMM: a CUDA layer and GEMV_MAX_ROWS + 1
+        to SKINNY_MAX_ROWS rows."""
+        return self.use_gemv and x.dim() == 2 and GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
+
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV for the batches it serves."""
+        """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV or the skinny GEMM for the
+        batches they serve."""
         if self._gemv_serves(x):
             from nanovllm.kernels.gemv import gemv
 
             return gemv(x, self.weight, bias)
+        if self._skinny_serves(x):
+            from nanovllm.kernels.skinny_gemm import skinny_gemm
+
+            return skinny_gemm(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -186,8 +202,9 @@ class RowParallelLinear(_LinearBase):
 
 class SiluMulRowParallelLinear(RowParallelLinear):
     """The MLP's down projection with SiLU-and-mul in front: gate_up [*, 2 * in / tp] = gate | up
-    -> forward(silu(gate) * up) [*, out]. Batches the GEMV serves run the activation inside it (no
-    activation kernel of its own); the others run SiluAndMul, then the projection."""
+    -> forward(silu(gate) * up) [*, out]. Batches the GEMV or the skinny GEMM serves run the
+    activation inside it (no activation kernel of its own); the others run SiluAndMul, then the
+    projection."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias)
@@ -198,4 +215,8 @@ class SiluMulRowParallelLinear(RowParallelLinear):
             from nanovllm.kernels.gemv import silu_mul_gemv
 
             return self._reduce(silu_mul_gemv(gate_up, self.weight))
+        if self._skinny_serves(gate_up):
+            from nanovllm.kernels.skinny_gemm import silu_mul_skinny_gemm
+
+            return self._reduce(silu_mul_skinny_gemm(gate_up, self.weight))
         return super().forward(self.act(gate_up))
