@@ -28,7 +28,7 @@ from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm
+from nanovllm.kernels.skinny_gemm import SkinnyTiling, silu_mul_skinny_gemm, skinny_gemm
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
@@ -58,21 +58,44 @@ def check(out, ref, what):
         raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
-# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, PDL), 4 warps;
-# row tiles past the batch's power of two are skipped.
-SKINNY_TILINGS = [(bm, bn, bk, st, pdl) for bm in (16, 32, 64) for bn in (64, 128) for bk in (64, 128)
-                  for st in (3, 4) for pdl in (True, False)]
+# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, swap), all
+# with PDL; row tiles past the batch's power of two are skipped. Plain: token rows are the MMA's M
+# side; swapped: the weight rows are (64 / 128, wgmma's warpgroup tile), the token rows its N side.
+SKINNY_TILINGS = (
+    [(bm, bn, bk, 3, 4, False) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)]
+    + [(bm, bn, 64, 4, 4, False) for bm in (32, 64) for bn in (32, 64)]
+    + [(bm, bn, bk, 3, 4, True) for bn in (64, 128) for bm in (16, 32, 64, 128) for bk in (64, 128)]
+    + [(bm, 64, 64, 4, 4, True) for bm in (16, 32, 64)]
+    + [(bm, 128, 64, 3, 8, True) for bm in (64, 128)] + [(128, bn, 64, 3, 8, False) for bn in (64, 128)])
 
 
-def batch_rows_study(row_counts: list[int], sweep_skinny: bool) -> list[dict]:
-    """cuBLAS (and with sweep_skinny our skinny GEMM's tilings) at each row count, per layer
-    shape, against the call's roofline."""
+def tiling_name(t: SkinnyTiling) -> str:
+    return f"{'sw' if t.swap else ''}{t.block_m}x{t.block_n}x{t.block_k}s{t.stages}w{t.num_warps}"
+
+
+def sweep_skinny(x, ws, m: int) -> dict[SkinnyTiling, float]:
+    """us per call of every SKINNY_TILINGS tiling that fits m rows (x [m, K], weights ws)."""
+    times = {}
+    for bm, bn, bk, st, warps, swap in SKINNY_TILINGS:
+        if bm > max(16, next_pow2(m)):
+            continue
+        tile = SkinnyTiling(bm, bn, bk, st, warps, True, swap)
+        check(skinny_gemm(x, ws[0], tile=tile), F.linear(x, ws[0]), f"M={m} {tile}")
+        times[tile] = graph_time_us([lambda w=w: skinny_gemm(x, w, tile=tile) for w in ws])
+    return times
+
+
+def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top: int) -> list[dict]:
+    """cuBLAS (and with `sweep` our skinny GEMM's tilings) at each row count, per layer shape,
+    against the call's roofline; down projections also with SiLU-and-mul (separate kernel +
+    cuBLAS vs fused into the best tiling)."""
     bw, peak = measure_bandwidth(), measure_gemm_peak()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s")
     print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}"
-          f"{'  skinny: default us, best us (tiling)' if sweep_skinny else ''}")
+          f"{'  skinny best us (tiling) ...' if sweep else ''}")
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in shapes:
+        n, k = SHAPES[name]
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         for m in row_counts:
@@ -81,19 +104,18 @@ def batch_rows_study(row_counts: list[int], sweep_skinny: bool) -> list[dict]:
             floor_us = 1e6 * max((n * k + m * (n + k)) * 2 / bw, 2 * m * n * k / peak)
             row = {"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us}
             line = f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%"
-            if sweep_skinny and m <= SKINNY_MAX_ROWS:
-                check(skinny_gemm(x, ws[0]), F.linear(x, ws[0]), f"{name} M={m} skinny_gemm")
-                row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
-                row["skinny"] = {}
-                for bm, bn, bk, st, pdl in SKINNY_TILINGS:
-                    if bm > max(16, next_pow2(m)) and pdl:  # (the no-PDL baseline runs at every M)
-                        continue
-                    tile = SkinnyTiling(min(bm, max(16, next_pow2(m))), bn, bk, st, 4, pdl)
-                    check(skinny_gemm(x, ws[0], tile=tile), F.linear(x, ws[0]), f"{name} M={m} {tile}")
-                    t = graph_time_us([lambda w=w: skinny_gemm(x, w, tile=tile) for w in ws])
-                    row["skinny"][f"{bm}x{bn}x{bk}s{st}{'p' if pdl else ''}"] = t
-                best = min(row["skinny"], key=row["skinny"].get)
-                line += f"  {row['skinny_default_us']:.2f}, {row['skinny'][best]:.2f} ({best})"
+            if sweep and m <= SKINNY_MAX_ROWS:
+                times = sweep_skinny(x, ws, m)
+                row["skinny"] = {tiling_name(t): us for t, us in times.items()}
+                ranked = sorted(times, key=times.get)
+                line += "  " + ", ".join(f"{times[t]:.2f} ({tiling_name(t)})" for t in ranked[:top])
+                if "down" in name:
+                    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                    tile = ranked[0]
+                    row["silu_unfused_us"] = graph_time_us([lambda w=w: F.linear(silu_and_mul(gu), w) for w in ws])
+                    row["silu_fused_us"] = graph_time_us(
+                        [lambda w=w: silu_mul_skinny_gemm(gu, w, tile=tile) for w in ws])
+                    line += f"; SiLU + cuBLAS {row['silu_unfused_us']:.2f} vs fused {row['silu_fused_us']:.2f}"
             rows.append(row)
             print(line, flush=True)
         del ws
@@ -105,12 +127,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
     ap.add_argument("--batch-rows", help="comma-separated row counts: cuBLAS against its roofline only")
     ap.add_argument("--sweep-skinny", action="store_true", help="with --batch-rows: also kernels/skinny_gemm.py")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="with --batch-rows: comma-separated SHAPES names")
+    ap.add_argument("--top", type=int, default=4, help="with --sweep-skinny: tilings printed per row")
     ap.add_argument("--json")
     ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.batch_rows:
-        rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")], args.sweep_skinny)
+        rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")], args.sweep_skinny,
+                                args.shapes.split(","), args.top)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

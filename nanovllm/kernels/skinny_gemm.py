@@ -48,6 +48,9 @@ class SkinnyTiling:
     stages: int  # steps whose loads are in flight at once
     num_warps: int
     pdl: bool  # launch early (PDL, when the grid fits one wave) and prefetch the first weight tile into L2
+    # compute out^T = weight x^T: the weight rows are the MMA's M side (Hopper's wgmma wants 64
+    # there), the few token rows its N side (8..256), so a 16-row batch still takes wgmma
+    swap: bool = False
 
 
 # A first guess, to be replaced by the sweep's winner (bench_gemm.py --batch-rows --sweep-skinny).
@@ -80,6 +83,7 @@ def _skinny_gemm_kernel(
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
@@ -92,7 +96,10 @@ def _skinny_gemm_kernel(
     m_ok = rm < n_rows
     x_rows = x_ptr + tl.minimum(rm, n_rows - 1)[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
@@ -105,11 +112,20 @@ def _skinny_gemm_kernel(
             a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
-    tl.store(out, round_to(acc, dtype), mask=m_ok[:, None] & n_ok[None, :])
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    if SWAP:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + rm[None, :].to(tl.int64) * stride_o + rn[:, None]
+        tl.store(out, round_to(acc, dtype), mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
+        tl.store(out, round_to(acc, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
@@ -137,7 +153,7 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages,
         DOT_PREC="ieee" if x.dtype == torch.float32 or upcast else None, UPCAST=upcast,
         PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems,
-        num_warps=tile.num_warps, **pdl,
+        SWAP=tile.swap, num_warps=tile.num_warps, **pdl,
     )
     return out
 
