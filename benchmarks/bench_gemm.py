@@ -58,28 +58,30 @@ def check(out, ref, what):
         raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
-# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, swap), all
-# with PDL; row tiles past the batch's power of two are skipped. Plain: token rows are the MMA's M
-# side; swapped: the weight rows are (64 / 128, wgmma's warpgroup tile), the token rows its N side.
-SKINNY_TILINGS = (
-    [(bm, bn, bk, 3, 4, False) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)]
-    + [(bm, bn, 64, 4, 4, False) for bm in (32, 64) for bn in (32, 64)]
-    + [(bm, bn, bk, 3, 4, True) for bn in (64, 128) for bm in (16, 32, 64, 128) for bk in (64, 128)]
-    + [(bm, 64, 64, 4, 4, True) for bm in (16, 32, 64)]
-    + [(bm, 128, 64, 3, 8, True) for bm in (64, 128)] + [(128, bn, 64, 3, 8, False) for bn in (64, 128)])
+# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, swap), each
+# at split-K 1, 2, 4 and 8, all with PDL; row tiles past the batch's power of two are skipped.
+# Plain: token rows are the MMA's M side; swapped: the weight rows are (wgmma's 64-row warpgroup
+# tile), the token rows its N side. The bases are the leaders of a first sweep without split-K
+# (BENCHMARKS.md, 2026-12-02 fifth session).
+SKINNY_BASES = [(16, 64, 128, 3, 4, True), (32, 64, 128, 3, 4, True), (64, 64, 128, 3, 4, True),
+                (128, 64, 128, 3, 4, True), (16, 64, 64, 4, 4, True), (16, 32, 128, 3, 4, False),
+                (32, 32, 128, 3, 4, False), (64, 32, 128, 3, 4, False), (64, 64, 128, 3, 4, False),
+                (64, 32, 64, 4, 4, False), (128, 128, 128, 3, 4, False)]
+SKINNY_SPLITS = (1, 2, 4, 8)
+SKINNY_TILINGS = [SkinnyTiling(bm, bn, bk, st, warps, True, swap, split)
+                  for bm, bn, bk, st, warps, swap in SKINNY_BASES for split in SKINNY_SPLITS]
 
 
 def tiling_name(t: SkinnyTiling) -> str:
-    return f"{'sw' if t.swap else ''}{t.block_m}x{t.block_n}x{t.block_k}s{t.stages}w{t.num_warps}"
+    return f"{'sw' if t.swap else ''}{t.block_m}x{t.block_n}x{t.block_k}s{t.stages}w{t.num_warps}k{t.split_k}"
 
 
 def sweep_skinny(x, ws, m: int) -> dict[SkinnyTiling, float]:
     """us per call of every SKINNY_TILINGS tiling that fits m rows (x [m, K], weights ws)."""
     times = {}
-    for bm, bn, bk, st, warps, swap in SKINNY_TILINGS:
-        if bm > max(16, next_pow2(m)):
+    for tile in SKINNY_TILINGS:
+        if tile.block_m > max(16, next_pow2(m)):
             continue
-        tile = SkinnyTiling(bm, bn, bk, st, warps, True, swap)
         check(skinny_gemm(x, ws[0], tile=tile), F.linear(x, ws[0]), f"M={m} {tile}")
         times[tile] = graph_time_us([lambda w=w: skinny_gemm(x, w, tile=tile) for w in ws])
     return times

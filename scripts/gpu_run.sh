@@ -61,8 +61,8 @@ for part in $parts; do
     walk) # the candidate walk (top-p, min-p): GPU tests, then the sampler alone (walk vs thresholds, peaked / flat rows)
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_walk_sample.py tests/test_sampler_gpu.py tests/test_sampling_filter.py > "$OUT/walk.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/walk.log" | head -20
       for b in 1 16 256; do for s in 3 0.3; do for w in "" --no-walk; do timeout 60 python3 benchmarks/bench_sampler.py --batch $b --logit-scale $s $w --cases plain top_p_only min_p_only --iters 30 2>&1 | tail -4 | sed "s/^/b$b s$s $w: /" | tee -a "$OUT/walksampler.log"; done; done; done ;;
-    skinny06) timeout 560 python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256 --sweep-skinny --shapes "0.6B qkv,0.6B o,0.6B gate_up,0.6B down" --json "$OUT/skinny06.json" 2>&1 | tail -30 | tee "$OUT/skinny06.log" ;;
-    skinny8b) timeout 400 python3 benchmarks/bench_gemm.py --batch-rows 128 --sweep-skinny --shapes "8B qkv,8B o,8B gate_up,8B down" --json "$OUT/skinny8b.json" 2>&1 | tail -12 | tee "$OUT/skinny8b.log" ;;
+    skinny06) timeout 560 python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256 --sweep-skinny --shapes "0.6B qkv,0.6B o,0.6B gate_up,0.6B down" --top 6 --json "$OUT/skinny06.json" 2>&1 | tail -30 | tee "$OUT/skinny06.log" ;;
+    skinny8b) timeout 400 python3 benchmarks/bench_gemm.py --batch-rows 128 --sweep-skinny --shapes "8B qkv,8B o,8B gate_up,8B down" --top 6 --json "$OUT/skinny8b.json" 2>&1 | tail -12 | tee "$OUT/skinny8b.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done

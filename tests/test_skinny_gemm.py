@@ -22,7 +22,9 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("tile", [SkinnyTiling(block_m=16, block_n=32, block_k=32, stages=2, num_warps=4, pdl=True),
                                   SkinnyTiling(16, 64, 32, 2, 4, pdl=False, swap=True),
-                                  None], ids=["small-tiles", "swapped", "default-tiles"])  # default: 64-column steps, prefetch
+                                  SkinnyTiling(16, 32, 16, 2, 4, pdl=True, swap=True, split_k=3),
+                                  SkinnyTiling(32, 16, 32, 2, 4, pdl=False, split_k=4),
+                                  None], ids=["small-tiles", "swapped", "split3-swapped", "split4", "default-tiles"])  # default: 64-column steps, prefetch
 def test_matches_linear(device, dtype, m, n, k, with_bias, tile):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = randn((m, k + 8), gen, dtype).to(device)[:, :k]  # strided rows, like a view into a wider tensor
@@ -40,13 +42,14 @@ def test_matches_linear(device, dtype, m, n, k, with_bias, tile):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, with_bias, pdl, swap", [(48, False, False, False), (40, True, True, False),
                                                      (40, True, False, True)])  # 40: a column tail
-def test_silu_mul_in_front(device, dtype, n, with_bias, pdl, swap):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_silu_mul_in_front(device, dtype, n, with_bias, pdl, swap, split_k):
     m, k = 20, 80
     gen = torch.Generator().manual_seed(7)
     x = randn((m, 2 * k), gen, dtype, 2.0).to(device)
     w = randn((n, k), gen, dtype, k ** -0.5).to(device)
     bias = randn((n,), gen, dtype).to(device) if with_bias else None
-    out = silu_mul_skinny_gemm(x, w, bias, tile=SkinnyTiling(32, 16, 64, 2, 4, pdl=pdl, swap=swap))
+    out = silu_mul_skinny_gemm(x, w, bias, tile=SkinnyTiling(32, 16, 32, 2, 4, pdl=pdl, swap=swap, split_k=split_k))
     gate, up = x.double().chunk(2, dim=-1)
     ref = (gate * torch.sigmoid(gate) * up) @ w.double().T
     assert rel_err(out, ref if bias is None else ref + bias.double()) < REF_TOL[dtype]

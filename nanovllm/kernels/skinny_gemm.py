@@ -38,6 +38,23 @@ from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 MAX_ROWS = 512
 # tl.dot needs at least 16 rows (and columns) a tile.
 MIN_BLOCK = 16
+# Arrival counters of split-K tiles, one int32 per output tile, allocated once per device and
+# left at 0 by every call (the tile's last program resets its own).
+NUM_COUNTERS = 4096
+
+_counter_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed counters, or None when they cannot serve: more than NUM_COUNTERS
+    needed, or a first allocation inside a CUDA-graph capture (its zero fill would only run on
+    replay). Calls on one device must not run concurrently."""
+    counters = _counter_cache.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _counter_cache.setdefault(device, torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device))
+    return counters if needed <= counters.numel() else None
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,9 @@ class SkinnyTiling:
     # compute out^T = weight x^T: the weight rows are the MMA's M side (Hopper's wgmma wants 64
     # there), the few token rows its N side (8..256), so a 16-row batch still takes wgmma
     swap: bool = False
+    # programs per output tile, each over a 1/split_k slice of K; the last to finish (an arrival
+    # counter) sums the float32 partials in split order (deterministic) and writes the tile
+    split_k: int = 1
 
 
 # A first guess, to be replaced by the sweep's winner (bench_gemm.py --batch-rows --sweep-skinny).
@@ -83,13 +103,16 @@ def _skinny_gemm_kernel(
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
 ):
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # this program's K slice [k_lo, k_hi): k_per is a multiple of BLOCK_K, every slice non-empty
+    k_lo = tl.program_id(2) * k_per
+    k_hi = tl.minimum(k_lo + k_per, k_in)
     n_ok = rn < n_out
     w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        prefetch_rows_l2(w_rows, k_in, 1, BLOCK_K, LINE_ELEMS)
+        prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, 1, BLOCK_K, LINE_ELEMS)
     wait_for_prior(PDL)  # x (and out) belong to earlier kernels
     dtype = out_ptr.dtype.element_ty
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,7 +123,7 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
         # rows past M load row M - 1 (clamped above): their results are stored nowhere
@@ -117,15 +140,32 @@ def _skinny_gemm_kernel(
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     if SWAP:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + rm[None, :].to(tl.int64) * stride_o + rn[:, None]
-        tl.store(out, round_to(acc, dtype), mask=m_ok[None, :] & n_ok[:, None])
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    tile_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        # partials ws [SPLIT_K, n_rows, n_out] float32; the tile's last arrival sums them
+        ws_tile = ws_ptr + rm[:, None].to(tl.int64) * n_out + rn[None, :]  # split 0's [BLOCK_M, BLOCK_N]
+        tl.store(ws_tile + tl.program_id(2).to(tl.int64) * stride_ws, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for _ in range(SPLIT_K):  # split order: the same sum whichever program arrives last
+                acc += tl.load(ws_tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                ws_tile += stride_ws
+            _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_BIAS)
+            tl.atomic_xchg(counter, 0)  # ready for the next call
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
-        tl.store(out, round_to(acc, dtype), mask=m_ok[:, None] & n_ok[None, :])
+        _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_BIAS: tl.constexpr):
+    """out[rm, rn] = round(acc (+ bias[rn])) in out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
+    tl.store(out, round_to(acc, out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
@@ -140,12 +180,21 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
             raise ValueError(f"tile.{name} must be a power of two >= {MIN_BLOCK}, got {v}")
     if tile.stages < 1 or tile.num_warps < 1 or tile.num_warps & (tile.num_warps - 1):
         raise ValueError(f"tile.stages must be >= 1 and tile.num_warps a power of two, got {tile}")
+    if tile.split_k < 1:
+        raise ValueError(f"tile.split_k must be >= 1, got {tile.split_k}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    # K slices of whole steps, none empty: split_k shrinks to the slices K fills
+    k_per = triton.cdiv(triton.cdiv(k_in, tile.split_k), tile.block_k) * tile.block_k
+    split_k = triton.cdiv(k_in, k_per)
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n), split_k)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if split_k > 1 else None
+    if counters is None:  # no split (or no counters to fold with): one program walks all of K
+        split_k, k_per, grid = 1, k_in, grid[:2] + (1,)
+    ws = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     line_elems = LINE_BYTES // x.element_size()
     upcast = INTERPRET and x.dtype == torch.bfloat16
-    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n))
     # PDL, as the GEMV takes it, only for a grid resident at once (kernels/pdl.py, pdl_for_grid)
-    pdl = pdl_for_grid(x, grid[0] * grid[1]) if tile.pdl else {"PDL": False}
+    pdl = pdl_for_grid(x, grid[0] * grid[1] * grid[2]) if tile.pdl else {"PDL": False}
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
@@ -153,7 +202,10 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages,
         DOT_PREC="ieee" if x.dtype == torch.float32 or upcast else None, UPCAST=upcast,
         PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems,
-        SWAP=tile.swap, num_warps=tile.num_warps, **pdl,
+        SWAP=tile.swap, SPLIT_K=split_k, k_per=k_per,
+        ws_ptr=out if ws is None else ws, stride_ws=0 if ws is None else ws.stride(0),
+        count_ptr=out if counters is None else counters,
+        num_warps=tile.num_warps, **pdl,
     )
     return out
 
