@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
     ap.add_argument("--batch-rows", help="comma-separated row counts: cuBLAS against its roofline only")
     ap.add_argument("--sweep-skinny", action="store_true", help="with --batch-rows: also kernels/skinny_gemm.py")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="with --batch-rows: comma-separated SHAPES names")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
     ap.add_argument("--top", type=int, default=4, help="with --sweep-skinny: tilings printed per row")
     ap.add_argument("--json")
     ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
@@ -145,7 +145,8 @@ def main() -> None:
     dev, bf16 = "cuda", torch.bfloat16
     rows = []
     print(f"{'layer':<14}{'M':>3}{'cuBLAS':>9}{'gemv':>9}{'GB/s':>7}{'unfused':>9}{'fused':>9}  sweep (us)")
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
         for m in [int(r) for r in args.cublas_rows.split(",") if r]:  # prefill-sized: weights and FLOPs both count

@@ -63,6 +63,7 @@ for part in $parts; do
       for b in 1 16 256; do for s in 3 0.3; do for w in "" --no-walk; do timeout 60 python3 benchmarks/bench_sampler.py --batch $b --logit-scale $s $w --cases plain top_p_only min_p_only --iters 30 2>&1 | tail -4 | sed "s/^/b$b s$s $w: /" | tee -a "$OUT/walksampler.log"; done; done; done ;;
     skinny06) timeout 560 python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256 --sweep-skinny --shapes "0.6B qkv,0.6B o,0.6B gate_up,0.6B down" --top 6 --json "$OUT/skinny06.json" 2>&1 | tail -30 | tee "$OUT/skinny06.log" ;;
     skinny8b) timeout 400 python3 benchmarks/bench_gemm.py --batch-rows 128 --sweep-skinny --shapes "8B qkv,8B o,8B gate_up,8B down" --top 6 --json "$OUT/skinny8b.json" 2>&1 | tail -12 | tee "$OUT/skinny8b.log" ;;
+    gemv30b) timeout 300 python3 benchmarks/bench_gemm.py --sweep --shapes "30B qkv,30B o,30B router" --json "$OUT/gemv30b.json" 2>&1 | tail -14 | tee "$OUT/gemv30b.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
