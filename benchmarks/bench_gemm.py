@@ -28,7 +28,7 @@ from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from nanovllm.kernels.skinny_gemm import SkinnyTiling, silu_mul_skinny_gemm, skinny_gemm
+from nanovllm.kernels.skinny_gemm import SkinnyTiling, silu_mul_skinny_gemm, skinny_gemm, skinny_tiling
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
@@ -106,6 +106,11 @@ def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top:
             floor_us = 1e6 * max((n * k + m * (n + k)) * 2 / bw, 2 * m * n * k / peak)
             row = {"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us}
             line = f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%"
+            if m <= SKINNY_MAX_ROWS:  # the default tiling (what the layers would run)
+                row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
+                check(skinny_gemm(x, ws[0]), F.linear(x, ws[0]), f"{name} M={m} default tiling")
+                t = skinny_tiling(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+                line += f"  default {row['skinny_default_us']:.2f} (split {t.split_k})"
             if sweep and m <= SKINNY_MAX_ROWS:
                 times = sweep_skinny(x, ws, m)
                 row["skinny"] = {tiling_name(t): us for t, us in times.items()}

@@ -34,6 +34,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def prev_pow2(x: int) -> int:
+    """The largest power of two <= x (x >= 1); 0 for x < 1."""
+    return 1 << (x.bit_length() - 1) if x >= 1 else 0
+
+
 def check_float_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} dtype must be one of float16/bfloat16/float32, got {t.dtype}")

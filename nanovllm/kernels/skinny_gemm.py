@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET, check_linear, next_pow2
+from .checks import INTERPRET, check_linear, cuda_sm_count, prev_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
@@ -73,17 +73,35 @@ class SkinnyTiling:
     split_k: int = 1
 
 
-# A first guess, to be replaced by the sweep's winner (bench_gemm.py --batch-rows --sweep-skinny).
-DEFAULT_BLOCK_N = 64
-DEFAULT_BLOCK_K = 64
-DEFAULT_STAGES = 4
+# The default tiling, from bench_gemm.py --batch-rows --sweep-skinny (H200, Qwen3-0.6B shapes at
+# 16 and 64 rows, BENCHMARKS.md 2026-12-02 fifth session): 32 output columns x 128-column steps,
+# 3 in flight, 4 warps, token rows as the MMA's M side; row tiles of 16 up to 16 rows, else 64.
+DEFAULT_BLOCK_N = 32
+DEFAULT_BLOCK_K = 128
+DEFAULT_STAGES = 3
 DEFAULT_WARPS = 4
+# A grid of fewer output tiles than this many per SM splits K (narrow layers: 0.6B o / down have
+# 32 tiles of 32 columns) ...
+SPLIT_BELOW_TILES_PER_SM = 0.5
+# ... into as many slices as give ~2 programs per SM at 16 rows, ~1 at 64, at most 8, none
+# shorter than this many columns.
+MIN_SPLIT_COLUMNS = 256
+MAX_SPLIT_K = 8
+# CPU / interpreter: a small stand-in for the SM count.
+CPU_SM_COUNT = 4
 
 
-def skinny_tiling(rows: int) -> SkinnyTiling:
-    """The default tiling for `rows` rows: row tiles of the rows' power of two, 16 to 64."""
-    block_m = min(64, max(MIN_BLOCK, next_pow2(rows)))
-    return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True)
+def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None) -> SkinnyTiling:
+    """The default tiling for a rows x K @ K x n_out call on a GPU of `sms` SMs (None: CPU)."""
+    sms = CPU_SM_COUNT if sms is None else sms
+    block_m = MIN_BLOCK if rows <= MIN_BLOCK else 64
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, DEFAULT_BLOCK_N)
+    split = 1
+    if tiles < SPLIT_BELOW_TILES_PER_SM * sms:
+        per_sm = 2 if rows <= MIN_BLOCK else 1
+        split = max(1, min(MAX_SPLIT_K, prev_pow2(per_sm * sms // tiles), prev_pow2(k_in // MIN_SPLIT_COLUMNS)))
+    return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True,
+                        split_k=split)
 
 
 @triton.jit
@@ -171,7 +189,7 @@ def _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_B
 def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
     m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, silu_mul, MAX_ROWS)
     if tile is None:
-        tile = skinny_tiling(m)
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device))
     elif not isinstance(tile, SkinnyTiling):
         raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
     for name in ("block_m", "block_n", "block_k"):
