@@ -77,7 +77,11 @@ def test_default_tiling_and_bad_inputs():
     gen = torch.Generator().manual_seed(1)
     x, w = randn((5, 64), gen, torch.float32), randn((24, 64), gen, torch.float32)
     assert rel_err(skinny_gemm(x, w), x.double() @ w.double().T) < REF_TOL[torch.float32]  # default tiles
-    assert [skinny_tiling(m).block_m for m in (1, 16, 17, 64, 300)] == [16, 16, 32, 64, 64]
+    assert [skinny_tiling(m, 4096, 1024, 132).block_m for m in (1, 16, 17, 64)] == [16, 16, 64, 64]
+    # narrow layers split K (0.6B o_proj: 32 tiles of 32 columns on 132 SMs), wide ones do not
+    assert [skinny_tiling(m, 1024, 2048, 132).split_k for m in (16, 64)] == [8, 4]
+    assert skinny_tiling(16, 4096, 1024, 132).split_k == 1
+    assert skinny_tiling(16, 1024, 300, 132).split_k == 1  # slices would be shorter than 256 columns
     with pytest.raises(ValueError, match="rows"):
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 64), w)
     with pytest.raises(ValueError, match="does not match"):
