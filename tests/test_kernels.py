@@ -502,34 +502,6 @@ def test_decode_split_k(monkeypatch, block_size, dtype, fold):
     assert torch.equal(again, out)  # a second call finds the counters at zero
 
 
-def test_decode_auto_splits_cut_to_fold(monkeypatch):
-    """GQA-8 at one row: the automatic split count (20 here) would need the merge kernel; it is
-    cut to the 8 splits the fold holds (8 heads x 8 splits x D=128 = FOLD_MAX_ELEMS), and the
-    result still matches the reference. With FOLD_MIN_SPLITS above 8 the cut is off."""
-    import nanovllm.kernels.decode_attention as dec
-    monkeypatch.setattr(dec, "MIN_TOKENS_PER_SPLIT", 16)
-    monkeypatch.setattr(dec, "CPU_SM_COUNT", 2)
-    assert dec.choose_num_splits(1, 1, 20 * 16, 2) == 20 > 8 == dec.prev_pow2(dec.FOLD_MAX_ELEMS // (8 * 128))
-    launches = []
-    kernel = dec._decode_split_kernel
-    monkeypatch.setattr(dec, "_decode_split_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
-    gen = torch.Generator().manual_seed(9)
-    lens = [300]
-    k_cache, v_cache, table = make_paged(lens, 16, 1, 128, torch.float32, gen)  # 20 blocks wide
-    q = randn((1, 1, 8, 128), gen, torch.float32)
-    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    monkeypatch.setattr(dec, "_decode_merge_kernel", None)  # the fold merges: no merge launch
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table)
-    assert launches[-1] == (1, 1, 8)
-    ref = ref_attention(q[0], gather(k_cache, table[0], 300), gather(v_cache, table[0], 300), True, 128 ** -0.5)
-    assert rel_err(out[0], ref) < TOL[torch.float32]
-    monkeypatch.setattr(dec, "FOLD_MIN_SPLITS", 16)
-    with pytest.raises(TypeError):  # 20 splits: too many to fold, so the (removed) merge kernel is wanted
-        flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table)
-    assert launches[-1] == (1, 1, 20)
-
-
 def test_decode_fold_falls_back_without_counters(monkeypatch):
     """More (sequence, kv head) pairs than counters: the merge kernel runs instead, same result."""
     import nanovllm.kernels.decode_attention as dec

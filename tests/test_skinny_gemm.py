@@ -103,29 +103,32 @@ def test_default_tiling_and_bad_inputs():
 
 
 @pytest.mark.interpreter
-def test_layers_take_the_skinny_gemm_between_the_gemv_and_cublas(monkeypatch):
-    """With SKINNY_MAX_ROWS set, a layer on its Triton path (forced on CPU: the interpreter)
-    sends batches of GEMV_MAX_ROWS + 1 .. SKINNY_MAX_ROWS rows to the skinny GEMM (the down
-    projection with SiLU-and-mul in front), fewer to the GEMV, more to F.linear: one output."""
+def test_narrow_layers_take_the_skinny_gemm_between_the_gemv_and_cublas(monkeypatch):
+    """A narrow layer on its Triton path (forced on CPU: the interpreter) sends batches of
+    GEMV_MAX_ROWS + 1 .. SKINNY_MAX_ROWS rows to the skinny GEMM (the down projection after the
+    SiLU-and-mul kernel), fewer to the GEMV, more to F.linear; a wide layer never takes it. One
+    output whatever the path."""
     import nanovllm.kernels.skinny_gemm as skinny
     import nanovllm.layers.linear as linear
 
-    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", 20)
+    assert linear._narrow(32, 512, torch.device("cpu"))  # CPU_SM_COUNT (4) stands in for the SMs
+    assert not linear._narrow(4096, 1024, torch.device("cpu"))
     calls = []
-    for name in ("skinny_gemm", "silu_mul_skinny_gemm"):
-        kernel = getattr(skinny, name)
-        monkeypatch.setattr(skinny, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+    kernel = skinny.skinny_gemm
+    monkeypatch.setattr(skinny, "skinny_gemm", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
     torch.manual_seed(0)
-    up = linear.MergedColumnParallelLinear(64, [48, 48])
-    down = linear.SiluMulRowParallelLinear(48, 64)
+    up = linear.MergedColumnParallelLinear(512, [512, 512])  # wide: 32 output tiles
+    down = linear.SiluMulRowParallelLinear(512, 32)  # narrow: 1 output tile, K split 2 ways
+    assert (up.use_skinny, down.use_skinny) == (False, False)  # built on CPU
     for layer in (up, down):
-        layer.weight.data.normal_(0, 0.1)
-    for rows, want in ((2, []), (5, ["skinny_gemm", "silu_mul_skinny_gemm"]), (21, [])):
-        x = torch.randn(rows, 64)
+        layer.weight.data.normal_(0, 0.05)
+    for rows, want in ((2, []), (5, [(32, 512)]), (linear.SKINNY_MAX_ROWS + 1, [])):
+        x = torch.randn(rows, 512)
         ref = down(up(x))  # built on CPU: F.linear and SiluAndMul
-        up.use_gemv = down.use_gemv = True  # the CUDA path's kernels, under the interpreter
+        up.use_gemv = down.use_gemv = True  # the CUDA path's decisions, under the interpreter
+        up.use_skinny, down.use_skinny = False, True
         calls.clear()
         got = down(up(x))
-        up.use_gemv = down.use_gemv = False
+        up.use_gemv = down.use_gemv = down.use_skinny = False
         assert calls == want, rows
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
-                            check_int_tensor, check_out, cuda_sm_count, next_pow2, prev_pow2)
+                            check_int_tensor, check_out, cuda_sm_count, next_pow2)
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -53,10 +53,6 @@ MAX_SPLITS = 128
 # [group, splits, head_dim] fp32 tile has at most this many elements (64 registers per thread
 # at 4 warps); larger merges run as the separate merge kernel.
 FOLD_MAX_ELEMS = 8192
-# An automatic split count too large to fold is cut to the most the fold holds when that leaves
-# at least this many splits: the merge launch it saves (~2 us) outweighs the longer splits at
-# small batches (GQA-8 groups, e.g. Qwen3-30B-A3B at batch 1: 16 splits -> 8).
-FOLD_MIN_SPLITS = 4
 # Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
 # by every call (the merging program resets its own). Batches needing more use the merge kernel.
 NUM_COUNTERS = 4096
@@ -312,18 +308,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         return out
     group = hq // hkv
     max_context = block_table.shape[1] * block_size
-    gp = next_pow2(group)
     if num_splits == 0:
         num_splits = choose_num_splits(batch, hkv, max_context, _sm_count(q.device))
-        fold_cap = prev_pow2(FOLD_MAX_ELEMS // (gp * d))  # most splits whose merge folds
-        if num_splits > fold_cap >= FOLD_MIN_SPLITS:
-            num_splits = fold_cap
     # Temporaries sized from shapes only (capturable): partial outputs and log-sum-exps.
     n_mid = num_splits if num_splits > 1 else 0  # one split writes `out` directly
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
-    block_s = next_pow2(num_splits)
+    block_s, gp = next_pow2(num_splits), next_pow2(group)
     counters = None
     if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
         counters = _arrival_counters(q.device, batch * hkv)

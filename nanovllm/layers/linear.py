@@ -14,8 +14,9 @@ copies; utils/loader.py). Packed layers (QKV, gate/up) list their checkpoint ten
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs batches of
 1..GEMV_MAX_ROWS rows (small-batch decode; decided per call, by shape) through the Triton GEMV
-(nanovllm/kernels/gemv.py) instead of cuBLAS, and up to SKINNY_MAX_ROWS rows (0 for now) through
-the skinny GEMM (kernels/skinny_gemm.py); everything else uses F.linear.
+(nanovllm/kernels/gemv.py) instead of cuBLAS, and, if it is narrow (decided at construction), up
+to SKINNY_MAX_ROWS rows through the skinny GEMM (kernels/skinny_gemm.py); everything else uses
+F.linear.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from nanovllm.utils.distributed import tp_rank, tp_size
 # 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us);
 # 3 rows was not measured. BENCHMARKS.md has the table.
 GEMV_MAX_ROWS = 2
-# Rows up to which a CUDA layer's projections above GEMV_MAX_ROWS run the Triton GEMM for decode
-# batches (kernels/skinny_gemm.py, at most its MAX_ROWS) instead of cuBLAS. 0: none, until it is
-# measured against cuBLAS on the GPU (bench_gemm.py --batch-rows --sweep-skinny; benchmarks/variants.py
-# runs bench.py with this set).
-SKINNY_MAX_ROWS = 0
+# Rows up to which a narrow CUDA layer's projections above GEMV_MAX_ROWS run the Triton skinny
+# GEMM (kernels/skinny_gemm.py) instead of cuBLAS. Narrow: its default tiling splits K at 16 rows
+# (few output tiles, e.g. Qwen3-0.6B o / down, 30B-A3B o / router). There it beat cuBLAS at 4-16
+# rows (0.6B o 4.3-4.4 vs 5.8-8.2 us, down 4.7-5.1 vs 6.8-7.7; H200, bench_gemm.py --batch-rows);
+# at 32 rows and on wide layers it lost (BENCHMARKS.md, 2026-12-02 fifth session).
+SKINNY_MAX_ROWS = 16
 
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
@@ -58,6 +60,14 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
     return loaded.narrow(dim, rank * size, size)
 
 
+def _narrow(out_features: int, in_features: int, device: torch.device) -> bool:
+    """Whether the skinny GEMM's default tiling splits K for this layer at SKINNY_MAX_ROWS rows."""
+    from nanovllm.kernels.checks import cuda_sm_count
+    from nanovllm.kernels.skinny_gemm import skinny_tiling
+
+    return skinny_tiling(SKINNY_MAX_ROWS, out_features, in_features, cuda_sm_count(device)).split_k > 1
+
+
 class _LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -72,6 +82,7 @@ class _LinearBase(nn.Module):
                 param.weight_slice = self.weight_slice
                 param.shard_ids = self.shard_ids
         self.use_gemv = uses_triton(self.weight.device)  # the device half of the GEMV choice
+        self.use_skinny = self.use_gemv and _narrow(out_features, in_features, self.weight.device)
 
     # The checkpoint tensors one parameter is packed from ((None,): one tensor, unpacked).
     shard_ids: tuple[str | int | None, ...] = (None,)
@@ -85,9 +96,9 @@ class _LinearBase(nn.Module):
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
 
     def _skinny_serves(self, x: torch.Tensor) -> bool:
-        """Whether x [rows, in] goes through the skinny GEMM: a CUDA layer and GEMV_MAX_ROWS + 1
-        to SKINNY_MAX_ROWS rows."""
-        return self.use_gemv and x.dim() == 2 and GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
+        """Whether x [rows, in] goes through the skinny GEMM: a narrow CUDA layer and
+        GEMV_MAX_ROWS + 1 to SKINNY_MAX_ROWS rows."""
+        return self.use_skinny and x.dim() == 2 and GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV or the skinny GEMM for the
@@ -202,9 +213,10 @@ class RowParallelLinear(_LinearBase):
 
 class SiluMulRowParallelLinear(RowParallelLinear):
     """The MLP's down projection with SiLU-and-mul in front: gate_up [*, 2 * in / tp] = gate | up
-    -> forward(silu(gate) * up) [*, out]. Batches the GEMV or the skinny GEMM serves run the
-    activation inside it (no activation kernel of its own); the others run SiluAndMul, then the
-    projection."""
+    -> forward(silu(gate) * up) [*, out]. Batches the GEMV serves run the activation inside it
+    (no activation kernel of its own); the others run SiluAndMul, then the projection (the skinny
+    GEMM with SiLU-and-mul inside measured slower than the two kernels: 11.2 vs 8.2 us, 0.6B down
+    at 16 rows)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias)
@@ -215,8 +227,4 @@ class SiluMulRowParallelLinear(RowParallelLinear):
             from nanovllm.kernels.gemv import silu_mul_gemv
 
             return self._reduce(silu_mul_gemv(gate_up, self.weight))
-        if self._skinny_serves(gate_up):
-            from nanovllm.kernels.skinny_gemm import silu_mul_skinny_gemm
-
-            return self._reduce(silu_mul_skinny_gemm(gate_up, self.weight))
         return super().forward(self.act(gate_up))
