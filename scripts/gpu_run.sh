@@ -65,7 +65,9 @@ for part in $parts; do
     skinny8b) timeout 400 python3 benchmarks/bench_gemm.py --batch-rows 128 --sweep-skinny --shapes "8B qkv,8B o,8B gate_up,8B down" --top 6 --json "$OUT/skinny8b.json" 2>&1 | tail -12 | tee "$OUT/skinny8b.log" ;;
     gemv30b) timeout 300 python3 benchmarks/bench_gemm.py --sweep --shapes "30B qkv,30B o,30B router" --json "$OUT/gemv30b.json" 2>&1 | tail -14 | tee "$OUT/gemv30b.log" ;;
     skinnyrule) timeout 300 python3 benchmarks/bench_gemm.py --batch-rows 4,8,16,32,64 --json "$OUT/skinnyrule.json" 2>&1 | tail -60 | tee "$OUT/skinnyrule.log" ;;
-    abskinny) for m in qwen3-0.6b qwen3-8b; do timeout 300 python3 benchmarks/variants.py --variant cublas --variant "skinny:nanovllm.layers.linear.SKINNY_MAX_ROWS=64" --show "decode ms/token" -- --model benchmarks/configs/$m --load-format dummy --latency --latency-batch-sizes 4,8,16,32,64 2>&1 | tee -a "$OUT/abskinny.log"; done ;;
+    abskinny) # the skinny GEMM in narrow layers at 3-16 rows (default) vs cuBLAS, then its GPU tests
+      for m in qwen3-0.6b qwen3-30b-a3b; do timeout 300 python3 benchmarks/variants.py --variant skinny --variant "cublas:nanovllm.layers.linear.SKINNY_MAX_ROWS=0" --show "decode ms/token" -- --model benchmarks/configs/$m --load-format dummy --latency --latency-batch-sizes 4,8,16 2>&1 | tee -a "$OUT/abskinny.log"; done
+      timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_skinny_gemm.py tests/test_engine_gpu.py -k "skinny or Skinny or identical or greedy" > "$OUT/skinnygpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/skinnygpu.log" | head -20 ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done

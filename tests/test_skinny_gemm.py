@@ -132,3 +132,30 @@ def test_narrow_layers_take_the_skinny_gemm_between_the_gemv_and_cublas(monkeypa
         up.use_gemv = down.use_gemv = down.use_skinny = False
         assert calls == want, rows
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 8, 16])
+def test_narrow_layer_on_cuda_in_graph_replays(rows):
+    """Qwen3-0.6B's o_proj (1024 x 2048, narrow: K split 8 ways at 16 rows on an H200) built on
+    CUDA takes the skinny GEMM at 3-16 rows: float64 agreement, and CUDA-graph replays equal the
+    eager call (the split tiles' arrival counters are left at zero by every call)."""
+    import nanovllm.kernels.skinny_gemm as skinny
+    import nanovllm.layers.linear as linear
+
+    gen = torch.Generator().manual_seed(rows)
+    with torch.device("cuda"):
+        layer = linear.RowParallelLinear(2048, 1024).to(torch.bfloat16)
+    layer.weight.data.copy_(randn((1024, 2048), gen, torch.bfloat16, 2048 ** -0.5))
+    assert layer.use_skinny and layer._skinny_serves(torch.empty(rows, 2048))
+    x = randn((rows, 2048), gen, torch.bfloat16).cuda()
+    eager = layer(x)
+    assert rel_err(eager, x.double() @ layer.weight.double().T) < REF_TOL[torch.bfloat16]
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+    assert not skinny._counter_cache[x.device].any()

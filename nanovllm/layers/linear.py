@@ -62,6 +62,8 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
 
 def _narrow(out_features: int, in_features: int, device: torch.device) -> bool:
     """Whether the skinny GEMM's default tiling splits K for this layer at SKINNY_MAX_ROWS rows."""
+    if SKINNY_MAX_ROWS <= GEMV_MAX_ROWS:  # no rows left for it
+        return False
     from nanovllm.kernels.checks import cuda_sm_count
     from nanovllm.kernels.skinny_gemm import skinny_tiling
 
