@@ -5,8 +5,8 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# Next session: `walk` (the candidate-walk sampler: tests, then walk vs thresholds) and `bench`; the
-# walk does not serve top-k (flat rows take ~log2(V/k) rounds); top-k + top-p stays on torch.topk.
+# 2026-12-02 (fifth): `skinny06`, `skinny8b`, `skinnyrule` (Triton GEMM vs cuBLAS at 4-256 rows),
+# `gemv30b`, `abskinny` (narrow layers' skinny GEMM at 3-16 rows vs cuBLAS, then its GPU tests).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"

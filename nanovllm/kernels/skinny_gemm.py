@@ -1,24 +1,30 @@
-"""Triton GEMM for a decode batch's linear layers (16-512 rows), an experiment beside cuBLAS.
+"""Triton GEMM for decode batches of a few rows (the layers use it for narrow layers at 3-16 rows).
 
-A batched decode step's projections are small GEMMs (Qwen3-0.6B at 256 rows: 256 x 4096 x 1024
-for qkv) that take a few microseconds each: too short for cuBLAS's large tiles to fill 132 SMs,
-and launched without PDL, so every one waits for the kernel before it to drain. This kernel
-tiles the output finely and may launch early (PDL), asking L2 for its first weight tile while
-the previous kernel finishes; the MLP's SiLU-and-mul can be computed on the fly in front of the
-down projection, as in the GEMV (kernels/gemv.py):
+A decode step's projections at a few rows are latency-bound: cuBLAS takes 5-8 us for Qwen3-0.6B's
+4 MB o_proj whatever the row count, its few large tiles leaving most SMs idle. This kernel tiles
+the output finely, may launch early (PDL, asking L2 for its first weight tile while the previous
+kernel finishes), and for narrow layers splits K so that enough programs share the weight read.
+SiLU-and-mul can be computed in front (measured slower than the separate kernel; benchmarks only):
 
     out[m, n] = a[m, :] . weight[n, :] (+ bias[n])              weight [N, K]
     plain:      a = x                                            x [M, K]
     SILU_MUL:   a = round(round(silu(x[:, :K])) * x[:, K:])      x [M, 2K] = gate | up
 
-    grid (M / BM, N / BN): program (i, j) owns out[i*BM : (i+1)*BM, j*BN : (j+1)*BN]
-        for k0 in 0, BK, 2 BK, ... K:   acc[BM, BN] += a[i's rows, k0 : k0+BK] @ weight[j's rows, k0 : k0+BK]^T
+    grid (M / BM, N / BN, S): program (i, j, s) owns out[i*BM : (i+1)*BM, j*BN : (j+1)*BN] over
+    K slice s (k_per columns, a multiple of BK; every slice non-empty):
+
+        K:  | slice 0 (k_per) | slice 1 (k_per) | ... | slice S-1 (<= k_per) |
+        for k0 in the slice by BK:   acc[BM, BN] += a[i's rows, k0 : k0+BK] @ weight[j's rows, k0 : k0+BK]^T
+
+    S == 1: the program stores its tile. S > 1: it stores a float32 partial ws[s, rows, cols],
+    then counts its arrival on the tile's counter; the last to arrive sums the S partials in
+    slice order (the same sum whichever arrives last: deterministic), stores the tile and resets
+    the counter to 0 for the next call.
 
 The row blocks are grid axis 0, the fastest in launch order: the programs that share a weight
 tile (same j) start together, so the weights are read from HBM about once and the few rows of
-x stay in L2. No split-K, no reduce pass; shapes alone set the launch (CUDA-graph capturable).
-Not yet wired into the layers: `benchmarks/bench_gemm.py --batch-rows` times it against cuBLAS
-first.
+x stay in L2. With `swap` the MMA computes out^T (weight rows on its M side). Shapes alone set
+the launch (CUDA-graph capturable). Measurements: BENCHMARKS.md, 2026-12-02 fifth session.
 """
 
 from __future__ import annotations
