@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
                             check_int_tensor, check_out, cuda_sm_count, next_pow2)
+from .counters import arrival_counters
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -77,15 +78,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed arrival counters, or None when they cannot serve this call: more
-    than NUM_COUNTERS needed, or a first allocation would fall inside a CUDA-graph capture
-    (the zero fill would only run on replay). Calls on one device must not run concurrently."""
-    counters = _counter_cache.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counter_cache.setdefault(device, torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device))
-    return counters if needed <= counters.numel() else None
+    """This kernel's zeroed arrival counters on `device` (kernels/counters.py), or None."""
+    return arrival_counters(_counter_cache, device, needed, NUM_COUNTERS)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:

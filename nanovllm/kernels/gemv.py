@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, check_vector, next_pow2
+from .checks import check_linear, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_l2, wait_for_prior
@@ -129,20 +129,7 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
 
 
 def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
-    check_matrix("x", x)
-    check_matrix("weight", weight, x.dtype)
-    m, xk = x.shape
-    n_out, k_in = weight.shape
-    want_k = 2 * k_in if silu_mul else k_in
-    if xk != want_k:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
-                         f"(x needs {want_k} columns{' = gate | up' if silu_mul else ''})")
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv serves 1..{MAX_ROWS} rows, got {m}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    if bias is not None:
-        check_vector("bias", bias, n_out, "x", x)
+    m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS)
     wave = one_wave(x.device)
     if tile is None:
         tile = tiling(m, n_out, k_in, wave)

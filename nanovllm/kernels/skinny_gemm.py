@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .checks import INTERPRET, check_linear, cuda_sm_count, prev_pow2
+from .counters import arrival_counters
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
@@ -49,18 +50,6 @@ MIN_BLOCK = 16
 NUM_COUNTERS = 4096
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed counters, or None when they cannot serve: more than NUM_COUNTERS
-    needed, or a first allocation inside a CUDA-graph capture (its zero fill would only run on
-    replay). Calls on one device must not run concurrently."""
-    counters = _counter_cache.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counter_cache.setdefault(device, torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device))
-    return counters if needed <= counters.numel() else None
 
 
 @dataclass(frozen=True)
@@ -211,7 +200,7 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
     k_per = triton.cdiv(triton.cdiv(k_in, tile.split_k), tile.block_k) * tile.block_k
     split_k = triton.cdiv(k_in, k_per)
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n), split_k)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if split_k > 1 else None
+    counters = arrival_counters(_counter_cache, x.device, grid[0] * grid[1], NUM_COUNTERS) if split_k > 1 else None
     if counters is None:  # no split (or no counters to fold with): one program walks all of K
         split_k, k_per, grid = 1, k_in, grid[:2] + (1,)
     ws = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
