@@ -180,3 +180,19 @@ def test_fill_sizes_must_be_increasing_and_positive():
         with pytest.raises(ValueError, match="fill_sizes"):
             Scheduler(BlockManager(8, 16), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                       eos_token_ids=frozenset(), fill_sizes=bad)
+
+
+def test_trimmed_prefill_budget_rule():
+    """engine/step_trim's rule on its docstring's example and at its edges."""
+    from nanovllm.engine.step_trim import trimmed_prefill_budget
+
+    sizes = (256, 320)
+    assert trimmed_prefill_budget(40, 1000, sizes, 240) == 216  # 280 -> the 256 bucket, 24 deferred
+    assert trimmed_prefill_budget(40, 1000, sizes, 216) == 1000  # exactly 256: nothing to trim
+    assert trimmed_prefill_budget(40, 1000, sizes, 270) == 1000  # 310: deferring 54 > padding 10
+    assert trimmed_prefill_budget(250, 1000, sizes, 20) == 1000  # would keep 6, defer 14: no crawl
+    assert trimmed_prefill_budget(0, 1000, sizes, 240) == 1000  # no decode rows: never trimmed
+    assert trimmed_prefill_budget(40, 1000, (), 240) == 1000  # no buckets
+    assert trimmed_prefill_budget(40, 1000, sizes, 100) == 1000  # 140: below the smallest bucket
+    assert trimmed_prefill_budget(40, 1000, sizes, 400) == 1000  # 440: above the largest
+    assert trimmed_prefill_budget(40, 230, sizes, 400) == 216  # the budget caps the tokens first (270)

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from nanovllm.engine.sequence import Sequence
+
+_COMPUTED = attrgetter("num_computed_tokens")
+
+
+def input_in_flight(seq: Sequence) -> bool:
+    """True if seq's next input token was sampled by a step whose result is not on the host yet."""
+    return seq.num_computed_tokens == len(seq)
 
 
 class StepKind(enum.Enum):
@@ -57,3 +65,30 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @classmethod
+    def book(cls, rows: list[Sequence], prefill: list[tuple[Sequence, int]], forks: list[Fork]) -> ScheduledBatch:
+        """The batch of decode rows and prefill chunks (sequence, tokens), its tokens (and the
+        prompt logprobs they yield) booked as computed on the sequences."""
+        # Longest first: the decode attention kernel starts its programs in batch order, so
+        # short sequences fill the tail of the launch. Rows with an input in flight lead.
+        # (Two stable descending sorts by a C key: the order of sorting by (not in flight, -computed).)
+        in_flight = [s for s in rows if input_in_flight(s)]
+        rest = [s for s in rows if not input_in_flight(s)] if len(in_flight) < len(rows) else []
+        in_flight.sort(key=_COMPUTED, reverse=True)
+        rest.sort(key=_COMPUTED, reverse=True)
+        rows = in_flight + rest
+        seqs = rows + [s for s, _ in prefill]
+        starts = [s.num_computed_tokens for s in seqs]
+        num_new = [1] * len(rows) + [n for _, n in prefill]
+        spans: dict[int, range] = {}
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
+            if seq.needs_prompt_logprobs:
+                # hidden state at position p gives the logprob of prompt token p + 1
+                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+                span = range(max(seq.num_computed_tokens, seq.num_prompt_logprobs_booked), end)
+                if span:
+                    spans[i] = span
+                    seq.num_prompt_logprobs_booked = end
+            seq.num_computed_tokens += n
+        return cls(seqs, starts, num_new, len(rows), spans, forks)

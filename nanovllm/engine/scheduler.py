@@ -11,15 +11,8 @@ the running sequences keep decoding:
     step 2:  [A | B | C6 C7 C8 C9]                C completes its prompt and samples
     step 3:  [A | B | C]                          C decodes with the others
 
-Where a step's size is paid in padded graph buckets (`fill_sizes`: the runner's compute-bound
-CUDA-graph token buckets), a mixed step whose tokens end just above a bucket is trimmed down to
-it when that defers fewer prompt tokens than padding up would waste and than the step keeps;
-the deferred tokens lead the next step, whose decode rows run anyway (that step may then be a
-mixed step instead of a decode step, and the prompt's first token comes a step later):
-
-    fill sizes 256, 320; 40 decode rows + 240 prompt tokens = 280
-    padded:   [40 rows | 240 prompt | 40 padding]         -> the 320 graph
-    trimmed:  [40 rows | 216 prompt]                      -> the 256 graph, 24 deferred
+Where a step's size is paid in padded graph buckets (`fill_sizes`), a mixed step whose tokens
+end just above a bucket may be trimmed down to it (engine/step_trim.py has the rule).
 
 With `mixed_steps=False` a step that can admit waiting sequences prefills only
 (nano-vllm's policy). When blocks run short the newest running sequences are preempted
@@ -46,23 +39,14 @@ request once all its samples are done, and aborts everything.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
-from operator import attrgetter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.engine.step_trim import trimmed_prefill_budget
 from nanovllm.engine.stop_strings import StopStringMatcher
-
-
-_COMPUTED = attrgetter("num_computed_tokens")
-
-
-def input_in_flight(seq: Sequence) -> bool:
-    """True if seq's next input token was sampled by a step whose result is not on the host yet."""
-    return seq.num_computed_tokens == len(seq)
 
 
 class Scheduler:
@@ -120,7 +104,7 @@ class Scheduler:
         if not self.mixed_steps:
             prefill, forks = self._schedule_waiting(budget)
             if prefill:
-                return self._book([], prefill, forks)
+                return ScheduledBatch.book([], prefill, forks)
         decode = self._schedule_running(budget, ahead)
         if decode is None:
             return None
@@ -136,34 +120,7 @@ class Scheduler:
                 f"scheduler could not schedule any of {len(self.waiting)} waiting and "
                 f"{len(self.running)} running sequences (free blocks: {self.block_manager.num_free_blocks})"
             )
-        return self._book(rows, prefill, forks)
-
-    @staticmethod
-    def _book(rows: list[Sequence], prefill: list[tuple[Sequence, int]], forks: list[Fork]) -> ScheduledBatch:
-        """The batch of decode rows and prefill chunks, its tokens (and the prompt logprobs
-        they yield) booked as computed."""
-        # Longest first: the decode attention kernel starts its programs in batch order, so
-        # short sequences fill the tail of the launch. Rows with an input in flight lead.
-        # (Two stable descending sorts by a C key: the order of sorting by (not in flight, -computed).)
-        in_flight = [s for s in rows if input_in_flight(s)]
-        rest = [s for s in rows if not input_in_flight(s)] if len(in_flight) < len(rows) else []
-        in_flight.sort(key=_COMPUTED, reverse=True)
-        rest.sort(key=_COMPUTED, reverse=True)
-        rows = in_flight + rest
-        seqs = rows + [s for s, _ in prefill]
-        starts = [s.num_computed_tokens for s in seqs]
-        num_new = [1] * len(rows) + [n for _, n in prefill]
-        spans: dict[int, range] = {}
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):
-            if seq.needs_prompt_logprobs:
-                # hidden state at position p gives the logprob of prompt token p + 1
-                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
-                span = range(max(seq.num_computed_tokens, seq.num_prompt_logprobs_booked), end)
-                if span:
-                    spans[i] = span
-                    seq.num_prompt_logprobs_booked = end
-            seq.num_computed_tokens += n
-        return ScheduledBatch(seqs, starts, num_new, len(rows), spans, forks)
+        return ScheduledBatch.book(rows, prefill, forks)
 
     def _schedule_running(self, budget: int, ahead: bool) -> tuple[list[Sequence], bool] | None:
         """Decode rows for the running sequences (and whether any were preempted), or None
@@ -197,26 +154,15 @@ class Scheduler:
         return rows, preempted
 
     def _prefill_budget(self, num_rows: int, budget: int) -> int:
-        """Prompt tokens a step with `num_rows` decode rows may take: `budget`, or fewer when its
-        tokens would end between two fill sizes, closer to the lower one (trimmed down to it; see
-        the module docstring). Steps without decode rows are never trimmed: an idle engine's
-        prompt runs in one step."""
+        """Prompt tokens a step with `num_rows` decode rows may take: `budget`, or fewer to land
+        the step on a fill size (engine/step_trim.py)."""
         if not num_rows or not self.fill_sizes:
             return budget
         reached = self._waiting_reached(budget)
         if any(s.needs_prompt_logprobs for s in reached):
             return budget  # such steps run eagerly, at their own size (ModelRunner.launch)
-        total = num_rows + min(budget, sum(len(s) - s.num_computed_tokens for s in reached))
-        i = bisect_left(self.fill_sizes, total)  # fill_sizes[i] >= total: the size padded up to
-        if i == 0 or i == len(self.fill_sizes):
-            return budget  # below the smallest size, or above the largest (no graph)
-        lower, upper = self.fill_sizes[i - 1], self.fill_sizes[i]
-        kept, deferred = lower - num_rows, total - lower
-        # trimmed only if that defers less than it pads away (nothing at an exact size) and than
-        # it keeps (no prompt crawls a few tokens a step behind a large decode batch)
-        if deferred >= upper - total or deferred >= kept:
-            return budget
-        return kept
+        waiting_tokens = sum(len(s) - s.num_computed_tokens for s in reached)
+        return trimmed_prefill_budget(num_rows, budget, self.fill_sizes, waiting_tokens)
 
     def _waiting_reached(self, budget: int) -> list[Sequence]:
         """The waiting sequences `_schedule_waiting(budget)` reaches as far as the budget and
