@@ -14,9 +14,10 @@ from linear_refs import DTYPES, REF_TOL, near_torch, randn, rel_err
 
 from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, TALL_TILING, WIDE_N,
-                                   WIDE_TILING, Tiling, gemv, silu_mul_gemv, tiling)
+                                   WIDE_TILING, Tiling, gemv, rms_norm_gemv, silu_mul_gemv, tiling)
 from nanovllm.kernels.pdl import RESIDENT_PER_SM
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
 pytestmark = pytest.mark.interpreter
@@ -51,6 +52,80 @@ def test_silu_mul_gemv(dtype, m, n, k):
     gate, up = x.double().chunk(2, dim=-1)
     assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < REF_TOL[dtype]
     near_torch(out, F.linear(SiluAndMul.forward_native(x), w))
+
+
+def ref_rms_norm(s, g, eps):
+    """float64 RMSNorm of rows s [M, K] with weight g."""
+    s = s.double()
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (2, 24, 300)])  # 300: a ragged last step
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rms_norm_gemv(dtype, m, n, k, with_residual, with_bias):
+    """The add + RMSNorm in front of the GEMV: against float64 (the norm of the rounded sum, then
+    the product) and against the unfused torch path (RMSNorm.forward_native, then F.linear); the
+    summed residual comes back rounded as the norm kernel returns it."""
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    x = randn((m, k + 4), gen, dtype)[:, :k]  # strided rows
+    res = randn((m, k), gen, dtype) if with_residual else None
+    g = randn((k,), gen, dtype, 0.5) + 1
+    w = randn((n, k), gen, dtype, k ** -0.5)
+    bias = randn((n,), gen, dtype) if with_bias else None
+    out, s = rms_norm_gemv(x, res, g, 1e-6, w, bias)
+    summed = x if res is None else (x.float() + res.float()).to(dtype)
+    if res is None:
+        assert s is None
+    else:
+        assert torch.equal(s, summed)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref_linear(ref_rms_norm(summed, g, 1e-6), w, bias)) < REF_TOL[dtype]
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = g
+    near_torch(out, F.linear(norm.forward_native(summed), w, bias))
+
+
+def test_column_layers_take_the_norm_into_the_gemv(monkeypatch):
+    """A column-parallel layer on its Triton path (forced on CPU: the interpreter) with the norm
+    allowed in its GEMV gives what the norm then the layer give, for 1-2 rows, with and without a
+    residual (a decoder's first layer); 3 rows take the norm's own path."""
+    import nanovllm.kernels.gemv as gemv_mod
+    from nanovllm.layers.linear import MergedColumnParallelLinear
+
+    calls = []
+    kernel = gemv_mod.rms_norm_gemv
+    monkeypatch.setattr(gemv_mod, "rms_norm_gemv", lambda *a, **kw: calls.append(len(a[0])) or kernel(*a, **kw))
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(64, [24, 24])
+    layer.weight.data.normal_(0, 0.1)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.normal_(1, 0.2)
+    assert not layer.norm_in_gemv  # built on CPU
+    for rows in (1, 2, 3):
+        for residual in (None, torch.randn(rows, 64)):
+            x = torch.randn(rows, 64)
+            ref, ref_s = layer.forward_normed(x, residual, norm)  # CPU: norm, then F.linear
+            layer.use_gemv = layer.norm_in_gemv = True
+            calls.clear()
+            got, s = layer.forward_normed(x, residual, norm)
+            layer.use_gemv = layer.norm_in_gemv = False
+            assert calls == ([rows] if rows <= 2 else []), rows
+            assert torch.equal(s, ref_s)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_gemv_bad_inputs():
+    x, w, g = torch.zeros(1, 64), torch.zeros(8, 64), torch.ones(64)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gemv(x, torch.zeros(2, 64), g, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_gemv(x, None, torch.ones(63), 1e-6, w)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm_gemv(x, None, g, -1.0, w)
+    with pytest.raises(ValueError, match="K <="):
+        rms_norm_gemv(torch.zeros(1, 8192), None, torch.ones(8192), 1e-6, torch.zeros(8, 8192))
 
 
 def test_tilings_agree():

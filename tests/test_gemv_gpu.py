@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.fused_activation import silu_and_mul
-from nanovllm.kernels.gemv import gemv, silu_mul_gemv
+from nanovllm.kernels.fused_norm import add_rms_norm
+from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -40,6 +41,24 @@ def test_gemv_shapes(n, k, m):
     out = gemv(x, w)
     assert rel_err(out, x.double() @ w.double().T) < REF_TOL
     assert rel_err(out, F.linear(x, w)) < REF_TOL
+
+
+# (N, K) of the projections that take the norm in front: 0.6B qkv / gate_up, 8B qkv, 30B-A3B qkv
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (6144, 4096), (5120, 2048)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_rms_norm_gemv_shapes(n, k, m):
+    """Add + RMSNorm inside the GEMV vs float64 and vs the norm kernel then cuBLAS; the summed
+    residual equals the norm kernel's."""
+    gen = torch.Generator(DEV).manual_seed(n + k + m)
+    x, res, w = randn((m, k), gen), randn((m, k), gen), randn((n, k), gen, k ** -0.5)
+    g = randn((k,), gen, 0.3) + 1
+    out, s = rms_norm_gemv(x, res, g, 1e-6, w)
+    normed, summed = add_rms_norm(x, res, g, 1e-6)
+    assert torch.equal(s, summed)
+    sd = summed.double()
+    ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    assert rel_err(out, ref @ w.double().T) < REF_TOL
+    assert rel_err(out, F.linear(normed, w)) < REF_TOL
 
 
 @pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 12288)])

@@ -79,11 +79,15 @@ SPECS = [
        "DOT_PREC": None, "num_warps": t.num_warps, "num_stages": t.num_stages}
       for m, t in ((16, moe.DECODE_DOWN), (32, moe.DECODE_DOWN), (64, moe.PREFILL_DOWN))]),
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
-    ("gemv", "_gemv_kernel", {},
+    ("gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
-       "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl}
-      for silu, bias, m, n, k, st, ev, pdl in ((False, False, 1, 8, 512, 3, "", True),
-                                              (True, True, 2, 4, 512, 4, "evict_first", False))]),
+       "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl, "NORM": norm, "HAS_RES": res,
+       "BLOCK_KF": 1024 if norm else 16}
+      for silu, bias, m, n, k, st, ev, pdl, norm, res in (
+          (False, False, 1, 8, 512, 3, "", True, False, False),
+          (True, True, 2, 4, 512, 4, "evict_first", False, False, False),
+          (False, False, 1, 16, 256, 4, "", True, True, True),  # the add + RMSNorm in front (TALL tiles)
+          (False, True, 2, 8, 512, 3, "", True, True, False))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}

@@ -8,9 +8,14 @@ kernel of its own; here one kernel streams the weight once, computing its input 
 
     plain:      a = x                                            x [M, K]
     SILU_MUL:   a = round(round(silu(x[:, :K])) * x[:, K:])      x [M, 2K] = gate | up
+    NORM:       a = round(s * rsqrt(mean(s^2) + eps) * g)        s = round(x + residual) (or x),
+                                                                 g the RMSNorm weight [K]
 
 "round" (to x's dtype) is the rounding the unfused torch path does, so results match
-silu_and_mul-then-F.linear up to the order of the float32 sums. Grid: one program per
+silu_and_mul-then-F.linear (or the add + RMSNorm kernel then F.linear) up to the order of the
+float32 sums. With NORM each program first loads the whole row(s) s to get rsqrt(mean(s^2)),
+then rebuilds each step's normalised columns from x (and residual) as it goes; program 0 also
+stores s, the residual stream the next layer adds to. Grid: one program per
 BLOCK_N weight rows, each walking the whole K in BLOCK_K steps with STAGES loads in flight
 (no split-K, no reduce pass):
 
@@ -36,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_linear, next_pow2
+from .checks import check_eps, check_linear, check_matrix, check_vector, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_l2, wait_for_prior
@@ -44,6 +49,9 @@ from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_l2, wait_for_prior
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
 # layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
 MAX_ROWS = 4
+# Widest row the NORM prologue loads whole (8192 fp32 at 2 rows: 64 registers a thread, held
+# only before the main loop).
+MAX_NORM_K = 4096
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
 NUM_WARPS = 4
@@ -77,6 +85,8 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
     PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
+    res_ptr, norm_w_ptr, s_out_ptr, stride_r, eps,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_KF: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
@@ -90,6 +100,14 @@ def _gemv_kernel(
     m_ok = rm < n_rows
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
+    r_rows = res_ptr + rm[:, None].to(tl.int64) * stride_r
+    if NORM:  # the whole row(s) once: the norm's scale, and (program 0) the summed residual
+        kf = tl.arange(0, BLOCK_KF)
+        f_mask = m_ok[:, None] & (kf < k_in)[None, :]
+        row = _summed(x_rows + kf[None, :], r_rows + kf[None, :], f_mask, dtype, HAS_RES)  # [BLOCK_M, BLOCK_KF]
+        if HAS_RES and tl.program_id(0) == 0:
+            tl.store(s_out_ptr + rm[:, None].to(tl.int64) * k_in + kf[None, :], row.to(dtype), mask=f_mask)
+        rstd = tl.math.rsqrt(tl.sum(row * row, axis=1) / k_in + eps)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
@@ -104,6 +122,10 @@ def _gemv_kernel(
             gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
             up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
             a = silu_mul(gate, up, dtype).to(tl.float32)
+        elif NORM:
+            a = _summed(x_rows + kk[None, :], r_rows + kk[None, :], a_mask, dtype, HAS_RES)
+            g = tl.load(norm_w_ptr + kk, mask=kk < k_in, other=0.0).to(tl.float32)
+            a = round_to(a * rstd[:, None] * g[None, :], dtype).to(tl.float32)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
@@ -112,6 +134,15 @@ def _gemv_kernel(
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
     tl.store(out, round_to(y, dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _summed(x_ptrs, r_ptrs, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """float32 x, or round(x + residual) to dtype (as the add + RMSNorm kernel rounds it)."""
+    s = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = round_to(s + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    return s
 
 
 def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
@@ -128,7 +159,15 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
 
 
-def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Norm:
+    """The RMSNorm in front (NORM): its weight and eps, and the residual added before it."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+
+
+def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None):
     m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS)
     wave = one_wave(x.device)
     if tile is None:
@@ -136,6 +175,8 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    res = norm.residual if norm is not None else None
+    s_out = torch.empty((m, k_in), dtype=x.dtype, device=x.device) if res is not None else None
     grid = triton.cdiv(n_out, tile.block_n)
     pdl = pdl_for_grid(x, grid)
     line_elems = LINE_BYTES // x.element_size()
@@ -144,19 +185,42 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None) -> torch.Tensor:
         out.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
-        PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems, num_warps=NUM_WARPS, **pdl,
+        PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems, num_warps=NUM_WARPS,
+        res_ptr=x if res is None else res, norm_w_ptr=x if norm is None else norm.weight,
+        s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
+        eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,
+        BLOCK_KF=next_pow2(k_in) if norm is not None else 16, **pdl,
     )
-    return out
+    return out, s_out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          tile: Tiling | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
     `tile` overrides the shape-based tiling (benchmarks)."""
-    return _gemv(x, weight, bias, False, tile)
+    return _gemv(x, weight, bias, False, tile)[0]
 
 
 def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tile: Tiling | None = None) -> torch.Tensor:
     """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection."""
-    return _gemv(x, weight, bias, True, tile)
+    return _gemv(x, weight, bias, True, tile)[0]
+
+
+def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tile: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual rounded to x's dtype, the
+    residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
+    the projection in one launch. x [M, K] (M <= MAX_ROWS, K <= MAX_NORM_K), norm_weight [K]."""
+    check_matrix("x", x)
+    if x.shape[1] > MAX_NORM_K:
+        raise ValueError(f"rms_norm_gemv serves K <= {MAX_NORM_K}, got {x.shape[1]}")
+    if residual is not None:
+        check_matrix("residual", residual, x.dtype)
+        if residual.shape != x.shape or residual.device != x.device:
+            raise ValueError(f"residual {tuple(residual.shape)} on {residual.device} must match x "
+                             f"{tuple(x.shape)} on {x.device}")
+    check_vector("norm_weight", norm_weight, x.shape[1], "x", x)
+    check_eps(eps)
+    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual))

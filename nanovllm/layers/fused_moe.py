@@ -181,6 +181,13 @@ class SparseMoeBlock(nn.Module):
         else:
             self.route = route
 
+    def forward_normed(self, hidden: torch.Tensor, residual: torch.Tensor,
+                       norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(hidden + residual)), hidden + residual): the norm as its own kernel (the
+        experts need the normalised row too, which the router's GEMV does not return)."""
+        normed, residual = norm.add_and_norm(hidden, residual)
+        return self(normed), residual
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.gate(hidden)  # [T, E]
         if self.experts.runs_gemv(hidden):  # routing inside the expert GEMVs: one launch fewer

@@ -33,6 +33,13 @@ class RMSNorm(nn.Module):
             return self.forward_triton(x, residual)
         return self.forward_native(x, residual)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = x + residual, the residual stream after the add (s = x when
+        residual is None: a decoder's first layer)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

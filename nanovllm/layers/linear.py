@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.kernel_path import uses_triton
 from nanovllm.utils.distributed import tp_rank, tp_size
 
@@ -58,6 +59,24 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
         raise ValueError(f"weight {name}: expected {size * tp} entries along dim {dim} "
                          f"({tp} ranks x {size}), checkpoint has shape {tuple(loaded.shape)}")
     return loaded.narrow(dim, rank * size, size)
+
+
+# RMSNorm runs inside the GEMV of the column-parallel projection after it (decode steps of
+# 1..GEMV_MAX_ROWS rows), one launch fewer per norm, where the GEMV's one-row grid is a single
+# wave (a larger grid repeats the row's norm in too many programs: on Qwen3-8B's gate_up, 3,072
+# of them, it measured slower, BENCHMARKS.md) and the row fits the kernel (gemv.MAX_NORM_K).
+NORM_IN_GEMV = True
+
+
+def _norm_fits_gemv(out_features: int, in_features: int, device: torch.device) -> bool:
+    """Whether a layer's GEMV can take the RMSNorm in front (see NORM_IN_GEMV)."""
+    from nanovllm.kernels.gemv import MAX_NORM_K, tiling
+    from nanovllm.kernels.pdl import one_wave
+
+    wave = one_wave(device)
+    if not NORM_IN_GEMV or wave is None or in_features > MAX_NORM_K:
+        return False
+    return -(-out_features // tiling(1, out_features, in_features, wave).block_n) <= wave
 
 
 def _narrow(out_features: int, in_features: int, device: torch.device) -> bool:
@@ -132,6 +151,7 @@ class ColumnParallelLinear(_LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features // tp_size(), bias)
+        self.norm_in_gemv = self.use_gemv and _norm_fits_gemv(*self.weight.shape, self.weight.device)
 
     def weight_slice(self, param, loaded, shard_id=None):
         shard = _rank_part("column-parallel", loaded, 0, param.shape[0], self.tp_rank, self.tp_size)
@@ -140,6 +160,19 @@ class ColumnParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(s)), s), s = x + residual (x when residual is None): the norm inside the
+        GEMV for the batches it serves where the layer allows it (decided at construction),
+        else the norm's own kernel, then this layer."""
+        if self.norm_in_gemv and self._gemv_serves(x):
+            from nanovllm.kernels.gemv import rms_norm_gemv
+
+            y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+            return y, x if s is None else s
+        normed, s = norm.add_and_norm(x, residual)
+        return self(normed), s
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

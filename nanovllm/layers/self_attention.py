@@ -48,7 +48,17 @@ class SelfAttention(nn.Module):
         self.use_triton = uses_triton(self.qkv_proj.weight.device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def forward_normed(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(positions, norm(s)), s) with s = hidden + residual (hidden when residual is None):
+        the layer's input norm, inside the qkv projection's GEMV where it can be."""
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
+        return self.attend(positions, qkv), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The rest after the qkv projection: qkv [N, (Hq + 2 Hkv) * D] -> [N, hidden]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [N, Hq, D]

@@ -48,6 +48,12 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # [N, 2 I / tp] -> down(SiLU(gate) * up) [N, hidden]
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm inside gate_up's GEMV where it can be."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up), residual
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding, mlp: nn.Module):
@@ -56,20 +62,15 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary_emb,
             qk_norm=traits.qk_norm, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=traits.qkv_bias, o_bias=traits.o_bias,
         )
-        self.mlp = mlp  # [N, hidden] -> [N, hidden]
+        self.mlp = mlp  # [N, hidden] -> [N, hidden]; forward_normed(x, residual, norm) -> (out, x + residual)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn.forward_normed(positions, hidden, residual, self.input_layernorm)
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
