@@ -68,6 +68,11 @@ for part in $parts; do
     abskinny) # the skinny GEMM in narrow layers at 3-16 rows (default) vs cuBLAS, then its GPU tests
       for m in qwen3-0.6b qwen3-30b-a3b; do timeout 300 python3 benchmarks/variants.py --variant skinny --variant "cublas:nanovllm.layers.linear.SKINNY_MAX_ROWS=0" --show "decode ms/token" -- --model benchmarks/configs/$m --load-format dummy --latency --latency-batch-sizes 4,8,16 2>&1 | tee -a "$OUT/abskinny.log"; done
       timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_skinny_gemm.py tests/test_engine_gpu.py -k "skinny or Skinny or identical or greedy" > "$OUT/skinnygpu.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/skinnygpu.log" | head -20 ;;
+    normab) # RMSNorm inside the GEMV (default) vs its own kernel: kernel tests, 0.6B A/B, engine tests, 30B A/B
+      timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gemv_gpu.py -k rms_norm 2>&1 | tail -2 | tee "$OUT/normtests.log"
+      timeout 100 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-0.6b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | tee -a "$OUT/normab.log"
+      timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py -k "identical or small_batch" 2>&1 | tail -3 | tee -a "$OUT/normtests.log"
+      timeout 120 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1 2>&1 | tee -a "$OUT/normab.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
