@@ -89,10 +89,10 @@ def test_rms_norm_gemv(dtype, m, n, k, with_residual, with_bias):
 
 def test_column_layers_take_the_norm_into_the_gemv(monkeypatch):
     """A column-parallel layer on its Triton path (forced on CPU: the interpreter) with the norm
-    allowed in its GEMV gives what the norm then the layer give, for 1-2 rows, with and without a
-    residual (a decoder's first layer); 3 rows take the norm's own path."""
+    allowed in its GEMV gives what the norm then the layer give, at one row (NORM_IN_GEMV_MAX_ROWS),
+    with and without a residual (a decoder's first layer); 2 and 3 rows take the norm's own path."""
     import nanovllm.kernels.gemv as gemv_mod
-    from nanovllm.layers.linear import MergedColumnParallelLinear
+    from nanovllm.layers.linear import NORM_IN_GEMV_MAX_ROWS, MergedColumnParallelLinear
 
     calls = []
     kernel = gemv_mod.rms_norm_gemv
@@ -111,7 +111,7 @@ def test_column_layers_take_the_norm_into_the_gemv(monkeypatch):
             calls.clear()
             got, s = layer.forward_normed(x, residual, norm)
             layer.use_gemv = layer.norm_in_gemv = False
-            assert calls == ([rows] if rows <= 2 else []), rows
+            assert calls == ([rows] if rows <= NORM_IN_GEMV_MAX_ROWS else []), rows
             assert torch.equal(s, ref_s)
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 

@@ -62,10 +62,13 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
 
 
 # RMSNorm runs inside the GEMV of the column-parallel projection after it (decode steps of
-# 1..GEMV_MAX_ROWS rows), one launch fewer per norm, where the GEMV's one-row grid is a single
-# wave (a larger grid repeats the row's norm in too many programs: on Qwen3-8B's gate_up, 3,072
-# of them, it measured slower, BENCHMARKS.md) and the row fits the kernel (gemv.MAX_NORM_K).
+# NORM_IN_GEMV_MAX_ROWS rows), one launch fewer per norm, where the GEMV's one-row grid is a
+# single wave (a larger grid repeats the row's norm in too many programs: on Qwen3-8B's gate_up,
+# 3,072 of them, it measured slower) and the row fits the kernel (gemv.MAX_NORM_K).
 NORM_IN_GEMV = True
+# One row: Qwen3-0.6B batch-1 decode 0.942 vs 0.978 ms per token, 30B-A3B 2.874 vs 2.889; at two
+# rows it lost (0.6B 1.173 vs 1.109: the 2-row grids are larger), H200, BENCHMARKS.md.
+NORM_IN_GEMV_MAX_ROWS = 1
 
 
 def _norm_fits_gemv(out_features: int, in_features: int, device: torch.device) -> bool:
@@ -164,9 +167,9 @@ class ColumnParallelLinear(_LinearBase):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(s)), s), s = x + residual (x when residual is None): the norm inside the
-        GEMV for the batches it serves where the layer allows it (decided at construction),
-        else the norm's own kernel, then this layer."""
-        if self.norm_in_gemv and self._gemv_serves(x):
+        GEMV at up to NORM_IN_GEMV_MAX_ROWS rows where the layer allows it (decided at
+        construction), else the norm's own kernel, then this layer."""
+        if self.norm_in_gemv and x.dim() == 2 and 0 < x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
             from nanovllm.kernels.gemv import rms_norm_gemv
 
             y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
