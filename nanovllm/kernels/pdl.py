@@ -4,9 +4,9 @@ Normally a kernel starts only after the one before it in the stream has finished
 launch has gone through (~1 us between small kernels). A kernel launched with PDL may be
 scheduled while its predecessor still runs; it then blocks in `wait_for_prior` until every
 earlier kernel in the stream has finished and its writes are visible, and lets its own
-successor be scheduled once all of its programs have passed that wait (with EARLY_DEPENDENTS,
-once they have all started). Every program of a PDL kernel must call `wait_for_prior` before it
-exits, whatever branch it takes: a successor's wait relies on it.
+successor be scheduled once all of its programs have passed that wait. Every program of a PDL
+kernel must call `wait_for_prior` before it exits, whatever branch it takes: a successor's wait
+relies on it.
 
     kernel A  |==== A's programs ====|
     kernel B        [B launched, parked in wait_for_prior] |=== B runs ===|
