@@ -28,7 +28,7 @@ from benchmarks.probes import measure_bandwidth, measure_gemm_peak
 from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from nanovllm.kernels.skinny_gemm import SkinnyTiling, silu_mul_skinny_gemm, skinny_gemm, skinny_tiling
+from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm, skinny_tiling
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
@@ -58,22 +58,19 @@ def check(out, ref, what):
         raise SystemExit(f"{what}: relative error {err:.2e} vs the unfused path")
 
 
-# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, swap), each
-# at split-K 1, 2, 4 and 8, all with PDL; row tiles past the batch's power of two are skipped.
-# Plain: token rows are the MMA's M side; swapped: the weight rows are (wgmma's 64-row warpgroup
-# tile), the token rows its N side. The bases are the leaders of a first sweep without split-K
-# (BENCHMARKS.md, 2026-12-02 fifth session).
-SKINNY_BASES = [(16, 64, 128, 3, 4, True), (32, 64, 128, 3, 4, True), (64, 64, 128, 3, 4, True),
-                (128, 64, 128, 3, 4, True), (16, 64, 64, 4, 4, True), (16, 32, 128, 3, 4, False),
-                (32, 32, 128, 3, 4, False), (64, 32, 128, 3, 4, False), (64, 64, 128, 3, 4, False),
-                (64, 32, 64, 4, 4, False), (128, 128, 128, 3, 4, False)]
+# --sweep-skinny: kernels/skinny_gemm.py tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), each at
+# split-K 1, 2, 4 and 8, all with PDL; row tiles past the batch's power of two are skipped. The
+# bases led a first sweep without split-K (BENCHMARKS.md, 2026-12-02 fifth session, where a
+# swapped product and SiLU-and-mul in front were measured too, and dropped).
+SKINNY_BASES = [(16, 32, 128, 3, 4), (32, 32, 128, 3, 4), (64, 32, 128, 3, 4), (64, 64, 128, 3, 4),
+                (64, 32, 64, 4, 4), (128, 128, 128, 3, 4)]
 SKINNY_SPLITS = (1, 2, 4, 8)
-SKINNY_TILINGS = [SkinnyTiling(bm, bn, bk, st, warps, True, swap, split)
-                  for bm, bn, bk, st, warps, swap in SKINNY_BASES for split in SKINNY_SPLITS]
+SKINNY_TILINGS = [SkinnyTiling(bm, bn, bk, st, warps, True, split)
+                  for bm, bn, bk, st, warps in SKINNY_BASES for split in SKINNY_SPLITS]
 
 
 def tiling_name(t: SkinnyTiling) -> str:
-    return f"{'sw' if t.swap else ''}{t.block_m}x{t.block_n}x{t.block_k}s{t.stages}w{t.num_warps}k{t.split_k}"
+    return f"{t.block_m}x{t.block_n}x{t.block_k}s{t.stages}w{t.num_warps}k{t.split_k}"
 
 
 def sweep_skinny(x, ws, m: int) -> dict[SkinnyTiling, float]:
@@ -89,8 +86,7 @@ def sweep_skinny(x, ws, m: int) -> dict[SkinnyTiling, float]:
 
 def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top: int) -> list[dict]:
     """cuBLAS (and with `sweep` our skinny GEMM's tilings) at each row count, per layer shape,
-    against the call's roofline; down projections also with SiLU-and-mul (separate kernel +
-    cuBLAS vs fused into the best tiling)."""
+    against the call's roofline."""
     bw, peak = measure_bandwidth(), measure_gemm_peak()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s")
     print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}"
@@ -116,13 +112,6 @@ def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top:
                 row["skinny"] = {tiling_name(t): us for t, us in times.items()}
                 ranked = sorted(times, key=times.get)
                 line += "  " + ", ".join(f"{times[t]:.2f} ({tiling_name(t)})" for t in ranked[:top])
-                if "down" in name:
-                    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-                    tile = ranked[0]
-                    row["silu_unfused_us"] = graph_time_us([lambda w=w: F.linear(silu_and_mul(gu), w) for w in ws])
-                    row["silu_fused_us"] = graph_time_us(
-                        [lambda w=w: silu_mul_skinny_gemm(gu, w, tile=tile) for w in ws])
-                    line += f"; SiLU + cuBLAS {row['silu_unfused_us']:.2f} vs fused {row['silu_fused_us']:.2f}"
             rows.append(row)
             print(line, flush=True)
         del ws

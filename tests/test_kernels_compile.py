@@ -116,14 +116,11 @@ SPECS = [
          "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
-    # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a
-    # bias, SiLU-and-mul in front, the swapped orientation
+    # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias
     ("skinny_gemm", "_skinny_gemm_kernel", {"ws_ptr": "*fp32", "count_ptr": "*i32"},
-     [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True,
-       "STAGES": 3, "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True,
-       "SWAP": swap, "SPLIT_K": split}
-      for silu, bias, bm, swap, split in ((False, False, 16, False, 8), (False, True, 64, False, 1),
-                                          (True, False, 64, False, 2), (False, False, 16, True, 1))]),
+     [{"HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
+       "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True, "SPLIT_K": split}
+      for bias, bm, split in ((False, 16, 8), (True, 64, 1), (False, 64, 4))]),
     ("gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",
                                              "best_col_ptr": "*i32"},
      [{"IS_PROBS": False, "SUB": 256, "TILES_PER_CHUNK": 4}]),

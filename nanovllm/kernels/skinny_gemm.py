@@ -3,18 +3,15 @@
 A decode step's projections at a few rows are latency-bound: cuBLAS takes 5-8 us for Qwen3-0.6B's
 4 MB o_proj whatever the row count, its few large tiles leaving most SMs idle. This kernel tiles
 the output finely, may launch early (PDL, asking L2 for its first weight tile while the previous
-kernel finishes), and for narrow layers splits K so that enough programs share the weight read.
-SiLU-and-mul can be computed in front (measured slower than the separate kernel; benchmarks only):
+kernel finishes), and for narrow layers splits K so that enough programs share the weight read:
 
-    out[m, n] = a[m, :] . weight[n, :] (+ bias[n])              weight [N, K]
-    plain:      a = x                                            x [M, K]
-    SILU_MUL:   a = round(round(silu(x[:, :K])) * x[:, K:])      x [M, 2K] = gate | up
+    out[m, n] = x[m, :] . weight[n, :] (+ bias[n])              x [M, K], weight [N, K]
 
     grid (M / BM, N / BN, S): program (i, j, s) owns out[i*BM : (i+1)*BM, j*BN : (j+1)*BN] over
     K slice s (k_per columns, a multiple of BK; every slice non-empty):
 
         K:  | slice 0 (k_per) | slice 1 (k_per) | ... | slice S-1 (<= k_per) |
-        for k0 in the slice by BK:   acc[BM, BN] += a[i's rows, k0 : k0+BK] @ weight[j's rows, k0 : k0+BK]^T
+        for k0 in the slice by BK:   acc[BM, BN] += x[i's rows, k0 : k0+BK] @ weight[j's rows, k0 : k0+BK]^T
 
     S == 1: the program stores its tile. S > 1: it stores a float32 partial ws[s, rows, cols],
     then counts its arrival on the tile's counter; the last to arrive sums the S partials in
@@ -23,8 +20,9 @@ SiLU-and-mul can be computed in front (measured slower than the separate kernel;
 
 The row blocks are grid axis 0, the fastest in launch order: the programs that share a weight
 tile (same j) start together, so the weights are read from HBM about once and the few rows of
-x stay in L2. With `swap` the MMA computes out^T (weight rows on its M side). Shapes alone set
-the launch (CUDA-graph capturable). Measurements: BENCHMARKS.md, 2026-12-02 fifth session.
+x stay in L2. Shapes alone set the launch (CUDA-graph capturable). Measured (BENCHMARKS.md,
+2026-12-02 fifth session) and dropped: SiLU-and-mul computed in front (slower than its own
+kernel), and the product swapped (weight rows on the MMA's M side: no consistent gain).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import triton.language as tl
 
 from .checks import INTERPRET, check_linear, cuda_sm_count, prev_pow2
 from .counters import arrival_counters
-from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
@@ -60,9 +57,6 @@ class SkinnyTiling:
     stages: int  # steps whose loads are in flight at once
     num_warps: int
     pdl: bool  # launch early (PDL, when the grid fits one wave) and prefetch the first weight tile into L2
-    # compute out^T = weight x^T: the weight rows are the MMA's M side (Hopper's wgmma wants 64
-    # there), the few token rows its N side (8..256), so a 16-row batch still takes wgmma
-    swap: bool = False
     # programs per output tile, each over a 1/split_k slice of K; the last to finish (an arrival
     # counter) sums the float32 partials in split order (deterministic) and writes the tile
     split_k: int = 1
@@ -113,10 +107,10 @@ def _load_k(ptrs, kk, k_in, EVEN_K: tl.constexpr):
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
-    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
-    SWAP: tl.constexpr, SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
+    SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
 ):
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # this program's K slice [k_lo, k_hi): k_per is a multiple of BLOCK_K, every slice non-empty
@@ -127,33 +121,19 @@ def _skinny_gemm_kernel(
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
         prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, 1, BLOCK_K, LINE_ELEMS)
     wait_for_prior(PDL)  # x (and out) belong to earlier kernels
-    dtype = out_ptr.dtype.element_ty
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < n_rows
     x_rows = x_ptr + tl.minimum(rm, n_rows - 1)[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     rk = tl.arange(0, BLOCK_K)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
         # rows past M load row M - 1 (clamped above): their results are stored nowhere
-        if SILU_MUL:
-            gate = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K).to(tl.float32)
-            up = _load_k(x_rows + k_in + kk[None, :], kk, k_in, EVEN_K).to(tl.float32)
-            a = silu_mul(gate, up, dtype)
-        else:
-            a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
+        a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-    if SWAP:
-        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     tile_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         # partials ws [SPLIT_K, n_rows, n_out] float32; the tile's last arrival sums them
@@ -181,8 +161,11 @@ def _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_B
     tl.store(out, round_to(acc, out_ptr.dtype.element_ty), mask=tile_mask)
 
 
-def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch.Tensor:
-    m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, silu_mul, MAX_ROWS)
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tile: SkinnyTiling | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
+    `tile` overrides skinny_tiling's choice (benchmarks)."""
+    m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS)
     if tile is None:
         tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device))
     elif not isinstance(tile, SkinnyTiling):
@@ -211,26 +194,14 @@ def _skinny(x, weight, bias, silu_mul: bool, tile: SkinnyTiling | None) -> torch
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages,
         DOT_PREC="ieee" if x.dtype == torch.float32 or upcast else None, UPCAST=upcast,
         PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems,
-        SWAP=tile.swap, SPLIT_K=split_k, k_per=k_per,
+        SPLIT_K=split_k, k_per=k_per,
         ws_ptr=out if ws is None else ws, stride_ws=0 if ws is None else ws.stride(0),
         count_ptr=out if counters is None else counters,
         num_warps=tile.num_warps, **pdl,
     )
     return out
 
-
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tile: SkinnyTiling | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
-    `tile` overrides skinny_tiling(M) (benchmarks)."""
-    return _skinny(x, weight, bias, False, tile)
-
-
-def silu_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         tile: SkinnyTiling | None = None) -> torch.Tensor:
-    """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection."""
-    return _skinny(x, weight, bias, True, tile)
