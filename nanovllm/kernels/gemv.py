@@ -44,7 +44,7 @@ import triton.language as tl
 from .checks import check_eps, check_linear, check_matrix, check_vector, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
-from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_l2, wait_for_prior
+from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
 # layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
@@ -92,8 +92,7 @@ def _gemv_kernel(
     n_ok = rn < n_out
     w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        first_lines = tl.minimum(tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
-        prefetch_l2(w_rows + first_lines[None, :])
+        prefetch_rows_l2(w_rows, k_in, BLOCK_K, LINE_ELEMS)
     wait_for_prior(PDL)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)

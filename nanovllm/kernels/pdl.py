@@ -61,12 +61,11 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def prefetch_rows_l2(rows, k_in, steps, BLOCK_K: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Ask L2 for the first `steps` BLOCK_K-column steps of the weight rows at `rows` ([R, 1]
-    pointers, k_in columns each): one address per line, clamped to the row."""
-    lines = tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS
-    for k0 in range(0, tl.minimum(k_in, steps * BLOCK_K), BLOCK_K):
-        prefetch_l2(rows + tl.minimum(k0 + lines, k_in - 1)[None, :])
+def prefetch_rows_l2(rows, k_in, BLOCK_K: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the first BLOCK_K columns of the weight rows at `rows` ([R, 1] pointers, k_in
+    >= 1 columns each): one address per line, clamped to the row."""
+    lines = tl.minimum(tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_in - 1)
+    prefetch_l2(rows + lines[None, :])
 
 
 def pdl_launch_options(t: torch.Tensor) -> dict:

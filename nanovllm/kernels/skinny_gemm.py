@@ -119,7 +119,7 @@ def _skinny_gemm_kernel(
     n_ok = rn < n_out
     w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, 1, BLOCK_K, LINE_ELEMS)
+        prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, BLOCK_K, LINE_ELEMS)
     wait_for_prior(PDL)  # x (and out) belong to earlier kernels
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < n_rows
