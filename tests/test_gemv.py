@@ -124,8 +124,10 @@ def test_rms_norm_gemv_bad_inputs():
         rms_norm_gemv(x, None, torch.ones(63), 1e-6, w)
     with pytest.raises(ValueError, match="eps"):
         rms_norm_gemv(x, None, g, -1.0, w)
-    with pytest.raises(ValueError, match="K <="):
-        rms_norm_gemv(torch.zeros(1, 8192), None, torch.ones(8192), 1e-6, torch.zeros(8, 8192))
+    with pytest.raises(ValueError, match="rows x K"):
+        rms_norm_gemv(torch.zeros(1, 8200), None, torch.ones(8200), 1e-6, torch.zeros(8, 8200))
+    with pytest.raises(ValueError, match="rows x K"):  # 4 rows of 4096: twice what the prologue holds
+        rms_norm_gemv(torch.zeros(4, 4096), None, torch.ones(4096), 1e-6, torch.zeros(8, 4096))
 
 
 def test_tilings_agree():

@@ -49,9 +49,9 @@ from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_rows_l2, wait_for_
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
 # layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
 MAX_ROWS = 4
-# Widest row the NORM prologue loads whole (8192 fp32 at 2 rows: 64 registers a thread, held
-# only before the main loop).
-MAX_NORM_K = 4096
+# Most elements the NORM prologue loads whole (rows x K, each a power of two): 8192 fp32 are 64
+# registers a thread at 4 warps, held only before the main loop (e.g. 2 rows of K = 4096).
+MAX_NORM_ELEMS = 8192
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
 NUM_WARPS = 4
@@ -211,10 +211,11 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                   tile: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual rounded to x's dtype, the
     residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
-    the projection in one launch. x [M, K] (M <= MAX_ROWS, K <= MAX_NORM_K), norm_weight [K]."""
+    the projection in one launch. x [M, K] (next_pow2(M) x next_pow2(K) <= MAX_NORM_ELEMS),
+    norm_weight [K]."""
     check_matrix("x", x)
-    if x.shape[1] > MAX_NORM_K:
-        raise ValueError(f"rms_norm_gemv serves K <= {MAX_NORM_K}, got {x.shape[1]}")
+    if next_pow2(x.shape[0]) * next_pow2(x.shape[1]) > MAX_NORM_ELEMS:
+        raise ValueError(f"rms_norm_gemv holds rows x K <= {MAX_NORM_ELEMS} (in powers of two), got x {tuple(x.shape)}")
     if residual is not None:
         check_matrix("residual", residual, x.dtype)
         if residual.shape != x.shape or residual.device != x.device:

@@ -64,7 +64,7 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
 # RMSNorm runs inside the GEMV of the column-parallel projection after it (decode steps of
 # NORM_IN_GEMV_MAX_ROWS rows), one launch fewer per norm, where the GEMV's one-row grid is a
 # single wave (a larger grid repeats the row's norm in too many programs: on Qwen3-8B's gate_up,
-# 3,072 of them, it measured slower) and the row fits the kernel (gemv.MAX_NORM_K).
+# 3,072 of them, it measured slower) and the rows fit the kernel (gemv.MAX_NORM_ELEMS).
 NORM_IN_GEMV = True
 # One row: Qwen3-0.6B batch-1 decode 0.942 vs 0.978 ms per token, 30B-A3B 2.874 vs 2.889; at two
 # rows it lost (0.6B 1.173 vs 1.109: the 2-row grids are larger), H200, BENCHMARKS.md.
@@ -72,14 +72,17 @@ NORM_IN_GEMV_MAX_ROWS = 1
 
 
 def _norm_fits_gemv(out_features: int, in_features: int, device: torch.device) -> bool:
-    """Whether a layer's GEMV can take the RMSNorm in front (see NORM_IN_GEMV)."""
-    from nanovllm.kernels.gemv import MAX_NORM_K, tiling
+    """Whether a layer's GEMV can take the RMSNorm in front at NORM_IN_GEMV_MAX_ROWS rows (see
+    NORM_IN_GEMV): its grid at that many rows is one wave and the rows fit the prologue."""
+    from nanovllm.kernels.checks import next_pow2
+    from nanovllm.kernels.gemv import MAX_NORM_ELEMS, tiling
     from nanovllm.kernels.pdl import one_wave
 
     wave = one_wave(device)
-    if not NORM_IN_GEMV or wave is None or in_features > MAX_NORM_K:
+    if not NORM_IN_GEMV or wave is None or next_pow2(NORM_IN_GEMV_MAX_ROWS) * next_pow2(in_features) > MAX_NORM_ELEMS:
         return False
-    return -(-out_features // tiling(1, out_features, in_features, wave).block_n) <= wave
+    rows = NORM_IN_GEMV_MAX_ROWS
+    return -(-out_features // tiling(rows, out_features, in_features, wave).block_n) <= wave
 
 
 def _narrow(out_features: int, in_features: int, device: torch.device) -> bool:
