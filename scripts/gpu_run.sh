@@ -6,7 +6,10 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
 # 2026-12-02 (fifth): `skinny06`, `skinny8b`, `skinnyrule` (Triton GEMM vs cuBLAS at 4-256 rows),
-# `gemv30b`, `abskinny` (narrow layers' skinny GEMM at 3-16 rows vs cuBLAS, then its GPU tests).
+# `gemv30b`, `abskinny` (narrow layers' skinny GEMM at 3-16 rows vs cuBLAS, then its GPU tests),
+# `normab` (RMSNorm inside the one-row GEMV vs its own kernel). Next session first: `gputests` (the whole
+# -m gpu suite: the one-row restriction of the norm-in-GEMV and the MoE / Llama / Qwen2 families were not
+# re-run on the device after it), then `normab abskinny`.
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
