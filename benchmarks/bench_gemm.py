@@ -8,10 +8,11 @@ from HBM, not the 50 MB L2, as they do in a real decode step.
     PYTHONPATH=. python3 benchmarks/bench_gemm.py [--sweep] [--json PATH]
     PYTHONPATH=. python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256,512
 
---batch-rows times cuBLAS alone at a decode batch's row counts instead, each call against its own
-roofline: max(weight bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the run
-(benchmarks/probes.py). The gap is what a batched decode step loses in its projections.
---sweep-skinny adds kernels/skinny_gemm.py (default tiles and the best of SKINNY_TILINGS).
+--batch-rows times cuBLAS at a decode batch's (or a short prefill's) row counts instead, each call
+against its own roofline: max(bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the
+run (benchmarks/probes.py); the gap is what such a step loses in its projections. Beside it, up to
+the skinny GEMM's MAX_ROWS, kernels/skinny_gemm.py at its default tiling; --sweep-skinny adds the
+best of SKINNY_TILINGS.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from nanovllm.kernels.fused_activation import silu_and_mul
 from graph_timing import graph_us
 from benchmarks.probes import measure_bandwidth, measure_gemm_peak
-from nanovllm.kernels.checks import next_pow2
+from nanovllm.kernels.checks import cuda_sm_count, next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm, skinny_tiling
@@ -45,6 +46,13 @@ TILINGS = [(4, 512, 1, ""), (4, 512, 3, ""), (4, 512, 4, ""), (4, 512, 4, "evict
            (8, 256, 4, ""), (8, 256, 6, ""), (16, 256, 4, ""), (16, 512, 3, ""),
            # few rows a program, wide steps: grids of 64-128 programs for the router's 128 outputs
            (2, 1024, 2, ""), (2, 2048, 1, ""), (4, 1024, 2, ""), (4, 2048, 1, "")]
+
+
+def rotating_weights(n: int, k: int) -> list[torch.Tensor]:
+    """Distinct bf16 [n, k] weights, enough (>= ROTATE_BYTES, at least 2) that a graph walking
+    through them reads each from HBM."""
+    copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
 
 
 def graph_time_us(calls) -> float:
@@ -86,27 +94,28 @@ def sweep_skinny(x, ws, m: int) -> dict[SkinnyTiling, float]:
 
 def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top: int) -> list[dict]:
     """cuBLAS (and with `sweep` our skinny GEMM's tilings) at each row count, per layer shape,
-    against the call's roofline."""
+    against the call's roofline (and cuBLAS's achieved GB/s and TFLOP/s)."""
     bw, peak = measure_bandwidth(), measure_gemm_peak()
+    sms = cuda_sm_count(torch.device("cuda"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s")
-    print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'roofline us':>13}{'of roofline':>13}"
-          f"{'  skinny best us (tiling) ...' if sweep else ''}")
+    print(f"{'layer':<14}{'M':>5}{'cuBLAS us':>11}{'GB/s':>7}{'TFLOP/s':>9}{'roofline us':>13}{'of roofline':>13}"
+          f"  skinny default us (split){', best us (tiling) ...' if sweep else ''}")
     rows = []
     for name in shapes:
         n, k = SHAPES[name]
-        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        ws = rotating_weights(n, k)
         for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
-            floor_us = 1e6 * max((n * k + m * (n + k)) * 2 / bw, 2 * m * n * k / peak)
+            moved, flops = (n * k + m * (n + k)) * 2, 2 * m * n * k
+            floor_us = 1e6 * max(moved / bw, flops / peak)
             row = {"layer": name, "M": m, "cublas_us": us, "roofline_us": floor_us}
-            line = f"{name:<14}{m:>5}{us:>11.2f}{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%"
+            line = (f"{name:<14}{m:>5}{us:>11.2f}{moved / us / 1e3:>7.0f}{flops / us / 1e6:>9.1f}"
+                    f"{floor_us:>13.2f}{100 * floor_us / us:>12.1f}%")
             if m <= SKINNY_MAX_ROWS:  # the default tiling (what the layers would run)
-                row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
                 check(skinny_gemm(x, ws[0]), F.linear(x, ws[0]), f"{name} M={m} default tiling")
-                t = skinny_tiling(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-                line += f"  default {row['skinny_default_us']:.2f} (split {t.split_k})"
+                row["skinny_default_us"] = graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws])
+                line += f"  {row['skinny_default_us']:.2f} ({skinny_tiling(m, n, k, sms).split_k})"
             if sweep and m <= SKINNY_MAX_ROWS:
                 times = sweep_skinny(x, ws, m)
                 row["skinny"] = {tiling_name(t): us for t, us in times.items()}
@@ -121,12 +130,12 @@ def batch_rows_study(row_counts: list[int], sweep: bool, shapes: list[str], top:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time every tiling in TILINGS")
-    ap.add_argument("--batch-rows", help="comma-separated row counts: cuBLAS against its roofline only")
+    ap.add_argument("--batch-rows", help="comma-separated row counts (e.g. 16,64,128,256): cuBLAS against its "
+                                         "roofline, and the skinny GEMM's default tiling, instead of the GEMV table")
     ap.add_argument("--sweep-skinny", action="store_true", help="with --batch-rows: also kernels/skinny_gemm.py")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
     ap.add_argument("--top", type=int, default=4, help="with --sweep-skinny: tilings printed per row")
     ap.add_argument("--json")
-    ap.add_argument("--cublas-rows", default="", help="also time cuBLAS alone at these row counts, e.g. 64,128,256")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.batch_rows:
@@ -141,14 +150,7 @@ def main() -> None:
     print(f"{'layer':<14}{'M':>3}{'cuBLAS':>9}{'gemv':>9}{'GB/s':>7}{'unfused':>9}{'fused':>9}  sweep (us)")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        copies = max(2, -(-ROTATE_BYTES // (n * k * 2)))
-        ws = [torch.randn(n, k, device=dev, dtype=bf16) * k ** -0.5 for _ in range(copies)]
-        for m in [int(r) for r in args.cublas_rows.split(",") if r]:  # prefill-sized: weights and FLOPs both count
-            x = torch.randn(m, k, device=dev, dtype=bf16)
-            us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
-            print(f"{name:<14}{m:>5} cuBLAS {us:8.2f} us  {(n * k + m * (n + k)) * 2 / us / 1e3:6.0f} GB/s  "
-                  f"{2 * m * n * k / us / 1e6:6.1f} TFLOP/s", flush=True)
-            rows.append({"layer": name, "M": m, "cublas_us": us})
+        ws = rotating_weights(n, k)
         for m in (1, 2, 4, 8):  # 4: the kernel's MAX_ROWS, past layers/linear.GEMV_MAX_ROWS = 2
             x = torch.randn(m, k, device=dev, dtype=bf16)
             gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)

@@ -58,7 +58,7 @@ for part in $parts; do
     profilemoe) timeout 150 python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-30b-a3b --batch 1 --context 1024 --rows 30 2>&1 | grep -v "it/s" | tee "$OUT/profilemoe.log" | tail -60 ;;
     diag) timeout 200 python3 scripts/diag_graph_eager.py 2>&1 | grep -v "it/s" | tail -40 | tee "$OUT/diag.log" ;;
     ttftprobe) for m in qwen3-8b qwen3-0.6b; do timeout 150 python3 benchmarks/prefill_probe.py --model benchmarks/configs/$m --sizes 128,1000 2>&1 | grep -v "it/s" | tee -a "$OUT/ttftprobe.log" | tail -26; done ;;
-    gemmrows) timeout 200 python3 benchmarks/bench_gemm.py --cublas-rows 64,128,256 2>&1 | grep -E "cuBLAS " | tee "$OUT/gemmrows.log" ;;
+    gemmrows) timeout 200 python3 benchmarks/bench_gemm.py --batch-rows 64,128,256 2>&1 | tee "$OUT/gemmrows.log" ;;
     decodestep) timeout 400 python3 benchmarks/bench_kv_spread.py --sweep 2>&1 | tee "$OUT/decodestep.log" ;;
     hostprobe) for b in 1 8; do timeout 60 python3 benchmarks/host_probe.py --batch $b --steps 200 2>&1 | grep -v "it/s" | head -45 | tee -a "$OUT/hostprobe.log"; done ;;
     walk) # the candidate walk (top-p, min-p): GPU tests, then the sampler alone (walk vs thresholds, peaked / flat rows)
