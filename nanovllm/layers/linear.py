@@ -78,10 +78,9 @@ def _norm_fits_gemv(out_features: int, in_features: int, device: torch.device) -
     from nanovllm.kernels.gemv import MAX_NORM_ELEMS, tiling
     from nanovllm.kernels.pdl import one_wave
 
-    wave = one_wave(device)
-    if not NORM_IN_GEMV or wave is None or next_pow2(NORM_IN_GEMV_MAX_ROWS) * next_pow2(in_features) > MAX_NORM_ELEMS:
+    wave, rows = one_wave(device), NORM_IN_GEMV_MAX_ROWS
+    if not NORM_IN_GEMV or wave is None or next_pow2(rows) * next_pow2(in_features) > MAX_NORM_ELEMS:
         return False
-    rows = NORM_IN_GEMV_MAX_ROWS
     return -(-out_features // tiling(rows, out_features, in_features, wave).block_n) <= wave
 
 
@@ -172,7 +171,7 @@ class ColumnParallelLinear(_LinearBase):
         """(self(norm(s)), s), s = x + residual (x when residual is None): the norm inside the
         GEMV at up to NORM_IN_GEMV_MAX_ROWS rows where the layer allows it (decided at
         construction), else the norm's own kernel, then this layer."""
-        if self.norm_in_gemv and x.dim() == 2 and 0 < x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
+        if self.norm_in_gemv and self._gemv_serves(x) and x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
             from nanovllm.kernels.gemv import rms_norm_gemv
 
             y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
