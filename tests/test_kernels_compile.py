@@ -59,7 +59,8 @@ SPECS = [
                                           "prefix_ptr": "*i32", "state_ptr": "*fp32", "out_ptr": "*i32"},
      [{"WEIGHTED": w, "BINS": 16, "C_PAD": 64} for w in (False, True)]),
     ("moe_routing", "_route_kernel", {"weights_ptr": "*fp32", "ids_ptr": "*i32"},
-     [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]),
+     [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]
+     + [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 256, "RENORMALIZE": True, "PDL": True}]),  # the chunked rank
     # routed ids given, or routing from bf16 logits folded in (128 experts, top 8)
     ("moe_decode", "_gate_up_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
      [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
