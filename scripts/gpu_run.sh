@@ -16,7 +16,7 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
 for part in $parts; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case $part in
-    gputests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gputests.log" ;;
+    gputests) timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gputests.log" ;;
     leakpair) timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine.py -k "max_model_len or step_wise" 2>&1 | tail -15 | tee "$OUT/leakpair.log" ;;
     overlap) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_overlap.py 2>&1 | tail -15 | tee "$OUT/overlap.log" ;;
     profile1) for m in qwen3-0.6b qwen3-8b; do timeout 120 python3 benchmarks/profile_step.py --model benchmarks/configs/$m --batch 1 --context 1024 --rows 14 2>&1 | grep -v "it/s" | tee -a "$OUT/profile1.log" | tail -40; done ;;
@@ -76,6 +76,12 @@ for part in $parts; do
       timeout 100 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-0.6b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | tee -a "$OUT/normab.log"
       timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py -k "identical or small_batch" 2>&1 | tail -3 | tee -a "$OUT/normtests.log"
       timeout 120 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1 2>&1 | tee -a "$OUT/normab.log" ;;
+    ropeab) # decode attention rotating q/k and writing K/V itself (default) vs the RoPE kernel before it;
+            # with it the router's GEMV taking the norm (and the routing by rank): 30B, 0.6B, 8B latency, 0.6B throughput
+      V="--variant fused --variant norope:nanovllm.layers.self_attention.ROPE_IN_DECODE=False"
+      timeout 200 python3 benchmarks/variants.py $V --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2,32 2>&1 | tee -a "$OUT/ropeab.log"
+      for m in qwen3-0.6b qwen3-8b; do timeout 150 python3 benchmarks/variants.py $V --show "decode ms/token" -- --model benchmarks/configs/$m --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | tee -a "$OUT/ropeab.log"; done
+      timeout 200 python3 benchmarks/variants.py $V --show "tok/s|fraction of roofline" -- --model benchmarks/configs/qwen3-0.6b --load-format dummy 2>&1 | tee -a "$OUT/ropeab.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done

@@ -83,12 +83,13 @@ SPECS = [
     ("gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
        "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl, "NORM": norm, "HAS_RES": res,
-       "BLOCK_KF": 1024 if norm else 16}
-      for silu, bias, m, n, k, st, ev, pdl, norm, res in (
-          (False, False, 1, 8, 512, 3, "", True, False, False),
-          (True, True, 2, 4, 512, 4, "evict_first", False, False, False),
-          (False, False, 1, 16, 256, 4, "", True, True, True),  # the add + RMSNorm in front (TALL tiles)
-          (False, True, 2, 8, 512, 3, "", True, True, False))]),
+       "BLOCK_KF": 1024 if norm else 16, "KEEP_NORMED": keep}
+      for silu, bias, m, n, k, st, ev, pdl, norm, res, keep in (
+          (False, False, 1, 8, 512, 3, "", True, False, False, False),
+          (True, True, 2, 4, 512, 4, "evict_first", False, False, False, False),
+          (False, False, 1, 16, 256, 4, "", True, True, True, False),  # the add + RMSNorm in front (TALL tiles)
+          (False, True, 2, 8, 512, 3, "", True, True, False, False),
+          (False, False, 1, 4, 512, 4, "evict_first", True, True, True, True))]),  # an MoE router keeping the rows
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}
@@ -108,13 +109,20 @@ SPECS = [
       for tiled in (True, False)]),
     ("decode_attention", "_decode_split_kernel", {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32",
                                                   "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
-                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
+                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32", "pos_ptr": "*i64",
+                                                  "cs_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True}
+       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True,
+       "ROPE": False, "APPLY_NORM": False}
       for splits, fold, rows in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]
      + [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 128, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
          "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1, "ROWS_ON_DEVICE": False,
-         "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
+         "PDL": True, "ROPE": False, "APPLY_NORM": False}]  # the 128-key tiles of unsplit grids with few programs per SM
+     # the step's norm + RoPE + K/V write folded in (GQA 8, split 16 and merged apart; unsplit; no norm)
+     + [{"GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": bn, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
+         "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 8, "BLOCK_S": splits, "ROWS_ON_DEVICE": False,
+         "PDL": True, "ROPE": True, "APPLY_NORM": norm}
+        for splits, bn, norm in ((16, 64, True), (1, 128, True), (1, 64, False))]),
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias

@@ -183,13 +183,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward_normed(self, hidden: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(hidden + residual)), hidden + residual): the norm as its own kernel (the
-        experts need the normalised row too, which the router's GEMV does not return)."""
-        normed, residual = norm.add_and_norm(hidden, residual)
-        return self(normed), residual
+        """(self(norm(hidden + residual)), hidden + residual), the norm inside the router's GEMV
+        where it can be (it also returns the normalised rows the experts read)."""
+        logits, residual, normed = self.gate.forward_normed(hidden, residual, norm)  # [T, E], [T, H], [T, H]
+        return self._experts(normed, logits), residual
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(hidden)  # [T, E]
+        return self._experts(hidden, self.gate(hidden))
+
+    def _experts(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum for hidden [T, H] and its router logits [T, E], reduced over ranks."""
         if self.experts.runs_gemv(hidden):  # routing inside the expert GEMVs: one launch fewer
             out = self.experts.forward_routed(hidden, logits, self.top_k, self.renormalize)  # [T, H]
         else:
