@@ -27,6 +27,7 @@ NUM_WARPS = 4
 # Experts j compared with every expert at once in route_row's rank: [E, 128] int32 compares are
 # 128 values a thread at 4 warps (Qwen3-MoE's E = 128 takes one chunk).
 RANK_CHUNK = tl.constexpr(128)
+RANK_TOPK = tl.constexpr(True)  # EXPERIMENT switch
 
 
 @triton.jit
@@ -59,7 +60,9 @@ def route_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BL
     row_max = tl.max(x, axis=0)
     row_sum = tl.sum(_probs(row_ptr, experts, num_experts, row_max, None), axis=0)
     p = _probs(row_ptr, experts, num_experts, row_max, row_sum)  # [BLOCK_E]
-    if BLOCK_E <= RANK_CHUNK:
+    if not RANK_TOPK:
+        rank = experts
+    elif BLOCK_E <= RANK_CHUNK:
         ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (experts[None, :] < experts[:, None]))
         rank = tl.sum(ahead.to(tl.int32), axis=1)  # [BLOCK_E]
     else:
@@ -70,9 +73,19 @@ def route_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BL
             ahead = (pj[None, :] > p[:, None]) | ((pj[None, :] == p[:, None]) & (js[None, :] < experts[:, None]))
             rank += tl.sum(ahead.to(tl.int32), axis=1)
     slots = tl.arange(0, K_PAD)
-    hit = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # [K_PAD, BLOCK_E]
-    w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)  # [K_PAD]
-    ids = tl.sum(tl.where(hit, experts[None, :], 0), axis=1).to(tl.int32)
+    if RANK_TOPK:
+        hit = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # [K_PAD, BLOCK_E]
+        w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)  # [K_PAD]
+        ids = tl.sum(tl.where(hit, experts[None, :], 0), axis=1).to(tl.int32)
+    else:  # EXPERIMENT: K rounds of max-then-argmin
+        w = tl.zeros([K_PAD], dtype=tl.float32)
+        ids = tl.zeros([K_PAD], dtype=tl.int32)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            e = tl.min(tl.where(p == best, experts, BLOCK_E), axis=0)
+            w = tl.where(slots == i, best, w)
+            ids = tl.where(slots == i, e, ids)
+            p = tl.where(experts == e, -1.0, p)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)  # slots past TOP_K hold 0
     return w, ids

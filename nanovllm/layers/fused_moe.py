@@ -40,6 +40,7 @@ from nanovllm.utils.distributed import tp_rank, tp_size
 
 # Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_decode.MAX_TOKENS).
 MOE_GEMV_MAX_TOKENS = 2
+NORM_IN_ROUTER = True  # EXPERIMENT switch
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
 GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
@@ -185,6 +186,9 @@ class SparseMoeBlock(nn.Module):
                        norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(hidden + residual)), hidden + residual), the norm inside the router's GEMV
         where it can be (it also returns the normalised rows the experts read)."""
+        if not NORM_IN_ROUTER:  # EXPERIMENT switch
+            normed, residual = norm.add_and_norm(hidden, residual)
+            return self._experts(normed, self.gate(normed)), residual
         logits, residual, normed = self.gate.forward_normed(hidden, residual, norm)  # [T, E], [T, H], [T, H]
         return self._experts(normed, logits), residual
 
