@@ -76,16 +76,9 @@ for part in $parts; do
       timeout 100 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-0.6b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | tee -a "$OUT/normab.log"
       timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py -k "identical or small_batch" 2>&1 | tail -3 | tee -a "$OUT/normtests.log"
       timeout 120 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1 2>&1 | tee -a "$OUT/normab.log" ;;
-    ropeab) # decode attention rotating q/k and writing K/V itself (default) vs the RoPE kernel before it;
-            # with it the router's GEMV taking the norm (and the routing by rank): 30B, 0.6B, 8B latency, 0.6B throughput
-      V="--variant fused --variant norope:nanovllm.layers.self_attention.ROPE_IN_DECODE=False"
-      timeout 200 python3 benchmarks/variants.py $V --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2,32 2>&1 | tee -a "$OUT/ropeab.log"
-      for m in qwen3-0.6b qwen3-8b; do timeout 150 python3 benchmarks/variants.py $V --show "decode ms/token" -- --model benchmarks/configs/$m --load-format dummy --latency --latency-batch-sizes 1,8,32 2>&1 | tee -a "$OUT/ropeab.log"; done
-      timeout 200 python3 benchmarks/variants.py $V --show "tok/s|fraction of roofline" -- --model benchmarks/configs/qwen3-0.6b --load-format dummy 2>&1 | tee -a "$OUT/ropeab.log" ;;
-    ab30) # 30B batch 1: each of this session's changes switched off alone
-      timeout 300 python3 benchmarks/variants.py --variant all --variant norank:nanovllm.kernels.moe_routing.RANK_TOPK=False --variant norouternorm:nanovllm.layers.fused_moe.NORM_IN_ROUTER=False --variant norope:nanovllm.layers.self_attention.ROPE_IN_DECODE=False --variant none:nanovllm.kernels.moe_routing.RANK_TOPK=False,nanovllm.layers.fused_moe.NORM_IN_ROUTER=False,nanovllm.layers.self_attention.ROPE_IN_DECODE=False --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | tee -a "$OUT/ab30.log" ;;
-    touched) timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -x tests/test_decode_rope.py tests/test_moe_routing.py tests/test_moe_decode.py tests/test_gemv_gpu.py 2>&1 | tail -30 | tee "$OUT/touched.log"
-      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_engine_gpu.py -k "identical or small_batch" 2>&1 | tail -20 | tee -a "$OUT/touched.log" ;;
+    ab30) # 30B batch 1 / 2: the router's GEMV taking the post-attention norm (default) vs the norm's own kernel
+      timeout 150 python3 benchmarks/variants.py --variant routernorm --variant norouternorm:nanovllm.layers.fused_moe.NORM_IN_ROUTER=False --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1,2 2>&1 | tee -a "$OUT/ab30.log" ;;
+    touched) timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_gemv_gpu.py tests/test_moe_gpu.py -k "rms_norm or bf16_greedy or identical" 2>&1 | tail -15 | tee "$OUT/touched.log" ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done

@@ -59,8 +59,7 @@ SPECS = [
                                           "prefix_ptr": "*i32", "state_ptr": "*fp32", "out_ptr": "*i32"},
      [{"WEIGHTED": w, "BINS": 16, "C_PAD": 64} for w in (False, True)]),
     ("moe_routing", "_route_kernel", {"weights_ptr": "*fp32", "ids_ptr": "*i32"},
-     [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]
-     + [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 256, "RENORMALIZE": True, "PDL": True}]),  # the chunked rank
+     [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]),
     # routed ids given, or routing from bf16 logits folded in (128 experts, top 8)
     ("moe_decode", "_gate_up_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
      [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
@@ -109,20 +108,13 @@ SPECS = [
       for tiled in (True, False)]),
     ("decode_attention", "_decode_split_kernel", {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32",
                                                   "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
-                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32", "pos_ptr": "*i64",
-                                                  "cs_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"},
+                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True,
-       "ROPE": False, "APPLY_NORM": False}
+       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True}
       for splits, fold, rows in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]
      + [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 128, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
          "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1, "ROWS_ON_DEVICE": False,
-         "PDL": True, "ROPE": False, "APPLY_NORM": False}]  # the 128-key tiles of unsplit grids with few programs per SM
-     # the step's norm + RoPE + K/V write folded in (GQA 8, split 16 and merged apart; unsplit; no norm)
-     + [{"GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": bn, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-         "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 8, "BLOCK_S": splits, "ROWS_ON_DEVICE": False,
-         "PDL": True, "ROPE": True, "APPLY_NORM": norm}
-        for splits, bn, norm in ((16, 64, True), (1, 128, True), (1, 64, False))]),
+         "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
     ("decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias

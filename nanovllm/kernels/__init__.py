@@ -59,16 +59,15 @@ def build_query_tiles(q_lens, block_m, k_lens=None):
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False,
-                            num_splits=0, *, num_seqs=None, out=None, rope=None):
-    """Decode attention over the paged cache, optionally only the first num_seqs[0] rows, into a
-    caller's `out`, or applying the step's RoPE and K/V write itself (`rope`, a
-    fused_rope.StepRope); see decode_attention.flash_attn_with_kvcache."""
+                            num_splits=0, *, num_seqs=None, out=None):
+    """Decode attention over the paged cache, optionally only the first num_seqs[0] rows and
+    into a caller's `out`; see decode_attention.flash_attn_with_kvcache."""
     try:
         from .decode_attention import flash_attn_with_kvcache as impl
     except ImportError as exc:
         raise _triton_missing(exc) from exc
     return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=softmax_scale, causal=causal,
-                num_splits=num_splits, num_seqs=num_seqs, out=out, rope=rope)
+                num_splits=num_splits, num_seqs=num_seqs, out=out)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping):

@@ -35,7 +35,6 @@ import triton.language as tl
 from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
                             check_int_tensor, check_out, cuda_sm_count, next_pow2)
 from .counters import arrival_counters
-from .fused_rope import StepRope, check_step_rope, norm_rope_halves, rope_cos_sin
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
@@ -126,14 +125,9 @@ def _decode_row(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
-    kn_ptr, vn_ptr, stride_nb, stride_nh, pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, eps,
-    ROPE: tl.constexpr, APPLY_NORM: tl.constexpr,
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
-    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
-    With ROPE, q is the step's raw query: normalised (APPLY_NORM) and rotated here, and the split
-    holding the step's token first writes its rotated k and its v (kn_ptr / vn_ptr, raw) into the
-    cache (kernels/decode_rope.py)."""
+    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive)."""
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -143,28 +137,8 @@ def _decode_row(
     offs_d = tl.arange(0, HEAD_DIM)
     g_valid = offs_g < GROUP
     heads = kv_head * GROUP + offs_g  # query heads of this GQA group
-    if ROPE:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        dtype = k_ptr.dtype.element_ty
-        cos, sin = rope_cos_sin(cs_ptr, tl.load(pos_ptr + b).to(tl.int64), stride_cs, HEAD_DIM, HALF)
-        q1, q2, _q_mask = norm_rope_halves(q_ptr + b * stride_qb, qw_ptr, cos, sin, kv_head * GROUP, kv_head * GROUP + GROUP,
-                                     stride_qh, eps, dtype, HEAD_DIM, BLOCK_G, HALF, APPLY_NORM)
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))  # [q1 | q2] per head
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (lo < seq_len) & (hi == seq_len) & (slot >= 0):  # this split reads the step's token: store it first
-            k1, k2, _k_mask = norm_rope_halves(kn_ptr + b * stride_nb, kw_ptr, cos, sin, kv_head, kv_head + 1, stride_nh, eps,
-                                         dtype, HEAD_DIM, 1, HALF, APPLY_NORM)  # [1, HALF] each
-            cols = tl.arange(0, HALF)[None, :]
-            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + cols
-            tl.store(k_ptr + dst, k1)
-            tl.store(k_ptr + dst + HALF, k2)
-            v_src = vn_ptr + b * stride_nb + kv_head * stride_nh + cols
-            tl.store(v_ptr + dst, tl.load(v_src))
-            tl.store(v_ptr + dst + HALF, tl.load(v_src + HALF))
-            tl.debug_barrier()  # the stores are visible to this program's tile loads below
-    else:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -231,8 +205,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
-    kn_ptr, vn_ptr, stride_nb, stride_nh, pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, eps,
-    ROPE: tl.constexpr, APPLY_NORM: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
     kv_head = tl.program_id(0).to(tl.int64)
@@ -246,16 +218,14 @@ def _decode_split_kernel(
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
-                        BLOCK_S, kn_ptr, vn_ptr, stride_nb, stride_nh, pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr,
-                        slot_ptr, eps, ROPE, APPLY_NORM)
+                        BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                     GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
-                    BLOCK_S, kn_ptr, vn_ptr, stride_nb, stride_nh, pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr,
-                    slot_ptr, eps, ROPE, APPLY_NORM)
+                    BLOCK_S)
 
 
 @triton.jit
@@ -271,8 +241,7 @@ def _decode_merge_kernel(
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                            softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
-                            rope: StepRope | None = None):
+                            softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -288,11 +257,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     out: optional preallocated output [batch, 1, Hq, D] of q's dtype and device (any row
     stride, e.g. a view of a larger buffer; last dim contiguous; must not overlap the inputs),
     written and returned; without it the output is allocated.
-
-    rope (ours, not flash-attn's; not with num_seqs): q is the step's raw query (before its
-    per-head norm and RoPE) and this step's K/V are not yet in the cache: the kernel normalises
-    and rotates q, and the split that reads the step's token first writes its rotated k and its
-    v into the cache (what kernels/fused_rope.qk_norm_rope with kv_write did before this call).
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
@@ -307,7 +271,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got "
                          f"{getattr(k_cache, 'shape', type(k_cache))}")
     hkv = k_cache.shape[2]
-    check_cache(k_cache, v_cache, hkv, d, q.dtype)
+    block_size = check_cache(k_cache, v_cache, hkv, d, q.dtype)
     if hkv == 0 or hq % hkv:
         raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
@@ -328,26 +292,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     for name, t in tensors:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if rope is not None:
-        if num_seqs is not None:
-            raise ValueError("rope and num_seqs cannot be combined (mixed steps rotate in their own kernel)")
-        check_step_rope(rope, q.squeeze(1), k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     else:
         check_out(out, q)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits, num_seqs, out, rope)
 
-
-def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                  block_table: torch.Tensor, scale: float, num_splits: int, num_seqs: torch.Tensor | None,
-                  out: torch.Tensor, rope: StepRope | None) -> torch.Tensor:
-    """The launches of flash_attn_with_kvcache on checked arguments (q [batch, 1, Hq, D]); with
-    `rope`, q is the raw query and the kernel rotates it and stores the step's K/V itself."""
-    batch, _, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    block_size = k_cache.shape[1]
     if batch == 0:
         return out
     group = hq // hkv
@@ -383,8 +333,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
-        num_warps=NUM_WARPS, num_stages=stages, **pdl_launch_options(q),
-        **_rope_args(rope, dummy),
+        num_warps=NUM_WARPS, num_stages=stages,
+        **pdl_launch_options(q),
     )
     if num_splits == 1 or counters is not None:
         return out
@@ -396,15 +346,3 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=4, **pdl_launch_options(q),
     )
     return out
-
-
-def _rope_args(rope: StepRope | None, dummy: torch.Tensor) -> dict:
-    """The split kernel's ROPE arguments (`dummy` stands in for pointers a variant never reads)."""
-    if rope is None:
-        return dict(kn_ptr=dummy, vn_ptr=dummy, stride_nb=0, stride_nh=0, pos_ptr=dummy, cs_ptr=dummy, stride_cs=0,
-                    qw_ptr=dummy, kw_ptr=dummy, slot_ptr=dummy, eps=0.0, ROPE=False, APPLY_NORM=False)
-    norm = rope.q_weight is not None
-    return dict(kn_ptr=rope.k, vn_ptr=rope.v, stride_nb=rope.k.stride(0), stride_nh=rope.k.stride(1),
-                pos_ptr=rope.positions, cs_ptr=rope.cos_sin_cache, stride_cs=rope.cos_sin_cache.stride(0),
-                qw_ptr=rope.q_weight if norm else dummy, kw_ptr=rope.k_weight if norm else dummy,
-                slot_ptr=rope.slot_mapping, eps=float(rope.eps), ROPE=True, APPLY_NORM=norm)

@@ -29,8 +29,6 @@ optional `kv_write`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -50,30 +48,18 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def rope_cos_sin(cache_ptr, pos, stride_cache, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """cos, sin [1, BLOCK_HALF] float32 of position `pos` (int64) from the [max_position, D] cache."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    cols = tl.arange(0, BLOCK_HALF)
-    row = cache_ptr + pos * stride_cache
-    cos = tl.load(row + cols, mask=cols < HALF, other=0.0)[None, :]
-    sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
-    return cos, sin
-
-
-@triton.jit
-def norm_rope_halves(
-    src_ptr, w_ptr, cos, sin, head0, head_end, stride_h, eps, dtype: tl.constexpr,
+def _norm_rope_heads(
+    src_ptr, dst_ptr, w_ptr, cos, sin, tok, head0, n_heads, stride_t, stride_h, eps,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
 ):
-    """Heads [head0, min(head0 + HEADS, head_end)) of one token (src_ptr: its head 0) normalised
-    (optionally) and rotated: the two rounded [HEADS, BLOCK_HALF] halves in dtype and their mask
-    (decode attention rotates its query heads with it too: kernels/decode_attention.py)."""
+    """Normalise (optionally) and rotate heads [head0, head0 + HEADS) of token `tok`; returns the
+    two rounded [HEADS, BLOCK_HALF] halves and their mask."""
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = head0 + tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < HALF
-    mask = (heads < head_end)[:, None] & col_mask[None, :]
-    src = src_ptr + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
+    mask = (heads < n_heads)[:, None] & col_mask[None, :]
+    src = src_ptr + tok * stride_t + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if APPLY_NORM:
@@ -82,25 +68,13 @@ def norm_rope_halves(
         w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         # RMSNorm's output is rounded to dtype before the rotary embedding upcasts it again.
-        x1 = round_to((x1 * rstd) * w1, dtype).to(tl.float32)
-        x2 = round_to((x2 * rstd) * w2, dtype).to(tl.float32)
-    o1 = round_to(x1 * cos - x2 * sin, dtype)
-    o2 = round_to(x2 * cos + x1 * sin, dtype)
-    return o1, o2, mask
-
-
-@triton.jit
-def _norm_rope_heads(
-    src_ptr, dst_ptr, w_ptr, cos, sin, tok, head0, n_heads, stride_t, stride_h, eps,
-    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
-):
-    """norm_rope_halves of heads [head0, head0 + HEADS) of token `tok`, stored to dst (contiguous
-    [N, n_heads, D]); returns the halves and their mask."""
-    o1, o2, mask = norm_rope_halves(src_ptr + tok * stride_t, w_ptr, cos, sin, head0, n_heads, stride_h, eps,
-                                    dst_ptr.dtype.element_ty, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    heads = head0 + tl.arange(0, HEADS)
-    dst = dst_ptr + (tok * n_heads + heads[:, None].to(tl.int64)) * HEAD_DIM + tl.arange(0, BLOCK_HALF)[None, :]
+        x1 = round_to((x1 * rstd) * w1, dst_ptr.dtype.element_ty).to(tl.float32)
+        x2 = round_to((x2 * rstd) * w2, dst_ptr.dtype.element_ty).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    o1 = round_to(o1, dst_ptr.dtype.element_ty)
+    o2 = round_to(o2, dst_ptr.dtype.element_ty)
+    dst = dst_ptr + (tok * n_heads + heads[:, None].to(tl.int64)) * HEAD_DIM + cols[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
     return o1, o2, mask
@@ -121,7 +95,10 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
-    cos, sin = rope_cos_sin(cache_ptr, pos, stride_cache, HEAD_DIM, BLOCK_HALF)
+    col_mask = cols < HALF
+    cs_row = cache_ptr + pos * stride_cache
+    cos = tl.load(cs_row + cols, mask=col_mask, other=0.0)[None, :]
+    sin = tl.load(cs_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
     if hb < q_blocks:
         _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, cos, sin, tok, hb * HEADS, n_q_heads,
                          stride_qt, stride_qh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
@@ -182,39 +159,6 @@ def _check_kv_write(kv_write) -> None:
     if kv_write is not None and (not isinstance(kv_write, tuple) or len(kv_write) != 4):
         got = f"a tuple of {len(kv_write)}" if isinstance(kv_write, tuple) else type(kv_write).__name__
         raise ValueError(f"kv_write must be a tuple (v, k_cache, v_cache, slot_mapping), got {got}")
-
-
-@dataclass(frozen=True)
-class StepRope:
-    """A decode step's RoPE inputs for the decode attention kernel that applies them itself
-    (kernels/decode_attention.py, `rope=`): the step's raw k / v [batch, Hkv, D] (views of the
-    qkv output, equal strides), positions and cache slots [batch], the [max_position, D] float32
-    cos | sin table, and the per-head RMSNorm weights [D] with their eps (None, None: no norm)."""
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-
-
-def check_step_rope(rope: StepRope, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The checks qk_norm_rope / rope with kv_write make, for a StepRope beside query q [batch, Hq, D]."""
-    if not isinstance(rope, StepRope):
-        raise TypeError(f"rope must be a StepRope, got {type(rope).__name__}")
-    _check_args(q, rope.k, rope.positions, rope.cos_sin_cache)
-    check_kv_store(rope.k, rope.v, k_cache, v_cache, rope.slot_mapping)
-    if rope.k.stride() != rope.v.stride():
-        raise ValueError(f"k and v must share strides, got {rope.k.stride()} and {rope.v.stride()}")
-    if (rope.q_weight is None) != (rope.k_weight is None):
-        raise ValueError("q_weight and k_weight must both be given (the norm) or both be None")
-    if rope.q_weight is not None:
-        d = q.shape[2]
-        check_vector("q_weight", rope.q_weight, d, "q", q)
-        check_vector("k_weight", rope.k_weight, d, "q", q)
-        check_eps(rope.eps)
 
 
 def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None):

@@ -2,7 +2,7 @@
 (the PyTorch route in layers/fused_moe.py takes four: softmax, topk, sum, divide).
 
     program t:  p = softmax(logits[t, :E]) in float32
-                rank[e] = #{j: p_j > p_e, or p_j == p_e and j < e};  slot i <- the expert of rank i
+                K rounds: w_i = max(p), e_i = lowest expert holding it; p[e_i] = -1
                 weights[t] = w / sum(w) if RENORMALIZE else w;  ids[t] = e
 
 Among equal probabilities the lower expert id is picked first. One program per token, the
@@ -24,68 +24,30 @@ from .pdl import pdl_for_grid, wait_for_prior
 LOG2E = tl.constexpr(_LOG2E_VALUE)
 
 NUM_WARPS = 4
-# Experts j compared with every expert at once in route_row's rank: [E, 128] int32 compares are
-# 128 values a thread at 4 warps (Qwen3-MoE's E = 128 takes one chunk).
-RANK_CHUNK = tl.constexpr(128)
-RANK_TOPK = tl.constexpr(True)  # EXPERIMENT switch
-
-
-@triton.jit
-def _probs(row_ptr, experts, num_experts, row_max, row_sum):
-    """float32 softmax of the logits at `experts` given the row's max and sum of exp2 (row_sum
-    None: the unnormalised exp2 terms). Padding reads -1 (never picked); a non-finite row's NaN
-    (a padded graph row's garbage) reads 0, so its ids still name distinct experts."""
-    valid = experts < num_experts
-    x = tl.load(row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.exp2((x - row_max) * LOG2E)  # padding: exp2(-inf) = 0
-    if row_sum is not None:
-        p = p / row_sum
-        p = tl.where(valid, tl.where(p == p, p, 0.0), -1.0)
-    return p
 
 
 @triton.jit
 def route_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
               RENORMALIZE: tl.constexpr):
     """One token's routing from its logits at row_ptr ([num_experts]): (weights [K_PAD] float32,
-    ids [K_PAD] int32), slots past TOP_K holding 0 (kernels/moe_decode.py routes with it too).
-
-    rank[e] counts the experts ahead of e (a larger p, or an equal p and a lower id): a
-    permutation of 0..BLOCK_E-1, so slot i holds the one expert of rank i. One compare of every
-    pair and a few reductions, where K rounds of max-then-argmin took 2K dependent reductions.
-    Past RANK_CHUNK experts the pairs are compared a chunk of j at a time (p_j recomputed from
-    the logits, bit-identical), keeping the tile at [BLOCK_E, RANK_CHUNK]."""
+    ids [K_PAD] int32), slots past TOP_K holding 0 (kernels/moe_decode.py routes with it too)."""
     experts = tl.arange(0, BLOCK_E)
-    x = tl.load(row_ptr + experts, mask=experts < num_experts, other=float("-inf")).to(tl.float32)
-    row_max = tl.max(x, axis=0)
-    row_sum = tl.sum(_probs(row_ptr, experts, num_experts, row_max, None), axis=0)
-    p = _probs(row_ptr, experts, num_experts, row_max, row_sum)  # [BLOCK_E]
-    if not RANK_TOPK:
-        rank = experts
-    elif BLOCK_E <= RANK_CHUNK:
-        ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (experts[None, :] < experts[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=1)  # [BLOCK_E]
-    else:
-        rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for j0 in tl.static_range(0, BLOCK_E, RANK_CHUNK):
-            js = j0 + tl.arange(0, RANK_CHUNK)
-            pj = _probs(row_ptr, js, num_experts, row_max, row_sum)  # [RANK_CHUNK]
-            ahead = (pj[None, :] > p[:, None]) | ((pj[None, :] == p[:, None]) & (js[None, :] < experts[:, None]))
-            rank += tl.sum(ahead.to(tl.int32), axis=1)
+    valid = experts < num_experts
+    x = tl.load(row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.exp2((x - tl.max(x, axis=0)) * LOG2E)  # padding: exp2(-inf) = 0
+    p = p / tl.sum(p, axis=0)
+    # Padding is never picked; a row with non-finite logits (a padded graph row's garbage) has
+    # NaN weights, read as 0 so that its ids still name distinct experts in [0, num_experts).
+    p = tl.where(valid, tl.where(p == p, p, 0.0), -1.0)
     slots = tl.arange(0, K_PAD)
-    if RANK_TOPK:
-        hit = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # [K_PAD, BLOCK_E]
-        w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)  # [K_PAD]
-        ids = tl.sum(tl.where(hit, experts[None, :], 0), axis=1).to(tl.int32)
-    else:  # EXPERIMENT: K rounds of max-then-argmin
-        w = tl.zeros([K_PAD], dtype=tl.float32)
-        ids = tl.zeros([K_PAD], dtype=tl.int32)
-        for i in tl.static_range(TOP_K):
-            best = tl.max(p, axis=0)
-            e = tl.min(tl.where(p == best, experts, BLOCK_E), axis=0)
-            w = tl.where(slots == i, best, w)
-            ids = tl.where(slots == i, e, ids)
-            p = tl.where(experts == e, -1.0, p)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        e = tl.min(tl.where(p == best, experts, BLOCK_E), axis=0)
+        w = tl.where(slots == i, best, w)
+        ids = tl.where(slots == i, e, ids)
+        p = tl.where(experts == e, -1.0, p)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)  # slots past TOP_K hold 0
     return w, ids

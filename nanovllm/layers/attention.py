@@ -2,8 +2,7 @@
 
 Reads the step's metadata from `nanovllm.utils.context`. Writing this step's K/V is the
 caller's part, before `forward` (layers/self_attention.py does it in its RoPE step): either a
-kernel that writes the cache itself, given `kv_write(v)`, or `store(k, v)`; or, in decode steps
-on our Triton backend, the attention kernel itself (`forward_rotating`, given the raw q / k / v). Prefill attends over
+kernel that writes the cache itself, given `kv_write(v)`, or `store(k, v)`. Prefill attends over
 this step's tokens (or, with a block table, over the cached prefix plus them); decode attends
 one query per sequence over its cached keys.
 """
@@ -51,30 +50,10 @@ class Attention(nn.Module):
         backend = self._require_cache()
         if meta.is_prefill:
             return self._varlen(q, k, v, meta, backend)
-        return self._decode(q, meta, backend)
-
-    def rotates_in_decode(self) -> bool:
-        """Whether this step is a decode step whose attention kernel applies the RoPE (and the
-        q/k norm) and writes the step's K/V itself (`forward_rotating`): the backend's decode
-        kernel can (ours), and the step has no prefill rows."""
-        return self._require_cache().decode_rope and not get_attention_metadata().is_prefill
-
-    def forward_rotating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                         cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                         eps: float) -> torch.Tensor:
-        """A decode step from the raw projections (rotates_in_decode steps only): q [N, Hq, D], k / v
-        [N, Hkv, D] before norm and RoPE, not yet in the cache -> [N, Hq, D]."""
-        from nanovllm.kernels.fused_rope import StepRope
-
-        meta = get_attention_metadata()
-        step = StepRope(k, v, positions, meta.slot_mapping, cos_sin_cache, q_weight, k_weight, eps)
-        return self._decode(q, meta, self._require_cache(), rope=step)
-
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend, **extra) -> torch.Tensor:
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache,
             cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-            softmax_scale=self.scale, causal=True, **extra,
+            softmax_scale=self.scale, causal=True,
         )  # [batch, 1, Hq, D]
         return out.squeeze(1)
 

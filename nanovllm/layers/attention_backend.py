@@ -24,9 +24,6 @@ class AttentionBackend:
     store_kvcache: Callable
     flash_attn_varlen_func: Callable
     flash_attn_with_kvcache: Callable
-    # Its flash_attn_with_kvcache takes `rope=` (ours: kernels/decode_attention.py): a decode
-    # step's norm + RoPE and K/V write run inside the attention kernel.
-    decode_rope: bool = False
 
 
 def _flash_attn_usable(block_size: int) -> bool:
@@ -46,8 +43,9 @@ def select_attention_backend(requested: str, device: str, block_size: int) -> At
         return AttentionBackend("torch", mod.store_kvcache, mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
     kernels = importlib.import_module("nanovllm.kernels")
     if requested == "triton":
-        return AttentionBackend("triton", kernels.store_kvcache, kernels.flash_attn_varlen_func,
-                                kernels.flash_attn_with_kvcache, decode_rope=True)
+        return AttentionBackend(
+            "triton", kernels.store_kvcache, kernels.flash_attn_varlen_func, kernels.flash_attn_with_kvcache
+        )
     # requested == "flash_attn"
     if importlib.util.find_spec("flash_attn") is None:
         raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")

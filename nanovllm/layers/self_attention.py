@@ -9,11 +9,10 @@ from the device the layer is built on (layers/kernel_path.py):
 
     CUDA:   one Triton kernel does the optional norm, the rotation and the K/V cache write
             (kernels/fused_rope.py: `qk_norm_rope` with the norm, `rope` without; both given
-            the attention layer's `kv_write`); in decode steps on our Triton attention, the
-            attention kernel does all three (Attention.forward_rotating, ROPE_IN_DECODE)
+            the attention layer's `kv_write`)
     others: RMSNorm and RotaryEmbedding in PyTorch, then the attention layer's `store`
 
-Either way the cache holds this step's K/V before `Attention` reads it (its invariant).
+Either way the cache holds this step's K/V before `Attention` runs (its invariant).
 """
 
 from __future__ import annotations
@@ -26,11 +25,6 @@ from nanovllm.layers.kernel_path import uses_triton
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-
-
-# Decode steps on our Triton attention norm and rotate q/k and write the step's K/V inside the
-# attention kernel (kernels/decode_attention.py, `rope=`): one launch a layer fewer.
-ROPE_IN_DECODE = True
 
 
 class SelfAttention(nn.Module):
@@ -70,10 +64,6 @@ class SelfAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.use_triton and ROPE_IN_DECODE and self.attn.rotates_in_decode():
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            out = self.attn.forward_rotating(q, k, v, positions, self.rotary_emb.cos_sin_cache, *norm)  # [N, Hq, D]
-            return self.o_proj(out.flatten(1))
         if self.use_triton:
             q, k = self.rope_and_store_triton(positions, q, k, v)
         else:
