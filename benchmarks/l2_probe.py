@@ -106,7 +106,7 @@ def main() -> None:
                     rows[f"  {name} (spin {iters}) - spin"] = t - spin
                 except Exception as e:  # a prefetch form the device rejects: say so, go on
                     rows[f"  {name} (spin {iters})"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        print(f"== W {n} x {k} bf16 ({mb:.1f} MB), 1 row; us per GEMV (median of graph replays / {COPIES})")
+        print(f"== W {n} x {k} bf16 ({mb:.1f} MB), 1 row; us per GEMV (mean of graph replays / {COPIES})")
         for name, v in rows.items():
             print(f"{name:36s} {v:8.2f}" if isinstance(v, float) else f"{name:36s} {v}")
 

@@ -82,13 +82,12 @@ SPECS = [
     ("gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
        "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl, "NORM": norm, "HAS_RES": res,
-       "BLOCK_KF": 1024 if norm else 16, "KEEP_NORMED": keep}
-      for silu, bias, m, n, k, st, ev, pdl, norm, res, keep in (
-          (False, False, 1, 8, 512, 3, "", True, False, False, False),
-          (True, True, 2, 4, 512, 4, "evict_first", False, False, False, False),
-          (False, False, 1, 16, 256, 4, "", True, True, True, False),  # the add + RMSNorm in front (TALL tiles)
-          (False, True, 2, 8, 512, 3, "", True, True, False, False),
-          (False, False, 1, 4, 512, 4, "evict_first", True, True, True, True))]),  # an MoE router keeping the rows
+       "BLOCK_KF": 1024 if norm else 16}
+      for silu, bias, m, n, k, st, ev, pdl, norm, res in (
+          (False, False, 1, 8, 512, 3, "", True, False, False),
+          (True, True, 2, 4, 512, 4, "evict_first", False, False, False),
+          (False, False, 1, 16, 256, 4, "", True, True, True),  # the add + RMSNorm in front (TALL tiles)
+          (False, True, 2, 8, 512, 3, "", True, True, False))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}

@@ -15,7 +15,7 @@ kernel of its own; here one kernel streams the weight once, computing its input 
 silu_and_mul-then-F.linear (or the add + RMSNorm kernel then F.linear) up to the order of the
 float32 sums. With NORM each program first loads the whole row(s) s to get rsqrt(mean(s^2)),
 then rebuilds each step's normalised columns from x (and residual) as it goes; program 0 also
-stores s, the residual stream the next layer adds to (and, asked to, the normalised rows). Grid: one program per
+stores s, the residual stream the next layer adds to. Grid: one program per
 BLOCK_N weight rows, each walking the whole K in BLOCK_K steps with STAGES loads in flight
 (no split-K, no reduce pass):
 
@@ -86,7 +86,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
     PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
     res_ptr, norm_w_ptr, s_out_ptr, stride_r, eps,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_KF: tl.constexpr, normed_ptr, KEEP_NORMED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_KF: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
@@ -125,9 +125,6 @@ def _gemv_kernel(
             a = _summed(x_rows + kk[None, :], r_rows + kk[None, :], a_mask, dtype, HAS_RES)
             g = tl.load(norm_w_ptr + kk, mask=kk < k_in, other=0.0).to(tl.float32)
             a = round_to(a * rstd[:, None] * g[None, :], dtype).to(tl.float32)
-            if KEEP_NORMED:  # program 0 also stores the normalised rows [M, K] (an MoE's experts read them)
-                if tl.program_id(0) == 0:
-                    tl.store(normed_ptr + rm[:, None].to(tl.int64) * k_in + kk[None, :], a.to(dtype), mask=a_mask)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
@@ -169,8 +166,7 @@ class _Norm:
     residual: torch.Tensor | None
 
 
-def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None,
-          normed_out: torch.Tensor | None = None):
+def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None):
     m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS)
     wave = one_wave(x.device)
     if tile is None:
@@ -192,8 +188,7 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         res_ptr=x if res is None else res, norm_w_ptr=x if norm is None else norm.weight,
         s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
         eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,
-        BLOCK_KF=next_pow2(k_in) if norm is not None else 16,
-        normed_ptr=x if normed_out is None else normed_out, KEEP_NORMED=normed_out is not None, **pdl,
+        BLOCK_KF=next_pow2(k_in) if norm is not None else 16, **pdl,
     )
     return out, s_out
 
@@ -212,12 +207,12 @@ def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tiling | None = None,
-                  normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tile: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual rounded to x's dtype, the
     residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
     the projection in one launch. x [M, K] (next_pow2(M) x next_pow2(K) <= MAX_NORM_ELEMS),
-    norm_weight [K]. normed_out, a contiguous [M, K] tensor like x, also receives rms_norm(s)."""
+    norm_weight [K]."""
     check_matrix("x", x)
     if next_pow2(x.shape[0]) * next_pow2(x.shape[1]) > MAX_NORM_ELEMS:
         raise ValueError(f"rms_norm_gemv holds rows x K <= {MAX_NORM_ELEMS} (in powers of two), got x {tuple(x.shape)}")
@@ -228,8 +223,4 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                              f"{tuple(x.shape)} on {x.device}")
     check_vector("norm_weight", norm_weight, x.shape[1], "x", x)
     check_eps(eps)
-    if normed_out is not None:
-        check_matrix("normed_out", normed_out, x.dtype)
-        if normed_out.shape != x.shape or not normed_out.is_contiguous() or normed_out.device != x.device:
-            raise ValueError(f"normed_out must be a contiguous {tuple(x.shape)} tensor on {x.device}")
-    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual), normed_out)
+    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual))

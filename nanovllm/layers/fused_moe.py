@@ -40,7 +40,6 @@ from nanovllm.utils.distributed import tp_rank, tp_size
 
 # Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_decode.MAX_TOKENS).
 MOE_GEMV_MAX_TOKENS = 2
-NORM_IN_ROUTER = True  # EXPERIMENT switch
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
 GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
@@ -184,19 +183,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward_normed(self, hidden: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(hidden + residual)), hidden + residual), the norm inside the router's GEMV
-        where it can be (it also returns the normalised rows the experts read)."""
-        if not NORM_IN_ROUTER:  # EXPERIMENT switch
-            normed, residual = norm.add_and_norm(hidden, residual)
-            return self._experts(normed, self.gate(normed)), residual
-        logits, residual, normed = self.gate.forward_normed(hidden, residual, norm)  # [T, E], [T, H], [T, H]
-        return self._experts(normed, logits), residual
+        """(self(norm(hidden + residual)), hidden + residual): the norm as its own kernel (the
+        experts need the normalised row too, which the router's GEMV does not return)."""
+        normed, residual = norm.add_and_norm(hidden, residual)
+        return self(normed), residual
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._experts(hidden, self.gate(hidden))
-
-    def _experts(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum for hidden [T, H] and its router logits [T, E], reduced over ranks."""
+        logits = self.gate(hidden)  # [T, E]
         if self.experts.runs_gemv(hidden):  # routing inside the expert GEMVs: one launch fewer
             out = self.experts.forward_routed(hidden, logits, self.top_k, self.renormalize)  # [T, H]
         else:

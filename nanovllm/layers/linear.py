@@ -140,28 +140,8 @@ class _LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def _project_normed(layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                    keep_normed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(layer(norm(s)), s, norm(s) if keep_normed else None), s = x + residual (x when residual is
-    None), for a layer whose output needs no reduction: the norm inside the GEMV at up to
-    NORM_IN_GEMV_MAX_ROWS rows where the layer allows it (`layer.norm_in_gemv`, decided at
-    construction), else the norm's own kernel, then the layer."""
-    if layer.norm_in_gemv and layer._gemv_serves(x) and x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
-        from nanovllm.kernels.gemv import rms_norm_gemv
-
-        normed = torch.empty_like(x) if keep_normed else None
-        y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, normed_out=normed)
-        return y, x if s is None else s, normed
-    normed, s = norm.add_and_norm(x, residual)
-    return layer(normed), s, normed if keep_normed else None
-
-
 class ReplicatedLinear(_LinearBase):
     """y = x W^T with the whole W on every rank (an MoE router): `[*, in] -> [*, out]`."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias)
-        self.norm_in_gemv = self.use_gemv and _norm_fits_gemv(*self.weight.shape, self.weight.device)
 
     def weight_slice(self, param, loaded, shard_id=None):
         _check_shape("replicated", param.shape, loaded)
@@ -169,13 +149,6 @@ class ReplicatedLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(self(norm(s)), s, norm(s)), s = x + residual: the router of an MoE block, whose experts
-        read the normalised rows too (the GEMV stores them beside its output)."""
-        y, s, normed = _project_normed(self, x, residual, norm, keep_normed=True)
-        return y, s, normed
 
 
 class ColumnParallelLinear(_LinearBase):
@@ -195,10 +168,16 @@ class ColumnParallelLinear(_LinearBase):
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(s)), s), s = x + residual (x when residual is None), the norm inside the
-        GEMV where it can be (_project_normed)."""
-        y, s, _ = _project_normed(self, x, residual, norm, keep_normed=False)
-        return y, s
+        """(self(norm(s)), s), s = x + residual (x when residual is None): the norm inside the
+        GEMV at up to NORM_IN_GEMV_MAX_ROWS rows where the layer allows it (decided at
+        construction), else the norm's own kernel, then this layer."""
+        if self.norm_in_gemv and self._gemv_serves(x) and x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
+            from nanovllm.kernels.gemv import rms_norm_gemv
+
+            y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+            return y, x if s is None else s
+        normed, s = norm.add_and_norm(x, residual)
+        return self(normed), s
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
