@@ -157,7 +157,8 @@ def throughput_rows(
     kv_bytes, w_bytes = workload_bytes(cfg, elem, prompt_lens, max_tokens, decode_weights)
     mm_flops, attn_flops = workload_flops(cfg, prompt_lens, max_tokens)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, args.tp * bw, args.tp * peak)
-    phase_s = phase_bound_s(cfg, elem, prompt_lens, max_tokens, decode_weights, args.tp * bw, args.tp * peak)
+    steps = decode_steps(cfg, elem, prompt_lens, max_tokens, decode_weights)
+    phase_s = phase_bound_s(cfg, elem, prompt_lens, steps, decode_weights, args.tp * bw, args.tp * peak)
     res.update(bandwidth=bw, gemm_peak_flops=peak, kv_bytes=kv_bytes, weight_bytes=w_bytes, matmul_flops=mm_flops,
                attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s, roofline_s=roof.seconds,
                roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,
@@ -173,8 +174,7 @@ def throughput_rows(
               f"{phase_s:.2f} s (the roofline is {100 * roof.seconds / phase_s:.1f}% of it); "
               f"reached {100 * phase_s / run.wall_s:.1f}%"),
              *expert_rows(cfg, max_tokens),
-             *decode_bucket_rows(run, decode_steps(cfg, elem, prompt_lens, max_tokens, decode_weights),
-                                 args.tp * bw, res),
+             *decode_bucket_rows(run, steps, args.tp * bw, res),
              ("peak memory (torch)", f"{peak_mem / 2**30:.1f} GiB")]
 
     if args.compare_hf:

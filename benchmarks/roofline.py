@@ -198,7 +198,7 @@ def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Seq
     return projection_flops(cfg, forwarded, sum(max_tokens)), attention_flops(cfg, pairs)
 
 
-def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], steps: Sequence[DecodeStep],
                   weight_elements: int, bandwidth: float, peak_flops: float) -> float:
     """Seconds the roofline's own schedule takes when the phases that wait on each other run in
     turn, each at the roofline of its own bytes and FLOPs::
@@ -212,12 +212,12 @@ def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
     attention's output: on one batch the two cannot overlap (two micro-batches on two streams
     could, each reading the weights again; benchmarks/lanes_probe.py measured no gain). Every
     request decodes from step 1, as the roofline's weight term counts, so every prefill comes
-    first. Never below the roofline: roofline / this is the most of the roofline that
-    schedule can reach."""
+    first (`steps`: decode_steps of the workload). Never below the roofline: roofline / this is
+    the most of the roofline that schedule can reach."""
     per_token = kv_bytes_per_token(cfg, elem_bytes)
     total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens))) / peak_flops,
                 weight_elements * elem_bytes / bandwidth)
-    for step in decode_steps(cfg, elem_bytes, prompt_lens, max_tokens, weight_elements):
+    for step in steps:
         total += max(step.weight_bytes / bandwidth, projection_flops(cfg, step.rows, step.rows) / peak_flops)
         # each row's query pairs with every token of its context
         total += max(step.kv_bytes / bandwidth, attention_flops(cfg, step.kv_bytes // per_token) / peak_flops)

@@ -238,7 +238,7 @@ def test_phase_bound_by_hand():
     448, 512 attention FLOPs and 320, 224, 256 KV bytes; 4,016 weight bytes each."""
     cfg = toy_config(tied=False)
     weights = decode_weight_elements(cfg)
-    args = (cfg, 2, [3, 5], [2, 4], weights)
+    args = (cfg, 2, [3, 5], decode_steps(cfg, 2, [3, 5], [2, 4], weights), weights)
     # FLOPs free: the prefill's weight read, then every step's bytes (the memory term + 4,016)
     assert phase_bound_s(*args, bandwidth=1.0, peak_flops=1e30) == pytest.approx(4016 + 3 * 4016 + 800)
     # bytes free: all FLOPs, the compute term (27,648 + 9,600 + 2,944)
@@ -253,7 +253,8 @@ def test_phase_bound_by_hand():
         kv, wb = workload_bytes(c, 2, prompts, outputs, w)
         flops = sum(workload_flops(c, prompts, outputs))
         for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
-            assert phase_bound_s(c, 2, prompts, outputs, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
+            steps = decode_steps(c, 2, prompts, outputs, w)
+            assert phase_bound_s(c, 2, prompts, steps, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
 
 
 def test_decode_buckets_sum_steps_by_rows():
