@@ -166,8 +166,23 @@ class _Norm:
     residual: torch.Tensor | None
 
 
+def _check_norm(norm: _Norm, x: torch.Tensor) -> None:
+    """The NORM prologue's arguments beside x [M, K] (already checked by check_linear)."""
+    if next_pow2(x.shape[0]) * next_pow2(x.shape[1]) > MAX_NORM_ELEMS:
+        raise ValueError(f"rms_norm_gemv holds rows x K <= {MAX_NORM_ELEMS} (in powers of two), got x {tuple(x.shape)}")
+    if norm.residual is not None:
+        check_matrix("residual", norm.residual, x.dtype)
+        if norm.residual.shape != x.shape or norm.residual.device != x.device:
+            raise ValueError(f"residual {tuple(norm.residual.shape)} on {norm.residual.device} must match x "
+                             f"{tuple(x.shape)} on {x.device}")
+    check_vector("norm_weight", norm.weight, x.shape[1], "x", x)
+    check_eps(norm.eps)
+
+
 def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None):
     m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS)
+    if norm is not None:
+        _check_norm(norm, x)
     wave = one_wave(x.device)
     if tile is None:
         tile = tiling(m, n_out, k_in, wave)
@@ -213,14 +228,4 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
     the projection in one launch. x [M, K] (next_pow2(M) x next_pow2(K) <= MAX_NORM_ELEMS),
     norm_weight [K]."""
-    check_matrix("x", x)
-    if next_pow2(x.shape[0]) * next_pow2(x.shape[1]) > MAX_NORM_ELEMS:
-        raise ValueError(f"rms_norm_gemv holds rows x K <= {MAX_NORM_ELEMS} (in powers of two), got x {tuple(x.shape)}")
-    if residual is not None:
-        check_matrix("residual", residual, x.dtype)
-        if residual.shape != x.shape or residual.device != x.device:
-            raise ValueError(f"residual {tuple(residual.shape)} on {residual.device} must match x "
-                             f"{tuple(x.shape)} on {x.device}")
-    check_vector("norm_weight", norm_weight, x.shape[1], "x", x)
-    check_eps(eps)
     return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual))
