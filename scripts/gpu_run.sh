@@ -7,8 +7,10 @@ OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
 # `gputests` (the whole -m gpu suite) wants a call of its own too: on 2026-12-02 (sixth) it had not
 # finished in 420 s. It was last run whole before the norm-in-GEMV commits (the one-row restriction, the
-# MoE / Llama / Qwen2 families on the device): run it first next session. `l2probe`: can an idle-HBM gap
-# pull the next projection's weight into L2 (it could not: BENCHMARKS.md, sixth session).
+# MoE / Llama / Qwen2 families on the device): run it first next session. Then branch exp/moe-one-launch
+# (the MoE block's router + experts in one launch at 1-2 tokens, for #16's batch-1 target; never run on a
+# GPU): its `onelaunch` part (GPU tests, then 30B batch 1 / 2 one launch vs three). `l2probe`: can an
+# idle-HBM gap pull the next projection's weight into L2 (it could not: BENCHMARKS.md, sixth session).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
