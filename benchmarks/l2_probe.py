@@ -30,7 +30,10 @@ from nanovllm.kernels.pdl import LINE_BYTES, prefetch_l2
 
 # Rotated weight copies: 8 x 16.8 MB (30B o_proj) is well past the H200's 50 MB of L2.
 COPIES = 8
+# Per-line prefetch: 1,024 lines (128 KB) a program, 8 prefetch instructions a thread at 4 warps.
 LINES_PER_PROGRAM = 1024
+# Bulk prefetch: one chunk a thread, one warp a program.
+CHUNKS_PER_PROGRAM = 32
 
 
 @triton.jit
@@ -67,9 +70,8 @@ def prefetch_lines(w: torch.Tensor) -> None:
 def prefetch_bulk(w: torch.Tensor, chunk_bytes: int) -> None:
     chunk = chunk_bytes // w.element_size()
     n_chunks = triton.cdiv(w.numel(), chunk)
-    block = 32
-    _prefetch_bulk[(triton.cdiv(n_chunks, block),)](w, w.numel(), CHUNK_ELEMS=chunk, ELEM_BYTES=w.element_size(),
-                                                    BLOCK=block, num_warps=1)
+    _prefetch_bulk[(triton.cdiv(n_chunks, CHUNKS_PER_PROGRAM),)](
+        w, w.numel(), CHUNK_ELEMS=chunk, ELEM_BYTES=w.element_size(), BLOCK=CHUNKS_PER_PROGRAM, num_warps=1)
 
 
 def main() -> None:
@@ -85,7 +87,7 @@ def main() -> None:
         n, k = map(int, shape.split("x"))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        mb = ws[0].numel() * 2 / 1e6
+        mb = ws[0].numel() * ws[0].element_size() / 1e6
         rows = {}
 
         def per(fn):
