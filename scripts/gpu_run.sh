@@ -5,12 +5,10 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `readme` wants a call of its own (<= 590 s; scripts/test_times.py sums its per-test times).
-# `gputests` (the whole -m gpu suite) wants a call of its own too: on 2026-12-02 (sixth) it had not
-# finished in 420 s. It was last run whole before the norm-in-GEMV commits (the one-row restriction, the
-# MoE / Llama / Qwen2 families on the device): run it first next session. Then branch exp/moe-one-launch
-# (the MoE block's router + experts in one launch at 1-2 tokens, for #16's batch-1 target; never run on a
-# GPU): its `onelaunch` part (GPU tests, then 30B batch 1 / 2 one launch vs three). `l2probe`: can an
-# idle-HBM gap pull the next projection's weight into L2 (it could not: BENCHMARKS.md, sixth session).
+# `gputests` (the whole -m gpu suite) wants a call of its own too (359 s on 2026-12-02, seventh session).
+# `l2probe` / `preloadprobe`: can the idle HBM while attention runs pull the next projection's weight
+# closer (L2: never; registers before the PDL wait: 2.4-3.9 us saved after an 11 us gap, but no gain
+# in the engine: BENCHMARKS.md, sixth and seventh sessions).
 parts=${*:-"gputests enginetests kernels sampler bench latency"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
@@ -78,6 +76,7 @@ for part in $parts; do
       timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py -k "identical or small_batch" 2>&1 | tail -3 | tee -a "$OUT/normtests.log"
       timeout 120 python3 benchmarks/variants.py --variant norm --variant "nonorm:nanovllm.layers.linear.NORM_IN_GEMV=False" --show "decode ms/token" -- --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --latency --latency-batch-sizes 1 2>&1 | tee -a "$OUT/normab.log" ;;
     l2probe) (cd benchmarks && timeout 240 python3 l2_probe.py 2>&1 | tee "$OUT/l2probe.log" | tail -40) ;;
+    preloadprobe) (cd benchmarks && timeout 150 python3 preload_probe.py 2>&1 | tee "$OUT/preloadprobe.log" | tail -60) ;;
     benchn) timeout 300 python3 benchmarks/bench_n.py 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
   esac
 done
