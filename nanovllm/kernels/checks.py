@@ -116,6 +116,28 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
 
 
+def check_query(q: torch.Tensor) -> None:
+    """An attention kernel's q [..., num_heads, head_dim] (its rank checked by the caller): a
+    float dtype, a supported head_dim, a contiguous last dim."""
+    check_float_dtype("q", q)
+    check_head_dim(q.shape[-1])
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
+
+
+def check_gqa(hq: int, hkv: int) -> None:
+    """Query heads come in whole groups per kv head."""
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+
+
+def check_on_device(device: torch.device, tensors) -> None:
+    """Each (name, tensor) of tensors lies on q's device."""
+    for name, t in tensors:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+
 def check_cache(k_cache, v_cache, hkv: int, d: int, dtype) -> int:
     """Validate paged caches [num_blocks, block_size, hkv, d]; return block_size."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, check_cache, check_float_dtype, check_head_dim,
-                            check_int_tensor, check_out, cuda_sm_count, next_pow2)
+from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_on_device, check_out,
+                     check_query, cuda_sm_count, next_pow2)
 from .counters import arrival_counters
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -262,18 +262,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, num_heads, head_dim], got {getattr(q, 'shape', type(q))}")
-    check_float_dtype("q", q)
+    check_query(q)
     batch, _, hq, d = q.shape
-    check_head_dim(d)
-    if q.stride(-1) != 1:
-        raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got "
                          f"{getattr(k_cache, 'shape', type(k_cache))}")
     hkv = k_cache.shape[2]
     block_size = check_cache(k_cache, v_cache, hkv, d, q.dtype)
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    check_gqa(hq, hkv)
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
     check_int_tensor("block_table", block_table, dims=2)
     if block_table.shape[0] != batch:
@@ -289,9 +285,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
             raise ValueError(f"num_splits must be 0 or 1 with num_seqs (the rows in use are only known "
                              f"on the device, so there is nothing to size splits from), got {num_splits}")
         num_splits = 1
-    for name, t in tensors:
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_on_device(q.device, tensors)
     if out is None:
         out = torch.empty_like(q)
     else:

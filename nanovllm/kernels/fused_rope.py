@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_eps, check_float_dtype, check_vector, next_pow2
+from .checks import check_eps, check_float_dtype, check_on_device, check_vector, next_pow2
 from .fused_norm import round_to
 from .kv_store import check_kv_store
 from .pdl import pdl_launch_options, wait_for_prior
@@ -149,9 +149,7 @@ def _check_args(q, k, positions, cos_sin_cache) -> None:
         raise ValueError(f"cos_sin_cache must be [max_position, {d}], got {tuple(cos_sin_cache.shape)}")
     if cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must have a contiguous last dim, got strides {cos_sin_cache.stride()}")
-    for name, t in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_on_device(q.device, (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)))
 
 
 def _check_kv_write(kv_write) -> None:

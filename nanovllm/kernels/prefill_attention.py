@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_float_dtype, check_head_dim,
-                     check_int_tensor, check_out, cuda_sm_count)
+from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_gqa, check_head_dim, check_int_tensor,
+                     check_on_device, check_out, check_query, cuda_sm_count)
 from .query_tiles import MAX_GRID_YZ, check_tiles
 
 # Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
@@ -264,11 +264,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [total_q, num_heads, head_dim], got "
                          f"{getattr(q, 'shape', type(q))}")
-    check_float_dtype("q", q)
+    check_query(q)
     total_q, hq, d = q.shape
-    check_head_dim(d)
-    if q.stride(-1) != 1:
-        raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t)}")
@@ -291,8 +288,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
         hkv = k.shape[1]
         block_size = 16  # unused by the packed path; fixed to avoid recompiles
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    check_gqa(hq, hkv)
     check_int_tensor("cu_seqlens_q", cu_seqlens_q, dims=1)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs < 0 or num_seqs > MAX_GRID_YZ:
@@ -311,9 +307,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     tensors = [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
     if paged:
         tensors.append(("block_table", block_table))
-    for name, t in tensors:
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_on_device(q.device, tensors)
     cap = check_tiles(tile_seq, tile_block, num_tiles, q.device)
     tiled = tile_seq is not None
     if out is None:

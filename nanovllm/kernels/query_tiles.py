@@ -9,7 +9,7 @@ checked at the call that receives it.
 import numpy as np
 import torch
 
-from .checks import check_int_tensor
+from .checks import check_int_tensor, check_on_device
 
 # CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
 MAX_GRID_YZ = 65535
@@ -71,7 +71,5 @@ def check_tiles(tile_seq, tile_block, num_tiles, device: torch.device) -> int:
         raise ValueError(f"tile_block length {tile_block.shape[0]} != tile_seq length {cap}")
     if cap > MAX_GRID_YZ:
         raise ValueError(f"tile_seq length {cap} exceeds the grid limit {MAX_GRID_YZ}")
-    for name, t in (("tile_seq", tile_seq), ("tile_block", tile_block), ("num_tiles", num_tiles)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, q on {device}")
+    check_on_device(device, (("tile_seq", tile_seq), ("tile_block", tile_block), ("num_tiles", num_tiles)))
     return cap
