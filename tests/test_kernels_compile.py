@@ -128,6 +128,12 @@ SPECS = [
                                              "best_ptr": "*fp32", "best_col_ptr": "*i32"},
      [{"IS_PROBS": True, "SUB": 256, "TILES_PER_CHUNK": 4}]),
     ("gumbel_max", "_uniforms_kernel", {"key_ptr": "*i64", "u_ptr": "*fp32"}, [{"SUB": 256}]),
+    # top-p / min-p by the candidate walk: each filter alone and both, bfloat16 and float32 logits
+    *[("candidate_walk", "_walk_sample_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "key_ptr": "*i64",
+                                                 "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64"},
+       [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "SUB": 256, "STEP_TILES": 8, "num_warps": 8}
+        for p, mp in ((True, False), (False, True), (True, True))])
+      for x in ("*bf16", "*fp32")],
     ("moe_sort", "_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"}, [{"SLICE": 32, "BLOCK_E": 128}]),
     ("moe_sort", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "block_expert",
                                                                "num_used", "sorted")},
@@ -178,6 +184,23 @@ def _nvidia_backend_present() -> bool:
     except ImportError:
         return False
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def test_every_kernel_has_a_spec():
+    """Each kernel the package defines (a @triton.jit function named *_kernel in nanovllm/kernels)
+    is listed in SPECS, so a new kernel cannot skip the sm_90 compile."""
+    import triton
+
+    found = set()
+    for path in sorted((ROOT / "nanovllm" / "kernels").glob("*.py")):
+        mod = importlib.import_module(f"nanovllm.kernels.{path.stem}")
+        for name, obj in vars(mod).items():
+            fn = getattr(obj, "fn", None)
+            if (isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel")
+                    and getattr(fn, "__module__", None) == mod.__name__):
+                found.add((path.stem, name))
+    assert ("gemv", "_gemv_kernel") in found  # the scan sees kernels at all
+    assert found - {(module, kernel) for module, kernel, *_ in SPECS} == set()
 
 
 @pytest.mark.skipif(not _nvidia_backend_present(), reason="Triton's NVIDIA backend (ptxas) is not installed")
