@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gumbel_max import _tile_uniforms
+from .gumbel_max import _tile_uniforms, gumbel_noise, keep_best
 from .checks import check_row_vector
 from .gumbel_torch import SUB, check_gumbel_args
 
@@ -54,11 +54,6 @@ def _load_x(x_row, cols, vocab, t):
 
 
 @triton.jit
-def _gumbel(u, noise):
-    return -tl.log(-tl.log(u)) * noise
-
-
-@triton.jit
 def _max2(x):
     return tl.max(tl.max(x, axis=1), axis=0)
 
@@ -69,9 +64,8 @@ def _first_sub(x, cols, g, m_acc, z_acc, best, best_col):
     m_new = tl.maximum(m_acc, x)
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing finite yet: no inf - inf
     z_acc = z_acc * tl.exp(m_acc - shift) + tl.exp(x - shift)
-    score = x + g
-    better = score > best  # strict: the earlier column keeps a tie
-    return m_new, z_acc, tl.where(better, score, best), tl.where(better, cols, best_col)
+    best, best_col = keep_best(best, best_col, x + g, cols)
+    return m_new, z_acc, best, best_col
 
 
 @triton.jit
@@ -81,9 +75,8 @@ def _walk_sub(x, cols, g, xc, m, min_p, mass, best, best_col):
     rel = tl.exp(x - m)  # p * Z
     above = x > xc
     mass += tl.where(above, rel, 0.0)
-    score = tl.where(above & (rel >= min_p), x + g, float("-inf"))
-    better = score > best
-    return mass, tl.where(better, score, best), tl.where(better, cols, best_col)
+    best, best_col = keep_best(best, best_col, tl.where(above & (rel >= min_p), x + g, float("-inf")), cols)
+    return mass, best, best_col
 
 
 @triton.jit
@@ -122,14 +115,14 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
         t0 = s0 + tiles
         u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
         c = t0 + j  # [STEP_TILES, SUB] columns of sub-block 0
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c, vocab, t), c, _gumbel(u0, noise),
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c, vocab, t), c, gumbel_noise(u0, noise),
                                                   m_acc, z_acc, best, best_col)
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + SUB, vocab, t), c + SUB, _gumbel(u1, noise),
+        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + SUB, vocab, t), c + SUB, gumbel_noise(u1, noise),
                                                   m_acc, z_acc, best, best_col)
         m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 2 * SUB, vocab, t), c + 2 * SUB,
-                                                  _gumbel(u2, noise), m_acc, z_acc, best, best_col)
+                                                  gumbel_noise(u2, noise), m_acc, z_acc, best, best_col)
         m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 3 * SUB, vocab, t), c + 3 * SUB,
-                                                  _gumbel(u3, noise), m_acc, z_acc, best, best_col)
+                                                  gumbel_noise(u3, noise), m_acc, z_acc, best, best_col)
     m = _max2(m_acc)
     z = tl.sum(tl.sum(z_acc * tl.exp(m_acc - m), axis=1), axis=0)
     cand = _lowest_best(best, best_col, vocab)
@@ -150,11 +143,12 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
             if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
                 # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
                 u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
-                mass, best, best_col = _walk_sub(x0, c, _gumbel(u0, noise), xc, m, min_p, mass, best, best_col)
-                mass, best, best_col = _walk_sub(x1, c + SUB, _gumbel(u1, noise), xc, m, min_p, mass, best, best_col)
-                mass, best, best_col = _walk_sub(x2, c + 2 * SUB, _gumbel(u2, noise), xc, m, min_p, mass, best,
+                mass, best, best_col = _walk_sub(x0, c, gumbel_noise(u0, noise), xc, m, min_p, mass, best, best_col)
+                mass, best, best_col = _walk_sub(x1, c + SUB, gumbel_noise(u1, noise), xc, m, min_p, mass, best,
                                                  best_col)
-                mass, best, best_col = _walk_sub(x3, c + 3 * SUB, _gumbel(u3, noise), xc, m, min_p, mass, best,
+                mass, best, best_col = _walk_sub(x2, c + 2 * SUB, gumbel_noise(u2, noise), xc, m, min_p, mass, best,
+                                                 best_col)
+                mass, best, best_col = _walk_sub(x3, c + 3 * SUB, gumbel_noise(u3, noise), xc, m, min_p, mass, best,
                                                  best_col)
         above = tl.sum(tl.sum(mass, axis=1), axis=0)
         kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z)

@@ -60,12 +60,21 @@ def _scores(x_ptr, cols, vocab, scale, noise_scale, u, IS_PROBS: tl.constexpr):
         x = tl.log(x)  # log(0) = -inf: filtered tokens never win
     else:
         x = x * scale
-    score = x - tl.log(-tl.log(u)) * noise_scale
+    score = x + gumbel_noise(u, noise_scale)
     return tl.where(mask, score, float("-inf"))
 
 
 @triton.jit
-def _keep_best(best, best_col, score, cols):
+def gumbel_noise(u, scale):
+    """Gumbel noise -log(-log u) of uniforms u in (0, 1), times scale (0 for greedy rows). Negated
+    after the product, so `x + gumbel_noise` compiles to the sampling kernel's x - log(-log u) * scale
+    (the same sm_90 PTX as before it was shared); (-a) * s and -(a * s) are the same float."""
+    return -(tl.log(-tl.log(u)) * scale)
+
+
+@triton.jit
+def keep_best(best, best_col, score, cols):
+    """Per lane, the better of (best, best_col) and (score, cols)."""
     better = score > best  # strict: the earlier column keeps a tie
     return tl.where(better, score, best), tl.where(better, cols, best_col)
 
@@ -96,13 +105,13 @@ def _gumbel_sample_kernel(
         t0 = (chunk * TILES_PER_CHUNK + i) * (4 * SUB)
         u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
         c = t0 + j
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u0, IS_PROBS), c)
+        best, best_col = keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u0, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u1, IS_PROBS), c)
+        best, best_col = keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u1, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u2, IS_PROBS), c)
+        best, best_col = keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u2, IS_PROBS), c)
         c = c + SUB
-        best, best_col = _keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u3, IS_PROBS), c)
+        best, best_col = keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u3, IS_PROBS), c)
     top = tl.max(best, axis=0)
     # lowest column among the lanes holding the maximum (an all -inf chunk reports column 0, its lanes
     # never having taken a score: such a chunk wins only when the whole row is -inf)
