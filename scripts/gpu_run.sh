@@ -9,7 +9,7 @@ OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # `l2probe` / `preloadprobe`: can the idle HBM while attention runs pull the next projection's weight
 # closer (L2: never; registers before the PDL wait: 2.4-3.9 us saved after an 11 us gap, but no gain
 # in the engine: BENCHMARKS.md, sixth and seventh sessions).
-parts=${*:-"gputests enginetests kernels sampler bench latency"}
+parts=${*:-"enginetests kernels sampler bench latency"}  # gputests: a call of its own (above)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/env.log"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.log"
 for part in $parts; do
