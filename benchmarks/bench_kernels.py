@@ -17,7 +17,9 @@ import torch
 import triton
 
 from graph_timing import graph_us
-from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.kv_store import store_kvcache
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
 DEV = "cuda"

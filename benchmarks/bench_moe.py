@@ -91,7 +91,7 @@ def gemv_candidates() -> list:
     default, where the register tile fits (24 in all)."""
     from dataclasses import replace
 
-    from nanovllm.kernels.moe_decode import DEFAULT_TILES
+    from nanovllm.moe.decode import DEFAULT_TILES
 
     grid = [replace(DEFAULT_TILES, num_warps=w, gate_up_block_n=n, gate_up_block_k=k)
             for w in SWEEP_GEMV_WARPS for n, k in SWEEP_GEMV_GATE_UP]
@@ -171,7 +171,7 @@ def sweep_gemv(w13: torch.Tensor, w2: torch.Tensor, copy_gbps: float, gen: torch
     """moe_gemv at T = 1 and 2 for every gemv_candidates() tile: ms, GB/s, fraction of copy."""
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.kernels.moe_decode import DEFAULT_TILES, MAX_TOKENS, moe_gemv
+    from nanovllm.moe.decode import DEFAULT_TILES, MAX_TOKENS, moe_gemv
 
     rows = []
     for t in range(1, MAX_TOKENS + 1):
@@ -212,10 +212,10 @@ def sweep_gemv(w13: torch.Tensor, w2: torch.Tensor, copy_gbps: float, gen: torch
 def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.kernels.moe import MoeTiles, Tiling, fused_moe, moe_tiles, size_class
-    from nanovllm.kernels.moe_sort import moe_align
-    from nanovllm.kernels.moe_decode import MAX_TOKENS as GEMV_MAX_TOKENS
-    from nanovllm.kernels.moe_decode import moe_gemv
+    from nanovllm.moe.grouped_gemm import MoeTiles, Tiling, fused_moe, moe_tiles, size_class
+    from nanovllm.moe.align import moe_align
+    from nanovllm.moe.decode import MAX_TOKENS as GEMV_MAX_TOKENS
+    from nanovllm.moe.decode import moe_gemv
 
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, _top_k_top_p_threshold
-from nanovllm.layers.sampling_batch import SamplingBatch, row_key
+from nanovllm.sampling.sampler import Sampler, _top_k_top_p_threshold
+from nanovllm.sampling.batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 MIXED = [
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--torch-thresholds", action="store_true",
                         help="top-k/top-p thresholds by the CPU path's torch.topk / sort instead of the Triton select")
     parser.add_argument("--no-walk", action="store_true",
-                        help="top-p / min-p batches through thresholds too, not the candidate walk (kernels/candidate_walk.py)")
+                        help="top-p / min-p batches through thresholds too, not the candidate walk (sampling/candidate_walk.py)")
     parser.add_argument("--logit-scale", type=float, default=3.0,
                         help="logits ~ N(0, scale^2): 3 peaked rows, 0.3 near-flat ones (random-weight models)")
     args = parser.parse_args()

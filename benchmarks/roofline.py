@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.fused_moe import MoeExperts
+from nanovllm.moe.layer import MoeExperts
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import build_model
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE
+from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.utils.validation import check_int
 
@@ -49,6 +50,9 @@ class Config:
     load_format: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    # Row counts at which CUDA layers switch kernels (layers/kernel_path.py); the defaults are the
+    # measured best, another value is for A/B runs.
+    kernel_routes: KernelRoutes = field(default_factory=KernelRoutes)
     # Filled in by __post_init__ from config.json; not a user setting.
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -93,6 +97,8 @@ class Config:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.kernel_routes, KernelRoutes):
+            raise TypeError(f"kernel_routes must be a KernelRoutes, got {self.kernel_routes!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from nanovllm.engine.cuda_graphs import GRAPH_BATCH_STEP, MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes
-from nanovllm.layers.linear import GEMV_MAX_ROWS
+from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.layers.attention_backend import select_attention_backend
 
 
@@ -35,13 +35,14 @@ def test_forcing_a_gpu_backend_on_cpu_is_a_clear_error():
 def test_graph_sizes_serve_every_batch_with_bounded_padding(max_num_seqs):
     """Every decode batch up to the graph limit replays a graph no more than one step larger;
     GEMV-sized batches replay a graph of their own size (no cuBLAS rows of padding)."""
-    sizes = graph_batch_sizes(max_num_seqs)
+    gemv_rows = KernelRoutes().gemv_max_rows
+    sizes = graph_batch_sizes(max_num_seqs, gemv_rows)
     graphs = SimpleNamespace(sizes=sizes)
     limit = min(max_num_seqs, MAX_GRAPH_BATCH)
     assert sizes == sorted(set(sizes)) and sizes[-1] == limit
     for batch in range(1, limit + 1):
         padded = DecodeGraphs.padded_size(graphs, batch)
         assert batch <= padded < batch + GRAPH_BATCH_STEP
-        if batch <= GEMV_MAX_ROWS:
+        if batch <= gemv_rows:
             assert padded == batch
     assert DecodeGraphs.padded_size(graphs, limit + 1) is None  # larger batches run eagerly

@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanovllm.kernels as kernels
-import nanovllm.kernels.moe_sort as moe_sort
-from nanovllm.kernels import fused_moe, moe_align
-from nanovllm.kernels.moe import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
-from nanovllm.kernels.moe_sort import MAX_EXPERTS
+import nanovllm.moe.align as moe_sort
+from nanovllm.moe.align import moe_align
+from nanovllm.moe.grouped_gemm import fused_moe, BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
+from nanovllm.moe.align import MAX_EXPERTS
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -149,7 +148,6 @@ def test_int32_ids_strided_rows_and_explicit_tiles(device):
     assert_close(fused_moe(hidden, w13, w2, weights, ids.int()), ref, torch.float32)
     tiles = MoeTiles(32, DECODE_GATE_UP, DECODE_DOWN)  # a block height the batch rule would not pick here
     assert_close(fused_moe(hidden, w13, w2, weights, ids, tiles=tiles), ref, torch.float32)
-    assert kernels.fused_moe is fused_moe and kernels.moe_align is moe_align  # not shadowed by the submodule
 
 
 @pytest.mark.gpu
@@ -253,13 +251,14 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     size; prefill / mixed: the token bucket). fused_moe must choose every tile for the padded
     count exactly as for the step's own count, or the two would round differently."""
     from nanovllm.engine.cuda_graphs import graph_batch_sizes
+    from nanovllm.layers.kernel_path import KernelRoutes
     from nanovllm.engine.varlen_graphs import token_buckets
-    from nanovllm.kernels.moe import plan_tiles
+    from nanovllm.moe.grouped_gemm import plan_tiles
 
     def padded(sizes, t):
         return next(s for s in sizes if s >= t)
 
-    decode, buckets = graph_batch_sizes(512), token_buckets(16384)
+    decode, buckets = graph_batch_sizes(512, KernelRoutes().gemv_max_rows), token_buckets(16384)
     for e, k, h, inter in ((128, 8, 2048, 768), (32, 8, 256, 128)):
         for t in range(1, 16385):
             sizes = [padded(buckets, t)] + ([padded(decode, t)] if t <= decode[-1] else [])
@@ -269,8 +268,8 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
     # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
-    from nanovllm.kernels.moe import MIN_PROGRAMS_PER_SM
-    from nanovllm.kernels.moe_sort import aligned_blocks
+    from nanovllm.moe.grouped_gemm import MIN_PROGRAMS_PER_SM
+    from nanovllm.moe.align import aligned_blocks
 
     tiles, gate_up, down = plan_tiles(1, 8, 128, 2048, 768, 132)
     used = aligned_blocks(8, 128, tiles.block_m)

@@ -87,31 +87,32 @@ def test_rms_norm_gemv(dtype, m, n, k, with_residual, with_bias):
     near_torch(out, F.linear(norm.forward_native(summed), w, bias))
 
 
-def test_column_layers_take_the_norm_into_the_gemv(monkeypatch):
-    """A column-parallel layer on its Triton path (forced on CPU: the interpreter) with the norm
-    allowed in its GEMV gives what the norm then the layer give, at one row (NORM_IN_GEMV_MAX_ROWS),
-    with and without a residual (a decoder's first layer); 2 and 3 rows take the norm's own path."""
-    import nanovllm.kernels.gemv as gemv_mod
-    from nanovllm.layers.linear import NORM_IN_GEMV_MAX_ROWS, MergedColumnParallelLinear
+def test_column_layers_take_the_norm_into_the_gemv():
+    """A column-parallel layer whose path takes the norm into its GEMV (the routes' one row; the
+    interpreter runs the kernel) gives what the norm then the layer give, with and without a
+    residual (a decoder's first layer); 2 and 3 rows take the norm's own path."""
+    from nanovllm.layers.kernel_path import KernelRoutes, LinearPath, plan_linear
+    from nanovllm.layers.linear import MergedColumnParallelLinear
 
-    calls = []
-    kernel = gemv_mod.rms_norm_gemv
-    monkeypatch.setattr(gemv_mod, "rms_norm_gemv", lambda *a, **kw: calls.append(len(a[0])) or kernel(*a, **kw))
+    routes = KernelRoutes()
+    path = plan_linear(48, 64, routes, 4, takes_norm=True)
+    assert path == LinearPath(routes.gemv_max_rows, routes.norm_in_gemv_max_rows, 0)
+    assert plan_linear(48, 64, routes, 4, takes_norm=False).norm_rows == 0  # a row-parallel layer
+    assert plan_linear(48, 64, KernelRoutes(norm_in_gemv_max_rows=0), 4, takes_norm=True).norm_rows == 0
     torch.manual_seed(0)
     layer = MergedColumnParallelLinear(64, [24, 24])
     layer.weight.data.normal_(0, 0.1)
     norm = RMSNorm(64, 1e-6)
     norm.weight.data.normal_(1, 0.2)
-    assert not layer.norm_in_gemv  # built on CPU
+    assert layer.path == LinearPath(0, 0, 0)  # built on CPU
     for rows in (1, 2, 3):
+        assert path.norm_serves(torch.empty(rows, 64)) == (rows <= routes.norm_in_gemv_max_rows)
         for residual in (None, torch.randn(rows, 64)):
             x = torch.randn(rows, 64)
+            layer.path = LinearPath(0, 0, 0)
             ref, ref_s = layer.forward_normed(x, residual, norm)  # CPU: norm, then F.linear
-            layer.use_gemv = layer.norm_in_gemv = True
-            calls.clear()
+            layer.path = path  # the CUDA path's decision, under the interpreter
             got, s = layer.forward_normed(x, residual, norm)
-            layer.use_gemv = layer.norm_in_gemv = False
-            assert calls == ([rows] if rows <= NORM_IN_GEMV_MAX_ROWS else []), rows
             assert torch.equal(s, ref_s)
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 

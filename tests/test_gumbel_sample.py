@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.gumbel_max import SUB, TILE, gumbel_sample, gumbel_uniforms
-from nanovllm.kernels.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
+from nanovllm.sampling.gumbel_max import SUB, TILE, gumbel_sample, gumbel_uniforms
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
 
 M32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -145,7 +145,7 @@ def test_frequencies_follow_softmax(impl, monkeypatch):
     gumbel_sample, device = impl
     n = 1500 if device == "cpu" else 200_000
     if device == "cpu":  # the interpreter pays per column: one tile per program covers this vocabulary
-        import nanovllm.kernels.gumbel_max as gm
+        import nanovllm.sampling.gumbel_max as gm
         monkeypatch.setattr(gm, "TILES_PER_CHUNK", 1)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
     temperature = 0.7

@@ -20,18 +20,21 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import KernelInterface  # noqa: E402
 
 import nanovllm.kernels  # noqa: E402
+import nanovllm.moe  # noqa: E402
+import nanovllm.sampling  # noqa: E402
 
 PLAIN_SCALARS = (bool, int, float, str)
 
 
 def _jit_functions():
-    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
-        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
-        for name, value in vars(module).items():
-            if isinstance(value, KernelInterface):
-                fn = _python_function(value)
-                if fn.__module__ == module.__name__:
-                    yield f"{info.name}.{name}", fn
+    for package in (nanovllm.kernels, nanovllm.moe, nanovllm.sampling):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for name, value in vars(module).items():
+                if isinstance(value, KernelInterface):
+                    fn = _python_function(value)
+                    if fn.__module__ == module.__name__:
+                        yield f"{module.__name__.removeprefix('nanovllm.')}.{name}", fn
 
 
 def _python_function(kernel):
@@ -84,8 +87,8 @@ KERNELS = sorted(_jit_functions())
 def test_kernels_are_found():
     names = {name for name, _ in KERNELS}
     # One kernel of each family that once read a plain float global: the scan must reach them.
-    assert "logprobs._logprobs_kernel" in names
-    assert "moe_routing._route_kernel" in names
+    assert "sampling.logprobs_kernel._logprobs_kernel" in names
+    assert "moe.routing._route_kernel" in names
 
 
 @pytest.mark.parametrize("name,fn", KERNELS, ids=[name for name, _ in KERNELS])
@@ -99,7 +102,7 @@ def test_kernel_calls_only_triton_functions(name, fn):
 
 
 def test_the_scan_catches_a_call_to_a_plain_python_helper():
-    from nanovllm.kernels import logprobs
+    from nanovllm.sampling import logprobs_kernel as logprobs
 
     original = logprobs._key_value
     try:
@@ -110,7 +113,7 @@ def test_the_scan_catches_a_call_to_a_plain_python_helper():
 
 
 def test_the_scan_catches_a_plain_float_global():
-    from nanovllm.kernels import logprobs
+    from nanovllm.sampling import logprobs_kernel as logprobs
 
     original = logprobs.LOG2E
     try:

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels import (build_query_tiles, flash_attn_varlen_func, flash_attn_with_kvcache, query_tile_rows,
-                              store_kvcache)
+from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.kv_store import store_kvcache
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
+from nanovllm.kernels.query_tiles import build_query_tiles
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

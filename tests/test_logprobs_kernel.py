@@ -1,4 +1,4 @@
-"""The Triton logprobs kernel (kernels/logprobs.py) against a float64 log_softmax: under the CPU
+"""The Triton logprobs kernel (sampling/logprobs_kernel.py) against a float64 log_softmax: under the CPU
 interpreter on small shapes, compiled on CUDA at serving size."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.logprobs import LogprobsWorkspace, row_logprobs
+from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, row_logprobs
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -81,7 +81,7 @@ def test_row_strides_and_empty_batches(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_subset_of_rows_is_scored_in_place(device):
     """`rows` picks the scored rows of logits and tokens (the sampler's asking rows), in their order."""
-    from nanovllm.layers.sampler import token_logprobs
+    from nanovllm.sampling.sampler import token_logprobs
 
     vocab, block = (300, 128) if device == "cpu" else (151_936, None)
     kw = {"block": block} if block else {}

@@ -1,4 +1,4 @@
-"""The decode-step MoE GEMV (kernels/moe_decode.py) against the float64 reference of
+"""The decode-step MoE GEMV (moe/decode.py) against the float64 reference of
 tests/test_fused_moe.py: under the CPU interpreter on small shapes, compiled on CUDA at the
 Qwen3-30B-A3B shape, and against fused_moe (the grouped path) on the same inputs; tile overrides
 (GemvTiles) and the bench's --sweep-gemv candidate grid."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm.kernels.moe_decode import DEFAULT_TILES, GemvTiles, moe_gemv, moe_gemv_routed
-from nanovllm.kernels.moe_routing import moe_route
+from nanovllm.moe.decode import DEFAULT_TILES, GemvTiles, moe_gemv, moe_gemv_routed
+from nanovllm.moe.routing import moe_route
 from test_fused_moe import DEVICES, QWEN3_30B, TOLERANCE, assert_close, make_case, reference_moe
 
 
@@ -137,7 +137,7 @@ def test_the_bench_sweep_grid_parses_and_stays_small():
 
 @pytest.mark.gpu
 def test_agrees_with_the_grouped_kernel_on_cuda():
-    from nanovllm.kernels import fused_moe
+    from nanovllm.moe.grouped_gemm import fused_moe
 
     args = make_case(2, QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"], torch.bfloat16, "cuda", seed=5)
     a, b = moe_gemv(*args).double(), fused_moe(*args).double()
@@ -177,7 +177,8 @@ def test_the_layer_routes_inside_the_gemvs_in_decode_steps(tokens):
     """SparseMoeBlock on its Triton path (forced on CPU: the interpreter) in a decode step of 1-2
     tokens takes moe_gemv_routed and gives the PyTorch path's output on the same weights; outside
     a decode step it does not (it routes, then fused_moe)."""
-    from nanovllm.layers.fused_moe import SparseMoeBlock
+    from nanovllm.layers.kernel_path import KernelRoutes
+    from nanovllm.moe.layer import SparseMoeBlock
     from nanovllm.utils.context import AttentionMetadata, attention_context
 
     torch.manual_seed(tokens)
@@ -187,7 +188,8 @@ def test_the_layer_routes_inside_the_gemvs_in_decode_steps(tokens):
         p.data.normal_(0, 0.2)
     hidden = torch.randn(tokens, h)
     want = block(hidden)  # built on CPU: route + experts_native
-    block.experts.use_triton = True  # the CUDA path's kernels, under the interpreter
+    # the CUDA path's kernels, under the interpreter
+    block.experts.use_triton, block.experts.gemv_tokens = True, KernelRoutes().moe_gemv_max_tokens
     assert not block.experts.runs_gemv(hidden)  # no decode step running
     with attention_context(AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(tokens, dtype=torch.int64))):
         assert block.experts.runs_gemv(hidden)

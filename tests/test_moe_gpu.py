@@ -11,7 +11,7 @@ from checkpoints import (
     MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
 )
 from nanovllm import SamplingParams
-from nanovllm.layers.fused_moe import SparseMoeBlock, experts_native, route
+from nanovllm.moe.layer import SparseMoeBlock, experts_native, route
 
 pytestmark = pytest.mark.gpu
 

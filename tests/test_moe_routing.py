@@ -1,13 +1,13 @@
-"""The Triton MoE routing kernel (kernels/moe_routing.py) against the PyTorch route of
-layers/fused_moe.py and a float64 softmax: under the CPU interpreter, and compiled on CUDA."""
+"""The Triton MoE routing kernel (moe/routing.py) against the PyTorch route of
+moe/layer.py and a float64 softmax: under the CPU interpreter, and compiled on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanovllm.kernels.moe_routing import moe_route
-from nanovllm.layers.fused_moe import route
+from nanovllm.moe.routing import moe_route
+from nanovllm.moe.layer import route
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]

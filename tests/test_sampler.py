@@ -1,4 +1,4 @@
-"""CPU tests of nanovllm.layers.sampler: greedy, distributions, filters, seeds, mixed batches,
+"""CPU tests of nanovllm.sampling.sampler: greedy, distributions, filters, seeds, mixed batches,
 logprobs, batch packing.
 
 Statistical checks compare sampled frequencies with a float64 reference through a
@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
-import nanovllm.layers.sampler as sampler_module
-import nanovllm.layers.sampling_batch as sampling_batch_module
-from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
-from nanovllm.layers.sampler import Sampler, token_logprobs
-from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, row_key
+import nanovllm.sampling.sampler as sampler_module
+import nanovllm.sampling.batch as sampling_batch_module
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
+from nanovllm.sampling.sampler import Sampler, token_logprobs
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, row_key
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU = torch.device("cpu")
@@ -230,7 +230,7 @@ def test_top_p_from_the_top_k_matches_the_full_sort() -> None:
     assert batch.top_p_within_top_k and batch.max_top_k == 50
     fast = sampler_module._threshold_from_top(probs, batch)
     full = dataclasses.replace(batch, top_p_within_top_k=False)  # forces the sort
-    slow = sampler_module._top_k_top_p_threshold(probs, full)
+    slow = sampler_module.top_k_top_p_threshold(probs, full)
     assert torch.equal(probs < fast, probs < slow)
     assert torch.equal(fast[:3], slow[:3])  # no ties past the top: the same float32 sums
     assert fast[3].item() == 0.0  # neither filter (the sort gives the row's smallest value: also all kept)
@@ -433,7 +433,7 @@ def test_sampler_picks_the_noise_implementation_of_its_device() -> None:
 @pytest.mark.interpreter
 def test_the_triton_logprobs_kernel_gives_the_samplers_logprobs() -> None:
     """The sampler's logprobs through the Triton kernel (interpreter) equal the PyTorch path's."""
-    from nanovllm.kernels.logprobs import row_logprobs
+    from nanovllm.sampling.logprobs_kernel import row_logprobs
 
     g = torch.Generator().manual_seed(10)
     logits = torch.randn(5, 3_000, generator=g) * 3
@@ -455,8 +455,8 @@ def test_the_triton_kernel_samples_the_same_tokens() -> None:
     """A sampler running the Triton kernels (Triton's interpreter here) gives the tokens of the
     CPU sampler, through every path: logits -> tokens, filtered probabilities -> tokens, and the
     candidate walk of batches filtered by top-p / min-p alone."""
-    from nanovllm.kernels.gumbel_max import gumbel_sample
-    from nanovllm.kernels.candidate_walk import walk_sample
+    from nanovllm.sampling.gumbel_max import gumbel_sample
+    from nanovllm.sampling.candidate_walk import walk_sample
 
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(6, 2_100, generator=g) * 3

@@ -1,4 +1,4 @@
-"""CUDA tests of nanovllm.layers.sampler at serving size: B = 256, V = 151936.
+"""CUDA tests of nanovllm.sampling.sampler at serving size: B = 256, V = 151936.
 
 Greedy exactness, filters never leaving the allowed set (float64 reference with a
 small slack for float32 rounding), first-token frequencies, seeds independent of the
@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from nanovllm.kernels import gumbel_sample
-from nanovllm.kernels.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, row_key
+from nanovllm.sampling.gumbel_max import gumbel_sample
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu

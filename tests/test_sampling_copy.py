@@ -13,7 +13,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
-from nanovllm.layers.sampling_batch import SamplingBatch, SamplingPack
+from nanovllm.sampling.batch import SamplingBatch, SamplingPack
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
 
 PARAMS = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, top_k=5, seed=1),

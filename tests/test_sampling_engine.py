@@ -7,8 +7,8 @@ import torch
 
 from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
 from nanovllm import SamplingParams
-from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
-from nanovllm.layers.sampling_batch import row_key
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
+from nanovllm.sampling.batch import row_key
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The Triton top-k/top-p threshold kernel (kernels/sampling_filter.py) against a float64 sort-based
-reference written here, and against the sampler's torch path (layers/sampler._top_k_top_p_threshold).
+"""The Triton top-k/top-p threshold kernel (sampling/radix_filter.py) against a float64 sort-based
+reference written here, and against the sampler's torch path (sampling/sampler.top_k_top_p_threshold).
 
 top-k thresholds must be exact. A top-p threshold must equal the reference's, or, where float32
 sums differ from float64 ones, be the exact answer for a limit within REL of the reference's
@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.sampling_filter import top_k_top_p_threshold
-from nanovllm.kernels.gumbel_torch import torch_gumbel_uniforms
-from nanovllm.layers.sampler import Sampler, _kernel_threshold, _top_k_top_p_threshold
-from nanovllm.layers.sampling_batch import SamplingBatch, row_key
+from nanovllm.layers.kernel_path import KernelRoutes
+from nanovllm.sampling.radix_filter import top_k_top_p_threshold
+from nanovllm.sampling.gumbel_torch import torch_gumbel_uniforms
+from nanovllm.sampling.sampler import Sampler, uses_radix
+from nanovllm.sampling.sampler import top_k_top_p_threshold as torch_threshold
+from nanovllm.sampling.batch import SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -71,7 +73,7 @@ def check_against_torch(probs: torch.Tensor, top_ks, top_ps, got: torch.Tensor) 
     rows where the two float32 sums fall on either side of a limit (then torch's threshold must
     pass the reference check too); equal values wherever the torch path filters. Returns how many
     rows differ."""
-    want = _top_k_top_p_threshold(probs, batch_of(top_ks, top_ps, probs.shape[1]))
+    want = torch_threshold(probs, batch_of(top_ks, top_ps, probs.shape[1]))
     rows = torch.nonzero(((probs < got) != (probs < want)).any(dim=1)).flatten()
     if rows.numel():
         assert top_ps is not None and bool((top_ps[rows] < 1.0).all())
@@ -240,8 +242,7 @@ def test_sampler_on_cuda_samples_the_torch_paths_tokens() -> None:
     with torch.device("cuda"):
         kernel_sampler = Sampler()
     torch_sampler = Sampler()
-    assert kernel_sampler.top_k_top_p_threshold is _kernel_threshold
-    assert torch_sampler.top_k_top_p_threshold is _top_k_top_p_threshold
+    assert kernel_sampler.radix_min_rows == KernelRoutes().radix_min_rows and torch_sampler.radix_min_rows is None
     g = torch.Generator().manual_seed(6)
     logits = torch.full((batch, vocab), -1e4)
     levels = torch.linspace(4.0, 0.0, 40)  # exp steps of ~10%: well-separated probabilities
@@ -271,38 +272,28 @@ def test_sampler_on_cuda_samples_the_torch_paths_tokens() -> None:
 
 
 @pytest.mark.interpreter
-def test_sampler_with_the_kernel_thresholds_samples_the_same_tokens() -> None:
-    """A CPU sampler given the kernel's thresholds (Triton's interpreter) draws the CPU sampler's
-    tokens, top-k/top-p/min-p rows mixed, seeded."""
+def test_kernel_thresholds_keep_the_torch_paths_tokens() -> None:
+    """The radix select's thresholds (Triton's interpreter) keep exactly the tokens the torch
+    path's keep, top-k/top-p rows mixed, so a sampler draws the same tokens with either."""
     g = torch.Generator().manual_seed(12)
-    logits = torch.randn(6, 2_100, generator=g) * 3
-    kernel_sampler = Sampler()
-    kernel_sampler.top_k_top_p_threshold = lambda probs, batch: top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
+    probs = torch.softmax(torch.randn(6, 2_100, generator=g) * 3, dim=-1)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, seed=1),
               SamplingParams(top_p=0.9, seed=2), SamplingParams(min_p=0.01, top_k=7, seed=3),
               SamplingParams(top_k=600, top_p=0.95, seed=4), SamplingParams(temperature=1.2, top_k=20, top_p=0.8)]
-    for step in range(2):
-        keys = [row_key(i, step) for i in range(len(params))]
-        batch = SamplingBatch.build(params, keys, torch.device("cpu"), logits.shape[1])
-        assert Sampler()(logits, batch).tokens.tolist() == kernel_sampler(logits, batch).tokens.tolist()
+    batch = SamplingBatch.build(params, [row_key(i, 0) for i in range(len(params))], torch.device("cpu"),
+                                probs.shape[1])
+    kernel = top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
+    assert torch.equal(probs >= kernel, probs >= torch_threshold(probs, batch))
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("rows, top_k, top_p, kernel", [
-    (32, 0, 0.9, True),  # a large batch that would sort: the select
-    (31, 0, 0.9, False),  # a small one: the sort
-    (32, 50, 0.9, False),  # top-p bounded by a small top-k: torch.topk
+@pytest.mark.parametrize("rows, top_k, top_p, radix_min_rows, radix", [
+    (32, 0, 0.9, 32, True),  # a large batch that would sort: the select
+    (31, 0, 0.9, 32, False),  # a small one: the sort
+    (32, 50, 0.9, 32, False),  # top-p bounded by a small top-k: torch.topk
+    (32, 0, 0.9, None, False),  # a sampler without the select (CPU)
 ])
-def test_cuda_thresholds_take_the_select_only_where_a_sort_would_be_slower(
-        monkeypatch: pytest.MonkeyPatch, rows: int, top_k: int, top_p: float, kernel: bool) -> None:
-    import nanovllm.layers.sampler as sampler_module
-
-    calls = []
-    monkeypatch.setattr(sampler_module, "top_k_top_p_threshold",
-                        lambda *args: calls.append(1) or top_k_top_p_threshold(*args))
-    probs = softmax_rows(rows, 300, seed=rows)
+def test_thresholds_take_the_select_only_where_a_sort_would_be_slower(
+        rows: int, top_k: int, top_p: float, radix_min_rows: int | None, radix: bool) -> None:
     params = [SamplingParams(top_k=top_k, top_p=top_p, seed=r) for r in range(rows)]
     batch = SamplingBatch.build(params, [row_key(r, 0) for r in range(rows)], torch.device("cpu"), 300)
-    got = _kernel_threshold(probs, batch)
-    assert len(calls) == int(kernel)
-    assert check_thresholds(probs, batch.top_ks, batch.top_ps, got) == 0
+    assert uses_radix(rows, batch, radix_min_rows, KernelRoutes().topk_max_k) == radix

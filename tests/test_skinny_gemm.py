@@ -80,36 +80,32 @@ def test_default_tiling_and_bad_inputs():
         skinny_gemm(x, w, tile=(16, 16, 16))
 
 
-@pytest.mark.interpreter
-def test_narrow_layers_take_the_skinny_gemm_between_the_gemv_and_cublas(monkeypatch):
-    """A narrow layer on its Triton path (forced on CPU: the interpreter) sends batches of
-    GEMV_MAX_ROWS + 1 .. SKINNY_MAX_ROWS rows to the skinny GEMM (the down projection after the
-    SiLU-and-mul kernel), fewer to the GEMV, more to F.linear; a wide layer never takes it. One
-    output whatever the path."""
-    import nanovllm.kernels.skinny_gemm as skinny
+def test_narrow_layers_take_the_skinny_gemm_between_the_gemv_and_cublas():
+    """A narrow layer's path (4 SMs stand in for the GPU's) sends batches of gemv_max_rows + 1 ..
+    skinny_max_rows rows to the skinny GEMM, fewer to the GEMV, more to F.linear; a wide layer
+    never takes it; on CPU neither runs. Given that path (the interpreter runs the kernels), the
+    down projection after the SiLU-and-mul gives F.linear's output."""
     import nanovllm.layers.linear as linear
+    from nanovllm.layers.kernel_path import KernelRoutes, LinearPath, plan_linear
 
-    assert linear._narrow(32, 512, torch.device("cpu"))  # CPU_SM_COUNT (4) stands in for the SMs
-    assert not linear._narrow(4096, 1024, torch.device("cpu"))
-    calls = []
-    kernel = skinny.skinny_gemm
-    monkeypatch.setattr(skinny, "skinny_gemm", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+    routes = KernelRoutes()
+    narrow = plan_linear(32, 512, routes, 4, takes_norm=False)
+    assert narrow == LinearPath(routes.gemv_max_rows, 0, routes.skinny_max_rows)
+    assert plan_linear(4096, 1024, routes, 4, takes_norm=False).skinny_rows == 0  # wide
+    assert plan_linear(32, 512, KernelRoutes(skinny_max_rows=0), 4, takes_norm=False).skinny_rows == 0
+    for rows, skinny, gemv in ((2, False, True), (5, True, False), (routes.skinny_max_rows + 1, False, False)):
+        x = torch.empty(rows, 512)
+        assert (narrow.skinny_serves(x), narrow.gemv_serves(x)) == (skinny, gemv), rows
     torch.manual_seed(0)
-    up = linear.MergedColumnParallelLinear(512, [512, 512])  # wide: 32 output tiles
-    down = linear.SiluMulRowParallelLinear(512, 32)  # narrow: 1 output tile, K split 2 ways
-    assert (up.use_skinny, down.use_skinny) == (False, False)  # built on CPU
+    up = linear.MergedColumnParallelLinear(512, [512, 512])
+    down = linear.SiluMulRowParallelLinear(512, 32)
+    assert down.path == LinearPath(0, 0, 0)  # built on CPU
     for layer in (up, down):
         layer.weight.data.normal_(0, 0.05)
-    for rows, want in ((2, []), (5, [(32, 512)]), (linear.SKINNY_MAX_ROWS + 1, [])):
-        x = torch.randn(rows, 512)
-        ref = down(up(x))  # built on CPU: F.linear and SiluAndMul
-        up.use_gemv = down.use_gemv = True  # the CUDA path's decisions, under the interpreter
-        up.use_skinny, down.use_skinny = False, True
-        calls.clear()
-        got = down(up(x))
-        up.use_gemv = down.use_gemv = down.use_skinny = False
-        assert calls == want, rows
-        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
+    x = torch.randn(5, 512)
+    ref = down(up(x))  # F.linear and SiluAndMul
+    down.path = narrow  # the CUDA path's decision, under the interpreter
+    torch.testing.assert_close(down(up(x)), ref, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -125,7 +121,7 @@ def test_narrow_layer_on_cuda_in_graph_replays(rows):
     with torch.device("cuda"):
         layer = linear.RowParallelLinear(2048, 1024).to(torch.bfloat16)
     layer.weight.data.copy_(randn((1024, 2048), gen, torch.bfloat16, 2048 ** -0.5))
-    assert layer.use_skinny and layer._skinny_serves(torch.empty(rows, 2048))
+    assert layer.path.skinny_serves(torch.empty(rows, 2048))
     x = randn((rows, 2048), gen, torch.bfloat16).cuda()
     eager = layer(x)
     assert rel_err(eager, x.double() @ layer.weight.double().T) < REF_TOL[torch.bfloat16]

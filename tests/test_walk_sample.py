@@ -1,5 +1,5 @@
-"""The candidate-walk sampler (kernels/candidate_walk.py) against a float64 reference: the sampler's
-filter rules (layers/sampler.py: the sorted prefix for top-p with ties kept, min-p against the
+"""The candidate-walk sampler (sampling/candidate_walk.py) against a float64 reference: the sampler's
+filter rules (sampling/sampler.py: the sorted prefix for top-p with ties kept, min-p against the
 row's max) applied to softmax(logits / T), then argmax of
 x / T + Gumbel noise over
 the kept tokens, the noise regenerated from Philox by test_gumbel_sample's NumPy reference.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.candidate_walk import walk_sample
+from nanovllm.sampling.candidate_walk import walk_sample
 from test_gumbel_sample import reference_uniforms
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -107,7 +107,7 @@ def test_long_walks_on_flat_rows(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_unfiltered_rows_are_plain_gumbel_samples(device):
     """top_p 1 and min_p 0 on every row: the kernel's token is gumbel_sample's."""
-    from nanovllm.kernels.gumbel_max import gumbel_sample
+    from nanovllm.sampling.gumbel_max import gumbel_sample
 
     rows, vocab = (5, 2048) if device == "cpu" else (64, 151_936)
     logits, keys, temps, _, _ = make_case(rows, vocab, 2.0, seed=4)
@@ -133,15 +133,15 @@ def test_cuda_sampler_walks_and_agrees_with_the_threshold_path():
     """A CUDA-built Sampler sends a batch filtered by top-p / min-p alone through the walk; a
     CPU-built one (threshold path, PyTorch noise) on the same CUDA tensors picks the same seeded
     tokens but at float32 near-ties (of a score or of a filter's limit)."""
-    from nanovllm.layers.sampler import Sampler
-    from nanovllm.layers.sampling_batch import SamplingBatch, row_key
+    from nanovllm.sampling.sampler import Sampler
+    from nanovllm.sampling.batch import SamplingBatch, row_key
     from nanovllm.sampling_params import SamplingParams
 
-    import nanovllm.kernels
+    from nanovllm.sampling.candidate_walk import walk_sample
 
     with torch.device("cuda"):
         walker = Sampler()
-    assert walker.walk_sample is nanovllm.kernels.walk_sample
+    assert walker.walk_sample is walk_sample
     rows, vocab = 128, 151_936
     logits, _, temps, top_ps, min_ps = make_case(rows, vocab, 3.0, seed=5)
     params = [SamplingParams(temperature=temps[r], top_p=top_ps[r], min_p=min_ps[r], seed=r) for r in range(rows)]

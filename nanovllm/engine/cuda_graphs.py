@@ -1,6 +1,6 @@
 """Decode under CUDA graphs: one graph per batch size, sharing one memory pool.
 
-Captured sizes: 1..GEMV_MAX_ROWS (2), 8, then multiples of 16 up to min(max_num_seqs, 512). A step
+Captured sizes: 1..gemv_max_rows (KernelRoutes: 2), 8, then multiples of 16 up to min(max_num_seqs, 512). A step
 of batch b replays the smallest graph >= b; rows past b are padding (slot -1, so
 nothing is stored; context length 0). The graph's block table is as wide as a
 sequence of max_model_len tokens, and every entry is rewritten on each replay.
@@ -15,15 +15,14 @@ import torch
 from nanovllm.engine.step_inputs import (
     COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, fill_carried_ids,
 )
-from nanovllm.layers.linear import GEMV_MAX_ROWS
-from nanovllm.layers.sampling_batch import SamplingPack
+from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
 from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
-# Batches up to GEMV_MAX_ROWS get their own graphs (their projections run as the Triton GEMV).
+# Batches up to the routes' gemv_max_rows get their own graphs (their projections run as the Triton GEMV).
 # Above that cuBLAS runs 3-7 row GEMMs no faster than 8 rows, and at times much slower
 # (Qwen3-0.6B's o_proj: 12.8 us at 4 rows, 5.8 us at 8; benchmarks/bench_gemm.py, H200), so
 # the next graph holds this many rows.
@@ -32,9 +31,9 @@ PADDED_GRAPH_BATCH = 8
 GRAPH_BATCH_STEP = 16
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+def graph_batch_sizes(max_num_seqs: int, gemv_max_rows: int) -> list[int]:
     limit = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [b for b in range(1, GEMV_MAX_ROWS + 1) if b < limit] + [min(PADDED_GRAPH_BATCH, limit)]
+    sizes = [b for b in range(1, gemv_max_rows + 1) if b < limit] + [min(PADDED_GRAPH_BATCH, limit)]
     sizes += list(range(GRAPH_BATCH_STEP, limit + 1, GRAPH_BATCH_STEP))
     if sizes[-1] < limit:
         sizes.append(limit)
@@ -47,8 +46,8 @@ class DecodeGraphs:
     input buffers, so a replay costs one host-to-device copy."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.sizes = graph_batch_sizes(max_num_seqs)
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, gemv_max_rows: int):
+        self.sizes = graph_batch_sizes(max_num_seqs, gemv_max_rows)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
         cols = DECODE_COLUMNS + max_blocks_per_seq

@@ -28,8 +28,9 @@ from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sampling_batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
+from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
@@ -63,21 +64,20 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size)
 
-        with torch.device(self.device):
+        with torch.device(self.device), kernel_routes(config.kernel_routes):
             previous_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = build_model(cfg)  # layers choose their kernels from this device
+                self.model = build_model(cfg)  # layers choose their kernels from this device and the routes
             finally:
                 torch.set_default_dtype(previous_dtype)
+            self.sampler = Sampler()  # its noise implementation follows the device, as the layers' kernels
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_model(self.model, config.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        with torch.device(self.device):
-            self.sampler = Sampler()  # its noise implementation follows the device, as the layers' kernels
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
                                        self._query_tile_rows(cfg.head_dim))
@@ -100,7 +100,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
-                                       cfg.hidden_size, self.dtype, self.device)
+                                       cfg.hidden_size, self.dtype, self.device, config.kernel_routes.gemv_max_rows)
             if config.prefill_graphs and self.inputs.query_tile_rows is not None:
                 self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
                                                   MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)

@@ -21,7 +21,7 @@ import torch
 
 from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout, fill_carried_ids
 from nanovllm.engine.step_plan import StepPlan
-from nanovllm.layers.sampling_batch import SamplingPack
+from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
 from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view

@@ -1,6 +1,6 @@
 """Plain-PyTorch implementation of the attention contract (the CPU path).
 
-Same names, shapes and semantics as flash-attn's functions (see kernels/__init__.py);
+Same names, shapes and semantics as flash-attn's functions (see prefill_attention.py / decode_attention.py);
 it loops over sequences in Python, so it is for CPU runs and tests, not for speed.
 Computes in float32 (or float64 when given float64).
 """

@@ -1,7 +1,7 @@
 """Chooses the attention implementation once, at start-up.
 
     "flash_attn": the real flash-attn (CUDA; paged KV needs block_size % 256 == 0)
-    "triton":     ours, nanovllm.kernels (CUDA)
+    "triton":     ours, nanovllm.kernels.prefill_attention / decode_attention (CUDA)
     "torch":      plain PyTorch, nanovllm.kernels.torch_attention (any device; the CPU path)
     "auto":       flash_attn if importable and the block size allows, else triton on CUDA;
                   torch on CPU
@@ -41,10 +41,12 @@ def select_attention_backend(requested: str, device: str, block_size: int) -> At
     if requested == "torch":
         mod = importlib.import_module("nanovllm.kernels.torch_attention")
         return AttentionBackend("torch", mod.store_kvcache, mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
-    kernels = importlib.import_module("nanovllm.kernels")
+    kv_store = importlib.import_module("nanovllm.kernels.kv_store")
     if requested == "triton":
+        prefill = importlib.import_module("nanovllm.kernels.prefill_attention")
+        decode = importlib.import_module("nanovllm.kernels.decode_attention")
         return AttentionBackend(
-            "triton", kernels.store_kvcache, kernels.flash_attn_varlen_func, kernels.flash_attn_with_kvcache
+            "triton", kv_store.store_kvcache, prefill.flash_attn_varlen_func, decode.flash_attn_with_kvcache
         )
     # requested == "flash_attn"
     if importlib.util.find_spec("flash_attn") is None:
@@ -56,5 +58,5 @@ def select_attention_backend(requested: str, device: str, block_size: int) -> At
         )
     flash_attn = importlib.import_module("flash_attn")
     return AttentionBackend(
-        "flash_attn", kernels.store_kvcache, flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
+        "flash_attn", kv_store.store_kvcache, flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
     )

@@ -1,16 +1,82 @@
-"""Which implementation a layer runs, fused Triton kernels or plain PyTorch: the one rule.
+"""Which implementation serves a layer, and from which row count: the one module that decides.
 
-A layer applies it once, in its constructor, to the device it is built on (the model runner
-builds the model under `with torch.device(...)`), and keeps the answer: a layer runs the path
-of the device it was built on for its whole life (moving it afterwards does not change it).
+A layer asks once, in its constructor, for the device it is built on (the model runner builds
+the model under `with torch.device(...)` and `with kernel_routes(config.kernel_routes)`), and
+keeps the answer for its whole life (moving it afterwards changes nothing):
 
-    CUDA          -> the Triton kernels (compiled)
+    CUDA          -> the Triton kernels (compiled), by rows of the call:
+                     1 .. gemv_max_rows          Triton GEMV (kernels/gemv.py)
+                       1 .. norm_in_gemv_max_rows    with the RMSNorm in front inside it, where
+                                                     the layer's one-row grid is one wave
+                     .. skinny_max_rows           skinny GEMM (kernels/skinny_gemm.py) on narrow layers
+                     more                         cuBLAS (F.linear)
+                     MoE decode steps of 1 .. moe_gemv_max_tokens: the expert GEMVs (moe/decode.py)
     other devices -> PyTorch (the CPU path; Triton's interpreter serves the kernel tests only)
+
+Each threshold's evidence (H200, BENCHMARKS.md) is at its field. An A/B run passes another
+`KernelRoutes` as `LLM(..., kernel_routes=...)`; nothing rebinds module constants.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
+
 import torch
+
+from nanovllm.utils.validation import check_int
+
+
+@dataclass(frozen=True)
+class KernelRoutes:
+    """Row counts at which CUDA layers switch kernels. Defaults are the measured best."""
+
+    # At 1-2 rows the GEMV streams the weight faster than cuBLAS (bench_gemm.py, 1 row: 0.6B o_proj
+    # 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us).
+    gemv_max_rows: int = 2
+    # Narrow layers (the skinny GEMM's tiling splits K at this many rows: 0.6B o / down, 30B-A3B o /
+    # router) beat cuBLAS at 3-16 rows: 0.6B decode at 4 / 8 / 16 sequences 1.326 / 1.443 / 1.790
+    # ms per token against 1.421 / 1.518 / 1.865 (-4 to -7%); at 32 rows and on wide layers it lost.
+    skinny_max_rows: int = 16
+    # The norm inside the GEMV: 0.6B batch-1 decode 0.942 vs 0.978 ms per token (-3.7%); at two
+    # rows it lost (1.173 vs 1.109: the 2-row grids are larger than one wave). 0: never.
+    norm_in_gemv_max_rows: int = 1
+    # MoE decode steps up to this many tokens run the expert GEMVs (moe/decode.MAX_TOKENS is the
+    # kernel's limit); larger steps run the grouped GEMMs.
+    moe_gemv_max_tokens: int = 2
+    # Largest top_k whose thresholds come from torch.topk instead of a full sort (when every top-p
+    # row also uses top-k).
+    topk_max_k: int = 1024
+    # Fewest rows at which the radix select (sampling/radix_filter.py) beats a full sort (151,936
+    # columns: at 16 rows the two tie, 0.88 / 0.85 ms; at 256 the select takes 1.58 ms against 4.39).
+    radix_min_rows: int = 32
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_int(f"kernel_routes.{f.name}", getattr(self, f.name), 0)
+        if self.norm_in_gemv_max_rows > self.gemv_max_rows:
+            raise ValueError(f"kernel_routes.norm_in_gemv_max_rows ({self.norm_in_gemv_max_rows}) must not "
+                             f"exceed gemv_max_rows ({self.gemv_max_rows}): the norm runs inside the GEMV")
+
+
+_ROUTES: ContextVar[KernelRoutes] = ContextVar("kernel_routes", default=KernelRoutes())
+
+
+@contextmanager
+def kernel_routes(routes: KernelRoutes) -> Iterator[None]:
+    """Layers constructed inside this block take `routes` (reset on exit, also on exceptions)."""
+    token = _ROUTES.set(routes)
+    try:
+        yield
+    finally:
+        _ROUTES.reset(token)
+
+
+def current_routes() -> KernelRoutes:
+    """The routes in effect for layers constructed now."""
+    return _ROUTES.get()
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -22,3 +88,54 @@ def construction_device() -> torch.device:
     """The device new tensors go to here (the `with torch.device(...)` in effect), for layers
     that have no parameter to ask."""
     return torch.empty(0).device
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    """A projection's kernels by rows of x [rows, in]: the GEMV up to `gemv_rows`, with the norm
+    inside up to `norm_rows`, the skinny GEMM up to `skinny_rows`, cuBLAS beyond (0: none)."""
+
+    gemv_rows: int
+    norm_rows: int
+    skinny_rows: int
+
+    def gemv_serves(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows
+
+    def norm_serves(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and 0 < x.shape[0] <= self.norm_rows
+
+    def skinny_serves(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and self.gemv_rows < x.shape[0] <= self.skinny_rows
+
+
+def linear_path(out_features: int, in_features: int, device: torch.device, *, takes_norm: bool) -> LinearPath:
+    """The path of a projection [out, in] built on `device` (`takes_norm`: a column-parallel layer
+    whose input norm may run inside its GEMV)."""
+    if not uses_triton(device):
+        return LinearPath(0, 0, 0)
+    from nanovllm.kernels.checks import cuda_sm_count
+
+    return plan_linear(out_features, in_features, current_routes(), cuda_sm_count(device), takes_norm=takes_norm)
+
+
+def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_count: int, *,
+                takes_norm: bool) -> LinearPath:
+    """`linear_path` on a CUDA device of `sm_count` SMs under `routes` (no device needed)."""
+    from nanovllm.kernels.checks import next_pow2
+    from nanovllm.kernels.gemv import MAX_NORM_ELEMS, MAX_ROWS, tiling
+    from nanovllm.kernels.pdl import RESIDENT_PER_SM
+    from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS_LIMIT, skinny_tiling
+
+    gemv_rows = min(routes.gemv_max_rows, MAX_ROWS)
+    norm_rows, wave = routes.norm_in_gemv_max_rows, sm_count * RESIDENT_PER_SM
+    # The norm runs inside the GEMV where the layer's grid at norm_rows is one wave (a larger grid
+    # repeats the row's norm in too many programs) and the rows fit the prologue (MAX_NORM_ELEMS).
+    norm_fits = (takes_norm and norm_rows > 0
+                 and next_pow2(norm_rows) * next_pow2(in_features) <= MAX_NORM_ELEMS
+                 and -(-out_features // tiling(norm_rows, out_features, in_features, wave).block_n) <= wave)
+    skinny_rows = min(routes.skinny_max_rows, SKINNY_ROWS_LIMIT)
+    # Narrow: the skinny GEMM's default tiling splits K at skinny_rows (few output tiles).
+    narrow = (skinny_rows > gemv_rows
+              and skinny_tiling(skinny_rows, out_features, in_features, sm_count).split_k > 1)
+    return LinearPath(gemv_rows, norm_rows if norm_fits else 0, skinny_rows if narrow else 0)

@@ -12,11 +12,9 @@ copies; utils/loader.py). Packed layers (QKV, gate/up) list their checkpoint ten
     qkv_proj.weight rows: [ q: Hq_local*D | k: Hkv_local*D | v: Hkv_local*D ]   (bias: same rows)
     gate_up_proj rows:    [ gate: I_local | up: I_local ]
 
-A layer built on CUDA (decided once, at construction: layers/kernel_path.py) runs batches of
-1..GEMV_MAX_ROWS rows (small-batch decode; decided per call, by shape) through the Triton GEMV
-(nanovllm/kernels/gemv.py) instead of cuBLAS, and, if it is narrow (decided at construction), up
-to SKINNY_MAX_ROWS rows through the skinny GEMM (kernels/skinny_gemm.py); everything else uses
-F.linear.
+Which kernel serves a call (the Triton GEMV, with or without the norm in front, the skinny GEMM,
+or F.linear) is decided once, at construction, by layers/kernel_path.linear_path; a call only
+compares its row count with the answer.
 """
 
 from __future__ import annotations
@@ -28,22 +26,8 @@ from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.kernel_path import uses_triton
+from nanovllm.layers.kernel_path import linear_path
 from nanovllm.utils.distributed import tp_rank, tp_size
-
-# Rows up to which a CUDA layer's projections run the Triton GEMV: the one decision of when it
-# is used (the kernel itself serves up to kernels/gemv.MAX_ROWS rows). At 1-2 rows it streams the
-# weight faster than cuBLAS on Qwen3's shapes (benchmarks/bench_gemm.py, H200, 1 row: 0.6B o_proj
-# 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us);
-# 3 rows was not measured. BENCHMARKS.md has the table.
-GEMV_MAX_ROWS = 2
-# Rows up to which a narrow CUDA layer's projections above GEMV_MAX_ROWS run the Triton skinny
-# GEMM (kernels/skinny_gemm.py) instead of cuBLAS. Narrow: its default tiling splits K at 16 rows
-# (few output tiles, e.g. Qwen3-0.6B o / down, 30B-A3B o / router). There it beat cuBLAS at 4-16
-# rows (0.6B o 4.3-4.4 vs 5.8-8.2 us, down 4.7-5.1 vs 6.8-7.7; H200, bench_gemm.py --batch-rows);
-# at 32 rows and on wide layers it lost (BENCHMARKS.md, 2026-12-02 fifth session).
-SKINNY_MAX_ROWS = 16
-
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
     if tuple(expected) != tuple(loaded.shape):
@@ -61,40 +45,10 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
     return loaded.narrow(dim, rank * size, size)
 
 
-# RMSNorm runs inside the GEMV of the column-parallel projection after it (decode steps of
-# NORM_IN_GEMV_MAX_ROWS rows), one launch fewer per norm, where the GEMV's one-row grid is a
-# single wave (a larger grid repeats the row's norm in too many programs: on Qwen3-8B's gate_up,
-# 3,072 of them, it measured slower) and the rows fit the kernel (gemv.MAX_NORM_ELEMS).
-NORM_IN_GEMV = True
-# One row: Qwen3-0.6B batch-1 decode 0.942 vs 0.978 ms per token, 30B-A3B 2.874 vs 2.889; at two
-# rows it lost (0.6B 1.173 vs 1.109: the 2-row grids are larger), H200, BENCHMARKS.md.
-NORM_IN_GEMV_MAX_ROWS = 1
-
-
-def _norm_fits_gemv(out_features: int, in_features: int, device: torch.device) -> bool:
-    """Whether a layer's GEMV can take the RMSNorm in front at NORM_IN_GEMV_MAX_ROWS rows (see
-    NORM_IN_GEMV): its grid at that many rows is one wave and the rows fit the prologue."""
-    from nanovllm.kernels.checks import next_pow2
-    from nanovllm.kernels.gemv import MAX_NORM_ELEMS, tiling
-    from nanovllm.kernels.pdl import one_wave
-
-    wave, rows = one_wave(device), NORM_IN_GEMV_MAX_ROWS
-    if not NORM_IN_GEMV or wave is None or next_pow2(rows) * next_pow2(in_features) > MAX_NORM_ELEMS:
-        return False
-    return -(-out_features // tiling(rows, out_features, in_features, wave).block_n) <= wave
-
-
-def _narrow(out_features: int, in_features: int, device: torch.device) -> bool:
-    """Whether the skinny GEMM's default tiling splits K for this layer at SKINNY_MAX_ROWS rows."""
-    if SKINNY_MAX_ROWS <= GEMV_MAX_ROWS:  # no rows left for it
-        return False
-    from nanovllm.kernels.checks import cuda_sm_count
-    from nanovllm.kernels.skinny_gemm import skinny_tiling
-
-    return skinny_tiling(SKINNY_MAX_ROWS, out_features, in_features, cuda_sm_count(device)).split_k > 1
-
-
 class _LinearBase(nn.Module):
+    # Column-parallel layers may take the norm in front into their GEMV (forward_normed).
+    takes_norm = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -107,8 +61,7 @@ class _LinearBase(nn.Module):
             if param is not None:
                 param.weight_slice = self.weight_slice
                 param.shard_ids = self.shard_ids
-        self.use_gemv = uses_triton(self.weight.device)  # the device half of the GEMV choice
-        self.use_skinny = self.use_gemv and _narrow(out_features, in_features, self.weight.device)
+        self.path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm)
 
     # The checkpoint tensors one parameter is packed from ((None,): one tensor, unpacked).
     shard_ids: tuple[str | int | None, ...] = (None,)
@@ -117,23 +70,14 @@ class _LinearBase(nn.Module):
                      shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _gemv_serves(self, x: torch.Tensor) -> bool:
-        """Whether x [rows, in] goes through the Triton GEMV: a CUDA layer and 1..GEMV_MAX_ROWS rows."""
-        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
-
-    def _skinny_serves(self, x: torch.Tensor) -> bool:
-        """Whether x [rows, in] goes through the skinny GEMM: a narrow CUDA layer and
-        GEMV_MAX_ROWS + 1 to SKINNY_MAX_ROWS rows."""
-        return self.use_skinny and x.dim() == 2 and GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
-
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV or the skinny GEMM for the
         batches they serve."""
-        if self._gemv_serves(x):
+        if self.path.gemv_serves(x):
             from nanovllm.kernels.gemv import gemv
 
             return gemv(x, self.weight, bias)
-        if self._skinny_serves(x):
+        if self.path.skinny_serves(x):
             from nanovllm.kernels.skinny_gemm import skinny_gemm
 
             return skinny_gemm(x, self.weight, bias)
@@ -154,9 +98,10 @@ class ReplicatedLinear(_LinearBase):
 class ColumnParallelLinear(_LinearBase):
     """y = x W^T with W's output rows split over ranks: `[*, in] -> [*, out / tp]`."""
 
+    takes_norm = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features // tp_size(), bias)
-        self.norm_in_gemv = self.use_gemv and _norm_fits_gemv(*self.weight.shape, self.weight.device)
 
     def weight_slice(self, param, loaded, shard_id=None):
         shard = _rank_part("column-parallel", loaded, 0, param.shape[0], self.tp_rank, self.tp_size)
@@ -169,9 +114,9 @@ class ColumnParallelLinear(_LinearBase):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(s)), s), s = x + residual (x when residual is None): the norm inside the
-        GEMV at up to NORM_IN_GEMV_MAX_ROWS rows where the layer allows it (decided at
-        construction), else the norm's own kernel, then this layer."""
-        if self.norm_in_gemv and self._gemv_serves(x) and x.shape[0] <= NORM_IN_GEMV_MAX_ROWS:
+        GEMV where the layer's path allows it (decided at construction), else the norm's own
+        kernel, then this layer."""
+        if self.path.norm_serves(x):
             from nanovllm.kernels.gemv import rms_norm_gemv
 
             y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
@@ -263,7 +208,7 @@ class SiluMulRowParallelLinear(RowParallelLinear):
         self.act = SiluAndMul()
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._gemv_serves(gate_up):
+        if self.path.gemv_serves(gate_up):
             from nanovllm.kernels.gemv import silu_mul_gemv
 
             return self._reduce(silu_mul_gemv(gate_up, self.weight))

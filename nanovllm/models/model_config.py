@@ -3,9 +3,9 @@
 Published checkpoints write `rope_theta`, `rope_scaling` (the scaling keys, or null) and
 `torch_dtype` at top level; transformers 5 writes `rope_parameters` (rope_theta and the scaling
 keys in one dict) and `dtype`. Both are read, to the same ModelConfig. The architecture must be
-one models/registry.py builds; RoPE must be plain or Llama 3 scaled.
+one of MODEL_MODULES (models/registry.py builds it); RoPE must be plain or Llama 3 scaled.
 
-A mixture-of-experts architecture (registry.MOE_ARCHITECTURES) also carries `moe`, its router
+A mixture-of-experts architecture (MOE_ARCHITECTURES) also carries `moe`, its router
 and expert shape. Its expert count is `num_experts` in published configs and
 `num_local_experts` in transformers 5's (its attribute map renames it on save); both are read.
 """
@@ -19,7 +19,30 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.layers.rotary_embedding import Llama3RopeScaling
-from nanovllm.models.registry import MOE_ARCHITECTURES, resolve_architecture
+
+# architecture name (= class name) -> module defining it
+MODEL_MODULES = {
+    "Qwen3ForCausalLM": "nanovllm.models.qwen3",
+    "LlamaForCausalLM": "nanovllm.models.llama",
+    "Qwen2ForCausalLM": "nanovllm.models.qwen2",
+    "Qwen3MoeForCausalLM": "nanovllm.models.qwen3_moe",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_MODULES)
+# Architectures whose config.json carries a mixture-of-experts section (ModelConfig.moe).
+MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM"})
+
+
+def resolve_architecture(architectures: object, source: str) -> str:
+    """The first of config.json's `architectures` that is supported; ValueError naming them and
+    listing the supported ones otherwise (`source` names the file in the message)."""
+    names = architectures if isinstance(architectures, list) else []
+    for name in names:
+        if name in MODEL_MODULES:
+            return name
+    raise ValueError(
+        f"{source}: unsupported architecture {architectures!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
 
 # config.json dtype names -> torch dtypes (also the names LLM(dtype=...) accepts).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from nanovllm.layers.fused_moe import SparseMoeBlock, map_expert_name
+from nanovllm.moe.layer import SparseMoeBlock, map_expert_name
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderTraits
 from nanovllm.models.model_config import ModelConfig
 

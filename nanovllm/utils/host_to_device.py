@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # Sampling words start 16 bytes (4 int32) into their copy, and each of their parts at a 16-byte
-# boundary (layers/sampling_batch.py): Triton specializes a kernel on whether each pointer is
+# boundary (sampling/batch.py): Triton specializes a kernel on whether each pointer is
 # 16-byte aligned, so pointers whose alignment varied from step to step would compile new variants
 # of the sampler's kernels in the middle of a run (~0.4 s each on an empty Triton cache).
 ALIGN_BYTES = 16

@@ -1,5 +1,5 @@
 """Triton mixture-of-experts for decode steps of 1-2 tokens: two GEMV-style launches, no
-alignment, no [T*K, H] intermediate, no separate sum over the top k (kernels/moe.py needs
+alignment, no [T*K, H] intermediate, no separate sum over the top k (moe/grouped_gemm.py needs
 seven launches; at one token those launches, not the weight reads, dominate).
 
     gate_up  grid (T*K pairs, I / BN):  pair p = t*K + k, e = ids[t, k]
@@ -34,13 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, next_pow2
-from .fused_activation import silu_mul
-from .fused_norm import round_to
-from .moe_routing import check_router_logits, expert_block, route_row
-from .pdl import pdl_for_grid, wait_for_prior
+from nanovllm.kernels.checks import check_matrix, next_pow2
+from nanovllm.kernels.fused_activation import silu_mul
+from nanovllm.kernels.fused_norm import round_to
+from .routing import check_router_logits, expert_block, route_row
+from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 
-# Most tokens this path serves: past 2 the grouped GEMMs of kernels/moe.py read each picked
+# Most tokens this path serves: past 2 the grouped GEMMs of moe/grouped_gemm.py read each picked
 # expert once for all its tokens, where this path reads it once per (token, slot).
 MAX_TOKENS = 2
 

@@ -1,6 +1,6 @@
 """A step's sampling settings as device tensors: SamplingPack packs them on the host into int64
 words that ride the step's one host-to-device copy; SamplingBatch is the device view the Sampler
-reads (layers/sampler.py). Also the noise key of a seeded request's row (`row_key`).
+reads (sampling/sampler.py). Also the noise key of a seeded request's row (`row_key`).
 
     words: | keys B | top_ks B or 0 | logprob rows R | temperatures B, top_ps B or 0, min_ps B or 0 |
              int64 .................................  float32, two a word ......................

@@ -1,6 +1,6 @@
 """Top-p / min-p sampling without a threshold: Gumbel-max candidates checked one at a time.
 
-The sampler's filtered path (layers/sampler.py) keeps the tokens whose probability reaches a
+The sampler's filtered path (sampling/sampler.py) keeps the tokens whose probability reaches a
 per-row threshold and takes argmax(log p + g) over them, g the row's Gumbel noise
 (gumbel_max.py's Philox layout). Each filter keeps an *upper set* of the probabilities, so
 that argmax is also found by walking candidates down the noisy scores without ever computing
@@ -24,7 +24,7 @@ removes; a tile wholly at or below the candidate is only read, its noise never d
 peaked rows these passes cost little more than the read). Rows whose first candidate is kept
 take two passes; each rejection costs one more, and x[c] strictly rises, so the loop ends (the
 row's maximum is always kept; so is a candidate with nothing above it). Top-k is left to the
-threshold path (layers/sampler.py): top-p within top-k needs the k-th value, and on near-flat rows
+threshold path (sampling/sampler.py): top-p within top-k needs the k-th value, and on near-flat rows
 (random-weight models) a small k takes ~log2(V / k) rounds, each drawing the noise of half the row.
 """
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .gumbel_max import _tile_uniforms, gumbel_noise, keep_best
-from .checks import check_row_vector
+from nanovllm.kernels.checks import check_row_vector
 from .gumbel_torch import SUB, check_gumbel_args
 
 # Noise tiles (4 x SUB columns each) a loop step covers: 8,192 columns, enough loads in flight for

@@ -10,7 +10,7 @@ Pipeline (vLLM's order), all in float32:
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
    probabilities (only torch.topk's max_top_k largest when every top-p row also uses
    top-k; on CUDA, for a large batch that would sort, a Triton radix select on the float
-   bits instead: kernels/sampling_filter.py) give each row a *threshold* value; top-k's is the k-th largest
+   bits instead: sampling/radix_filter.py) give each row a *threshold* value; top-k's is the k-th largest
    probability, top-p's is the probability at the end of the smallest sorted
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
@@ -21,12 +21,12 @@ Pipeline (vLLM's order), all in float32:
    with no top-k/top-p/min-p row goes straight from the logits to tokens
    (``argmax(logits / T + G)``, steps 1-2 folded in). On CUDA a batch filtered by top-p /
    min-p alone (no top-k row) goes from the logits to the same tokens in one kernel that walks
-   the Gumbel-max candidates down until one passes the filters (kernels/candidate_walk.py),
+   the Gumbel-max candidates down until one passes the filters (sampling/candidate_walk.py),
    with no threshold computed.
 
 Noise source: one, on every device. Each row has a 64-bit key (a seeded request's from
 ``row_key(seed, position)``, the others from the engine's RNG) and its noise is Philox of
-(key, column) (kernels/gumbel_torch.py defines it): the Triton kernel ``gumbel_sample``
+(key, column) (sampling/gumbel_torch.py defines it): the Triton kernel ``gumbel_sample``
 draws it on CUDA, its PyTorch twin ``torch_gumbel_sample`` elsewhere, bit for bit alike.
 The sampler picks the implementation once, from the device it is built on
 (kernel_path.uses_triton). So a seeded row's tokens do not depend on the rest of the
@@ -37,13 +37,13 @@ only change a float32 near-tie).
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
 ``log_softmax`` of their raw logits (before temperature and filters, as vLLM's default),
 float32: the sampled token's and the k most likely tokens'. They cost one pass over those
-rows only (on CUDA the Triton kernel kernels/logprobs.py: row normalisers and top k in one
+rows only (on CUDA the Triton kernel sampling/logprobs_kernel.py: row normalisers and top k in one
 read of the logits; elsewhere ``token_logprobs``: a log_softmax and a top-k); a batch where no
 row asks does no logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
 Python-side flags of :class:`SamplingBatch`, whose tensors are views of :class:`SamplingPack`'s
-words (layers/sampling_batch.py); the engine copies those with the step's inputs (one
+words (sampling/batch.py); the engine copies those with the step's inputs (one
 host-to-device copy per step).
 """
 
@@ -55,17 +55,11 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from nanovllm.kernels import gumbel_sample, row_logprobs, top_k_top_p_threshold, walk_sample
-from nanovllm.kernels.gumbel_torch import torch_gumbel_sample
-from nanovllm.layers.kernel_path import construction_device, uses_triton
-from nanovllm.layers.sampling_batch import SamplingBatch
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
+from nanovllm.layers.kernel_path import KernelRoutes, construction_device, current_routes, uses_triton
+from nanovllm.sampling.batch import SamplingBatch
 
-# Largest top_k served by torch.topk instead of a full sort (when every top-p row uses top-k too).
-_TOPK_PATH_MAX_K = 1024
-# Fewest rows for which the radix select beats a full sort (H200, 151,936 columns, BENCHMARKS.md):
-# at 16 rows the two tie (0.88 / 0.85 ms), at 256 the select takes 1.58 ms against 4.39. Where
-# torch.topk applies it stays: it matches the select at 256 rows (1.36 / 1.38) and wins below.
-_RADIX_MIN_ROWS = 32
+_DEFAULT_TOPK_MAX_K = KernelRoutes().topk_max_k
 
 
 @dataclass(frozen=True)
@@ -86,17 +80,24 @@ class SamplerOutput:
     logprobs: TokenLogprobs | None  # None: no row asked for logprobs (and none were computed)
 
 
-def _takes_topk_path(batch: SamplingBatch) -> bool:
+def takes_topk_path(batch: SamplingBatch, topk_max_k: int) -> bool:
     """Whether the torch path's thresholds come from torch.topk (every top-p row bounded by a
-    small top-k) rather than a full sort of each row."""
-    return batch.top_ks is not None and batch.max_top_k <= _TOPK_PATH_MAX_K and batch.top_p_within_top_k
+    top-k of at most topk_max_k) rather than a full sort of each row."""
+    return batch.top_ks is not None and batch.max_top_k <= topk_max_k and batch.top_p_within_top_k
 
 
-def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """``[B, 1]`` float32: tokens with probability below it are filtered by top-k/top-p."""
+def uses_radix(rows: int, batch: SamplingBatch, radix_min_rows: int | None, topk_max_k: int) -> bool:
+    """Whether a batch of `rows` takes the radix select for its thresholds: a sampler that has it
+    (radix_min_rows not None: CUDA), enough rows, and no torch.topk path."""
+    return radix_min_rows is not None and rows >= radix_min_rows and not takes_topk_path(batch, topk_max_k)
+
+
+def top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch, topk_max_k: int = _DEFAULT_TOPK_MAX_K) -> Tensor:
+    """``[B, 1]`` float32: tokens with probability below it are filtered by top-k/top-p (PyTorch:
+    the CPU path, and the reference of the radix select)."""
     top_ks, top_ps = batch.top_ks, batch.top_ps
     vocab = probs.shape[-1]
-    if _takes_topk_path(batch):
+    if takes_topk_path(batch, topk_max_k):
         return _threshold_from_top(probs, batch)
 
     sorted_probs = probs.sort(dim=-1, descending=True).values
@@ -121,7 +122,7 @@ def _top_k_top_p_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _threshold_from_top(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """``_top_k_top_p_threshold`` from the max_top_k largest probabilities of each row (torch.topk),
+    """``top_k_top_p_threshold`` from the max_top_k largest probabilities of each row (torch.topk),
     when every top-p row also uses top-k. The sort's first max_top_k positions, with the same
     float32 cumulative sums; the survivors (>= kth) past them can only be ties of kth:
 
@@ -177,16 +178,6 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
     return chosen, top_ids, logprobs.gather(1, top_ids)
 
 
-def _kernel_threshold(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """``_top_k_top_p_threshold`` on CUDA: the Triton radix select (kernels/sampling_filter.py)
-    where the torch path would sort whole rows of a large batch, the torch path otherwise. The
-    same thresholds (top-p within float32 rounding of its partial sums), except 0.0 where neither
-    filter is on (the same tokens kept)."""
-    if probs.shape[0] >= _RADIX_MIN_ROWS and not _takes_topk_path(batch):
-        return top_k_top_p_threshold(probs, batch.top_ks, batch.top_ps)
-    return _top_k_top_p_threshold(probs, batch)
-
-
 class Sampler(torch.nn.Module):
     """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`, and the
     logprobs of the rows that ask for them."""
@@ -198,19 +189,36 @@ class Sampler(torch.nn.Module):
         # Likewise the logprobs: one Triton pass on CUDA, torch's log_softmax and top-k elsewhere
         # (same contract; the engine's prompt logprobs use it too).
         triton_path = uses_triton(construction_device())
-        self.gumbel_sample = gumbel_sample if triton_path else torch_gumbel_sample
-        if triton_path:
-            from nanovllm.kernels.logprobs import LogprobsWorkspace  # Triton is present on this path
+        routes = current_routes()
+        self.topk_max_k = routes.topk_max_k
+        # Rows from which top-k/top-p thresholds come from the Triton radix select (CUDA only;
+        # None: always the PyTorch path).
+        self.radix_min_rows: int | None = routes.radix_min_rows if triton_path else None
+        self.gumbel_sample = torch_gumbel_sample
+        self.token_logprobs = token_logprobs
+        self.walk_sample = None
+        if triton_path:  # Triton is present on this path
+            from nanovllm.sampling.candidate_walk import walk_sample
+            from nanovllm.sampling.gumbel_max import gumbel_sample
+            from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, row_logprobs
 
+            self.gumbel_sample = gumbel_sample
             # one scratch for this sampler's launches (one stream): a call allocates only its outputs
             self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
-        else:
-            self.token_logprobs = token_logprobs
-        # top-k/top-p thresholds: on CUDA the Triton radix select where a sort would be slower.
-        self.top_k_top_p_threshold = _kernel_threshold if triton_path else _top_k_top_p_threshold
-        # Batches filtered by top-p / min-p alone: on CUDA one kernel walks Gumbel-max candidates
-        # (kernels/candidate_walk.py), the same tokens as the threshold path without its passes.
-        self.walk_sample = walk_sample if triton_path else None
+            # Batches filtered by top-p / min-p alone: one kernel walks Gumbel-max candidates
+            # (sampling/candidate_walk.py), the same tokens as the threshold path without its passes.
+            self.walk_sample = walk_sample
+
+    def threshold(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
+        """Each row's top-k/top-p threshold [B, 1]: the radix select (sampling/radix_filter.py)
+        where the torch path would sort whole rows of a batch of radix_min_rows or more, the torch
+        path otherwise. The same thresholds (top-p within float32 rounding of its partial sums),
+        except 0.0 where neither filter is on (the same tokens kept)."""
+        if uses_radix(probs.shape[0], batch, self.radix_min_rows, self.topk_max_k):
+            from nanovllm.sampling.radix_filter import top_k_top_p_threshold as radix_threshold
+
+            return radix_threshold(probs, batch.top_ks, batch.top_ps)
+        return top_k_top_p_threshold(probs, batch, self.topk_max_k)
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
@@ -242,7 +250,7 @@ class Sampler(torch.nn.Module):
 
         threshold: Tensor | None = None
         if batch.top_ks is not None or batch.top_ps is not None:
-            threshold = self.top_k_top_p_threshold(probs, batch)
+            threshold = self.threshold(probs, batch)
         if batch.min_ps is not None:
             # The top token survives top-k/top-p, so the max is unchanged by them.
             min_p_th = batch.min_ps.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)

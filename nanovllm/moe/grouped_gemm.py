@@ -2,7 +2,7 @@
 
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u),   [g | u] = w13[e] @ hidden[t],  e = topk_ids[t, k]
 
-Each (token t, slot k) is a pair p = t * K + k. `moe_align` (kernels/moe_sort.py: the layout, its
+Each (token t, slot k) is a pair p = t * K + k. `moe_align` (moe/align.py: the layout, its
 invariants and launches) sorts the T*K pairs by expert into blocks of BLOCK_M rows, each holding pairs
 of one expert then padding (the invalid pair T*K); num_used_blocks, on the device, counts the blocks in use.
 
@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET, check_matrix, cuda_sm_count, next_pow2
-from .fused_activation import silu_mul
-from .fused_norm import round_to
-from .moe_sort import _check_ids, aligned_blocks, moe_align
+from nanovllm.kernels.checks import INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.fused_activation import silu_mul
+from nanovllm.kernels.fused_norm import round_to
+from .align import _check_ids, aligned_blocks, moe_align
 
 # Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
 # that holds most experts' pairs whole reads each selected expert's weights once per N tile.

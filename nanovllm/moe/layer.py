@@ -17,8 +17,8 @@ fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.dow
 each filling a whole parameter (its `shard_groups`, utils/loader.py).
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
-Triton kernel (kernels/moe_routing.py) and runs the experts as the fused Triton MoE
-(kernels/moe.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
+Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
+(moe/grouped_gemm.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
 graphs), or for decode steps of 1-2 tokens as two GEMV launches that route too
 (kernels/moe_decode.moe_gemv_routed); on other devices `route` and `experts_native`, a plain
 PyTorch loop over the experts that some token picked.
@@ -33,13 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.kernel_path import uses_triton
+from nanovllm.layers.kernel_path import current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
-
-# Decode steps of up to this many tokens run the GEMV-style experts (kernels/moe_decode.MAX_TOKENS).
-MOE_GEMV_MAX_TOKENS = 2
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
 GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
@@ -117,6 +114,12 @@ class MoeExperts(nn.Module):
         for param in (self.w13, self.w2):
             param.weight_slice = self.weight_slice
         self.use_triton = uses_triton(self.w13.device)
+        # Decode steps of up to this many tokens run the expert GEMVs (KernelRoutes; 0 off CUDA).
+        self.gemv_tokens = 0
+        if self.use_triton:
+            from nanovllm.moe.decode import MAX_TOKENS
+
+            self.gemv_tokens = min(current_routes().moe_gemv_max_tokens, MAX_TOKENS)
 
     def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: tuple[int, str] | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,24 +146,24 @@ class MoeExperts(nn.Module):
         return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
 
     def runs_gemv(self, hidden: torch.Tensor) -> bool:
-        """Whether this step's experts run as the decode GEMVs (kernels/moe_decode.py): on CUDA, in
+        """Whether this step's experts run as the decode GEMVs (moe/decode.py): on CUDA, in
         a decode step of 1-2 tokens. Decided by the step's kind as well as its size, so that an
         eager step and the CUDA graph replaying it (decode graphs of 1 and 2 rows; prefill / mixed
         graphs pad to 16+ tokens) always run the same kernels."""
-        return self.use_triton and in_decode_step() and hidden.shape[0] <= MOE_GEMV_MAX_TOKENS
+        return in_decode_step() and hidden.shape[0] <= self.gemv_tokens
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a given routing (the steps runs_gemv serves take forward_routed)."""
         if not self.use_triton:
             return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
-        from nanovllm.kernels import fused_moe
+        from nanovllm.moe.grouped_gemm import fused_moe
 
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
     def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> torch.Tensor:
         """The decode GEMVs with the routing folded into their first launch (runs_gemv steps only)."""
-        from nanovllm.kernels import moe_gemv_routed
+        from nanovllm.moe.decode import moe_gemv_routed
 
         return moe_gemv_routed(hidden, self.w13, self.w2, router_logits, top_k, renormalize)[0]
 
@@ -175,7 +178,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
         if self.experts.use_triton:
-            from nanovllm.kernels import moe_route
+            from nanovllm.moe.routing import moe_route
 
             self.route = moe_route  # one launch; ids int32
         else:

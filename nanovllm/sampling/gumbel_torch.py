@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_float_dtype
+from nanovllm.kernels.checks import check_float_dtype
 
 # Columns per Philox word stream: a tile of TILE = 4 * SUB columns takes its noise from SUB
 # Philox calls (one per column quadruple). Part of the noise's definition: the Triton kernel

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)

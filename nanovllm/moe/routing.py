@@ -1,5 +1,5 @@
 """Triton MoE routing: softmax over the experts, top k, optional renormalisation, in one launch
-(the PyTorch route in layers/fused_moe.py takes four: softmax, topk, sum, divide).
+(the PyTorch route in moe/layer.py takes four: softmax, topk, sum, divide).
 
     program t:  p = softmax(logits[t, :E]) in float32
                 K rounds: w_i = max(p), e_i = lowest expert holding it; p[e_i] = -1
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
-from .moe_sort import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
-from .pdl import pdl_for_grid, wait_for_prior
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
+from .align import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
+from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
@@ -30,7 +30,7 @@ NUM_WARPS = 4
 def route_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
               RENORMALIZE: tl.constexpr):
     """One token's routing from its logits at row_ptr ([num_experts]): (weights [K_PAD] float32,
-    ids [K_PAD] int32), slots past TOP_K holding 0 (kernels/moe_decode.py routes with it too)."""
+    ids [K_PAD] int32), slots past TOP_K holding 0 (moe/decode.py routes with it too)."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     x = tl.load(row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)

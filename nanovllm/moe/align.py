@@ -1,5 +1,5 @@
 """Triton MoE alignment: the (token, slot) pairs of a top-k routing grouped by expert into blocks,
-the layout the grouped GEMMs of kernels/moe.py read.
+the layout the grouped GEMMs of moe/grouped_gemm.py read.
 
 Each (token t, slot k) is a pair p = t * K + k. `moe_align` groups the T*K pairs by expert
 (a counting sort, stable: an expert's pairs keep ascending p) into blocks of BLOCK_M rows,
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import next_pow2
+from nanovllm.kernels.checks import next_pow2
 
 # Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.
 MAX_EXPERTS = 512

@@ -1,6 +1,6 @@
 """Triton top-k / top-p thresholds: per row, the probability below which a token is filtered,
 found by radix select on the float bits (no sort). Same contract as
-layers/sampler._top_k_top_p_threshold, which stays the CPU path and the reference.
+sampling/sampler.top_k_top_p_threshold, which stays the CPU path and the reference.
 
     kth = the k-th largest probability, ties counted         (k >= V: off, 0.0)
     pth = the largest value t of the row with  sum(x : x >= t, x >= kth) >= top_p * total,
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_row_vector, next_pow2
+from nanovllm.kernels.checks import check_row_vector, next_pow2
 
 # Bits chosen per pass: a digit's 16 bins cost 16 compares an element; 8 passes cover 32 bits.
 RADIX_BITS = tl.constexpr(4)

@@ -1,0 +1,9 @@
+"""Mixture-of-experts (Qwen3-MoE): what a dense-model reader can skip.
+
+- layer.py: `SparseMoeBlock` (replicated router + experts) and `MoeExperts` (stacked w13 / w2,
+  checkpoint name mapping, tensor-parallel slices); the path is chosen at construction.
+- routing.py: softmax, top k and renormalisation in one Triton launch.
+- align.py: the counting sort of (token, expert) pairs into single-expert blocks.
+- grouped_gemm.py: the fused MoE (grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM).
+- decode.py: decode steps of 1-2 tokens as two GEMV-style launches that route too.
+"""
