@@ -1,0 +1,97 @@
+"""The package's import graph: no cycle, and no arrow from a lower layer to a higher one.
+
+Every `import` / `from ... import` of nanovllm modules counts, also those inside functions (the
+lazy imports of the CUDA paths), read statically with `ast`. Layers, lowest first:
+
+    utils, sampling_params -> kernels -> layers -> moe, sampling -> models -> config -> engine -> llm -> nanovllm
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
+# A module may import only from its own layer or lower ones.
+RANKS = {"utils": 0, "sampling_params": 0, "kernels": 1, "layers": 2, "moe": 3, "sampling": 3, "models": 4,
+         "config": 5, "engine": 6, "llm": 7, "nanovllm": 8}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the nanovllm modules it imports (a `from pkg import name` of a submodule counts
+    as that submodule)."""
+    modules = module_names()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                targets.update(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert {layer(m) for m in module_names()} <= set(RANKS)
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert sum(map(len, graph.values())) > 100  # the scan sees the imports at all
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_arrow_points_up():
+    upward = sorted((a, b) for a, targets in import_graph().items() for b in targets
+                    if RANKS[layer(b)] > RANKS[layer(a)])
+    assert upward == []
