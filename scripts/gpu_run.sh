@@ -2,6 +2,7 @@
 # One device call: bench.py runs, kernel micro-benchmarks, GPU tests. Run from the repository root:
 #   bash scripts/gpu_run.sh [parts...]        (default: bench latency kernels sampler); logs go to $OUT (or ./gpu-logs)
 #   BEFORE_DIR=DIR bash scripts/gpu_run.sh compare1, then compare2 in a second call: DIR's tree against this one
+#   (compare: both sets in one call, as many runs as fit in 520 s)
 # `gputests` (359 s on 2026-12-02) and `readme` (<= 590 s) each want a call of their own.
 set -u
 export PYTHONUNBUFFERED=1
@@ -30,9 +31,10 @@ for part in $parts; do
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
                bench "latency-$m" 200 --model $CONFIGS/$m --latency --latency-batch-sizes 1,2,8,32; done ;;
-    compare1|compare2) # the same bench.py runs in $BEFORE_DIR's tree and this one, side by side (benchmarks/engine/compare.py)
+    compare|compare1|compare2) # the same bench.py runs in $BEFORE_DIR's tree and this one (benchmarks/engine/compare.py)
       if [ -z "${BEFORE_DIR:-}" ]; then echo "$part: set BEFORE_DIR to the source tree to compare against"; continue; fi
-      python3 -m benchmarks.engine.compare --before "$BEFORE_DIR" --set "${part#compare}" --out "$OUT" 2>&1 | tee "$OUT/$part.log" ;;
+      which=${part#compare}
+      python3 -m benchmarks.engine.compare --before "$BEFORE_DIR" --set "${which:-all}" --out "$OUT" 2>&1 | tee "$OUT/$part.log" ;;
     kernels) timeout 200 python3 -m benchmarks.kernels.bench_kernels --json "$OUT/kernels.json" 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     sampler) timeout 120 python3 -m benchmarks.kernels.bench_sampler --json "$OUT/sampler.json" 2>&1 | tail -20 | tee "$OUT/sampler.log" ;;
     gemm) timeout 200 python3 -m benchmarks.kernels.bench_gemm --json "$OUT/gemm.json" 2>&1 | tail -50 | tee "$OUT/gemm.log" ;;

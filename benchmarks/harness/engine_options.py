@@ -12,6 +12,7 @@ from nanovllm.layers.kernel_path import KernelRoutes
 # The published model shapes (config.json only), found from this file so any working directory works.
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULT_MODEL = os.path.join(CONFIGS_DIR, "qwen3-0.6b")
+# The names --kernel-routes accepts (and lists when given another).
 ROUTE_FIELDS = tuple(f.name for f in fields(KernelRoutes))
 
 
