@@ -1,10 +1,14 @@
-"""bench.py on CPU: it refuses to run without CUDA, and its roofline counting (benchmarks/roofline.py) is right.
+"""bench.py and benchmarks/ on CPU: bench.py refuses to run without CUDA, parses its flags (kernel
+routes included), its roofline counting (benchmarks/harness/roofline.py) is right, its whole report
+is built from a CPU engine's run and injected device limits, compare.py's table, and benchmarks/
+holds together (no module imports bench.py, no import cycle, one import style, no private names).
 
 Expected values are worked out by hand below for a 2-layer toy shape, not by calling the
 functions under test a second way; the parameter count is also checked against the real
 model module built on the meta device.
 """
 
+import ast
 import os
 import random
 import subprocess
@@ -20,15 +24,21 @@ sys.path.insert(0, str(REPO))
 
 import bench  # noqa: E402
 from checkpoints import cpu_llm  # noqa: E402
-from benchmarks import runs  # noqa: E402
-from benchmarks.roofline import (  # noqa: E402
+from benchmarks.engine import compare  # noqa: E402
+from benchmarks.harness import runs  # noqa: E402
+from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format  # noqa: E402
+from benchmarks.harness.report import (  # noqa: E402
+    DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, throughput_rows,
+)
+from benchmarks.harness.roofline import (  # noqa: E402
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
     expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
     workload_flops,
 )
-from benchmarks.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
-from benchmarks.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
+from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
 from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
+from nanovllm.layers.kernel_path import KernelRoutes  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from nanovllm.models.registry import build_model  # noqa: E402
@@ -152,10 +162,10 @@ def test_default_workload_is_nano_vllms():
 
 
 def test_load_format_follows_safetensors(tmp_path):
-    assert bench.resolve_load_format("auto", str(tmp_path))[0] == "dummy"
-    assert bench.resolve_load_format("dummy", str(tmp_path))[0] == "dummy"
+    assert resolve_load_format("auto", str(tmp_path))[0] == "dummy"
+    assert resolve_load_format("dummy", str(tmp_path))[0] == "dummy"
     (tmp_path / "model.safetensors").write_bytes(b"")
-    fmt, line = bench.resolve_load_format("auto", str(tmp_path))
+    fmt, line = resolve_load_format("auto", str(tmp_path))
     assert fmt == "auto" and "checkpoint" in line
 
 
@@ -263,7 +273,7 @@ def test_decode_buckets_sum_steps_by_rows():
         (2, 3.0), (1, 4.0), (1, 16.0), (1, 8.0)]
     run = runs.EngineRun(decode_step_rows=[3, 3, 100], decode_step_s=[0.5, 0.5, 2.0])
     res = {}
-    rows = bench.decode_bucket_rows(run, [DecodeStep(3, 1.0, 0), DecodeStep(100, 1.0, 2), DecodeStep(100, 3.0, 0)], 2.0, res)
+    rows = decode_bucket_rows(run, [DecodeStep(3, 1.0, 0), DecodeStep(100, 1.0, 2), DecodeStep(100, 3.0, 0)], 2.0, res)
     assert rows == [("decode-only steps of 1-8 rows: measured / memory floor", "2 steps 1.00 s / 1 steps 0.50 s (50%)"),
                     ("decode-only steps of 33-128 rows: measured / memory floor",
                      "1 steps 2.00 s / 2 steps 3.00 s (150%)")]
@@ -291,8 +301,8 @@ def test_moe_workload_bytes_and_flops_by_hand():
     assert workload_flops(cfg, [3, 5], [2, 4]) == (23808 + 9600, 2944)
     # A dense model has no expert term.
     assert decode_expert_elements(toy_config(tied=False), [2, 4]) == 0
-    assert bench.expert_rows(toy_config(tied=False), [2, 4]) == []
-    assert "E (1 - (1 - K/E)^B) of E = 4, K = 2" in bench.expert_rows(cfg, [2, 4])[0][1]
+    assert expert_rows(toy_config(tied=False), [2, 4]) == []
+    assert "E (1 - (1 - K/E)^B) of E = 4, K = 2" in expert_rows(cfg, [2, 4])[0][1]
 
 
 def test_qwen3_30b_a3b_parameters_match_the_model_card():
@@ -323,29 +333,144 @@ def test_small_moe_shape_is_what_bench_says():
     assert round(total / 1e9, 1) == 1.5 and round(active / 1e9, 2) == 0.46
 
 
-def test_throughput_report_runs_end_to_end_on_a_cpu_engine(monkeypatch):
-    """bench.throughput_rows on the shipped default model on the CPU (the probes and torch's CUDA
-    memory counter stubbed: they need a GPU): every report row is built, the decode steps it
-    sums by row count are the run's, and their memory floor sums to the memory term."""
+def test_throughput_report_from_a_cpu_engine_and_injected_limits():
+    """The throughput report from a run of the shipped default model on the CPU and device limits
+    given as numbers (the probes need a GPU): every report row is built, the decode steps it sums
+    by row count are the run's, and their memory floor sums to the memory term."""
     model = str(REPO / "nanovllm" / "default_model")
     args = bench.parse_args([f"--model={model}", "--num-seqs=6", "--min-input=5", "--max-input=20",
                              "--min-output=2", "--max-output=12", "--top-k=20", "--top-p=0.9"])
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda: 1e12)
-    monkeypatch.setattr(bench, "measure_gemm_peak", lambda: 1e15)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    w = bench.workload_of(args)
     llm = cpu_llm(model, enforce_eager=True)
-    res = {}
     try:
-        rows, llm = bench.throughput_rows(args, llm, {}, res, decode_weight_elements(llm.config.model_config))
+        cfg = llm.config.model_config
+        prompts, max_tokens = make_workload(w, cfg.vocab_size)
+        run = runs.run_engine(llm, prompts, max_tokens, args.sampling)
     finally:
         llm.exit()
-    assert dict(rows)["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
-    names = [name for name, _ in rows]
-    assert "fraction of roofline reached" in names and any(n.startswith("decode-only steps of") for n in names)
-    assert res["prefill_padding"] == 0 and dict(rows)["their graph padding"].startswith("0 tokens")  # eager: no buckets
+    res = {}
+    t = ThroughputRun(args.workload, w, args.sampling, cfg, 4, decode_weight_elements(cfg), [len(p) for p in prompts],
+                      max_tokens, run, peak_mem_bytes=0)
+    rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
+    assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
+    assert rows["HBM copy bandwidth / bf16 GEMM peak"] == "1.00 TB/s / 1000 TFLOP/s"
+    assert "fraction of roofline reached" in rows and any(n.startswith("decode-only steps of") for n in rows)
+    assert res["prefill_padding"] == 0 and rows["their graph padding"].startswith("0 tokens")  # eager: no buckets
+    assert res["output_tokens"] == sum(max_tokens) and res["memory_s"] == pytest.approx(
+        sum(workload_bytes(cfg, 4, t.prompt_lens, max_tokens, t.decode_weights)) / 1e12)
     buckets = res["decode_by_rows"]
     assert sum(b["steps"] for b in buckets) == res["decode_steps"]
     assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])
+
+
+def test_kernel_routes_flag_builds_the_engines_routes(capsys):
+    """--kernel-routes: KernelRoutes' fields by name, the rest at their defaults, passed to LLM;
+    an unknown field, a non-integer or a value KernelRoutes refuses stops the parse with its reason."""
+    args = bench.parse_args(["--kernel-routes", "gemv_max_rows=1, skinny_max_rows=0"])
+    assert args.routes == KernelRoutes(gemv_max_rows=1, skinny_max_rows=0)
+    assert bench.engine_kwargs(args, "dummy")["kernel_routes"] == args.routes
+    assert bench.parse_args([]).routes == KernelRoutes() == parse_kernel_routes("")
+    for bad, reason in (("gemv_rows=1", "radix_min_rows"), ("gemv_max_rows=two", "integer"),
+                        ("skinny_max_rows", "field=value"), ("gemv_max_rows=1,gemv_max_rows=2", "twice"),
+                        ("gemv_max_rows=0,norm_in_gemv_max_rows=1", "must not exceed")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--kernel-routes", bad])
+        assert reason in capsys.readouterr().err
+
+
+def test_compare_table_orders_and_figures():
+    """compare.py: each bench's two runs alternate which tree goes first; a run's JSON becomes its
+    rows (latency keys are strings in JSON); the table gives after / before, '-' where a run is missing."""
+    assert [compare.run_order(i)[0] for i in range(4)] == ["before", "after", "before", "after"]
+    latency, default = compare.SETS["1"][2], compare.SETS["1"][0]
+    assert compare.figures(latency, {"decode_ms_per_token": {"1": 0.94, "8": 1.5, "32": 2.3}}) == {
+        "qwen3-0.6b decode ms/token, batch 1": 0.94, "qwen3-0.6b decode ms/token, batch 8": 1.5,
+        "qwen3-0.6b decode ms/token, batch 32": 2.3}
+    assert compare.figures(default, None) == {"qwen3-0.6b default tok/s": None}
+    before = {"qwen3-0.6b default tok/s": 26000.0, "qwen3-0.6b decode ms/token, batch 1": 0.94, "x": 1.0}
+    after = {"qwen3-0.6b default tok/s": 26520.0, "qwen3-0.6b decode ms/token, batch 1": 0.893}
+    lines = compare.table(before, after).splitlines()
+    assert lines[1].split() == ["qwen3-0.6b", "default", "tok/s", "26,000", "26,520", "1.020"]
+    assert lines[2].split()[-3:] == ["0.940", "0.893", "0.950"] and lines[3].split() == ["x", "1.000", "-", "-"]
+    every = compare.SETS["all"]
+    assert set(every) == set(compare.SETS["1"]) | set(compare.SETS["2"])
+    assert all((REPO / "benchmarks" / "configs" / b.model / "config.json").is_file() for b in every)
+    assert len({b.label for b in every}) == len(every)
+
+
+# ----- benchmarks/ as a whole -----
+BENCHMARK_MODULES = sorted(p for p in (REPO / "benchmarks").rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import statement in the file ('import a.b' gives ('a.b', []))."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append(("." * node.level + (node.module or ""), [alias.name for alias in node.names]))
+    return out
+
+
+def test_benchmarks_hold_together():
+    """Every module under benchmarks/ has a docstring; none imports bench.py; each imports its
+    neighbours one way (absolute, benchmarks.<part>.<module>: no relative or bare sibling imports)
+    and no private name of nanovllm; and the imports between them have no cycle."""
+    names = {module_name(p): p for p in BENCHMARK_MODULES}
+    siblings = {p.stem for p in BENCHMARK_MODULES} | {"bench"}
+    graph = {}
+    for name, path in names.items():
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no docstring"
+        imports = imported_modules(path)
+        for module, imported in imports:
+            assert module.split(".")[0] not in siblings and not module.startswith("."), f"{name} imports {module}"
+            if module.startswith("nanovllm"):
+                assert not any(part.startswith("_") for part in module.split(".") + imported), f"{name}: {module}"
+        graph[name] = {m for m, imported in imports for m in [m, *(f"{m}.{i}" for i in imported)] if m in names}
+    for module, imported in imported_modules(REPO / "bench.py"):
+        assert not module.startswith("nanovllm") or not any(i.startswith("_") for i in imported), module
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join(path + (name,))}"
+        if name not in done:
+            for dep in graph[name] - {name}:
+                visit(dep, path + (name,))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+
+
+def test_every_benchmark_module_imports_from_the_repository_root():
+    """`python -m benchmarks.<part>.<module>` finds what it imports: each module imports (on CPU,
+    without running main) in one fresh interpreter started at the repository root."""
+    names = [module_name(p) for p in BENCHMARK_MODULES]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_no_benchmark_or_its_tests_rebind_what_they_measure():
+    """No setattr, monkeypatch or module-constant assignment (`module.NAME = ...`) under
+    benchmarks/, in bench.py or in these tests: A/B runs go through KernelRoutes."""
+    for path in [*BENCHMARK_MODULES, REPO / "bench.py", REPO / "tests" / "test_bench.py",
+                 REPO / "tests" / "test_variants.py"]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            assert not (isinstance(node, ast.Name) and node.id in ("setattr", "monkeypatch")), f"{path}: {node.id}"
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    assert not (isinstance(target, ast.Attribute) and target.attr.isupper()), (
+                        f"{path}:{node.lineno} assigns {target.attr}")
 
 
 def test_sampling_flags_are_checked_when_parsed(capsys):

@@ -125,7 +125,7 @@ def test_bad_tiles_are_refused():
 def test_the_bench_sweep_grid_parses_and_stays_small():
     """bench_moe.py --sweep-gemv (GPU only) on CPU: its arguments parse and its candidate grid holds
     the defaults, only valid tiles, and at most 60 candidates."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_moe.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels" / "bench_moe.py"
     spec = importlib.util.spec_from_file_location("bench_moe_under_test", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,6 +1,6 @@
-"""benchmarks/variants.py on CPU: variant specs parse, constants are set (wrapped as tl.constexpr
-where the library's constant is one), bad specs are refused, and a variant's bench run says why it
-failed (bench.py needs CUDA) instead of printing nothing."""
+"""benchmarks/engine/variants.py on CPU: variant specs are KernelRoutes fields, checked before any
+run; reports are shown side by side; a variant's bench run says why it failed (bench.py needs
+CUDA) instead of printing nothing."""
 
 import subprocess
 import sys
@@ -10,23 +10,50 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
 
-import variants  # noqa: E402
+from benchmarks.engine.variants import parse_variant, side_by_side  # noqa: E402
 
 
-@pytest.mark.parametrize("spec, message", [("x:SKINNY_MAX_ROWS=64", "module.CONST"), ("x:nanovllm.layers.linear.S", "module.CONST")])
+def test_specs_are_kernel_routes():
+    assert parse_variant("default") == ("default", "")
+    assert parse_variant("cublas:skinny_max_rows=0,gemv_max_rows=1") == ("cublas", "skinny_max_rows=0,gemv_max_rows=1")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("x:SKINNY_MAX_ROWS=64", "field of KernelRoutes"),
+    ("x:nanovllm.layers.linear.SKINNY_MAX_ROWS=0", "field of KernelRoutes"),
+    ("x:gemv_max_rows=1.5", "integer"),
+    ("x:radix_min_rows=-1", "radix_min_rows"),
+    (":gemv_max_rows=1", "name"),
+])
 def test_bad_specs_are_refused(spec, message):
     with pytest.raises(SystemExit, match=message):
-        variants.parse_variant(spec)
-    with pytest.raises(SystemExit, match="no constant"):
-        variants.apply({"nanovllm.kernels.gemv.NO_SUCH_CONSTANT": 1})
+        parse_variant(spec)
+
+
+def test_reports_side_by_side():
+    """Rows matching a prefix, in the first report's order, a column per variant, '-' where missing."""
+    reports = {"a": [["steps", "9"], ["decode ms/token, batch 1", "0.942"], ["decode ms/token, batch 8", "1.443"]],
+               "b": [["decode ms/token, batch 1", "0.978"], ["steps", "8"]]}
+    lines = side_by_side(reports, ("decode ms/token",)).splitlines()
+    assert [line.split() for line in lines] == [
+        ["a", "b"], ["decode", "ms/token,", "batch", "1", "0.942", "0.978"],
+        ["decode", "ms/token,", "batch", "8", "1.443", "-"]]
+
+
+def run_variants(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.engine.variants", *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def test_flags_it_sets_itself_are_refused():
+    out = run_variants("--variant", "a", "--", "--json", "x.json")
+    assert out.returncode != 0 and "sets --kernel-routes and --json itself" in out.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the bench would run for real")
 def test_a_failed_variant_is_reported():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "variants.py"), "--variant", "baseline", "--",
-                          "--model", "benchmarks/configs/qwen3-0.6b", "--latency"],
-                         capture_output=True, text=True, timeout=300, cwd="/")
+    out = run_variants("--variant", "baseline", "--", "--model", "benchmarks/configs/qwen3-0.6b", "--latency")
     assert out.returncode == 0
     assert "baseline: failed" in out.stdout and "CUDA" in out.stdout

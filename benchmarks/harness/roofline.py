@@ -2,7 +2,7 @@
 ModelConfig in, numbers out; no device).
 
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
-(benchmarks/probes.py).
+(benchmarks/harness/probes.py).
 Bytes: each decode step reads every running sequence's whole KV context, and there are at least
 max(max_tokens) - 1 steps, each reading every weight but an untied input embedding (only rows gathered).
 FLOPs: 2 x linear weights x tokens through them: prompt and output tokens but the last output go through
@@ -210,7 +210,7 @@ def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
 
     A step's attention needs its projections' q, k, v, and the next projection needs the
     attention's output: on one batch the two cannot overlap (two micro-batches on two streams
-    could, each reading the weights again; benchmarks/lanes_probe.py measured no gain). Every
+    could, each reading the weights again; the lanes probe measured no gain: BENCHMARKS.md). Every
     request decodes from step 1, as the roofline's weight term counts, so every prefill comes
     first (`steps`: decode_steps of the workload). Never below the roofline: roofline / this is
     the most of the roofline that schedule can reach."""

@@ -5,12 +5,12 @@ the down projection with SiLU-and-mul fused in next to the two kernels it replac
 Each timed graph walks through enough distinct weight copies (>= 256 MB) that the weights come
 from HBM, not the 50 MB L2, as they do in a real decode step.
 
-    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--sweep] [--json PATH]
-    PYTHONPATH=. python3 benchmarks/bench_gemm.py --batch-rows 16,64,128,256,512
+    python -m benchmarks.kernels.bench_gemm [--sweep] [--json PATH]
+    python -m benchmarks.kernels.bench_gemm --batch-rows 16,64,128,256,512
 
 --batch-rows times cuBLAS at a decode batch's (or a short prefill's) row counts instead, each call
 against its own roofline: max(bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the
-run (benchmarks/probes.py); the gap is what such a step loses in its projections. Beside it, up to
+run (benchmarks/harness/probes.py); the gap is what such a step loses in its projections. Beside it, up to
 the skinny GEMM's MAX_ROWS, kernels/skinny_gemm.py at its default tiling; --sweep-skinny adds the
 best of SKINNY_TILINGS.
 """
@@ -23,10 +23,10 @@ import json
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fused_activation import silu_and_mul
-from graph_timing import graph_us
-from benchmarks.probes import measure_bandwidth, measure_gemm_peak
+from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
+from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count, next_pow2
+from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm, skinny_tiling
@@ -151,7 +151,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         ws = rotating_weights(n, k)
-        for m in (1, 2, 4, 8):  # 4: the kernel's MAX_ROWS, past layers/linear.GEMV_MAX_ROWS = 2
+        for m in (1, 2, 4, 8):  # 4: the kernel's MAX_ROWS, past KernelRoutes.gemv_max_rows = 2
             x = torch.randn(m, k, device=dev, dtype=bf16)
             gu = torch.randn(m, 2 * k, device=dev, dtype=bf16)
             row = {"layer": name, "M": m, "cublas_us": graph_time_us([lambda w=w: F.linear(x, w) for w in ws])}

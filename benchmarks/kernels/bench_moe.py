@@ -1,7 +1,7 @@
-"""The fused MoE kernels (nanovllm/kernels/moe.py, moe_sort.py) on Qwen3-30B-A3B's expert shape (E=128 experts,
+"""The fused MoE kernels (nanovllm/moe/grouped_gemm.py, align.py) on Qwen3-30B-A3B's expert shape (E=128 experts,
 top-8, H=2048, I=768, bf16), per layer call: ms, distinct experts read, their weight bytes
-(distinct x 3 x H x I x 2), GB/s and the fraction of an HBM copy bandwidth measured in the same
-run (bytes read + written by a 2 GiB device-to-device copy / time), TFLOP/s (6 x T x K x H x I).
+(distinct x 3 x H x I x 2), GB/s and the fraction of the HBM copy bandwidth measured in the same
+run (benchmarks/harness/probes.py), TFLOP/s (6 x T x K x H x I).
 
 Routing is uniform: top-8 of torch.randn router logits per token. Each timed CUDA graph holds
 ROUTINGS calls on different routings, so at small batches the experts change between calls and
@@ -9,11 +9,12 @@ come from HBM (the weights are 1.2 GB, L2 is 50 MB). Times are medians of REPEAT
 events) after WARMUP. `ms` is the whole fused_moe call (alignment, both GEMMs, the sum over the
 K slots); `align ms` is moe_align alone, timed the same way.
 
-    PYTHONPATH=. python benchmarks/bench_moe.py [--tokens 1 64 4096] [--sweep] [--json PATH]
-    PYTHONPATH=. python benchmarks/bench_moe.py --sweep-gemv [--json PATH]
+    python -m benchmarks.kernels.bench_moe [--tokens 1 64 4096] [--sweep] [--json PATH]
+    python -m benchmarks.kernels.bench_moe --sweep-gemv [--json PATH]
 
---sweep-gemv times only the decode path (kernels/moe_decode.moe_gemv) at T = 1 and 2, for every
-GemvTiles of gemv_candidates(), and lists them best first with the default's row last.
+--sweep / --sweep-gemv pass other tilings as the kernels' `tiles` argument (nothing else changes).
+--sweep-gemv times only the decode path (moe/decode.moe_gemv) at T = 1 and 2, for every GemvTiles of
+gemv_candidates(), and lists them best first with the default's row last.
 
 Without CUDA it says so in one line and exits non-zero.
 """
@@ -29,11 +30,13 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.harness.probes import measure_bandwidth
+from benchmarks.harness.timing import capture, event_times_ms
+
 E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B: experts, experts per token, hidden, expert intermediate
 TOKENS = (1, 16, 64, 128, 256, 4096)  # decode batches and one prefill size
 ROUTINGS = 8  # calls (routings) per timed graph
 WARMUP, REPEATS = 5, 50
-COPY_BYTES = 2 * 2**30
 # --sweep: (block_n, block_k, num_warps, num_stages) of each GEMM, tried one GEMM at a time for
 # every block height; the default tiling of the batch is always the first candidate.
 SWEEP_GATE_UP = [(32, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 5),
@@ -89,8 +92,6 @@ def gemv_register_tile(tiles, top_k: int = K) -> int:
 def gemv_candidates() -> list:
     """The default GemvTiles first, then each launch's grid points with the other launch at its
     default, where the register tile fits (24 in all)."""
-    from dataclasses import replace
-
     from nanovllm.moe.decode import DEFAULT_TILES
 
     grid = [replace(DEFAULT_TILES, num_warps=w, gate_up_block_n=n, gate_up_block_k=k)
@@ -110,39 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    for _ in range(WARMUP):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEATS)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
 def graph_ms(calls: list[Callable[[], object]]) -> float:
-    """Median ms per call of `calls`, captured together in one CUDA graph (compiled first, outside)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    ms = median_ms(graph.replay) / len(calls)
+    """Median ms per call of `calls`, captured together in one CUDA graph (compiled first, outside),
+    over REPEATS replays after WARMUP."""
+    graph = capture(lambda: [fn() for fn in calls])
+    ms = statistics.median(event_times_ms(lambda i: graph.replay(), REPEATS, WARMUP)) / len(calls)
     del graph
     return ms
-
-
-def hbm_copy_gbps() -> float:
-    x = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * COPY_BYTES / (median_ms(lambda: y.copy_(x)) * 1e-3) / 1e9
 
 
 def routings(tokens: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,7 +195,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
-    copy_gbps = hbm_copy_gbps()
+    copy_gbps = measure_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: HBM copy {copy_gbps:,.0f} GB/s (read + written)")
     if args.sweep_gemv:
         return [dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps)] + sweep_gemv(w13, w2, copy_gbps, gen)

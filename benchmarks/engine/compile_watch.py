@@ -3,7 +3,7 @@ start-up and bench's warm-up should have compiled them all. A fresh machine has 
 cache, so every such kernel costs a full compile inside the timed run (run this with
 TRITON_CACHE_DIR set to a new directory to see that cost).
 
-    PYTHONPATH=. python3 benchmarks/compile_watch.py --model benchmarks/configs/qwen3-0.6b [--workload many]
+    python -m benchmarks.engine.compile_watch --model benchmarks/configs/qwen3-0.6b [--workload many]
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 
 import triton
 
-from benchmarks.runs import run_engine, warm_up
-from benchmarks.workloads import WORKLOADS, WorkloadSampling, make_workload
+from benchmarks.harness.engine_options import DEFAULT_MODEL
+from benchmarks.harness.runs import run_engine, warm_up
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
 from nanovllm import LLM
 
 # Characters of a kernel's description kept (name, launch options and the specialisation of each argument).
@@ -34,7 +35,7 @@ class CompileLog:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
     ap.add_argument("--top-k", type=int, default=0)

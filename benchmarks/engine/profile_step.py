@@ -1,6 +1,6 @@
 """Profile prefill and decode steps of the engine with torch.profiler (CUDA).
 
-    python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256 --context 512
+    python -m benchmarks.engine.profile_step --model benchmarks/configs/qwen3-0.6b --batch 256 --context 512
 
 Prints the top CUDA kernels of a few decode steps (eager, so each kernel is visible),
 the kernel count per step, and host-side timings of graph-replayed steps. With
@@ -17,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.harness.engine_options import DEFAULT_MODEL
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
@@ -33,7 +34,7 @@ def fill(llm: LLM, batch: int, context: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")

@@ -1,6 +1,6 @@
 """Kernel time of mixed steps (decode rows + prefill chunks) under torch.profiler.
 
-    PYTHONPATH=. python3 benchmarks/profile_mixed.py --model benchmarks/configs/qwen3-0.6b
+    python -m benchmarks.engine.profile_mixed --model benchmarks/configs/qwen3-0.6b
 
 Fills the engine with requests of the long workload's shape, steps until a mixed step
 carries many decode rows, then profiles a few mixed steps (eager, so every kernel shows).
@@ -14,13 +14,14 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.harness.engine_options import DEFAULT_MODEL
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-decode-rows", type=int, default=200)
     ap.add_argument("--enforce-eager", action="store_true")

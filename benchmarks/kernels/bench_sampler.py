@@ -8,7 +8,11 @@ also report the ms they add to the same case without logprobs. Each case reports
 of per-call CUDA-event timings in ms (the SamplingBatch is built once per case; its host build time,
 one packed host-to-device copy included, is reported separately).
 
-    PYTHONPATH=. python3 benchmarks/bench_sampler.py [--dtype bf16|fp32] [--json PATH]
+The Sampler is built on CUDA under --kernel-routes (bench.py's syntax; KernelRoutes' sampling fields:
+radix_min_rows, the fewest rows whose top-k / top-p thresholds come from the radix select, and
+topk_max_k): e.g. radix_min_rows=1000000 takes torch.topk / the full sort at every batch size.
+
+    python -m benchmarks.kernels.bench_sampler [--batch 256] [--dtype bf16|fp32] [--kernel-routes F=N,...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from nanovllm.sampling.sampler import Sampler, _top_k_top_p_threshold
+from benchmarks.harness.engine_options import parse_kernel_routes
+from benchmarks.harness.timing import event_times_ms
+from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.sampling.batch import SamplingBatch, row_key
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
 MIXED = [
@@ -47,7 +53,7 @@ def base_params(name: str, batch: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.8)] * batch
     if name == "top_k_only":
         return [SamplingParams(temperature=0.8, top_k=50)] * batch
-    if name == "top_p_only":  # no top-k bound: the candidate walk (--no-walk: the full sort / radix select)
+    if name == "top_p_only":  # no top-k bound: the candidate walk
         return [SamplingParams(temperature=0.7, top_p=0.9)] * batch
     if name == "min_p_only":
         return [SamplingParams(temperature=1.0, min_p=0.05)] * batch
@@ -85,21 +91,6 @@ LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_to
 CASES = BASE_CASES + LOGPROB_CASES
 
 
-def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
-    """Per-call device times in ms, from CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
@@ -109,13 +100,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cases", nargs="*", choices=CASES, default=CASES)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--torch-thresholds", action="store_true",
-                        help="top-k/top-p thresholds by the CPU path's torch.topk / sort instead of the Triton select")
-    parser.add_argument("--no-walk", action="store_true",
-                        help="top-p / min-p batches through thresholds too, not the candidate walk (sampling/candidate_walk.py)")
+    parser.add_argument("--kernel-routes", default="", metavar="FIELD=N,...",
+                        help="KernelRoutes fields the Sampler is built under (the rest at their defaults)")
     parser.add_argument("--logit-scale", type=float, default=3.0,
                         help="logits ~ N(0, scale^2): 3 peaked rows, 0.3 near-flat ones (random-weight models)")
     args = parser.parse_args()
+    try:
+        routes = parse_kernel_routes(args.kernel_routes)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler needs a CUDA device")
 
@@ -123,12 +116,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     logits = (torch.randn(args.batch, args.vocab, device=device) * args.logit_scale).to(dtype)
-    with device:
-        sampler = Sampler()  # built on CUDA: the Triton noise kernel, as in the engine
-    if args.torch_thresholds:
-        sampler.top_k_top_p_threshold = _top_k_top_p_threshold
-    if args.no_walk:
-        sampler.walk_sample = None
+    with device, kernel_routes(routes):
+        sampler = Sampler()  # built on CUDA: the Triton kernels, as in the engine
     results = []
     medians: dict[str, float] = {}
     for name in args.cases:
@@ -138,7 +127,7 @@ def main() -> None:
             keys = [row_key(p.seed, 0) if p.seed is not None else i for i, p in enumerate(params)]
             batch = SamplingBatch.build(params, keys, device, args.vocab)
         build_ms = (time.perf_counter() - t0) / 10 * 1e3
-        times = time_cuda(lambda: sampler(logits, batch), args.warmup, args.iters)
+        times = event_times_ms(lambda i: sampler(logits, batch), args.iters, args.warmup)
         times.sort()
         medians[name] = statistics.median(times)
         base = name.partition("+")[0]
@@ -153,7 +142,8 @@ def main() -> None:
         })
 
     print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} "
-          f"({torch.cuda.get_device_name(device)}, torch {torch.__version__})")
+          f"kernel routes: {args.kernel_routes or 'defaults'} ({torch.cuda.get_device_name(device)}, "
+          f"torch {torch.__version__})")
     print(f"{'case':<30}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}{'+logprobs ms':>14}")
     for r in results:
         added = "" if r["logprobs_added_ms"] is None else f"{r['logprobs_added_ms']:.3f}"
@@ -161,6 +151,7 @@ def main() -> None:
               f"{r['build_host_ms']:>10.3f}{added:>14}")
     if args.json:
         meta = {"batch": args.batch, "vocab": args.vocab, "dtype": args.dtype, "iters": args.iters,
+                "kernel_routes": vars(routes),
                 "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
         with open(args.json, "w") as f:
             json.dump({"config": meta, "results": results}, f, indent=2)

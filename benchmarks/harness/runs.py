@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.stats import percentile
-from benchmarks.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
+from benchmarks.harness.stats import percentile
+from benchmarks.harness.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import RequestOutput

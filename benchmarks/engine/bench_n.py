@@ -1,6 +1,6 @@
 """n samples per prompt against n copies of the prompt, in output tokens per second.
 
-    PYTHONPATH=. python3 benchmarks/bench_n.py [--model DIR] [--num-prompts 64] [--n 8]
+    python -m benchmarks.engine.bench_n [--model DIR] [--num-prompts 64] [--n 8]
 
 Takes the first --num-prompts prompts of bench.py's default workload (each with its own
 max_tokens, EOS ignored, temperature 1.0) and runs, each on a fresh engine (no warm prefix
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-import bench
-from benchmarks.workloads import WORKLOADS, make_workload
+from benchmarks.harness.engine_options import DEFAULT_MODEL, resolve_load_format
+from benchmarks.harness.workloads import WORKLOADS, make_workload
 from nanovllm import LLM, SamplingParams
 
 
@@ -36,14 +36,14 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=bench.DEFAULT_MODEL)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_n.py measures GPU throughput and needs a CUDA device", file=sys.stderr)
         sys.exit(1)
-    load_format, weights_line = bench.resolve_load_format("auto", args.model)
+    load_format, weights_line = resolve_load_format("auto", args.model)
     prompts, max_tokens = make_workload(WORKLOADS["default"], vocab_size=10**9)
     prompts, max_tokens = prompts[: args.num_prompts], max_tokens[: args.num_prompts]
 

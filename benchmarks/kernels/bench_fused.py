@@ -4,12 +4,15 @@ Qwen3-0.6B shapes (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 1
 N = 1, 256, 16384 tokens. For each kernel: torch path (`forward_native`; RotaryEmbedding's forward) and
 fused times as triton.testing.do_bench medians, run eagerly and replayed inside a CUDA
 graph (what decode sees), and the fused kernel's GB/s over the bytes that must move
-(inputs read once + outputs written once), also as % of a device-to-device copy.
+(inputs read once + outputs written once), also as % of the HBM copy bandwidth
+(benchmarks/harness/probes.py).
 The `layer` rows add one decoder layer's four calls (2 x add_rms_norm, qk_norm_rope,
 silu_and_mul); `x28` is the whole 0.6B model's elementwise cost per step.
 
-    python benchmarks/bench_fused.py [--json PATH]
+    python -m benchmarks.kernels.bench_fused [--json PATH]
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -17,6 +20,7 @@ import json
 import torch
 import triton
 
+from benchmarks.harness.probes import measure_bandwidth
 from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
 from nanovllm.kernels.fused_rope import qk_norm_rope
@@ -41,13 +45,6 @@ def bench_graph(fn):
         return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
     except Exception:  # noqa: BLE001 - report eager numbers only
         return float("nan")
-
-
-def hbm_bandwidth():
-    x = torch.randn(512 * 2**20, device=DEV, dtype=torch.float32)  # 2 GiB
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    return 2 * 512 * 2**20 * 4 / t / 1e9
 
 
 def cases(n, gen):
@@ -120,7 +117,7 @@ def main():
     ap.add_argument("--json", help="write results to this path")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    bw = hbm_bandwidth()
+    bw = measure_bandwidth() / 1e9
     rows = [r for n in NS for r in run_n(n, bw)]
     print_table(rows, bw)
     if args.json:

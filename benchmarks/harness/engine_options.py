@@ -1,0 +1,43 @@
+"""What a benchmark's engine runs: the model directory (benchmarks/configs/ holds published shapes as
+config.json only, run with random weights) and the kernel routes (`--kernel-routes`, for A/B runs)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import fields
+
+from nanovllm.layers.kernel_path import KernelRoutes
+
+# The published model shapes (config.json only), found from this file so any working directory works.
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULT_MODEL = os.path.join(CONFIGS_DIR, "qwen3-0.6b")
+# The names --kernel-routes accepts (and lists when given another).
+ROUTE_FIELDS = tuple(f.name for f in fields(KernelRoutes))
+
+
+def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
+    """(load_format for LLM, a line saying which weights run): auto = dummy iff no *.safetensors."""
+    if requested == "dummy":
+        return "dummy", "random weights (--load-format dummy)"
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        return "dummy", f"random weights: {model_dir} has no *.safetensors (load_format=dummy)"
+    return requested, f"checkpoint weights from {model_dir}"
+
+
+def parse_kernel_routes(text: str) -> KernelRoutes:
+    """'field=value,...' over KernelRoutes' fields (integers) -> KernelRoutes, the defaults for the
+    rest ('' gives the defaults). Raises ValueError naming the bad item, or KernelRoutes' own error."""
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or name not in ROUTE_FIELDS:
+            raise ValueError(f"kernel routes: {item!r} is not field=value with a field of KernelRoutes "
+                             f"({', '.join(ROUTE_FIELDS)})")
+        if name in values:
+            raise ValueError(f"kernel routes: {name} given twice")
+        try:
+            values[name] = int(value)
+        except ValueError:
+            raise ValueError(f"kernel routes: {name} takes an integer, got {value!r}") from None
+    return KernelRoutes(**values)

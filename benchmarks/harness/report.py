@@ -1,0 +1,172 @@
+"""bench.py's report: rows of (name, value) computed from what a run measured and the device's probed
+limits, passed in as numbers (so the whole report is built, and tested, without a GPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.harness.roofline import (
+    DecodeStep, decode_rows, decode_steps, expected_experts_hit, phase_bound_s, prefill_flops, roofline,
+    workload_bytes, workload_flops,
+)
+from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
+from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
+from benchmarks.harness.workloads import Workload, WorkloadSampling
+from nanovllm.models.model_config import ModelConfig
+
+Rows = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """One GPU's probed limits (benchmarks/harness/probes.py) and how many GPUs the run used."""
+
+    bandwidth: float  # HBM copy bytes/s
+    gemm_peak: float  # dense bf16 FLOP/s
+    gpus: int = 1
+
+
+@dataclass(frozen=True)
+class ThroughputRun:
+    """What a throughput run was given and measured: the workload (its preset's name, its draws),
+    the model, the engine's run and its peak memory."""
+
+    preset: str
+    workload: Workload
+    sampling: WorkloadSampling
+    cfg: ModelConfig
+    elem_bytes: int  # bytes of one KV / weight element in the run's dtype
+    decode_weights: int  # decode_weight_elements of the model, counted before any tensor-parallel set-up
+    prompt_lens: list[int]
+    max_tokens: list[int]
+    run: EngineRun
+    peak_mem_bytes: int
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of equal length as text: columns left-aligned, two spaces apart (the report's rows, and
+    the side-by-side tables of benchmarks/engine)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([f"{cell:<{w}}" for cell, w in zip(row, widths)] + [row[-1]]) for row in rows)
+
+
+def _ms(values: Sequence[float]) -> str:
+    return " / ".join(f"{1e3 * percentile(values, q):.1f}" for q in LATENCY_PERCENTILES)
+
+
+def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
+    """The throughput report: the run's rates and latencies, then the roofline and phase bound at
+    `limits` (per GPU, times limits.gpus), experts counted and decode steps by row count. Adds the
+    figures to `res` (bench.py's --json)."""
+    w, run, cfg = t.workload, t.run, t.cfg
+    out_tokens, in_tokens = sum(t.max_tokens), sum(t.prompt_lens)
+    tput = out_tokens / run.wall_s
+    res.update(run.summary(), workload=vars(w), sampling=vars(t.sampling), output_tokens=out_tokens,
+               input_tokens=in_tokens, throughput=tput, peak_mem_bytes=t.peak_mem_bytes)
+    steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
+    rows = [("workload", f"{t.preset}: {w.num_seqs} requests, prompts {w.min_input}-{w.max_input}, "
+                         f"outputs {w.min_output}-{w.max_output}, seed {w.seed}, {t.sampling.describe()}"),
+            ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
+            ("steps", steps),
+            ("steps with prefill (prefill, mixed) tok/s", f"{run.prefill_tokens / max(run.prefill_s, 1e-9):,.0f}"),
+            ("their graph padding", f"{run.prefill_padding:,} tokens = "
+                                    f"{100 * run.prefill_padding / max(run.prefill_tokens, 1):.1f}% of their tokens"),
+            ("decode-only steps tok/s", f"{run.decode_tokens / max(run.decode_s, 1e-9):,.0f}")]
+    n = max(run.decode_steps, 1)
+    res.update(decode_step_ms=1e3 * run.decode_s / n, decode_host_ms=1e3 * run.decode_host_s / n,
+               decode_wait_ms=1e3 * run.decode_wait_s / n)
+    # With overlap scheduling the host works while the device runs: waiting ~ step - host.
+    rows += [("decode step mean: total / host work / waiting",
+              f"{res['decode_step_ms']:.2f} / {res['decode_host_ms']:.2f} / {res['decode_wait_ms']:.2f} ms"),
+             ("TTFT from all queued (incl. queueing) p50 / p99", f"{_ms(run.ttft_s)} ms"),
+             ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
+
+    bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
+    kv_bytes, w_bytes = workload_bytes(cfg, t.elem_bytes, t.prompt_lens, t.max_tokens, t.decode_weights)
+    mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens)
+    roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
+    floor_steps = decode_steps(cfg, t.elem_bytes, t.prompt_lens, t.max_tokens, t.decode_weights)
+    phase_s = phase_bound_s(cfg, t.elem_bytes, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
+    res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, kv_bytes=kv_bytes, weight_bytes=w_bytes,
+               matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
+               roofline_s=roof.seconds, roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,
+               phase_bound_s=phase_s)
+    per_gpu = f" x {limits.gpus} GPUs" if limits.gpus > 1 else ""
+    rows += [("HBM copy bandwidth / bf16 GEMM peak",
+              f"{limits.bandwidth / 1e12:.2f} TB/s / {limits.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"),
+             ("memory term: KV + weights", f"{kv_bytes / 1e12:.2f} + {w_bytes / 1e12:.2f} TB = {roof.memory_s:.2f} s"),
+             ("compute term: matmul + attention", f"{mm_flops / 1e15:.2f} + {attn_flops / 1e15:.2f} PFLOP "
+                                                  f"= {roof.compute_s:.2f} s"),
+             (f"roofline ({roof.binding} binds)", f"{roof.seconds:.2f} s = {out_tokens / roof.seconds:,.0f} tok/s"),
+             ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
+             ("phase bound: prefill, then each step's projections and attention in turn",
+              f"{phase_s:.2f} s (the roofline is {100 * roof.seconds / phase_s:.1f}% of it); "
+              f"reached {100 * phase_s / run.wall_s:.1f}%"),
+             *expert_rows(cfg, t.max_tokens),
+             *decode_bucket_rows(run, floor_steps, bw, res),
+             ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]
+    return rows
+
+
+def decode_bucket_rows(run: EngineRun, floor_steps: list[DecodeStep], bandwidth: float, res: dict) -> Rows:
+    """Decode-only steps by row count: measured wall time next to the memory term's steps of as
+    many rows (floor_steps: decode_steps, every request running from the start), so the
+    report shows which batch sizes lose time against the roofline."""
+    floor_rows = [step.rows for step in floor_steps]
+    edges = bucket_edges(max(run.decode_step_rows + floor_rows, default=1))
+    measured = sum_by_rows(run.decode_step_rows, run.decode_step_s, edges)
+    floor = sum_by_rows(floor_rows, [step.bytes / bandwidth for step in floor_steps], edges)
+    rows, res["decode_by_rows"] = [], []
+    for lo, hi, (n, s), (nf, sf) in zip([1] + [e + 1 for e in edges], edges, measured, floor):
+        if n or nf:
+            res["decode_by_rows"].append(dict(rows=[lo, hi], steps=n, s=s, floor_steps=nf, floor_s=sf))
+            share = f" ({sf / s:.0%})" if s else ""
+            rows.append((f"decode-only steps of {lo}-{hi} rows: measured / memory floor",
+                         f"{n} steps {s:.2f} s / {nf} steps {sf:.2f} s{share}"))
+    return rows
+
+
+def expert_rows(cfg: ModelConfig, max_tokens: Sequence[int]) -> Rows:
+    """How the weight term counts an MoE model's experts (nothing for a dense model)."""
+    if cfg.moe is None:
+        return []
+    moe, rows = cfg.moe, decode_rows(max_tokens)
+    mean = sum(expected_experts_hit(moe.num_experts, moe.num_experts_per_tok, b) for b in rows) / max(len(rows), 1)
+    return [("experts in the weight term",
+             f"expected distinct under uniform routing (random weights route near-uniformly): "
+             f"E (1 - (1 - K/E)^B) of E = {moe.num_experts}, K = {moe.num_experts_per_tok} at B decode rows; "
+             f"mean {mean:.1f} per step and sparse layer over {len(rows)} steps")]
+
+
+def hf_rows(k: int, ours: EngineRun, ours_tokens: int, hf: HFRun, res: dict) -> Rows:
+    """--compare-hf: our fresh engine and transformers on the first k prompts."""
+    ours_rate, theirs = ours_tokens / ours.wall_s, hf.generated_tokens / hf.seconds
+    res.update(hf_seqs=k, hf_s=hf.seconds, hf_generated_tokens=hf.generated_tokens, hf_settings=hf.settings,
+               nano_sub_s=ours.wall_s, nano_sub_tokens=ours_tokens, hf_tok_s_ratio=ours_rate / theirs,
+               hf_time_ratio=hf.seconds / ours.wall_s)
+    return [("transformers settings", hf.settings),
+            (f"first {k}: nanovllm, fresh engine, sum(max_tokens)",
+             f"{ours_tokens} / {ours.wall_s:.2f} s = {ours_rate:,.0f} tok/s"),
+            (f"first {k}: transformers, rows x batch max_new",
+             f"{hf.generated_tokens} / {hf.seconds:.2f} s = {theirs:,.0f} tok/s"),
+            ("speed-up over transformers: tok/s / time",
+             f"{ours_rate / theirs:.1f}x / {hf.seconds / ours.wall_s:.1f}x")]
+
+
+def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, gemm_peak: float, gpus: int, res: dict) -> Rows:
+    """--ttft: each prompt size's median and best time to first token, against its FLOPs at the
+    GEMM peak (of one GPU, times gpus)."""
+    res.update(gemm_peak_flops=gemm_peak, ttft={})
+    rows = [("bf16 GEMM peak", f"{gemm_peak / 1e12:.0f} TFLOP/s")]
+    for size, ts in times.items():
+        med, best = percentile(ts, 50), min(ts)
+        flop_s = prefill_flops(cfg, size) / (gpus * gemm_peak)
+        res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=flop_s, median_over_flop=med / flop_s)
+        rows.append((f"TTFT {size} tokens, idle: median / min; FLOP time",
+                     f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * flop_s:.3f} ms (median = {med / flop_s:.1f}x)"))
+    return rows
+
+
+def latency_rows(ms_per_token: dict[int, float], context: int) -> Rows:
+    return [(f"decode ms/token, batch {b}, context {context}", f"{ms:.3f}") for b, ms in ms_per_token.items()]
