@@ -24,7 +24,7 @@ from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, w
 MAX_GRAPH_BATCH = 512
 # Batches up to the routes' gemv_max_rows get their own graphs (their projections run as the Triton GEMV).
 # Above that cuBLAS runs 3-7 row GEMMs no faster than 8 rows, and at times much slower
-# (Qwen3-0.6B's o_proj: 12.8 us at 4 rows, 5.8 us at 8; benchmarks/bench_gemm.py, H200), so
+# (Qwen3-0.6B's o_proj: 12.8 us at 4 rows, 5.8 us at 8; benchmarks/kernels/bench_gemm.py, H200), so
 # the next graph holds this many rows.
 PADDED_GRAPH_BATCH = 8
 # From 16 on, sizes step by this much.

@@ -64,7 +64,7 @@ NUM_STAGES = 3
 # An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles,
 # 2 in flight (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
 # (3.9 / 5.8 programs per SM) ran at 84-99% of copy bandwidth instead of 65-87%, while 128 rows
-# (7.8 per SM) and more lose ~1% (bench_kernels.py --sweep-decode-engine, H200, 2026-12-02).
+# (7.8 per SM) and more lose ~1% (bench_kernels.py --sweep-decode-engine at f1ce559, H200, 2026-12-02).
 WIDE_TILE_PROGRAMS_PER_SM = 7
 WIDE_BLOCK_N = 128
 WIDE_STAGES = 2

@@ -55,7 +55,7 @@ MAX_NORM_ELEMS = 8192
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
 NUM_WARPS = 4
-# The tilings below are the fastest of benchmarks/bench_gemm.py --sweep (timings: BENCHMARKS.md,
+# The tilings below are the fastest of benchmarks/kernels/bench_gemm.py --sweep (timings: BENCHMARKS.md,
 # "Tuning notes moved from kernel docstrings").
 # Weight columns per step (before shrinking for more rows or a short K).
 BLOCK_K = 512

@@ -62,7 +62,7 @@ class SkinnyTiling:
     split_k: int = 1
 
 
-# The default tiling, from bench_gemm.py --batch-rows --sweep-skinny (H200, Qwen3-0.6B shapes at
+# The default tiling, from bench_gemm.py --batch-rows --sweep-skinny (f1ce559) (H200, Qwen3-0.6B shapes at
 # 16 and 64 rows, BENCHMARKS.md 2026-12-02 fifth session): 32 output columns x 128-column steps,
 # 3 in flight, 4 warps, token rows as the MMA's M side; row tiles of 16 up to 16 rows, else 64.
 DEFAULT_BLOCK_N = 32

@@ -33,7 +33,7 @@ from nanovllm.utils.validation import check_int
 class KernelRoutes:
     """Row counts at which CUDA layers switch kernels. Defaults are the measured best."""
 
-    # At 1-2 rows the GEMV streams the weight faster than cuBLAS (bench_gemm.py, 1 row: 0.6B o_proj
+    # At 1-2 rows the GEMV streams the weight faster than cuBLAS (benchmarks/kernels/bench_gemm.py, 1 row: 0.6B o_proj
     # 3.5 vs 12.6 us, 8B down_proj 26.3 vs 30.3 us); at 4 rows it loses (8B qkv 29-33 vs 16.4 us).
     gemv_max_rows: int = 2
     # Narrow layers (the skinny GEMM's tiling splits K at this many rows: 0.6B o / down, 30B-A3B o /

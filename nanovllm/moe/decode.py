@@ -22,7 +22,7 @@ every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0).
 rounded to the input dtype as the unfused MLP does; the sum over k stays float32 until the
 output. Offsets are int64; no atomics (deterministic). One-wave grids launch with PDL
 (kernels/pdl.py): each waits for its inputs before its first load. Shapes only set the launch: CUDA-graph
-capturable. Tiles are GemvTiles; moe_gemv(tiles=...) overrides them (benchmarks/bench_moe.py
+capturable. Tiles are GemvTiles; moe_gemv(tiles=...) overrides them (benchmarks/kernels/bench_moe.py
 --sweep-gemv).
 """
 

@@ -61,7 +61,7 @@ class MoeTiles:
 
 # Decode (block_m <= 32): memory-bound; 128-column steps (two 128-byte lines per bf16 weight row)
 # 3 in flight were the fastest of each GEMM's candidates at T = 64-256 in the H200 sweep
-# (benchmarks/bench_moe.py --sweep; figures in BENCHMARKS.md).
+# (benchmarks/kernels/bench_moe.py --sweep; figures in BENCHMARKS.md).
 DECODE_GATE_UP = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 # Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.

@@ -1,7 +1,7 @@
 """Replay freshly captured CUDA graphs once at start-up.
 
 A graph's first launch costs 0.3-0.5 ms more than the next ones on an H200 (the driver sets it
-up on the device; benchmarks/graph_first_replay.py, BENCHMARKS.md), so without this the first
+up on the device; benchmarks/graph_first_replay.py at f1ce559, BENCHMARKS.md), so without this the first
 step of each size in a run pays that. The captured
 staging buffers hold padding (slots -1, empty sequences, zero tiles), so a replay writes no
 KV-cache entry: only the graphs' own output buffers change.
