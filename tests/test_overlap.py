@@ -8,6 +8,7 @@ import torch
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import FinishReason, Sequence
@@ -25,7 +26,7 @@ def make_scheduler(num_blocks: int = 8, max_model_len: int = 64) -> Scheduler:
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
     s = Sequence(seq_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
-    sched.add(s)
+    sched.add(Request(s.request_id, [s]))
     return s
 
 
