@@ -95,8 +95,9 @@ def test_unpublished_blocks_are_not_hit_and_reallocation_drops_hash():
         """Tokens a fresh sequence of a's prompt finds cached (its blocks are freed again)."""
         b = seq(seq_id, list(range(20)))
         bm.allocate(b)
+        computed = b.num_computed_tokens
         bm.free(b)
-        return b.num_computed_tokens
+        return computed
 
     assert computed_on_allocation(1) == 0
     bm.publish_full_blocks(a, 20)
