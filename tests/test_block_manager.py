@@ -174,6 +174,6 @@ def test_random_workloads_free_everything(data, n, max_num_seqs, budget, prefix_
     longest = max(-(-(len(p) + m - 1) // BS) for p, m in zip(prompts, max_tokens))
     num_blocks = data.draw(st.integers(longest, longest + 12))
     bm, seqs = simulate(prompts, max_tokens, num_blocks, max_num_seqs, budget, prefix_caching, 0)
-    assert all(s.is_finished and s.num_completion_tokens == s.params.max_tokens for s in seqs)
+    assert all(s.is_finished and len(s.completion_token_ids) == s.params.max_tokens for s in seqs)
     assert bm.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
