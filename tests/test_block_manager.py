@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager, chain_hash
+from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -85,19 +86,28 @@ def test_fully_cached_prompt_recomputes_last_token():
 
 
 def test_unpublished_blocks_are_not_hit_and_reallocation_drops_hash():
-    bm = BlockManager(3, BS)
+    bm = BlockManager(4, BS)
     a = seq(0, list(range(20)))
     bm.allocate(a)
     bm.publish_full_blocks(a, 10)  # only a partial chunk scheduled: no full block yet
-    b = seq(1, list(range(20)))
-    assert bm._prefix_hits(b) == []
+
+    def computed_on_allocation(seq_id: int) -> int:
+        """Tokens a fresh sequence of a's prompt finds cached (its blocks are freed again)."""
+        b = seq(seq_id, list(range(20)))
+        bm.allocate(b)
+        computed = b.num_computed_tokens
+        bm.free(b)
+        return computed
+
+    assert computed_on_allocation(1) == 0
     bm.publish_full_blocks(a, 20)
     bm.free(a)
-    assert bm._prefix_hits(b) != []
-    c = seq(2, list(range(500, 548)))  # takes all three blocks, evicting the cached one
+    assert computed_on_allocation(2) == BS
+    c = seq(3, list(range(500, 564)))  # takes all four blocks, evicting the cached one
     bm.allocate(c)
     assert bm.hash_to_block_id == {}
-    assert bm._prefix_hits(b) == []
+    bm.free(c)
+    assert computed_on_allocation(4) == 0
 
 
 def test_prefix_caching_off_never_hits():
@@ -130,7 +140,7 @@ def simulate(prompts, max_tokens, num_blocks, max_num_seqs, budget, prefix_cachi
     sched = Scheduler(bm, max_num_seqs, budget, max_model_len=10_000, eos_token_ids=frozenset())
     seqs = [seq(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     for s in seqs:
-        sched.add(s)
+        sched.add(Request(s.request_id, [s]))
     rng = random.Random(rng_seed)
     steps = 0
     while not sched.is_finished():
@@ -164,6 +174,6 @@ def test_random_workloads_free_everything(data, n, max_num_seqs, budget, prefix_
     longest = max(-(-(len(p) + m - 1) // BS) for p, m in zip(prompts, max_tokens))
     num_blocks = data.draw(st.integers(longest, longest + 12))
     bm, seqs = simulate(prompts, max_tokens, num_blocks, max_num_seqs, budget, prefix_caching, 0)
-    assert all(s.is_finished and s.num_completion_tokens == s.params.max_tokens for s in seqs)
+    assert all(s.is_finished and len(s.completion_token_ids) == s.params.max_tokens for s in seqs)
     assert bm.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

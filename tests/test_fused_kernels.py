@@ -11,7 +11,7 @@ import torch
 from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
-from nanovllm.kernels.kv_store import store_kvcache
+from nanovllm.kernels.torch_attention import store_kvcache
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -206,12 +206,63 @@ def test_qk_norm_rope(dtype, d, n, hq, hkv):
     assert_close_to_torch(k_out, ref_k)
 
 
+@pytest.mark.parametrize("dtype,slot_dtype", [(torch.bfloat16, torch.int32), (torch.float32, torch.int64)])
+def test_store_kvcache_writes_each_slot(dtype, slot_dtype):
+    """torch_attention.store_kvcache (the CPU path's write, and the reference of kv_write below),
+    slot by slot: key / value views of a fused qkv row land at their slots, padding rows (slot -1)
+    write nothing, every other cache row keeps its NaN."""
+    gen = torch.Generator().manual_seed(1)
+    n, hkv, d, block_size, num_blocks = 13, 2, 64, 16, 5
+    qkv = randn((n, 3 * hkv, d), gen, dtype)
+    key, value = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[[2, 7]] = -1
+    store_kvcache(key, value, k_cache, v_cache, slots.to(slot_dtype))
+    kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    written = torch.zeros(kf.shape[0], dtype=torch.bool)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(kf[slot], key[i]) and torch.equal(vf[slot], value[i])
+            written[slot] = True
+    assert torch.isnan(kf[~written]).all() and torch.isnan(vf[~written]).all()
+
+
+def test_kv_write_bad_inputs():
+    """The cache write's arguments (fused_rope.check_kv_store) are refused by name."""
+    gen = torch.Generator().manual_seed(2)
+    n, hq, hkv, d = 4, 4, 2, 64
+    q, k, v = (randn((n, h, d), gen, torch.float16) for h in (hq, hkv, hkv))
+    pos = torch.arange(n)
+    cos_sin = RotaryEmbedding(d, MAX_POS, 1e4).cos_sin_cache
+    cache = torch.zeros(2, 16, hkv, d, dtype=torch.float16)
+    slots = torch.arange(n, dtype=torch.int32)
+
+    def write(v=v, k_cache=cache, v_cache=cache.clone(), slots=slots):
+        rope(q, k, pos, cos_sin, kv_write=(v, k_cache, v_cache, slots))
+
+    write()
+    for error, match, bad in (
+            (TypeError, "slot_mapping", dict(slots=slots.float())),
+            (TypeError, "value dtype", dict(v=v.float())),
+            (TypeError, "k_cache dtype", dict(k_cache=cache.float(), v_cache=cache.float())),
+            (ValueError, "block_size", dict(k_cache=torch.zeros(2, 24, hkv, d, dtype=torch.float16),
+                                            v_cache=torch.zeros(2, 24, hkv, d, dtype=torch.float16))),
+            (ValueError, "num_kv_heads", dict(k_cache=torch.zeros(2, 16, 4, d, dtype=torch.float16),
+                                              v_cache=torch.zeros(2, 16, 4, d, dtype=torch.float16))),
+            (ValueError, "slot_mapping shape", dict(slots=slots[:3])),
+            (ValueError, "value shape", dict(v=v[:, :1]))):
+        with pytest.raises(error, match=match):
+            write(**bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_rope_kernels_write_kv_cache(dtype, block_size, with_norm):
     """kv_write (qk_norm_rope, and rope: the no-norm variant) stores exactly what
-    store_kvcache(k_out, v, ...) stores, skipping slot -1 rows, and leaves every other cache
+    torch_attention.store_kvcache(k_out, v, ...) stores, skipping slot -1 rows, and leaves every other cache
     row untouched; q/k outputs are those of the call without kv_write."""
     gen = torch.Generator().manual_seed(block_size)
     n, hq, hkv, d = 6, 4, 2, 64

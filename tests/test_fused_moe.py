@@ -1,4 +1,4 @@
-"""The fused mixture-of-experts kernels (nanovllm/kernels/moe.py, moe_sort.py) against a float64 PyTorch
+"""The fused mixture-of-experts kernels (nanovllm/moe/grouped_gemm.py, align.py) against a float64 PyTorch
 reference written here; moe_align's layout invariants; CUDA-graph replay; argument checks.
 CPU runs go through Triton's interpreter (small shapes); the `gpu` ones use Qwen3-30B-A3B's
 expert shape (E=128, K=8, H=2048, I=768)."""
@@ -14,10 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanovllm.moe.align as moe_sort
-from nanovllm.moe.align import moe_align
+from nanovllm.moe.align import MAX_EXPERTS, moe_align
 from nanovllm.moe.grouped_gemm import fused_moe, BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
-from nanovllm.moe.align import MAX_EXPERTS
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -116,11 +114,12 @@ def test_moe_align_invariants(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_moe_align_slices_of_several_chunks(device, monkeypatch):
+def test_moe_align_slices_of_several_chunks(device):
     # 400 pairs in 32-pair chunks: 3 slices of 5 chunks, some past the end
-    monkeypatch.setattr(moe_sort, "MAX_SLICES", 3)
     ids = random_ids(50, 128, 8, torch.Generator().manual_seed(7))
-    check_alignment(moe_align(ids.to(device), 128, 16), ids, 128, 16)
+    check_alignment(moe_align(ids.to(device), 128, 16, max_slices=3), ids, 128, 16)
+    with pytest.raises(ValueError, match="max_slices"):
+        moe_align(ids.to(device), 128, 16, max_slices=0)
 
 
 FUSED_CASES = {  # name: (T, E, K, H, I, dtype, ids or None for random)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from nanovllm.sampling.gumbel_max import SUB, TILE, gumbel_sample, gumbel_uniforms
+from nanovllm.sampling.gumbel_max import SUB, TILE, gumbel_sample, tile_uniforms
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
 
 M32 = 0xFFFFFFFF
@@ -115,6 +117,21 @@ def test_filtered_probabilities_never_pick_a_zero(device):
     assert_matches_reference(tokens, reference_scores(probs, keys, None))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiles_per_chunk_changes_no_token(device):
+    """Programs of 1 or 3 tiles (9 or 3 chunks a row, the last partial) pick the default's tokens."""
+    rows, vocab = 5, 9 * TILE - 100
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(rows, vocab, generator=g)).to(device)
+    keys = torch.arange(1, rows + 1, device=device) * 104729
+    t = torch.full((rows,), 0.8, device=device)
+    default = gumbel_sample(x, keys, t)
+    for tiles in (1, 3):
+        assert torch.equal(gumbel_sample(x, keys, t, tiles_per_chunk=tiles), default), tiles
+    with pytest.raises(ValueError, match="tiles_per_chunk"):
+        gumbel_sample(x, keys, t, tiles_per_chunk=0)
+
+
 @pytest.mark.parametrize("impl", SAMPLERS)
 def test_ties_go_to_the_lowest_column(impl):
     sample, device = impl
@@ -141,16 +158,15 @@ def test_a_row_does_not_depend_on_the_batch(impl):
 
 
 @pytest.mark.parametrize("impl", SAMPLERS)
-def test_frequencies_follow_softmax(impl, monkeypatch):
-    gumbel_sample, device = impl
+def test_frequencies_follow_softmax(impl):
+    sample, device = impl
     n = 1500 if device == "cpu" else 200_000
-    if device == "cpu":  # the interpreter pays per column: one tile per program covers this vocabulary
-        import nanovllm.sampling.gumbel_max as gm
-        monkeypatch.setattr(gm, "TILES_PER_CHUNK", 1)
+    # The interpreter pays per column: the kernel's programs there take one tile, which covers this vocabulary.
+    options = {"tiles_per_chunk": 1} if sample is gumbel_sample and device == "cpu" else {}
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
     temperature = 0.7
     x = logits.expand(n, -1).contiguous().to(device)
-    tokens = gumbel_sample(x, torch.arange(n, device=device) * 7919, torch.full((n,), temperature, device=device))
+    tokens = sample(x, torch.arange(n, device=device) * 7919, torch.full((n,), temperature, device=device), **options)
     freq = torch.bincount(tokens.cpu(), minlength=8).double() / n
     expected = torch.softmax(logits.double() / temperature, dim=0)
     assert freq[6] == 0  # -inf logit
@@ -186,6 +202,28 @@ def test_torch_uniforms_equal_the_numpy_philox_reference(vocab):
     assert 0.0 < u.min().item() and u.max().item() < 1.0
 
 
+@triton.jit
+def uniforms_kernel(key_ptr, u_ptr, vocab, stride_u, SUB: tl.constexpr):
+    """u[row, v] = u(keys[row], v) for the tile at program_id(1), drawn by the sampling kernels' tile_uniforms."""
+    row = tl.program_id(0)
+    t0 = tl.program_id(1) * (4 * SUB)
+    u_row = u_ptr + row.to(tl.int64) * stride_u
+    j = tl.arange(0, SUB)
+    u0, u1, u2, u3 = tile_uniforms(tl.load(key_ptr + row), t0, j)
+    c = t0 + j
+    tl.store(u_row + c, u0, mask=c < vocab)
+    tl.store(u_row + c + SUB, u1, mask=c + SUB < vocab)
+    tl.store(u_row + c + 2 * SUB, u2, mask=c + 2 * SUB < vocab)
+    tl.store(u_row + c + 3 * SUB, u3, mask=c + 3 * SUB < vocab)
+
+
+def kernel_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32: the uniforms the sampling kernels draw for `keys` [B] int64."""
+    u = torch.empty(keys.shape[0], vocab, dtype=torch.float32, device=keys.device)
+    uniforms_kernel[(keys.shape[0], triton.cdiv(vocab, TILE))](keys, u, vocab, u.stride(0), SUB=SUB)
+    return u
+
+
 def device_vocabs(device: str) -> list[int]:
     return [1, 300, TILE + 1, 9000] if device == "cpu" else [151_936]
 
@@ -194,7 +232,7 @@ def device_vocabs(device: str) -> list[int]:
 def test_torch_uniforms_are_the_kernels_bit_for_bit(device):
     keys = torch.tensor(KEYS, device=device)
     for vocab in device_vocabs(device):
-        kernel = gumbel_uniforms(keys, vocab)
+        kernel = kernel_uniforms(keys, vocab)
         twin = torch_gumbel_uniforms(keys, vocab)
         assert kernel.shape == twin.shape == (len(KEYS), vocab)
         assert torch.equal(kernel.view(torch.int32), twin.view(torch.int32)), vocab

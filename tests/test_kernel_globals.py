@@ -9,6 +9,7 @@ finds both statically.
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import textwrap
@@ -68,14 +69,16 @@ def _plain_global_reads(fn) -> list[str]:
 
 
 def _plain_python_calls(fn) -> list[str]:
-    """Names of our own module-level functions that `fn` calls without them being Triton kernels."""
+    """Names of module-level functions of fn's own package (nanovllm for the kernels) that `fn`
+    calls without them being Triton kernels."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     fn_node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    package = fn.__module__.split(".")[0]
     bad = []
     for node in ast.walk(fn_node):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             value = fn.__globals__.get(node.func.id)
-            if (inspect.isfunction(value) and value.__module__.startswith("nanovllm")
+            if (inspect.isfunction(value) and value.__module__.split(".")[0] == package
                     and not isinstance(value, KernelInterface)):
                 bad.append(node.func.id)
     return sorted(set(bad))
@@ -101,23 +104,53 @@ def test_kernel_calls_only_triton_functions(name, fn):
     assert _plain_python_calls(fn) == [], f"{name} calls plain Python functions; mark them @triton.jit"
 
 
-def test_the_scan_catches_a_call_to_a_plain_python_helper():
-    from nanovllm.sampling import logprobs_kernel as logprobs
+# A kernel module with both mistakes beside their correct forms: a helper missing its
+# @triton.jit, and a plain float global (the bug once in sampling/logprobs_kernel.py).
+FIXTURE = """
+import triton
+import triton.language as tl
 
-    original = logprobs._key_value
-    try:
-        logprobs._key_value = _python_function(original)  # the helper without its @triton.jit
-        assert _plain_python_calls(_python_function(logprobs._logprobs_kernel)) == ["_key_value"]
-    finally:
-        logprobs._key_value = original
+LOG2E = 1.4426950408889634
+SCALE = tl.constexpr(0.5)
 
 
-def test_the_scan_catches_a_plain_float_global():
-    from nanovllm.sampling import logprobs_kernel as logprobs
+def plain_helper(x):
+    return x * 2
 
-    original = logprobs.LOG2E
-    try:
-        logprobs.LOG2E = 1.4426950408889634  # what the kernel read before the fix
-        assert _plain_global_reads(_python_function(logprobs._logprobs_kernel)) == ["LOG2E"]
-    finally:
-        logprobs.LOG2E = original
+
+@triton.jit
+def jit_helper(x):
+    return x + 1
+
+
+@triton.jit
+def bad_kernel(x_ptr):
+    x = tl.load(x_ptr)
+    tl.store(x_ptr, plain_helper(jit_helper(x)) * LOG2E)
+
+
+@triton.jit
+def good_kernel(x_ptr):
+    tl.store(x_ptr, jit_helper(tl.load(x_ptr)) * SCALE)
+"""
+
+
+@pytest.fixture(scope="module")
+def fixture_module(tmp_path_factory):
+    """FIXTURE imported from a file of its own (the scans read a kernel's source)."""
+    path = tmp_path_factory.mktemp("scan") / "scan_fixture.py"
+    path.write_text(FIXTURE)
+    spec = importlib.util.spec_from_file_location("scan_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scan_catches_a_call_to_a_plain_python_helper(fixture_module):
+    assert _plain_python_calls(_python_function(fixture_module.bad_kernel)) == ["plain_helper"]
+    assert _plain_python_calls(_python_function(fixture_module.good_kernel)) == []
+
+
+def test_the_scan_catches_a_plain_float_global(fixture_module):
+    assert _plain_global_reads(_python_function(fixture_module.bad_kernel)) == ["LOG2E"]
+    assert _plain_global_reads(_python_function(fixture_module.good_kernel)) == []

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
+from nanovllm.kernels.decode_attention import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge, flash_attn_with_kvcache
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows, tile_programs
 from nanovllm.kernels.query_tiles import build_query_tiles
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
@@ -75,50 +74,6 @@ def gather(cache, table_row, n):
 
 def cu(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
-
-
-# ---------------------------------------------------------------- store_kvcache
-@pytest.mark.parametrize("block_size,d,dtype,slot_dtype", [
-    (16, 64, torch.float16, torch.int32), (48, 128, torch.bfloat16, torch.int64),
-    (32, 64, torch.float32, torch.int64)])
-def test_store_kvcache(block_size, d, dtype, slot_dtype):
-    gen = torch.Generator().manual_seed(1)
-    n, hkv, num_blocks = 13, 2, 5
-    # Non-contiguous key/value, as sliced from a fused qkv projection.
-    qkv = randn((n, 3 * hkv, d), gen, dtype)
-    key, value = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEV)
-    v_cache = k_cache.clone()
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
-    slots[[2, 7]] = -1  # padding rows
-    slot_mapping = slots.to(DEV, slot_dtype)
-    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    written = torch.zeros(kf.shape[0], dtype=torch.bool)
-    for i, s in enumerate(slots.tolist()):
-        if s >= 0:
-            assert torch.equal(kf[s], key[i]) and torch.equal(vf[s], value[i])
-            written[s] = True
-    # Everything else (including what padding rows would have hit) is untouched.
-    assert torch.isnan(kf[~written]).all() and torch.isnan(vf[~written]).all()
-
-
-def test_store_kvcache_bad_inputs():
-    k = torch.randn(4, 2, 64, device=DEV, dtype=torch.float16)
-    cache = torch.zeros(2, 16, 2, 64, device=DEV, dtype=torch.float16)
-    slots = torch.arange(4, device=DEV, dtype=torch.int32)
-    with pytest.raises(TypeError, match="slot_mapping"):
-        store_kvcache(k, k, cache, cache.clone(), slots.float())
-    with pytest.raises(TypeError, match="dtype"):
-        store_kvcache(k.int(), k.int(), cache, cache.clone(), slots)
-    with pytest.raises(ValueError, match="block_size"):
-        c = torch.zeros(2, 24, 2, 64, device=DEV, dtype=torch.float16)
-        store_kvcache(k, k, c, c.clone(), slots)
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        c = torch.zeros(2, 16, 4, 64, device=DEV, dtype=torch.float16)
-        store_kvcache(k, k, c, c.clone(), slots)
-    with pytest.raises(ValueError, match="slot_mapping shape"):
-        store_kvcache(k, k, cache, cache.clone(), slots[:3])
 
 
 # ---------------------------------------------------------------- prefill
@@ -213,13 +168,6 @@ def paged_ref(q, k_cache, v_cache, table, q_lens, k_lens, scale):
                       for i, (lq, lk) in enumerate(zip(q_lens, k_lens))])
 
 
-@pytest.fixture
-def poisoned_out(monkeypatch):
-    """Make the wrapper's torch.empty_like return NaN-filled tensors: unwritten rows show up."""
-    empty_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
-
-
 # Decode-like rows (q_len 1, cached context), a chunk longer than BLOCK_M (64) after a cached
 # prefix, a fresh prompt, and an empty padding sequence.
 MIXED_Q = [1, 1, 1, 70, 23, 0]
@@ -230,7 +178,7 @@ MIXED_K = [37, 5, 80, 100, 23, 0]
 # gather, 64 the one-block-id-per-key-tile path.
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float32), (64, torch.float32), (48, torch.float16),
                                               (64, torch.float16)])
-def test_prefill_tiles_mixed_batch(poisoned_out, block_size, dtype):
+def test_prefill_tiles_mixed_batch(block_size, dtype):
     gen = torch.Generator().manual_seed(9)
     hq, hkv, d = 4, 2, 32
     k_cache, v_cache, table = make_paged(MIXED_K, block_size, hkv, d, dtype, gen)
@@ -239,15 +187,17 @@ def test_prefill_tiles_mixed_batch(poisoned_out, block_size, dtype):
     block_m = query_tile_rows(d, dtype)
     tile_seq, tile_block, num_tiles = tile_table(MIXED_Q, MIXED_K, block_m, cap=12)
     assert num_tiles.item() == 6  # 3 decode rows + 2 + 1 tiles; the empty sequence has none
+    poisoned = torch.full_like(q, float("nan"))  # rows no program writes keep their NaN
     out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(MIXED_Q), max(MIXED_K), softmax_scale=0.15,
                                  causal=True, block_table=table,
-                                 tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+                                 tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles, out=poisoned.clone())
     ref = paged_ref(q, k_cache, v_cache, table, MIXED_Q, MIXED_K, 0.15)
     assert rel_err(out, ref) < TOL[dtype]  # every row written (no NaN left) and right
     # No real tiles: every program returns before storing anything.
     num_tiles.zero_()
     out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(MIXED_Q), max(MIXED_K), causal=True,
-                                 block_table=table, tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles)
+                                 block_table=table, tile_seq=tile_seq, tile_block=tile_block, num_tiles=num_tiles,
+                                 out=poisoned.clone())
     assert torch.isnan(out).all()
 
 
@@ -302,7 +252,6 @@ def test_prefill_tiles_persistent_loop_into_out_view(hq, hkv, block_size, dtype)
     """Fewer programs per head than tiles (each loops over every P-th entry), writing into `out`,
     a strided view of a larger poisoned buffer: every row a tile covers is right, every other
     element (bucket padding rows, entries past num_tiles, the rest of the buffer) keeps its NaN."""
-    import nanovllm.kernels.prefill_attention as pf
     gen = torch.Generator().manual_seed(14)
     d, cap, pad = 32, 40, 5
     k_cache, v_cache, table = make_paged(MIXED_K, block_size, hkv, d, dtype, gen)
@@ -312,7 +261,7 @@ def test_prefill_tiles_persistent_loop_into_out_view(hq, hkv, block_size, dtype)
     block_m = query_tile_rows(d, dtype)
     tile_seq, tile_block, num_tiles = tile_table(MIXED_Q, MIXED_K, block_m, cap)
     n = num_tiles.item()
-    programs = pf._tile_programs(hq, cap, q.device)
+    programs = tile_programs(hq, cap, q.device)
     assert programs == 8 // hq and programs < n < cap
     ref = paged_ref(q, k_cache, v_cache, table, MIXED_Q, MIXED_K, 0.15)
 
@@ -449,9 +398,23 @@ def test_build_query_tiles():
 
 
 def test_query_tile_rows():
-    import nanovllm.kernels.prefill_attention as pf
+    """query_tile_rows is the kernel's tile height for every config (head_dim, dtype): a table of
+    the one entry (sequence 0, block 1) computes exactly query rows [rows, 2 * rows)."""
+    gen = torch.Generator().manual_seed(15)
+
+    def one(value):
+        return torch.tensor([value], dtype=torch.int32, device=DEV)
+
     for d, dtype in ((64, torch.float16), (128, torch.bfloat16), (64, torch.float32), (256, torch.float16)):
-        assert query_tile_rows(d, dtype) == pf._config(d, dtype)[0]
+        rows = query_tile_rows(d, dtype)
+        n = 3 * rows
+        q, k, v = (randn((n, 1, d), gen, dtype) for _ in range(3))
+        out = flash_attn_varlen_func(q, k, v, cu([n]), cu([n]), n, n, causal=True, tile_seq=one(0),
+                                     tile_block=one(1), num_tiles=one(1), out=torch.full_like(q, float("nan")))
+        written = ~torch.isnan(out).any(dim=2).any(dim=1)
+        assert written.nonzero().flatten().tolist() == list(range(rows, 2 * rows)), (d, dtype)
+        ref = ref_attention(q, k, v, True, d ** -0.5)
+        assert rel_err(out[rows:2 * rows], ref[rows:2 * rows]) < TOL[dtype]
     with pytest.raises(ValueError, match="head_dim"):
         query_tile_rows(48, torch.float16)
     with pytest.raises(TypeError, match="dtype"):
@@ -477,45 +440,51 @@ def test_decode(block_size, d, hq, hkv, dtype):
 
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float16), (48, torch.bfloat16)])
 @pytest.mark.parametrize("fold", [True, False])
-def test_decode_split_k(monkeypatch, block_size, dtype, fold):
-    """Force several splits (some empty for short rows) so the merge is exercised: in the last
-    split's program (fold, arrival counters) or as the merge kernel (tile too large to fold)."""
-    import nanovllm.kernels.decode_attention as dec
-    if fold:  # the merge kernel must not be launched
-        monkeypatch.setattr(dec, "_decode_merge_kernel", None)
-    else:
-        monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", 0)
-    monkeypatch.setattr(dec, "MIN_TOKENS_PER_SPLIT", 16)
-    monkeypatch.setattr(dec, "CPU_SM_COUNT", 64)
-    assert dec.choose_num_splits(3, 2, 160, 64) > 4
+def test_decode_split_k(block_size, dtype, fold):
+    """Eight splits (some empty for short rows), merged in the last split's program (fold, arrival
+    counters: fold=True refuses to run otherwise) or by the merge kernel (fold=False). A second
+    call into a poisoned output repeats the first: the counters were left at zero."""
     gen = torch.Generator().manual_seed(6)
     lens = [1, 150, 70]
     k_cache, v_cache, table = make_paged(lens, block_size, 2, 64, dtype, gen)
     q = randn((3, 1, 8, 64), gen, dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2)
+
+    def attend():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2, num_splits=8,
+                                       out=torch.full_like(q, float("nan")), fold=fold)
+
+    out = attend()
     ref = torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
                                      True, 0.2) for i, n in enumerate(lens)])
     assert rel_err(out, ref) < TOL[dtype]
-    if fold:
-        assert not dec._counter_cache[q.device].any()  # every merging program reset its counter
-    again = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.2)
-    assert torch.equal(again, out)  # a second call finds the counters at zero
+    assert torch.equal(attend(), out)
 
 
-def test_decode_fold_falls_back_without_counters(monkeypatch):
-    """More (sequence, kv head) pairs than counters: the merge kernel runs instead, same result."""
-    import nanovllm.kernels.decode_attention as dec
+def test_decode_fold_needs_a_small_tile_and_enough_counters():
+    """can_fold_merge: several splits, a [group, splits, head_dim] tile within FOLD_MAX_ELEMS and an
+    arrival counter per (sequence, kv head); where it says no, fold=None takes the merge kernel
+    (the same result as fold=False) and fold=True is refused."""
+    assert can_fold_merge(3, 2, 64, NUM_COUNTERS)
+    assert not can_fold_merge(1, 2, 64, 4)  # one split: nothing to merge
+    assert not can_fold_merge(3, 2, 64, NUM_COUNTERS + 1)
+    fit = FOLD_MAX_ELEMS // (8 * 64)  # splits whose [8, splits, 64] tile just fits (a power of two)
+    assert can_fold_merge(fit, 8, 64, 4) and not can_fold_merge(fit + 1, 8, 64, 4)
     gen = torch.Generator().manual_seed(8)
     lens = [40, 90]
     k_cache, v_cache, table = make_paged(lens, 16, 2, 64, torch.float32, gen)
-    q = randn((2, 1, 4, 64), gen, torch.float32)
+    q = randn((2, 1, 16, 64), gen, torch.float32)  # group 8
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    folded = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=3)
-    monkeypatch.setattr(dec, "_counter_cache", {q.device: torch.zeros(3, dtype=torch.int32)})  # < 2 x 2
-    unfolded = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=3)
-    assert dec._arrival_counters(q.device, 4) is None
-    torch.testing.assert_close(unfolded, folded, rtol=1e-6, atol=1e-6)
+    splits = fit + 1  # too large a tile to fold
+    auto = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=splits)
+    unfolded = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=splits, fold=False)
+    assert torch.equal(auto, unfolded)
+    with pytest.raises(ValueError, match="fold=True"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=splits, fold=True)
+    with pytest.raises(ValueError, match="fold=True"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=1, fold=True)
+    with pytest.raises(TypeError, match="fold"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, fold=1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -579,11 +548,9 @@ def decode_rows_ref(q, k_cache, v_cache, table, lens, scale):
 
 @pytest.mark.parametrize("block_size,hq,dtype", [(16, 4, torch.float16), (64, 8, torch.bfloat16),
                                                  (128, 4, torch.float32)])
-def test_decode_num_seqs(monkeypatch, block_size, hq, dtype):
+def test_decode_num_seqs(block_size, hq, dtype):
     """Only rows < num_seqs[0] are computed; the rest of `out` keeps its NaN poison. A count
     past the capacity computes every row."""
-    import nanovllm.kernels.decode_attention as dec
-    monkeypatch.setattr(dec, "_sm_count", lambda device: 1)
     hkv, d, batch = 2, 32, len(ROWS_LENS)
     gen = torch.Generator().manual_seed(20)
     k_cache, v_cache, table = make_paged(ROWS_LENS, block_size, hkv, d, dtype, gen)
@@ -603,12 +570,9 @@ def test_decode_num_seqs(monkeypatch, block_size, hq, dtype):
 
 
 @pytest.mark.parametrize("launch", ["fold", "merge", "unsplit", "num_seqs"])
-def test_decode_out_strided_view(monkeypatch, launch):
+def test_decode_out_strided_view(launch):
     """out as rows of a larger NaN-poisoned [N, Hq, D] buffer, its row stride unlike q's (q is a
     view of a fused projection): every launch variant writes its rows there and nothing else."""
-    import nanovllm.kernels.decode_attention as dec
-    if launch == "merge":
-        monkeypatch.setattr(dec, "FOLD_MAX_ELEMS", 0)
     hq, hkv, d, dtype = 4, 2, 32, torch.float16
     lens = [5, 130, 64, 40]
     batch = len(lens)
@@ -620,7 +584,8 @@ def test_decode_out_strided_view(monkeypatch, launch):
     buf = torch.full((batch + 3, hq, d), float("nan"), dtype=dtype, device=DEV)
     out = buf[1:1 + batch].unsqueeze(1)
     assert out.stride(0) != q.stride(0)
-    kwargs = {"fold": dict(num_splits=3), "merge": dict(num_splits=3), "unsplit": dict(num_splits=1),
+    kwargs = {"fold": dict(num_splits=3, fold=True), "merge": dict(num_splits=3, fold=False),
+              "unsplit": dict(num_splits=1),
               "num_seqs": dict(num_seqs=torch.tensor([3], dtype=torch.int32, device=DEV))}[launch]
     assert flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **kwargs) is out
     m = 3 if launch == "num_seqs" else batch

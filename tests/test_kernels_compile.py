@@ -95,8 +95,6 @@ SPECS = [
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}
       for r in (True, False) for p in (True, False) for h, rows, w in ((1024, 1, 4), (128, 8, 4))]),
     ("kernels.fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
-    ("kernels.kv_store", "_store_kvcache_kernel", {"slot_ptr": "*i64"},
-     [{"BLOCK_SIZE": 256, "HEAD_DIM": 128, "BLOCK_H": 8}]),
     ("kernels.fused_rope", "_qk_norm_rope_kernel", {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64",
                                             "eps": "fp32"},
      [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": kv, "BLOCK_SIZE": 256 if kv else 1,
@@ -129,7 +127,6 @@ SPECS = [
     ("sampling.gumbel_max", "_gumbel_sample_kernel", {"x_ptr": "*fp32", "temperature_ptr": "*fp32", "key_ptr": "*i64",
                                              "best_ptr": "*fp32", "best_col_ptr": "*i32"},
      [{"IS_PROBS": True, "SUB": 256, "TILES_PER_CHUNK": 4}]),
-    ("sampling.gumbel_max", "_uniforms_kernel", {"key_ptr": "*i64", "u_ptr": "*fp32"}, [{"SUB": 256}]),
     # top-p / min-p by the candidate walk: each filter alone and both, bfloat16 and float32 logits
     *[("sampling.candidate_walk", "_walk_sample_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "key_ptr": "*i64",
                                                  "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64"},

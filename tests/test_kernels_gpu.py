@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
+from nanovllm.kernels.checks import cuda_sm_count
+from nanovllm.kernels.decode_attention import can_fold_merge, choose_num_splits, flash_attn_with_kvcache
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows, tile_programs
 from nanovllm.kernels.query_tiles import build_query_tiles
 
 pytestmark = pytest.mark.gpu
@@ -71,27 +71,6 @@ def gather(cache, row, n):
 
 def cu(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-
-
-@pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_kvcache(block_size, dtype):
-    gen = torch.Generator(DEV).manual_seed(0)
-    n, hkv = 3000, 8
-    num_blocks = 2 * n // block_size + 1
-    key, value = randn((n, hkv, D), gen, dtype), randn((n, hkv, D), gen, dtype)
-    kc = torch.full((num_blocks, block_size, hkv, D), float("nan"), dtype=dtype, device=DEV)
-    vc = kc.clone()
-    slots = torch.randperm(num_blocks * block_size, device=DEV, generator=gen)[:n]
-    pad = torch.rand(n, device=DEV, generator=gen) < 0.1
-    slots[pad] = -1
-    store_kvcache(key, value, kc, vc, slots.int())
-    keep = slots >= 0
-    kf, vf = kc.view(-1, hkv, D), vc.view(-1, hkv, D)
-    assert torch.equal(kf[slots[keep]], key[keep]) and torch.equal(vf[slots[keep]], value[keep])
-    untouched = torch.ones(kf.shape[0], dtype=torch.bool, device=DEV)
-    untouched[slots[keep]] = False
-    assert torch.isnan(kf[untouched]).all() and torch.isnan(vf[untouched]).all()
 
 
 @pytest.mark.parametrize("hq,hkv", HEADS)
@@ -212,7 +191,6 @@ def test_prefill_tiles_cuda_graph():
     ones), lengths, tiles and block tables, from one tile to many more tiles than the P programs
     per head. Before each replay the whole buffer is poisoned: rows no tile covers and the rest
     of the buffer must keep the poison."""
-    import nanovllm.kernels.prefill_attention as pf
     gen = torch.Generator(DEV).manual_seed(13)
     kc, vc = tile_cache(gen)
     rows, cap = 2560, 160
@@ -222,7 +200,7 @@ def test_prefill_tiles_cuda_graph():
     out = buf[2:2 + rows, 64:64 + TILE_HQ * D].view(rows, TILE_HQ, D)
     outside = torch.ones(buf.shape, dtype=torch.bool, device=DEV)
     outside[2:2 + rows, 64:64 + TILE_HQ * D] = False
-    programs = pf._tile_programs(TILE_HQ, cap, torch.device(DEV))
+    programs = tile_programs(TILE_HQ, cap, torch.device(DEV))
     first = mixed_batch(gen, 64, [700, 1500], [512, 1000], 2000, TILE_BLOCKS, TILE_WIDTH, TILE_HQ)
     batch.load(*first)
     batch.attend(kc, vc, out)  # compiles outside the capture
@@ -277,14 +255,14 @@ def test_decode_explicit_num_splits(num_splits):
     assert rel_err(out, decode_ref(q, kc, vc, table, lens)) < TOL[torch.bfloat16]
 
 
-def capture_decode(q, kc, vc, seqlens, table):
-    """(graph, out): one decode call captured in a CUDA graph; it first runs once outside the
-    capture (compiles, and allocates the arrival counters)."""
-    flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+def capture_decode(q, kc, vc, seqlens, table, **options):
+    """(graph, out): one decode call (flash_attn_with_kvcache's keyword `options`) captured in a
+    CUDA graph; it first runs once outside the capture (compiles, and allocates the arrival counters)."""
+    flash_attn_with_kvcache(q, kc, vc, seqlens, table, **options)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table)
+        out = flash_attn_with_kvcache(q, kc, vc, seqlens, table, **options)
     return graph, out
 
 
@@ -317,26 +295,27 @@ def test_decode_cuda_graph():
 
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_folded_merge_over_many_replays(monkeypatch, hq, hkv, batch):
+def test_decode_folded_merge_over_many_replays(hq, hkv, batch):
     """Small batches merge splits in the last split's program (arrival counters, no merge
-    kernel). Replayed 20 times with new queries and lengths, every output must match the
-    reference: a counter left non-zero or a stale partial read would show up here."""
-    import nanovllm.kernels.decode_attention as dec
-    monkeypatch.setattr(dec, "_decode_merge_kernel", None)  # fails if the merge kernel is launched
+    kernel): the default split count folds here, and fold=True (refused where it cannot fold)
+    is captured. Replayed 20 times with new queries and lengths into a poisoned output, every
+    output must match the reference: a counter left non-zero (nothing merged: NaN) or a stale
+    partial read would show up here."""
     gen = torch.Generator(DEV).manual_seed(11)
     bs, width, dtype = 256, 16, torch.bfloat16
+    splits = choose_num_splits(batch, hkv, bs * width, cuda_sm_count(torch.device(DEV)))
+    assert splits > 1 and can_fold_merge(splits, hq // hkv, D, batch * hkv)
     num_blocks = batch * width
     kc, vc = randn((num_blocks, bs, hkv, D), gen, dtype), randn((num_blocks, bs, hkv, D), gen, dtype)
     q = randn((batch, 1, hq, D), gen, dtype)
     seqlens = torch.full((batch,), bs * width, dtype=torch.int32, device=DEV)
     table = torch.randperm(num_blocks, device=DEV, generator=gen).view(batch, width).int()
-    graph, out = capture_decode(q, kc, vc, seqlens, table)
+    graph, out = capture_decode(q, kc, vc, seqlens, table, fold=True)
     for trial in range(20):
         lens = torch.randint(1, bs * width + 1, (batch,), generator=gen, device=DEV)
         seqlens.copy_(lens.int())
         q.copy_(randn((batch, 1, hq, D), gen, dtype))
         assert replay_error(graph, out, q, kc, vc, table, lens) < TOL[dtype], f"replay {trial}"
-    assert not dec._counter_cache[q.device].any()
 
 
 # The brief's bound for the captured num_seqs decode (bf16 output rounding alone is ~2-3e-3).

@@ -16,7 +16,6 @@ from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import AttentionBackend
@@ -28,9 +27,8 @@ pytestmark = pytest.mark.interpreter
 BS, HQ, HKV, D = 16, 4, 2, 32
 NUM_BLOCKS, WIDTH = 24, 5
 CPU = torch.device("cpu")
-TRITON = AttentionBackend("triton", store_kvcache, flash_attn_varlen_func, flash_attn_with_kvcache)
-TORCH = AttentionBackend("torch", torch_attention.store_kvcache, torch_attention.flash_attn_varlen_func,
-                         torch_attention.flash_attn_with_kvcache)
+TRITON = AttentionBackend("triton", flash_attn_varlen_func, flash_attn_with_kvcache)
+TORCH = AttentionBackend("torch", torch_attention.flash_attn_varlen_func, torch_attention.flash_attn_with_kvcache)
 
 
 def mixed_plan(g: torch.Generator) -> StepPlan:

@@ -13,6 +13,7 @@ import torch
 from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -119,7 +120,7 @@ def running_rows(num_rows: int, budget: int = 1024) -> Scheduler:
     sched = Scheduler(BlockManager(1024, 16), max_num_seqs=512, max_num_batched_tokens=budget, max_model_len=4096,
                       eos_token_ids=frozenset(), fill_sizes=FILL_SIZES)
     for i in range(num_rows):
-        sched.add(Sequence(i, [7], SamplingParams(max_tokens=100)))
+        sched.add(Request(i, [Sequence(i, [7], SamplingParams(max_tokens=100))]))
     first = sched.schedule()
     assert first.kind is StepKind.PREFILL and first.num_tokens == num_rows  # no decode rows: never trimmed
     sched.postprocess(first, sampled_by(first))
@@ -134,7 +135,7 @@ def sampled_by(step) -> dict[int, int]:
 def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
     """A prompt of `length` tokens no other prompt shares (no prefix-cache hits)."""
     seq = Sequence(seq_id, [seq_id * 10_000 + j for j in range(length)], SamplingParams(max_tokens=100))
-    sched.add(seq)
+    sched.add(Request(seq.request_id, [seq]))
     return seq
 
 
@@ -171,7 +172,7 @@ def test_trim_spans_prompts_and_skips_prompt_logprob_steps():
     sched = running_rows(40)
     seq = Sequence(1000, list(range(1, 241)), SamplingParams(max_tokens=100, prompt_logprobs=1),
                    wants_prompt_logprobs=True)
-    sched.add(seq)  # a prompt-logprob step runs eagerly (no graph, no padding): never trimmed
+    sched.add(Request(seq.request_id, [seq]))  # a prompt-logprob step runs eagerly (no graph, no padding): never trimmed
     assert sched.schedule().num_new_tokens[40:] == [240]
 
 

@@ -16,7 +16,6 @@ from checkpoints import (
     rewrite_checkpoint_tensors, rewrite_config, assert_greedy_matches_reference,
 )
 from nanovllm import SamplingParams
-from nanovllm.moe import layer as fused_moe
 from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, map_expert_name, route
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import build_model
@@ -92,7 +91,7 @@ def test_tp2_matches_tp1(checkpoints):
     assert tp2 == single
 
 
-def test_expert_shards_sum_to_the_whole_layer(checkpoints, monkeypatch):
+def test_expert_shards_sum_to_the_whole_layer(checkpoints):
     """Two ranks' experts (halves of the intermediate dimension, filled from either checkpoint
     spelling) sum to one rank's output; that is what the all-reduce adds up."""
     path = checkpoints("top8-of-16")
@@ -102,9 +101,8 @@ def test_expert_shards_sum_to_the_whole_layer(checkpoints, monkeypatch):
     prefix = "model.layers.0.mlp.experts"
 
     def experts(rank: int, size: int, tensors: dict) -> MoeExperts:
-        monkeypatch.setattr(fused_moe, "tp_rank", lambda: rank)
-        monkeypatch.setattr(fused_moe, "tp_size", lambda: size)
-        layer = MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size)
+        layer = MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size, rank=rank,
+                           world_size=size)
         params = {"w13": layer.w13, "w2": layer.w2}
         for name, tensor in tensors.items():
             if name.startswith(prefix + "."):
@@ -121,6 +119,8 @@ def test_expert_shards_sum_to_the_whole_layer(checkpoints, monkeypatch):
         halves = [experts(rank, 2, tensors) for rank in (0, 1)]
         assert halves[0].w13.shape == (16, 16, 64) and halves[0].w2.shape == (16, 64, 8)
         torch.testing.assert_close(halves[0](hidden, weights, ids) + halves[1](hidden, weights, ids), whole)
+    with pytest.raises(ValueError, match="rank must be below world_size 2"):
+        MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size, rank=2, world_size=2)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -8,6 +8,7 @@ import torch
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import FinishReason, Sequence
@@ -25,7 +26,7 @@ def make_scheduler(num_blocks: int = 8, max_model_len: int = 64) -> Scheduler:
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
     s = Sequence(seq_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
-    sched.add(s)
+    sched.add(Request(s.request_id, [s]))
     return s
 
 
@@ -104,7 +105,7 @@ def test_a_prompt_is_chunked_across_steps_while_others_decode():
         sched.postprocess(batch, {s.seq_id: 7 for s in batch.seqs if s.num_computed_tokens == len(s)})
     assert steps == [(StepKind.MIXED, [0, 1], [1, 3]), (StepKind.MIXED, [0, 1], [1, 3]),
                      (StepKind.MIXED, [0, 1], [1, 1])]
-    assert c.num_completion_tokens == 1 and a.num_completion_tokens == 4
+    assert len(c.completion_token_ids) == 1 and len(a.completion_token_ids) == 4
 
 
 def test_max_model_len_is_never_overrun_by_an_ahead_step():

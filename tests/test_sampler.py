@@ -9,17 +9,14 @@ noise comes from its key: unseeded rows here take fresh random 63-bit keys.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-import nanovllm.sampling.sampler as sampler_module
-import nanovllm.sampling.batch as sampling_batch_module
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
-from nanovllm.sampling.sampler import Sampler, token_logprobs
-from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, row_key
+from nanovllm.sampling.sampler import Sampler, takes_topk_path, token_logprobs, top_k_top_p_threshold
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU = torch.device("cpu")
@@ -228,9 +225,9 @@ def test_top_p_from_the_top_k_matches_the_full_sort() -> None:
               SamplingParams(top_k=10, top_p=0.3), SamplingParams(top_k=10, top_p=0.95)]
     batch = build(params, vocab)
     assert batch.top_p_within_top_k and batch.max_top_k == 50
-    fast = sampler_module._threshold_from_top(probs, batch)
-    full = dataclasses.replace(batch, top_p_within_top_k=False)  # forces the sort
-    slow = sampler_module.top_k_top_p_threshold(probs, full)
+    assert takes_topk_path(batch, 50) and not takes_topk_path(batch, 49)
+    fast = top_k_top_p_threshold(probs, batch, topk_max_k=50)
+    slow = top_k_top_p_threshold(probs, batch, topk_max_k=49)  # max_top_k past it: the full sort
     assert torch.equal(probs < fast, probs < slow)
     assert torch.equal(fast[:3], slow[:3])  # no ties past the top: the same float32 sums
     assert fast[3].item() == 0.0  # neither filter (the sort gives the row's smallest value: also all kept)
@@ -353,21 +350,20 @@ def test_build_flags_and_tensors() -> None:
             SamplingBatch.build(params, [1, bad, 3], CPU, 100)
 
 
-def test_build_makes_one_copy_of_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor of a batch is a view of one buffer that reached the device in one copy."""
-    copies = []
-    real = sampling_batch_module.to_device
-
-    def counting(values, device, dtype=None):
-        copies.append(values)
-        return real(values, device, dtype)
-
-    monkeypatch.setattr(sampling_batch_module, "to_device", counting)
+def test_build_makes_one_copy_of_one_buffer() -> None:
+    """Every tensor of a batch is a view of the pack's words as they reached the device (one
+    copy: `unpack` adds none), and so of one buffer in a built batch."""
     params = [SamplingParams(top_k=3, top_p=0.8, min_p=0.05, logprobs=1), SamplingParams(temperature=0.3)]
-    batch = build(params, 50, [7, 8])
-    assert len(copies) == 1
-    tensors = [batch.temperatures, batch.keys, batch.top_ks, batch.top_ps, batch.min_ps, batch.logprobs.rows]
-    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    pack = SamplingPack.of(params, [7, 8], 50)
+    words = torch.from_numpy(pack.words.copy())  # what the host-to-device copy delivers
+
+    def storages(batch: SamplingBatch) -> set[int]:
+        tensors = [batch.temperatures, batch.keys, batch.top_ks, batch.top_ps, batch.min_ps, batch.logprobs.rows]
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    batch = pack.unpack(words)
+    assert storages(batch) == {words.untyped_storage().data_ptr()} and len(storages(build(params, 50, [7, 8]))) == 1
+    assert batch.keys.tolist() == [7, 8]
     assert batch.temperatures.tolist() == pytest.approx([1.0, 0.3]) and batch.top_ks.tolist() == [3, 50]
     assert batch.top_ps.tolist() == pytest.approx([0.8, 1.0]) and batch.min_ps.tolist() == pytest.approx([0.05, 0.0])
     empty = build([], 50, [])
@@ -550,15 +546,22 @@ def test_logprobs_ignore_temperature_and_filters() -> None:
     torch.testing.assert_close(lp.top_logprobs[0].double(), log_softmax64(row).topk(4).values, rtol=1e-5, atol=1e-5)
 
 
-def test_no_logprob_work_when_no_row_asks(monkeypatch: pytest.MonkeyPatch) -> None:
-    def forbidden(*args, **kwargs):
-        raise AssertionError("logprobs computed for a batch where no row asks")
+def ops_run(fn) -> set[str]:
+    """The names of the aten ops that fn() runs (torch's profiler records them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
 
-    monkeypatch.setattr(SAMPLER, "token_logprobs", forbidden)  # the implementation this sampler picked
-    monkeypatch.setattr(torch, "log_softmax", forbidden)
+
+def test_no_logprob_work_when_no_row_asks() -> None:
+    """A batch where no row asks for logprobs runs no log_softmax; one row asking runs it."""
     params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(temperature=0.0)]
-    out = SAMPLER(torch.randn(3, 100), build(params, 100))
-    assert out.logprobs is None
+    logits = torch.randn(3, 100)
+    outputs = []
+    quiet = ops_run(lambda: outputs.append(SAMPLER(logits, build(params, 100))))
+    assert outputs[0].logprobs is None and not any("log_softmax" in op for op in quiet)
+    asking = ops_run(lambda: SAMPLER(logits, build(params[:2] + [SamplingParams(logprobs=1)], 100)))
+    assert any("log_softmax" in op for op in asking)
 
 
 def test_token_logprobs_standalone() -> None:

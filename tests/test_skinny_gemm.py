@@ -112,9 +112,9 @@ def test_narrow_layers_take_the_skinny_gemm_between_the_gemv_and_cublas():
 @pytest.mark.parametrize("rows", [3, 8, 16])
 def test_narrow_layer_on_cuda_in_graph_replays(rows):
     """Qwen3-0.6B's o_proj (1024 x 2048, narrow: K split 8 ways at 16 rows on an H200) built on
-    CUDA takes the skinny GEMM at 3-16 rows: float64 agreement, and CUDA-graph replays equal the
-    eager call (the split tiles' arrival counters are left at zero by every call)."""
-    import nanovllm.kernels.skinny_gemm as skinny
+    CUDA takes the skinny GEMM at 3-16 rows: float64 agreement, and CUDA-graph replays into a
+    poisoned output equal the eager call (a split tile's arrival counter left non-zero by the call
+    before would leave the tile unsummed: NaN)."""
     import nanovllm.layers.linear as linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -129,7 +129,7 @@ def test_narrow_layer_on_cuda_in_graph_replays(rows):
     with torch.cuda.graph(graph):
         static_out = layer(static_x)
     for _ in range(3):
+        static_out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
-    assert not skinny._counter_cache[x.device].any()

@@ -54,11 +54,6 @@ class Request:
             for i, seq_id in enumerate(seq_ids)
         ])
 
-    @classmethod
-    def of_sequence(cls, seq: Sequence) -> Request:
-        """A one-sample request around an existing sequence (the scheduler's tests build those)."""
-        return cls(seq.request_id, [seq])
-
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.samples)

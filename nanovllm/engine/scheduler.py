@@ -80,12 +80,9 @@ class Scheduler:
         self._unstarted: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0  # running total, for tests and stats
 
-    def add(self, request: Request | Sequence) -> None:
+    def add(self, request: Request) -> None:
         """Queue a request: its sample 0 computes the prompt; the other samples start from it
-        when it completes the prompt (forked, see _start_samples). A bare Sequence is queued as
-        a request of its own."""
-        if isinstance(request, Sequence):
-            request = Request.of_sequence(request)
+        when it completes the prompt (forked, see _start_samples)."""
         for seq in request.samples:
             if seq.params.stop and self.tokenizer is not None:
                 seq.stop_matcher = StopStringMatcher(seq.params.stop)

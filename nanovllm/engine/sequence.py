@@ -69,10 +69,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 

@@ -82,6 +82,14 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return arrival_counters(_counter_cache, device, needed, NUM_COUNTERS)
 
 
+def can_fold_merge(num_splits: int, group: int, head_dim: int, pairs: int) -> bool:
+    """Whether the last split of each (sequence, kv head) can merge the partials itself (no merge
+    kernel): more than one split, a [group, splits, head_dim] tile of at most FOLD_MAX_ELEMS
+    (both padded to powers of two) and an arrival counter for each of the `pairs` programs."""
+    return (num_splits > 1 and next_pow2(group) * next_pow2(num_splits) * head_dim <= FOLD_MAX_ELEMS
+            and pairs <= NUM_COUNTERS)
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
     """Host-only split count: enough programs to fill the GPU, none shorter than MIN_TOKENS_PER_SPLIT.
     A batch that fills the GPU by itself is not split (no partials, no merge pass)."""
@@ -241,7 +249,8 @@ def _decode_merge_kernel(
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                            softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None):
+                            softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
+                            fold=None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -257,9 +266,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     out: optional preallocated output [batch, 1, Hq, D] of q's dtype and device (any row
     stride, e.g. a view of a larger buffer; last dim contiguous; must not overlap the inputs),
     written and returned; without it the output is allocated.
+    fold: where split partials are merged. None: in the last split's program where
+    `can_fold_merge` allows it and the arrival counters exist (not when first needed inside a
+    CUDA-graph capture), else by the merge kernel; False: always the merge kernel; True: always
+    in the kernel (ValueError where it cannot be).
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
+    if fold is not None and not isinstance(fold, bool):
+        raise TypeError(f"fold must be None, True or False, got {fold!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, num_heads, head_dim], got {getattr(q, 'shape', type(q))}")
     check_query(q)
@@ -304,9 +319,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
     block_s, gp = next_pow2(num_splits), next_pow2(group)
-    counters = None
-    if num_splits > 1 and gp * block_s * d <= FOLD_MAX_ELEMS:
-        counters = _arrival_counters(q.device, batch * hkv)
+    foldable = can_fold_merge(num_splits, group, d, batch * hkv)
+    counters = _arrival_counters(q.device, batch * hkv) if foldable and fold is not False else None
+    if fold and counters is None:
+        raise ValueError(f"fold=True, but {num_splits} splits of group {group}, head_dim {d} over {batch * hkv} "
+                         f"(sequence, kv head) pairs cannot merge in the kernel "
+                         f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
     # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
     block_n, stages = BLOCK_N, 2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES
     if (num_splits == 1 and num_seqs is None and stages == NUM_STAGES

@@ -21,7 +21,7 @@ Positions are not range-checked (that would need a host sync): they must lie in
 [0, cos_sin_cache.shape[0]).
 
 With `kv_write`, the k programs also write their rotated heads, and the same heads of v, into
-the paged KV cache at the token's slot (what `store_kvcache` does, one launch fewer per layer).
+the paged KV cache at the token's slot (what torch_attention.store_kvcache does on the CPU path).
 
 `rope` is the same kernel without the norm (APPLY_NORM off: Llama, Qwen2), with the same
 optional `kv_write`.
@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_eps, check_float_dtype, check_on_device, check_vector, next_pow2
+from .checks import check_cache, check_eps, check_float_dtype, check_on_device, check_vector, next_pow2
 from .fused_norm import round_to
-from .kv_store import check_kv_store
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported head_dim: one [HEADS, D/2] tile pair must stay in registers.
@@ -159,6 +158,36 @@ def _check_kv_write(kv_write) -> None:
         raise ValueError(f"kv_write must be a tuple (v, k_cache, v_cache, slot_mapping), got {got}")
 
 
+def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> int:
+    """Validate a K/V cache write (key / value [N, Hkv, D] into the paged caches at slot_mapping
+    [N]); return the cache block size."""
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [N, num_kv_heads, head_dim], got "
+                             f"{getattr(t, 'shape', type(t))}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if key.shape != value.shape:
+        raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
+    check_float_dtype("key", key)
+    n, hkv, d = key.shape
+    block_size = check_cache(k_cache, v_cache, hkv, d, key.dtype)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value dtype {value.dtype} != key dtype {key.dtype}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be an int32/int64 tensor, got "
+                        f"{getattr(slot_mapping, 'dtype', type(slot_mapping))}")
+    if slot_mapping.shape != (n,):
+        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} != ({n},)")
+    if slot_mapping.stride(0) != 1 and n > 1:
+        raise ValueError("slot_mapping must be contiguous")
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device}, key on {key.device}")
+    return block_size
+
+
 def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None):
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -197,7 +226,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     Per-head RMSNorm over D with q_weight / k_weight [D], then neox RoPE at `positions` [N]
     (int32/int64) from `cos_sin_cache` [max_position, D] float32 = [cos | sin].
     kv_write = (v, k_cache, v_cache, slot_mapping) also writes k_out and v into the paged cache,
-    exactly as `store_kvcache(k_out, v, k_cache, v_cache, slot_mapping)` would (slots < 0 skipped).
+    exactly as torch_attention.store_kvcache(k_out, v, k_cache, v_cache, slot_mapping) would (slots < 0 skipped).
     """
     _check_args(q, k, positions, cos_sin_cache)
     d = q.shape[2]

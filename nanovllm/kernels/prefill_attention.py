@@ -72,7 +72,7 @@ def _config(head_dim: int, dtype: torch.dtype):
     return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
 
 
-def _tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
+def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
     """P, the programs per head of a tile-table launch: min(cap, max(1, TILE_PROGRAMS_PER_SM x SMs // Hq)).
     Shapes and device only (no tensor values), so a captured launch keeps it on every replay."""
     sms = cuda_sm_count(device)
@@ -251,7 +251,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     `build_query_tiles` with block_m = `query_tile_rows(D, q.dtype)`. Entry t < num_tiles
     computes query rows [tile_block[t] * BLOCK_M, +BLOCK_M) of sequence tile_seq[t] (each
     entry must name a real sequence; blocks past its end are skipped). The grid is (Hq, P),
-    P = `_tile_programs(Hq, cap, q.device)` <= cap, each program looping over every P-th entry,
+    P = `tile_programs(Hq, cap, q.device)` <= cap, each program looping over every P-th entry,
     whatever the batch, so the call can be captured in a CUDA graph; rows no tile covers
     (e.g. bucket padding past cu_seqlens_q[-1]) are left unwritten.
 
@@ -330,7 +330,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_m, block_n, num_warps, num_stages = _config(d, q.dtype)
     if tiled:
         num_m_blocks = 0  # unused: the table names each program's query block
-        grid = (hq, _tile_programs(hq, cap, q.device))
+        grid = (hq, tile_programs(hq, cap, q.device))
     else:
         num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
         grid = (hq, num_seqs, num_m_blocks)

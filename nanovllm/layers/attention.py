@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.kernels.torch_attention import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata, get_attention_metadata
 
@@ -40,9 +41,10 @@ class Attention(nn.Module):
         return v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's k/v [N, Hkv, D] into the cache at the step's slots (slots < 0 skipped)."""
-        backend = self._require_cache()
-        backend.store_kvcache(k, v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping)
+        """Write this step's k/v [N, Hkv, D] into the cache at the step's slots (slots < 0 skipped),
+        in PyTorch: the path of layers built off CUDA (on CUDA the RoPE kernel writes the cache)."""
+        self._require_cache()
+        store_kvcache(k, v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] (already in the cache) -> [N, Hq, D]."""

@@ -21,7 +21,6 @@ FLASH_ATTN_PAGED_BLOCK_MULTIPLE = 256
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    store_kvcache: Callable
     flash_attn_varlen_func: Callable
     flash_attn_with_kvcache: Callable
 
@@ -40,14 +39,11 @@ def select_attention_backend(requested: str, device: str, block_size: int) -> At
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU use 'torch' or 'auto'")
     if requested == "torch":
         mod = importlib.import_module("nanovllm.kernels.torch_attention")
-        return AttentionBackend("torch", mod.store_kvcache, mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
-    kv_store = importlib.import_module("nanovllm.kernels.kv_store")
+        return AttentionBackend("torch", mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
     if requested == "triton":
         prefill = importlib.import_module("nanovllm.kernels.prefill_attention")
         decode = importlib.import_module("nanovllm.kernels.decode_attention")
-        return AttentionBackend(
-            "triton", kv_store.store_kvcache, prefill.flash_attn_varlen_func, decode.flash_attn_with_kvcache
-        )
+        return AttentionBackend("triton", prefill.flash_attn_varlen_func, decode.flash_attn_with_kvcache)
     # requested == "flash_attn"
     if importlib.util.find_spec("flash_attn") is None:
         raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")
@@ -57,6 +53,4 @@ def select_attention_backend(requested: str, device: str, block_size: int) -> At
             f"{FLASH_ATTN_PAGED_BLOCK_MULTIPLE}, got {block_size}"
         )
     flash_attn = importlib.import_module("flash_attn")
-    return AttentionBackend(
-        "flash_attn", kv_store.store_kvcache, flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
-    )
+    return AttentionBackend("flash_attn", flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache)

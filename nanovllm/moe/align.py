@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import next_pow2
+from nanovllm.utils.validation import check_int
 
 # Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.
 MAX_EXPERTS = 512
@@ -135,12 +136,14 @@ def aligned_blocks(n_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, max_slices: int = MAX_SLICES) -> MoeAlignment:
     """Group the pairs of topk_ids [T, K] (contiguous int32/int64) by expert into blocks of
-    block_m rows (a power of two >= 16); see the module docstring for the layout."""
+    block_m rows (a power of two >= 16); see the module docstring for the layout. `max_slices`
+    bounds the count / scatter programs (fewer: each slice walks more chunks of pairs)."""
     _check_ids(topk_ids, num_experts)
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    check_int("max_slices", max_slices, 1)
     dev, n_pairs = topk_ids.device, topk_ids.numel()
     n_blocks = aligned_blocks(n_pairs, num_experts, block_m)
     n_rows = n_blocks * block_m
@@ -151,7 +154,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
         return MoeAlignment(sorted_ids, block_expert, num_used)
     block_e = next_pow2(num_experts)
     rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step
-    chunks = triton.cdiv(triton.cdiv(n_pairs, rows), MAX_SLICES)  # per slice
+    chunks = triton.cdiv(triton.cdiv(n_pairs, rows), max_slices)  # per slice
     n_slices = triton.cdiv(n_pairs, rows * chunks)
     ids = topk_ids.view(-1)  # [T * K]
     counts = torch.empty((n_slices, block_e), dtype=torch.int32, device=dev)

@@ -37,6 +37,7 @@ from nanovllm.layers.kernel_path import current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.validation import check_int
 
 # Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
 GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
@@ -97,11 +98,18 @@ def _check_shape(what: str, expected: tuple[int, ...], loaded: torch.Tensor) -> 
 
 class MoeExperts(nn.Module):
     """E SwiGLU experts stacked in w13 [E, 2 I/tp, H] and w2 [E, H, I/tp]: forward(hidden [T, H],
-    weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks)."""
+    weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks).
+    `rank` / `world_size`: the tensor-parallel part this layer holds (None: the process group's)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank = tp_rank() if rank is None else rank
+        self.tp_size = tp_size() if world_size is None else world_size
+        check_int("world_size", self.tp_size, 1)
+        check_int("rank", self.tp_rank, 0)
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"rank must be below world_size {self.tp_size}, got {self.tp_rank}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.local_size = intermediate_size // self.tp_size  # I / tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False)

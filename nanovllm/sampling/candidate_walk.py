@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gumbel_max import _tile_uniforms, gumbel_noise, keep_best
+from .gumbel_max import gumbel_noise, keep_best, tile_uniforms
 from nanovllm.kernels.checks import check_row_vector
 from .gumbel_torch import SUB, check_gumbel_args
 
@@ -113,7 +113,7 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
     best_col = tl.zeros([STEP_TILES, SUB], tl.int32)
     for s0 in range(0, vocab, STEP_TILES * 4 * SUB):
         t0 = s0 + tiles
-        u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
+        u0, u1, u2, u3 = tile_uniforms(key, t0, j)
         c = t0 + j  # [STEP_TILES, SUB] columns of sub-block 0
         m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c, vocab, t), c, gumbel_noise(u0, noise),
                                                   m_acc, z_acc, best, best_col)
@@ -142,7 +142,7 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
             x3 = _load_x(x_row, c + 3 * SUB, vocab, t)
             if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
                 # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
-                u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
+                u0, u1, u2, u3 = tile_uniforms(key, t0, j)
                 mass, best, best_col = _walk_sub(x0, c, gumbel_noise(u0, noise), xc, m, min_p, mass, best, best_col)
                 mass, best, best_col = _walk_sub(x1, c + SUB, gumbel_noise(u1, noise), xc, m, min_p, mass, best,
                                                  best_col)

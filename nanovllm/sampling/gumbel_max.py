@@ -19,8 +19,8 @@ gives four 32-bit words, used for the four sub-blocks of a tile:
 
 Grid (rows, chunks): each program reduces TILES_PER_CHUNK tiles of one row to its best
 (score, column); `gumbel_sample` then picks each row's best chunk (first on ties, so the
-lowest column wins, as in torch.argmax). `gumbel_uniforms` writes the uniforms themselves
-(through the same tile helper), the reference the PyTorch twin is tested against.
+lowest column wins, as in torch.argmax). `tile_uniforms` is the one definition of a tile's
+uniforms: this kernel and sampling/candidate_walk.py's draw them through it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.utils.validation import check_int
 
 from .gumbel_torch import SUB, TILE, UNIFORM_BITS, check_gumbel_args
 
@@ -42,7 +44,7 @@ _UNIFORM_SCALE = tl.constexpr(1.0 / 2**UNIFORM_BITS)
 
 
 @triton.jit
-def _tile_uniforms(key, t0, j):
+def tile_uniforms(key, t0, j):
     """The uniforms of sub-blocks 0..3 of the tile at column t0, lanes j ([SUB] each)."""
     w0, w1, w2, w3 = tl.randint4x(key, t0 // 4 + j)
     u0 = ((w0.to(tl.uint32, bitcast=True) >> _WORD_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
@@ -103,7 +105,7 @@ def _gumbel_sample_kernel(
     best_col = tl.zeros([SUB], tl.int32)
     for i in range(TILES_PER_CHUNK):
         t0 = (chunk * TILES_PER_CHUNK + i) * (4 * SUB)
-        u0, u1, u2, u3 = _tile_uniforms(key, t0, j)
+        u0, u1, u2, u3 = tile_uniforms(key, t0, j)
         c = t0 + j
         best, best_col = keep_best(best, best_col, _scores(x_row, c, vocab, scale, noise_scale, u0, IS_PROBS), c)
         c = c + SUB
@@ -122,55 +124,26 @@ def _gumbel_sample_kernel(
 
 
 def gumbel_sample(x: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor | None = None,
-                  is_probs: bool = False) -> torch.Tensor:
+                  is_probs: bool = False, *, tiles_per_chunk: int = TILES_PER_CHUNK) -> torch.Tensor:
     """One token per row of `x` [B, V]: argmax(x / T + Gumbel(key)) for logits
     (`temperatures` [B] float32, 0 = greedy), or argmax(log x + Gumbel(key)) for
-    probabilities (`is_probs`). `keys` [B] int64. Returns [B] int64."""
+    probabilities (`is_probs`). `keys` [B] int64. Returns [B] int64, the same whatever
+    `tiles_per_chunk` (tiles a program reduces; fewer: more programs a row)."""
     check_gumbel_args(x, keys, temperatures, is_probs)
+    check_int("tiles_per_chunk", tiles_per_chunk, 1)
     rows, vocab = x.shape
     if is_probs:
         temperatures = keys  # unused by the kernel (IS_PROBS), any pointer will do
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
-    num_chunks = triton.cdiv(vocab, TILE * TILES_PER_CHUNK)
+    num_chunks = triton.cdiv(vocab, TILE * tiles_per_chunk)
     if num_chunks > MAX_CHUNKS:
         raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     best_col = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     _gumbel_sample_kernel[(rows, num_chunks)](
         x, temperatures, keys, best, best_col, vocab, x.stride(0), num_chunks,
-        IS_PROBS=is_probs, SUB=SUB, TILES_PER_CHUNK=TILES_PER_CHUNK, num_warps=NUM_WARPS,
+        IS_PROBS=is_probs, SUB=SUB, TILES_PER_CHUNK=tiles_per_chunk, num_warps=NUM_WARPS,
     )
     chunk = best.argmax(dim=1, keepdim=True)  # first best chunk: lowest column on ties
     return best_col.gather(1, chunk).squeeze(1).long()
-
-
-@triton.jit
-def _uniforms_kernel(key_ptr, u_ptr, vocab, stride_u, SUB: tl.constexpr):
-    row = tl.program_id(0)
-    t0 = tl.program_id(1) * (4 * SUB)
-    u_row = u_ptr + row.to(tl.int64) * stride_u
-    j = tl.arange(0, SUB)
-    u0, u1, u2, u3 = _tile_uniforms(tl.load(key_ptr + row), t0, j)
-    c = t0 + j
-    tl.store(u_row + c, u0, mask=c < vocab)
-    c = c + SUB
-    tl.store(u_row + c, u1, mask=c < vocab)
-    c = c + SUB
-    tl.store(u_row + c, u2, mask=c < vocab)
-    c = c + SUB
-    tl.store(u_row + c, u3, mask=c < vocab)
-
-
-def gumbel_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The uniforms u(key, v) `gumbel_sample` draws, written out: [B, vocab] float32 for `keys`
-    [B] int64 (contiguous), on their device."""
-    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1 or not keys.is_contiguous():
-        raise TypeError(f"keys must be a contiguous 1-D int64 tensor, got {getattr(keys, 'dtype', type(keys))}")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"vocab must be a positive int, got {vocab!r}")
-    u = torch.empty(keys.shape[0], vocab, dtype=torch.float32, device=keys.device)
-    if keys.shape[0]:
-        _uniforms_kernel[(keys.shape[0], triton.cdiv(vocab, TILE))](keys, u, vocab, u.stride(0), SUB=SUB,
-                                                                    num_warps=NUM_WARPS)
-    return u
