@@ -159,7 +159,7 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_the_step_kind_reaches_layers_through_the_forward_context():
-    """The MoE layer runs this path only inside a decode step (see layers/fused_moe.MoeExperts)."""
+    """The MoE layer runs this path only inside a decode step (see moe/layer.MoeExperts)."""
     from nanovllm.utils.context import AttentionMetadata, attention_context, in_decode_step
 
     slots = torch.zeros(1, dtype=torch.int64)

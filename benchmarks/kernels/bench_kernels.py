@@ -2,8 +2,8 @@
 
 Measures (1) decode attention GB/s over the KV bytes that must be read, as % of the HBM copy
 bandwidth (benchmarks/harness/probes.py), timed as CUDA-graph replays, (2) prefill TFLOP/s vs
-torch's FA2 varlen_attn (packed) and our paged variant, (3) store_kvcache GB/s; (2) and (3) are
-triton.testing.do_bench medians. --splits instead times decode at each forced split count next to
+torch's FA2 varlen_attn (packed) and our paged variant, a triton.testing.do_bench median (the KV
+write is inside the fused q/k-norm + RoPE kernel: benchmarks/kernels/bench_fused.py). --splits instead times decode at each forced split count next to
 the automatic choice: few long sequences, and engine-like batches.
 
     python -m benchmarks.kernels.bench_kernels [--json PATH]
@@ -22,7 +22,6 @@ from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.decode_attention import choose_num_splits, flash_attn_with_kvcache
-from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
@@ -141,20 +140,8 @@ def bench_prefill(nseq, seqlen, dtype=torch.bfloat16, block_size=256):
     return res
 
 
-def bench_store(n=65536, dtype=torch.bfloat16, block_size=256):
-    gen = torch.Generator(DEV).manual_seed(2)
-    key = torch.randn((n, HKV, D), device=DEV, generator=gen).to(dtype)
-    value = torch.randn((n, HKV, D), device=DEV, generator=gen).to(dtype)
-    num_blocks = 2 * n // block_size
-    kc = torch.empty((num_blocks, block_size, HKV, D), device=DEV, dtype=dtype)
-    vc = torch.empty_like(kc)
-    slots = torch.randperm(num_blocks * block_size, device=DEV, generator=gen)[:n].int()
-    t = bench(lambda: store_kvcache(key, value, kc, vc, slots))
-    return {"n": n, "us": t * 1e6, "GB/s": 4 * key.numel() * key.element_size() / t / 1e9}
-
-
 def report(res, bw):
-    """Decode, prefill and KV store at the kernels' defaults, and their table."""
+    """Decode and prefill at the kernels' defaults, and their table."""
     res["decode"] = []
     for batch, ctx in [(256, 1024), (256, 4096), (64, 4096), (8, 8192), (8, 32768), (1, 32768)]:
         res["decode"].append(bench_decode(batch, ctx, bw))
@@ -163,7 +150,6 @@ def report(res, bw):
     for nseq, seqlen in [(16, 1024), (4, 4096), (64, 256)]:
         res["prefill"].append(bench_prefill(nseq, seqlen))
         print("prefill", res["prefill"][-1], flush=True)
-    res["store"] = bench_store()
     print(f"\n== HBM copy {bw:.0f} GB/s | Qwen3-0.6B heads {HQ}q/{HKV}kv D{D}, bf16, block 256 ==")
     print(f"{'decode batch x ctx':>20} {'us':>9} {'GB/s':>8} {'%bw':>6}")
     for r in res["decode"]:
@@ -172,8 +158,6 @@ def report(res, bw):
     for r in res["prefill"]:
         print(f"{r['nseq']:>9} x {r['seqlen']:<8} {r['ours_tflops']:8.1f} {r.get('torch_tflops', float('nan')):9.1f} "
               f"{r.get('ratio', float('nan')):6.2f} {r['paged_tflops']:8.1f}")
-    s = res["store"]
-    print(f"store_kvcache {s['n']} tokens: {s['us']:.1f} us, {s['GB/s']:.0f} GB/s")
 
 
 def main():

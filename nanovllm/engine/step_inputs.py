@@ -3,7 +3,7 @@
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
 Each step's integers travel in one pinned int32 array, one host-to-device copy:
 a pure decode step as `decode_rows`, any other step as `VarlenLayout`; the step's sampling
-values (layers/sampling_batch.SamplingPack words) ride at its end (utils/host_to_device.with_words).
+values (sampling/batch.SamplingPack words) ride at its end (utils/host_to_device.with_words).
 Carried rows (engine/step_plan.py) get their input ids on the device: `fill_carried_ids`.
 """
 

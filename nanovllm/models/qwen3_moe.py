@@ -3,7 +3,7 @@
 
 Layer i is sparse unless it is listed in `mlp_only_layers` or (i + 1) is not a multiple of
 `decoder_sparse_step` (ModelConfig's MoeConfig.is_sparse; transformers' rule); a sparse layer's
-`mlp` is layers/fused_moe.SparseMoeBlock (router `gate`, stacked `experts`), a dense one the
+`mlp` is moe/layer.SparseMoeBlock (router `gate`, stacked `experts`), a dense one the
 shared SwiGLU of width intermediate_size. Expert tensors of either checkpoint spelling (one per
 expert, or transformers 5's fused 3-D ones) map onto the stacked parameters (map_expert_name).
 """
@@ -33,6 +33,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                               moe.norm_topk_prob)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        """Expert tensors -> the stacked w13 / w2 (layers/fused_moe.map_expert_name); the rest as
+        """Expert tensors -> the stacked w13 / w2 (moe/layer.map_expert_name); the rest as
         the dense decoder maps them (the router `mlp.gate.weight` onto itself)."""
         return map_expert_name(name) or super().map_checkpoint_name(name)

@@ -10,7 +10,7 @@ seven launches; at one token those launches, not the weight reads, dominate).
              out[t, n] = sum_k weights[t, k] * acc[k, n]                              out [T, H]
              each step: [KP, BN, BK] = BN rows of every picked expert, KP = next_pow2(K)
 
-moe_gemv_routed folds the routing (kernels/moe_routing.route_row) into gate_up: each program
+moe_gemv_routed folds the routing (moe/routing.route_row) into gate_up: each program
 computes its token's softmax and top k from the router logits (E values) and takes its slot's
 expert; the slot-0, first-tile program of each token also writes the token's weights and ids for
 the down launch. One launch (the separate routing kernel) fewer a layer.
@@ -171,7 +171,7 @@ def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) ->
 
 def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
-    """Same contract as kernels/moe.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
+    """Same contract as moe/grouped_gemm.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
     in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights [T, K] float32,
     topk_ids [T, K] int32/int64 (contiguous). `tiles` overrides DEFAULT_TILES (benchmarks)."""
     t, _, _ = _check_experts(hidden, w13, w2)

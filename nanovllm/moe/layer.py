@@ -20,7 +20,7 @@ A layer built on CUDA (decided once, at construction: layers/kernel_path.py) rou
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
 (moe/grouped_gemm.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
 graphs), or for decode steps of 1-2 tokens as two GEMV launches that route too
-(kernels/moe_decode.moe_gemv_routed); on other devices `route` and `experts_native`, a plain
+(moe/decode.moe_gemv_routed); on other devices `route` and `experts_native`, a plain
 PyTorch loop over the experts that some token picked.
 """
 

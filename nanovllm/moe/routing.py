@@ -90,7 +90,7 @@ def check_router_logits(logits: torch.Tensor, top_k: int) -> tuple[int, int]:
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float16/bfloat16/float32, contiguous last dim) -> (weights [T, K]
     float32, expert ids [T, K] int32): the top-k of the float32 softmax by descending weight,
-    divided by their sum when `renormalize` (as layers/fused_moe.route)."""
+    divided by their sum when `renormalize` (as moe/layer.route)."""
     tokens, num_experts = check_router_logits(logits, top_k)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)  # [T, K]
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)  # [T, K]

@@ -175,7 +175,7 @@ class LogprobsWorkspace:
 def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
                  block: int = BLOCK, workspace: LogprobsWorkspace | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as layers/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
+    """Same contract as sampling/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
     contiguous last dim; not modified), `token_ids` [B] int64, `rows` [R] int64 rows of both to
     score (None: all B) -> (chosen [R] float32 logprob of each scored row's token, top_ids [R, k]
     int64 by descending logprob, top_logprobs [R, k] float32).
