@@ -9,6 +9,10 @@ dtype), float32 math with the torch path's intermediate rounding::
 Grid (N, cdiv(I, BLOCK)): one program per (row, column block). Input rows may be strided
 (last dim contiguous); the output is contiguous. N is only the grid size, so one compiled
 kernel serves every batch size and the launch is CUDA-graph capturable.
+
+Measured end to end (H200): part of the fused-kernel change that took the default workload from
+12,112 to 20,773 tok/s (740201d; BENCHMARKS.md, "Throughput and latency history"); alone 265 -> 72.6
+us at 16,384 rows ("Fused elementwise kernels").
 """
 
 from __future__ import annotations

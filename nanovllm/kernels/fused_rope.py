@@ -25,6 +25,11 @@ the paged KV cache at the token's slot (what torch_attention.store_kvcache does 
 
 `rope` is the same kernel without the norm (APPLY_NORM off: Llama, Qwen2), with the same
 optional `kv_write`.
+
+Measured end to end (H200): this kernel, fused_norm and fused_activation together took the default
+workload from 12,112 to 20,773 tok/s and 0.6B batch-1 decode from 4.51 to 1.65 ms per token
+(740201d); writing the KV cache here is part of the 1.333 -> 1.081 ms change of 2c43c71
+(BENCHMARKS.md, "Throughput and latency history"). Alone: 54.2 -> 1.4 us at one token, graphed.
 """
 
 from __future__ import annotations

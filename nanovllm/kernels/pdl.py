@@ -17,6 +17,10 @@ reads or writes anything an earlier kernel touches. Data nothing writes (weights
 touched before: `prefetch_l2` asks L2 for it while the kernel waits, so its first loads after
 the wait hit L2 instead of HBM. Kernels launched without PDL (or on CPU / the interpreter /
 older Triton) get PDL=False, and the call compiles to nothing. CUDA graphs keep PDL launches.
+
+Measured end to end (H200, bench.py --latency): dependent launch took 0.6B batch-1 decode from
+1.081 to 1.025 ms per token (-5%; 11ae97a, "Throughput and latency history"); limited to one-wave
+grids it gave 8B 4.60 -> 4.47 (857cf65).
 """
 
 from __future__ import annotations

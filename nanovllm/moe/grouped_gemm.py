@@ -16,6 +16,10 @@ num_used_blocks returns at once; padding rows compute on token 0 and never reach
 
 Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
 Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
+
+Measured end to end (H200): Qwen3-30B-A3B default workload 5,464 tok/s (69.4% of the roofline) ->
+5,728 (71.5%) after its tile retune (827a097, fe73658; BENCHMARKS.md "Qwen3-MoE (#16)"); no PyTorch
+MoE path exists on CUDA to compare with (a per-expert loop cannot be graph-captured).
 """
 
 from __future__ import annotations

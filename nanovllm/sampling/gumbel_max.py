@@ -21,6 +21,10 @@ Grid (rows, chunks): each program reduces TILES_PER_CHUNK tiles of one row to it
 (score, column); `gumbel_sample` then picks each row's best chunk (first on ties, so the
 lowest column wins, as in torch.argmax). `tile_uniforms` is the one definition of a tile's
 uniforms: this kernel and sampling/candidate_walk.py's draw them through it.
+
+Measured end to end (H200): with overlap scheduling, the decode step 5.97 -> 4.93 ms and the default
+workload 20,773 -> 24,824 tok/s (69aec77, "Throughput and latency history"); alone 0.703 -> 0.144 ms
+for plain temperature sampling at 256 rows ("Sampler").
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Scratch: [R] int32 arrival counters, which must be 0 at launch, and an int64 wor
     [R, C, K] chunk keys | [R, C, 2] float32 (m, s) in R * C int64 slots
 that is written before it is read. A LogprobsWorkspace keeps both across calls on one stream (the
 combining program sets its row's counter back to 0), so a call allocates only its outputs.
+
+No end-to-end A/B yet (kernel alone: logprobs k=5 at 256 rows 0.686 ms in torch -> 0.068 ms;
+BENCHMARKS.md "Sampler"); every RL rollout that asks logprobs=0 pays it each step.
 """
 
 from __future__ import annotations
