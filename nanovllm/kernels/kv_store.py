@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_cache, check_float_dtype, next_pow2
+from .checks import check_cache, check_float_dtype, check_kv_scales, kv_cache_dtype, next_pow2
 
 
 @triton.jit
@@ -43,8 +43,9 @@ def _store_kvcache_kernel(
 
 
 def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> int:
-    """Validate the arguments of a K/V cache write (see store_kvcache); return the cache block size."""
+                   slot_mapping: torch.Tensor, k_scale=None, v_scale=None) -> int:
+    """Validate the arguments of a K/V cache write (see store_kvcache); return the cache block size.
+    With k_scale / v_scale (checks.check_kv_scales) the caches are FP8, else of key's dtype."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [N, num_kv_heads, head_dim], got "
@@ -55,7 +56,8 @@ def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
     check_float_dtype("key", key)
     n, hkv, d = key.shape
-    block_size = check_cache(k_cache, v_cache, hkv, d, key.dtype)
+    fp8 = check_kv_scales(k_scale, v_scale, key.device)
+    block_size = check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype(key.dtype, fp8))
     if value.dtype != key.dtype:
         raise TypeError(f"value dtype {value.dtype} != key dtype {key.dtype}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
