@@ -269,9 +269,11 @@ def agreement(reference, prompts, outs) -> tuple[float, float]:
     return agree / steps, gap
 
 
-# Calibrated on the H200 (bf16 engine, FP8 cache, these prompts): see the test's docstring.
-MIN_AGREEMENT = 0.85
-MAX_GAP = 0.08
+# Calibrated on the H200 (torch 2.11, Triton 3.6; bf16 engine, FP8 cache, the test's prompts), per
+# regime: 86.5-89.1% of steps agree, the largest gap is 6.9% of the row's logit range (a bf16 cache:
+# 96.4-97.4%, 1.0%). e4m3 keeps 3 mantissa bits, so near-ties flip more often than with bf16's 7.
+MIN_AGREEMENT = 0.8
+MAX_GAP = 0.12
 
 
 def test_fp8_engine_close_to_transformers(ckpt, reference):
@@ -308,17 +310,21 @@ def test_fp8_cuda_graphs_and_eager_identical(ckpt):
 
 def test_fp8_cache_has_twice_the_blocks(ckpt):
     """Sized from memory (num_kvcache_blocks=None) at the same gpu_memory_utilization, an FP8 cache
-    has about twice the blocks of a bf16 one, in the same bytes; the start-up line says so."""
-    counts = {}
-    for kv in ("auto", "fp8"):
-        llm = LLM(ckpt, kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=8,
-                  dtype="bfloat16", kv_cache_dtype=kv, enforce_eager=True)
-        cache = llm.model_runner.kv_cache
-        counts[kv] = (llm.num_kvcache_blocks, cache.numel() * cache.element_size(), cache.dtype)
-        llm.exit()
-    assert counts["auto"][2] == torch.bfloat16 and counts["fp8"][2] == FP8
-    assert 1.95 < counts["fp8"][0] / counts["auto"][0] < 2.05
-    assert 0.95 < counts["fp8"][1] / counts["auto"][1] < 1.05
+    has about twice the blocks of a bf16 one, in the same bytes."""
+
+    def cache_facts(kv_cache_dtype):  # (blocks, bytes, dtype); the engine and its cache are gone after
+        # 0.3: the first engine's cache, freed but still reserved by PyTorch's allocator, leaves room
+        llm = LLM(ckpt, kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.3, max_num_seqs=8,
+                  dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+        try:
+            return llm.num_kvcache_blocks, llm.model_runner.kv_cache.nbytes, llm.model_runner.kv_cache.dtype
+        finally:
+            llm.exit()
+
+    (auto_blocks, auto_bytes, auto_dtype), (fp8_blocks, fp8_bytes, fp8_dtype) = map(cache_facts, ("auto", "fp8"))
+    assert auto_dtype == torch.bfloat16 and fp8_dtype == FP8
+    assert 1.95 < fp8_blocks / auto_blocks < 2.05
+    assert 0.95 < fp8_bytes / auto_bytes < 1.05
 
 
 def test_flash_attn_backend_refused_with_fp8(ckpt):
