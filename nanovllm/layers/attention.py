@@ -24,8 +24,8 @@ from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata, get_attention_metadata
 
 # Later prompts may hold larger K/V than the calibration step: 2x room before they saturate. e4m3's
-# relative precision (3 mantissa bits) does not depend on the scale, so the room costs only the
-# smallest values (below 2**-6 of the largest, which become subnormal). vLLM's amax / 200 (K) is alike.
+# relative precision (3 mantissa bits) does not depend on the scale, so the room costs only the tiniest
+# values (subnormal below ~1e-4 of the largest instead of ~5e-5). vLLM's amax / 200 (K) is alike.
 KV_SCALE_HEADROOM = 2.0
 # A layer whose calibration K (V) is all zero still gets a positive scale (x / 0 would be inf or NaN).
 KV_MIN_SCALE = 1e-8
