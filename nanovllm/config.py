@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE
+from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.utils.validation import check_int
 
 _LOAD_FORMATS = ("auto", "dummy")
+# LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 
 
@@ -41,6 +43,9 @@ class Config:
     device: str | None = None
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # The KV cache's element type (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" =
+    # float8 e4m3 with per-layer scales (engine/kv_cache.py), about twice the blocks in the same memory.
+    kv_cache_dtype: str = "auto"
     # Plan decode step N+1 while step N runs on the device (hides host time). Used when
     # tensor_parallel_size is 1; tensor-parallel steps run one at a time.
     overlap_scheduling: bool = True
@@ -93,6 +98,8 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in _BACKENDS:
@@ -123,6 +130,11 @@ class Config:
         if self.device == "cpu":
             return torch.float32
         return self.model_config.torch_dtype
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's (torch_dtype) for "auto", else float8 e4m3."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else FP8_KV_DTYPE
 
     @property
     def max_blocks_per_seq(self) -> int:

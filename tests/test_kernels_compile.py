@@ -33,6 +33,20 @@ WARP_SIZE = 32
 KERNEL_PACKAGES = ("kernels", "moe", "sampling")
 # Launch options a variant may set beside its constexprs, with the values a launch takes by default.
 DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}
+# The KV-cache kernels' scale pointers: None (a constexpr) for a 16-bit cache, float32 for an FP8 one,
+# whose K/V pointers are then e4m3 (kernels/fp8_kv.py).
+NO_KV_SCALES = {"k_scale_ptr": None, "v_scale_ptr": None}
+FP8_KV_SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+FP8 = "*fp8e4nv"
+ROPE_TYPES = {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
+PREFILL_TYPES = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
+                 "tile_block_ptr": "*i32", "num_tiles_ptr": "*i32", "qk_scale": "fp32"}
+DECODE_TYPES = {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                "count_ptr": "*i32", "num_seqs_ptr": "*i32", "qk_scale": "fp32"}
+# The decode kernel's launches: (splits, fold, rows on device, keys per tile); the last is the
+# 128-key tiles of unsplit grids with few programs per SM.
+DECODE_LAUNCHES = ((1, False, False, 64), (8, True, False, 64), (8, False, False, 64), (1, False, True, 64),
+                   (1, False, False, 128))
 
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
 # scalars to i32), each variant's constexpr values and launch options)
@@ -95,25 +109,27 @@ SPECS = [
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}
       for r in (True, False) for p in (True, False) for h, rows, w in ((1024, 1, 4), (128, 8, 4))]),
     ("kernels.fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
-    ("kernels.fused_rope", "_qk_norm_rope_kernel", {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64",
-                                            "eps": "fp32"},
+    ("kernels.fused_rope", "_qk_norm_rope_kernel", ROPE_TYPES,
      [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": kv, "BLOCK_SIZE": 256 if kv else 1,
-       "PDL": p} for n in (True, False) for kv in (True, False) for p in (True, False)]),
-    ("kernels.prefill_attention", "_prefill_kernel", {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32",
-                                              "tile_seq_ptr": "*i32", "tile_block_ptr": "*i32",
-                                              "num_tiles_ptr": "*i32", "qk_scale": "fp32"},
+       "PDL": p, **NO_KV_SCALES} for n in (True, False) for kv in (True, False) for p in (True, False)]),
+    # the K/V write into an FP8 cache (quantized with the layer's scales)
+    ("kernels.fused_rope", "_qk_norm_rope_kernel", {**ROPE_TYPES, "k_cache_ptr": FP8, "v_cache_ptr": FP8, **FP8_KV_SCALES},
+     [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": True, "BLOCK_SIZE": 256, "PDL": True}
+      for n in (True, False)]),
+    ("kernels.prefill_attention", "_prefill_kernel", PREFILL_TYPES,
      [{"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_SIZE": 256, "CAUSAL": True,
-       "PAGED": paged, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for paged in (True, False)
+       "PAGED": paged, "TILED": tiled, "DOT_PREC": None, "UPCAST": False, **NO_KV_SCALES} for paged in (True, False)
       for tiled in (True, False)]),
-    ("kernels.decode_attention", "_decode_split_kernel", {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32",
-                                                  "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
-                                                  "num_seqs_ptr": "*i32", "qk_scale": "fp32"},
-     [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-       "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows, "PDL": True}
-      for splits, fold, rows in ((1, False, False), (8, True, False), (8, False, False), (1, False, True))]
-     + [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": 128, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
-         "DOT_PREC": None, "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1, "ROWS_ON_DEVICE": False,
-         "PDL": True}]),  # the 128-key tiles of unsplit grids with few programs per SM
+    # paged FP8 caches (packed K/V are never FP8)
+    ("kernels.prefill_attention", "_prefill_kernel", {**PREFILL_TYPES, "k_ptr": FP8, "v_ptr": FP8, **FP8_KV_SCALES},
+     [{"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_SIZE": 256, "CAUSAL": True,
+       "PAGED": True, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for tiled in (True, False)]),
+    *[("kernels.decode_attention", "_decode_split_kernel", types,
+       [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
+         "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows,
+         "PDL": True, **scales} for splits, fold, rows, n in DECODE_LAUNCHES])
+      for types, scales in ((DECODE_TYPES, NO_KV_SCALES),  # 16-bit caches, then FP8 ones
+                            ({**DECODE_TYPES, "k_ptr": FP8, "v_ptr": FP8, **FP8_KV_SCALES}, {}))],
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias

@@ -4,6 +4,17 @@ One tensor holds every layer's K and V:
     [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
 Layer i reads kv[0, i] and kv[1, i], each [num_blocks, block_size, Hkv, D].
 
+Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once here:
+    "auto"              the model's dtype
+    "fp8", "fp8_e4m3"   float8 e4m3 (1 byte: twice the blocks of a 16-bit cache in the same memory),
+                        with a float32 k_scale and v_scale per layer (allocate_kv_scales):
+                        stored = e4m3(clamp(x / scale, -448, 448)), read = stored * scale.
+The scales come from the checkpoint when it has them (utils/kv_scales.py), else from the data: the
+first prefill step after start-up (not the warm-up or graph capture) sets each layer's
+scale = max(amax|x| of that step's K (V) / 448 * KV_SCALE_HEADROOM, KV_MIN_SCALE) on the device
+before writing (layers/attention.py), and they stay fixed for the engine's life, so every entry
+written stays decodable. Values past 448 * scale saturate.
+
 On CUDA the cache takes what `gpu_memory_utilization` of the card leaves after this
 process's own peak usage in a warm-up at the largest batch (other processes' memory
 is not ours to count). On CPU it takes a bounded share of available RAM.
@@ -12,8 +23,13 @@ is not ours to count). On CPU it takes a bounded share of available RAM.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 # CPU runs serve tests and examples: more cache than this only costs RAM.
 CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
@@ -23,6 +39,19 @@ OTHER_HOLDER_HINT_BYTES = 2**30
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_block_bytes(config: Config, world_size: int = 1) -> int:
+    """Bytes of one cache block on one of `world_size` tensor-parallel ranks: K and V of every
+    layer, this rank's KV heads, in the cache's element type."""
+    mc = config.model_config
+    return kv_bytes_per_block(mc.num_hidden_layers, config.kvcache_block_size, mc.num_key_value_heads // world_size,
+                              mc.head_dim, config.kv_cache_torch_dtype)
+
+
+def blocks_in_budget(budget_bytes: float, block_bytes: int) -> int:
+    """Blocks of `block_bytes` that fit in `budget_bytes` (what num_blocks_from_memory gives for that budget)."""
+    return int(budget_bytes // block_bytes)
 
 
 def available_cpu_bytes() -> int:
@@ -45,7 +74,7 @@ def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes
     else:
         budget = min(available_cpu_bytes() * utilization, CPU_KV_CACHE_MAX_BYTES)
         hint = "free some RAM or pass num_kvcache_blocks"
-    num_blocks = int(budget // block_bytes)
+    num_blocks = blocks_in_budget(budget, block_bytes)
     if num_blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, one block needs "
@@ -66,3 +95,10 @@ def allocate_kv_cache(
             f"could not allocate a KV cache of {num_blocks} blocks ({shape}): {e}; "
             "lower num_kvcache_blocks or gpu_memory_utilization"
         ) from None
+
+
+def allocate_kv_scales(num_layers: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(k_scale, v_scale) of each layer of an FP8 cache: float32 [1] at 1.0 until set, each its own
+    allocation (16-byte aligned, as Triton specializes pointers on it: one compiled variant for all)."""
+    return [(torch.ones(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device))
+            for _ in range(num_layers)]

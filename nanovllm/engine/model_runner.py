@@ -7,25 +7,33 @@ attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch
 on the device and returns a handle whose `tokens()` waits for the sampled token of each
 sequence that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py).
+
+The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
+also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up,
+which then runs eagerly (no graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs
+the cache's size and dtype at start-up (logger "nanovllm.engine.model_runner", INFO).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import time
+from dataclasses import replace
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_from_memory
+from nanovllm.engine.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_block_bytes, num_blocks_from_memory
 from nanovllm.engine.launched_step import LaunchedStep
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
+from nanovllm.kernels.checks import FP8_KV_DTYPE
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.sampling.sampler import Sampler
@@ -36,8 +44,10 @@ from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.host_to_device import to_device
+from nanovllm.utils.kv_scales import load_kv_scales
 from nanovllm.utils.loader import init_dummy_weights, load_model, update_weights
 
+logger = logging.getLogger(__name__)
 
 # Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
 # their device time hides the host's); bounds the graphs' start-up time and memory.
@@ -61,8 +71,10 @@ class ModelRunner:
             gc.collect()  # an exited engine's modules may sit in reference cycles until collected
             allocated_before = torch.cuda.memory_allocated(self.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype
+        fp8_kv = self.kv_dtype == FP8_KV_DTYPE
         self.block_size = config.kvcache_block_size
-        self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size)
+        self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size, fp8_kv)
 
         with torch.device(self.device), kernel_routes(config.kernel_routes):
             previous_dtype = torch.get_default_dtype()
@@ -78,23 +90,38 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill step.
+        self.kv_scales = allocate_kv_scales(cfg.num_hidden_layers, self.device) if fp8_kv else None
+        checkpoint_scales = (load_kv_scales(config.model, cfg.num_hidden_layers)
+                             if fp8_kv and config.load_format != "dummy" else None)
+        if checkpoint_scales is not None:
+            for (k_scale, v_scale), (k_value, v_value) in zip(self.kv_scales, checkpoint_scales):
+                k_scale.fill_(k_value)
+                v_scale.fill_(v_value)
+        self._calibrate_kv = fp8_kv and checkpoint_scales is None
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
                                        self._query_tile_rows(cfg.head_dim))
 
         self.num_kv_heads = cfg.num_key_value_heads // self.world_size
-        block_bytes = kv_bytes_per_block(cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(config, self.world_size)
         if self.device.type == "cuda":
             self._attach_kv_cache(allocate_kv_cache(
-                cfg.num_hidden_layers, 1, self.block_size, self.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+                cfg.num_hidden_layers, 1, self.block_size, self.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device))
             self._warmup()
         num_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
             self.device, config.gpu_memory_utilization, block_bytes, allocated_before)
         self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
         self.kv_cache = allocate_kv_cache(
             cfg.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
-            self.dtype, self.device)
+            self.kv_dtype, self.device)
         self._attach_kv_cache(self.kv_cache)
+        if self.rank == 0:
+            scales = ("" if not fp8_kv else ", scales from the checkpoint" if checkpoint_scales
+                      else ", scales from the first prefill step")
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s%s, %.2f GiB", self.num_blocks,
+                        self.block_size, self.num_blocks * self.block_size, str(self.kv_dtype).removeprefix("torch."),
+                        scales, self.num_blocks * block_bytes / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.varlen_graphs: VarlenGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -121,7 +148,8 @@ class ModelRunner:
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, i], kv_cache[1, i], self.backend
+            layer.attach(kv_cache[0, i], kv_cache[1, i], self.backend,
+                         self.kv_scales[i] if self.kv_scales is not None else None)
 
     def _min_over_ranks(self, value: int) -> int:
         if self.world_size == 1:
@@ -189,11 +217,15 @@ class ModelRunner:
                 hidden, device_words = self._forward(inputs), inputs.sampling_words
         else:
             bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
-            if bucket is not None and not plan.prompt_logprob_rows:  # a graph returns sampled rows only
+            # a graph returns sampled rows only; the FP8 scales' calibration runs eagerly
+            if bucket is not None and not plan.prompt_logprob_rows and not self._calibrate_kv:
                 hidden, device_words = self.varlen_graphs.run(plan, bucket, carried_from, words)  # [num_sampled, hidden]
                 prepare_s = time.perf_counter() - start
             else:
                 inputs = self.inputs.varlen(plan, carried_from, words)
+                if self._calibrate_kv:  # the first prefill step after start-up sets the FP8 scales
+                    inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
+                    self._calibrate_kv = False
                 prepare_s = time.perf_counter() - start
                 every = self._forward(inputs)  # [num_tokens, hidden]
                 hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
@@ -281,8 +313,9 @@ class ModelRunner:
         self.graphs = self.varlen_graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
+            layer.scale_args = {}
         self.attention_layers = []
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         self.model = None
         gc.collect()  # parameters reference their modules through weight_slice: a cycle
         if self.device.type == "cuda":

@@ -4,6 +4,7 @@
   query-tile table (query_tiles.py builds it on the host); `query_tile_rows`, the table's tile height.
 - decode_attention.py: `flash_attn_with_kvcache`, one query per sequence over the paged cache, split-K.
 - fused_rope.py: per-head q/k RMSNorm + RoPE + the K/V cache write in one launch.
+- fp8_kv.py: the FP8 KV cache's quantizing step, shared by the cache writers.
 - fused_norm.py, fused_activation.py: add + RMSNorm, SiLU-and-mul.
 - gemv.py, skinny_gemm.py: projections of 1-2 rows and of narrow layers at 3-16 rows.
 - pdl.py, counters.py, checks.py: programmatic dependent launch, per-device scratch, argument checks.

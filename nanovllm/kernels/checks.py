@@ -13,6 +13,10 @@ LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The FP8 KV cache's element type (vLLM's "fp8" / "fp8_e4m3"): stored = x / scale, read = stored * scale.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+# Its largest finite value: stores clamp x / scale to +-FP8_MAX first (a plain cast of a larger value is NaN).
+FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
 BLOCK_SIZE_MULTIPLE = 16
 
@@ -145,7 +149,8 @@ def check_cache(k_cache, v_cache, hkv: int, d: int, dtype) -> int:
             raise ValueError(f"{name} must be a 4-D tensor [num_blocks, block_size, num_kv_heads, "
                              f"head_dim], got {getattr(c, 'shape', type(c))}")
         if c.dtype != dtype:
-            raise TypeError(f"{name} dtype {c.dtype} != {dtype}")
+            hint = " (an FP8 cache comes with k_scale and v_scale)" if FP8_KV_DTYPE in (c.dtype, dtype) else ""
+            raise TypeError(f"{name} dtype {c.dtype} != {dtype}{hint}")
         if tuple(c.shape[2:]) != (hkv, d):
             raise ValueError(f"{name} shape {tuple(c.shape)} does not match num_kv_heads={hkv}, head_dim={d}")
         if c.stride(-1) != 1:
@@ -188,3 +193,24 @@ def check_out(out, q: torch.Tensor) -> None:
     if head_stride < d or (out.shape[0] > 1 and out.stride(0) < hq * head_stride):
         raise ValueError(f"out strides {out.stride()} overlap: need a head stride >= head_dim ({d}) "
                          f"and a row stride >= num_heads x head stride")
+
+
+def check_kv_scales(k_scale, v_scale, device: torch.device) -> bool:
+    """The dequantization scales of an FP8 cache: both None (the cache holds q's dtype) or both
+    float32 [1] tensors on `device` (the cache holds FP8_KV_DTYPE). Returns whether it is FP8."""
+    if k_scale is None and v_scale is None:
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor of shape (1,) (k_scale and v_scale come together), "
+                            f"got {getattr(t, 'dtype', type(t))}")
+        if tuple(t.shape) != (1,):
+            raise ValueError(f"{name} must have shape (1,), got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+    return True
+
+
+def kv_cache_dtype(q_dtype: torch.dtype, fp8: bool) -> torch.dtype:
+    """The element type a cache must have: FP8_KV_DTYPE when scales are given, else q's."""
+    return FP8_KV_DTYPE if fp8 else q_dtype

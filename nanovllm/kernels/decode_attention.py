@@ -27,6 +27,12 @@ exit at once, reading and writing nothing. (A persistent loop of fewer programs,
 rows p, p + P, ..., balanced uneven rows worse: ~82% of copy bandwidth in mixed steps.) The
 output may be a caller's buffer (`out`, any row stride).
 
+An FP8 cache (float8_e4m3fn, given with its `k_scale` / `v_scale`, float32 [1] device tensors
+read by the kernel, so a CUDA graph replays with the values they hold then) is read in a
+constexpr branch (the scale pointers are None for a cache of q's dtype, leaving that code as
+it was): each K/V tile is converted to q's dtype in registers (exact), k_scale is folded into
+the softmax scale and v_scale into the output (o = v_scale * sum_j p_j v8_j / sum_j p_j).
+
 Measured end to end (H200, bench.py default workload): longest-first order with kv heads on grid
 axis 0 took the decode step from 4.91 to 4.65 ms (24,983 -> 26,305 tok/s, 50a5716); decode rows of
 mixed steps on this kernel took the long workload from 68.7% to 73.3% of the roofline (edd37c6;
@@ -37,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_on_device, check_out,
-                     check_query, cuda_sm_count, next_pow2)
+from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
+                     check_out, check_query, cuda_sm_count, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -131,7 +137,7 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
 
 @triton.jit
 def _decode_row(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, kv_head, b, split,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
@@ -140,7 +146,10 @@ def _decode_row(
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
-    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive)."""
+    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
+    k_scale_ptr / v_scale_ptr: an FP8 cache's scales, None for a cache of q's dtype."""
+    if k_scale_ptr is not None:  # FP8: k_scale folded into the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -174,6 +183,9 @@ def _decode_row(
         ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
         v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        if k_scale_ptr is not None:  # FP8 -> q's dtype: exact, the scales come later
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -188,6 +200,8 @@ def _decode_row(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if v_scale_ptr is not None:  # FP8: the values' scale, once per output (merging is linear in it)
+        o = o * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:  # the whole sequence in one program: final output, no merge pass
         o_off = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
@@ -211,7 +225,7 @@ def _decode_row(
 @triton.jit(do_not_specialize=["stride_bt", "batch"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, num_seqs_ptr,
-    qk_scale, batch,
+    k_scale_ptr, v_scale_ptr, qk_scale, batch,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -227,14 +241,14 @@ def _decode_split_kernel(
         b = tl.program_id(1).to(tl.int64)
         if b < tl.load(num_seqs_ptr):
             _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
-                        qk_scale, kv_head, b, 0,
+                        k_scale_ptr, v_scale_ptr, qk_scale, kv_head, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                         BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
-                    qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
+                    k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                     GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
@@ -255,7 +269,7 @@ def _decode_merge_kernel(
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                             softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
-                            fold=None):
+                            fold=None, k_scale=None, v_scale=None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -275,6 +289,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     `can_fold_merge` allows it and the arrival counters exist (not when first needed inside a
     CUDA-graph capture), else by the merge kernel; False: always the merge kernel; True: always
     in the kernel (ValueError where it cannot be).
+    k_scale / v_scale: float32 [1] tensors on q's device, both or neither: with them the caches
+    are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale; without, they are of q's dtype.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
@@ -288,7 +304,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got "
                          f"{getattr(k_cache, 'shape', type(k_cache))}")
     hkv = k_cache.shape[2]
-    block_size = check_cache(k_cache, v_cache, hkv, d, q.dtype)
+    fp8 = check_kv_scales(k_scale, v_scale, q.device)
+    block_size = check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype(q.dtype, fp8))
     check_gqa(hq, hkv)
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
     check_int_tensor("block_table", block_table, dims=2)
@@ -342,7 +359,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         counters if counters is not None else dummy, num_seqs if num_seqs is not None else dummy,
-        scale * LOG2E, batch,
+        k_scale, v_scale, scale * LOG2E, batch,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

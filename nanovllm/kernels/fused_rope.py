@@ -22,6 +22,9 @@ Positions are not range-checked (that would need a host sync): they must lie in
 
 With `kv_write`, the k programs also write their rotated heads, and the same heads of v, into
 the paged KV cache at the token's slot (what torch_attention.store_kvcache does on the CPU path).
+An FP8 cache (given with its `k_scale` / `v_scale`) is written quantized: a constexpr branch
+(the scale pointers are None for a 16-bit cache, which leaves that code as it was) stores
+e4m3(clamp(x / scale, -448, 448)) as kernels/fp8_kv.py defines it.
 
 `rope` is the same kernel without the norm (APPLY_NORM off: Llama, Qwen2), with the same
 optional `kv_write`.
@@ -38,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_cache, check_eps, check_float_dtype, check_on_device, check_vector, next_pow2
+from .checks import (check_cache, check_eps, check_float_dtype, check_kv_scales, check_on_device, check_vector,
+                     kv_cache_dtype, next_pow2)
+from .fp8_kv import quantize_fp8
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -87,7 +92,7 @@ def _norm_rope_heads(
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
-    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     n_q_heads, n_k_heads, q_blocks, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_pos, stride_cache, stride_vt, stride_vh, stride_cb, stride_co, stride_ch, eps,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
@@ -116,11 +121,21 @@ def _qk_norm_rope_kernel(
                 heads = (head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None]
                 row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch
                 dst = row + cols[None, :]
-                tl.store(k_cache_ptr + dst, k1, mask=mask)
-                tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
-                src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
-                tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
-                tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+                if k_scale_ptr is None:  # a cache of q's dtype: the values as they are
+                    tl.store(k_cache_ptr + dst, k1, mask=mask)
+                    tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
+                    src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
+                    tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
+                    tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+                else:  # FP8 cache: k (rounded to q's dtype above) and v quantized with the layer's scales
+                    k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+                    fp8 = k_cache_ptr.dtype.element_ty
+                    src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
+                    tl.store(k_cache_ptr + dst, quantize_fp8(k1, k_scale, fp8), mask=mask)
+                    tl.store(k_cache_ptr + dst + HALF, quantize_fp8(k2, k_scale, fp8), mask=mask)
+                    tl.store(v_cache_ptr + dst, quantize_fp8(tl.load(src, mask=mask), v_scale, fp8), mask=mask)
+                    tl.store(v_cache_ptr + dst + HALF, quantize_fp8(tl.load(src + HALF, mask=mask), v_scale, fp8),
+                             mask=mask)
 
 
 def _check_heads(name: str, t) -> None:
@@ -164,9 +179,10 @@ def _check_kv_write(kv_write) -> None:
 
 
 def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> int:
+                   slot_mapping: torch.Tensor, k_scale=None, v_scale=None) -> int:
     """Validate a K/V cache write (key / value [N, Hkv, D] into the paged caches at slot_mapping
-    [N]); return the cache block size."""
+    [N]); return the cache block size. With k_scale / v_scale (checks.check_kv_scales) the caches
+    are FP8, else of key's dtype."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [N, num_kv_heads, head_dim], got "
@@ -177,7 +193,8 @@ def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
     check_float_dtype("key", key)
     n, hkv, d = key.shape
-    block_size = check_cache(k_cache, v_cache, hkv, d, key.dtype)
+    fp8 = check_kv_scales(k_scale, v_scale, key.device)
+    block_size = check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype(key.dtype, fp8))
     if value.dtype != key.dtype:
         raise TypeError(f"value dtype {value.dtype} != key dtype {key.dtype}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -193,7 +210,8 @@ def check_kv_store(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     return block_size
 
 
-def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None):
+def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm, kv_write=None,
+            k_scale=None, v_scale=None):
     n, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
@@ -207,11 +225,13 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm,
         raise ValueError(f"too many heads ({hq} q + {hkv} k): {q_blocks + k_blocks} > {MAX_HEAD_BLOCKS} head blocks")
     if kv_write is not None:
         v, k_cache, v_cache, slot_mapping = kv_write
-        block_size = check_kv_store(k, v, k_cache, v_cache, slot_mapping)
-        cache_args = (v, k_cache, v_cache, slot_mapping)
+        block_size = check_kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        cache_args = (v, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # scales None: constexpr, no code
         cache_strides = (v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     else:  # never read without STORE_KV; q stands in for the pointers
-        block_size, cache_args, cache_strides = 1, (q, q, q, positions), (0,) * 5
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale / v_scale are the FP8 cache's scales: they need kv_write")
+        block_size, cache_args, cache_strides = 1, (q, q, q, positions, None, None), (0,) * 5
     _qk_norm_rope_kernel[(n, q_blocks + k_blocks)](
         q, k, q_weight, k_weight, q_out, k_out, positions, cos_sin_cache, *cache_args,
         hq, hkv, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -224,7 +244,8 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm,
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
-                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D], k [N, Hkv, D] (strided views allowed) -> contiguous (q_out, k_out) in q's dtype.
 
@@ -232,6 +253,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     (int32/int64) from `cos_sin_cache` [max_position, D] float32 = [cos | sin].
     kv_write = (v, k_cache, v_cache, slot_mapping) also writes k_out and v into the paged cache,
     exactly as torch_attention.store_kvcache(k_out, v, k_cache, v_cache, slot_mapping) would (slots < 0 skipped).
+    k_scale / v_scale (float32 [1] on q's device, with kv_write only): the caches are FP8
+    (checks.FP8_KV_DTYPE) and receive e4m3(clamp(x / scale, -448, 448)) (kernels/fp8_kv.py).
     """
     _check_args(q, k, positions, cos_sin_cache)
     d = q.shape[2]
@@ -239,14 +262,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     check_vector("k_weight", k_weight, d, "q", q)
     check_eps(eps)
     _check_kv_write(kv_write)
-    return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True, kv_write)
+    return _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, True, kv_write, k_scale, v_scale)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox RoPE only (no norm): same shapes, rules and `kv_write` as `qk_norm_rope`."""
+    """Neox RoPE only (no norm): same shapes, rules, `kv_write` and scales as `qk_norm_rope`."""
     _check_args(q, k, positions, cos_sin_cache)
     _check_kv_write(kv_write)
     # The weight pointers are never read without the norm; q stands in for them.
-    return _launch(q, k, q, k, positions, cos_sin_cache, 0.0, False, kv_write)
+    return _launch(q, k, q, k, positions, cos_sin_cache, 0.0, False, kv_write, k_scale, v_scale)

@@ -37,6 +37,12 @@ Two launch modes, one per-tile body (`_prefill_tile`):
 Output rows no tile covers (e.g. bucket padding past cu_seqlens_q[-1]) are never written,
 so a caller's preallocated ``out`` keeps whatever those rows held.
 
+Paged FP8 caches (float8_e4m3fn, given with their `k_scale` / `v_scale`, float32 [1] device
+tensors the kernel reads, so a captured launch uses the values they hold at replay) are read in
+a constexpr branch (the scale pointers are None otherwise, leaving that code as it was): each
+K/V tile is converted to q's dtype in registers (exact), k_scale is folded into the softmax
+scale and v_scale into the output.
+
 Measured end to end (H200, bench.py): with the query-tile table and the prefill / mixed-step CUDA
 graphs it serves, time to first token at 128 / 1,000 tokens went from 32.10 / 31.40 ms to 1.85 /
 3.91 ms and the long workload from 49.7% to 69.0% of the roofline (2167754, 36e8716; BENCHMARKS.md,
@@ -48,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_gqa, check_head_dim, check_int_tensor,
-                     check_on_device, check_out, check_query, cuda_sm_count)
+                     check_kv_scales, check_on_device, check_out, check_query, cuda_sm_count, kv_cache_dtype)
 from .query_tiles import MAX_GRID_YZ, check_tiles
 
 # Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
@@ -115,7 +121,7 @@ def _kv_offsets(start_n, offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, strid
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len, causal_off,
-                 seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                 seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, k_scale_ptr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
@@ -131,6 +137,9 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
     else:
         k = tl.load(k_ptr + k_off)
         v = tl.load(v_ptr + v_off)
+    if k_scale_ptr is not None:  # FP8 -> q's dtype: exact, the scales are applied outside
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -150,7 +159,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
 
 @triton.jit
 def _prefill_tile(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, head, seq, m_block, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -159,7 +168,7 @@ def _prefill_tile(
 ):
     """Query rows [m_block * BLOCK_M, +BLOCK_M) of sequence `seq` (int64), query head `head`
     (int64): attend over the sequence's keys and store the rows that exist; a block past the
-    sequence's end does nothing."""
+    sequence's end does nothing. k_scale_ptr / v_scale_ptr: an FP8 cache's scales, else None."""
     q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     start_m = m_block * BLOCK_M
@@ -167,6 +176,8 @@ def _prefill_tile(
         k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
         k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
         kv_head = head // GROUP
+        if k_scale_ptr is not None:  # FP8: k_scale folded into the softmax scale
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -195,15 +206,17 @@ def _prefill_tile(
         for start_n in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
                                          causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                         stride_vb, stride_vt, qk_scale,
+                                         stride_vb, stride_vt, qk_scale, k_scale_ptr,
                                          False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
         for start_n in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
                                          causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                         stride_vb, stride_vt, qk_scale,
+                                         stride_vb, stride_vt, qk_scale, k_scale_ptr,
                                          True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
+        if v_scale_ptr is not None:  # FP8: the values' scale, once per output row
+            out = out * tl.load(v_scale_ptr)
         o_off = (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
 
@@ -212,7 +225,7 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["num_m_blocks", "cap", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, tile_seq_ptr, tile_block_ptr, num_tiles_ptr,
-    qk_scale, num_m_blocks, cap,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_m_blocks, cap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -227,7 +240,8 @@ def _prefill_kernel(
         for tile in range(tl.program_id(1), n_tiles, tl.num_programs(1)):
             seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
             m_block = tl.load(tile_block_ptr + tile)
-            _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+            _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
+                          head, seq, m_block, qk_scale,
                           stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                           stride_ot, stride_oh, stride_bt,
                           GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, CAUSAL, PAGED, DOT_PREC, UPCAST)
@@ -235,7 +249,8 @@ def _prefill_kernel(
         seq = tl.program_id(1).to(tl.int64)
         # Heaviest (last) causal query tiles are launched first for a shorter tail.
         m_block = num_m_blocks - 1 - tl.program_id(2)
-        _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, head, seq, m_block, qk_scale,
+        _prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
+                      head, seq, m_block, qk_scale,
                       stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_ot, stride_oh, stride_bt,
                       GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, CAUSAL, PAGED, DOT_PREC, UPCAST)
@@ -243,7 +258,7 @@ def _prefill_kernel(
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
-                           tile_seq=None, tile_block=None, num_tiles=None, out=None):
+                           tile_seq=None, tile_block=None, num_tiles=None, out=None, k_scale=None, v_scale=None):
     """Varlen attention. q [total_q, Hq, D] -> out [total_q, Hq, D].
 
     k/v: packed [total_k, Hkv, D] (k and v may have different strides, e.g. views of a fused
@@ -265,23 +280,31 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     larger buffer) and overlapping none of q, k, v. The kernel writes the rows its tiles
     cover and leaves every other row untouched; it is returned. Without it a new tensor is
     allocated (uncovered rows then hold uninitialised memory).
+
+    k_scale / v_scale (keyword-only, both or neither; paged caches only): float32 [1] tensors on
+    q's device; with them the caches are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [total_q, num_heads, head_dim], got "
                          f"{getattr(q, 'shape', type(q))}")
     check_query(q)
     total_q, hq, d = q.shape
+    paged = block_table is not None
+    fp8 = check_kv_scales(k_scale, v_scale, q.device)
+    if fp8 and not paged:
+        raise ValueError("k_scale / v_scale describe FP8 paged caches: they need block_table")
+    kv_dtype = kv_cache_dtype(q.dtype, fp8)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} != q dtype {q.dtype}")
-    paged = block_table is not None
+        if t.dtype != kv_dtype:
+            raise TypeError(f"{name} dtype {t.dtype} != {'FP8 (k_scale / v_scale given)' if fp8 else 'q dtype'} "
+                            f"{kv_dtype}")
     if paged:
         if k.dim() != 4:
             raise ValueError(f"with block_table, k must be [num_blocks, block_size, Hkv, D], got {tuple(k.shape)}")
         hkv = k.shape[2]
-        block_size = check_cache(k, v, hkv, d, q.dtype)
+        block_size = check_cache(k, v, hkv, d, kv_dtype)
     else:
         if k.dim() != 3 or k.shape[2] != d:
             raise ValueError(f"k must be [total_k, Hkv, {d}], got {tuple(k.shape)}")
@@ -342,7 +365,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         tile_seq = tile_block = num_tiles = cu_seqlens_q  # dummy pointers, never read
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt, tile_seq, tile_block, num_tiles,
-        scale * LOG2E, num_m_blocks, cap,
+        k_scale, v_scale, scale * LOG2E, num_m_blocks, cap,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         out.stride(0), out.stride(1), stride_bt,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,

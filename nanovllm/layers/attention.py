@@ -5,6 +5,13 @@ caller's part, before `forward` (layers/self_attention.py does it in its RoPE st
 kernel that writes the cache itself, given `kv_write(v)`, or `store(k, v)`. Prefill attends over
 this step's tokens (or, with a block table, over the cached prefix plus them); decode attends
 one query per sequence over its cached keys.
+
+An FP8 cache (engine/kv_cache.py) comes with this layer's k_scale / v_scale (float32 [1] on the
+device), passed to every cache writer and attention call (`scale_args`). Unless the checkpoint
+gave them, the forward whose metadata says `calibrate_kv_scales` (the first prefill step after
+start-up) sets them from its own K/V before they are written (`calibrate`):
+
+    scale = max(amax(|x|) / FP8_MAX * KV_SCALE_HEADROOM, KV_MIN_SCALE)     x: the step's K (V), all heads
 """
 
 from __future__ import annotations
@@ -12,9 +19,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.kernels.checks import FP8_MAX
 from nanovllm.kernels.torch_attention import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata, get_attention_metadata
+
+# Later prompts may hold larger K/V than the calibration step: 2x room before they saturate. e4m3's
+# relative precision (3 mantissa bits) does not depend on the scale, so the room costs only the tiniest
+# values (subnormal below ~1e-4 of the largest instead of ~5e-5). vLLM's amax / 200 (K) is alike.
+KV_SCALE_HEADROOM = 2.0
+# A layer whose calibration K (V) is all zero still gets a positive scale (x / 0 would be inf or NaN).
+KV_MIN_SCALE = 1e-8
 
 
 class Attention(nn.Module):
@@ -24,10 +39,20 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # Set by the model runner once the cache is allocated: [num_blocks, block_size, Hkv, D].
+        # Set by the model runner once the cache is allocated (`attach`): [num_blocks, block_size, Hkv, D].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # {"k_scale", "v_scale"} of an FP8 cache (float32 [1] each), {} for one of the model's dtype:
+        # keyword arguments of every cache writer and attention call.
+        self.scale_args: dict[str, torch.Tensor] = {}
+
+    def attach(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
+               scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The model runner's: this layer's caches, the backend, and an FP8 cache's (k_scale, v_scale)
+        (None for a cache of the model's dtype), read by the kernels when they run (CUDA graphs too)."""
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+        self.scale_args = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
 
     def _require_cache(self) -> AttentionBackend:
         if self.backend is None or self.k_cache is None:
@@ -44,7 +69,20 @@ class Attention(nn.Module):
         """Write this step's k/v [N, Hkv, D] into the cache at the step's slots (slots < 0 skipped),
         in PyTorch: the path of layers built off CUDA (on CUDA the RoPE kernel writes the cache)."""
         self._require_cache()
-        store_kvcache(k, v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping)
+        store_kvcache(k, v, self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, **self.scale_args)
+
+    def calibrating(self) -> bool:
+        """Whether this forward sets the FP8 scales (`calibrate`) before writing the cache."""
+        return get_attention_metadata().calibrate_kv_scales
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set k_scale / v_scale from this step's k / v [N, Hkv, D] (N >= 1), in place on the device
+        (no host sync): max(amax(|x|) / FP8_MAX * KV_SCALE_HEADROOM, KV_MIN_SCALE)."""
+        if not self.scale_args:
+            raise RuntimeError("calibrate: this layer's KV cache is not FP8")
+        for name, x in (("k_scale", k), ("v_scale", v)):
+            amax = x.detach().abs().amax().float()
+            self.scale_args[name].copy_((amax * (KV_SCALE_HEADROOM / FP8_MAX)).clamp_min(KV_MIN_SCALE))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] (already in the cache) -> [N, Hq, D]."""
@@ -55,7 +93,7 @@ class Attention(nn.Module):
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache,
             cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-            softmax_scale=self.scale, causal=True,
+            softmax_scale=self.scale, causal=True, **self.scale_args,
         )  # [batch, 1, Hq, D]
         return out.squeeze(1)
 
@@ -64,8 +102,10 @@ class Attention(nn.Module):
         """A prefill / mixed step. With leading decode rows (Triton backend) those go to the
         decode kernel and the prefill chunks to the prefill kernel, both writing one output;
         otherwise every row is a varlen chunk."""
-        if meta.block_tables is not None:
+        paged = meta.block_tables is not None
+        if paged:
             k, v = self.k_cache, self.v_cache
+        scales = self.scale_args if paged else {}  # packed k / v are this step's own, in the model's dtype
         extra = {}
         if meta.decode_rows is not None:
             rows = meta.decode_rows
@@ -74,7 +114,7 @@ class Attention(nn.Module):
             backend.flash_attn_with_kvcache(
                 q[:cap].unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=rows.context_lens,
                 block_table=meta.block_tables[:cap], softmax_scale=self.scale, causal=True,
-                num_seqs=rows.num_rows, out=out[:cap].unsqueeze(1),
+                num_seqs=rows.num_rows, out=out[:cap].unsqueeze(1), **self.scale_args,
             )
             tiles = meta.query_tiles
             extra = {"tile_seq": tiles.tile_seq, "tile_block": tiles.tile_block, "num_tiles": tiles.num_tiles,
@@ -83,5 +123,5 @@ class Attention(nn.Module):
             q, k, v,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            softmax_scale=self.scale, causal=True, block_table=meta.block_tables, **extra,
+            softmax_scale=self.scale, causal=True, block_table=meta.block_tables, **extra, **scales,
         )

@@ -5,6 +5,10 @@
     "torch":      plain PyTorch, nanovllm.kernels.torch_attention (any device; the CPU path)
     "auto":       flash_attn if importable and the block size allows, else triton on CUDA;
                   torch on CPU
+
+An FP8 KV cache (kv_cache_dtype "fp8" / "fp8_e4m3") is read by our kernels only: flash-attn 2
+has no FP8 KV. "auto" then takes triton on CUDA (flash-attn installed or not), and an explicit
+"flash_attn" is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ def _flash_attn_usable(block_size: int) -> bool:
     return importlib.util.find_spec("flash_attn") is not None and block_size % FLASH_ATTN_PAGED_BLOCK_MULTIPLE == 0
 
 
-def select_attention_backend(requested: str, device: str, block_size: int) -> AttentionBackend:
+def select_attention_backend(requested: str, device: str, block_size: int, fp8_kv: bool = False) -> AttentionBackend:
+    """The backend for `requested` on `device`; fp8_kv: the KV cache is FP8 (flash-attn cannot read it)."""
+    if requested == "flash_attn" and fp8_kv:
+        raise ValueError("attention_backend='flash_attn' cannot read an FP8 KV cache (flash-attn 2 has no FP8 KV): "
+                         "use attention_backend='auto' or 'triton', or kv_cache_dtype='auto'")
     if requested == "auto":
         if device == "cpu":
             requested = "torch"
         else:
-            requested = "flash_attn" if _flash_attn_usable(block_size) else "triton"
+            requested = "flash_attn" if _flash_attn_usable(block_size) and not fp8_kv else "triton"
     if requested != "torch" and device == "cpu":
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU use 'torch' or 'auto'")
     if requested == "torch":

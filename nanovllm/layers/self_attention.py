@@ -12,7 +12,10 @@ from the device the layer is built on (layers/kernel_path.py):
             the attention layer's `kv_write`)
     others: RMSNorm and RotaryEmbedding in PyTorch, then the attention layer's `store`
 
-Either way the cache holds this step's K/V before `Attention` runs (its invariant).
+Either way the cache holds this step's K/V before `Attention` runs (its invariant). An FP8
+cache is written quantized with the layer's scales; in the step that calibrates them
+(`Attention.calibrating`) the rotated K is computed once without the write, the scales are set
+from it and V, and then the step runs as any other.
 """
 
 from __future__ import annotations
@@ -77,11 +80,15 @@ class SelfAttention(nn.Module):
         rotated, with k and v written into the cache, in one kernel."""
         from nanovllm.kernels.fused_rope import qk_norm_rope, rope
 
-        kv_write = self.attn.kv_write(v)
-        if self.qk_norm:
-            return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
-                                self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_write=kv_write)
-        return rope(q, k, positions, self.rotary_emb.cos_sin_cache, kv_write=kv_write)
+        def norm_rope(kv_write, scale_args):
+            if self.qk_norm:
+                return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions,
+                                    self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_write=kv_write, **scale_args)
+            return rope(q, k, positions, self.rotary_emb.cos_sin_cache, kv_write=kv_write, **scale_args)
+
+        if self.attn.calibrating():
+            self.attn.calibrate(norm_rope(None, {})[1], v)
+        return norm_rope(self.attn.kv_write(v), self.attn.scale_args)
 
     def rope_and_store_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,5 +96,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm.forward_native(q), self.k_norm.forward_native(k)
         q, k = self.rotary_emb(positions, q, k)
+        if self.attn.calibrating():
+            self.attn.calibrate(k, v)
         self.attn.store(k, v)
         return q, k

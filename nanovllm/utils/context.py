@@ -27,6 +27,8 @@ class AttentionMetadata:
     prefill kernel's table of the other rows' query tiles); both None otherwise.
     Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables.
     Both: slot_mapping `[num_tokens]` (cache slot per new token; < 0 = padding, skipped).
+    calibrate_kv_scales: this forward sets an FP8 cache's scales from its K/V before writing
+    them (the first prefill step after start-up; layers/attention.py).
     """
 
     is_prefill: bool
@@ -39,6 +41,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     query_tiles: QueryTiles | None = None
     decode_rows: LeadingDecodeRows | None = None
+    calibrate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)

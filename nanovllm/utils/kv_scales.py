@@ -1,0 +1,74 @@
+"""An FP8 KV cache's per-layer scales from the checkpoint, when it has them.
+
+compressed-tensors checkpoints (llm-compressor's; vLLM reads the same) declare the cache's
+quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_bits": 8,
+"type": "float", "strategy": "tensor", "dynamic": false}), and hold one scalar per layer:
+
+    model.layers.N.self_attn.k_scale, model.layers.N.self_attn.v_scale
+    (older FP8 checkpoints: model.layers.N.self_attn.k_proj.output_scale, v_proj.output_scale)
+
+with our meaning: read value = fp8 * scale. The weight loader skips these names whatever the
+cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); the model runner
+reads them with `load_kv_scales` for an FP8 cache. Only the safetensors headers are scanned for
+the names; only the scale tensors are read.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+
+from safetensors import safe_open
+
+_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+# The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
+_FP8_SCHEME = {"num_bits": 8, "type": "float"}
+
+
+def is_kv_scale_name(name: str) -> bool:
+    return _SCALE_NAME.match(name) is not None
+
+
+def _kv_cache_scheme(path: str) -> dict | None:
+    """config.json's quantization_config.kv_cache_scheme, or None."""
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    return quant.get("kv_cache_scheme")
+
+
+def load_kv_scales(path: str, num_layers: int) -> list[tuple[float, float]] | None:
+    """Each layer's (k_scale, v_scale) from the checkpoint in `path`; None when it has none (and
+    declares no static kv_cache_scheme): the engine then computes them from the data.
+    ValueError names a kv_cache_scheme other than 8-bit float, scales missing for some layers, or a
+    scale that is not one positive finite number."""
+    scheme = _kv_cache_scheme(path)
+    if scheme is not None and any(scheme.get(k) != v for k, v in _FP8_SCHEME.items()):
+        raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
+                         f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
+    found: dict[tuple[int, str], float] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt", device="cpu") as f:
+            for name in f.keys():
+                m = _SCALE_NAME.match(name)
+                if m is None:
+                    continue
+                t = f.get_tensor(name)
+                value = float(t.float().reshape(-1)[0]) if t.numel() == 1 else math.nan
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"checkpoint {path!r}: {name} must be one positive finite number, "
+                                     f"got shape {tuple(t.shape)} {t.flatten()[:4].tolist()}")
+                found[(int(m.group(1)), m.group(2) or m.group(3))] = value
+    if not found:
+        if scheme is not None and not scheme.get("dynamic", False):
+            raise ValueError(f"checkpoint {path!r} declares kv_cache_scheme {scheme!r} but holds no "
+                             "model.layers.N.self_attn.k_scale / v_scale tensors")
+        return None
+    missing = [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(num_layers) for kv in "kv"
+               if (i, kv) not in found]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(f"checkpoint {path!r} has KV-cache scales for some layers only: missing {shown}")
+    return [(found[(i, "k")], found[(i, "v")]) for i in range(num_layers)]
