@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
