@@ -6,6 +6,7 @@
     python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
     python bench.py --kernel-routes "skinny_max_rows=0" --latency   # another KernelRoutes (A/B runs)
+    python bench.py --kv-cache-dtype fp8               # K/V stored in float8 e4m3 (1 byte in the roofline)
 
 Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with lengths in [min_input,
 max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos
@@ -37,11 +38,11 @@ from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.harness.report import (
     DeviceLimits, Rows, ThroughputRun, format_table, hf_rows, latency_rows, throughput_rows, ttft_rows,
 )
-from benchmarks.harness.roofline import decode_weight_elements
+from benchmarks.harness.roofline import ByteWidths, decode_weight_elements
 from benchmarks.harness.runs import latency, measure_ttft, run_engine, run_hf, warm_up
 from benchmarks.harness.workloads import WORKLOADS, Workload, WorkloadSampling, make_workload
 from nanovllm import LLM
-from nanovllm.config import Config
+from nanovllm.config import KV_CACHE_DTYPES, Config
 from nanovllm.models.model_config import ModelConfig
 
 NO_CUDA_MESSAGE = "bench.py measures GPU throughput and needs a CUDA device; torch sees none"
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="LLM(kv_cache_dtype=...): fp8 stores K/V in float8 e4m3 (the roofline counts 1 byte each)")
     ap.add_argument("--kernel-routes", default="", metavar="FIELD=N,...",
                     help=f"LLM(kernel_routes=KernelRoutes(...)): the row counts at which layers switch kernels; "
                          f"fields {', '.join(ROUTE_FIELDS)}; the rest at their defaults")
@@ -105,7 +108,12 @@ def workload_of(args: argparse.Namespace) -> Workload:
 def engine_kwargs(args: argparse.Namespace, load_format: str) -> dict:
     return dict(load_format=load_format, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
                 enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, kernel_routes=args.routes)
+                max_num_batched_tokens=args.max_num_batched_tokens, kernel_routes=args.routes,
+                kv_cache_dtype=args.kv_cache_dtype)
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ----- runs -----
@@ -118,8 +126,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     run = run_engine(llm, prompts, max_tokens, args.sampling)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits(measure_bandwidth(), measure_gemm_peak(), args.tp)
-    elem = torch.empty((), dtype=llm.config.torch_dtype).element_size()
-    t = ThroughputRun(args.workload, w, args.sampling, cfg, elem, decode_weights, [len(p) for p in prompts],
+    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=element_bytes(llm.config.torch_dtype))
+    t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
     rows = throughput_rows(t, limits, res)
     if args.compare_hf:
@@ -148,11 +156,12 @@ def main() -> None:
     res: dict = {"model": args.model, "weights": weights, "load_format": load_format, "startup_s": startup_s,
                  "kv_blocks": llm.num_kvcache_blocks, "device": torch.cuda.get_device_name(),
                  "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "kernel_routes": vars(args.routes)}
+                 "kernel_routes": vars(args.routes), "kv_cache_dtype": args.kv_cache_dtype}
     rows = [("weights", weights),
             ("model / device", f"{args.model} / {res['device']}, tp {args.tp}, max_num_seqs {args.max_num_seqs}, "
                                f"max_num_batched_tokens {args.max_num_batched_tokens}"),
             ("kernel routes", args.kernel_routes or "defaults"),
+            ("KV cache", f"{args.kv_cache_dtype}: {llm.config.kv_cache_torch_dtype}, {llm.num_kvcache_blocks} blocks"),
             ("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
     if args.latency:
         bss = [int(b) for b in args.latency_batch_sizes.split(",")]

@@ -32,7 +32,7 @@ from benchmarks.harness.report import (  # noqa: E402
 )
 from benchmarks.harness.roofline import (  # noqa: E402
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
-    expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
+    ByteWidths, expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
     workload_flops,
 )
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
@@ -107,7 +107,7 @@ def test_workload_bytes_by_hand():
     # Decode reads: request 1 one step at context 4; request 2 steps at 6, 7, 8 -> 4 + 21 = 25 tokens.
     # KV per token: 2 (K, V) x 2 layers x 1 kv head x 4 dims x 2 bytes = 32 bytes -> 800 bytes.
     # Weights: at least 4 - 1 = 3 decode steps x 2008 elements x 2 bytes = 12,048 bytes.
-    assert workload_bytes(cfg, 2, [3, 5], [2, 4], decode_weight_elements(cfg)) == (800, 12048)
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], decode_weight_elements(cfg)) == (800, 12048)
 
 
 def test_workload_flops_by_hand():
@@ -229,13 +229,13 @@ def test_decode_steps_by_hand_and_summing_to_the_memory_term():
     weights = decode_weight_elements(cfg)
     # As test_workload_bytes_by_hand: step 1 reads contexts 4 and 6, steps 2 and 3 contexts 7 and 8,
     # 32 bytes a token, and each step 2008 x 2 weight bytes.
-    steps = decode_steps(cfg, 2, [3, 5], [2, 4], weights)
+    steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights)
     assert steps == [DecodeStep(2, 4016, 32 * 10), DecodeStep(1, 4016, 32 * 7), DecodeStep(1, 4016, 32 * 8)]
     rng = random.Random(3)
     prompts, outputs = [rng.randint(1, 50) for _ in range(40)], [rng.randint(1, 30) for _ in range(40)]
     for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
-        kv, wb = workload_bytes(c, 2, prompts, outputs, w)
-        per_step = decode_steps(c, 2, prompts, outputs, w)
+        kv, wb = workload_bytes(c, ByteWidths.uniform(2), prompts, outputs, w)
+        per_step = decode_steps(c, ByteWidths.uniform(2), prompts, outputs, w)
         assert [step.rows for step in per_step] == decode_rows(outputs)
         assert sum(step.bytes for step in per_step) == pytest.approx(kv + wb, abs=1.0)  # experts rounded there
 
@@ -248,7 +248,7 @@ def test_phase_bound_by_hand():
     448, 512 attention FLOPs and 320, 224, 256 KV bytes; 4,016 weight bytes each."""
     cfg = toy_config(tied=False)
     weights = decode_weight_elements(cfg)
-    args = (cfg, 2, [3, 5], decode_steps(cfg, 2, [3, 5], [2, 4], weights), weights)
+    args = (cfg, ByteWidths.uniform(2), [3, 5], decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights), weights)
     # FLOPs free: the prefill's weight read, then every step's bytes (the memory term + 4,016)
     assert phase_bound_s(*args, bandwidth=1.0, peak_flops=1e30) == pytest.approx(4016 + 3 * 4016 + 800)
     # bytes free: all FLOPs, the compute term (27,648 + 9,600 + 2,944)
@@ -260,11 +260,11 @@ def test_phase_bound_by_hand():
     rng = random.Random(5)
     for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
         prompts, outputs = [rng.randint(1, 50) for _ in range(30)], [rng.randint(1, 30) for _ in range(30)]
-        kv, wb = workload_bytes(c, 2, prompts, outputs, w)
+        kv, wb = workload_bytes(c, ByteWidths.uniform(2), prompts, outputs, w)
         flops = sum(workload_flops(c, prompts, outputs))
         for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
-            steps = decode_steps(c, 2, prompts, outputs, w)
-            assert phase_bound_s(c, 2, prompts, steps, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
+            steps = decode_steps(c, ByteWidths.uniform(2), prompts, outputs, w)
+            assert phase_bound_s(c, ByteWidths.uniform(2), prompts, steps, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
 
 
 def test_decode_buckets_sum_steps_by_rows():
@@ -294,7 +294,7 @@ def test_moe_workload_bytes_and_flops_by_hand():
     # elements x 1 sparse layer x 2 bytes = 1,344 bytes, on top of 3 steps x 1656 x 2 = 9,936.
     # KV as for the dense toy: 800 bytes.
     assert decode_expert_elements(cfg, [2, 4]) == pytest.approx(672)
-    assert workload_bytes(cfg, 2, [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
     # A token goes through 2 x 192 attention + 384 dense MLP + 32 router + 2 x 96 experts = 992:
     # 12 tokens x 2 x 992 = 23,808; lm_head 9,600; attention pairs as for the dense toy, 2,944.
     assert token_linear_elements(cfg) == 992
@@ -349,7 +349,7 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     finally:
         llm.exit()
     res = {}
-    t = ThroughputRun(args.workload, w, args.sampling, cfg, 4, decode_weight_elements(cfg), [len(p) for p in prompts],
+    t = ThroughputRun(args.workload, w, args.sampling, cfg, ByteWidths.uniform(4), decode_weight_elements(cfg), [len(p) for p in prompts],
                       max_tokens, run, peak_mem_bytes=0)
     rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
     assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
@@ -357,7 +357,7 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     assert "fraction of roofline reached" in rows and any(n.startswith("decode-only steps of") for n in rows)
     assert res["prefill_padding"] == 0 and rows["their graph padding"].startswith("0 tokens")  # eager: no buckets
     assert res["output_tokens"] == sum(max_tokens) and res["memory_s"] == pytest.approx(
-        sum(workload_bytes(cfg, 4, t.prompt_lens, max_tokens, t.decode_weights)) / 1e12)
+        sum(workload_bytes(cfg, ByteWidths.uniform(4), t.prompt_lens, max_tokens, t.decode_weights)) / 1e12)
     buckets = res["decode_by_rows"]
     assert sum(b["steps"] for b in buckets) == res["decode_steps"]
     assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])

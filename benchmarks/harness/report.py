@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness.roofline import (
     DecodeStep, decode_rows, decode_steps, expected_experts_hit, phase_bound_s, prefill_flops, roofline,
-    workload_bytes, workload_flops,
+    ByteWidths, workload_bytes, workload_flops,
 )
 from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -36,7 +36,7 @@ class ThroughputRun:
     workload: Workload
     sampling: WorkloadSampling
     cfg: ModelConfig
-    elem_bytes: int  # bytes of one KV / weight element in the run's dtype
+    widths: ByteWidths  # bytes of one stored KV / weight element
     decode_weights: int  # decode_weight_elements of the model, counted before any tensor-parallel set-up
     prompt_lens: list[int]
     max_tokens: list[int]
@@ -83,11 +83,11 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
 
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
-    kv_bytes, w_bytes = workload_bytes(cfg, t.elem_bytes, t.prompt_lens, t.max_tokens, t.decode_weights)
+    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights)
     mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
-    floor_steps = decode_steps(cfg, t.elem_bytes, t.prompt_lens, t.max_tokens, t.decode_weights)
-    phase_s = phase_bound_s(cfg, t.elem_bytes, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
+    floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights)
+    phase_s = phase_bound_s(cfg, t.widths, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, kv_bytes=kv_bytes, weight_bytes=w_bytes,
                matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
                roofline_s=roof.seconds, roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,

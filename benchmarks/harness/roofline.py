@@ -121,8 +121,20 @@ def step_expert_elements(cfg: ModelConfig, rows: int) -> float:
     return len(cfg.sparse_layers()) * expert_elements(cfg) * hit
 
 
-def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
+@dataclass(frozen=True)
+class ByteWidths:
+    """Bytes of one stored element: of the KV cache (1 with kv_cache_dtype fp8) and of the weights."""
+
+    kv: int
+    weights: int
+
+    @classmethod
+    def uniform(cls, elem_bytes: int) -> "ByteWidths":
+        return cls(elem_bytes, elem_bytes)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_elem_bytes: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem_bytes
 
 
 def decode_kv_tokens(prompt_len: int, max_tokens: int) -> int:
@@ -138,15 +150,15 @@ def causal_pairs(prompt_len: int, max_tokens: int) -> int:
     return forwarded * (forwarded + 1) // 2
 
 
-def workload_bytes(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
+def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int],
                    max_tokens: Sequence[int], weight_elements: int) -> tuple[int, int]:
     """(KV bytes, weight bytes) that any engine must read for the workload's decode steps;
     weight_elements: what one decode step reads in full (decode_weight_elements); an MoE model's
     experts are added as decode_expert_elements counts them (rounded to whole bytes)."""
     kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
     steps = max(max_tokens) - 1
-    experts = round(decode_expert_elements(cfg, max_tokens) * elem_bytes)
-    return kv_tokens * kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes * steps + experts
+    experts = round(decode_expert_elements(cfg, max_tokens) * widths.weights)
+    return kv_tokens * kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights * steps + experts
 
 
 @dataclass(frozen=True)
@@ -162,7 +174,7 @@ class DecodeStep:
         return self.weight_bytes + self.kv_bytes
 
 
-def decode_steps(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], max_tokens: Sequence[int],
                  weight_elements: int) -> list[DecodeStep]:
     """Decode steps t = 1 .. max(max_tokens) - 1 as workload_bytes counts them (every request
     running from the start): the weights read in full, an MoE model's expected experts of its
@@ -172,10 +184,10 @@ def decode_steps(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], 
     for p, n in zip(prompt_lens, max_tokens, strict=True):
         ends_prompt[n - 1] += p
     prompt_sum = sum(prompt_lens) - ends_prompt[0]  # prompts of the requests decoding at step t
-    per_token, weights = kv_bytes_per_token(cfg, elem_bytes), weight_elements * elem_bytes
+    per_token, weights = kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
-        experts = step_expert_elements(cfg, running) * elem_bytes
+        experts = step_expert_elements(cfg, running) * widths.weights
         steps.append(DecodeStep(running, weights + experts, per_token * (prompt_sum + running * t)))
         prompt_sum -= ends_prompt[t]
     return steps
@@ -198,7 +210,7 @@ def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Seq
     return projection_flops(cfg, forwarded, sum(max_tokens)), attention_flops(cfg, pairs)
 
 
-def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int], steps: Sequence[DecodeStep],
+def phase_bound_s(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], steps: Sequence[DecodeStep],
                   weight_elements: int, bandwidth: float, peak_flops: float) -> float:
     """Seconds the roofline's own schedule takes when the phases that wait on each other run in
     turn, each at the roofline of its own bytes and FLOPs::
@@ -214,9 +226,9 @@ def phase_bound_s(cfg: ModelConfig, elem_bytes: int, prompt_lens: Sequence[int],
     request decodes from step 1, as the roofline's weight term counts, so every prefill comes
     first (`steps`: decode_steps of the workload). Never below the roofline: roofline / this is
     the most of the roofline that schedule can reach."""
-    per_token = kv_bytes_per_token(cfg, elem_bytes)
+    per_token = kv_bytes_per_token(cfg, widths.kv)
     total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens))) / peak_flops,
-                weight_elements * elem_bytes / bandwidth)
+                weight_elements * widths.weights / bandwidth)
     for step in steps:
         total += max(step.weight_bytes / bandwidth, projection_flops(cfg, step.rows, step.rows) / peak_flops)
         # each row's query pairs with every token of its context
