@@ -35,6 +35,7 @@ from torch import nn
 
 from nanovllm.layers.kernel_path import current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.quantization.config import LinearQuant, layer_format
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
 
@@ -64,6 +65,26 @@ def map_expert_name(name: str) -> tuple[str, tuple[int, str] | str] | None:
         param = "w2" if m["proj"] == FUSED_DOWN else "w13"
         return f"{m['prefix']}.{param}", m["proj"]
     return None
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A fused expert tensor (transformers 5) -> the published per-expert tensors it holds; None
+    for another name. (Quantized experts are quantized one expert and projection at a time.)
+
+        ...experts.gate_up_proj [E, 2I, H] -> ...experts.{e}.gate_proj.weight, ...experts.{e}.up_proj.weight [I, H]
+        ...experts.down_proj [E, H, I]     -> ...experts.{e}.down_proj.weight [H, I]
+    """
+    m = _FUSED_NAME.fullmatch(name)
+    if m is None:
+        return None
+    if tensor.dim() != 3 or (m["proj"] == FUSED_GATE_UP and tensor.shape[1] % 2):
+        raise ValueError(f"fused expert tensor {name!r} must be [experts, rows, columns] (gate_up: even rows), "
+                         f"got {tuple(tensor.shape)}")
+    if m["proj"] == FUSED_DOWN:
+        return [(f"{m['prefix']}.{e}.{DOWN_PROJ}.weight", t) for e, t in enumerate(tensor)]
+    gate, up = tensor.chunk(2, dim=1)
+    return [(f"{m['prefix']}.{e}.{proj}.weight", t[e]) for e in range(tensor.shape[0])
+            for proj, t in ((GATE_PROJ, gate), (UP_PROJ, up))]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +120,9 @@ class MoeExperts(nn.Module):
     """E SwiGLU experts stacked in w13 [E, 2 I/tp, H] and w2 [E, H, I/tp]: forward(hidden [T, H],
     weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str | None = None):
+        """`prefix`: the checkpoint name of the experts module (`...mlp.experts`), by which
+        they ask for their weights' format (quantization/config.py); None: full precision."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -111,8 +134,13 @@ class MoeExperts(nn.Module):
         self.w2.shard_ids = tuple((e, DOWN_PROJ) for e in experts)
         self.w13.shard_groups = {FUSED_GATE_UP: self.w13.shard_ids}
         self.w2.shard_groups = {FUSED_DOWN: self.w2.shard_ids}
+        names = None if prefix is None else tuple(f"{prefix}.{e}.{proj}" for e in experts
+                                                  for proj in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
+        fmt = layer_format(names)
         for param in (self.w13, self.w2):
             param.weight_slice = self.weight_slice
+            if fmt is not None:  # FP8 experts: dequantized at load for now (no FP8 MoE kernels)
+                param.quant = LinearQuant(fmt, held=False)
         self.use_triton = uses_triton(self.w13.device)
         # Decode steps of up to this many tokens run the expert GEMVs (KernelRoutes; 0 off CUDA).
         self.gemv_tokens = 0
@@ -172,11 +200,15 @@ class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated [E, H], no bias) + experts: hidden [T, H] -> [T, H], summed
     over the ranks' parts of the intermediate dimension."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 prefix: str | None = None):
+        """`prefix`: the block's checkpoint name (`model.layers.{i}.mlp`), for the experts' weight
+        format; the router stays in full precision whatever the checkpoint's quantization."""
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size,
+                                  None if prefix is None else f"{prefix}.experts")
         if self.experts.use_triton:
             from nanovllm.moe.routing import moe_route
 
