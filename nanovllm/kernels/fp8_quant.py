@@ -24,9 +24,26 @@ from .checks import FP8_BLOCK, check_matrix, next_pow2
 # The clamp bound and scale floor (kernels/checks.py), as constants compiled kernels can read.
 FP8_MAX = tl.constexpr(checks.FP8_MAX)
 FP8_MIN_SCALE = tl.constexpr(checks.FP8_MIN_SCALE)
+# Triton's CPU interpreter loses the carry when a float32 -> e4m3 cast rounds up to the next
+# power of two (127.03 -> 64); under it `_to_fp8` rounds to the e4m3 grid by hand first (normal
+# values: 3 mantissa bits; below FP8_MIN_NORMAL: multiples of 2^-9, by adding and removing
+# SUBNORMAL_SHIFT), so the cast is exact. A tl.constexpr: jitted code may read a global only so.
+INTERPRET = tl.constexpr(checks.INTERPRET)
+FP8_MIN_NORMAL = tl.constexpr(2.0**-6)
+SUBNORMAL_SHIFT = tl.constexpr(1.5 * 2.0**14)
 # Columns per step of a per-token program: 2048 bf16 = 4 KB, 16 per thread at 4 warps.
 MAX_BLOCK = 2048
 NUM_WARPS = 4
+
+
+@triton.jit
+def _to_fp8(x, dtype: tl.constexpr):
+    """float32 x (|x| <= 448) -> e4m3 `dtype`, round to nearest even (torch's and the GPU's cast)."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) >= FP8_MIN_NORMAL, normal, (x + SUBNORMAL_SHIFT) - SUBNORMAL_SHIFT)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -36,7 +53,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, k_in, group, stride_x
     g = tl.program_id(1)
     start = g * group
     end = tl.minimum(start + group, k_in)
-    live = row < n_rows  # padding rows read nothing: zeros
+    filled = tl.where(row < n_rows, end, start)  # padding rows read nothing: zeros
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
     cols = tl.arange(0, BLOCK)
@@ -45,15 +62,15 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, k_in, group, stride_x
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(start, end, BLOCK):
-            x = tl.load(x_row + c + cols, mask=live & (c + cols < end), other=0.0).to(tl.float32)
+            x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, FP8_MIN_SCALE)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
     tl.store(s_ptr + row.to(tl.int64) * stride_sm + g * stride_sg, scale)
     for c in range(start, end, BLOCK):
         mask = c + cols < end
-        x = tl.load(x_row + c + cols, mask=live & mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_row + c + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + c + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
