@@ -16,6 +16,11 @@ w2); transformers 5's in-memory state dict (what update_weights gets from a tran
 fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I],
 each filling a whole parameter (its `shard_groups`, utils/loader.py).
 
+FP8 experts (a checkpoint's per-expert `weight` + `weight_scale_inv`, or full-precision ones under
+LLM(quantization="fp8")): the experts ask their format by name at construction and the loader
+dequantizes them into w13 / w2 in the compute dtype, on CUDA too for now (no FP8 grouped GEMMs
+yet); the router stays in full precision.
+
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
 (moe/grouped_gemm.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
