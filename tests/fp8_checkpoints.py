@@ -5,6 +5,7 @@ with quantization written out independently of nanovllm (loops over blocks, rows
     qwen-tensor     quant_method "fp8" without a block size: `weight_scale` per tensor
     ct-channel      compressed-tensors, `weight_scale` [out, 1] per channel, dynamic per-token activations
     ct-tensor       compressed-tensors, `weight_scale` [1] per tensor, static `input_scale` [1]
+                    (calibrated on the dequantized model: `input_scales`)
 
 `write_fp8(src, dst, ref, layout, skip)` writes the FP8 checkpoint to `dst` and, to `ref`, the
 same model with every quantized weight replaced by its dequantized value (fp8 x scale): the
@@ -30,8 +31,10 @@ BLOCK = 128
 TINY = 1e-12  # the scale of an all-zero block
 # The projections a layout quantizes (the router `mlp.gate`, embeddings, norms, lm_head stay).
 PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
-# Static activation scales cover |x| up to 1-2x this (the test models' activations stay below).
-INPUT_AMAX = 64.0
+# Static activation scales: this many times the largest input seen on CALIBRATION_PROMPTS random
+# prompts of CALIBRATION_TOKENS tokens (headroom for the tests' other prompts).
+INPUT_MARGIN = 2.0
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 4, 128
 # Spread (std of the log) of the row and column factors the projections are multiplied by.
 SPREAD = 0.7
 
@@ -147,10 +150,9 @@ def checkpoint_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def quantize_state(state: dict[str, torch.Tensor], layout: str, skip: tuple[str, ...] = (),
-                   input_scale_seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the FP8 checkpoint's tensors, the dequantized full-precision ones)."""
-    gen = torch.Generator().manual_seed(input_scale_seed)
+def quantize_state(state: dict[str, torch.Tensor], layout: str,
+                   skip: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the FP8 checkpoint's tensors, the dequantized full-precision ones; no input scales)."""
     fp8, ref = {}, {}
     for name, t in state.items():
         if not PROJECTION.fullmatch(name) or skipped(name, skip):
@@ -159,17 +161,34 @@ def quantize_state(state: dict[str, torch.Tensor], layout: str, skip: tuple[str,
         q, s, dq = quantized(t, layout)
         module = name.rsplit(".", 1)[0]
         fp8[name], fp8[f"{module}.{SCALE_NAMES[layout]}"], ref[name] = q, s, dq
-        if layout == "ct-tensor":  # a static activation scale (unused on CPU: activations stay full precision)
-            fp8[f"{module}.input_scale"] = INPUT_AMAX / E4M3_MAX * (1 + torch.rand(1, generator=gen))
     return fp8, ref
+
+
+@torch.no_grad()
+def input_scales(ref: str, modules: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Static activation scales as a calibration would set them: INPUT_MARGIN x the largest |input|
+    each module of `modules` sees in transformers' model at `ref` on random prompts, / 448."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    amax = {m: 0.0 for m in modules}
+    hooks = [module.register_forward_pre_hook(lambda mod, args, name=name: amax.__setitem__(
+        name, max(amax[name], args[0].abs().max().item()))) for name, module in model.named_modules() if name in amax]
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randint(1, model.config.vocab_size, (CALIBRATION_PROMPTS, CALIBRATION_TOKENS), generator=gen))
+    for hook in hooks:
+        hook.remove()
+    return {f"{m}.input_scale": torch.tensor([INPUT_MARGIN * a / E4M3_MAX]) for m, a in amax.items()}
 
 
 def write_fp8(src: str, dst: str, ref: str, layout: str, skip: tuple[str, ...] = (), seed: int = 0) -> None:
     """The FP8 checkpoint of `src` (projections spread first) in `dst`, its dequantized twin in `ref`."""
     fp8, dequantized = quantize_state(spread(checkpoint_state(src), seed), layout, skip)
+    _copy_dir(src, ref, dequantized, None)
+    if layout == "ct-tensor":  # static activation scales (unused on CPU: activations stay full precision)
+        fp8.update(input_scales(ref, [n.rsplit(".", 1)[0] for n, t in fp8.items() if t.dtype == FP8]))
     key = "ignore" if layout.startswith("ct-") else "modules_to_not_convert"
     _copy_dir(src, dst, fp8, {**LAYOUTS[layout], key: list(skip)})
-    _copy_dir(src, ref, dequantized, None)
 
 
 def write_state(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None) -> None:

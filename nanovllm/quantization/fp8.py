@@ -22,8 +22,9 @@ from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
 
 # torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
-# this (H200, torch 2.11: 5 and 7 rows refused); the activations are padded with zero rows.
-BLOCKWISE_ROW_MULTIPLE = 16
+# this (H200, torch 2.11: 1-3, 5 and 17 rows refused, 4-32 in steps of 4 taken); the
+# activations are padded with zero rows.
+BLOCKWISE_ROW_MULTIPLE = 4
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -39,6 +40,12 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 rounded once to float32, on every device (CUDA divides a tensor by a number as a
+    product with its reciprocal), floored at FP8_MIN_SCALE."""
+    return (amax.double() / FP8_MAX).float().clamp(min=FP8_MIN_SCALE)
+
+
 def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (q float8_e4m3fn [N, K], s float32): BLOCK scales
     [ceil(N/128), ceil(K/128)] or CHANNEL scales [N, 1], each amax / 448."""
@@ -49,10 +56,10 @@ def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.T
     if scales == BLOCK:
         gn, gk = _cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK)
         padded = F.pad(w, (0, gk * FP8_BLOCK - k, 0, gn * FP8_BLOCK - n)).view(gn, FP8_BLOCK, gk, FP8_BLOCK)
-        s = (padded.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=FP8_MIN_SCALE)  # [gn, gk]
+        s = _scale(padded.abs().amax(dim=(1, 3)))  # [gn, gk]
         return _to_fp8(w / expand_blocks(s, n, k)), s
     if scales == CHANNEL:
-        s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)  # [N, 1]
+        s = _scale(w.abs().amax(dim=1, keepdim=True))  # [N, 1]
         return _to_fp8(w / s), s
     raise ValueError(f"weights are quantized with {BLOCK!r} or {CHANNEL!r} scales, got {scales!r}")
 
