@@ -28,12 +28,12 @@ blocks). Its 1-2 row calls run the GEMV's FP8 variant, larger ones quantization/
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import replace
 
 from nanovllm.kernels.checks import FP8_BLOCK
 from nanovllm.layers.activation import SiluAndMul
