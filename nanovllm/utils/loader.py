@@ -74,17 +74,9 @@ class _WeightMap:
             return None
         return getattr(self.params.get(self.model.map_checkpoint_name(ckpt_name)[0]), "quant", None)
 
-    def tensors(self, named: Iterable[tuple[str, torch.Tensor]], update: bool,
-                into: list[QuantizedTensors]) -> Iterator[tuple[str, torch.Tensor]]:
-        """`named` as the parameters take them: through QuantizedTensors (appended to `into`, for
-        its `missing`) when the model is quantized."""
-        if not self.quantized:
-            yield from named
-            return
-        convert = QuantizedTensors(self.quant_of, update)
-        into.append(convert)
-        for name, tensor in named:
-            yield from convert(name, tensor)
+    def converter(self, update: bool) -> QuantizedTensors | None:
+        """The step named tensors pass through before `fill` (None: no parameter is quantized)."""
+        return QuantizedTensors(self.quant_of, update) if self.quantized else None
 
     def fill(self, ckpt_name: str, tensor: torch.Tensor) -> _Fill | None:
         """Where `tensor` goes; None for a name the model ignores; ValueError if unknown or misshapen."""
@@ -109,6 +101,11 @@ class _WeightMap:
         return _Fill(keys, destination, source)
 
 
+def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) through the quantization step, if any."""
+    return [(name, tensor)] if convert is None else convert(name, tensor)
+
+
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of the *.safetensors files in `path`, read one at a time."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -125,14 +122,15 @@ def load_model(model: nn.Module, path: str) -> None:
     missing tensor, an unknown one or a wrong shape is a ValueError naming it."""
     weights = _WeightMap(model)
     loaded: set[ParamKey] = set()
-    converts: list[QuantizedTensors] = []
-    for name, tensor in weights.tensors(checkpoint_tensors(path), False, converts):
-        fill = weights.fill(name, tensor)
-        if fill is not None:
-            fill.destination.copy_(fill.source)
-            loaded.update(fill.keys)
+    convert = weights.converter(update=False)
+    for ckpt_name, ckpt_tensor in checkpoint_tensors(path):
+        for name, tensor in _converted(convert, ckpt_name, ckpt_tensor):
+            fill = weights.fill(name, tensor)
+            if fill is not None:
+                fill.destination.copy_(fill.source)
+                loaded.update(fill.keys)
     missing = [n + (f" (shard {s})" if s is not None else "") for n, s in weights.expected - loaded]
-    missing += [name for convert in converts for name in convert.missing()]
+    missing += convert.missing() if convert is not None else []
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
 
@@ -144,6 +142,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     may be given. Every name and shape is checked before any parameter changes (one
     ValueError naming all the bad ones). Returns the number of tensors copied."""
     weights = _WeightMap(model)
+    convert = weights.converter(update=True)
     fills: list[_Fill] = []
     errors: list[str] = []
     for item in named_tensors:
@@ -151,7 +150,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
         try:
-            for name, tensor in weights.tensors([item], True, []):
+            for name, tensor in _converted(convert, *item):
                 fill = weights.fill(name, tensor)
                 if fill is not None:
                     fills.append(fill)
