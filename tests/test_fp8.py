@@ -241,6 +241,7 @@ def test_skip_entries_match_whole_name_components_or_regexes(entry, module, skip
     ("qwen-block", [2048, 512, 512], 1024, True),  # Qwen3-0.6B's qkv
     ("qwen-block", [320, 320], 512, False),  # partial blocks: the parts' grids would not stack
     ("qwen-block", [512], 256, False),  # K / 128 not a multiple of 4
+    ("qwen-block", [384, 256], 512, False),  # N / 128 not a multiple of 4
     ("ct-channel", [320, 320], 192, True),
     ("ct-tensor", [300], 192, False),  # rows not a multiple of 16 (torch._scaled_mm)
 ])

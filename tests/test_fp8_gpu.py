@@ -33,7 +33,7 @@ B = 128
 FP8_TOLERANCE = 0.12
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Qwen3-0.6B's attention geometry at a small width, with widths the FP8 kernels take (output parts
-# in whole 128-blocks, inputs multiples of 512: quantization/config.BLOCKWISE_K_ALIGN), so the
+# in whole 128-blocks, widths multiples of 512: quantization/config.BLOCKWISE_ALIGN), so the
 # layers hold FP8.
 SHAPE = TinyShape(hidden_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=1024, max_position_embeddings=4096, tie_word_embeddings=False)

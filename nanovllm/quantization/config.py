@@ -58,10 +58,10 @@ FLOAT_QUANTIZED = "float-quantized"
 _REGEX_PREFIX = "re:"
 # torch._scaled_mm wants its operands' widths in multiples of 16 (K: measured on the H200).
 FP8_GEMM_ALIGN = 16
-# Held block-FP8 layers take input widths in multiples of this: K / 128 weight-scale columns a
-# multiple of 4, like the activation scales' rows (cuBLAS's blockwise scaling refused other row
-# counts on the H200); only such widths were checked there (every Qwen3 width is one).
-BLOCKWISE_K_ALIGN = 4 * FP8_BLOCK
+# Held block-FP8 layers take widths (in and out) in multiples of this: weight-scale grids with
+# sides a multiple of 4, like the activation scales' rows (cuBLAS's blockwise scaling refused
+# other row counts on the H200); only such widths were checked there (every Qwen3 width is one).
+BLOCKWISE_ALIGN = 4 * FP8_BLOCK
 
 
 @dataclass(frozen=True)
@@ -219,13 +219,14 @@ def linear_quant(names: tuple[str, ...] | None, out_parts: list[int], in_feature
     """A linear layer's quantization: its format, and whether its weight [sum(out_parts),
     in_features] (this rank's part; out_parts: its packed parts' rows) stays FP8. It does on
     CUDA with bf16 compute where torch._scaled_mm takes the shapes: block scales need every
-    part in whole blocks (the parts' grids then stack into the layer's) and the input width in
-    multiples of BLOCKWISE_K_ALIGN, the others widths in multiples of 16."""
+    part in whole blocks (the parts' grids then stack into the layer's) and both widths in
+    multiples of BLOCKWISE_ALIGN, the others widths in multiples of 16."""
     fmt = layer_format(names)
     if fmt is None:
         return None
     if fmt.scales == BLOCK:
-        fits = in_features % BLOCKWISE_K_ALIGN == 0 and all(rows % FP8_BLOCK == 0 for rows in out_parts)
+        fits = (in_features % BLOCKWISE_ALIGN == 0 and sum(out_parts) % BLOCKWISE_ALIGN == 0
+                and all(rows % FP8_BLOCK == 0 for rows in out_parts))
     else:
         fits = in_features % FP8_GEMM_ALIGN == 0 and sum(out_parts) % FP8_GEMM_ALIGN == 0
     return LinearQuant(fmt, device.type == "cuda" and torch.get_default_dtype() == torch.bfloat16 and fits)
