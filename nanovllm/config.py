@@ -15,6 +15,7 @@ import torch
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
+from nanovllm.quantization.config import QuantConfig, resolve_quantization
 from nanovllm.utils.validation import check_int
 
 _LOAD_FORMATS = ("auto", "dummy")
@@ -58,8 +59,12 @@ class Config:
     # Row counts at which CUDA layers switch kernels (layers/kernel_path.py); the defaults are the
     # measured best, another value is for A/B runs.
     kernel_routes: KernelRoutes = field(default_factory=KernelRoutes)
-    # Filled in by __post_init__ from config.json; not a user setting.
+    # None: as the checkpoint is (an FP8 checkpoint's quantization_config is read); "fp8": FP8
+    # weights, quantized at load from a full-precision checkpoint (quantization/config.py).
+    quantization: str | None = None
+    # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
+    quant_config: QuantConfig | None = field(init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: object, kwargs: dict) -> "Config":
@@ -114,6 +119,8 @@ class Config:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
 
         self.model_config = ModelConfig.from_pretrained(self.model)
+        self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
+                                                 os.path.join(self.model, "config.json"))
         self.max_model_len = min(self.max_model_len, self.model_config.max_position_embeddings)
         self.model_config.check_tensor_parallel(self.tensor_parallel_size)
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():

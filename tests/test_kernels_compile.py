@@ -98,12 +98,26 @@ SPECS = [
     ("kernels.gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
        "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 64, "PDL": pdl, "NORM": norm, "HAS_RES": res,
-       "BLOCK_KF": 1024 if norm else 16}
+       "BLOCK_KF": 1024 if norm else 16, "W_SCALE": 0, "SCALE_BLOCK": 128}
       for silu, bias, m, n, k, st, ev, pdl, norm, res in (
           (False, False, 1, 8, 512, 3, "", True, False, False),
           (True, True, 2, 4, 512, 4, "evict_first", False, False, False),
           (False, False, 1, 16, 256, 4, "", True, True, True),  # the add + RMSNorm in front (TALL tiles)
           (False, True, 2, 8, 512, 3, "", True, True, False))]),
+    # ... with FP8 weights, a scale per row (1) or per 128 x 128 block (2), each prologue
+    ("kernels.gemv", "_gemv_kernel", {"eps": "fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"},
+     [{"SILU_MUL": silu, "HAS_BIAS": False, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
+       "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 128, "PDL": pdl, "NORM": norm, "HAS_RES": norm,
+       "BLOCK_KF": 4096 if norm else 16, "W_SCALE": scale, "SCALE_BLOCK": 128}
+      for silu, m, n, k, st, ev, pdl, norm, scale in (
+          (False, 1, 8, 512, 3, "", True, False, 2),
+          (True, 2, 4, 512, 4, "evict_first", False, False, 2),
+          (False, 1, 16, 256, 4, "", True, True, 2),
+          (False, 2, 8, 512, 3, "", True, False, 1),
+          (True, 1, 8, 512, 3, "", True, False, 1))]),
+    # FP8 activation quantization: per token (2048-column steps), per 128-group, static
+    ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32"},
+     [{"STATIC": static, "BLOCK": block} for static, block in ((False, 2048), (False, 128), (True, 2048))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}

@@ -40,6 +40,7 @@ from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
+from nanovllm.quantization.config import quantization
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
@@ -76,11 +77,11 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size, fp8_kv)
 
-        with torch.device(self.device), kernel_routes(config.kernel_routes):
+        with torch.device(self.device), kernel_routes(config.kernel_routes), quantization(config.quant_config):
             previous_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = build_model(cfg)  # layers choose their kernels from this device and the routes
+                self.model = build_model(cfg)  # layers choose kernels and weight formats here
             finally:
                 torch.set_default_dtype(previous_dtype)
             self.sampler = Sampler()  # its noise implementation follows the device, as the layers' kernels

@@ -19,6 +19,14 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
 BLOCK_SIZE_MULTIPLE = 16
+# Rows and columns of one block of block-scaled FP8 weights (the one size supported: Qwen's and
+# DeepSeek's [128, 128]); activations then take one scale per 1 x FP8_BLOCK group.
+FP8_BLOCK = 128
+# Largest finite float8_e4m3fn value: quantized values are clamped to it (a cast beyond gives NaN).
+FP8_MAX = 448.0
+# Scale floor of FP8 quantization: an all-zero row, group or block gets this scale instead of 0
+# (x / 0 would be NaN).
+FP8_MIN_SCALE = 1e-12
 
 
 _sm_counts: dict[int, int] = {}
@@ -81,12 +89,36 @@ def check_row_vector(name: str, t, rows: int, dtype: torch.dtype, device: torch.
         raise ValueError(f"{name} is on {t.device}, not on {device}")
 
 
-def check_linear(kernel: str, x, weight, bias, silu_mul: bool, max_rows: int) -> tuple[int, int, int]:
+def check_fp8_weight(weight, scale, device: torch.device) -> None:
+    """An FP8 weight [N, K] (float8_e4m3fn, last dim contiguous) and its float32 scale on
+    `device`: [N] (one per row) or the block grid [ceil(N/FP8_BLOCK), ceil(K/FP8_BLOCK)]."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"an FP8 weight must be a 2-D float8_e4m3fn tensor, got {getattr(weight, 'dtype', type(weight))} "
+                        f"{tuple(getattr(weight, 'shape', ()))}")
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        raise ValueError(f"weight must have a contiguous last dim, got strides {weight.stride()}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise TypeError(f"weight_scale must be a float32 tensor, got {getattr(scale, 'dtype', type(scale))}")
+    n, k = weight.shape
+    grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if tuple(scale.shape) not in ((n,), grid) or not scale.is_contiguous():
+        raise ValueError(f"weight_scale must be contiguous, ({n},) per row or {grid} per {FP8_BLOCK}x{FP8_BLOCK} "
+                         f"block of weight {tuple(weight.shape)}; got {tuple(scale.shape)} strides {scale.stride()}")
+    for name, t in (("weight", weight), ("weight_scale", scale)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, x on {device}")
+
+
+def check_linear(kernel: str, x, weight, bias, silu_mul: bool, max_rows: int,
+                 weight_scale=None) -> tuple[int, int, int]:
     """The arguments of a linear kernel (gemv.py, skinny_gemm.py): x [M, K] (or [M, 2K] = gate | up
-    with silu_mul) with 1 <= M <= max_rows, weight [N, K] of x's dtype and device, bias [N] or
-    None. Returns (M, N, K)."""
+    with silu_mul) with 1 <= M <= max_rows, weight [N, K] of x's dtype and device (with
+    weight_scale: FP8, check_fp8_weight), bias [N] or None. Returns (M, N, K)."""
     check_matrix("x", x)
-    check_matrix("weight", weight, x.dtype)
+    if weight_scale is None:
+        check_matrix("weight", weight, x.dtype)
+    else:
+        check_fp8_weight(weight, weight_scale, x.device)
     m, xk = x.shape
     n_out, k_in = weight.shape
     want_k = 2 * k_in if silu_mul else k_in

@@ -11,6 +11,13 @@ kernel of its own; here one kernel streams the weight once, computing its input 
     NORM:       a = round(s * rsqrt(mean(s^2) + eps) * g)        s = round(x + residual) (or x),
                                                                  g the RMSNorm weight [K]
 
+FP8 weights (`weight_scale`, W_SCALE): weight = e4m3 values x scale, read at one byte a value and
+converted in registers. A scale per row multiplies each output sum; a scale per 128 x 128 block
+multiplies a's columns (a program's BLOCK_N rows lie in one row of blocks, BLOCK_N dividing 128):
+
+    per row:    out[m, n] = s[n] * sum_k a[m, k] w8[n, k]
+    per block:  out[m, n] = sum_k (a[m, k] s[n // 128, k // 128]) w8[n, k]
+
 "round" (to x's dtype) is the rounding the unfused torch path does, so results match
 silu_and_mul-then-F.linear (or the add + RMSNorm kernel then F.linear) up to the order of the
 float32 sums. With NORM each program first loads the whole row(s) s to get rsqrt(mean(s^2)),
@@ -46,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_eps, check_linear, check_matrix, check_vector, next_pow2
+from .checks import FP8_BLOCK, check_eps, check_linear, check_matrix, check_vector, next_pow2
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_rows_l2, wait_for_prior
@@ -92,6 +99,7 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
     res_ptr, norm_w_ptr, s_out_ptr, stride_r, eps,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_KF: tl.constexpr,
+    ws_ptr, stride_ws, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
@@ -112,6 +120,8 @@ def _gemv_kernel(
         if HAS_RES and tl.program_id(0) == 0:
             tl.store(s_out_ptr + rm[:, None].to(tl.int64) * k_in + kf[None, :], row.to(dtype), mask=f_mask)
         rstd = tl.math.rsqrt(tl.sum(row * row, axis=1) / k_in + eps)  # [BLOCK_M]
+    if W_SCALE == 2:  # this program's rows lie in one row of blocks (BLOCK_N divides SCALE_BLOCK)
+        ws_row = ws_ptr + ((tl.program_id(0) * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
@@ -132,8 +142,12 @@ def _gemv_kernel(
             a = round_to(a * rstd[:, None] * g[None, :], dtype).to(tl.float32)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        if W_SCALE == 2:  # the weight blocks' scales, one per column here: folded into a
+            a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if W_SCALE == 1:  # one scale per weight row
+        y *= tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :]
@@ -184,8 +198,8 @@ def _check_norm(norm: _Norm, x: torch.Tensor) -> None:
     check_eps(norm.eps)
 
 
-def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None):
-    m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS)
+def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | None = None, weight_scale=None):
+    m, n_out, k_in = check_linear("gemv", x, weight, bias, silu_mul, MAX_ROWS, weight_scale)
     if norm is not None:
         _check_norm(norm, x)
     wave = one_wave(x.device)
@@ -193,12 +207,15 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         tile = tiling(m, n_out, k_in, wave)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
+    w_scale = 0 if weight_scale is None else weight_scale.dim()  # 1: per row, 2: per block
+    if w_scale == 2 and FP8_BLOCK % tile.block_n:
+        raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res = norm.residual if norm is not None else None
     s_out = torch.empty((m, k_in), dtype=x.dtype, device=x.device) if res is not None else None
     grid = triton.cdiv(n_out, tile.block_n)
     pdl = pdl_for_grid(x, grid)
-    line_elems = LINE_BYTES // x.element_size()
+    line_elems = LINE_BYTES // weight.element_size()
     _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
@@ -208,29 +225,35 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         res_ptr=x if res is None else res, norm_w_ptr=x if norm is None else norm.weight,
         s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
         eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,
-        BLOCK_KF=next_pow2(k_in) if norm is not None else 16, **pdl,
+        BLOCK_KF=next_pow2(k_in) if norm is not None else 16,
+        ws_ptr=x if weight_scale is None else weight_scale, stride_ws=weight_scale.stride(0) if w_scale == 2 else 0,
+        W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK, **pdl,
     )
     return out, s_out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: Tiling | None = None) -> torch.Tensor:
+         tile: Tiling | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
-    `tile` overrides the shape-based tiling (benchmarks)."""
-    return _gemv(x, weight, bias, False, tile)[0]
+    `tile` overrides the shape-based tiling (benchmarks). With `weight_scale` the weight is FP8
+    (float8_e4m3fn) and the product is F.linear(x, weight * scale, bias): scale [N] per row or
+    [ceil(N/128), ceil(K/128)] per 128 x 128 block (checks.check_fp8_weight)."""
+    return _gemv(x, weight, bias, False, tile, weight_scale=weight_scale)[0]
 
 
 def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tile: Tiling | None = None) -> torch.Tensor:
-    """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection."""
-    return _gemv(x, weight, bias, True, tile)[0]
+                  tile: Tiling | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection
+    (`weight_scale`: an FP8 weight, as in gemv)."""
+    return _gemv(x, weight, bias, True, tile, weight_scale=weight_scale)[0]
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tile: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  tile: Tiling | None = None, *,
+                  weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual rounded to x's dtype, the
     residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
     the projection in one launch. x [M, K] (next_pow2(M) x next_pow2(K) <= MAX_NORM_ELEMS),
-    norm_weight [K]."""
-    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual))
+    norm_weight [K] (`weight_scale`: an FP8 weight, as in gemv)."""
+    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual), weight_scale)

@@ -15,18 +15,32 @@ copies; utils/loader.py). Packed layers (QKV, gate/up) list their checkpoint ten
 Which kernel serves a call (the Triton GEMV, with or without the norm in front, the skinny GEMM,
 or F.linear) is decided once, at construction, by layers/kernel_path.linear_path; a call only
 compares its row count with the answer.
+
+FP8: a layer built with its checkpoint name (`prefix`; a packed layer's parts follow from it)
+asks quantization/config.linear_quant for its format once, at construction. A layer that holds
+FP8 (CUDA) keeps `weight` float8 [out, in] beside its scale, registered under the checkpoint's
+name (`weight_scale_inv` / `weight_scale`: float32 [out] per row, per-tensor scales spread over
+their part's rows; or the block grid [out/128, in/128]) and, for static activations,
+`input_scale` [parts]; the scales slice over ranks and parts like the weight, in rows (grids: in
+blocks). Its 1-2 row calls run the GEMV's FP8 variant, larger ones quantization/fp8.fp8_linear
+(torch._scaled_mm); no skinny GEMM. A layer whose weights the loader dequantizes stays as is.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.checks import FP8_BLOCK
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.kernel_path import linear_path
+from nanovllm.layers.kernel_path import construction_device, linear_path
+from nanovllm.quantization.config import BLOCK, FP8_DTYPE, INPUT_SCALE, linear_quant
+from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
@@ -48,11 +62,24 @@ def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, 
 class _LinearBase(nn.Module):
     # Column-parallel layers may take the norm in front into their GEMV (forward_normed).
     takes_norm = False
+    # The weight's dim split over ranks: 0 (rows: column-parallel), 1 (columns: row-parallel), None.
+    split_dim: int | None = None
+    # The checkpoint modules a packed layer is built from, beside it, in shard order (None: itself).
+    checkpoint_parts: tuple[str, ...] | None = None
+    # The checkpoint tensors one parameter is packed from ((None,): one tensor, unpacked).
+    shard_ids: tuple[str | int | None, ...] = (None,)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, prefix: str | None = None):
+        """`prefix`: the layer's checkpoint name (for a packed layer its own, e.g. `...qkv_proj`),
+        by which it asks for its weight format; None: full precision always."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.out_features = out_features
+        parts = [self.shard_rows(sid)[1] for sid in self.shard_ids]
+        self.quant = linear_quant(self.checkpoint_names(prefix), parts, in_features, construction_device())
+        held = self.quant is not None and self.quant.held
+        dtype = FP8_DTYPE if held else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:
@@ -61,35 +88,100 @@ class _LinearBase(nn.Module):
             if param is not None:
                 param.weight_slice = self.weight_slice
                 param.shard_ids = self.shard_ids
-        self.path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm)
+        if self.quant is not None:
+            self.weight.quant = self.quant  # the loader quantizes / dequantizes by it
+        self.fp8 = self._fp8_parameters(in_features) if held else None
+        path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm)
+        self.path = replace(path, skinny_rows=0) if held else path
 
-    # The checkpoint tensors one parameter is packed from ((None,): one tensor, unpacked).
-    shard_ids: tuple[str | int | None, ...] = (None,)
+    def checkpoint_names(self, prefix: str | None) -> tuple[str, ...] | None:
+        """The checkpoint modules this layer is built from (None without a prefix)."""
+        if prefix is None or self.checkpoint_parts is None:
+            return None if prefix is None else (prefix,)
+        parent = prefix.rpartition(".")[0]
+        return tuple(f"{parent}.{part}" for part in self.checkpoint_parts)
+
+    def shard_rows(self, shard_id: str | int | None) -> tuple[int, int]:
+        """(first row, rows) of checkpoint shard `shard_id` in this rank's weight."""
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"{type(self).__name__} shard id must be one of {self.shard_ids}, got {shard_id!r}")
+        return 0, self.out_features
 
     def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        return self._slice(param, loaded, shard_id, 1)
+
+    def _slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None,
+               unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part of `param` that checkpoint shard `shard_id` fills on this rank, this rank's
+        part of `loaded`); `unit` weight rows / columns per entry of `param` (a block grid: 128)."""
+        offset, rows = (n // unit for n in self.shard_rows(shard_id))
+        what = f"{type(self).__name__} shard {shard_id}" if shard_id is not None else type(self).__name__
+        target = param.data.narrow(0, offset, rows)
+        if self.split_dim == 0:
+            loaded = _rank_part(what, loaded, 0, rows, self.tp_rank, self.tp_size)
+        elif self.split_dim == 1 and param.dim() == 2:
+            loaded = _rank_part(what, loaded, 1, param.shape[1], self.tp_rank, self.tp_size)
+        _check_shape(what, target.shape, loaded)
+        return target, loaded
+
+    def _fp8_parameters(self, in_features: int) -> Fp8Weights:
+        """The scale (and static input scale) parameters beside an FP8 weight, registered under
+        their checkpoint names."""
+        fmt = self.quant.fmt
+        shape = ((self.out_features // FP8_BLOCK, in_features // FP8_BLOCK) if fmt.scales == BLOCK
+                 else (self.out_features,))
+        scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        scale.weight_slice, scale.shard_ids = self.scale_slice, self.shard_ids
+        self.register_parameter(fmt.scale_name, scale)
+        input_scale = None
+        if fmt.static_input:
+            input_scale = nn.Parameter(torch.empty(len(self.shard_ids), dtype=torch.float32), requires_grad=False)
+            input_scale.weight_slice, input_scale.shard_ids = self.input_scale_slice, self.shard_ids
+            self.register_parameter(INPUT_SCALE, input_scale)
+        return Fp8Weights(self.weight, scale, input_scale)
+
+    def scale_slice(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight_slice for the weight's scale: a block grid in blocks; per row, a channel
+        scale [rows, 1] or [rows], a tensor scale [1] or [] spread over its shard's rows."""
+        if param.dim() == 2:
+            return self._slice(param, loaded, shard_id, FP8_BLOCK)
+        if loaded.numel() == 1 and loaded.dim() <= 1:
+            full = self.shard_rows(shard_id)[1] * (self.tp_size if self.split_dim == 0 else 1)
+            loaded = loaded.reshape(1).expand(full)
+        elif loaded.dim() == 2 and loaded.shape[1] == 1:
+            loaded = loaded.reshape(-1)
+        return self._slice(param, loaded, shard_id, 1)
+
+    def input_scale_slice(self, param: nn.Parameter, loaded: torch.Tensor,
+                          shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static activation scale (one per checkpoint shard, [1] or [])."""
+        self.shard_rows(shard_id)  # checks the shard id
+        if loaded.numel() != 1 or loaded.dim() > 1:
+            raise ValueError(f"input_scale must hold one value, checkpoint has shape {tuple(loaded.shape)}")
+        i = self.shard_ids.index(shard_id)
+        return param.data[i : i + 1], loaded.reshape(1)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV or the skinny GEMM for the
-        batches they serve."""
+        batches they serve (FP8 weights: the GEMV, else fp8_linear)."""
+        scale = None if self.fp8 is None else self.fp8.scale
         if self.path.gemv_serves(x):
             from nanovllm.kernels.gemv import gemv
 
-            return gemv(x, self.weight, bias)
+            return gemv(x, self.weight, bias, weight_scale=scale)
         if self.path.skinny_serves(x):
             from nanovllm.kernels.skinny_gemm import skinny_gemm
 
             return skinny_gemm(x, self.weight, bias)
+        if self.fp8 is not None:
+            return fp8_linear(x, self.fp8, bias)
         return F.linear(x, self.weight, bias)
 
 
 class ReplicatedLinear(_LinearBase):
     """y = x W^T with the whole W on every rank (an MoE router): `[*, in] -> [*, out]`."""
-
-    def weight_slice(self, param, loaded, shard_id=None):
-        _check_shape("replicated", param.shape, loaded)
-        return param.data, loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -99,14 +191,10 @@ class ColumnParallelLinear(_LinearBase):
     """y = x W^T with W's output rows split over ranks: `[*, in] -> [*, out / tp]`."""
 
     takes_norm = True
+    split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features // tp_size(), bias)
-
-    def weight_slice(self, param, loaded, shard_id=None):
-        shard = _rank_part("column-parallel", loaded, 0, param.shape[0], self.tp_rank, self.tp_size)
-        _check_shape("column-parallel", param.shape, shard)
-        return param.data, shard
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str | None = None):
+        super().__init__(in_features, out_features // tp_size(), bias, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -119,7 +207,8 @@ class ColumnParallelLinear(_LinearBase):
         if self.path.norm_serves(x):
             from nanovllm.kernels.gemv import rms_norm_gemv
 
-            y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+            y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
+                                 weight_scale=None if self.fp8 is None else self.fp8.scale)
             return y, x if s is None else s
         normed, s = norm.add_and_norm(x, residual)
         return self(normed), s
@@ -128,45 +217,41 @@ class ColumnParallelLinear(_LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed in one matmul (gate and up projections)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    # The SwiGLU MLP's gate and up projections (this class's one use).
+    checkpoint_parts = ("gate_proj", "up_proj")
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, prefix: str | None = None):
         self.output_sizes = output_sizes
         self.shard_ids = tuple(range(len(output_sizes)))
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, prefix)
 
-    def weight_slice(self, param, loaded, shard_id=None):
+    def shard_rows(self, shard_id):
         if shard_id not in self.shard_ids:
             raise ValueError(f"merged linear shard id must be one of {self.shard_ids}, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        rows = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, rows)
-        shard = _rank_part(f"shard {shard_id}", loaded, 0, rows, self.tp_rank, self.tp_size)
-        _check_shape(f"shard {shard_id}", target.shape, shard)
-        return target, shard
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, self.output_sizes[shard_id] // self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul, heads split over ranks."""
 
     shard_ids = ("q", "k", "v")
+    checkpoint_parts = ("q_proj", "k_proj", "v_proj")
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 prefix: str | None = None):
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
         self.num_kv_heads = num_kv_heads // tp
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, prefix)
 
-    def weight_slice(self, param, loaded, shard_id=None):
+    def shard_rows(self, shard_id):
         q_rows = self.num_heads * self.head_dim
         kv_rows = self.num_kv_heads * self.head_dim
         offsets = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}
         if shard_id not in offsets:
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, rows = offsets[shard_id]
-        target = param.data.narrow(0, offset, rows)
-        shard = _rank_part(f"{shard_id}_proj", loaded, 0, rows, self.tp_rank, self.tp_size)
-        _check_shape(f"{shard_id}_proj", target.shape, shard)
-        return target, shard
+        return offsets[shard_id]
 
 
 class RowParallelLinear(_LinearBase):
@@ -175,14 +260,10 @@ class RowParallelLinear(_LinearBase):
     `[*, in / tp] -> [*, out]`; the bias is added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features // tp_size(), out_features, bias)
+    split_dim = 1
 
-    def weight_slice(self, param, loaded, shard_id=None):
-        if param.dim() == 2:
-            loaded = _rank_part("row-parallel", loaded, 1, param.shape[1], self.tp_rank, self.tp_size)
-        _check_shape("row-parallel", param.shape, loaded)
-        return param.data, loaded
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str | None = None):
+        super().__init__(in_features // tp_size(), out_features, bias, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self._linear(x, None))
@@ -203,13 +284,14 @@ class SiluMulRowParallelLinear(RowParallelLinear):
     GEMM with SiLU-and-mul inside measured slower than the two kernels: 11.2 vs 8.2 us, 0.6B down
     at 16 rows)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str | None = None):
+        super().__init__(in_features, out_features, bias, prefix)
         self.act = SiluAndMul()
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.path.gemv_serves(gate_up):
             from nanovllm.kernels.gemv import silu_mul_gemv
 
-            return self._reduce(silu_mul_gemv(gate_up, self.weight))
+            scale = None if self.fp8 is None else self.fp8.scale
+            return self._reduce(silu_mul_gemv(gate_up, self.weight, weight_scale=scale))
         return super().forward(self.act(gate_up))

@@ -32,16 +32,20 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 class SelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary_emb: RotaryEmbedding, qk_norm: bool, rms_norm_eps: float, qkv_bias: bool, o_bias: bool):
+                 rotary_emb: RotaryEmbedding, qk_norm: bool, rms_norm_eps: float, qkv_bias: bool, o_bias: bool,
+                 prefix: str | None = None):
         """`num_heads` / `num_kv_heads` are the model's (split over tensor-parallel ranks here);
         `rotary_emb` is the model's one RoPE table; `qk_norm`: per-head RMSNorm of q and k
-        (eps `rms_norm_eps`) before RoPE."""
+        (eps `rms_norm_eps`) before RoPE; `prefix`: the module's checkpoint name (its
+        projections ask their weight format by it)."""
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        names = (None, None) if prefix is None else (f"{prefix}.qkv_proj", f"{prefix}.o_proj")
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias,
+                                          prefix=names[0])
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, prefix=names[1])
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)

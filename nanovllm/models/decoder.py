@@ -40,11 +40,19 @@ class DecoderTraits:
     mlp_bias: bool  # biases on the gate, up and down projections
 
 
+def layer_prefix(layer_idx: int) -> str:
+    """Decoder layer `layer_idx`'s checkpoint name: its layers ask their weight format by names
+    under it (quantization/config.py)."""
+    return f"model.layers.{layer_idx}"
+
+
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, bias: bool):
+    def __init__(self, cfg: ModelConfig, bias: bool, prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = SiluMulRowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = SiluMulRowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+                                                  prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # [N, 2 I / tp] -> down(SiLU(gate) * up) [N, hidden]
@@ -57,11 +65,13 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, traits: DecoderTraits, rotary_emb: RotaryEmbedding, mlp: nn.Module,
+                 prefix: str):
         super().__init__()
         self.self_attn = SelfAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary_emb,
             qk_norm=traits.qk_norm, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=traits.qkv_bias, o_bias=traits.o_bias,
+            prefix=f"{prefix}.self_attn",
         )
         self.mlp = mlp  # [N, hidden] -> [N, hidden]; forward_normed(x, residual, norm) -> (out, x + residual)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,7 +90,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb, build_mlp(i))
+        self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb, build_mlp(i), layer_prefix(i))
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -118,7 +128,7 @@ class DecoderForCausalLM(nn.Module):
 
     def build_mlp(self, cfg: ModelConfig, traits: DecoderTraits, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP: the dense SwiGLU (a family with other MLPs overrides this)."""
-        return DecoderMLP(cfg, traits.mlp_bias)
+        return DecoderMLP(cfg, traits.mlp_bias, f"{layer_prefix(layer_idx)}.mlp")
 
     def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None]:
         """Checkpoint tensor name -> (parameter name, shard id): `...q_proj.weight` fills shard

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,6 +105,9 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # config.json's quantization_config as written (None: full precision); read by
+    # quantization/config.resolve_quantization at LLM(...).
+    quantization_config: dict | None = field(default=None, compare=False)
 
     def sparse_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose MLP routes to experts (none for a dense model)."""
@@ -162,6 +165,7 @@ class ModelConfig:
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=eos_ids,
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
+                quantization_config=raw.get("quantization_config"),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanovllm.moe.layer import SparseMoeBlock, map_expert_name
-from nanovllm.models.decoder import DecoderForCausalLM, DecoderTraits
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderTraits, layer_prefix
 from nanovllm.models.model_config import ModelConfig
 
 
@@ -30,7 +30,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         if not moe.is_sparse(layer_idx):
             return super().build_mlp(cfg, traits, layer_idx)
         return SparseMoeBlock(cfg.hidden_size, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
-                              moe.norm_topk_prob)
+                              moe.norm_topk_prob, prefix=f"{layer_prefix(layer_idx)}.mlp")
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
         """Expert tensors -> the stacked w13 / w2 (moe/layer.map_expert_name); the rest as

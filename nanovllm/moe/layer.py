@@ -16,6 +16,11 @@ w2); transformers 5's in-memory state dict (what update_weights gets from a tran
 fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I],
 each filling a whole parameter (its `shard_groups`, utils/loader.py).
 
+FP8 experts (a checkpoint's per-expert `weight` + `weight_scale_inv`, or full-precision ones under
+LLM(quantization="fp8")): the experts ask their format by name at construction and the loader
+dequantizes them into w13 / w2 in the compute dtype, on CUDA too for now (no FP8 grouped GEMMs
+yet); the router stays in full precision.
+
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
 (moe/grouped_gemm.py: fixed shapes, routing read on the device, so decode steps stay inside CUDA
@@ -35,6 +40,7 @@ from torch import nn
 
 from nanovllm.layers.kernel_path import current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.quantization.config import LinearQuant, layer_format
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.validation import check_int
@@ -65,6 +71,26 @@ def map_expert_name(name: str) -> tuple[str, tuple[int, str] | str] | None:
         param = "w2" if m["proj"] == FUSED_DOWN else "w13"
         return f"{m['prefix']}.{param}", m["proj"]
     return None
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A fused expert tensor (transformers 5) -> the published per-expert tensors it holds; None
+    for another name. (Quantized experts are quantized one expert and projection at a time.)
+
+        ...experts.gate_up_proj [E, 2I, H] -> ...experts.{e}.gate_proj.weight, ...experts.{e}.up_proj.weight [I, H]
+        ...experts.down_proj [E, H, I]     -> ...experts.{e}.down_proj.weight [H, I]
+    """
+    m = _FUSED_NAME.fullmatch(name)
+    if m is None:
+        return None
+    if tensor.dim() != 3 or (m["proj"] == FUSED_GATE_UP and tensor.shape[1] % 2):
+        raise ValueError(f"fused expert tensor {name!r} must be [experts, rows, columns] (gate_up: even rows), "
+                         f"got {tuple(tensor.shape)}")
+    if m["proj"] == FUSED_DOWN:
+        return [(f"{m['prefix']}.{e}.{DOWN_PROJ}.weight", t) for e, t in enumerate(tensor)]
+    gate, up = tensor.chunk(2, dim=1)
+    return [(f"{m['prefix']}.{e}.{proj}.weight", t[e]) for e in range(tensor.shape[0])
+            for proj, t in ((GATE_PROJ, gate), (UP_PROJ, up))]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +127,10 @@ class MoeExperts(nn.Module):
     weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks).
     `rank` / `world_size`: the tensor-parallel part this layer holds (None: the process group's)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str | None = None, *,
                  rank: int | None = None, world_size: int | None = None):
+        """`prefix`: the checkpoint name of the experts module (`...mlp.experts`), by which
+        they ask for their weights' format (quantization/config.py); None: full precision."""
         super().__init__()
         self.tp_rank = tp_rank() if rank is None else rank
         self.tp_size = tp_size() if world_size is None else world_size
@@ -119,8 +147,13 @@ class MoeExperts(nn.Module):
         self.w2.shard_ids = tuple((e, DOWN_PROJ) for e in experts)
         self.w13.shard_groups = {FUSED_GATE_UP: self.w13.shard_ids}
         self.w2.shard_groups = {FUSED_DOWN: self.w2.shard_ids}
+        names = None if prefix is None else tuple(f"{prefix}.{e}.{proj}" for e in experts
+                                                  for proj in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
+        fmt = layer_format(names)
         for param in (self.w13, self.w2):
             param.weight_slice = self.weight_slice
+            if fmt is not None:  # FP8 experts: dequantized at load for now (no FP8 MoE kernels)
+                param.quant = LinearQuant(fmt, held=False)
         self.use_triton = uses_triton(self.w13.device)
         # Decode steps of up to this many tokens run the expert GEMVs (KernelRoutes; 0 off CUDA).
         self.gemv_tokens = 0
@@ -180,11 +213,15 @@ class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated [E, H], no bias) + experts: hidden [T, H] -> [T, H], summed
     over the ranks' parts of the intermediate dimension."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 prefix: str | None = None):
+        """`prefix`: the block's checkpoint name (`model.layers.{i}.mlp`), for the experts' weight
+        format; the router stays in full precision whatever the checkpoint's quantization."""
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size,
+                                  None if prefix is None else f"{prefix}.experts")
         if self.experts.use_triton:
             from nanovllm.moe.routing import moe_route
 

@@ -12,6 +12,10 @@ shard ids it fills; e.g. all experts' gate and up projections fused in one 3-D t
 checkpoint of either form counts as complete.
 
     checkpoint name --map_checkpoint_name--> (parameter, shard id) --weight_slice--> (destination, source)
+
+A model with quantized layers (a parameter carries `quant`) first passes each named tensor
+through quantization/loading.QuantizedTensors: FP8 weights and their scales pass on or are
+dequantized, full-precision ones (online FP8, update_weights) are quantized.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
+from nanovllm.quantization.loading import QuantizedTensors
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
@@ -59,6 +66,17 @@ class _WeightMap:
         self.expected: set[ParamKey] = {
             (name, sid) for name, p in self.params.items() for sid in getattr(p, "shard_ids", (None,))
         }
+        self.quantized = any(hasattr(p, "quant") for p in self.params.values())
+
+    def quant_of(self, ckpt_name: str) -> LinearQuant | None:
+        """The quantization of the parameter `ckpt_name` fills (None: none, or no such parameter)."""
+        if self.model.ignored_checkpoint_name(ckpt_name):
+            return None
+        return getattr(self.params.get(self.model.map_checkpoint_name(ckpt_name)[0]), "quant", None)
+
+    def converter(self, update: bool) -> QuantizedTensors | None:
+        """The step named tensors pass through before `fill` (None: no parameter is quantized)."""
+        return QuantizedTensors(self.quant_of, update) if self.quantized else None
 
     def fill(self, ckpt_name: str, tensor: torch.Tensor) -> _Fill | None:
         """Where `tensor` goes; None for a name the model ignores; ValueError if unknown or misshapen."""
@@ -83,6 +101,11 @@ class _WeightMap:
         return _Fill(keys, destination, source)
 
 
+def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) through the quantization step, if any."""
+    return [(name, tensor)] if convert is None else convert(name, tensor)
+
+
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of the *.safetensors files in `path`, read one at a time."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -99,12 +122,15 @@ def load_model(model: nn.Module, path: str) -> None:
     missing tensor, an unknown one or a wrong shape is a ValueError naming it."""
     weights = _WeightMap(model)
     loaded: set[ParamKey] = set()
-    for name, tensor in checkpoint_tensors(path):
-        fill = weights.fill(name, tensor)
-        if fill is not None:
-            fill.destination.copy_(fill.source)
-            loaded.update(fill.keys)
+    convert = weights.converter(update=False)
+    for ckpt_name, ckpt_tensor in checkpoint_tensors(path):
+        for name, tensor in _converted(convert, ckpt_name, ckpt_tensor):
+            fill = weights.fill(name, tensor)
+            if fill is not None:
+                fill.destination.copy_(fill.source)
+                loaded.update(fill.keys)
     missing = [n + (f" (shard {s})" if s is not None else "") for n, s in weights.expected - loaded]
+    missing += convert.missing() if convert is not None else []
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
 
@@ -116,6 +142,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     may be given. Every name and shape is checked before any parameter changes (one
     ValueError naming all the bad ones). Returns the number of tensors copied."""
     weights = _WeightMap(model)
+    convert = weights.converter(update=True)
     fills: list[_Fill] = []
     errors: list[str] = []
     for item in named_tensors:
@@ -123,12 +150,12 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
         try:
-            fill = weights.fill(*item)
+            for name, tensor in _converted(convert, *item):
+                fill = weights.fill(name, tensor)
+                if fill is not None:
+                    fills.append(fill)
         except ValueError as e:
             errors.append(str(e))
-            continue
-        if fill is not None:
-            fills.append(fill)
     if errors:
         raise ValueError(f"update_weights: {len(errors)} bad weight(s), nothing changed: {'; '.join(errors[:MAX_NAMES_SHOWN])}")
     for fill in fills:
@@ -137,12 +164,19 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights for benchmarks: normal(0, DUMMY_WEIGHT_STD), norms at one."""
+    """Random weights for benchmarks: normal(0, DUMMY_WEIGHT_STD), norms at one; FP8 weights
+    normal(0, 1) with their scales at DUMMY_WEIGHT_STD (static input scales at one)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.endswith(INPUT_SCALE):
             param.data.fill_(1.0)
+            continue
+        if name.endswith((SCALE, SCALE_INV)):
+            param.data.fill_(DUMMY_WEIGHT_STD)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dtype == FP8_DTYPE:
+            param.data.copy_(torch.randn(param.shape, generator=generators[param.device], device=param.device))
+            continue
         param.data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])

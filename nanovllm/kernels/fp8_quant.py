@@ -1,0 +1,108 @@
+"""Triton FP8 quantization of activations, for torch._scaled_mm: x [M, K] -> (q, scales).
+
+    per token (dynamic):    s[m]    = max(amax(x[m, :]) / 448, FP8_MIN_SCALE)         scales [M, 1]
+    per group (dynamic):    s[m, g] = max(amax(x[m, g*128 : (g+1)*128]) / 448, FP8_MIN_SCALE)
+                                                scales [M, K/128], column-major (the transpose of a
+                                                contiguous [K/128, M]: _scaled_mm's blockwise layout)
+    static:                 s[m]    = the given per-tensor scale                      scales [M, 1]
+    q = float8_e4m3fn(clamp(x / s, -448, 448))   (correctly rounded division, as torch divides)
+
+Grid (rows, groups): a per-token program walks its row twice in BLOCK-column steps (amax, then
+quantize); a per-group program quantizes its one group. `rows` may exceed M (padding rows for
+the GEMM: zeros, scale FP8_MIN_SCALE). Shapes only set the launch, so calls are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import checks
+from .checks import FP8_BLOCK, check_matrix, next_pow2
+
+# The clamp bound and scale floor (kernels/checks.py), as constants compiled kernels can read.
+FP8_MAX = tl.constexpr(checks.FP8_MAX)
+FP8_MIN_SCALE = tl.constexpr(checks.FP8_MIN_SCALE)
+# Triton's CPU interpreter loses the carry when a float32 -> e4m3 cast rounds up to the next
+# power of two (127.03 -> 64); under it `_to_fp8` rounds to the e4m3 grid by hand first (normal
+# values: 3 mantissa bits; below FP8_MIN_NORMAL: multiples of 2^-9, by adding and removing
+# SUBNORMAL_SHIFT), so the cast is exact. A tl.constexpr: jitted code may read a global only so.
+INTERPRET = tl.constexpr(checks.INTERPRET)
+FP8_MIN_NORMAL = tl.constexpr(2.0**-6)
+SUBNORMAL_SHIFT = tl.constexpr(1.5 * 2.0**14)
+# Columns per step of a per-token program: 2048 bf16 = 4 KB, 16 per thread at 4 warps.
+MAX_BLOCK = 2048
+NUM_WARPS = 4
+
+
+@triton.jit
+def _to_fp8(x, dtype: tl.constexpr):
+    """float32 x (|x| <= 448) -> e4m3 `dtype`, round to nearest even (torch's and the GPU's cast)."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) >= FP8_MIN_NORMAL, normal, (x + SUBNORMAL_SHIFT) - SUBNORMAL_SHIFT)
+    return x.to(dtype)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, k_in, group, stride_x, stride_q, stride_sm, stride_sg,
+                  STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * group
+    end = tl.minimum(start + group, k_in)
+    filled = tl.where(row < n_rows, end, start)  # padding rows read nothing: zeros
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    cols = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(start, end, BLOCK):
+            x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
+    tl.store(s_ptr + row.to(tl.int64) * stride_sm + g * stride_sg, scale)
+    for c in range(start, end, BLOCK):
+        mask = c + cols < end
+        x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_row + c + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
+                  rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [rows, K], scales float32): per token (group None), per
+    FP8_BLOCK-column group (group=FP8_BLOCK: scales [rows, K/128] column-major) or with the
+    per-tensor `static_scale` (a one-element float32 tensor). `rows` >= M pads with zero rows
+    (default M)."""
+    check_matrix("x", x)
+    m, k = x.shape
+    rows = m if rows is None else rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < m:
+        raise ValueError(f"rows must be an int >= x's {m} rows, got {rows!r}")
+    if group not in (None, FP8_BLOCK):
+        raise ValueError(f"group must be None (per token) or {FP8_BLOCK}, got {group!r}")
+    if static_scale is not None:
+        if group is not None:
+            raise ValueError("a static scale is per tensor: it takes no group")
+        if (not isinstance(static_scale, torch.Tensor) or static_scale.numel() != 1
+                or static_scale.dtype != torch.float32 or static_scale.device != x.device):
+            raise ValueError(f"static_scale must be a one-element float32 tensor on {x.device}, got {static_scale!r}")
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if group is None:
+        groups, block, size = 1, min(MAX_BLOCK, next_pow2(k)), k
+        scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    else:
+        groups, block, size = triton.cdiv(k, group), group, group
+        scales = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()  # [rows, groups]
+    if rows == 0 or k == 0:
+        return q, scales
+    _quant_kernel[(rows, groups)](
+        x, q, scales, static_scale if static_scale is not None else scales, m, k, size, x.stride(0), q.stride(0),
+        scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, num_warps=NUM_WARPS,
+    )
+    return q, scales

@@ -1,0 +1,2 @@
+"""FP8 weights: which layers hold them and how (config.py, the one place that decides), their
+numerics and matmul (fp8.py), and the checkpoint tensors a quantized model takes (loading.py)."""

@@ -1,0 +1,232 @@
+"""Which weights are FP8, and how: the one place that decides the format of a layer's weights.
+
+`resolve_quantization(LLM(quantization=...), config.json's quantization_config)` reads one of
+
+    Qwen / DeepSeek fine-grained FP8   quant_method "fp8": e4m3 weights, `weight_scale_inv` per
+                                       [128, 128] block (weight_block_size) or, without a block
+                                       size, `weight_scale` per tensor; activation_scheme
+                                       "dynamic" (or "static": per-tensor `input_scale`);
+                                       modules_to_not_convert stay full precision
+    compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized":
+                                       one config group targeting Linear, 8-bit float weights with
+                                       `weight_scale` per tensor, per output channel or per
+                                       [128, 128] block; activations dynamic per token or static
+                                       per tensor (`input_scale`); `ignore` stays full precision
+    online FP8                         LLM(quantization="fp8") on a full-precision checkpoint:
+                                       weights quantized at load, one scale per output channel
+                                       (amax / 448), activations dynamic per token
+
+into a QuantConfig; any other quant_method or quantization value is a ValueError naming it. A
+layer built inside `quantization(config)` asks `linear_quant(names, ...)` with the checkpoint
+module names it is built from (a packed layer: all of its parts) and keeps the answer:
+
+    None                      full precision (no config, a skipped module, or a layer built
+                              without names: the MoE router)
+    LinearQuant(fmt, held)    held=True: the weight stays float8 with its scales (CUDA, bf16
+                              compute, shapes the FP8 kernels take); held=False: the loader
+                              dequantizes it into the compute dtype (CPU, MoE experts for now)
+
+Skip-list entries match a module whose dotted name contains the entry as whole components
+("lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"); "re:" entries are regular
+expressions matched from the name's start (compressed-tensors' rule).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.kernels.checks import FP8_BLOCK
+
+FP8_DTYPE = torch.float8_e4m3fn
+# The values LLM(quantization=...) takes.
+QUANTIZATION_CHOICES = (None, "fp8")
+# quant_method values of config.json's quantization_config that load.
+SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+# Scale granularities: one per [FP8_BLOCK, FP8_BLOCK] block, per output row, per checkpoint tensor.
+BLOCK, CHANNEL, TENSOR = "block", "channel", "tensor"
+# Checkpoint names of a weight's scale: Qwen / DeepSeek block FP8, and every other layout.
+SCALE_INV, SCALE = "weight_scale_inv", "weight_scale"
+INPUT_SCALE = "input_scale"
+# The one compressed-tensors format that holds FP8 weights.
+FLOAT_QUANTIZED = "float-quantized"
+_REGEX_PREFIX = "re:"
+# torch._scaled_mm wants its operands' widths in multiples of 16 (K: measured on the H200).
+FP8_GEMM_ALIGN = 16
+# Held block-FP8 layers take widths (in and out) in multiples of this: weight-scale grids with
+# sides a multiple of 4, like the activation scales' rows (cuBLAS's blockwise scaling refused
+# other row counts on the H200); only such widths were checked there (every Qwen3 width is one).
+BLOCKWISE_ALIGN = 4 * FP8_BLOCK
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How a layer's weights are quantized, and so what its checkpoint holds."""
+
+    scales: str  # BLOCK, CHANNEL or TENSOR
+    scale_name: str  # the scale tensor's checkpoint name beside `weight`
+    static_input: bool  # activations quantized with the checkpoint's per-tensor input_scale
+    online: bool  # the checkpoint is full precision: weights are quantized at load
+
+    @property
+    def requant_scales(self) -> str:
+        """Scales of weights quantized here (online loads, update_weights): the checkpoint's
+        blocks, else one per output channel."""
+        return BLOCK if self.scales == BLOCK else CHANNEL
+
+
+@dataclass(frozen=True)
+class LinearQuant:
+    """A quantized layer's format, and whether its weight stays FP8 (else: dequantized at load)."""
+
+    fmt: Fp8Format
+    held: bool
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    fmt: Fp8Format
+    skip: tuple[str, ...]  # modules kept in full precision (module docstring: how entries match)
+
+    def skipped(self, name: str) -> bool:
+        for entry in self.skip:
+            if entry.startswith(_REGEX_PREFIX):
+                if re.match(entry[len(_REGEX_PREFIX):], name):
+                    return True
+            elif f".{entry}." in f".{name}.":
+                return True
+        return False
+
+    def format_for(self, names: tuple[str, ...]) -> Fp8Format | None:
+        """The format of a layer built from checkpoint modules `names`; None: full precision.
+        A packed layer's parts must agree (ValueError naming them otherwise)."""
+        skipped = [self.skipped(n) for n in names]
+        if all(skipped):
+            return None
+        if any(skipped):
+            kept = [n for n, s in zip(names, skipped) if s]
+            raise ValueError(f"modules {list(names)} are packed into one layer, but the quantization config "
+                             f"keeps {kept} in full precision and quantizes the others")
+        return self.fmt
+
+
+def _field(cfg: dict, key: str, allowed: tuple, default: object, source: str) -> object:
+    value = cfg.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"{source}: {key}={value!r} is not supported (supported: {', '.join(map(repr, allowed))})")
+    return value
+
+
+def _skip_list(cfg: dict, key: str, source: str) -> tuple[str, ...]:
+    entries = cfg.get(key) or []
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ValueError(f"{source}: {key} must be a list of module names, got {entries!r}")
+    return tuple(entries)
+
+
+def _block_size(value: object, key: str, source: str) -> None:
+    if not isinstance(value, (list, tuple)) or list(value) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(f"{source}: {key}={value!r} is not supported (only [{FP8_BLOCK}, {FP8_BLOCK}])")
+
+
+def _fp8_method(cfg: dict, source: str) -> QuantConfig:
+    """quant_method "fp8" (Qwen's and DeepSeek's FP8 checkpoints, vLLM's Fp8Config)."""
+    _field(cfg, "fmt", ("e4m3",), "e4m3", source)
+    static = _field(cfg, "activation_scheme", ("dynamic", "static"), "dynamic", source) == "static"
+    block = cfg.get("weight_block_size")
+    if block is not None:
+        _block_size(block, "weight_block_size", source)
+        if static:
+            raise ValueError(f"{source}: activation_scheme='static' with weight_block_size is not supported")
+    fmt = Fp8Format(BLOCK if block is not None else TENSOR, SCALE_INV if block is not None else SCALE, static, False)
+    skip = _skip_list(cfg, "modules_to_not_convert", source) + _skip_list(cfg, "ignored_layers", source)
+    return QuantConfig(fmt, skip)
+
+
+def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
+    """quant_method "compressed-tensors" with FP8 weights (RedHat's / llm-compressor's FP8)."""
+    _field(cfg, "format", (FLOAT_QUANTIZED,), None, source)
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ValueError(f"{source}: config_groups must hold exactly one group, got {groups!r}")
+    (name, group), = groups.items()
+    where = f"{source}: config_groups.{name}"
+    if group.get("targets") != ["Linear"]:
+        raise ValueError(f"{where}.targets={group.get('targets')!r} is not supported (only ['Linear'])")
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    for key, value in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
+        _field(weights, key, (value,), value, f"{where}.weights")
+    scales = _field(weights, "strategy", (TENSOR, CHANNEL, BLOCK), None, f"{where}.weights")
+    if scales == BLOCK:
+        _block_size(weights.get("block_structure"), "block_structure", f"{where}.weights")
+    if not isinstance(acts, dict):
+        raise ValueError(f"{where}: weight-only FP8 (no input_activations) is not supported")
+    for key, value in (("num_bits", 8), ("type", "float")):
+        _field(acts, key, (value,), value, f"{where}.input_activations")
+    strategy = _field(acts, "strategy", ("token", TENSOR), None, f"{where}.input_activations")
+    if acts.get("dynamic") is not (strategy == "token"):
+        raise ValueError(f"{where}.input_activations: strategy {strategy!r} needs dynamic="
+                         f"{strategy == 'token'} (dynamic per token or static per tensor), got {acts.get('dynamic')!r}")
+    if strategy == TENSOR and scales == BLOCK:
+        raise ValueError(f"{where}: static activations with block weights are not supported")
+    return QuantConfig(Fp8Format(scales, SCALE, strategy == TENSOR, False), _skip_list(cfg, "ignore", source))
+
+
+def resolve_quantization(quantization: object, checkpoint: object, source: str) -> QuantConfig | None:
+    """The QuantConfig of LLM(quantization=...) and config.json's quantization_config (None:
+    full precision). A checkpoint that is FP8 already loads as it is, also under "fp8"."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    if checkpoint is None:
+        return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
+    method = checkpoint.get("quant_method")
+    if method == "fp8":
+        return _fp8_method(checkpoint, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors(checkpoint, source)
+    raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported "
+                     f"(supported: {', '.join(map(repr, SUPPORTED_METHODS))}, FP8 weights)")
+
+
+_QUANT: ContextVar[QuantConfig | None] = ContextVar("quantization", default=None)
+
+
+@contextmanager
+def quantization(config: QuantConfig | None) -> Iterator[None]:
+    """Layers constructed inside this block take their formats from `config` (reset on exit)."""
+    token = _QUANT.set(config)
+    try:
+        yield
+    finally:
+        _QUANT.reset(token)
+
+
+def layer_format(names: tuple[str, ...] | None) -> Fp8Format | None:
+    """The format of a layer built now from checkpoint modules `names` (None: never quantized)."""
+    config = _QUANT.get()
+    return None if config is None or names is None else config.format_for(names)
+
+
+def linear_quant(names: tuple[str, ...] | None, out_parts: list[int], in_features: int,
+                 device: torch.device) -> LinearQuant | None:
+    """A linear layer's quantization: its format, and whether its weight [sum(out_parts),
+    in_features] (this rank's part; out_parts: its packed parts' rows) stays FP8. It does on
+    CUDA with bf16 compute where torch._scaled_mm takes the shapes: block scales need every
+    part in whole blocks (the parts' grids then stack into the layer's) and both widths in
+    multiples of BLOCKWISE_ALIGN, the others widths in multiples of 16."""
+    fmt = layer_format(names)
+    if fmt is None:
+        return None
+    if fmt.scales == BLOCK:
+        fits = (in_features % BLOCKWISE_ALIGN == 0 and sum(out_parts) % BLOCKWISE_ALIGN == 0
+                and all(rows % FP8_BLOCK == 0 for rows in out_parts))
+    else:
+        fits = in_features % FP8_GEMM_ALIGN == 0 and sum(out_parts) % FP8_GEMM_ALIGN == 0
+    return LinearQuant(fmt, device.type == "cuda" and torch.get_default_dtype() == torch.bfloat16 and fits)

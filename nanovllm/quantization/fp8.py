@@ -1,0 +1,122 @@
+"""FP8 weights in PyTorch: quantized and dequantized at load (and by update_weights), and the
+CUDA matmul of a layer that holds them.
+
+    quantize_weight(w [N, K], BLOCK)    -> (q [N, K] e4m3, s [ceil(N/128), ceil(K/128)])  s = amax(block) / 448
+    quantize_weight(w [N, K], CHANNEL)  -> (q, s [N, 1])                                  s = amax(row) / 448
+        q = e4m3(clamp(w / s, -448, 448)), s floored at FP8_MIN_SCALE (an all-zero block)
+    dequantize_weight(q, s, scales)     -> float32 q * s, s spread over its block, row or tensor
+
+    fp8_linear(x [M, K], Fp8Weights)    -> [M, N]: x quantized per token (per 1 x 128 group for
+        block weights, with the static input scale where the checkpoint has one) by
+        kernels/fp8_quant.py, then torch._scaled_mm (rowwise or blockwise scales)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE
+from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
+
+# torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
+# this (H200, torch 2.11: 1-3, 5 and 17 rows refused, 4-32 in steps of 4 taken); the
+# activations are padded with zero rows.
+BLOCKWISE_ROW_MULTIPLE = 4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def expand_blocks(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A block grid [ceil(n/128), ceil(k/128)] spread over its [n, k] weight."""
+    return s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 rounded once to float32, on every device (CUDA divides a tensor by a number as a
+    product with its reciprocal), floored at FP8_MIN_SCALE."""
+    return (amax.double() / FP8_MAX).float().clamp(min=FP8_MIN_SCALE)
+
+
+def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (q float8_e4m3fn [N, K], s float32): BLOCK scales
+    [ceil(N/128), ceil(K/128)] or CHANNEL scales [N, 1], each amax / 448."""
+    if w.dim() != 2:
+        raise ValueError(f"a weight to quantize must be 2-D, got shape {tuple(w.shape)}")
+    w = w.float()
+    n, k = w.shape
+    if scales == BLOCK:
+        gn, gk = _cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK)
+        padded = F.pad(w, (0, gk * FP8_BLOCK - k, 0, gn * FP8_BLOCK - n)).view(gn, FP8_BLOCK, gk, FP8_BLOCK)
+        s = _scale(padded.abs().amax(dim=(1, 3)))  # [gn, gk]
+        return _to_fp8(w / expand_blocks(s, n, k)), s
+    if scales == CHANNEL:
+        s = _scale(w.abs().amax(dim=1, keepdim=True))  # [N, 1]
+        return _to_fp8(w / s), s
+    raise ValueError(f"weights are quantized with {BLOCK!r} or {CHANNEL!r} scales, got {scales!r}")
+
+
+def scale_shape_ok(s: torch.Tensor, n: int, k: int, scales: str) -> bool:
+    """Whether `s` is a checkpoint's `scales` scale of an [n, k] weight: a block grid, [n, 1] or
+    [n] per channel, [1] or [] per tensor."""
+    if scales == BLOCK:
+        return tuple(s.shape) == (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+    if scales == CHANNEL:
+        return tuple(s.shape) in ((n, 1), (n,))
+    return s.numel() == 1 and s.dim() <= 1
+
+
+def dequantize_weight(q: torch.Tensor, s: torch.Tensor, scales: str) -> torch.Tensor:
+    """q [N, K] (float8) and its scale (`scales`: BLOCK, CHANNEL or TENSOR) -> float32 q * s."""
+    n, k = q.shape
+    if not scale_shape_ok(s, n, k, scales):
+        raise ValueError(f"a {scales} scale of a weight {tuple(q.shape)} has the wrong shape {tuple(s.shape)}")
+    s = s.float()
+    if scales == BLOCK:
+        s = expand_blocks(s, n, k)
+    elif scales == CHANNEL:
+        s = s.reshape(n, 1)
+    elif scales == TENSOR:
+        s = s.reshape(())
+    return q.float() * s
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """A held FP8 layer's tensors (its registered parameters): weight [N, K] float8_e4m3fn;
+    scale float32, [N] per output row (channel and tensor checkpoints alike) or the block grid
+    [N/128, K/128]; input_scale [parts] float32 per packed part (static activations) or None."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    input_scale: torch.Tensor | None
+
+    @property
+    def blocks(self) -> bool:
+        return self.scale.dim() == 2
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in x's dtype, through torch._scaled_mm
+    on x quantized per token (per 1 x 128 group for block weights; static: the largest of the
+    parts' input scales, as one packed matmul takes one)."""
+    from nanovllm.kernels.fp8_quant import quantize_rows
+
+    m = x.shape[0]
+    if w.blocks:
+        rows = _cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
+        xq, xs = quantize_rows(x, group=FP8_BLOCK, rows=rows)  # [rows, K], [rows, K/128] column-major
+        y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.t(), out_dtype=x.dtype)[:m]
+        return y if bias is None else y + bias
+    static = None if w.input_scale is None else w.input_scale.max().reshape(1)
+    xq, xs = quantize_rows(x, static_scale=static)  # [M, K], [M, 1]
+    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=x.dtype,
+                            bias=bias)

@@ -1,0 +1,105 @@
+"""Checkpoint tensors -> the tensors a model with quantized layers takes (utils/loader.py passes
+each named tensor through `QuantizedTensors` when a parameter of the model is quantized).
+
+A quantized layer's weight parameter carries its LinearQuant (`param.quant`, set at
+construction). By what it holds and where the tensor comes from:
+
+                     FP8 checkpoint: weight + its scale      full precision: online FP8, update_weights
+    held (CUDA)      passed on as they are                    quantized here (block scales, else per
+                                                              channel), weight and scale passed on
+    dequantized      paired up, then weight x scale           quantized, then dequantized here: the
+                                                              engine sees the quantization error
+
+Static input scales go to held layers and are dropped where the layer computes in full
+precision. A float8 tensor for a module the config leaves in full precision, a full-precision
+one where the checkpoint should be FP8, scales given to update_weights, and a weight without
+its scale or a scale without its weight (`missing`) are ValueErrors naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.moe.layer import split_fused_experts
+from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
+from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
+
+_WEIGHT = "weight"
+
+
+class QuantizedTensors:
+    """Calls map one (checkpoint name, tensor) to the (name, tensor) pairs the loader fills."""
+
+    def __init__(self, quant_of: Callable[[str], LinearQuant | None], update: bool):
+        """`quant_of(name)`: the LinearQuant of the parameter checkpoint tensor `name` fills
+        (None: not quantized); `update`: tensors come from update_weights (full precision)."""
+        self.quant_of = quant_of
+        self.source = "update_weights" if update else "the checkpoint"
+        self.update = update
+        self.pending: dict[str, tuple[LinearQuant, dict[str, torch.Tensor]]] = {}  # module -> its half of a pair
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        module, _, leaf = name.rpartition(".")
+        if leaf in (SCALE_INV, SCALE, INPUT_SCALE):
+            return self._scale(name, module, leaf, tensor)
+        quant = self.quant_of(name)
+        if quant is None:
+            if tensor.dtype == FP8_DTYPE:
+                raise ValueError(f"weight {name!r} is float8, but the quantization config keeps its module in "
+                                 f"full precision (or there is none)")
+            return [(name, tensor)]
+        if leaf != _WEIGHT:  # transformers 5's fused experts: quantized per expert and projection
+            parts = split_fused_experts(name, tensor)
+            return [(name, tensor)] if parts is None else [out for part in parts for out in self(*part)]
+        fp8 = tensor.dtype == FP8_DTYPE
+        if self.update or quant.fmt.online:
+            if fp8:
+                raise ValueError(f"weight {name!r}: {self.source} takes full-precision weights for an FP8 engine "
+                                 f"(they are quantized here), got float8")
+            return self._quantized(name, module, tensor, quant)
+        if not fp8:
+            raise ValueError(f"weight {name!r} is {tensor.dtype}, but the checkpoint's quantization config makes "
+                             f"module {module!r} FP8 (list modules kept in full precision in its "
+                             f"modules_to_not_convert / ignore)")
+        return [(name, tensor)] if quant.held else self._pair(module, quant, _WEIGHT, tensor)
+
+    def _scale(self, name: str, module: str, leaf: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        quant = self.quant_of(f"{module}.{_WEIGHT}")
+        if quant is None:
+            return [(name, tensor)]  # no parameter takes it: the loader names it
+        if self.update or quant.fmt.online:
+            raise ValueError(f"{name!r}: {self.source} takes full-precision weights only (their scales are "
+                             f"computed here)")
+        if leaf == INPUT_SCALE and quant.fmt.static_input and not quant.held:
+            return []  # the layer computes in full precision: activations are not quantized
+        if quant.held or leaf != quant.fmt.scale_name:
+            return [(name, tensor)]
+        return self._pair(module, quant, "scale", tensor)
+
+    def _pair(self, module: str, quant: LinearQuant, part: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Keep one half of a weight / scale pair; with both, the dequantized weight."""
+        parts = self.pending.setdefault(module, (quant, {}))[1]
+        parts[part] = tensor
+        if len(parts) < 2:
+            return []
+        del self.pending[module]
+        try:
+            return [(f"{module}.{_WEIGHT}", dequantize_weight(parts[_WEIGHT], parts["scale"], quant.fmt.scales))]
+        except ValueError as e:
+            raise ValueError(f"{module}.{quant.fmt.scale_name}: {e}") from None
+
+    def _quantized(self, name: str, module: str, tensor: torch.Tensor,
+                   quant: LinearQuant) -> list[tuple[str, torch.Tensor]]:
+        if tensor.dim() != 2:
+            raise ValueError(f"weight {name!r} must be 2-D to be quantized, got shape {tuple(tensor.shape)}")
+        q, s = quantize_weight(tensor, quant.fmt.requant_scales)
+        if quant.held:
+            return [(name, q), (f"{module}.{quant.fmt.scale_name}", s)]
+        return [(name, dequantize_weight(q, s, quant.fmt.requant_scales))]
+
+    def missing(self) -> list[str]:
+        """The other halves of the pairs still waiting (at the end of a checkpoint: missing)."""
+        return [f"{module}.{quant.fmt.scale_name if _WEIGHT in parts else _WEIGHT}"
+                for module, (quant, parts) in self.pending.items()]

@@ -1,0 +1,196 @@
+"""FP8 checkpoints for the tests, written here from full-precision ones in the published layouts,
+with quantization written out independently of nanovllm (loops over blocks, rows, tensors).
+
+    qwen-block      quant_method "fp8", weight_block_size [128, 128]: `weight_scale_inv` per block
+    qwen-tensor     quant_method "fp8" without a block size: `weight_scale` per tensor
+    ct-channel      compressed-tensors, `weight_scale` [out, 1] per channel, dynamic per-token activations
+    ct-tensor       compressed-tensors, `weight_scale` [1] per tensor, static `input_scale` [1]
+                    (calibrated on the dequantized model: `input_scales`)
+
+`write_fp8(src, dst, ref, layout, skip)` writes the FP8 checkpoint to `dst` and, to `ref`, the
+same model with every quantized weight replaced by its dequantized value (fp8 x scale): the
+transformers reference. Before quantizing, each projection weight is multiplied by log-normal
+row and column factors, so blocks, rows and tensors get scales far apart (a scale applied to
+the wrong block changes the logits).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+TINY = 1e-12  # the scale of an all-zero block
+# The projections a layout quantizes (the router `mlp.gate`, embeddings, norms, lm_head stay).
+PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+# Static activation scales: this many times the largest input seen on CALIBRATION_PROMPTS random
+# prompts of CALIBRATION_TOKENS tokens (headroom for the tests' other prompts).
+INPUT_MARGIN = 2.0
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 4, 128
+# Spread (std of the log) of the row and column factors the projections are multiplied by.
+SPREAD = 0.7
+
+LAYOUTS = {
+    "qwen-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [BLOCK, BLOCK]},
+    "qwen-tensor": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+    "ct-channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+    "ct-tensor": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+}
+SCALE_NAMES = {"qwen-block": "weight_scale_inv", "qwen-tensor": "weight_scale", "ct-channel": "weight_scale",
+               "ct-tensor": "weight_scale"}
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scales [ceil(N/128), ceil(K/128)]), block by block."""
+    w = w.float()
+    n, k = w.shape
+    gn, gk = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
+    q = torch.empty(n, k, dtype=FP8)
+    s = torch.empty(gn, gk)
+    for i in range(gn):
+        for j in range(gk):
+            block = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            s[i, j] = max(block.abs().max().item() / E4M3_MAX, TINY)
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = to_fp8(block / s[i, j])
+    return q, s
+
+
+def dequantize_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    out = q.float()
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] *= s[i, j]
+    return out
+
+
+def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8, scales [N, 1]), row by row."""
+    w = w.float()
+    q, s = torch.empty(w.shape, dtype=FP8), torch.empty(w.shape[0], 1)
+    for i, row in enumerate(w):
+        s[i, 0] = max(row.abs().max().item() / E4M3_MAX, TINY)
+        q[i] = to_fp8(row / s[i, 0])
+    return q, s
+
+
+def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.float()
+    s = torch.tensor([max(w.abs().max().item() / E4M3_MAX, TINY)])
+    return to_fp8(w / s[0]), s
+
+
+def quantized(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 weight, its scale in the layout's shape, the dequantized float32 weight)."""
+    if layout == "qwen-block":
+        q, s = quantize_blocks(w)
+        return q, s, dequantize_blocks(q, s)
+    if layout == "ct-channel":
+        q, s = quantize_channels(w)
+        return q, s, q.float() * s
+    q, s = quantize_tensor(w)
+    return q, (s.reshape(()) if layout == "qwen-tensor" else s), q.float() * s[0]
+
+
+def spread(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Each projection weight times log-normal row and column factors (module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        if PROJECTION.fullmatch(name):
+            rows = torch.exp(SPREAD * torch.randn(t.shape[0], 1, generator=gen))
+            cols = torch.exp(SPREAD * torch.randn(1, t.shape[1], generator=gen))
+            t = t * rows * cols
+        out[name] = t
+    return out
+
+
+def skipped(name: str, skip: tuple[str, ...]) -> bool:
+    module = name.rsplit(".", 1)[0]
+    return any(re.match(e[3:], module) if e.startswith("re:") else f".{e}." in f".{module}." for e in skip)
+
+
+def _copy_dir(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if src != dst and not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"))
+    if quantization_config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = quantization_config
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+
+def checkpoint_state(path: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(path, name)))
+    return state
+
+
+def quantize_state(state: dict[str, torch.Tensor], layout: str,
+                   skip: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the FP8 checkpoint's tensors, the dequantized full-precision ones; no input scales)."""
+    fp8, ref = {}, {}
+    for name, t in state.items():
+        if not PROJECTION.fullmatch(name) or skipped(name, skip):
+            fp8[name] = ref[name] = t
+            continue
+        q, s, dq = quantized(t, layout)
+        module = name.rsplit(".", 1)[0]
+        fp8[name], fp8[f"{module}.{SCALE_NAMES[layout]}"], ref[name] = q, s, dq
+    return fp8, ref
+
+
+@torch.no_grad()
+def input_scales(ref: str, modules: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Static activation scales as a calibration would set them: INPUT_MARGIN x the largest |input|
+    each module of `modules` sees in transformers' model at `ref` on random prompts, / 448."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    amax = {m: 0.0 for m in modules}
+    hooks = [module.register_forward_pre_hook(lambda mod, args, name=name: amax.__setitem__(
+        name, max(amax[name], args[0].abs().max().item()))) for name, module in model.named_modules() if name in amax]
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randint(1, model.config.vocab_size, (CALIBRATION_PROMPTS, CALIBRATION_TOKENS), generator=gen))
+    for hook in hooks:
+        hook.remove()
+    return {f"{m}.input_scale": torch.tensor([INPUT_MARGIN * a / E4M3_MAX]) for m, a in amax.items()}
+
+
+def write_fp8(src: str, dst: str, ref: str, layout: str, skip: tuple[str, ...] = (), seed: int = 0) -> None:
+    """The FP8 checkpoint of `src` (projections spread first) in `dst`, its dequantized twin in `ref`."""
+    fp8, dequantized = quantize_state(spread(checkpoint_state(src), seed), layout, skip)
+    _copy_dir(src, ref, dequantized, None)
+    if layout == "ct-tensor":  # static activation scales (unused on CPU: activations stay full precision)
+        fp8.update(input_scales(ref, [n.rsplit(".", 1)[0] for n, t in fp8.items() if t.dtype == FP8]))
+    key = "ignore" if layout.startswith("ct-") else "modules_to_not_convert"
+    _copy_dir(src, dst, fp8, {**LAYOUTS[layout], key: list(skip)})
+
+
+def write_state(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None) -> None:
+    """`src`'s checkpoint directory with `tensors` as its weights (and a quantization_config)."""
+    _copy_dir(src, dst, tensors, quantization_config)

@@ -1,0 +1,263 @@
+"""FP8 weights on CPU: checkpoints in the published layouts (tests/fp8_checkpoints.py writes them
+from transformers' own models), online FP8, update_weights into an FP8 engine, and every
+setting refused. A float32 CPU engine dequantizes FP8 weights at load and keeps activations in
+full precision, so its greedy tokens are transformers' argmaxes on the dequantized weights and
+its logprobs that model's, to float32 rounding; the undequantized weights' logprobs are far off
+(so a wrong scale cannot pass)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import (
+    LlamaShape, MoeShape, TinyShape, assert_greedy_matches_reference, build_checkpoint, build_llama_checkpoint,
+    build_moe_checkpoint, cpu_llm, load_reference, make_prompts,
+)
+from fp8_checkpoints import (
+    LAYOUTS, checkpoint_state, quantize_channels, quantize_state, spread, write_fp8, write_state,
+)
+from nanovllm import SamplingParams
+from nanovllm.quantization.config import resolve_quantization
+
+# Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,
+# rows of o / down), intermediate 320 (2.5 blocks), q 256 and k / v 128 rows (whole blocks).
+PARTIAL = TinyShape(hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=320, tie_word_embeddings=False)
+LLAMA = LlamaShape(hidden_size=160, intermediate_size=288, tie_word_embeddings=False)
+MOE = MoeShape(hidden_size=192, moe_intermediate_size=160, intermediate_size=320, mlp_only_layers=(0,))
+BUILDERS = {"qwen3": (build_checkpoint, PARTIAL), "llama": (build_llama_checkpoint, LLAMA),
+            "moe": (build_moe_checkpoint, MOE)}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+# Engine vs reference logprobs (float32, the same weights): summation order only.
+SAME_MODEL_TOL = 2e-3
+# The undequantized (spread, full-precision) weights must be at least this far off somewhere.
+OTHER_MODEL_GAP = 5e-2
+# (family, layout, modules kept in full precision): every layout, a skip list of each kind.
+CASES = [
+    ("qwen3", "qwen-block", ("model.layers.1.self_attn.o_proj",)),
+    ("qwen3", "qwen-tensor", ()),
+    ("llama", "ct-channel", ("lm_head", r"re:.*layers\.0\.mlp\.down_proj")),
+    ("llama", "ct-tensor", ("lm_head",)),
+    ("moe", "qwen-block", ("mlp.gate",)),
+]
+
+
+@pytest.fixture(scope="module")
+def full_precision(tmp_path_factory):
+    """family -> a full-precision checkpoint of it, built on first use."""
+    built: dict[str, str] = {}
+
+    def get(family: str, seed: int = 0) -> str:
+        if (family, seed) not in built:
+            build, shape = BUILDERS[family]
+            built[family, seed] = build(str(tmp_path_factory.mktemp(f"{family}{seed}")), shape, seed=seed)
+        return built[family, seed]
+
+    return get
+
+
+def run(path: str, prompts, **kwargs):
+    """The outputs of a float32 CPU engine (16-token blocks)."""
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=256, **kwargs)
+    try:
+        return llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+
+
+@torch.no_grad()
+def logprob_gap(reference, prompt: list[int], out: dict) -> float:
+    """The largest |engine logprob - reference log_softmax| over the generated tokens."""
+    tokens = out["token_ids"]
+    logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    return max(abs(entry[t] - ref[i, t].item()) for i, (t, entry) in enumerate(zip(tokens, out["logprobs"])))
+
+
+def check_against(reference, prompts, outs, other=None) -> None:
+    """Tokens are the reference's argmaxes and logprobs its own; `other`'s logprobs are far off."""
+    for p, o in zip(prompts, outs):
+        assert_greedy_matches_reference(reference, p, o["token_ids"])
+        assert logprob_gap(reference, p, o) < SAME_MODEL_TOL
+    if other is not None:
+        assert max(logprob_gap(other, p, o) for p, o in zip(prompts, outs)) > OTHER_MODEL_GAP
+
+
+@pytest.mark.parametrize("family,layout,skip", CASES, ids=[f"{f}-{layout}" for f, layout, _ in CASES])
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(full_precision, tmp_path, family, layout, skip):
+    src = full_precision(family)
+    write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), layout, skip)
+    write_state(src, str(tmp_path / "spread"), spread(checkpoint_state(src), 0))
+    prompts = make_prompts(1, 4, 20, 60)
+    outs = run(str(tmp_path / "fp8"), prompts)
+    check_against(load_reference(str(tmp_path / "ref")), prompts, outs, load_reference(str(tmp_path / "spread")))
+
+
+def test_online_fp8_matches_a_reference_quantized_by_hand(full_precision, tmp_path):
+    """LLM(quantization="fp8") on a full-precision checkpoint: every projection quantized per
+    output channel (amax / 448) at load, as quantize_channels does here."""
+    src = full_precision("qwen3")
+    state = checkpoint_state(src)
+    by_hand = {}
+    for name, t in state.items():
+        is_projection = name.endswith("_proj.weight")
+        by_hand[name] = (lambda q, s: q.float() * s)(*quantize_channels(t)) if is_projection else t
+    write_state(src, str(tmp_path / "ref"), by_hand)
+    prompts = make_prompts(2, 4, 20, 60)
+    outs = run(src, prompts, quantization="fp8")
+    check_against(load_reference(str(tmp_path / "ref")), prompts, outs, load_reference(src))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "moe"])
+def test_update_weights_quantizes_like_a_fresh_fp8_engine(full_precision, tmp_path, family):
+    """update_weights (full precision, transformers' state dict: fused experts for the MoE) into
+    a block-FP8 engine equals an engine loaded from those weights quantized by hand."""
+    write_fp8(full_precision(family), str(tmp_path / "a"), str(tmp_path / "ref_a"), "qwen-block")
+    other = full_precision(family, seed=1)
+    new_state = load_reference(other).state_dict()
+    fp8_b, _ = quantize_state(checkpoint_state(other), "qwen-block")
+    write_state(other, str(tmp_path / "b"), fp8_b, LAYOUTS["qwen-block"])
+    prompts = make_prompts(3, 3, 20, 50)
+    expected = run(str(tmp_path / "b"), prompts)
+    llm = cpu_llm(str(tmp_path / "a"), kvcache_block_size=16, max_model_len=256)
+    try:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.update_weights(new_state.items())
+        after = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+    assert [o["token_ids"] for o in before] != [o["token_ids"] for o in expected]
+    assert [(o["token_ids"], o["logprobs"]) for o in after] == [(o["token_ids"], o["logprobs"]) for o in expected]
+
+
+def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path):
+    write_fp8(full_precision("qwen3"), str(tmp_path / "a"), str(tmp_path / "ref"), "qwen-block")
+    fp8 = checkpoint_state(str(tmp_path / "a"))
+    name = "model.layers.0.mlp.up_proj"
+    llm = cpu_llm(str(tmp_path / "a"), kvcache_block_size=16, max_model_len=256)
+    try:
+        before = llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=f"{name}.weight'.*full-precision.*float8"):
+            llm.update_weights([(f"{name}.weight", fp8[f"{name}.weight"])])
+        with pytest.raises(ValueError, match=f"{name}.weight_scale_inv'.*full-precision weights only"):
+            llm.update_weights([(f"{name}.weight_scale_inv", fp8[f"{name}.weight_scale_inv"])])
+        assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before
+    finally:
+        llm.exit()
+
+
+def test_fp8_engine_tensor_parallel_matches_one_rank(full_precision, tmp_path):
+    write_fp8(full_precision("qwen3"), str(tmp_path / "fp8"), str(tmp_path / "ref"), "qwen-block")
+    prompts = make_prompts(5, 3, 20, 50)
+    one = run(str(tmp_path / "fp8"), prompts)
+    two = run(str(tmp_path / "fp8"), prompts, tensor_parallel_size=2)
+    assert [o["token_ids"] for o in one] == [o["token_ids"] for o in two]
+
+
+# ---- refusals ----
+
+def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
+    path = str(tmp_path / "fp8")
+    write_fp8(full_precision("qwen3"), path, str(tmp_path / "ref"), layout, skip)
+    return path
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq' is not supported.*'fp8', 'compressed-tensors'"),
+    ({**LAYOUTS["qwen-block"], "weight_block_size": [64, 64]}, r"weight_block_size=\[64, 64\] is not supported"),
+    ({**LAYOUTS["qwen-block"], "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
+    ({**LAYOUTS["qwen-block"], "activation_scheme": "static"}, "static' with weight_block_size"),
+    ({**LAYOUTS["ct-channel"], "format": "pack-quantized"}, "format='pack-quantized' is not supported"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {**LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+                                                       "input_activations": None}}}, "weight-only FP8"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {
+        **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "num_bits=4"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"a": {}, "b": {}}}, "exactly one group"),
+])
+def test_unsupported_quantization_configs_are_refused_naming_them(config, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_quantization(None, config, "config.json")
+
+
+def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8'\), got 'int8'"):
+        cpu_llm(full_precision("qwen3"), quantization="int8")
+    path = str(tmp_path / "gptq")
+    write_state(full_precision("qwen3"), path, checkpoint_state(full_precision("qwen3")),
+                {"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+        cpu_llm(path)
+
+
+def test_missing_scale_is_named(full_precision, tmp_path):
+    path = _fp8_dir(full_precision, tmp_path)
+    state = checkpoint_state(path)
+    del state["model.layers.1.self_attn.k_proj.weight_scale_inv"]
+    write_state(path, path, state)
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv"):
+        cpu_llm(path)
+
+
+def test_checkpoint_disagreeing_with_its_config_is_refused(full_precision, tmp_path):
+    path = _fp8_dir(full_precision, tmp_path, skip=("model.layers.0.mlp.down_proj",))
+    state = checkpoint_state(path)
+    # a float8 weight where the config keeps the module in full precision
+    fp8_down = quantize_state({"model.layers.0.mlp.down_proj.weight": state["model.layers.0.mlp.down_proj.weight"]},
+                              "qwen-block")[0]
+    write_state(path, path, {**state, **fp8_down})
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight' is float8"):
+        cpu_llm(path)
+    # a full-precision weight where the config makes the module FP8
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(PARTIAL.intermediate_size, PARTIAL.hidden_size)
+    del state["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    write_state(path, path, state)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight' is torch.float32.*modules_to_not_convert"):
+        cpu_llm(path)
+
+
+def test_packed_parts_must_agree(full_precision, tmp_path):
+    path = _fp8_dir(full_precision, tmp_path, skip=("model.layers.0.self_attn.q_proj",))
+    with pytest.raises(ValueError, match="packed into one layer.*q_proj"):
+        cpu_llm(path)
+
+
+@pytest.mark.parametrize("entry,module,skipped", [
+    ("lm_head", "lm_head", True),
+    ("mlp.gate", "model.layers.3.mlp.gate", True),
+    ("mlp.gate", "model.layers.3.mlp.gate_proj", False),
+    ("model.layers.1", "model.layers.1.self_attn.o_proj", True),
+    ("model.layers.1", "model.layers.11.self_attn.o_proj", False),
+    (r"re:.*\.down_proj$", "model.layers.0.mlp.down_proj", True),
+    (r"re:.*\.down_proj$", "model.layers.0.mlp.up_proj", False),
+])
+def test_skip_entries_match_whole_name_components_or_regexes(entry, module, skipped):
+    config = resolve_quantization(None, {**LAYOUTS["qwen-block"], "modules_to_not_convert": [entry]}, "c")
+    assert config.skipped(module) is skipped
+
+
+@pytest.mark.parametrize("layout,parts,k,held", [
+    ("qwen-block", [2048, 512, 512], 1024, True),  # Qwen3-0.6B's qkv
+    ("qwen-block", [320, 320], 512, False),  # partial blocks: the parts' grids would not stack
+    ("qwen-block", [512], 256, False),  # K / 128 not a multiple of 4
+    ("qwen-block", [384, 256], 512, False),  # N / 128 not a multiple of 4
+    ("ct-channel", [320, 320], 192, True),
+    ("ct-tensor", [300], 192, False),  # rows not a multiple of 16 (torch._scaled_mm)
+])
+def test_which_layers_keep_fp8_on_cuda(layout, parts, k, held):
+    """Held FP8 where the CUDA kernels take the shapes with bf16 compute; dequantized elsewhere."""
+    from nanovllm.quantization.config import linear_quant, quantization
+
+    previous = torch.get_default_dtype()
+    try:
+        with quantization(resolve_quantization(None, LAYOUTS[layout], "c")):
+            torch.set_default_dtype(torch.bfloat16)
+            cuda = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cuda"))
+            cpu = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cpu"))
+            torch.set_default_dtype(torch.float32)
+            fp32 = linear_quant(("model.layers.0.mlp.down_proj",), parts, k, torch.device("cuda"))
+    finally:
+        torch.set_default_dtype(previous)
+    assert cuda.held is held and not cpu.held and not fp32.held
+    assert cuda.fmt == cpu.fmt == fp32.fmt

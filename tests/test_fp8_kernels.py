@@ -1,0 +1,126 @@
+"""CPU tests of the FP8 kernels (TRITON_INTERPRET=1, set by conftest.py): the GEMV's FP8 variant
+(weights per row or per 128 x 128 block, with the SiLU-and-mul and RMSNorm prologues) against a
+float64 matmul on the dequantized weights, and the activation quantization against the same
+arithmetic written out in torch (bit for bit)."""
+
+import pytest
+import torch
+
+from fp8_checkpoints import dequantize_blocks, quantize_blocks, quantize_channels
+from linear_refs import DTYPES, REF_TOL, randn, rel_err
+
+from nanovllm.kernels.fp8_quant import quantize_rows
+from nanovllm.kernels.gemv import Tiling, gemv, rms_norm_gemv, silu_mul_gemv
+
+pytestmark = pytest.mark.interpreter
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_weight(n, k, gen, scales):
+    """(fp8 weight, its scale as the kernel takes it, the dequantized float64 weight); rows and
+    columns spread so that blocks' scales differ."""
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen)) * torch.exp(
+        torch.randn(1, k, generator=gen)) * k ** -0.5
+    if scales == "block":
+        q, s = quantize_blocks(w)
+        return q, s, dequantize_blocks(q, s).double()
+    q, s = quantize_channels(w)
+    return q, s.reshape(-1), q.double() * s.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 300, 200), (2, 40, 1000), (4, 256, 384)])
+@pytest.mark.parametrize("scales", ["block", "row"])
+def test_fp8_gemv_matches_dequantized_weights(dtype, m, n, k, scales):
+    gen = torch.Generator().manual_seed(m + n + k)
+    q, s, wd = fp8_weight(n, k, gen, scales)
+    x = randn((m, k), gen, dtype)
+    bias = randn((n,), gen, dtype)
+    out = gemv(x, q, bias, weight_scale=s)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, x.double() @ wd.T + bias.double()) < REF_TOL[dtype]
+
+
+@pytest.mark.parametrize("scales", ["block", "row"])
+def test_fp8_gemv_prologues(scales):
+    """SiLU-and-mul (the down projection) and add + RMSNorm (qkv / gate_up) in front."""
+    gen = torch.Generator().manual_seed(7)
+    q, s, wd = fp8_weight(72, 320, gen, scales)
+    x = randn((2, 640), gen, torch.float32)
+    gate, up = x.double().chunk(2, dim=-1)
+    out = silu_mul_gemv(x, q, weight_scale=s)
+    assert rel_err(out, (gate * torch.sigmoid(gate) * up) @ wd.T) < REF_TOL[torch.float32]
+    h, res, g = randn((2, 320), gen, torch.float32), randn((2, 320), gen, torch.float32), randn((320,), gen, torch.float32)
+    out, summed = rms_norm_gemv(h, res, g, 1e-6, q, weight_scale=s)
+    sd = (h + res).double()
+    assert torch.equal(summed, h + res)
+    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    assert rel_err(out, normed @ wd.T) < REF_TOL[torch.float32]
+
+
+def test_fp8_gemv_tall_tiles_and_bad_scales():
+    gen = torch.Generator().manual_seed(3)
+    q, s, wd = fp8_weight(256, 256, gen, "block")
+    x = randn((1, 256), gen, torch.float32)
+    tall = Tiling(block_n=16, block_k=256, stages=2, evict="")
+    assert rel_err(gemv(x, q, tile=tall, weight_scale=s), x.double() @ wd.T) < REF_TOL[torch.float32]
+    with pytest.raises(ValueError, match="block_n dividing 128"):
+        gemv(x, q, tile=Tiling(block_n=256, block_k=16, stages=1, evict=""), weight_scale=s)
+    with pytest.raises(ValueError, match=r"\(256,\) per row or \(2, 2\)"):
+        gemv(x, q, weight_scale=s[:1])
+    with pytest.raises(TypeError, match="weight_scale must be a float32"):
+        gemv(x, q, weight_scale=s.half())
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        gemv(x, wd.float(), weight_scale=s)
+    with pytest.raises(TypeError, match="weight dtype"):
+        gemv(x, q)  # an FP8 weight needs its scale
+
+
+def ref_quantize(x, group, static=None):
+    """Per-token / per-group / static FP8 quantization written out: (fp8 values, scales [M, G])."""
+    x = x.float()
+    m, k = x.shape
+    size = k if group is None else group
+    q, scales = torch.empty(m, k, dtype=FP8), torch.empty(m, -(-k // size))
+    for r in range(m):
+        for g in range(scales.shape[1]):
+            part = x[r, g * size:(g + 1) * size]
+            s = static if static is not None else max(part.abs().max().item() / 448.0, 1e-12)
+            scales[r, g] = s
+            q[r, g * size:(g + 1) * size] = (part / scales[r, g]).clamp(-448, 448).to(FP8)
+    return q, scales
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", [(3, 200), (1, 4100), (5, 128)])
+@pytest.mark.parametrize("group", [None, 128])
+def test_activation_quantization_bit_for_bit(dtype, m, k, group):
+    gen = torch.Generator().manual_seed(m * k)
+    x = randn((m, k), gen, dtype, 30.0)
+    x[0, : min(k, 128)] = 0  # an all-zero group (per token at k = 128): the scale floor
+    rows = m + 3  # padding rows, as the blockwise GEMM takes
+    q, s = quantize_rows(x, group=group, rows=rows)
+    ref_q, ref_s = ref_quantize(x, group)
+    assert q.shape == (rows, k) and s.shape == (rows, ref_s.shape[1])
+    assert torch.equal(q[:m].float(), ref_q.float()) and torch.equal(s[:m], ref_s)
+    assert not q[m:].float().any()
+    if group is not None:  # column-major: torch._scaled_mm's blockwise layout
+        assert s.stride() == (1, rows)
+
+
+def test_static_activation_scale_and_bad_arguments():
+    gen = torch.Generator().manual_seed(1)
+    x = randn((4, 300), gen, torch.bfloat16, 100.0)
+    scale = torch.tensor([0.05])
+    q, s = quantize_rows(x, static_scale=scale)
+    ref_q, _ = ref_quantize(x, None, 0.05)
+    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, torch.full((4, 1), 0.05))
+    assert q.float().abs().max() == 448  # clamped, not NaN
+    with pytest.raises(ValueError, match="group must be None"):
+        quantize_rows(x, group=64)
+    with pytest.raises(ValueError, match="takes no group"):
+        quantize_rows(x, group=128, static_scale=scale)
+    with pytest.raises(ValueError, match="one-element float32"):
+        quantize_rows(x, static_scale=torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="rows must be an int >= x's 4 rows"):
+        quantize_rows(x, rows=2)
