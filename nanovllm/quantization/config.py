@@ -190,6 +190,9 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if method == "fp8":
         return _fp8_method(checkpoint, source)
     if method == "compressed-tensors":
+        if "config_groups" not in checkpoint and "kv_cache_scheme" in checkpoint:
+            # A calibrated FP8 KV cache alone (utils/kv_scales.py reads it): the weights are full precision.
+            return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
         return _compressed_tensors(checkpoint, source)
     raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported "
                      f"(supported: {', '.join(map(repr, SUPPORTED_METHODS))}, FP8 weights)")
