@@ -36,6 +36,7 @@ from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 
@@ -135,7 +136,11 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
         sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
-        with self._worker_errors():
+        # Once the workers have the plan, rank 0 runs its part of the step whatever signal comes (an
+        # interrupt is raised after it): a forward stopped half-way would leave the workers inside a
+        # collective, which the next step's first collective would then be paired with.
+        shielded = deferred_signals() if self.workers is not None else contextlib.nullcontext()
+        with self._worker_errors(), shielded:
             if self.workers is not None:
                 self.workers.send("run", plan)
             launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
