@@ -252,10 +252,6 @@ class Scheduler:
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
             reason = self._finish_reason(seq, token)
-            if reason is None and seq.stop_matcher is not None \
-                    and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
-                seq.stopped_by_string = True
-                reason = FinishReason.STOP
             if reason is not None:
                 self.finish(seq, reason)
                 request = self.requests[seq.request_id]
@@ -265,8 +261,14 @@ class Scheduler:
         return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `token` (just appended) ends `seq`, if it does: EOS or a stop token id, then a stop
+        string, then the length limits (vLLM's order: a stop completed by the last allowed token
+        is a stop, and the text is cut at it)."""
         params = seq.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
+            seq.stopped_by_string = True
             return FinishReason.STOP
         if self._ends_by_length(seq, len(seq)):
             return FinishReason.LENGTH
