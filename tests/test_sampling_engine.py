@@ -170,3 +170,17 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, ckpt):
     finally:
         short.exit()
     assert (out["finish_reason"], out["token_ids"], out["text"]) == ("stop", ids[:k], text[: -len(stop)])
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 9.9e-6])
+def test_tiny_temperatures_are_greedy(llm, temperature):
+    """logits / 1e-38 overflows float32: like vLLM, temperatures below GREEDY_TEMPERATURE are greedy,
+    on every sampling path (alone: the argmax; beside sampled rows, filtered or not: T = 0 rows)."""
+    greedy = tokens(llm, [PROMPT, [3, 4, 5]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tiny = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=temperature, top_p=0.5, min_p=0.1, seed=7, max_tokens=12, ignore_eos=True)]
+    assert tokens(llm, [PROMPT, [3, 4, 5]], tiny) == greedy
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=12, ignore_eos=True)]
+    for other in others:
+        assert tokens(llm, [PROMPT, [9, 9], [3, 4, 5]], [tiny[0], other, tiny[1]])[::2] == greedy
