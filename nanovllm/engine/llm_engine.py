@@ -49,7 +49,9 @@ class StepResult:
     num_tokens: int  # tokens processed by the forward (prefill chunk tokens plus one per decode row)
     num_seqs: int
     finished: list[RequestOutput]
-    sampled: list[int]  # ids of the requests that received a token in this step
+    # ids of the sequences (the requests, when n = 1) whose token of this step was kept: not one
+    # that an earlier step ended (overlap scheduling computed it once more) or that was aborted
+    sampled: list[int]
     launch_s: float  # host: scheduling, input preparation, queuing work on the device
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
@@ -123,7 +125,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         with self._worker_errors():
             tokens = current.launched.tokens()
-        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens)}
+        # A sequence ended since this step was queued (a stop in the step before it, under overlap
+        # scheduling, or abort_request) gets nothing: its token is dropped.
+        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens) if not s.is_finished}
         t2 = time.perf_counter()
         batch = current.batch
         self._record_prompt_logprobs(current)
