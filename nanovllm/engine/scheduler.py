@@ -291,9 +291,10 @@ class Scheduler:
         self.block_manager.reset()
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End `seq` now."""
+        """End `seq` now (its request counts it among its finished samples)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+        self.requests[seq.request_id].num_finished += 1
