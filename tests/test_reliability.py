@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, rewrite_config
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, rewrite_config
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -247,3 +247,39 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
         assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
     finally:
         llm.exit()
+
+
+# ---------------------------------------------------------------- engine lifecycle
+def test_every_call_after_exit_raises_one_clear_error(ckpt):
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    state = load_reference(ckpt).state_dict()
+    llm.add_request([1, 2, 3], GREEDY)  # pending at exit: dropped with the engine
+    llm.exit()
+    calls = {
+        "generate": lambda: llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False),
+        "chat": lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+        "add_request": lambda: llm.add_request([1, 2, 3], GREEDY),
+        "step": llm.step,
+        "is_finished": llm.is_finished,
+        "abort_all": llm.abort_all,
+        "update_weights": lambda: llm.update_weights(state.items()),
+    }
+    assert [name for name, call in calls.items() if not refused_as_exited(call)] == []
+    llm.exit()  # still harmless, twice
+
+
+def refused_as_exited(call) -> bool:
+    """True if call() raises the exited engine's RuntimeError (any other error propagates)."""
+    try:
+        call()
+    except RuntimeError as e:
+        return "has exited" in str(e)
+    return False
+
+
+def test_step_on_an_idle_engine_returns_an_empty_result(llm):
+    expected = served(llm)
+    for _ in range(2):
+        result = llm.step()
+        assert (result.kind, result.num_tokens, result.num_seqs, result.finished, result.sampled) == (None, 0, 0, [], [])
+    assert served(llm) == expected

@@ -7,6 +7,7 @@ Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "fi
 (plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
 Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
 RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
+After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 @dataclass(frozen=True)
 class StepResult:
     """One completed step. With overlap scheduling the call that returns it has already
-    queued the next decode step, so `launch_s` may belong partly to that one."""
+    queued the next decode step, so `launch_s` may belong partly to that one. A step() with
+    nothing to do returns an empty result (kind None)."""
 
-    kind: StepKind
+    kind: StepKind | None  # None: nothing was pending, no step ran
     num_tokens: int  # tokens processed by the forward (prefill chunk tokens plus one per decode row)
     num_seqs: int
     finished: list[RequestOutput]
@@ -99,8 +101,14 @@ class LLMEngine:
         atexit.register(self.exit)
 
     # ----- step-wise API -----
+    def _check_open(self) -> None:
+        """Every call but exit() refuses an exited engine: its model and workers are gone."""
+        if self._exited:
+            raise RuntimeError("this LLM has exited (exit() was called): create a new LLM to generate again")
+
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
+        self._check_open()
         token_ids = self.validator.validate(prompt, sampling_params)
         return self._enqueue(token_ids, sampling_params)
 
@@ -112,7 +120,11 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
-        next step is queued on the device before this one's tokens are read."""
+        next step is queued on the device before this one's tokens are read. Nothing pending:
+        an empty result, no work."""
+        self._check_open()
+        if self.is_finished():
+            return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
         t0 = time.perf_counter()
         current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
         prepare_s = current.launched.prepare_s
@@ -181,6 +193,7 @@ class LLMEngine:
             seq.prompt_logprobs.append(entry)
 
     def is_finished(self) -> bool:
+        self._check_open()
         return self.scheduler.is_finished() and self._in_flight is None
 
     # ----- batch API -----
@@ -192,6 +205,7 @@ class LLMEngine:
     ) -> list[dict]:
         """Run `prompts` to completion; returns one {"text", "token_ids", "finish_reason"} per
         prompt, in input order. Every request is validated before any is queued."""
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -240,11 +254,13 @@ class LLMEngine:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
         or a list of them; each is rendered with the tokenizer's chat template and generated
         like generate() does. Returns one output dict per conversation, in input order."""
+        self._check_open()
         prompts = render_chat(self.tokenizer, self.config.model, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
+        self._check_open()
         self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
         self.scheduler.abort_all()
 
@@ -257,6 +273,7 @@ class LLMEngine:
         Unknown names and wrong shapes raise ValueError before any parameter changes. The
         prefix cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid
         (parameters keep their storage)."""
+        self._check_open()
         if not self.is_finished():
             raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
         weights = list(weights)
@@ -267,11 +284,13 @@ class LLMEngine:
         self.block_manager.clear_prefix_cache()
 
     def exit(self) -> None:
-        """Release the model, cache and any workers. Safe to call more than once."""
+        """Release the model, cache and any workers. Safe to call more than once; any other
+        call afterwards raises RuntimeError."""
         if self._exited:
             return
         self._exited = True
         atexit.unregister(self.exit)
+        self._in_flight = None  # a queued step's device tensors
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.exit()
