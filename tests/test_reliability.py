@@ -253,7 +253,7 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
 def test_every_call_after_exit_raises_one_clear_error(ckpt):
     llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
     state = load_reference(ckpt).state_dict()
-    llm.add_request([1, 2, 3], GREEDY)  # pending at exit: dropped with the engine
+    rid = llm.add_request([1, 2, 3], GREEDY)  # pending at exit: dropped with the engine
     llm.exit()
     calls = {
         "generate": lambda: llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False),
@@ -261,6 +261,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "add_request": lambda: llm.add_request([1, 2, 3], GREEDY),
         "step": llm.step,
         "is_finished": llm.is_finished,
+        "abort_request": lambda: llm.abort_request(rid),
         "abort_all": llm.abort_all,
         "update_weights": lambda: llm.update_weights(state.items()),
     }

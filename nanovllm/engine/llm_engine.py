@@ -3,6 +3,7 @@
 Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
     while not engine.is_finished(): result = engine.step()   # StepResult
+    engine.abort_request(request_id)   # drop one (or several); it is never returned
 Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}
 (plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
 Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
@@ -257,6 +258,18 @@ class LLMEngine:
         self._check_open()
         prompts = render_chat(self.tokenizer, self.config.model, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def abort_request(self, request_id: int | Iterable[int]) -> None:
+        """Drop one pending request, or each of an iterable of ids (vLLM's LLMEngine.abort_request);
+        ids of no pending request (finished, aborted, never given) are ignored. The request's KV
+        blocks are freed now; it is not returned by any later step (nor counted in `sampled`)."""
+        self._check_open()
+        many = isinstance(request_id, Iterable) and not isinstance(request_id, (str, bytes))
+        ids = list(request_id) if many else [request_id]
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise TypeError(f"abort_request takes a request id (an int) or an iterable of them, got {bad[0]!r}")
+        self.scheduler.abort(set(ids))
 
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
