@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -284,3 +285,29 @@ def test_step_on_an_idle_engine_returns_an_empty_result(llm):
         result = llm.step()
         assert (result.kind, result.num_tokens, result.num_seqs, result.finished, result.sampled) == (None, 0, 0, [], [])
     assert served(llm) == expected
+
+
+def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
+    """A tensor with no data (meta) or of a dtype that cannot become a weight, given after good
+    ones, is refused naming it, before any parameter (or the prefix cache) changes."""
+    other = build_checkpoint(str(tmp_path / "other"), TinyShape(), seed=9)
+    prompts = [[5, 6, 7, 8] * 5, [9] * 20]
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    try:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False)
+        hits = llm.block_manager.num_prefix_hit_blocks
+        new = list(load_reference(other).state_dict().items())
+        last = "model.layers.1.mlp.down_proj.weight"
+        shape = dict(new)[last].shape
+        for bad, error in ((torch.empty(shape, device="meta"), ValueError),
+                           (torch.ones(shape, dtype=torch.complex64), TypeError),
+                           (torch.ones(shape, dtype=torch.int64), TypeError)):
+            with pytest.raises(error, match=last):
+                llm.update_weights([(n, t) for n, t in new if n != last] + [(last, bad)])
+            assert llm.generate(prompts, GREEDY, use_tqdm=False) == before
+            assert llm.block_manager.num_prefix_hit_blocks > hits  # the cache was kept: nothing changed
+            hits = llm.block_manager.num_prefix_hit_blocks
+        llm.update_weights(new)
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) != before
+    finally:
+        llm.exit()

@@ -290,11 +290,12 @@ class LLMEngine:
         if not self.is_finished():
             raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
         weights = list(weights)
-        with self._worker_errors():
+        # An interrupt waits for the update to end on every rank: no half-updated model.
+        with self._worker_errors(), deferred_signals():
             self.model_runner.update_weights(weights)  # checks everything before changing anything
             if self.workers is not None:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
-        self.block_manager.clear_prefix_cache()
+            self.block_manager.clear_prefix_cache()
 
     def exit(self) -> None:
         """Release the model, cache and any workers. Safe to call more than once; any other
