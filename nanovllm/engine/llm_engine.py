@@ -283,9 +283,10 @@ class LLMEngine:
         `weights`: (name, tensor) pairs with Hugging Face checkpoint names and full (unsharded)
         shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
         lm_head.weight is accepted and ignored); any subset of the weights may be given.
-        Unknown names and wrong shapes raise ValueError before any parameter changes. The
-        prefix cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid
-        (parameters keep their storage)."""
+        Unknown names, wrong shapes and tensors without data (meta) raise ValueError, tensors that
+        are not dense floating-point ones TypeError, before any parameter changes. The prefix
+        cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
+        keep their storage)."""
         self._check_open()
         if not self.is_finished():
             raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
