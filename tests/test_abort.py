@@ -160,10 +160,10 @@ def test_abort_a_preempted_request(ckpt, baseline):
 def test_random_aborts_leak_no_block(ckpt, baseline, data, budget, slack_blocks, shared_len, overlap):
     """Random aborts (one or several ids, some unknown or finished) at random steps, over shared
     prefixes (prefix-cache hits), n = 1-2 samples, chunked prompts and preemption."""
-    num = data.draw(st.integers(2, 6))
+    num = data.draw(st.integers(2, 5))
     shared = make_prompts(shared_len, 1, shared_len, shared_len + 1)[0]  # a prefix of every prompt
-    prompts = [shared + p for p in make_prompts(data.draw(st.integers(0, 2**16)), num, 1, 41)]
-    params = [greedy(data.draw(st.integers(1, 16)), n=data.draw(st.integers(1, 2))) for _ in range(num)]
+    prompts = [shared + p for p in make_prompts(data.draw(st.integers(0, 2**16)), num, 1, 31)]
+    params = [greedy(data.draw(st.integers(1, 12)), n=data.draw(st.integers(1, 2))) for _ in range(num)]
     expected = baseline.generate(prompts, params, use_tqdm=False)
     need = max(-(-(len(p) + sp.max_tokens - 1) // 16) for p, sp in zip(prompts, params))
     llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=budget,
@@ -171,7 +171,7 @@ def test_random_aborts_leak_no_block(ckpt, baseline, data, budget, slack_blocks,
     try:
         ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
         # before which steps to abort which ids (one unknown id among the choices)
-        aborts = data.draw(st.dictionaries(st.integers(0, 24), st.lists(st.sampled_from(ids + [max(ids) + 1]),
+        aborts = data.draw(st.dictionaries(st.integers(0, 12), st.lists(st.sampled_from(ids + [max(ids) + 1]),
                                                                          min_size=1, max_size=3), max_size=4))
         run = Run(llm)
         step = 0
