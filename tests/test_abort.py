@@ -17,8 +17,6 @@ from nanovllm import SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import SequenceStatus
 
-VOCAB = TinyShape().vocab_size
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -115,11 +113,11 @@ def test_abort_in_mixed_steps_while_a_step_holding_the_request_is_in_flight(ckpt
     try:
         ids = [llm.add_request(p, greedy(12)) for p in prompts]
         run = Run(llm)
-        while True:
-            result = run.step()
-            chunked = llm.scheduler.waiting and llm.scheduler.waiting[0].block_table
-            if result.kind is StepKind.MIXED and chunked:
-                break
+        chunked = False  # a mixed step ran, and a prompt is half prefilled
+        while not chunked:
+            assert not llm.is_finished(), "no mixed step left a prompt half prefilled"
+            waiting = llm.scheduler.waiting
+            chunked = run.step().kind is StepKind.MIXED and bool(waiting) and bool(waiting[0].block_table)
         queued = llm._in_flight.batch.seqs
         decoding, prefilling = ids[0], llm.scheduler.waiting[0].request_id
         assert {decoding, prefilling} <= {s.request_id for s in queued}
@@ -142,6 +140,7 @@ def test_abort_a_preempted_request(ckpt, baseline):
         ids = [llm.add_request(p, greedy(40)) for p in prompts]
         run = Run(llm)
         while not any(s.num_completion_tokens for s in llm.scheduler.waiting):
+            assert not llm.is_finished(), "nothing was preempted"
             run.step()
         preempted = next(s for s in llm.scheduler.waiting if s.num_completion_tokens)
         assert preempted.status is SequenceStatus.WAITING and llm.scheduler.num_preemptions > 0
