@@ -15,6 +15,8 @@ from nanovllm.utils.validation import check_int
 TOP_K_OFF = (0, -1)
 # Most alternatives `logprobs` / `prompt_logprobs` may ask for: vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 near 0.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check_float(name: str, value: object) -> None:
@@ -28,7 +30,8 @@ def _check_float(name: str, value: object) -> None:
 class SamplingParams:
     """How to pick each next token of one request.
 
-    temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 is greedy (argmax), and so is any value below GREEDY_TEMPERATURE; above it,
+        samples from softmax(logits / temperature).
     top_k: keep the k most likely tokens (0 or -1: off).
     top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0: off).
     min_p: drop tokens with probability < min_p * max probability (0.0: off).
@@ -98,5 +101,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the next token is the argmax (temperature below GREEDY_TEMPERATURE, or top_k
+        1). The one place this is decided: SamplingPack stores such rows as greedy (T = 0), so
+        every sampling path (PyTorch or Triton) takes their argmax."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -3,6 +3,8 @@ transformers' logits: log_softmax of its float32 logits is the reference for eve
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -206,3 +208,37 @@ def test_tp2_matches_tp1_for_logprobs_n_and_updates(ckpt, other_ckpt):
         plx, ply = a[0]["prompt_logprobs"], b[0]["prompt_logprobs"]
         assert all(abs(ex[t] - ey[t]) < LOGPROB_ATOL for ex, ey in zip(plx[1:], ply[1:]) for t in ex)
     assert one_a[0]["token_ids"] != one_b[0]["token_ids"]
+
+
+def python_events(fn) -> int:
+    """Python function calls and returns (generator steps included) that fn() makes: a count of
+    the host work, which unlike a time does not depend on the machine."""
+    count = 0
+
+    def hook(frame, event, arg):
+        nonlocal count
+        count += 1
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+# Host work of n samples over that of n / 2: 2 when linear in n (measured 1.98); a step per
+# finished sample that walks all n (O(n^2), n=20000 took 65x the time of n=1000) gave 2.8-3.2.
+MAX_WORK_RATIO = 2.3
+
+
+def test_host_work_grows_linearly_with_n(ckpt):
+    # more samples than running slots: forks, and samples queued behind sample 0 for the cache
+    llm = engine(ckpt, max_model_len=64, max_num_seqs=128)
+    try:
+        work = {n: python_events(lambda: llm.generate(
+            [[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=2, n=n, ignore_eos=True), use_tqdm=False))
+            for n in (300, 600)}
+    finally:
+        llm.exit()
+    assert work[600] < MAX_WORK_RATIO * work[300], work

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
@@ -163,3 +163,30 @@ def test_step_wise_api_reports_each_step_once(ckpt):
     assert kinds == [StepKind.PREFILL] + [StepKind.DECODE] * 5
     assert len(done) == 1 and len(done[0].token_ids) == 6
     llm.exit()
+
+
+def test_sampled_lists_only_the_tokens_that_were_kept(ckpt):
+    """A request ended by a stop token at step k was queued for step k + 1 already (overlap): that
+    step's token is dropped, and the request is not among its `sampled`."""
+    prompts = make_prompts(7, 6, 10, 40)
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             stop_token_ids=first_new_token_after(r["token_ids"], 3 + 4 * i))
+              for i, r in enumerate(free)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seen = {i: 0 for i in ids}
+    ended: set[int] = set()
+    while not llm.is_finished():
+        result = llm.step()
+        assert not ended & set(result.sampled)
+        for i in result.sampled:
+            seen[i] += 1
+        ended |= {out.request_id for out in result.finished}
+    llm.exit()
+    assert ended == set(ids)
+    stops = [sp.stop_token_ids for sp in params]
+    assert sum(map(bool, stops)) >= 3
+    # each request is listed once per token it holds
+    lengths = [r["token_ids"].index(s[0]) + 1 if s else len(r["token_ids"]) for r, s in zip(free, stops)]
+    assert [seen[i] for i in ids] == lengths

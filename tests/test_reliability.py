@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, rewrite_config
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, rewrite_config
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -245,5 +246,68 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
         assert got == expected  # every request exactly once, in input order, same tokens
         assert llm.block_manager.num_free_blocks == need + slack_blocks
         assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    finally:
+        llm.exit()
+
+
+# ---------------------------------------------------------------- engine lifecycle
+def test_every_call_after_exit_raises_one_clear_error(ckpt):
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    state = load_reference(ckpt).state_dict()
+    rid = llm.add_request([1, 2, 3], GREEDY)  # pending at exit: dropped with the engine
+    llm.exit()
+    calls = {
+        "generate": lambda: llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False),
+        "chat": lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+        "add_request": lambda: llm.add_request([1, 2, 3], GREEDY),
+        "step": llm.step,
+        "is_finished": llm.is_finished,
+        "abort_request": lambda: llm.abort_request(rid),
+        "abort_all": llm.abort_all,
+        "update_weights": lambda: llm.update_weights(state.items()),
+    }
+    assert [name for name, call in calls.items() if not refused_as_exited(call)] == []
+    llm.exit()  # still harmless, twice
+
+
+def refused_as_exited(call) -> bool:
+    """True if call() raises the exited engine's RuntimeError (any other error propagates)."""
+    try:
+        call()
+    except RuntimeError as e:
+        return "has exited" in str(e)
+    return False
+
+
+def test_step_on_an_idle_engine_returns_an_empty_result(llm):
+    expected = served(llm)
+    for _ in range(2):
+        result = llm.step()
+        assert (result.kind, result.num_tokens, result.num_seqs, result.finished, result.sampled) == (None, 0, 0, [], [])
+    assert served(llm) == expected
+
+
+def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
+    """A tensor with no data (meta) or of a dtype that cannot become a weight, given after good
+    ones, is refused naming it, before any parameter (or the prefix cache) changes."""
+    other = build_checkpoint(str(tmp_path / "other"), TinyShape(), seed=9)
+    prompts = [[5, 6, 7, 8] * 5, [9] * 20]
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    try:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False)
+        hits = llm.block_manager.num_prefix_hit_blocks
+        new = list(load_reference(other).state_dict().items())
+        last = "model.layers.1.mlp.down_proj.weight"
+        shape = dict(new)[last].shape
+        for bad, error in ((torch.empty(shape, device="meta"), ValueError),
+                           (torch.ones(shape, dtype=torch.complex64), TypeError),
+                           (torch.ones(shape, dtype=torch.int64), TypeError)):
+            with pytest.raises(error, match=last):
+                llm.update_weights([(n, t) for n, t in new if n != last] + [(last, bad)])
+            assert llm.generate(prompts, GREEDY, use_tqdm=False) == before
+            assert llm.block_manager.num_prefix_hit_blocks > hits  # the cache was kept: nothing changed
+            hits = llm.block_manager.num_prefix_hit_blocks
+        llm.update_weights(new)
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) != before
     finally:
         llm.exit()

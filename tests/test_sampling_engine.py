@@ -135,3 +135,52 @@ def test_stop_string_spanning_tokens(llm):
 def test_finish_reasons(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3
+
+
+def stop_ending_at(tok, token_ids: list[int], k: int) -> str | None:
+    """A stop string that the first k tokens' text contains and the first k - 1 tokens' does not:
+    the last characters of token k's text, up to 3 (None when token k adds no printable text)."""
+    before = tok.decode(token_ids[: k - 1], skip_special_tokens=True)
+    text = tok.decode(token_ids[:k], skip_special_tokens=True)
+    for size in (3, 2, 1):
+        stop = text[-size:]
+        if len(text) > len(before) and stop.strip() and stop not in before and text.find(stop) == len(text) - size:
+            return stop
+    return None
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, ckpt):
+    """vLLM's order: a stop string ends the request before the length limit does (max_tokens, or
+    max_model_len), and the text is cut at it."""
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    ids = free["token_ids"]
+    k, stop = next((k, s) for k in range(4, 30) if (s := stop_ending_at(llm.tokenizer, ids, k)) is not None)
+    text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+    # the last allowed token by max_tokens
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert (out["finish_reason"], out["token_ids"], out["text"]) == ("stop", ids[:k], text[: -len(stop)])
+    # the last allowed token by max_model_len
+    prompt_ids = llm.tokenizer.encode(prompt)
+    short = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=len(prompt_ids) + k)
+    try:
+        out = short.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                             use_tqdm=False)[0]
+    finally:
+        short.exit()
+    assert (out["finish_reason"], out["token_ids"], out["text"]) == ("stop", ids[:k], text[: -len(stop)])
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 9.9e-6])
+def test_tiny_temperatures_are_greedy(llm, temperature):
+    """logits / 1e-38 overflows float32: like vLLM, temperatures below GREEDY_TEMPERATURE are greedy,
+    on every sampling path (alone: the argmax; beside sampled rows, filtered or not: T = 0 rows)."""
+    greedy = tokens(llm, [PROMPT, [3, 4, 5]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tiny = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=temperature, top_p=0.5, min_p=0.1, seed=7, max_tokens=12, ignore_eos=True)]
+    assert tokens(llm, [PROMPT, [3, 4, 5]], tiny) == greedy
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=12, ignore_eos=True)]
+    for other in others:
+        assert tokens(llm, [PROMPT, [9, 9], [3, 4, 5]], [tiny[0], other, tiny[1]])[::2] == greedy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -111,4 +112,39 @@ def test_two_engines_side_by_side(ckpt):
 def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         cpu_llm(ckpt, tensor_parallel_size=3)
+    assert not mp.active_children()
+
+
+@contextlib.contextmanager
+def interrupt_after(seconds: float):
+    """A KeyboardInterrupt raised in this (the main) process after `seconds`, as Ctrl-C would."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_interrupted_generate_leaves_the_ranks_in_step(ckpt):
+    """An interrupt lands anywhere in rank 0's step (also between sending the plan and the end
+    of its forward); the ranks must still agree on the next step."""
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        # Ctrl-C at a terminal reaches every process of the group: rank 0 alone decides what it does.
+        os.kill(llm.workers.procs[0].pid, signal.SIGINT)
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        for delay in (0.05, 0.13, 0.22, 0.4, 0.7):
+            with interrupt_after(delay), pytest.raises(KeyboardInterrupt):
+                llm.generate(PROMPTS * 4, long, use_tqdm=False)
+            assert llm.is_finished()
+            assert llm.generate(PROMPTS, GREEDY, use_tqdm=False) == expected, delay
+    finally:
+        llm.exit()
     assert not mp.active_children()

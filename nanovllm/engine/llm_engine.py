@@ -3,10 +3,12 @@
 Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
     while not engine.is_finished(): result = engine.step()   # StepResult
+    engine.abort_request(request_id)   # drop one (or several); it is never returned
 Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}
 (plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
 Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
 RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
+After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
 """
 
 from __future__ import annotations
@@ -36,19 +38,23 @@ from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 
 @dataclass(frozen=True)
 class StepResult:
     """One completed step. With overlap scheduling the call that returns it has already
-    queued the next decode step, so `launch_s` may belong partly to that one."""
+    queued the next decode step, so `launch_s` may belong partly to that one. A step() with
+    nothing to do returns an empty result (kind None)."""
 
-    kind: StepKind
+    kind: StepKind | None  # None: nothing was pending, no step ran
     num_tokens: int  # tokens processed by the forward (prefill chunk tokens plus one per decode row)
     num_seqs: int
     finished: list[RequestOutput]
-    sampled: list[int]  # ids of the requests that received a token in this step
+    # ids of the sequences (the requests, when n = 1) whose token of this step was kept: not one
+    # that an earlier step ended (overlap scheduling computed it once more) or that was aborted
+    sampled: list[int]
     launch_s: float  # host: scheduling, input preparation, queuing work on the device
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
@@ -96,8 +102,14 @@ class LLMEngine:
         atexit.register(self.exit)
 
     # ----- step-wise API -----
+    def _check_open(self) -> None:
+        """Every call but exit() refuses an exited engine: its model and workers are gone."""
+        if self._exited:
+            raise RuntimeError("this LLM has exited (exit() was called): create a new LLM to generate again")
+
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
+        self._check_open()
         token_ids = self.validator.validate(prompt, sampling_params)
         return self._enqueue(token_ids, sampling_params)
 
@@ -109,7 +121,11 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
-        next step is queued on the device before this one's tokens are read."""
+        next step is queued on the device before this one's tokens are read. Nothing pending:
+        an empty result, no work."""
+        self._check_open()
+        if self.is_finished():
+            return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
         t0 = time.perf_counter()
         current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
         prepare_s = current.launched.prepare_s
@@ -122,7 +138,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         with self._worker_errors():
             tokens = current.launched.tokens()
-        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens)}
+        # A sequence ended since this step was queued (a stop in the step before it, under overlap
+        # scheduling, or abort_request) gets nothing: its token is dropped.
+        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens) if not s.is_finished}
         t2 = time.perf_counter()
         batch = current.batch
         self._record_prompt_logprobs(current)
@@ -135,7 +153,11 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
         sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
-        with self._worker_errors():
+        # Once the workers have the plan, rank 0 runs its part of the step whatever signal comes (an
+        # interrupt is raised after it): a forward stopped half-way would leave the workers inside a
+        # collective, which the next step's first collective would then be paired with.
+        shielded = deferred_signals() if self.workers is not None else contextlib.nullcontext()
+        with self._worker_errors(), shielded:
             if self.workers is not None:
                 self.workers.send("run", plan)
             launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
@@ -172,6 +194,7 @@ class LLMEngine:
             seq.prompt_logprobs.append(entry)
 
     def is_finished(self) -> bool:
+        self._check_open()
         return self.scheduler.is_finished() and self._in_flight is None
 
     # ----- batch API -----
@@ -183,6 +206,7 @@ class LLMEngine:
     ) -> list[dict]:
         """Run `prompts` to completion; returns one {"text", "token_ids", "finish_reason"} per
         prompt, in input order. Every request is validated before any is queued."""
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -231,11 +255,25 @@ class LLMEngine:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
         or a list of them; each is rendered with the tokenizer's chat template and generated
         like generate() does. Returns one output dict per conversation, in input order."""
+        self._check_open()
         prompts = render_chat(self.tokenizer, self.config.model, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def abort_request(self, request_id: int | Iterable[int]) -> None:
+        """Drop one pending request, or each of an iterable of ids (vLLM's LLMEngine.abort_request);
+        ids of no pending request (finished, aborted, never given) are ignored. The request's KV
+        blocks are freed now; it is not returned by any later step (nor counted in `sampled`)."""
+        self._check_open()
+        many = isinstance(request_id, Iterable) and not isinstance(request_id, (str, bytes))
+        ids = list(request_id) if many else [request_id]
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise TypeError(f"abort_request takes a request id (an int) or an iterable of them, got {bad[0]!r}")
+        self.scheduler.abort(set(ids))
+
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
+        self._check_open()
         self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
         self.scheduler.abort_all()
 
@@ -245,24 +283,29 @@ class LLMEngine:
         `weights`: (name, tensor) pairs with Hugging Face checkpoint names and full (unsharded)
         shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
         lm_head.weight is accepted and ignored); any subset of the weights may be given.
-        Unknown names and wrong shapes raise ValueError before any parameter changes. The
-        prefix cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid
-        (parameters keep their storage)."""
+        Unknown names, wrong shapes and tensors without data (meta) raise ValueError, tensors that
+        are not dense floating-point ones TypeError, before any parameter changes. The prefix
+        cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
+        keep their storage)."""
+        self._check_open()
         if not self.is_finished():
             raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
         weights = list(weights)
-        with self._worker_errors():
+        # An interrupt waits for the update to end on every rank: no half-updated model.
+        with self._worker_errors(), deferred_signals():
             self.model_runner.update_weights(weights)  # checks everything before changing anything
             if self.workers is not None:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
-        self.block_manager.clear_prefix_cache()
+            self.block_manager.clear_prefix_cache()
 
     def exit(self) -> None:
-        """Release the model, cache and any workers. Safe to call more than once."""
+        """Release the model, cache and any workers. Safe to call more than once; any other
+        call afterwards raises RuntimeError."""
         if self._exited:
             return
         self._exited = True
         atexit.unregister(self.exit)
+        self._in_flight = None  # a queued step's device tensors
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.exit()

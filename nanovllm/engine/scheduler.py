@@ -33,8 +33,9 @@ sequence that N ends by a stop token is computed once more and its result droppe
 
 The scheduler owns the requests' lifecycle: it queues a request's sample 0, forks the
 other samples from it when its prompt completes (engine/request.py), records each step's
-tokens (and logprobs), ends samples (EOS, stop token ids, stop strings, lengths), reports a
-request once all its samples are done, and aborts everything.
+tokens (and logprobs), ends samples (EOS, stop token ids, stop strings, lengths: a token that
+ends a sample both ways ends it by the stop, as vLLM's), reports a request once all its samples
+are done, and aborts requests (one, some or all). An aborted request is dropped, never reported.
 """
 
 from __future__ import annotations
@@ -249,10 +250,6 @@ class Scheduler:
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
             reason = self._finish_reason(seq, token)
-            if reason is None and seq.stop_matcher is not None \
-                    and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
-                seq.stopped_by_string = True
-                reason = FinishReason.STOP
             if reason is not None:
                 self.finish(seq, reason)
                 request = self.requests[seq.request_id]
@@ -262,12 +259,39 @@ class Scheduler:
         return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `token` (just appended) ends `seq`, if it does: EOS or a stop token id, then a stop
+        string, then the length limits (vLLM's order: a stop completed by the last allowed token
+        is a stop, and the text is cut at it)."""
         params = seq.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
+            seq.stopped_by_string = True
             return FinishReason.STOP
         if self._ends_by_length(seq, len(seq)):
             return FinishReason.LENGTH
         return None
+
+    def abort(self, request_ids: set[int]) -> None:
+        """Drop the requests with these ids (ids of no pending request are ignored): every sample
+        ends now, its blocks are freed, and the request is never reported. A step already queued
+        on the device that computes one of them still writes its KV into the freed blocks, before
+        any later step can reuse them (one stream); postprocess then drops its tokens."""
+        dropped = [self.requests.pop(i) for i in request_ids if i in self.requests]
+        if not dropped:
+            return
+        gone = {request.request_id for request in dropped}
+        for queue in (self.waiting, self.running):  # one pass each, however many samples go
+            kept = [s for s in queue if s.request_id not in gone]
+            queue.clear()
+            queue.extend(kept)
+        for request in dropped:
+            self._unstarted.pop(request.request_id, None)
+            for seq in request.samples:
+                if not seq.is_finished:
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = FinishReason.ABORT
+                    self.block_manager.free(seq)
 
     def abort_all(self) -> None:
         """Drop every request (after an error or interrupt) and reset the KV bookkeeping.
@@ -277,7 +301,7 @@ class Scheduler:
         for request in self.requests.values():
             for seq in request.samples:
                 seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = FinishReason.STOP
+                seq.finish_reason = FinishReason.ABORT
                 seq.block_table = []
         self.requests.clear()
         self._unstarted.clear()
@@ -286,9 +310,10 @@ class Scheduler:
         self.block_manager.reset()
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End `seq` now."""
+        """End `seq` now (its request counts it among its finished samples)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+        self.requests[seq.request_id].num_finished += 1

@@ -28,6 +28,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # dropped by abort_request / an interrupt (never returned in an output)
 
 
 class Sequence:

@@ -14,6 +14,10 @@ On CPU the N ranks share the cores that rank 0's torch had: each rank gets 1/N o
 threads (rank 0's own count is restored on close), since OpenMP threads that outnumber the
 cores spin against each other inside every collective.
 
+A worker ignores SIGINT (Ctrl-C at a terminal reaches every process of its group): rank 0
+decides what an interrupt does, and finishes the step it has sent before raising it
+(LLMEngine._launch), so the ranks always agree on where a step ends.
+
 A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
 collective makes gloo fail on rank 0 (NCCL: after the group's timeout).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import time
 from multiprocessing.connection import Connection
 
@@ -53,6 +58,7 @@ def _backend(config: Config) -> str:
 def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_threads: int | None) -> None:
     from nanovllm.engine.model_runner import ModelRunner
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 handles interrupts (module docstring)
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
 

@@ -139,8 +139,10 @@ def load_model(model: nn.Module, path: str) -> None:
 def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
     model's `state_dict().items()`) into the parameters in place; any subset of the weights
-    may be given. Every name and shape is checked before any parameter changes (one
-    ValueError naming all the bad ones). Returns the number of tensors copied."""
+    may be given. Every tensor is checked before any parameter changes: a tensor that is not a
+    dense floating-point one is a TypeError naming it; unknown names, wrong shapes and tensors
+    without data (the meta device) one ValueError naming all of them. Returns the number of
+    tensors copied."""
     weights = _WeightMap(model)
     convert = weights.converter(update=True)
     fills: list[_Fill] = []
@@ -149,6 +151,13 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        if not tensor.is_floating_point() or tensor.layout is not torch.strided:
+            raise TypeError(f"update_weights: weight {name!r} must be a dense floating-point tensor, got "
+                            f"{tensor.dtype} ({tensor.layout}); nothing changed")
+        if tensor.is_meta:
+            errors.append(f"weight {name!r} is on the meta device: it holds no data to copy")
+            continue
         try:
             for name, tensor in _converted(convert, *item):
                 fill = weights.fill(name, tensor)
