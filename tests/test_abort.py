@@ -139,10 +139,10 @@ def test_abort_a_preempted_request(ckpt, baseline):
     try:
         ids = [llm.add_request(p, greedy(40)) for p in prompts]
         run = Run(llm)
-        while not any(s.num_completion_tokens for s in llm.scheduler.waiting):
+        while not any(len(s.completion_token_ids) for s in llm.scheduler.waiting):
             assert not llm.is_finished(), "nothing was preempted"
             run.step()
-        preempted = next(s for s in llm.scheduler.waiting if s.num_completion_tokens)
+        preempted = next(s for s in llm.scheduler.waiting if len(s.completion_token_ids))
         assert preempted.status is SequenceStatus.WAITING and llm.scheduler.num_preemptions > 0
         run.abort([preempted.request_id])
         run.finish()
