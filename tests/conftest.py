@@ -20,6 +20,10 @@ import shutil
 
 if not shutil.which("nvidia-smi") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
+# Ray (tests/test_ray_data.py), read when ray is first imported: a single-node cluster on the
+# loopback address (no node IP looked up, nothing but 127.0.0.1 used), and no usage reports sent.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,126 @@
+"""Batch generation from the shell: JSON lines in, JSON lines out, over N engine replicas on Ray Data.
+
+    python -m nanovllm.ray_data --model DIR --input prompts.jsonl --output out.jsonl --replicas 4 \\
+        --temperature 0 --max-tokens 128
+
+Each input line is an object with a "prompt" (text) or "prompt_token_ids" field; its other fields
+are copied to the output line, which adds generated_text, generated_token_ids and finish_reason
+(predictor.py). Every SamplingParams field is a flag (--max-tokens, --stop A B, --ignore-eos, ...);
+--llm-kwargs takes LLM's keywords as JSON. Ray's progress is shown while it runs.
+
+Output layout: an --output path ending in .jsonl or .json is one file, its lines in the input's
+order (the driver writes the rows as they arrive); any other path (a directory, a cloud URI) gets
+Ray Data's write_json layout: a directory of JSON-lines files, one per block, in no set order.
+Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
+starts one on this machine; run the same command on a multi-node cluster's head node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import MISSING, fields
+
+import numpy as np
+import ray
+import ray.data
+
+from nanovllm.ray_data.predictor import LLMPredictor, sampling_params_of
+from nanovllm.sampling_params import SamplingParams
+
+# --output suffixes that mean one JSON-lines file (anything else: Ray Data's directory of files).
+SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
+# Rows per generate call of a replica: enough to fill an engine's batch (bench's default workload).
+DEFAULT_BATCH_SIZE = 256
+
+
+def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field (--max-tokens ...), typed by its default; a flag not given
+    leaves the field at SamplingParams' default."""
+    group = ap.add_argument_group("sampling (SamplingParams fields)")
+    for f in fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=f.name, action="store_true", default=None)
+        elif isinstance(default, list):
+            item = str if f.name == "stop" else int
+            group.add_argument(flag, dest=f.name, type=item, nargs="+", default=None)
+        else:  # floats keep float; ints and None-defaulted fields (seed, logprobs) take ints
+            group.add_argument(flag, dest=f.name, type=float if isinstance(default, float) else int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m nanovllm.ray_data", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="checkpoint directory (the same path on every node)")
+    ap.add_argument("--input", required=True, help="JSON-lines file (or directory, or URI) that read_json takes")
+    ap.add_argument("--output", required=True, help="out.jsonl: one file in input order; else a directory")
+    ap.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray actors)")
+    ap.add_argument("--gpus-per-replica", type=float, default=1,
+                    help="GPUs of each replica (tensor-parallel over them when > 1); 0: CPU engines")
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per generate call")
+    ap.add_argument("--llm-kwargs", default="{}", metavar="JSON", help='LLM keywords, e.g. \'{"max_model_len": 2048}\'')
+    add_sampling_flags(ap)
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Flags checked here, before Ray starts: bad sampling values, counts and JSON exit with usage."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    chosen = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if getattr(args, f.name) is not None}
+    try:
+        args.sampling_params = sampling_params_of(chosen)
+        args.llm_kwargs = json.loads(args.llm_kwargs)
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
+    if not isinstance(args.llm_kwargs, dict):
+        ap.error(f"--llm-kwargs must be a JSON object, got {args.llm_kwargs!r}")
+    if args.replicas < 1 or args.batch_size < 1 or args.gpus_per_replica < 0:
+        ap.error(f"--replicas and --batch-size must be >= 1 and --gpus-per-replica >= 0, got "
+                 f"{args.replicas}, {args.batch_size}, {args.gpus_per_replica}")
+    return args
+
+
+def json_value(value):
+    """json.dumps' fallback for what Ray rows hold: numpy arrays and scalars."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def write_jsonl(ds: ray.data.Dataset, path: str) -> int:
+    """Every row of `ds` as one JSON line of `path`, in the dataset's order; returns the row count."""
+    rows = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for row in ds.iter_rows():
+            f.write(json.dumps(dict(row), ensure_ascii=False, default=json_value) + "\n")
+            rows += 1
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    ray.init()
+    single_file = args.output.endswith(SINGLE_FILE_SUFFIXES)
+    if single_file:
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.read_json(args.input).map_batches(
+        LLMPredictor,
+        fn_constructor_kwargs=dict(model=args.model, sampling_params=args.sampling_params, llm_kwargs=args.llm_kwargs),
+        compute=ray.data.ActorPoolStrategy(size=args.replicas),
+        batch_size=args.batch_size,
+        num_gpus=args.gpus_per_replica,
+    )
+    if single_file:
+        rows = write_jsonl(ds, args.output)
+        print(f"wrote {rows} rows to {args.output}")
+    else:
+        ds.write_json(args.output)
+        print(f"wrote JSON-lines files under {args.output}")
+
+
+if __name__ == "__main__":
+    main()

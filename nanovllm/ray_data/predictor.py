@@ -1,0 +1,181 @@
+"""LLMPredictor: one engine replica as a Ray Data callable class (`ds.map_batches(LLMPredictor, ...)`).
+
+A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text)
+or `prompt_token_ids` column, and optionally a `sampling_params` column: per row, a dict of
+SamplingParams fields that override the predictor's own (None values leave a field as it is). The
+whole batch goes to one `generate` call, so the actor's engine batches it as one engine does; the
+batch comes back with every input column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a
+row asks for logprobs), one row per prompt. A prompt the engine refuses (empty, too long, ids
+outside the vocabulary) or a bad override raises the engine's own ValueError / TypeError, prefixed
+with the row it came from, before anything of the batch is queued: Ray Data then fails the dataset
+with that message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import numpy as np
+import ray
+
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+# The prompt columns a batch may carry (exactly one of them): text, or token ids.
+TEXT_COLUMN = "prompt"
+TOKEN_IDS_COLUMN = "prompt_token_ids"
+# The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
+SAMPLING_COLUMN = "sampling_params"
+# Columns every output batch gains: the completion's text, its token ids, "stop" | "length".
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason")
+# Columns added when a row's SamplingParams.logprobs is set (None in rows that did not ask): per
+# generated token, a list of {"token_id", "logprob"} (the sampled token first, then the k most
+# likely: the engine's order; Arrow cannot hold dicts keyed by varying ints), and the sum of the
+# sampled tokens' logprobs.
+LOGPROB_COLUMNS = ("logprobs", "cumulative_logprob")
+# SamplingParams fields that take ints. Arrow's numpy conversion of a struct column (the
+# sampling_params column) turns an int field with nulls in other rows into floats: 2 -> 2.0.
+INT_SAMPLING_FIELDS = frozenset(name for name, hint in typing.get_type_hints(SamplingParams).items()
+                                if hint is int or (typing.get_origin(hint) is types.UnionType and int in typing.get_args(hint)))
+# Longest repr of one column value quoted in a bad row's error message.
+ROW_VALUE_CHARS = 80
+
+
+def sampling_params_of(value: SamplingParams | Mapping | None) -> SamplingParams:
+    """SamplingParams from an instance, a dict of its fields, or None (its defaults). One row in,
+    one row out: `n` > 1 and `prompt_logprobs` are refused (repeat a row instead of n)."""
+    if value is None:
+        params = SamplingParams()
+    elif isinstance(value, SamplingParams):
+        params = value
+    elif isinstance(value, Mapping):
+        params = SamplingParams(**value)
+    else:
+        raise TypeError(f"sampling_params must be SamplingParams, a dict of its fields or None, got {value!r}")
+    if params.n != 1:
+        raise ValueError(f"LLMPredictor makes one completion per row: SamplingParams.n={params.n} is not "
+                         "supported (repeat the rows, with different seeds, instead)")
+    if params.prompt_logprobs is not None:
+        raise ValueError(f"LLMPredictor returns completions only: SamplingParams.prompt_logprobs="
+                         f"{params.prompt_logprobs} is not supported")
+    return params
+
+
+def replica_tensor_parallel_size(num_gpus: int, requested: int | None) -> int:
+    """The engine's tensor_parallel_size in an actor holding `num_gpus` GPUs (Ray's assignment):
+    all of them when it holds several. `requested` (llm_kwargs' own value, if any) must agree with
+    that; without GPUs (CPU engines) it is taken as given."""
+    if num_gpus > 1 and requested not in (None, num_gpus):
+        raise ValueError(f"llm_kwargs tensor_parallel_size={requested} but the actor holds {num_gpus} GPUs "
+                         f"(map_batches' num_gpus): leave it out, or make them equal")
+    if num_gpus == 1 and requested not in (None, 1):
+        raise ValueError(f"llm_kwargs tensor_parallel_size={requested} but the actor holds 1 GPU: "
+                         f"pass num_gpus={requested} to map_batches")
+    if num_gpus > 1:
+        return num_gpus
+    return 1 if requested is None else requested
+
+
+class LLMPredictor:
+    """`ds.map_batches(LLMPredictor, fn_constructor_kwargs=dict(model=..., sampling_params=...,
+    llm_kwargs=...), compute=ray.data.ActorPoolStrategy(size=N), batch_size=B, num_gpus=G)`.
+
+    model: the checkpoint directory (every node reads it at this path). sampling_params: one
+    SamplingParams (or a dict of its fields) for every row. llm_kwargs: LLM's keywords
+    (max_model_len, dtype, ...); tensor_parallel_size is the actor's GPU count when G > 1.
+    """
+
+    def __init__(self, model: str, sampling_params: SamplingParams | Mapping | None = None,
+                 llm_kwargs: Mapping | None = None):
+        self.params = sampling_params_of(sampling_params)
+        if llm_kwargs is not None and not isinstance(llm_kwargs, Mapping):
+            raise TypeError(f"llm_kwargs must be a dict of LLM keywords, got {llm_kwargs!r}")
+        kwargs = dict(llm_kwargs or {})
+        num_gpus = len(ray.get_gpu_ids()) if ray.is_initialized() else 0
+        kwargs["tensor_parallel_size"] = replica_tensor_parallel_size(num_gpus, kwargs.get("tensor_parallel_size"))
+        self.llm = LLM(model, **kwargs)
+
+    def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | list]:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"LLMPredictor takes numpy batches (column -> array: map_batches' default "
+                            f"batch_format), got {type(batch).__name__}")
+        column = prompt_column(batch)
+        rows = range(len(batch[column]))
+        params = [self._row_params(batch, i) for i in rows] if SAMPLING_COLUMN in batch else [self.params] * len(rows)
+        with_logprobs = any(p.logprobs is not None for p in params)
+        clash = [c for c in OUTPUT_COLUMNS + (LOGPROB_COLUMNS if with_logprobs else ()) if c in batch]
+        if clash:
+            raise ValueError(f"the batch already has column(s) {clash}, which LLMPredictor writes: rename them")
+        token_lists = [self._row_token_ids(batch, column, i, params[i]) for i in rows]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+        out: dict[str, np.ndarray | list] = dict(batch)
+        out["generated_text"] = [o["text"] for o in outputs]
+        out["generated_token_ids"] = [list(o["token_ids"]) for o in outputs]
+        out["finish_reason"] = [o["finish_reason"] for o in outputs]
+        if with_logprobs:
+            asked = [p.logprobs is not None for p in params]
+            out["logprobs"] = [[[{"token_id": t, "logprob": lp} for t, lp in entry.items()] for entry in o["logprobs"]]
+                               if a else None for o, a in zip(outputs, asked)]
+            out["cumulative_logprob"] = [o["cumulative_logprob"] if a else None for o, a in zip(outputs, asked)]
+        return out
+
+    def _row_params(self, batch: Mapping[str, np.ndarray], i: int) -> SamplingParams:
+        """The predictor's SamplingParams with row i's overrides (SamplingParams' own checks)."""
+        overrides = batch[SAMPLING_COLUMN][i]
+        with naming_row(batch, i):
+            if not isinstance(overrides, Mapping):
+                raise TypeError(f"{SAMPLING_COLUMN} must hold dicts of SamplingParams fields, got {overrides!r}")
+            chosen = {name: integral(plain(v)) if name in INT_SAMPLING_FIELDS else plain(v)
+                      for name, v in overrides.items() if v is not None}
+            return sampling_params_of(dataclasses.replace(self.params, **chosen))
+
+    def _row_token_ids(self, batch: Mapping[str, np.ndarray], column: str, i: int, params: SamplingParams) -> list[int]:
+        """Row i's prompt as token ids, checked by the engine's own validator."""
+        value = plain(batch[column][i])
+        with naming_row(batch, i):
+            if column == TEXT_COLUMN and not isinstance(value, str):
+                raise TypeError(f"{TEXT_COLUMN} must hold text, got {value!r}")
+            if column == TOKEN_IDS_COLUMN and not isinstance(value, (list, tuple)):
+                raise TypeError(f"{TOKEN_IDS_COLUMN} must hold lists of token ids, got {value!r}")
+            return self.llm.validator.validate(value, params)
+
+
+def plain(value):
+    """A column value as plain Python: numpy arrays as lists, numpy scalars as Python ones."""
+    return value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
+
+
+def integral(value):
+    """A float with an integral value as an int (an Arrow-converted int field); anything else as is,
+    for SamplingParams to check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+@contextmanager
+def naming_row(batch: Mapping[str, np.ndarray], i: int) -> Iterator[None]:
+    """Re-raise a TypeError / ValueError with row i of the batch in front of its message."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"row {i} of the batch {describe_row(batch, i)}: {err}") from err
+
+
+def prompt_column(batch: Mapping[str, np.ndarray]) -> str:
+    """The batch's one prompt column; ValueError naming the columns when it has none or both."""
+    present = [c for c in (TEXT_COLUMN, TOKEN_IDS_COLUMN) if c in batch]
+    if len(present) != 1:
+        raise ValueError(f"a batch needs exactly one of the columns {TEXT_COLUMN!r} (text) and "
+                         f"{TOKEN_IDS_COLUMN!r}, got columns {sorted(batch)}")
+    return present[0]
+
+
+def describe_row(batch: Mapping[str, np.ndarray], i: int) -> str:
+    """Row i as {column: value} (each value's repr cut to ROW_VALUE_CHARS), for error messages."""
+    def short(value) -> str:
+        text = repr(plain(value))
+        return text if len(text) <= ROW_VALUE_CHARS else text[: ROW_VALUE_CHARS - 3] + "..."
+    return "{" + ", ".join(f"{name!r}: {short(values[i])}" for name, values in batch.items()) + "}"

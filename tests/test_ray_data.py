@@ -1,0 +1,248 @@
+"""nanovllm.ray_data on a local Ray cluster of CPU actors: LLMPredictor's rows against one in-process
+engine's greedy tokens (text and token-id prompts, logprobs, other columns kept, any order), the
+same actors serving a second round, a two-GPU actor running its engine tensor-parallel, a bad row
+failing with the engine's message and the row, and `python -m nanovllm.ray_data` end to end.
+
+Ray's start-up is slow (seconds), so one cluster serves the whole module (and one xdist worker runs
+it). It declares two GPUs that no engine uses (every engine here runs on the CPU): Ray assigns them
+to an actor that asks, which is how a replica learns it should be tensor-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import build_checkpoint, cpu_llm, make_prompts
+from nanovllm import SamplingParams
+
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+import ray.data  # noqa: E402
+import ray.util  # noqa: E402
+
+from nanovllm.ray_data import LLMPredictor  # noqa: E402
+from nanovllm.ray_data.__main__ import parse_args  # noqa: E402
+from nanovllm.ray_data.predictor import replica_tensor_parallel_size, sampling_params_of  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")
+
+# Every engine of the module, in-process reference and actors alike: a small cache, short context.
+LLM_KWARGS = {"device": "cpu", "max_model_len": 128, "kvcache_block_size": 16, "num_kvcache_blocks": 64}
+SAMPLING = {"temperature": 0, "max_tokens": 6}
+TEXTS = ["the quick brown fox", "paged attention stores keys", "a lazy dog", "prefix caching can share",
+         "blocks of tokens", "the scheduler batches prefill", "until every sequence finishes"]
+TOKEN_PROMPTS = make_prompts(seed=3, n=7, lo=3, hi=40)
+# Per-row overrides of the token-id rows: their own lengths, logprobs in every other row.
+ROW_SAMPLING = [{"max_tokens": 3 + i % 4, "logprobs": 2 if i % 2 == 0 else None} for i in range(len(TOKEN_PROMPTS))]
+# The Ray cluster: CPUs for two single-CPU actors and the read_json task beside them (with two,
+# the command's read waits for a CPU the actors hold: Ray Data never runs it); GPUs declared only
+# (see the docstring).
+CLUSTER_CPUS = 3
+CLUSTER_GPUS = 2
+# Object store of the test cluster: the rows are tiny (Ray's minimum is 75 MiB).
+OBJECT_STORE_BYTES = 100 * 2**20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The module's Ray cluster; yields its address (RAY_ADDRESS for a second driver)."""
+    ray.init(num_cpus=CLUSTER_CPUS, num_gpus=CLUSTER_GPUS, include_dashboard=False,
+             object_store_memory=OBJECT_STORE_BYTES)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("ray_ckpt")))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """One in-process engine's outputs for TEXTS, TOKEN_PROMPTS, and TOKEN_PROMPTS with ROW_SAMPLING."""
+    llm = cpu_llm(ckpt, **{k: v for k, v in LLM_KWARGS.items() if k != "device"})
+    try:
+        text = llm.generate(TEXTS, SamplingParams(**SAMPLING), use_tqdm=False)
+        ids = llm.generate(TOKEN_PROMPTS, SamplingParams(**SAMPLING), use_tqdm=False)
+        rows = llm.generate(TOKEN_PROMPTS, [SamplingParams(**{**SAMPLING, **r}) for r in ROW_SAMPLING], use_tqdm=False)
+        return {"text": text, "ids": ids, "rows": rows}
+    finally:
+        llm.exit()
+
+
+def predictor_kwargs(ckpt: str, **sampling) -> dict:
+    return dict(model=ckpt, sampling_params={**SAMPLING, **sampling}, llm_kwargs=LLM_KWARGS)
+
+
+def by_id(rows: list[dict]) -> dict[int, dict]:
+    return {int(r["id"]): r for r in rows}
+
+
+def test_text_rows_match_one_engine_and_keep_their_columns(cluster, ckpt, reference):
+    # 7 rows in batches of 2 over 2 actors: at least one actor serves several batches
+    ds = ray.data.from_items([{"id": i, "prompt": p, "tag": f"t{i}"} for i, p in enumerate(TEXTS)])
+    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
+                          compute=ray.data.ActorPoolStrategy(size=2), batch_size=2, num_cpus=1).take_all()
+    got = by_id(rows)
+    assert sorted(got) == list(range(len(TEXTS)))
+    for i, ref in enumerate(reference["text"]):
+        row = got[i]
+        assert (row["prompt"], row["tag"]) == (TEXTS[i], f"t{i}")
+        assert list(row["generated_token_ids"]) == ref["token_ids"]
+        assert (row["generated_text"], row["finish_reason"]) == (ref["text"], ref["finish_reason"])
+        assert "logprobs" not in row
+
+
+def test_token_id_rows_with_their_own_sampling_params_and_logprobs(cluster, ckpt, reference):
+    ds = ray.data.from_items([{"id": i, "prompt_token_ids": p, "sampling_params": r}
+                              for i, (p, r) in enumerate(zip(TOKEN_PROMPTS, ROW_SAMPLING))])
+    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
+                          compute=ray.data.ActorPoolStrategy(size=2), batch_size=3, num_cpus=1).take_all()
+    got = by_id(rows)
+    assert sorted(got) == list(range(len(TOKEN_PROMPTS)))
+    for i, ref in enumerate(reference["rows"]):
+        row = got[i]
+        assert list(row["prompt_token_ids"]) == TOKEN_PROMPTS[i]
+        assert list(row["generated_token_ids"]) == ref["token_ids"]
+        assert len(ref["token_ids"]) == ROW_SAMPLING[i]["max_tokens"] or ref["finish_reason"] == "stop"
+        if ROW_SAMPLING[i]["logprobs"] is None:
+            assert row["logprobs"] is None and row["cumulative_logprob"] is None
+            continue
+        assert row["cumulative_logprob"] == pytest.approx(ref["cumulative_logprob"], abs=1e-4)
+        assert len(row["logprobs"]) == len(ref["logprobs"])
+        for entries, ref_entry in zip(row["logprobs"], ref["logprobs"]):
+            assert [e["token_id"] for e in entries] == list(ref_entry)  # sampled token first, then the top 2
+            assert [e["logprob"] for e in entries] == pytest.approx(list(ref_entry.values()), abs=1e-4)
+
+
+def test_same_actors_serve_a_second_round(cluster, ckpt, reference):
+    """Two LLMPredictor actors (plain Ray actors here) map the token-id batches twice: the second
+    round, on engines that already served one, gives the same rows."""
+    actor = ray.remote(num_cpus=1)(LLMPredictor)
+    actors = [actor.remote(**predictor_kwargs(ckpt)) for _ in range(2)]
+    try:
+        pool = ray.util.ActorPool(actors)
+        batches = [{"id": list(range(i, i + 2)), "prompt_token_ids": TOKEN_PROMPTS[i:i + 2]}
+                   for i in range(0, len(TOKEN_PROMPTS), 2)]
+        rounds = []
+        for _ in range(2):
+            outs = list(pool.map_unordered(lambda a, b: a.__call__.remote(b), batches))
+            rounds.append({i: list(t) for out in outs for i, t in zip(out["id"], out["generated_token_ids"])})
+        assert rounds[0] == rounds[1] == {i: ref["token_ids"] for i, ref in enumerate(reference["ids"])}
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def test_two_gpu_actor_runs_tensor_parallel(cluster, ckpt, reference):
+    """num_gpus=2 (declared GPUs; the engine runs on the CPU over gloo): tensor_parallel_size 2,
+    the same greedy tokens."""
+    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(TEXTS[:3])])
+    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
+                          compute=ray.data.ActorPoolStrategy(size=1), batch_size=8, num_gpus=2, num_cpus=1).take_all()
+    assert {i: list(r["generated_token_ids"]) for i, r in by_id(rows).items()} == {
+        i: ref["token_ids"] for i, ref in enumerate(reference["text"][:3])}
+
+
+def test_tensor_parallel_size_follows_the_actors_gpus():
+    assert replica_tensor_parallel_size(4, None) == replica_tensor_parallel_size(4, 4) == 4
+    assert replica_tensor_parallel_size(1, None) == replica_tensor_parallel_size(0, None) == 1
+    assert replica_tensor_parallel_size(0, 2) == 2  # CPU engines: as given
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 but the actor holds 4 GPUs"):
+        replica_tensor_parallel_size(4, 2)
+    with pytest.raises(ValueError, match="pass num_gpus=2 to map_batches"):
+        replica_tensor_parallel_size(1, 2)
+
+
+def test_bad_row_fails_the_dataset_with_the_engines_message_and_the_row(cluster, ckpt):
+    items = [{"id": 0, "prompt": "a lazy dog"}, {"id": 41, "prompt": ""}, {"id": 2, "prompt": "blocks"}]
+    ds = ray.data.from_items(items).map_batches(
+        LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt), compute=ray.data.ActorPoolStrategy(size=1),
+        batch_size=8, num_cpus=1)
+    with pytest.raises(ray.exceptions.UserCodeException) as info:  # Ray Data's wrapper of the actor's error
+        ds.take_all()
+    assert "row 1 of the batch {'id': 41, 'prompt': ''}: prompt is an empty string" in str(info.value)
+
+
+def test_batch_and_parameter_errors_name_the_value(ckpt):
+    with pytest.raises(ValueError, match="n=3 is not supported"):
+        sampling_params_of({"n": 3})
+    with pytest.raises(ValueError, match="prompt_logprobs=1 is not supported"):
+        sampling_params_of(SamplingParams(prompt_logprobs=1))
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        sampling_params_of("greedy")
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))  # in this process: the driver holds no GPU
+    try:
+        with pytest.raises(ValueError, match=r"exactly one of the columns 'prompt' .* got columns \['prompt', 'prompt_token_ids'\]"):
+            predictor({"prompt": ["a"], "prompt_token_ids": [[1, 2]]})
+        with pytest.raises(ValueError, match=r"got columns \['text'\]"):
+            predictor({"text": ["a"]})
+        with pytest.raises(ValueError, match=r"already has column\(s\) \['finish_reason'\]"):
+            predictor({"prompt": ["a"], "finish_reason": ["x"]})
+        with pytest.raises(TypeError, match="row 0 of the batch .*prompt_token_ids must hold lists of token ids, got 'fox'"):
+            predictor({"prompt_token_ids": ["fox"]})
+        with pytest.raises(ValueError, match=r"row 1 of the batch \{'prompt': 'fox fox .*\.\.\.\}: prompt has \d+ tokens but max_model_len is 128"):
+            predictor({"prompt": ["a lazy dog", "fox " * 200]})
+        with pytest.raises(TypeError, match=r"row 0 of the batch .*: prompt must hold text, got \[1, 2\]"):
+            predictor({"prompt": [[1, 2]]})
+        with pytest.raises(TypeError, match=r"row 1 .*unexpected keyword argument 'max_token'"):
+            predictor({"prompt": ["a", "b"], "sampling_params": [{}, {"max_token": 3}]})
+        with pytest.raises(ValueError, match=r"row 0 .*: SamplingParams.top_p must be in \(0, 1\], got 2"):
+            predictor({"prompt": ["a"], "sampling_params": [{"top_p": 2.0}]})
+        with pytest.raises(ValueError, match=r"row 0 .*: LLMPredictor makes one completion per row: SamplingParams.n=2"):
+            predictor({"prompt": ["a"], "sampling_params": [{"n": 2}]})
+        with pytest.raises(TypeError, match="LLMPredictor takes numpy batches"):
+            predictor([{"prompt": "a"}])
+        out = predictor({"prompt": ["a lazy dog"]})  # still serving after the refusals
+        assert len(out["generated_token_ids"][0]) >= 1
+    finally:
+        predictor.llm.exit()
+
+
+def test_jsonl_command_end_to_end(cluster, ckpt, reference, tmp_path):
+    """`python -m nanovllm.ray_data` in a second process, joining this cluster through RAY_ADDRESS:
+    one output file, its lines in the input's order, other fields kept."""
+    src, dst = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(TEXTS)))
+    cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src), "--output", str(dst),
+           "--replicas", "2", "--gpus-per-replica", "0", "--batch-size", "3", "--temperature", "0",
+           "--max-tokens", str(SAMPLING["max_tokens"]), "--llm-kwargs", json.dumps(LLM_KWARGS)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "RAY_ADDRESS": cluster},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(range(len(TEXTS)))
+    for row, ref in zip(rows, reference["text"]):
+        assert row["generated_token_ids"] == ref["token_ids"]
+        assert (row["generated_text"], row["finish_reason"]) == (ref["text"], ref["finish_reason"])
+
+
+def test_command_refuses_bad_flags_before_ray_starts():
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--temperature", "-1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--replicas", "0"])
+    args = parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--stop", "x", "y", "--ignore-eos",
+                       "--max-tokens", "9", "--llm-kwargs", '{"max_model_len": 64}'])
+    assert args.sampling_params == SamplingParams(stop=["x", "y"], ignore_eos=True, max_tokens=9)
+    assert args.llm_kwargs == {"max_model_len": 64}
+
+
+def test_import_nanovllm_never_imports_ray_and_missing_ray_says_how_to_install():
+    """In a fresh interpreter: `import nanovllm` leaves ray unimported; with ray made unimportable
+    (a None entry in sys.modules: Python's own way to block an import), nanovllm.ray_data's
+    ImportError gives the install command."""
+    code = ("import sys, nanovllm; from nanovllm import LLM, SamplingParams\n"
+            "assert 'ray' not in sys.modules, 'import nanovllm imported ray'\n"
+            "sys.modules['ray'] = None\n"
+            "try:\n    import nanovllm.ray_data\nexcept ImportError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'nanovllm[ray]'" in proc.stdout
