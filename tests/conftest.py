@@ -1,4 +1,4 @@
-"""Shared pytest setup: CPU Triton interpretation, the `gpu` and `interpreter` markers.
+"""Shared pytest setup: CPU Triton interpretation, the `gpu` and `interpreter` markers, Ray's settings.
 
 TRITON_INTERPRET must be set before Triton decorates any kernel, so it is set here,
 before any test module imports nanovllm.kernels. It is only set when no CUDA device

@@ -1,7 +1,8 @@
 """nanovllm.ray_data on a local Ray cluster of CPU actors: LLMPredictor's rows against one in-process
-engine's greedy tokens (text and token-id prompts, logprobs, other columns kept, any order), the
-same actors serving a second round, a two-GPU actor running its engine tensor-parallel, a bad row
-failing with the engine's message and the row, and `python -m nanovllm.ray_data` end to end.
+engine's greedy tokens (text and token-id prompts, per-row sampling params, logprobs, other columns
+kept, any order), the same actors serving a second round, a two-GPU actor running its engine
+tensor-parallel, a bad row failing the dataset with the engine's message and the row, and
+`python -m nanovllm.ray_data` end to end.
 
 Ray's start-up is slow (seconds), so one cluster serves the whole module (and one xdist worker runs
 it). It declares two GPUs that no engine uses (every engine here runs on the CPU): Ray assigns them
@@ -81,17 +82,21 @@ def predictor_kwargs(ckpt: str, **sampling) -> dict:
     return dict(model=ckpt, sampling_params={**SAMPLING, **sampling}, llm_kwargs=LLM_KWARGS)
 
 
-def by_id(rows: list[dict]) -> dict[int, dict]:
-    return {int(r["id"]): r for r in rows}
+def predicted(items: list[dict], ckpt: str, replicas: int, batch_size: int, **resources) -> dict[int, dict]:
+    """The items through LLMPredictor actors on Ray Data (one CPU each unless `resources` say more),
+    by their "id"; every id comes back once."""
+    ds = ray.data.from_items(items).map_batches(
+        LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt), compute=ray.data.ActorPoolStrategy(size=replicas),
+        batch_size=batch_size, **{"num_cpus": 1, **resources})
+    rows = ds.take_all()
+    got = {int(r["id"]): r for r in rows}
+    assert len(got) == len(rows) and sorted(got) == sorted(item["id"] for item in items)
+    return got
 
 
 def test_text_rows_match_one_engine_and_keep_their_columns(cluster, ckpt, reference):
     # 7 rows in batches of 2 over 2 actors: at least one actor serves several batches
-    ds = ray.data.from_items([{"id": i, "prompt": p, "tag": f"t{i}"} for i, p in enumerate(TEXTS)])
-    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
-                          compute=ray.data.ActorPoolStrategy(size=2), batch_size=2, num_cpus=1).take_all()
-    got = by_id(rows)
-    assert sorted(got) == list(range(len(TEXTS)))
+    got = predicted([{"id": i, "prompt": p, "tag": f"t{i}"} for i, p in enumerate(TEXTS)], ckpt, 2, batch_size=2)
     for i, ref in enumerate(reference["text"]):
         row = got[i]
         assert (row["prompt"], row["tag"]) == (TEXTS[i], f"t{i}")
@@ -101,12 +106,8 @@ def test_text_rows_match_one_engine_and_keep_their_columns(cluster, ckpt, refere
 
 
 def test_token_id_rows_with_their_own_sampling_params_and_logprobs(cluster, ckpt, reference):
-    ds = ray.data.from_items([{"id": i, "prompt_token_ids": p, "sampling_params": r}
-                              for i, (p, r) in enumerate(zip(TOKEN_PROMPTS, ROW_SAMPLING))])
-    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
-                          compute=ray.data.ActorPoolStrategy(size=2), batch_size=3, num_cpus=1).take_all()
-    got = by_id(rows)
-    assert sorted(got) == list(range(len(TOKEN_PROMPTS)))
+    items = [{"id": i, "prompt_token_ids": p, "sampling_params": r} for i, (p, r) in enumerate(zip(TOKEN_PROMPTS, ROW_SAMPLING))]
+    got = predicted(items, ckpt, 2, batch_size=3)
     for i, ref in enumerate(reference["rows"]):
         row = got[i]
         assert list(row["prompt_token_ids"]) == TOKEN_PROMPTS[i]
@@ -142,13 +143,16 @@ def test_same_actors_serve_a_second_round(cluster, ckpt, reference):
 
 
 def test_two_gpu_actor_runs_tensor_parallel(cluster, ckpt, reference):
-    """num_gpus=2 (declared GPUs; the engine runs on the CPU over gloo): tensor_parallel_size 2,
-    the same greedy tokens."""
-    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(TEXTS[:3])])
-    rows = ds.map_batches(LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt),
-                          compute=ray.data.ActorPoolStrategy(size=1), batch_size=8, num_gpus=2, num_cpus=1).take_all()
-    assert {i: list(r["generated_token_ids"]) for i, r in by_id(rows).items()} == {
-        i: ref["token_ids"] for i, ref in enumerate(reference["text"][:3])}
+    """An actor holding two (declared) GPUs builds a tensor-parallel engine of 2 ranks (on the CPU,
+    over gloo), which gives the same greedy tokens."""
+    actor = ray.remote(num_cpus=1, num_gpus=2)(LLMPredictor).remote(**predictor_kwargs(ckpt))
+    try:
+        assert ray.get(actor.__ray_call__.remote(lambda p: p.llm.config.tensor_parallel_size)) == 2
+        out = ray.get(actor.__call__.remote({"prompt": TEXTS[:3]}))
+        assert [list(t) for t in out["generated_token_ids"]] == [ref["token_ids"] for ref in reference["text"][:3]]
+        ray.get(actor.__ray_call__.remote(lambda p: p.llm.exit()))
+    finally:
+        ray.kill(actor)
 
 
 def test_tensor_parallel_size_follows_the_actors_gpus():
@@ -163,11 +167,8 @@ def test_tensor_parallel_size_follows_the_actors_gpus():
 
 def test_bad_row_fails_the_dataset_with_the_engines_message_and_the_row(cluster, ckpt):
     items = [{"id": 0, "prompt": "a lazy dog"}, {"id": 41, "prompt": ""}, {"id": 2, "prompt": "blocks"}]
-    ds = ray.data.from_items(items).map_batches(
-        LLMPredictor, fn_constructor_kwargs=predictor_kwargs(ckpt), compute=ray.data.ActorPoolStrategy(size=1),
-        batch_size=8, num_cpus=1)
     with pytest.raises(ray.exceptions.UserCodeException) as info:  # Ray Data's wrapper of the actor's error
-        ds.take_all()
+        predicted(items, ckpt, 1, batch_size=8)
     assert "row 1 of the batch {'id': 41, 'prompt': ''}: prompt is an empty string" in str(info.value)
 
 

@@ -12,7 +12,9 @@ Output layout: an --output path ending in .jsonl or .json is one file, its lines
 order (the driver writes the rows as they arrive); any other path (a directory, a cloud URI) gets
 Ray Data's write_json layout: a directory of JSON-lines files, one per block, in no set order.
 Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
-starts one on this machine; run the same command on a multi-node cluster's head node.
+starts one on this machine; run the same command on a multi-node cluster's head node, with an
+--input (and a directory --output) that every node sees: Ray Data reads and writes them from
+whichever node runs the task.
 """
 
 from __future__ import annotations
