@@ -157,11 +157,13 @@ def integral(value):
 
 @contextmanager
 def naming_row(batch: Mapping[str, np.ndarray], i: int) -> Iterator[None]:
-    """Re-raise a TypeError / ValueError with row i of the batch in front of its message."""
+    """Re-raise a TypeError / ValueError (as that base class) with row i of the batch in front of
+    its message."""
     try:
         yield
     except (TypeError, ValueError) as err:
-        raise type(err)(f"row {i} of the batch {describe_row(batch, i)}: {err}") from err
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(f"row {i} of the batch {describe_row(batch, i)}: {err}") from err
 
 
 def prompt_column(batch: Mapping[str, np.ndarray]) -> str:
