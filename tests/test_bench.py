@@ -37,7 +37,7 @@ from benchmarks.harness.roofline import (  # noqa: E402
 )
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
 from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
-from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
+from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.layers.kernel_path import KernelRoutes  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
@@ -171,7 +171,7 @@ def test_load_format_follows_safetensors(tmp_path):
 
 def test_check_outputs_rejects_uncounted_tokens():
     def out(rid: int, n: int) -> RequestOutput:
-        return RequestOutput(rid, [1], [Completion([5] * n, "", FinishReason.LENGTH)])
+        return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "", [5] * n, None, None, "length")])
 
     runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
     with pytest.raises(RuntimeError, match="returned 1 tokens, 2 counted"):

@@ -68,11 +68,14 @@ MALFORMED = [
     ([[]], ValueError, "conversation 0 is empty"),
     ([{"role": "user"}], ValueError, "conversation 0, message 0 has no 'content'"),
     ([{"content": "hi"}], ValueError, "has no 'role'"),
-    ([{"role": "user", "content": 5}], TypeError, "'content' must be a str, got int"),
+    ([{"role": "user", "content": 5}], TypeError, "'content' must be a str or a list of text parts, got int"),
     ([{"role": None, "content": "hi"}], TypeError, "'role' must be a str, got NoneType"),
     ([{"role": "user", "content": "hi"}, "oops"], TypeError, "conversation 0, message 1 must be a dict"),
     ([FIRST, "oops"], TypeError, "conversation 1 must be a list"),
-    ([FIRST, [{"role": "user", "content": ["part"]}]], TypeError, "conversation 1, message 0: 'content'"),
+    ([FIRST, [{"role": "user", "content": ["part"]}]], TypeError, "conversation 1, message 0: 'content' part 0 must be a dict"),
+    ([[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]], ValueError,
+     "'content' part 0 has type 'image_url'; only 'text' parts"),
+    ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]], TypeError, "part 0 needs a str 'text', got 3"),
 ]
 
 

@@ -15,7 +15,7 @@ from benchmarks.harness.stats import percentile
 from benchmarks.harness.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
-from nanovllm.engine.sequence import RequestOutput
+from nanovllm.outputs import RequestOutput
 
 # --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).
 TTFT_REPEATS = 7
