@@ -22,6 +22,12 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
+def _check_no_lora(lora_request: object) -> None:
+    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it), refused otherwise."""
+    if lora_request is not None:
+        raise ValueError(f"LoRA adapters are not supported: lora_request must be None, got {lora_request!r}")
+
+
 class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
@@ -48,8 +54,7 @@ class LLM(LLMEngine):
         """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
         Every request is checked before any is queued (bad input leaves the engine untouched)."""
         self._check_open()
-        if lora_request is not None:
-            raise ValueError(f"LoRA adapters are not supported: lora_request must be None, got {lora_request!r}")
+        _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -116,6 +121,7 @@ class LLM(LLMEngine):
         tokenized without special tokens, and generated like generate() does. Returns one
         RequestOutput per conversation, in input order."""
         self._check_open()
+        _check_no_lora(lora_request)
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
                               dict(chat_template_kwargs or {}))
         prompts = render_chat(self.tokenizer, self.config.model, messages, options)
