@@ -123,6 +123,6 @@ class LLM(LLMEngine):
         self._check_open()
         _check_no_lora(lora_request)
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
-                              dict(chat_template_kwargs or {}))
+                              {} if chat_template_kwargs is None else chat_template_kwargs)
         prompts = render_chat(self.tokenizer, self.config.model, messages, options)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
