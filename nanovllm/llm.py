@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.run_rates import RunRates
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -84,16 +85,12 @@ class LLM(LLMEngine):
         """Step until the requests `ids` finish; the bar shows the run's average token rates."""
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        start = time.perf_counter()
-        prompt_tokens = output_tokens = 0
+        rates = RunRates(time.perf_counter())
         try:
             while not self.is_finished():
                 result = self.step()
-                prompt_tokens += result.num_prompt_tokens
-                output_tokens += len(result.sampled)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix({"in tok/s": f"{prompt_tokens / elapsed:.0f}",
-                                 "out tok/s": f"{output_tokens / elapsed:.0f}"}, refresh=False)
+                rates.add(result.num_prompt_tokens, len(result.sampled))
+                bar.set_postfix(rates.postfix(time.perf_counter()), refresh=False)
                 for out in result.finished:
                     outputs[out.request_id] = out
                 bar.update(len(result.finished))
