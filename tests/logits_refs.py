@@ -60,13 +60,18 @@ def reference_row(logits: torch.Tensor, prompt: list[int], generated: list[int],
 
 
 def assert_rules_argmax(reference, prompt: list[int], completion: list[int], params: SamplingParams,
-                        stop_ids: set[int], bad_sequences: list[list[int]], atol: float = 1e-4) -> None:
+                        stop_ids: set[int], bad_sequences: list[list[int]], atol: float = 1e-4,
+                        range_fraction: float = 0.0) -> None:
     """Every token of `completion` is an argmax (up to float ties) of transformers' logits at its
-    position after the rules (`reference`: the checkpoint's transformers model)."""
+    position after the rules (`reference`: the checkpoint's transformers model, on any device).
+    Tolerance: `atol`, plus `range_fraction` of the row's finite logit range (a bf16 engine)."""
+    device = next(reference.parameters()).device
     with torch.no_grad():
-        logits = reference(torch.tensor([prompt + completion])).logits[0].double()  # [len, V]
+        logits = reference(torch.tensor([prompt + completion], device=device)).logits[0].double().cpu()  # [len, V]
     for i, token in enumerate(completion):
         row = reference_row(logits[len(prompt) - 1 + i], prompt, completion[:i], params, stop_ids, bad_sequences)
+        finite = row[torch.isfinite(row)]
         best = row.max().item()
+        atol = atol + range_fraction * (best - finite.min().item())
         assert row[token].item() >= best - atol, (
             f"token {i} ({token}): processed logit {row[token].item():.6f}, argmax {row.argmax().item()} {best:.6f}")
