@@ -74,11 +74,11 @@ class LLM(LLMEngine):
         checked = {}  # one checked copy per distinct SamplingParams object
         for sp in params:
             if id(sp) not in checked:
-                checked[id(sp)] = self.check_params(sp)
+                checked[id(sp)] = self._check_params(sp)
         requests = [(self.validator.validate(p, checked[id(sp)][0]), *checked[id(sp)]) for p, sp in zip(prompts, params)]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")
-        ids = [self.enqueue(*request) for request in requests]
+        ids = [self._enqueue(*request) for request in requests]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[int], use_tqdm: bool) -> list[RequestOutput]:

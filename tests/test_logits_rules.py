@@ -65,6 +65,7 @@ def test_rules_over_steps_match_the_reference(device, dtype):
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 5, 9, 4)]
     seqs = [Sequence(i, p, sp, rules=rules_of(i)) for i, (p, sp) in enumerate(zip(prompts, PARAMS))]
     builder = RulesBuilder(VOCAB, dev)
+    builder.admit(seqs)
     generated: list[list[int]] = [[] for _ in seqs]  # the truth: every sampled token, as the device has them
     previous: tuple[list[Sequence], torch.Tensor] | None = None  # last step's rows and samples, not on the host yet
     reorders = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]]
@@ -99,6 +100,7 @@ def test_rules_over_steps_match_the_reference(device, dtype):
     old_slot = seqs[0].counts_slot
     builder.release([seqs[0]])
     fresh = Sequence(0, [1, 2, 2], PARAMS[0], rules=rules_of(0))
+    builder.admit([fresh])
     prompts[0], generated[0] = [1, 2, 2], []
     host = builder.build([fresh], [3], [])
     assert fresh.counts_slot == old_slot
@@ -112,11 +114,22 @@ def _append(seqs: list[Sequence], tokens: torch.Tensor) -> None:
 
 
 def test_rows_without_rules_build_nothing():
-    seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9)) for i in range(3)]
-    assert RulesBuilder(VOCAB, torch.device("cpu")).build(seqs, [3, 3, 3], []) is None
+    builder = RulesBuilder(VOCAB, torch.device("cpu"))
+    plain = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9)) for i in range(3)]
+    builder.admit(plain)
+    assert builder.build(plain, [3, 3, 3], []) is None  # no live sequence has rules: rows not even read
+    ruled = Sequence(3, [1, 2, 3], PARAMS[2], rules=rules_of(2))
+    builder.admit([ruled])
+    assert builder.build(plain, [3, 3, 3], []) is None  # one has, but not in this step
+    host = builder.build(plain + [ruled], [3, 3, 3, 3], [])
+    assert (host.ban_rows, sorted(host.ban_tokens)) == ([3] * 3, [0, 4, 9])  # bad word 4; min_tokens: EOS, 9
+    builder.release(plain + [ruled])
+    assert builder.build(plain + [ruled], [3, 3, 3, 3], []) is None  # released: nothing live
 
 
 def test_a_penalized_row_first_seen_in_flight_is_refused():
     seq = Sequence(0, [1, 2], PARAMS[0], rules=rules_of(0))
+    builder = RulesBuilder(VOCAB, torch.device("cpu"))
+    builder.admit([seq])
     with pytest.raises(RuntimeError, match="in flight"):
-        RulesBuilder(VOCAB, torch.device("cpu")).build([seq], [3], [0])
+        builder.build([seq], [3], [0])

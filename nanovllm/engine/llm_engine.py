@@ -113,10 +113,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
-        params, rules = self.check_params(sampling_params)
-        return self.enqueue(self.validator.validate(prompt, params), params, rules)
+        params, rules = self._check_params(sampling_params)
+        return self._enqueue(self.validator.validate(prompt, params), params, rules)
 
-    def check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None]:
+    def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None]:
         """A checked copy of `params` as they are now (every SamplingParams check again, then the
         model's: token ids within the vocabulary, bad words tokenized) and its logits rules."""
         if not isinstance(params, SamplingParams):
@@ -126,12 +126,13 @@ class LLMEngine:
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
         return checked, RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
 
-    def enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None) -> int:
-        """Queue a request already checked (check_params, validator.validate); returns its id."""
+    def _enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None) -> int:
+        """Queue a request already checked (_check_params, validator.validate); returns its id."""
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
                                  prompt.max_tokens)
         self.scheduler.add(request)
+        self.model_runner.rules.admit(request.samples)
         return request.request_id
 
     def step(self) -> StepResult:

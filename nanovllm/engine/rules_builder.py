@@ -23,11 +23,20 @@ class RulesBuilder:
         self.counts = TokenCounts(vocab_size, device)
         self._free_slots: list[int] = []
         self._num_slots = 0  # slots handed out so far (free ones included)
+        # Sequences with rules admitted and not yet released: while 0, a step's rows are not even
+        # looked at (the common case pays one comparison a step).
+        self._num_live = 0
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Count the queued `seqs` that have rules (a request's samples, when it is added)."""
+        self._num_live += sum(seq.rules is not None for seq in seqs)
 
     def build(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int]) -> HostRules | None:
         """The rules of a step sampling `seqs` (in row order) at `positions` (each sampled token's
         position); rows [0, len(carried_rows)) have their input in flight, at those rows of the
         previous step's samples. None when no row uses a rule (no work at all)."""
+        if not self._num_live:
+            return None
         rows = [i for i, seq in enumerate(seqs) if seq.rules is not None]
         if not rows:
             return None
@@ -103,7 +112,8 @@ class RulesBuilder:
         return self._num_slots - 1
 
     def release(self, seqs: list[Sequence]) -> None:
-        """Give back the slots of `seqs` (finished or aborted sequences)."""
+        """Give back the slots of `seqs` (finished or aborted sequences, each released once)."""
+        self._num_live -= sum(seq.rules is not None for seq in seqs)
         for seq in seqs:
             if seq.counts_slot is not None:
                 self._free_slots.append(seq.counts_slot)
@@ -112,3 +122,4 @@ class RulesBuilder:
     def reset(self) -> None:
         """Every slot free (after abort_all: no sequence holds one any more)."""
         self._free_slots = list(range(self._num_slots))
+        self._num_live = 0
