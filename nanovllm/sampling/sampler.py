@@ -5,6 +5,9 @@ top-k / top-p / min-p, seeded or not; all rows go through the same tensor ops.
 
 Pipeline (vLLM's order), all in float32:
 
+0. Only in a step where some request asks for them: its logits rules (allowed_token_ids,
+   bad_words, min_tokens, logit_bias, then the penalties) on a float32 copy of the logits
+   (sampling/logits_rules.py); greedy rows take the argmax of the result.
 1. ``scaled = logits / T`` (greedy rows use T = 1 and are swapped for the argmax at the end).
 2. ``probs = softmax(scaled)``.
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
