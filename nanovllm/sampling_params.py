@@ -61,11 +61,12 @@ class SamplingParams:
     max_tokens: most tokens to generate.
     ignore_eos: keep generating past EOS tokens.
     stop: strings; generation stops once the decoded completion contains one, and
-        the returned text ends before it.
+        the returned text ends before it (after it with include_stop_str_in_output).
     stop_token_ids: extra token ids that end generation like EOS (kept in token_ids).
     logprobs: None, or k in [0, MAX_LOGPROBS]: each generated token gets a dict
-        {token_id: logprob} with the sampled token and the k most likely ones; logprobs are
-        log_softmax of the raw logits (before temperature and top-k/top-p/min-p), as vLLM's.
+        {token_id: Logprob} with the sampled token and the k most likely ones; logprobs are
+        log_softmax of the raw logits (before penalties, temperature and top-k/top-p/min-p), as
+        vLLM's, with ranks over the whole vocabulary (nanovllm/outputs.py).
     prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: the same for every prompt token
         (given the tokens before it; the first prompt token has None).
     n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
