@@ -208,8 +208,7 @@ class ModelRunner:
         positions = sampled_positions(plan) if sample_seqs else []
         pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
         words = pack.words if pack is not None else None
-        host_rules = self.rules.build(sample_seqs, positions, plan.carried_rows) if sample_seqs else None
-        rules = None if host_rules is None else host_rules.to_device(self.device, self.rules.counts, carried_from)
+        rules = self.rules.step_rules(sample_seqs, positions, plan.carried_rows, carried_from) if sample_seqs else None
         if plan.kind is StepKind.DECODE:
             batch_size = len(plan.starts)
             graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None

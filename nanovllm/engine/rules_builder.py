@@ -14,13 +14,20 @@ from __future__ import annotations
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling.logits_rules import HostRules
-from nanovllm.sampling.penalties import TokenCounts
+from nanovllm.layers.kernel_path import uses_triton
+from nanovllm.sampling.logits_rules import HostRules, StepRules
+from nanovllm.sampling.penalties import TokenCounts, penalize_rows
 
 
 class RulesBuilder:
     def __init__(self, vocab_size: int, device: torch.device):
         self.counts = TokenCounts(vocab_size, device)
+        # The penalties' implementation of the device (kernel_path's rule): Triton on CUDA.
+        self.penalize = penalize_rows
+        if uses_triton(device):
+            from nanovllm.sampling.penalties_kernel import penalize_rows as triton_penalize_rows
+
+            self.penalize = triton_penalize_rows
         self._free_slots: list[int] = []
         self._num_slots = 0  # slots handed out so far (free ones included)
         # Sequences with rules admitted and not yet released: while 0, a step's rows are not even
@@ -30,6 +37,15 @@ class RulesBuilder:
     def admit(self, seqs: list[Sequence]) -> None:
         """Count the queued `seqs` that have rules (a request's samples, when it is added)."""
         self._num_live += sum(seq.rules is not None for seq in seqs)
+
+    def step_rules(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int],
+                   previous_tokens: torch.Tensor | None) -> StepRules | None:
+        """The step's rules on the device (build, then one copy), or None when no row has any.
+        `previous_tokens`: the previous step's samples on the device (the carried rows' inputs)."""
+        host = self.build(seqs, positions, carried_rows)
+        if host is None:
+            return None
+        return host.to_device(self.counts.device, self.counts, previous_tokens, self.penalize)
 
     def build(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int]) -> HostRules | None:
         """The rules of a step sampling `seqs` (in row order) at `positions` (each sampled token's

@@ -17,14 +17,16 @@ without such rows builds nothing and the sampler does no work for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from nanovllm.sampling.penalties import TokenCounts, apply_penalties
-from nanovllm.utils.host_to_device import to_device
+from nanovllm.sampling.penalties import TokenCounts, penalize_rows
+from nanovllm.utils.host_to_device import aligned_count, to_device
 
 # The integer parts of HostRules, in buffer order, then its float32 parts.
 INT_PARTS = ("penalty_rows", "penalty_slots", "allowed_rows", "allowed_entry_rows", "allowed_tokens",
@@ -78,32 +80,36 @@ class HostRules:
     reset_output_slots: list[int] = field(default_factory=_ints)
     reset_output_tokens: list[int] = field(default_factory=_ints)
 
-    def to_device(self, device: torch.device, counts: TokenCounts | None,
-                  previous_tokens: Tensor | None) -> StepRules:
+    def to_device(self, device: torch.device, counts: TokenCounts | None, previous_tokens: Tensor | None,
+                  penalize: Callable[..., None] = penalize_rows) -> StepRules:
         """The rules on `device` (one copy). `counts`: the slab the penalty slots index (needed when
-        any row is penalized); `previous_tokens`: the previous step's samples (needed by cond_*)."""
+        any row is penalized); `previous_tokens`: the previous step's samples (needed by cond_*);
+        `penalize`: the penalties' implementation (penalties.penalize_rows' contract)."""
         ints = [getattr(self, name) for name in INT_PARTS]
         floats = [getattr(self, name) for name in FLOAT_PARTS]
-        num_ints = sum(map(len, ints))
-        words = np.zeros(num_ints + -(-sum(map(len, floats)) // 2), dtype=np.int64)
-        words[:num_ints] = [v for part in ints for v in part]
-        words[num_ints:].view(np.float32)[: sum(map(len, floats))] = [v for part in floats for v in part]
+        # each part starts 16-byte aligned (host_to_device.ALIGN_BYTES): the penalties kernel sees
+        # the same pointer alignment every step, so Triton compiles no new variant mid-run
+        int_starts = [0, *accumulate(aligned_count(len(part), 8) for part in ints)]
+        float_starts = [0, *accumulate(aligned_count(len(part), 4) for part in floats)]
+        num_ints = int_starts[-1]
+        words = np.zeros(num_ints + float_starts[-1] // 2, dtype=np.int64)
+        as_floats = words[num_ints:].view(np.float32)
+        for start, part in zip(int_starts, ints):
+            words[start : start + len(part)] = part
+        for start, part in zip(float_starts, floats):
+            as_floats[start : start + len(part)] = part
         device_words = to_device(words, device)
+        device_floats = device_words[num_ints:].view(torch.float32)
         views: dict[str, Tensor] = {}
-        start = 0
-        for name, part in zip(INT_PARTS, ints):
+        for name, start, part in zip(INT_PARTS, int_starts, ints):
             views[name] = device_words[start : start + len(part)]
-            start += len(part)
-        as_floats = device_words[num_ints:].view(torch.float32)
-        start = 0
-        for name, part in zip(FLOAT_PARTS, floats):
-            views[name] = as_floats[start : start + len(part)]
-            start += len(part)
+        for name, start, part in zip(FLOAT_PARTS, float_starts, floats):
+            views[name] = device_floats[start : start + len(part)]
         if self.penalty_rows and counts is None:
             raise ValueError("penalized rows need the TokenCounts slab their slots index")
         if self.cond_rows and previous_tokens is None:
             raise ValueError("conditional bans need the previous step's sampled tokens")
-        rules = StepRules(views, counts, previous_tokens)
+        rules = StepRules(views, counts, previous_tokens, penalize)
         if self.reset_slots:
             counts.reset(views["reset_slots"], views["reset_slots"][views["reset_prompt_slots"]],
                          views["reset_prompt_tokens"], views["reset_slots"][views["reset_output_slots"]],
@@ -114,10 +120,12 @@ class HostRules:
 class StepRules:
     """A step's rules on the device: `apply` to the sampler's logits, `record` its sampled tokens."""
 
-    def __init__(self, parts: dict[str, Tensor], counts: TokenCounts | None, previous_tokens: Tensor | None):
+    def __init__(self, parts: dict[str, Tensor], counts: TokenCounts | None, previous_tokens: Tensor | None,
+                 penalize: Callable[..., None] = penalize_rows):
         self.parts = parts  # HostRules' parts by name, int64 / float32 views of one device buffer
         self.counts = counts
         self.previous_tokens = previous_tokens  # [num_prev] int64
+        self.penalize = penalize
 
     def apply(self, logits: Tensor) -> Tensor:
         """`logits` [B, V] (not modified) -> [B, V] float32 with the rules applied."""
@@ -137,9 +145,8 @@ class StepRules:
         if p["bias_rows"].numel():
             x.index_put_((p["bias_rows"], p["bias_tokens"]), p["bias_values"], accumulate=True)
         if p["penalty_rows"].numel():
-            rows = p["penalty_rows"]
-            x[rows] = apply_penalties(x[rows], self.counts.rows(p["penalty_slots"]), p["repetition"],
-                                      p["frequency"], p["presence"])
+            self.penalize(x, p["penalty_rows"], self.counts.slab, p["penalty_slots"], p["repetition"],
+                          p["frequency"], p["presence"])
         return x
 
     def record(self, tokens: Tensor) -> None:

@@ -68,12 +68,16 @@ class TokenCounts:
         """Count one more generation of `tokens` [P] in rows `slots` [P] (int64, on the device)."""
         self.slab.index_put_((slots, tokens), self._step(tokens), accumulate=True)
 
-    def rows(self, slots: Tensor) -> Tensor:
-        """[P, vocab] int32 counts of rows `slots` [P]."""
-        return self.slab.index_select(0, slots)
-
     def _step(self, like: Tensor) -> Tensor:
         return torch.full(like.shape, OUTPUT_STEP, dtype=torch.int32, device=like.device)
+
+
+def penalize_rows(x: Tensor, rows: Tensor, counts: Tensor, slots: Tensor, repetition: Tensor, frequency: Tensor,
+                  presence: Tensor) -> None:
+    """Penalize rows `rows` [P] of `x` [B, V] float32 in place, each by its counts row
+    `counts[slots[p]]` ([S, V] int32) and its penalties [P] (the PyTorch path; on CUDA the Triton
+    kernel of sampling/penalties_kernel.py keeps this contract)."""
+    x[rows] = apply_penalties(x[rows], counts.index_select(0, slots), repetition, frequency, presence)
 
 
 def apply_penalties(logits: Tensor, counts: Tensor, repetition: Tensor, frequency: Tensor,
