@@ -29,6 +29,12 @@ class RequestRules:
     min_tokens: int
     stop_ids: tuple[int, ...]
 
+    @property
+    def penalties_only(self) -> bool:
+        """Only penalties (a step then needs nothing but the sequence's slot and values)."""
+        return (self.allowed is None and not self.bias and not self.single_bans and not self.bad_sequences
+                and not self.min_tokens)
+
     @classmethod
     def of(cls, params: SamplingParams, eos_token_ids: frozenset[int], tokenizer,
            vocab_size: int) -> RequestRules | None:

@@ -60,6 +60,14 @@ class RulesBuilder:
         for i in rows:
             seq = seqs[i]
             rules = seq.rules
+            if rules.penalties_only and seq.counts_slot is not None:  # the steady state: a slot and values
+                repetition, frequency, presence = rules.penalties
+                host.penalty_rows.append(i)
+                host.penalty_slots.append(seq.counts_slot)
+                host.repetition.append(repetition)
+                host.frequency.append(frequency)
+                host.presence.append(presence)
+                continue
             generated = positions[i] - seq.num_prompt_tokens  # tokens generated before this one
             source = carried_rows[i] if i < len(carried_rows) else None
             if rules.allowed is not None:

@@ -85,35 +85,34 @@ class HostRules:
         """The rules on `device` (one copy). `counts`: the slab the penalty slots index (needed when
         any row is penalized); `previous_tokens`: the previous step's samples (needed by cond_*);
         `penalize`: the penalties' implementation (penalties.penalize_rows' contract)."""
-        ints = [getattr(self, name) for name in INT_PARTS]
-        floats = [getattr(self, name) for name in FLOAT_PARTS]
-        # each part starts 16-byte aligned (host_to_device.ALIGN_BYTES): the penalties kernel sees
-        # the same pointer alignment every step, so Triton compiles no new variant mid-run
-        int_starts = [0, *accumulate(aligned_count(len(part), 8) for part in ints)]
-        float_starts = [0, *accumulate(aligned_count(len(part), 4) for part in floats)]
+        # only the parts in use travel (each costs host time every step), each starting 16-byte
+        # aligned (host_to_device.ALIGN_BYTES): the penalties kernel then sees the same pointer
+        # alignment every step, so Triton compiles no new variant mid-run
+        ints = [(name, part) for name in INT_PARTS if (part := getattr(self, name))]
+        floats = [(name, part) for name in FLOAT_PARTS if (part := getattr(self, name))]
+        int_starts = [0, *accumulate(aligned_count(len(part), 8) for _, part in ints)]
+        float_starts = [0, *accumulate(aligned_count(len(part), 4) for _, part in floats)]
         num_ints = int_starts[-1]
         words = np.zeros(num_ints + float_starts[-1] // 2, dtype=np.int64)
         as_floats = words[num_ints:].view(np.float32)
-        for start, part in zip(int_starts, ints):
+        for start, (_, part) in zip(int_starts, ints):
             words[start : start + len(part)] = part
-        for start, part in zip(float_starts, floats):
+        for start, (_, part) in zip(float_starts, floats):
             as_floats[start : start + len(part)] = part
         device_words = to_device(words, device)
         device_floats = device_words[num_ints:].view(torch.float32)
-        views: dict[str, Tensor] = {}
-        for name, start, part in zip(INT_PARTS, int_starts, ints):
-            views[name] = device_words[start : start + len(part)]
-        for name, start, part in zip(FLOAT_PARTS, float_starts, floats):
-            views[name] = device_floats[start : start + len(part)]
+        views: dict[str, Tensor] = {name: device_words[a : a + len(part)] for a, (name, part) in zip(int_starts, ints)}
+        views.update((name, device_floats[a : a + len(part)]) for a, (name, part) in zip(float_starts, floats))
         if self.penalty_rows and counts is None:
             raise ValueError("penalized rows need the TokenCounts slab their slots index")
         if self.cond_rows and previous_tokens is None:
             raise ValueError("conditional bans need the previous step's sampled tokens")
         rules = StepRules(views, counts, previous_tokens, penalize)
         if self.reset_slots:
-            counts.reset(views["reset_slots"], views["reset_slots"][views["reset_prompt_slots"]],
-                         views["reset_prompt_tokens"], views["reset_slots"][views["reset_output_slots"]],
-                         views["reset_output_tokens"])
+            slots = views["reset_slots"]
+            none = slots[:0]
+            counts.reset(slots, slots[views.get("reset_prompt_slots", none)], views.get("reset_prompt_tokens", none),
+                         slots[views.get("reset_output_slots", none)], views.get("reset_output_tokens", none))
         return rules
 
 
@@ -122,7 +121,7 @@ class StepRules:
 
     def __init__(self, parts: dict[str, Tensor], counts: TokenCounts | None, previous_tokens: Tensor | None,
                  penalize: Callable[..., None] = penalize_rows):
-        self.parts = parts  # HostRules' parts by name, int64 / float32 views of one device buffer
+        self.parts = parts  # HostRules' non-empty parts by name, int64 / float32 views of one device buffer
         self.counts = counts
         self.previous_tokens = previous_tokens  # [num_prev] int64
         self.penalize = penalize
@@ -131,25 +130,25 @@ class StepRules:
         """`logits` [B, V] (not modified) -> [B, V] float32 with the rules applied."""
         p = self.parts
         x = logits.to(torch.float32, copy=True)
-        if p["allowed_rows"].numel():
+        if "allowed_rows" in p:
             keep = torch.zeros(p["allowed_rows"].shape[0], x.shape[1], dtype=torch.bool, device=x.device)  # [A, V]
             keep[p["allowed_entry_rows"], p["allowed_tokens"]] = True
             x[p["allowed_rows"]] = x[p["allowed_rows"]].masked_fill(~keep, -torch.inf)
-        if p["ban_rows"].numel():
+        if "ban_rows" in p:
             masked = torch.full(p["ban_rows"].shape, -torch.inf, device=x.device)
             x.index_put_((p["ban_rows"], p["ban_tokens"]), masked, accumulate=True)
-        if p["cond_rows"].numel():
+        if "cond_rows" in p:
             hit = self.previous_tokens[p["cond_sources"]] == p["cond_required"]  # [M]
             masked = torch.where(hit, -torch.inf, 0.0)
             x.index_put_((p["cond_rows"], p["cond_tokens"]), masked, accumulate=True)
-        if p["bias_rows"].numel():
+        if "bias_rows" in p:
             x.index_put_((p["bias_rows"], p["bias_tokens"]), p["bias_values"], accumulate=True)
-        if p["penalty_rows"].numel():
+        if "penalty_rows" in p:
             self.penalize(x, p["penalty_rows"], self.counts.slab, p["penalty_slots"], p["repetition"],
                           p["frequency"], p["presence"])
         return x
 
     def record(self, tokens: Tensor) -> None:
         """Count the step's sampled `tokens` [B] int64 in the penalized rows' slots."""
-        if self.parts["penalty_rows"].numel():
+        if "penalty_rows" in self.parts:
             self.counts.record(self.parts["penalty_slots"], tokens[self.parts["penalty_rows"]])
