@@ -75,7 +75,8 @@ class LLM(LLMEngine):
         for sp in params:
             if id(sp) not in checked:
                 checked[id(sp)] = self._check_params(sp)
-        requests = [(self.validator.validate(p, checked[id(sp)][0]), *checked[id(sp)]) for p, sp in zip(prompts, params)]
+        requests = [(self.validator.validate(p, checked[id(sp)][0]), *checked[id(sp)])
+                    for p, sp in zip(prompts, params)]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")
         ids = [self._enqueue(*request) for request in requests]

@@ -143,7 +143,9 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True (the text is matched): "
                              f"got stop={self.stop!r} with detokenize=False")
-        self.stop_token_ids = _token_list("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -165,16 +167,20 @@ class SamplingParams:
             value = getattr(self, name)
             _check_float(name, value)
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
-                raise ValueError(f"SamplingParams.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
+                raise ValueError(f"SamplingParams.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], "
+                                 f"got {value!r}")
         _check_float("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
+            raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0, "
+                             f"got {self.repetition_penalty!r}")
         check_int("SamplingParams.min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= "
+                             f"max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, got {self.logit_bias!r}")
+                raise TypeError(f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, "
+                                f"got {self.logit_bias!r}")
             for token_id, bias in self.logit_bias.items():
                 check_int("SamplingParams.logit_bias token id", token_id, 0)
                 _check_float(f"logit_bias[{token_id}]", bias)
@@ -184,7 +190,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled (None allows all)")
+                raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled "
+                                 "(None allows all)")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
                 raise TypeError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")

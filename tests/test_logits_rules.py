@@ -133,3 +133,19 @@ def test_a_penalized_row_first_seen_in_flight_is_refused():
     builder.admit([seq])
     with pytest.raises(RuntimeError, match="in flight"):
         builder.build([seq], [3], [0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_with_integer_parts_only(device):
+    """A step whose only rules are bans (min_tokens, one-token bad words) or allowed ids packs no
+    floats: its rules still reach the device."""
+    dev = torch.device(device)
+    seqs = [Sequence(0, [1, 2], SamplingParams(min_tokens=2)), Sequence(1, [3], SamplingParams(allowed_token_ids=[4, 5]))]
+    for i, seq in enumerate(seqs):
+        seq.rules = RequestRules.of(seq.params, frozenset(EOS), None, VOCAB)
+    builder = RulesBuilder(VOCAB, dev)
+    builder.admit(seqs)
+    logits = torch.randn(2, VOCAB)
+    out = builder.step_rules(seqs, [2, 1], [], None).apply(logits.to(dev)).cpu()
+    assert out[0, 0] == -torch.inf and torch.equal(out[0, 1:], logits[0, 1:])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [4, 5]

@@ -149,3 +149,24 @@ def test_special_tokens_in_the_text_on_request(llm):
                                  use_tqdm=False)
     assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [0, 0, 0]
     assert skipped.outputs[0].text == "" and kept.outputs[0].text == "<|endoftext|>" * 3
+
+
+def test_stop_strings_count_only_past_min_tokens(llm):
+    """vLLM's rule: a stop string ending inside the first min_tokens tokens' text does not stop the
+    request, and the text is cut at the first one ending past it."""
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    ids, text = free.outputs[0].token_ids, free.outputs[0].text
+    tok = llm.tokenizer
+    stop = max((c for c in set(text) if c.strip()), key=text.count)  # a character the text repeats
+    min_tokens = next(n for n in range(1, len(ids)) if stop in tok.decode(ids[:n]))  # it appears by then
+    after = len(tok.decode(ids[:min_tokens]))
+    cut = text.find(stop, after)
+    assert cut >= 0, "the test needs a later occurrence"
+    n = next(n for n in range(min_tokens + 1, len(ids) + 1) if tok.decode(ids[:n]).find(stop, after) >= 0)
+    early, held = llm.generate([prompt] * 2, [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=min_tokens)],
+        use_tqdm=False)
+    assert len(early.outputs[0].token_ids) <= min_tokens and early.outputs[0].text == text[: text.find(stop)]
+    assert (held.outputs[0].token_ids, held.outputs[0].text, held.outputs[0].finish_reason) == (ids[:n], text[:cut], "stop")

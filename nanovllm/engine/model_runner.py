@@ -208,7 +208,9 @@ class ModelRunner:
         positions = sampled_positions(plan) if sample_seqs else []
         pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
         words = pack.words if pack is not None else None
-        rules = self.rules.step_rules(sample_seqs, positions, plan.carried_rows, carried_from) if sample_seqs else None
+        rules = None
+        if sample_seqs:  # penalties, biases, masks of the rows that ask (none: no work)
+            rules = self.rules.step_rules(sample_seqs, positions, plan.carried_rows, carried_from)
         if plan.kind is StepKind.DECODE:
             batch_size = len(plan.starts)
             graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None

@@ -74,7 +74,9 @@ class Request:
             text = detokenizer.text(seq.completion_token_ids, params)
             stop_reason = seq.stop_token
             if seq.stopped_by_string:
-                text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output)
+                # a stop string counts once it ends past the first min_tokens tokens' text
+                after = len(detokenizer.text(seq.completion_token_ids[: params.min_tokens], params))
+                text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output, after)
             if seq.logprobs is not None and params.detokenize:
                 detokenizer.fill_decoded_tokens(seq.logprobs)
             completions.append(CompletionOutput(

@@ -270,7 +270,10 @@ class Scheduler:
         if token in params.stop_token_ids:
             seq.stop_token = token
             return FinishReason.STOP
-        if seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
+        # a stop string counts once it ends past the first min_tokens tokens (vLLM's rule); the text
+        # is still fed, so the search stays incremental
+        if (seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids)
+                and len(seq) - seq.num_prompt_tokens > params.min_tokens):
             seq.stopped_by_string = True
             return FinishReason.STOP
         if self._ends_by_length(seq, len(seq)):

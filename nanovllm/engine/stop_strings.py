@@ -40,10 +40,11 @@ class StopStringMatcher:
         return any(s in window for s in self.stops)
 
 
-def cut_at_stop(text: str, stops: list[str], include: bool = False) -> tuple[str, str | None]:
-    """(text up to its first stop string, that string): the text ends before it, or after it when
-    `include`; (text, None) if none occurs. Among stops found at the same place the first listed wins."""
-    hits = [(i, n, stop) for n, stop in enumerate(stops) if (i := text.find(stop)) >= 0]
+def cut_at_stop(text: str, stops: list[str], include: bool = False, after: int = 0) -> tuple[str, str | None]:
+    """(text up to its first stop string ending past character `after`, that string): the text ends
+    before it, or after it when `include`; (text, None) if none occurs. Among stops found at the same
+    place the first listed wins. `after`: the length of the text of the first min_tokens tokens."""
+    hits = [(i, n, stop) for n, stop in enumerate(stops) if (i := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
     if not hits:
         return text, None
     index, _, stop = min(hits)

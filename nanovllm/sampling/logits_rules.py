@@ -100,9 +100,11 @@ class HostRules:
         for start, (_, part) in zip(float_starts, floats):
             as_floats[start : start + len(part)] = part
         device_words = to_device(words, device)
-        device_floats = device_words[num_ints:].view(torch.float32)
-        views: dict[str, Tensor] = {name: device_words[a : a + len(part)] for a, (name, part) in zip(int_starts, ints)}
-        views.update((name, device_floats[a : a + len(part)]) for a, (name, part) in zip(float_starts, floats))
+        views: dict[str, Tensor] = {name: device_words[a : a + len(part)]
+                                    for a, (name, part) in zip(int_starts, ints)}
+        if floats:  # (an empty int64 slice cannot be viewed as float32)
+            device_floats = device_words[num_ints:].view(torch.float32)
+            views.update((name, device_floats[a : a + len(part)]) for a, (name, part) in zip(float_starts, floats))
         if self.penalty_rows and counts is None:
             raise ValueError("penalized rows need the TokenCounts slab their slots index")
         if self.cond_rows and previous_tokens is None:
