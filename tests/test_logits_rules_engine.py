@@ -5,6 +5,8 @@ forked samples), and seeded sampling gives the same tokens in each."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
@@ -105,3 +107,45 @@ def test_forked_samples_keep_their_own_counts(ckpt, reference):
     for completion in out.outputs:
         assert completion.token_ids == out.outputs[0].token_ids
         assert_rules_argmax(reference, prompt, completion.token_ids, sp, EOS, [])
+
+
+WORDS = ["the", "fox jumps", " lazy dog", "blocks", "scheduler batches"]
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    p = dict(temperature=0, max_tokens=rng.randint(3, 16), ignore_eos=rng.random() < 0.7)
+    if rng.random() < 0.5:
+        p.update(repetition_penalty=rng.uniform(0.5, 2), frequency_penalty=rng.uniform(-2, 2),
+                 presence_penalty=rng.uniform(-2, 2))
+    if rng.random() < 0.3:
+        p.update(logit_bias={rng.randrange(384): rng.uniform(-5, 5) for _ in range(3)})
+    if rng.random() < 0.2:
+        p.update(allowed_token_ids=rng.sample(range(384), 20))
+    if rng.random() < 0.4:
+        p.update(bad_words=rng.sample(WORDS, 2))
+    if rng.random() < 0.3:
+        p.update(min_tokens=rng.randint(0, p["max_tokens"]), stop_token_ids=[rng.randrange(384)])
+    if rng.random() < 0.2:
+        p.update(n=2)
+    return SamplingParams(**p)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_random_rule_mixes_in_random_regimes(ckpt, reference, trial):
+    """Random mixes of every rule (and n = 2) in one batch, under random overlap / chunk budget /
+    KV size (preemptions): every sample's tokens are the rules' argmaxes."""
+    rng = random.Random(trial)
+    regime = dict(overlap_scheduling=rng.random() < 0.5, max_num_batched_tokens=rng.choice([16, 64, 512]),
+                  num_kvcache_blocks=rng.choice([8, 64]))
+    prompts = make_prompts(20 + trial, 8, 5, 40)
+    params = [random_params(rng) for _ in prompts]
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, **regime)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tok = llm.tokenizer
+    finally:
+        llm.exit()
+    for prompt, out, sp in zip(prompts, outs, params):
+        bad = bad_word_token_sequences(tok, sp.bad_words or [])
+        for completion in out.outputs:
+            assert_rules_argmax(reference, prompt, completion.token_ids, sp, EOS | set(sp.stop_token_ids), bad)
