@@ -82,9 +82,10 @@ class HostRules:
 
     def to_device(self, device: torch.device, counts: TokenCounts | None, previous_tokens: Tensor | None,
                   penalize: Callable[..., None] = penalize_rows) -> StepRules:
-        """The rules on `device` (one copy). `counts`: the slab the penalty slots index (needed when
-        any row is penalized); `previous_tokens`: the previous step's samples (needed by cond_*);
-        `penalize`: the penalties' implementation (penalties.penalize_rows' contract)."""
+        """The rules on `device` (one copy); the counts rows of sequences slotted this step are set
+        here, on the device before the step samples. `counts`: the slab the penalty slots index
+        (needed when any row is penalized); `previous_tokens`: the previous step's samples (needed by
+        cond_*); `penalize`: the penalties' implementation (penalties.penalize_rows' contract)."""
         # only the parts in use travel (each costs host time every step), each starting 16-byte
         # aligned (host_to_device.ALIGN_BYTES): the penalties kernel then sees the same pointer
         # alignment every step, so Triton compiles no new variant mid-run
