@@ -147,6 +147,8 @@ class SamplingParams:
             self.stop_token_ids = []
         self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's spelling of 1 (the top token besides the scored one)
+                setattr(self, name, 1)
             value = getattr(self, name)
             if value is not None:
                 check_int(f"SamplingParams.{name}", value, 0)

@@ -106,6 +106,12 @@ def test_bad_words_need_a_tokenizer(tmp_path):
         llm.exit()
 
 
+def test_logprobs_true_means_one_as_in_vllm():
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+    with pytest.raises(TypeError, match="logprobs must be an int, got False"):
+        SamplingParams(logprobs=False)
+
+
 def test_a_queued_request_keeps_the_params_it_was_added_with(llm):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     rid = llm.add_request([5, 6, 7], params)
