@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: from --workload")
     ap.add_argument("--top-k", type=int, default=0, help="the workload's top-k (0: off), both sides")
     ap.add_argument("--top-p", type=float, default=1.0, help="the workload's top-p (1.0: off), both sides")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="the workload's (1.0: off), both sides")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
@@ -94,10 +97,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.set_defaults(**{name: getattr(preset, name) for name in Workload.__dataclass_fields__})
     args = ap.parse_args(argv)
     try:
-        args.sampling = WorkloadSampling(args.top_k, args.top_p)
+        args.sampling = WorkloadSampling(args.top_k, args.top_p, args.repetition_penalty, args.frequency_penalty,
+                                         args.presence_penalty)
         args.routes = parse_kernel_routes(args.kernel_routes)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if args.compare_hf and not args.sampling.transformers_can_run:
+        ap.error("--compare-hf cannot run --frequency-penalty / --presence-penalty: transformers' generate has neither")
     return args
 
 

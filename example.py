@@ -48,7 +48,7 @@ def main() -> None:
     for prompt, output in zip(prompts, outputs):
         print("=" * 60)
         print(f"Prompt: {prompt!r}")
-        print(f"Completion: {output['text']!r}")
+        print(f"Completion: {output.outputs[0].text!r}")
     llm.exit()
 
 

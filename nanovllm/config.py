@@ -22,6 +22,8 @@ _LOAD_FORMATS = ("auto", "dummy")
 # LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
+# LLM(generation_config=...) values that are not a directory (vLLM's): the checkpoint's file, or none.
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
 @dataclass
@@ -62,6 +64,9 @@ class Config:
     # None: as the checkpoint is (an FP8 checkpoint's quantization_config is read); "fp8": FP8
     # weights, quantized at load from a full-precision checkpoint (quantization/config.py).
     quantization: str | None = None
+    # Where generate()'s default SamplingParams come from (vLLM's option): "auto" the checkpoint's
+    # generation_config.json, "vllm" SamplingParams() alone, or a directory holding such a file.
+    generation_config: str = "auto"
     # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -109,6 +114,12 @@ class Config:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)):
+            raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        self.generation_config = os.fspath(self.generation_config)
+        if self.generation_config not in GENERATION_CONFIG_SOURCES and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r} "
+                             "(not a directory)")
         if not isinstance(self.kernel_routes, KernelRoutes):
             raise TypeError(f"kernel_routes must be a KernelRoutes, got {self.kernel_routes!r}")
         if self.device is None:

@@ -1,7 +1,126 @@
-"""The public entry point: `LLM(model, **config)` is the engine."""
+"""The public entry point: `LLM(model, **config)`, the engine (engine/llm_engine.py) with vLLM's
+batch API on top:
 
+    outputs = llm.generate(prompts, sampling_params=None, use_tqdm=True, lora_request=None)
+    outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
+    params = llm.get_default_sampling_params()                 # generation_config's defaults
+
+Both return one RequestOutput per prompt / conversation, in input order (nanovllm/outputs.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from nanovllm.engine.chat import ChatOptions, render_chat
+from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.run_rates import RunRates
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+def _check_no_lora(lora_request: object) -> None:
+    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it), refused otherwise."""
+    if lora_request is not None:
+        raise ValueError(f"LoRA adapters are not supported: lora_request must be None, got {lora_request!r}")
 
 
 class LLM(LLMEngine):
-    pass
+    def __init__(self, model: str, **kwargs):
+        super().__init__(model, **kwargs)
+        try:
+            self._default_params = default_sampling_params(self.config.generation_config, self.config.model)
+        except BaseException:
+            self.exit()
+            raise
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams generate() uses when given none: LLM(generation_config=...)'s
+        (the checkpoint's temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens
+        under "auto"); a fresh copy each call."""
+        self._check_open()
+        return self._default_params.validated()
+
+    def generate(
+        self,
+        prompts: SequenceABC,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: object = None,
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
+        Every request is checked before any is queued (bad input leaves the engine untouched)."""
+        self._check_open()
+        _check_no_lora(lora_request)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self._default_params
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, SequenceABC) and not isinstance(sampling_params, str):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        else:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
+        checked = {}  # one checked copy per distinct SamplingParams object
+        for sp in params:
+            if id(sp) not in checked:
+                checked[id(sp)] = self._check_params(sp)
+        requests = [(self.validator.validate(p, checked[id(sp)][0]), *checked[id(sp)])
+                    for p, sp in zip(prompts, params)]
+        if not self.is_finished():
+            raise RuntimeError("generate() called while step-wise requests are still pending")
+        ids = [self._enqueue(*request) for request in requests]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the requests `ids` finish; the bar shows the run's average token rates."""
+        outputs: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        rates = RunRates(time.perf_counter())
+        try:
+            while not self.is_finished():
+                result = self.step()
+                rates.add(result.num_prompt_tokens, len(result.sampled))
+                bar.set_postfix(rates.postfix(time.perf_counter()), refresh=False)
+                for out in result.finished:
+                    outputs[out.request_id] = out
+                bar.update(len(result.finished))
+        except BaseException:
+            self.abort_all()
+            raise
+        finally:
+            bar.close()
+        return [outputs[i] for i in ids]
+
+    def chat(
+        self,
+        messages: SequenceABC,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: object = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
+        or a list of them; each is rendered with the chat template (the tokenizer's, or
+        `chat_template`; `chat_template_kwargs` such as {"enable_thinking": False} reach it),
+        tokenized without special tokens, and generated like generate() does. Returns one
+        RequestOutput per conversation, in input order."""
+        self._check_open()
+        _check_no_lora(lora_request)
+        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
+                              {} if chat_template_kwargs is None else chat_template_kwargs)
+        prompts = render_chat(self.tokenizer, self.config.model, messages, options)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -1,11 +1,14 @@
 """Per-request sampling settings, with vLLM's field names and meanings.
 
-Every field is validated at construction: a bad value raises ValueError/TypeError
-naming it, so the engine never sees a request it cannot serve.
+Every field is validated at construction, and again when a request is added (fields may be edited
+afterwards, as RL frameworks do): a bad value raises ValueError/TypeError naming it, so the engine
+never sees a request it cannot serve. Checks that need the model (token ids within the vocabulary,
+bad words that need a tokenizer) are the engine's (engine/request_params.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +20,10 @@ TOP_K_OFF = (0, -1)
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 near 0.
 GREEDY_TEMPERATURE = 1e-5
+# presence_penalty and frequency_penalty lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's and OpenAI's range).
+PENALTY_LIMIT = 2.0
+# truncate_prompt_tokens value meaning "keep at most max_model_len tokens" (vLLM's spelling).
+TRUNCATE_TO_MODEL_LEN = -1
 
 
 def _check_float(name: str, value: object) -> None:
@@ -24,6 +31,20 @@ def _check_float(name: str, value: object) -> None:
         raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
     if math.isnan(value):
         raise ValueError(f"SamplingParams.{name} must not be NaN")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
+
+
+def _token_list(name: str, value: object) -> list[int]:
+    """A list (or tuple) of token ids (ints >= 0), as a new list."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"SamplingParams.{name} must be a list of token ids, got {value!r}")
+    for token_id in value:
+        check_int(f"SamplingParams.{name}", token_id, 0)
+    return list(value)
 
 
 @dataclass
@@ -40,14 +61,31 @@ class SamplingParams:
     max_tokens: most tokens to generate.
     ignore_eos: keep generating past EOS tokens.
     stop: strings; generation stops once the decoded completion contains one, and
-        the returned text ends before it.
+        the returned text ends before it (after it with include_stop_str_in_output).
     stop_token_ids: extra token ids that end generation like EOS (kept in token_ids).
     logprobs: None, or k in [0, MAX_LOGPROBS]: each generated token gets a dict
-        {token_id: logprob} with the sampled token and the k most likely ones; logprobs are
-        log_softmax of the raw logits (before temperature and top-k/top-p/min-p), as vLLM's.
+        {token_id: Logprob} with the sampled token and the k most likely ones; logprobs are
+        log_softmax of the raw logits (before penalties, temperature and top-k/top-p/min-p), as
+        vLLM's, with ranks over the whole vocabulary (nanovllm/outputs.py).
     prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: the same for every prompt token
         (given the tokens before it; the first prompt token has None).
     n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token
+        generated so far, once / once per occurrence (0: off).
+    repetition_penalty: > 0; the logit of every token of the prompt or generated so far is divided
+        by it where positive and multiplied by it where not (1: off). Penalties apply before greedy
+        or sampling, after logit_bias (vLLM's order); logprobs stay those of the raw logits.
+    min_tokens: EOS and stop_token_ids cannot be sampled before this many tokens exist (0: off).
+    logit_bias: {token_id: bias} added to those logits (finite biases).
+    allowed_token_ids: only these tokens can be sampled (None: all).
+    bad_words: words never generated: the last token of each of the word's token sequences (with
+        and without a leading space) is masked where the tokens before it were just generated.
+    include_stop_str_in_output: keep the stop string that ended the text at its end.
+    skip_special_tokens / spaces_between_special_tokens: how the text is decoded (the tokenizer's
+        decode options; a fast tokenizer ignores the second, as in vLLM).
+    detokenize: False leaves every text empty (token ids only; stop strings are then refused).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
+    max_tokens: None generates up to max_model_len.
     """
 
     temperature: float = 1.0
@@ -55,13 +93,25 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature)
@@ -78,26 +128,91 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
             check_int("SamplingParams.seed", self.seed, 0)
-        check_int("SamplingParams.max_tokens", self.max_tokens, 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.max_tokens is not None:
+            check_int("SamplingParams.max_tokens", self.max_tokens, 1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            _check_bool(name, getattr(self, name))
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise TypeError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
-            check_int("SamplingParams.stop_token_ids", token_id, 0)
-        self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop strings need detokenize=True (the text is matched): "
+                             f"got stop={self.stop!r} with detokenize=False")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's spelling of 1 (the top token besides the scored one)
+                setattr(self, name, 1)
             value = getattr(self, name)
             if value is not None:
                 check_int(f"SamplingParams.{name}", value, 0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"SamplingParams.{name} must be at most {MAX_LOGPROBS}, got {value!r}")
         check_int("SamplingParams.n", self.n, 1)
+        self._check_logits_settings()
+        if self.truncate_prompt_tokens is not None:
+            check_int("SamplingParams.truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != TRUNCATE_TO_MODEL_LEN:
+                raise ValueError(f"SamplingParams.truncate_prompt_tokens must be >= 1 or "
+                                 f"{TRUNCATE_TO_MODEL_LEN} (max_model_len), got {self.truncate_prompt_tokens!r}")
+
+    def _check_logits_settings(self) -> None:
+        """Penalties, min_tokens, logit_bias, allowed_token_ids and bad_words (vLLM's ranges);
+        containers are copied, so later edits of the caller's lists do not reach a queued request."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"SamplingParams.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], "
+                                 f"got {value!r}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0, "
+                             f"got {self.repetition_penalty!r}")
+        check_int("SamplingParams.min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= "
+                             f"max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, "
+                                f"got {self.logit_bias!r}")
+            for token_id, bias in self.logit_bias.items():
+                check_int("SamplingParams.logit_bias token id", token_id, 0)
+                _check_float(f"logit_bias[{token_id}]", bias)
+                if math.isinf(bias):
+                    raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be finite, got {bias!r}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled "
+                                 "(None allows all)")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise TypeError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")
+            if not all(w.strip() for w in self.bad_words):
+                raise ValueError(f"SamplingParams.bad_words must not hold blank strings, got {self.bad_words!r}")
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+
+    def validated(self) -> SamplingParams:
+        """A checked copy of these settings as they are now (the engine keeps one per request, so
+        later edits of this object do not change a queued request); raises as construction does."""
+        return dataclasses.replace(self)
+
+    @property
+    def uses_logits_rules(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, min_tokens, logit_bias,
+        allowed_token_ids, bad_words): rows of requests that use none pay nothing for them."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:

@@ -37,7 +37,7 @@ from benchmarks.harness.roofline import (  # noqa: E402
 )
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
 from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
-from nanovllm.engine.sequence import Completion, FinishReason, RequestOutput  # noqa: E402
+from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.layers.kernel_path import KernelRoutes  # noqa: E402
 from nanovllm.models.model_config import ModelConfig  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
@@ -171,7 +171,7 @@ def test_load_format_follows_safetensors(tmp_path):
 
 def test_check_outputs_rejects_uncounted_tokens():
     def out(rid: int, n: int) -> RequestOutput:
-        return RequestOutput(rid, [1], [Completion([5] * n, "", FinishReason.LENGTH)])
+        return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "", [5] * n, None, None, "length")])
 
     runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3), 1: out(1, 2)}, Counter({0: 3, 1: 2}))
     with pytest.raises(RuntimeError, match="returned 1 tokens, 2 counted"):
@@ -352,7 +352,8 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     t = ThroughputRun(args.workload, w, args.sampling, cfg, ByteWidths.uniform(4), decode_weight_elements(cfg), [len(p) for p in prompts],
                       max_tokens, run, peak_mem_bytes=0)
     rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
-    assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {"top_k": 20, "top_p": 0.9}
+    assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {
+        "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
     assert rows["HBM copy bandwidth / bf16 GEMM peak"] == "1.00 TB/s / 1000 TFLOP/s"
     assert "fraction of roofline reached" in rows and any(n.startswith("decode-only steps of") for n in rows)
     assert res["prefill_padding"] == 0 and rows["their graph padding"].startswith("0 tokens")  # eager: no buckets
@@ -474,9 +475,14 @@ def test_no_benchmark_or_its_tests_rebind_what_they_measure():
 
 
 def test_sampling_flags_are_checked_when_parsed(capsys):
-    """--top-k / --top-p go through SamplingParams' checks before any engine starts."""
+    """--top-k / --top-p / the penalties go through SamplingParams' checks before any engine starts."""
     assert bench.parse_args([]).sampling == WorkloadSampling(0, 1.0)
-    for bad in (["--top-p=1.5"], ["--top-p=0"], ["--top-k=-2"]):
+    penalized = bench.parse_args(["--repetition-penalty", "1.1", "--presence-penalty", "0.5"]).sampling
+    assert penalized == WorkloadSampling(0, 1.0, 1.1, 0.0, 0.5)
+    assert penalized.params(7).repetition_penalty == 1.1 and "presence_penalty=0.5" in penalized.describe()
+    for bad, words in ((["--top-p=1.5"], "top_p"), (["--top-p=0"], "top_p"), (["--top-k=-2"], "top_k"),
+                       (["--presence-penalty=3"], "presence_penalty"),
+                       (["--compare-hf", "--frequency-penalty=0.5"], "transformers' generate has neither")):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
-        assert "top_" in capsys.readouterr().err
+        assert words in capsys.readouterr().err

@@ -1,7 +1,9 @@
-"""LLM.chat (vLLM's meaning): conversations rendered by the chat template, then generated.
+"""LLM.chat (vLLM's meaning): conversations rendered by the chat template, tokenized without special
+tokens, then generated.
 
 Runs on the shipped default model (it has a chat template) on the CPU; a test checkpoint
-(its tokenizer has no template) and a tokenizer-less directory give clear errors.
+(its tokenizer has no template) and a tokenizer-less directory give clear errors; a test tokenizer
+that adds a BOS (as Llama 3's does) gets one BOS, not two; the template options vLLM takes.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ MALFORMED = [
     ([[]], ValueError, "conversation 0 is empty"),
     ([{"role": "user"}], ValueError, "conversation 0, message 0 has no 'content'"),
     ([{"content": "hi"}], ValueError, "has no 'role'"),
-    ([{"role": "user", "content": 5}], TypeError, "'content' must be a str, got int"),
+    ([{"role": "user", "content": 5}], TypeError, "'content' must be a str or a list of text parts, got int"),
     ([{"role": None, "content": "hi"}], TypeError, "'role' must be a str, got NoneType"),
     ([{"role": "user", "content": "hi"}, "oops"], TypeError, "conversation 0, message 1 must be a dict"),
     ([FIRST, "oops"], TypeError, "conversation 1 must be a list"),
-    ([FIRST, [{"role": "user", "content": ["part"]}]], TypeError, "conversation 1, message 0: 'content'"),
+    ([FIRST, [{"role": "user", "content": ["part"]}]], TypeError, "conversation 1, message 0: 'content' part 0 must be a dict"),
+    ([[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]], ValueError,
+     "'content' part 0 has type 'image_url'; only 'text' parts"),
+    ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]], TypeError, "part 0 needs a str 'text', got 3"),
 ]
 
 
@@ -105,5 +110,78 @@ def test_model_without_tokenizer_is_a_clear_error(tmp_path):
         assert llm.tokenizer is None
         with pytest.raises(ValueError, match=re.escape(repr(str(path))) + ".*no tokenizer"):
             llm.chat(FIRST, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+
+
+# ---------------------------------------------------------------- a tokenizer that adds a BOS (Llama 3's way)
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bos_llm(tmp_path_factory):
+    """A test checkpoint whose tokenizer prepends a BOS (<|endoftext|>, id 0) to every encode and
+    whose chat template writes one too."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    path = build_checkpoint(str(tmp_path_factory.mktemp("bos") / "model"), TinyShape())
+    backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            chat_template=BOS_TEMPLATE).save_pretrained(path)
+    engine = cpu_llm(path, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=32)
+    yield engine
+    engine.exit()
+
+
+def test_a_bos_adding_tokenizer_gives_one_bos(bos_llm):
+    conversation = [{"role": "user", "content": "the quick brown fox"}]
+    text = bos_llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|endoftext|>user:") and bos_llm.tokenizer.encode(text)[:2] == [0, 0]  # the trap
+    [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == text
+    assert out.prompt_token_ids == bos_llm.tokenizer.encode(text, add_special_tokens=False)
+    assert out.prompt_token_ids[0] == 0 and out.prompt_token_ids[1] != 0
+    [same] = bos_llm.generate([{"prompt_token_ids": out.prompt_token_ids}], GREEDY, use_tqdm=False)
+    assert same == out
+
+
+def test_chat_template_options(bos_llm):
+    conversation = [{"role": "user", "content": "the lazy dog"}, {"role": "assistant", "content": "jumps over"}]
+    def prompt(**kwargs):
+        return bos_llm.chat(conversation, GREEDY, use_tqdm=False, **kwargs)[0].prompt
+    assert prompt().endswith("assistant: jumps over\nassistant:")
+    assert prompt(add_generation_prompt=False).endswith("assistant: jumps over\n")
+    assert prompt(chat_template_kwargs={"enable_thinking": False}).endswith("<no-think>assistant:")
+    assert prompt(add_generation_prompt=False, continue_final_message=True).endswith("assistant: jumps over")
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    assert prompt(chat_template=own, add_generation_prompt=False) == "<user>the lazy dog<assistant>jumps over"
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        prompt(continue_final_message=True)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        prompt(chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
+        prompt(add_generation_prompt="yes")
+    assert bos_llm.is_finished()
+
+
+def test_content_as_text_parts(bos_llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]}]
+    joined = [{"role": "user", "content": "the quick\nbrown fox"}]
+    assert bos_llm.chat(parts, GREEDY, use_tqdm=False) == bos_llm.chat(joined, GREEDY, use_tqdm=False)
+    assert bos_llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt == bos_llm.chat(joined, GREEDY, use_tqdm=False)[0].prompt
+
+
+def test_a_template_given_serves_a_tokenizer_without_one(tmp_path):
+    path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    try:
+        [out] = llm.chat(FIRST, GREEDY, use_tqdm=False, chat_template="{{ messages[0]['content'] }}",
+                         add_generation_prompt=False)
+        assert out.prompt == FIRST[0]["content"]
     finally:
         llm.exit()

@@ -54,15 +54,21 @@ SPECS = [
     # logprobs at the serving vocabulary (151,936 = 38 chunks of 4096): k = 0, 5 and 20, scored rows
     # given or all (the prompt-logprobs path), bfloat16 and float32 logits.
     ("sampling.logprobs_kernel", "_logprobs_kernel", {"rows_ptr": "*i64", "tokens_ptr": "*i64", "counter_ptr": "*i32", "work_ptr": "*i64",
-                                      "chosen_ptr": "*fp32", "top_id_ptr": "*i64", "top_lp_ptr": "*fp32"},
+                                      "chosen_ptr": "*fp32", "rank_ptr": "*i64", "top_id_ptr": "*i64",
+                                      "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": rows, "K": k, "K_PAD": max(1, 1 << (k - 1).bit_length()) if k else 1, "BLOCK": 4096, "S": 32,
        "C_PAD": 64, "KEYS_PAD": 1 << (38 * k - 1).bit_length() if k else 1}
       for rows, k in ((True, 0), (True, 5), (True, 20), (False, 5))]),
     ("sampling.logprobs_kernel", "_logprobs_kernel", {"x_ptr": "*fp32", "rows_ptr": "*i64", "tokens_ptr": "*i64",
-                                      "counter_ptr": "*i32", "work_ptr": "*i64", "chosen_ptr": "*fp32", "top_id_ptr": "*i64",
-                                      "top_lp_ptr": "*fp32"},
+                                      "counter_ptr": "*i32", "work_ptr": "*i64", "chosen_ptr": "*fp32", "rank_ptr": "*i64",
+                                      "top_id_ptr": "*i64", "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": True, "K": k, "K_PAD": 8 if k else 1, "BLOCK": 4096, "S": 32, "C_PAD": 64,
        "KEYS_PAD": 256 if k else 1} for k in (0, 5)]),
+    # penalties on float32 logits rows from int32 token counts, at the serving block
+    ("sampling.penalties_kernel", "_penalties_kernel", {"x_ptr": "*fp32", "counts_ptr": "*i32", "rows_ptr": "*i64",
+                                                     "slots_ptr": "*i64", "rep_ptr": "*fp32", "freq_ptr": "*fp32",
+                                                     "pres_ptr": "*fp32"},
+     [{"BLOCK": 4096, "num_warps": 8}]),
     # top-k/top-p radix select at the serving vocabulary (38 chunks of 4096): first / second / later
     # passes, counts (top-k) and masses (top-p), and the final choice
     ("sampling.radix_filter", "_histogram_kernel", {"probs_ptr": "*fp32", "target_ptr": "*fp32", "floor_ptr": "*i32",

@@ -26,11 +26,21 @@ def ranked(logits: torch.Tensor, k: int):
     return torch.log_softmax(x, dim=-1), torch.sort(x, dim=1, descending=True, stable=True).indices[:, :k]
 
 
+def sorted_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each token's rank from a full descending sort of its row (exact float64 values):
+    the count of entries >= its logit, found by binary search in the sorted row (vLLM's rank: ties
+    share the worse place)."""
+    desc = torch.sort(logits.double(), dim=1, descending=True).values  # [B, V]
+    own = logits.double().gather(1, tokens[:, None])  # [B, 1]
+    return torch.searchsorted(-desc, -own, right=True).squeeze(1)
+
+
 def check_exact(logits: torch.Tensor, tokens: torch.Tensor, k: int, **kw) -> None:
     """row_logprobs on every row: the chosen logprobs and top logprobs within ATOL of float64, the
-    top ids exactly the reference's (ties to the lower id)."""
-    chosen, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
+    top ids exactly the reference's (ties to the lower id), the ranks exactly a full sort's."""
+    chosen, ranks, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
     lp, want_ids = ranked(logits.cpu(), k)
+    assert torch.equal(ranks.cpu(), sorted_ranks(logits.cpu(), tokens.cpu()))
     assert torch.allclose(chosen.cpu().double(), lp.gather(1, tokens.cpu()[:, None]).squeeze(1), atol=ATOL)
     assert torch.equal(top_ids.cpu(), want_ids), (top_ids.cpu(), want_ids)
     assert torch.allclose(top_lps.cpu().double(), lp.gather(1, want_ids), atol=ATOL)
@@ -48,9 +58,11 @@ def test_matches_float64_log_softmax(device, dtype, k):
     tokens = torch.randint(0, vocab, (rows,), generator=g, device=device)
     tokens[0] = logits[0].argmax()
     kw = {"block": block} if block else {}
-    chosen, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
+    chosen, ranks, top_ids, top_lps = row_logprobs(logits, tokens, k, **kw)
     want, lp = reference(logits, tokens, k)
-    assert chosen.dtype == top_lps.dtype == torch.float32 and top_ids.dtype == torch.int64
+    assert chosen.dtype == top_lps.dtype == torch.float32 and top_ids.dtype == ranks.dtype == torch.int64
+    assert torch.equal(ranks.cpu(), sorted_ranks(logits.cpu(), tokens.cpu()))
+    assert ranks[0].item() == int((logits[0] == logits[0].max()).sum())  # row 0's argmax: 1 unless tied
     assert top_ids.shape == top_lps.shape == (rows, k)
     assert torch.allclose(chosen.double(), want, atol=ATOL)
     if k:
@@ -70,18 +82,19 @@ def test_row_strides_and_empty_batches(device):
     wide = torch.randn(3, vocab + 64).to(device)
     logits = wide[:, :vocab]  # rows of a wider buffer (the LM head's padded vocabulary)
     tokens = torch.tensor([0, 5, vocab - 1], device=device)
-    chosen, top_ids, _ = row_logprobs(logits, tokens, 3, **kw)
+    chosen, ranks, top_ids, _ = row_logprobs(logits, tokens, 3, **kw)
     want, lp = reference(logits.cpu(), tokens.cpu(), 3)
     assert torch.allclose(chosen.cpu().double(), want, atol=ATOL)
     assert (top_ids.cpu() < vocab).all()
+    assert torch.equal(ranks.cpu(), sorted_ranks(logits.cpu(), tokens.cpu()))  # padding columns never count
     none = row_logprobs(logits[:0], tokens[:0], 2, **kw)
-    assert [tuple(t.shape) for t in none] == [(0,), (0, 2), (0, 2)]
+    assert [tuple(t.shape) for t in none] == [(0,), (0,), (0, 2), (0, 2)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_subset_of_rows_is_scored_in_place(device):
     """`rows` picks the scored rows of logits and tokens (the sampler's asking rows), in their order."""
-    from nanovllm.sampling.sampler import token_logprobs
+    from nanovllm.sampling.row_logprobs import token_logprobs
 
     vocab, block = (300, 128) if device == "cpu" else (151_936, None)
     kw = {"block": block} if block else {}
@@ -89,12 +102,14 @@ def test_a_subset_of_rows_is_scored_in_place(device):
     logits = torch.randn(6, vocab, generator=g).to(device)
     tokens = torch.randint(0, vocab, (6,), generator=g).to(device)
     rows = torch.tensor([4, 1, 5], device=device)
-    chosen, top_ids, top_lps = row_logprobs(logits, tokens, 4, rows, **kw)
+    chosen, ranks, top_ids, top_lps = row_logprobs(logits, tokens, 4, rows, **kw)
     want, lp = reference(logits.cpu()[rows.cpu()], tokens.cpu()[rows.cpu()], 4)
     assert torch.allclose(chosen.cpu().double(), want, atol=ATOL)
     assert torch.allclose(top_lps.cpu().double(), lp.topk(4, dim=1).values, atol=ATOL)
+    assert torch.equal(ranks.cpu(), sorted_ranks(logits.cpu()[rows.cpu()], tokens.cpu()[rows.cpu()]))
     twin = token_logprobs(logits.cpu(), tokens.cpu(), 4, rows.cpu())  # the CPU path's same contract
-    assert torch.equal(twin[1], top_ids.cpu()) and torch.allclose(twin[0], chosen.cpu(), atol=ATOL)
+    assert torch.equal(twin.top_ids, top_ids.cpu()) and torch.allclose(twin.chosen, chosen.cpu(), atol=ATOL)
+    assert torch.equal(twin.ranks, ranks.cpu())
 
 
 def test_bad_arguments_name_the_problem():
@@ -169,7 +184,7 @@ def test_calls_in_a_row_on_different_inputs(device, shared):
         check_exact(second.to(device), t2.to(device), 3, block=64, workspace=ws)
         check_exact(first.to(device), t1.to(device), 1, block=64, workspace=ws)
     rows = torch.tensor([5, 0, 2])
-    chosen, top_ids, _ = row_logprobs(second.to(device), t2.to(device), 3, rows.to(device), block=128, workspace=ws)
+    chosen, _, top_ids, _ = row_logprobs(second.to(device), t2.to(device), 3, rows.to(device), block=128, workspace=ws)
     lp, want_ids = ranked(second[rows], 3)
     assert torch.allclose(chosen.cpu().double(), lp.gather(1, t2[rows][:, None]).squeeze(1), atol=ATOL)
     assert torch.equal(top_ids.cpu(), want_ids)

@@ -265,6 +265,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "abort_request": lambda: llm.abort_request(rid),
         "abort_all": llm.abort_all,
         "update_weights": lambda: llm.update_weights(state.items()),
+        "get_default_sampling_params": llm.get_default_sampling_params,
     }
     assert [name for name, call in calls.items() if not refused_as_exited(call)] == []
     llm.exit()  # still harmless, twice

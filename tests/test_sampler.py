@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
-from nanovllm.sampling.sampler import Sampler, takes_topk_path, token_logprobs, top_k_top_p_threshold
+from nanovllm.sampling.row_logprobs import token_logprobs
+from nanovllm.sampling.sampler import Sampler, takes_topk_path, top_k_top_p_threshold
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -442,6 +443,7 @@ def test_the_triton_logprobs_kernel_gives_the_samplers_logprobs() -> None:
     want, got = Sampler()(logits, batch), kernel_sampler(logits, batch)
     assert torch.equal(want.tokens, got.tokens) and torch.equal(want.logprobs.rows, got.logprobs.rows)
     assert torch.allclose(want.logprobs.sampled, got.logprobs.sampled, atol=1e-5)
+    assert torch.equal(want.logprobs.ranks, got.logprobs.ranks)
     assert torch.equal(want.logprobs.top_ids, got.logprobs.top_ids)
     assert torch.allclose(want.logprobs.top_logprobs, got.logprobs.top_logprobs, atol=1e-5)
 
@@ -570,9 +572,13 @@ def test_token_logprobs_standalone() -> None:
     logits = torch.randn(5, 400, generator=g, dtype=torch.float64) * 3
     targets = torch.tensor([0, 399, 17, 17, 250])
     for x in (logits, logits.float(), logits.bfloat16()):
-        chosen, top_ids, top_logprobs = token_logprobs(x, targets, 3)
+        chosen, ranks, top_ids, top_logprobs = token_logprobs(x, targets, 3)
         assert_logprobs_match(x.double(), targets, [0, 1, 2, 3, 4], 3, chosen, top_ids, top_logprobs)
-    chosen, top_ids, _ = token_logprobs(logits, targets, 0)
+        # ranks: each target's place in a full descending sort of its row (ties: the worse place)
+        desc = x.double().sort(dim=1, descending=True).values
+        own = x.double().gather(1, targets[:, None])
+        assert ranks.tolist() == torch.searchsorted(-desc, -own, right=True).squeeze(1).tolist()
+    chosen, _, top_ids, _ = token_logprobs(logits, targets, 0)
     assert top_ids.shape == (5, 0) and chosen.shape == (5,)
     with pytest.raises(TypeError, match="k must be an int"):
         token_logprobs(logits, targets, True)

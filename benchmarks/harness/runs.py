@@ -15,7 +15,7 @@ from benchmarks.harness.stats import percentile
 from benchmarks.harness.workloads import PROMPT_ID_MAX, WORKLOAD_TEMPERATURE, WorkloadSampling
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
-from nanovllm.engine.sequence import RequestOutput
+from nanovllm.outputs import RequestOutput
 
 # --ttft: timed requests per prompt size (after TTFT_WARMUP untimed ones, which compile shapes).
 TTFT_REPEATS = 7
@@ -146,7 +146,8 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=sampling.top_k,
-                                 top_p=sampling.top_p, pad_token_id=pad)
+                                 top_p=sampling.top_p, repetition_penalty=sampling.repetition_penalty,
+                                 pad_token_id=pad)
         if out.shape[1] != width + new:
             raise RuntimeError(f"transformers made {out.shape[1] - width} tokens per row, {new} counted")
         generated += len(idx) * new

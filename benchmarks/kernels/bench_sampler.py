@@ -3,8 +3,11 @@
 Cases: all greedy, plain temperature sampling, top-k only, top-p only, top-k with top-p (Qwen3's
 suggested 20 / 0.95), a mix of top-k/top-p/min-p rows, and 16 seeded rows (plain and mixed); every
 row's noise comes from its key (the Triton kernel, the engine's CUDA path). Logprob cases
-("<case>+lp5_all", "<case>+lp5_16") are a case with logprobs k=5 on all rows or on 16 of them; they
-also report the ms they add to the same case without logprobs. Each case reports the median and p90
+("<case>+lp5_all", "<case>+lp5_16") are a case with logprobs k=5 on all rows or on 16 of them;
+penalty cases ("<case>+rep_all", "<case>+freq_pres_all") the case with a repetition penalty, or
+frequency and presence penalties, on every row (counts of a PENALTY_PROMPT-token prompt each, the
+engine's logits rules: float32 copy and the Triton penalties kernel); both also report the ms they
+add to the same case without them. Each case reports the median and p90
 of per-call CUDA-event timings in ms (the SamplingBatch is built once per case; its host build time,
 one packed host-to-device copy included, is reported separately).
 
@@ -26,8 +29,12 @@ import torch
 
 from benchmarks.harness.engine_options import parse_kernel_routes
 from benchmarks.harness.timing import event_times_ms
+from nanovllm.engine.request_rules import RequestRules
+from nanovllm.engine.rules_builder import RulesBuilder
+from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.sampling.batch import SamplingBatch, row_key
+from nanovllm.sampling.logits_rules import StepRules
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
@@ -44,6 +51,9 @@ MIXED = [
 # Logprobs asked for by the logprob cases, and the rows of a "some rows" case.
 LOGPROBS_K = 5
 SOME_LOGPROB_ROWS = 16
+# The penalty cases' settings, and each row's prompt length (its token counts)
+PENALTIES = {"rep_all": {"repetition_penalty": 1.1}, "freq_pres_all": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
+PENALTY_PROMPT = 512
 
 
 def base_params(name: str, batch: int) -> list[SamplingParams]:
@@ -76,7 +86,7 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
     on SOME_LOGPROB_ROWS rows spread over the batch."""
     base, _, logprobs = name.partition("+")
     params = base_params(base, batch)
-    if not logprobs:
+    if not logprobs or logprobs in PENALTIES:
         return params
     if logprobs == "lp5_all":
         asking = set(range(batch))
@@ -88,7 +98,24 @@ def case_params(name: str, batch: int) -> list[SamplingParams]:
 BASE_CASES = ["greedy", "plain", "top_k_only", "top_p_only", "min_p_only", "top_k_top_p", "mixed_topk_topp",
               "plain_16_seeded", "mixed_16_seeded"]
 LOGPROB_CASES = [f"{base}+{rows}" for base in ("greedy", "plain", "mixed_topk_topp") for rows in ("lp5_all", "lp5_16")]
-CASES = BASE_CASES + LOGPROB_CASES
+PENALTY_CASES = [f"{base}+{pen}" for base in ("greedy", "plain", "top_k_top_p") for pen in PENALTIES]
+CASES = BASE_CASES + LOGPROB_CASES + PENALTY_CASES
+
+
+def case_rules(name: str, batch: int, vocab: int, device: torch.device) -> StepRules | None:
+    """A penalty case's step rules (every row penalized, its counts set from a random prompt), as the
+    engine builds them; None for the other cases."""
+    penalty = name.partition("+")[2]
+    if penalty not in PENALTIES:
+        return None
+    params = SamplingParams(**PENALTIES[penalty])
+    rules = RequestRules.of(params, frozenset(), None, vocab)
+    g = torch.Generator().manual_seed(1)
+    seqs = [Sequence(i, torch.randint(0, vocab, (PENALTY_PROMPT,), generator=g).tolist(), params, rules=rules)
+            for i in range(batch)]
+    builder = RulesBuilder(vocab, device)
+    builder.admit(seqs)
+    return builder.step_rules(seqs, [PENALTY_PROMPT] * batch, [], None)
 
 
 def main() -> None:
@@ -127,7 +154,8 @@ def main() -> None:
             keys = [row_key(p.seed, 0) if p.seed is not None else i for i, p in enumerate(params)]
             batch = SamplingBatch.build(params, keys, device, args.vocab)
         build_ms = (time.perf_counter() - t0) / 10 * 1e3
-        times = event_times_ms(lambda i: sampler(logits, batch), args.iters, args.warmup)
+        rules = case_rules(name, args.batch, args.vocab, device)
+        times = event_times_ms(lambda i: sampler(logits, batch, rules), args.iters, args.warmup)
         times.sort()
         medians[name] = statistics.median(times)
         base = name.partition("+")[0]
@@ -137,16 +165,16 @@ def main() -> None:
             "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
             "min_ms": times[0],
             "build_host_ms": build_ms,
-            # what the logprobs add to the same case without them (when that case ran first)
-            "logprobs_added_ms": medians[name] - medians[base] if base != name and base in medians else None,
+            # what the logprobs / penalties add to the same case without them (when that case ran first)
+            "added_ms": medians[name] - medians[base] if base != name and base in medians else None,
         })
 
     print(f"Sampler.forward  batch={args.batch} vocab={args.vocab} logits={args.dtype} "
           f"kernel routes: {args.kernel_routes or 'defaults'} ({torch.cuda.get_device_name(device)}, "
           f"torch {torch.__version__})")
-    print(f"{'case':<30}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}{'+logprobs ms':>14}")
+    print(f"{'case':<30}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'build ms':>10}{'added ms':>14}")
     for r in results:
-        added = "" if r["logprobs_added_ms"] is None else f"{r['logprobs_added_ms']:.3f}"
+        added = "" if r["added_ms"] is None else f"{r['added_ms']:.3f}"
         print(f"{r['case']:<30}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['min_ms']:>9.3f}"
               f"{r['build_host_ms']:>10.3f}{added:>14}")
     if args.json:

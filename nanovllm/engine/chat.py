@@ -1,11 +1,41 @@
-"""Chat conversations to prompt strings, for `LLM.chat` (vLLM's meaning).
+"""Chat conversations to prompts, for `LLM.chat` (vLLM's meaning).
 
-A conversation is a list of {"role": str, "content": str} dicts; `chat` takes one
-conversation or a list of them. Each is rendered with the checkpoint tokenizer's chat
-template (with the assistant's turn opened) and then generated like any text prompt.
+A conversation is a list of {"role": str, "content": ...} dicts, the content a string or a list of
+{"type": "text", "text": str} parts (joined with newlines, as vLLM does for string templates);
+`chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
+tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
+tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
+second one. The rendered text is the output's `prompt`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The one content-part type chat takes (vLLM's OpenAI-style parts).
+TEXT_PART = "text"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How conversations are rendered (vLLM's LLM.chat arguments)."""
+
+    chat_template: str | None = None  # None: the tokenizer's
+    add_generation_prompt: bool = True  # open the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, to be continued
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra template variables (enable_thinking)
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TypeError(f"chat_template must be a str (a Jinja template) or None, got {self.chat_template!r}")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
+                             "the last message cannot be continued and a new turn opened at once")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -13,40 +43,71 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def _content_text(content: object, where: str) -> str:
+    """A message's content as one string (text parts joined with newlines)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise TypeError(f"{where}: 'content' must be a str or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise TypeError(f"{where}: 'content' part {k} must be a dict {{'type': 'text', 'text': ...}}, "
+                            f"got {type(part).__name__}")
+        if part.get("type") != TEXT_PART:
+            raise ValueError(f"{where}: 'content' part {k} has type {part.get('type')!r}; only 'text' parts are "
+                             "supported")
+        if not isinstance(part.get("text"), str):
+            raise TypeError(f"{where}: 'content' part {k} needs a str 'text', got {part.get('text')!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def as_conversations(messages: object) -> list[list[dict]]:
-    """One conversation or a list of them, as a list of conversations; malformed input
-    raises TypeError/ValueError naming the conversation, message and key at fault."""
+    """One conversation or a list of them, as a list of conversations with string contents;
+    malformed input raises TypeError/ValueError naming the conversation, message and key at fault."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of message dicts or a list of conversations, "
                         f"got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty: pass at least one conversation")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    out = []
     for i, conversation in enumerate(conversations):
         if not isinstance(conversation, (list, tuple)):
             raise TypeError(f"conversation {i} must be a list of message dicts, got {type(conversation).__name__}")
         if not conversation:
             raise ValueError(f"conversation {i} is empty")
+        checked = []
         for j, message in enumerate(conversation):
+            where = f"conversation {i}, message {j}"
             if not isinstance(message, dict):
-                raise TypeError(f"conversation {i}, message {j} must be a dict with 'role' and 'content', "
-                                f"got {type(message).__name__}")
+                raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
             for key in ("role", "content"):
                 if key not in message:
-                    raise ValueError(f"conversation {i}, message {j} has no {key!r}: keys are {sorted(message)}")
-                if not isinstance(message[key], str):
-                    raise TypeError(f"conversation {i}, message {j}: {key!r} must be a str, "
-                                    f"got {type(message[key]).__name__}")
-    return [list(c) for c in conversations]
+                    raise ValueError(f"{where} has no {key!r}: keys are {sorted(message)}")
+            if not isinstance(message["role"], str):
+                raise TypeError(f"{where}: 'role' must be a str, got {type(message['role']).__name__}")
+            checked.append({**message, "content": _content_text(message["content"], where)})
+        out.append(checked)
+    return out
 
 
-def render_chat(tokenizer, model_dir: str, messages: object) -> list[str]:
-    """One prompt string per conversation in `messages`, rendered by the chat template."""
+def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOptions) -> list[dict]:
+    """One prompt per conversation in `messages`: {"prompt_token_ids": [...], "prompt": text}, the
+    text rendered by the chat template and tokenized without special tokens."""
     conversations = as_conversations(messages)
     if tokenizer is None:
         raise ValueError(f"model directory {model_dir!r} has no tokenizer, so chat() cannot render "
                          "messages: use generate() with token ids")
-    if not has_chat_template(tokenizer):
+    if options.chat_template is None and not has_chat_template(tokenizer):
         raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
-                         "use generate() with plain prompts")
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+                         "pass chat_template=..., or use generate() with plain prompts")
+    prompts = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, chat_template=options.chat_template,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **options.chat_template_kwargs)
+        prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+    return prompts

@@ -20,8 +20,8 @@ class LaunchedStep:
     device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
     host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
     ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
-    # on the host once `ready`: (rows, chosen, top_ids, top_logprobs) of the sampled rows that
-    # asked, and (chosen, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
+    # on the host once `ready`: (rows, chosen, ranks, top_ids, top_logprobs) of the sampled rows that
+    # asked, and (chosen, ranks, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
     host_logprobs: tuple[torch.Tensor, ...] | None = None
     host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
 

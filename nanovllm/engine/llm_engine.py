@@ -2,13 +2,14 @@
 
 Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
-    while not engine.is_finished(): result = engine.step()   # StepResult
+    while not engine.is_finished(): result = engine.step()   # StepResult (finished RequestOutputs)
     engine.abort_request(request_id)   # drop one (or several); it is never returned
-Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "finish_reason"}
-(plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
-Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
 RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
 After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
+The batch API (generate, chat) is the LLM class's (nanovllm/llm.py).
+
+A request's SamplingParams are checked when it is added and the engine keeps its own checked copy
+(later edits of the caller's object do not reach a queued request).
 """
 
 from __future__ import annotations
@@ -18,25 +19,25 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.chat import render_chat
-from nanovllm.engine.logprobs import logprob_entries
+from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.logprobs import logprob_entries
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.prompts import PromptValidator
+from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.request import Request
+from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import RequestOutput, Sequence
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.tp_workers import WorkerGroup
+from nanovllm.outputs import Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -59,6 +60,7 @@ class StepResult:
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
     postprocess_s: float  # host: appending tokens, finishing, stop strings
+    num_prompt_tokens: int = 0  # of num_tokens, those of prefill chunks (prompts, or recomputed ones)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model)
+        self.detokenizer = Detokenizer(self.tokenizer)
         # Ranks 1..N-1 run in spawned processes; this process is rank 0.
         self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
         try:
@@ -86,9 +89,9 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        self.eos_token_ids = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.eos_token_ids,
             mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer, fill_sizes=self.model_runner.fill_sizes,
         )
         self.validator = PromptValidator(
@@ -110,13 +113,26 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
-        token_ids = self.validator.validate(prompt, sampling_params)
-        return self._enqueue(token_ids, sampling_params)
+        params, rules = self._check_params(sampling_params)
+        return self._enqueue(self.validator.validate(prompt, params), params, rules)
 
-    def _enqueue(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None]:
+        """A checked copy of `params` as they are now (every SamplingParams check again, then the
+        model's: token ids within the vocabulary, bad words tokenized) and its logits rules."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        checked = params.validated()
+        vocab_size = self.config.model_config.vocab_size
+        check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
+        return checked, RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
+
+    def _enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None) -> int:
+        """Queue a request already checked (_check_params, validator.validate); returns its id."""
         seq_ids = [next(self._ids) for _ in range(params.n)]
-        request = Request.create(seq_ids[0], seq_ids, token_ids, params)
+        request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
+                                 prompt.max_tokens)
         self.scheduler.add(request)
+        self.model_runner.rules.admit(request.samples)
         return request.request_id
 
     def step(self) -> StepResult:
@@ -145,10 +161,12 @@ class LLMEngine:
         batch = current.batch
         self._record_prompt_logprobs(current)
         done = self.scheduler.postprocess(batch, sampled, self._sample_logprobs(current, tokens))
-        outputs = [request.output(self.tokenizer) for request in done]
+        outputs = [request.output(self.detokenizer) for request in done]
+        self.model_runner.rules.release([s for request in done for s in request.samples])
         return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
                           launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
-                          postprocess_s=time.perf_counter() - t2)
+                          postprocess_s=time.perf_counter() - t2,
+                          num_prompt_tokens=batch.num_tokens - batch.num_decode)
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
@@ -173,8 +191,8 @@ class LLMEngine:
                 raise
             raise (self.workers.dead_worker_error(e) or e) from e
 
-    def _sample_logprobs(self, step: _InFlight, tokens: list[int]) -> dict[int, dict[int, float]] | None:
-        """{seq_id: {token_id: logprob}} for the sampled rows that ask for logprobs."""
+    def _sample_logprobs(self, step: _InFlight, tokens: list[int]) -> dict[int, dict[int, Logprob]] | None:
+        """{seq_id: {token_id: Logprob}} for the sampled rows that ask for logprobs."""
         host = step.launched.logprobs()
         if host is None:
             return None
@@ -197,68 +215,6 @@ class LLMEngine:
         self._check_open()
         return self.scheduler.is_finished() and self._in_flight is None
 
-    # ----- batch API -----
-    def generate(
-        self,
-        prompts: SequenceABC,
-        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[dict]:
-        """Run `prompts` to completion; returns one {"text", "token_ids", "finish_reason"} per
-        prompt, in input order. Every request is validated before any is queued."""
-        self._check_open()
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, SequenceABC):
-            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, SequenceABC) and not isinstance(sampling_params, str):
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        else:
-            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
-        # Validate everything before queueing anything: a bad request leaves the engine untouched.
-        token_lists = [self.validator.validate(p, sp) for p, sp in zip(prompts, params)]
-        if not self.is_finished():
-            raise RuntimeError("generate() called while step-wise requests are still pending")
-        ids = [self._enqueue(t, sp) for t, sp in zip(token_lists, params)]
-        outputs: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        rates = {kind: 0.0 for kind in StepKind}  # latest step's tokens per second, by kind
-        try:
-            while not self.is_finished():
-                start = time.perf_counter()
-                result = self.step()
-                rates[result.kind] = result.num_tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix({f"{k.value} tok/s": f"{v:.0f}" for k, v in rates.items()}, refresh=False)
-                for out in result.finished:
-                    outputs[out.request_id] = out
-                bar.update(len(result.finished))
-        except BaseException:
-            self.abort_all()
-            raise
-        finally:
-            bar.close()
-        return [outputs[i].as_dict() for i in ids]
-
-    def chat(
-        self,
-        messages: SequenceABC,
-        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[dict]:
-        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
-        or a list of them; each is rendered with the tokenizer's chat template and generated
-        like generate() does. Returns one output dict per conversation, in input order."""
-        self._check_open()
-        prompts = render_chat(self.tokenizer, self.config.model, messages)
-        return self.generate(prompts, sampling_params, use_tqdm)
-
     def abort_request(self, request_id: int | Iterable[int]) -> None:
         """Drop one pending request, or each of an iterable of ids (vLLM's LLMEngine.abort_request);
         ids of no pending request (finished, aborted, never given) are ignored. The request's KV
@@ -269,13 +225,16 @@ class LLMEngine:
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
         if bad:
             raise TypeError(f"abort_request takes a request id (an int) or an iterable of them, got {bad[0]!r}")
+        dropped = [self.scheduler.requests[i] for i in set(ids) if i in self.scheduler.requests]
         self.scheduler.abort(set(ids))
+        self.model_runner.rules.release([s for request in dropped for s in request.samples])
 
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
         self._check_open()
         self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
         self.scheduler.abort_all()
+        self.model_runner.rules.reset()
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place, between generate() calls (an RL step's policy update).

@@ -1,9 +1,12 @@
 """Logprobs on the host: a step's logprob tensors, copied back, turned into vLLM's dicts.
 
 Each scored row (a sampled token, or a prompt token given the ones before it) becomes
-{token_id: logprob} holding the scored token first and then the row's k most likely
+{token_id: Logprob} holding the scored token first and then the row's k most likely
 tokens (k = 0: the scored token only), in descending logprob; the scored token appears
-once even when it is among the k. Logprobs are log_softmax of the raw logits.
+once even when it is among the k. Logprobs are log_softmax of the raw logits. Ranks are vLLM's:
+the scored token's is counted over the vocabulary (sampling/row_logprobs.py), the k most likely
+are ranked 1..k, and a scored token among them takes its place there (as vLLM's dict does).
+Decoded tokens are filled in when the output is built (engine/detokenizer.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.outputs import Logprob
 
 
 @dataclass(frozen=True)
@@ -21,22 +26,24 @@ class HostLogprobs:
 
     rows: list[int] | None
     chosen: list[float]  # [R] logprob of the scored token
+    ranks: list[int]  # [R] its rank in its row
     top_ids: list[list[int]]  # [R, k]
     top_logprobs: list[list[float]]  # [R, k]
 
     @classmethod
-    def from_tensors(cls, rows: torch.Tensor | None, chosen: torch.Tensor, top_ids: torch.Tensor,
-                     top_logprobs: torch.Tensor) -> HostLogprobs:
-        """From host tensors ([R] or None, [R], [R, k], [R, k]); one .tolist() each."""
-        return cls(None if rows is None else rows.tolist(), chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
+    def from_tensors(cls, rows: torch.Tensor | None, chosen: torch.Tensor, ranks: torch.Tensor,
+                     top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> HostLogprobs:
+        """From host tensors ([R] or None, [R], [R], [R, k], [R, k]); one .tolist() each."""
+        return cls(None if rows is None else rows.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(),
+                   top_logprobs.tolist())
 
 
-def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
-    """One {token_id: logprob} per row: `tokens[i]` (the scored token) and the top `ks[i]`."""
+def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> list[dict[int, Logprob]]:
+    """One {token_id: Logprob} per row: `tokens[i]` (the scored token) and the top `ks[i]`."""
     entries = []
-    for token, chosen, ids, lps, k in zip(tokens, host.chosen, host.top_ids, host.top_logprobs, ks):
-        entry = {token: chosen}
-        for token_id, lp in zip(ids[:k], lps[:k]):
-            entry.setdefault(token_id, lp)
+    for token, chosen, rank, ids, lps, k in zip(tokens, host.chosen, host.ranks, host.top_ids, host.top_logprobs, ks):
+        entry = {token: Logprob(chosen, rank)}
+        for place, (token_id, lp) in enumerate(zip(ids[:k], lps[:k]), start=1):
+            entry[token_id] = Logprob(lp, place)
         entries.append(entry)
     return entries

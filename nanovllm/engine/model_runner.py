@@ -28,6 +28,7 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_block_bytes, num_blocks_from_memory
 from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
@@ -101,6 +102,8 @@ class ModelRunner:
                 v_scale.fill_(v_value)
         self._calibrate_kv = fp8_kv and checkpoint_scales is None
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
+        # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
+        self.rules = RulesBuilder(cfg.vocab_size, self.device)
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
                                        self._query_tile_rows(cfg.head_dim))
 
@@ -202,8 +205,12 @@ class ModelRunner:
                 raise ValueError("a step with carried rows needs the previous step's sampled tokens")
             carried_from = previous.device_tokens
         # The step's sampling values travel in its input copy (rank 0; workers sample nothing).
-        pack = self._sampling_pack(sample_seqs, sampled_positions(plan)) if sample_seqs else None
+        positions = sampled_positions(plan) if sample_seqs else []
+        pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
         words = pack.words if pack is not None else None
+        rules = None
+        if sample_seqs:  # penalties, biases, masks of the rows that ask (none: no work)
+            rules = self.rules.step_rules(sample_seqs, positions, plan.carried_rows, carried_from)
         if plan.kind is StepKind.DECODE:
             batch_size = len(plan.starts)
             graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
@@ -241,9 +248,11 @@ class ModelRunner:
             return LaunchedStep(prepare_s)
         if plan.fork_rows:  # forked samples draw from their parents' rows: [num_sampled + forks, vocab]
             logits = torch.cat([logits, logits[to_device(plan.fork_rows, self.device, torch.int64)]])
-        out = self.sampler(logits, pack.unpack(device_words))  # tokens [num_sampled] int64, logprobs of asking rows
+        out = self.sampler(logits, pack.unpack(device_words), rules)  # tokens [num_sampled] int64, logprobs
+        if rules is not None:
+            rules.record(out.tokens)  # the penalties' counts include this step's tokens from now on
         lp = out.logprobs
-        sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.top_ids, lp.top_logprobs)
+        sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs)
         return self._finish_launch(prepare_s, out.tokens, sample_logprobs, prompt_logprobs)
 
     def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None,
@@ -266,7 +275,7 @@ class ModelRunner:
         return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(chosen, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
+        """(chosen, ranks, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
         `hidden` [num_tokens, hidden] in chunks of PROMPT_LOGPROB_CHUNK_ROWS (every rank takes
         part in the LM head; rank 0 gets the result, the others None)."""
         rows = to_device(plan.prompt_logprob_rows, self.device, torch.int64)  # [R]

@@ -3,11 +3,34 @@
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
 {"prompt_token_ids": [...]} / {"prompt": "..."} dicts. Anything else, or a request
 the engine could never serve, raises TypeError/ValueError naming the bad value.
+A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
+truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
+left under max_model_len.
 """
 
 from __future__ import annotations
 
-from nanovllm.sampling_params import SamplingParams
+from dataclasses import dataclass
+
+from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A checked prompt: its token ids (truncated as asked), the most tokens its request may
+    generate, and its text when it was given as text."""
+
+    token_ids: list[int]
+    max_tokens: int
+    text: str | None
+
+
+def prompt_text(prompt: object) -> str | None:
+    """The text of a prompt given as text (a str, or a dict's "prompt", which a dict with token ids
+    may carry too: chat's rendered prompts), else None."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 class PromptValidator:
@@ -45,20 +68,24 @@ class PromptValidator:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def validate(self, prompt: object, params: object) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    def validate(self, prompt: object, params: SamplingParams) -> PreparedPrompt:
+        """`prompt` checked for a request with (checked) `params`."""
         ids = self.token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = (self.max_model_len if params.truncate_prompt_tokens == TRUNCATE_TO_MODEL_LEN
+                    else params.truncate_prompt_tokens)
+            ids = ids[-keep:]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for a generated token"
             )
+        max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
         # The last sampled token's KV is never computed, hence the -1.
-        kv_tokens = min(len(ids) + params.max_tokens, self.max_model_len) - 1
+        kv_tokens = min(len(ids) + max_tokens, self.max_model_len) - 1
         if kv_tokens > self.kv_capacity_tokens:
             raise ValueError(
-                f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + max_tokens {params.max_tokens}) "
+                f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + max_tokens {max_tokens}) "
                 f"but the whole KV cache holds {self.kv_capacity_tokens}"
             )
-        return ids
+        return PreparedPrompt(ids, max_tokens, prompt_text(prompt))

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import xxhash
 
-from nanovllm.engine.sequence import Completion, RequestOutput, Sequence
+from nanovllm.engine.detokenizer import Detokenizer
+from nanovllm.engine.request_rules import RequestRules
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_strings import cut_at_stop
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 # Seeds are int64 tensor values downstream (noise keys): keep derived ones non-negative, 63 bits.
@@ -34,10 +37,11 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 class Request:
     """Invariant: samples[i].request_id == request_id; they share one prompt and params."""
 
-    def __init__(self, request_id: int, samples: list[Sequence]):
+    def __init__(self, request_id: int, samples: list[Sequence], prompt: str | None = None):
         if not samples:
             raise ValueError(f"request {request_id} has no samples")
         self.request_id = request_id
+        self.prompt = prompt  # the prompt's text when it was given as text
         self.samples = samples
         self.params = samples[0].params
         self.num_prompt_tokens = samples[0].num_prompt_tokens
@@ -47,33 +51,41 @@ class Request:
 
     @classmethod
     def create(cls, request_id: int, seq_ids: list[int], prompt_token_ids: list[int],
-               params: SamplingParams) -> Request:
+               params: SamplingParams, rules: RequestRules | None = None, prompt: str | None = None,
+               max_tokens: int | None = None) -> Request:
         """A request of params.n fresh samples with the ids `seq_ids`."""
         if len(seq_ids) != params.n:
             raise ValueError(f"request {request_id}: {len(seq_ids)} sequence ids for n={params.n}")
         return cls(request_id, [
             Sequence(seq_id, prompt_token_ids, params, request_id=request_id, seed=sample_seed(params.seed, i),
-                     wants_prompt_logprobs=i == 0)
+                     wants_prompt_logprobs=i == 0, rules=rules, max_tokens=max_tokens)
             for i, seq_id in enumerate(seq_ids)
-        ])
+        ], prompt)
 
     @property
     def is_finished(self) -> bool:
         return self.num_finished == len(self.samples)
 
-    def output(self, tokenizer) -> RequestOutput:
-        """The finished request's output; texts decoded with `tokenizer` (None: empty texts)."""
+    def output(self, detokenizer: Detokenizer) -> RequestOutput:
+        """The finished request's output (vLLM's RequestOutput), texts decoded by `detokenizer`."""
+        params = self.params
         completions = []
-        for seq in self.samples:
-            text = ""
-            if tokenizer is not None:
-                text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-                if seq.stopped_by_string:
-                    text = cut_at_stop(text, self.params.stop)
-            completions.append(Completion(
-                seq.completion_token_ids, text, seq.finish_reason, seq.logprobs,
-                seq.cumulative_logprob if seq.logprobs is not None else None,
+        for index, seq in enumerate(self.samples):
+            text = detokenizer.text(seq.completion_token_ids, params)
+            stop_reason = seq.stop_token
+            if seq.stopped_by_string:
+                # a stop string counts once it ends past the first min_tokens tokens' text
+                after = len(detokenizer.text(seq.completion_token_ids[: params.min_tokens], params))
+                text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output, after)
+            if seq.logprobs is not None and params.detokenize:
+                detokenizer.fill_decoded_tokens(seq.logprobs)
+            completions.append(CompletionOutput(
+                index, text, seq.completion_token_ids,
+                seq.cumulative_logprob if seq.logprobs is not None else None, seq.logprobs,
+                seq.finish_reason.value if seq.finish_reason is not None else None, stop_reason,
             ))
         leader = self.samples[0]
-        return RequestOutput(self.request_id, leader.token_ids[: self.num_prompt_tokens], completions,
-                             leader.prompt_logprobs)
+        if leader.prompt_logprobs is not None and params.detokenize:
+            detokenizer.fill_decoded_tokens(leader.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, leader.token_ids[: self.num_prompt_tokens],
+                             leader.prompt_logprobs, completions, finished=True)

@@ -43,11 +43,13 @@ from __future__ import annotations
 from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import decode_options
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.step_trim import trimmed_prefill_budget
 from nanovllm.engine.stop_strings import StopStringMatcher
+from nanovllm.outputs import Logprob
 
 
 class Scheduler:
@@ -86,7 +88,7 @@ class Scheduler:
         when it completes the prompt (forked, see _start_samples)."""
         for seq in request.samples:
             if seq.params.stop and self.tokenizer is not None:
-                seq.stop_matcher = StopStringMatcher(seq.params.stop)
+                seq.stop_matcher = StopStringMatcher(seq.params.stop, decode_options(seq.params))
         self.waiting.append(request.samples[0])
         self.requests[request.request_id] = request
         self._unstarted[request.request_id] = request.samples[1:]
@@ -223,7 +225,7 @@ class Scheduler:
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """True if `seq` is done once it holds `num_tokens` tokens (max_tokens / max_model_len)."""
-        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
+        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it for recompute, behind a prompt whose prefill is under
@@ -235,9 +237,9 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
-                    logprobs: dict[int, dict[int, float]] | None = None) -> list[Request]:
+                    logprobs: dict[int, dict[int, Logprob]] | None = None) -> list[Request]:
         """Record a step's results: `sampled` maps seq_id to its new token, `logprobs` seq_id
-        to that token's {token_id: logprob} (sequences that ask). Returns the requests that
+        to that token's {token_id: Logprob} (sequences that ask). Returns the requests that
         finished (all their samples done), no longer tracked here."""
         done: list[Request] = []
         for seq in batch.seqs + [f.child for f in batch.forks]:
@@ -248,7 +250,7 @@ class Scheduler:
             if seq.logprobs is not None and logprobs is not None:
                 entry = logprobs[seq.seq_id]
                 seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token]
+                seq.cumulative_logprob += entry[token].logprob
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
@@ -263,9 +265,15 @@ class Scheduler:
         string, then the length limits (vLLM's order: a stop completed by the last allowed token
         is a stop, and the text is cut at it)."""
         params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+        if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids):
+        if token in params.stop_token_ids:
+            seq.stop_token = token
+            return FinishReason.STOP
+        # a stop string counts once it ends past the first min_tokens tokens (vLLM's rule); the text
+        # is still fed, so the search stays incremental
+        if (seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids)
+                and len(seq) - seq.num_prompt_tokens > params.min_tokens):
             seq.stopped_by_string = True
             return FinishReason.STOP
         if self._ends_by_length(seq, len(seq)):

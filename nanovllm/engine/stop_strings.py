@@ -8,8 +8,9 @@ pieces (a word's leading space, a UTF-8 character split over byte-level tokens):
     text so far:     emitted up to `read`; decode(prefix..end) - decode(prefix..read) = delta
 
 A stop string that spans steps is found because the search covers the last
-len(longest stop) - 1 characters before the delta as well. Output text is cut at the
-first stop string of the full decode once the request ends (see LLMEngine._output).
+len(longest stop) - 1 characters before the delta as well. Text is decoded with the request's
+options (skip_special_tokens, ...). Output text is cut at the first stop string of the full decode
+once the request ends (before it, or after it with include_stop_str_in_output; Request.output).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], decode_options: dict):
         self.stops = stops
+        self.decode_options = decode_options  # tokenizer.decode keywords of the request
         self.keep = max(map(len, stops)) - 1  # characters a match can reach back before the delta
         self.tail = ""  # the last `keep` characters of the emitted text
         self.prefix = 0  # completion tokens [prefix, read) give context for the next decode
@@ -28,8 +30,8 @@ class StopStringMatcher:
 
     def feed(self, tokenizer, completion_ids: list[int]) -> bool:
         """Decode the completion's new tokens; True once a stop string appears in the text."""
-        before = tokenizer.decode(completion_ids[self.prefix : self.read], skip_special_tokens=True)
-        now = tokenizer.decode(completion_ids[self.prefix :], skip_special_tokens=True)
+        before = tokenizer.decode(completion_ids[self.prefix : self.read], **self.decode_options)
+        now = tokenizer.decode(completion_ids[self.prefix :], **self.decode_options)
         if len(now) <= len(before) or now.endswith(REPLACEMENT_CHAR):
             return False  # nothing printable yet
         window = self.tail + now[len(before) :]
@@ -38,7 +40,12 @@ class StopStringMatcher:
         return any(s in window for s in self.stops)
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    """text up to (not including) its first stop string; text itself if none occurs."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(hits)] if hits else text
+def cut_at_stop(text: str, stops: list[str], include: bool = False, after: int = 0) -> tuple[str, str | None]:
+    """(text up to its first stop string ending past character `after`, that string): the text ends
+    before it, or after it when `include`; (text, None) if none occurs. Among stops found at the same
+    place the first listed wins. `after`: the length of the text of the first min_tokens tokens."""
+    hits = [(i, n, stop) for n, stop in enumerate(stops) if (i := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
+    if not hits:
+        return text, None
+    index, _, stop = min(hits)
+    return text[: index + len(stop) if include else index], stop

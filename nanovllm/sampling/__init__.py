@@ -5,5 +5,8 @@
 - gumbel_torch.py / gumbel_max.py: the counter-based Gumbel noise (PyTorch twin / Triton kernel).
 - candidate_walk.py: top-p / min-p sampling by walking Gumbel-max candidates (Triton).
 - radix_filter.py: top-k / top-p thresholds by radix select for large batches (Triton).
-- logprobs_kernel.py: row logprobs and each row's top k in one pass (Triton).
+- row_logprobs.py: `RowLogprobs` and `token_logprobs`, the logprobs contract (PyTorch path).
+- logprobs_kernel.py: row logprobs, ranks and each row's top k in one pass (Triton).
+- logits_rules.py: a step's allowed tokens, bans, biases and penalties on the logits (vLLM's order).
+- penalties.py: repetition / frequency / presence penalties from token counts kept on the device.
 """

@@ -1,15 +1,18 @@
-"""Triton logprobs: log_softmax at one token per row and each row's k most likely tokens, in one
-read of the logits (no [rows, vocab] float32 log_softmax written, no full-row top-k), one launch.
+"""Triton logprobs: log_softmax at one token per row, that token's rank in its row and each row's
+k most likely tokens, in one read of the logits (no [rows, vocab] float32 log_softmax written, no
+full-row top-k), one launch.
 
 Grid (R, C): program (r, c) reads columns [c * BLOCK, (c + 1) * BLOCK) of logits row rows[r] once,
 as a [G, S] tile (G groups of S adjacent columns), and publishes its chunk's max m, sum of
-exp(x - m) s and K best keys to a workspace; the last of the row's C programs to arrive combines:
+exp(x - m) s, count n of logits >= the row token's and K best keys to a workspace; the last of the
+row's C programs to arrive combines:
 
     chunk tile [G, S] --max per group--> group maxima [G] --K rounds--> the K best groups
     reload those groups [K_PAD, S] (cache hits) --K rounds--> the chunk's K best keys -> workspace
     arrival counter of row r += 1; the program that brings it to C (the last) then computes
         lse = M + log(sum_c s[c] * exp(m[c] - M)),  M = max_c m[c]
-        chosen[r] = x[rows[r], token[rows[r]]] - lse;  top k = the k best of the C * K keys - lse
+        chosen[r] = x[rows[r], token[rows[r]]] - lse;  rank[r] = sum_c n[c]  (1 for the argmax)
+        top k = the k best of the C * K keys - lse
 
 The chunk's K best keys lie in its K best groups (ranked by (group max, -group index)): every
 group ranked above the group of a top-K element holds a key above that element's (its first
@@ -25,7 +28,7 @@ so each round (best key, mask it out) is one reduction, and among equal logits t
 ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
 
 Scratch: [R] int32 arrival counters, which must be 0 at launch, and an int64 workspace
-    [R, C, K] chunk keys | [R, C, 2] float32 (m, s) in R * C int64 slots
+    [R, C, K] chunk keys | [R, C, 4] 32-bit (m, s as float32, n as int32, unused) in 2 R C int64 slots
 that is written before it is read. A LogprobsWorkspace keeps both across calls on one stream (the
 combining program sets its row's counter back to 0), so a call allocates only its outputs.
 
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
+from nanovllm.sampling.row_logprobs import RowLogprobs
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
@@ -57,6 +61,8 @@ NUM_WARPS = 4
 GROUP = 32
 # Chunks ride grid axis 1, which CUDA caps at 65535.
 MAX_CHUNKS = 65535
+# 32-bit words of workspace per (row, chunk) for its statistics (m, s, n, one unused: two int64 slots).
+STATS = tl.constexpr(4)
 
 
 @triton.jit
@@ -90,8 +96,8 @@ def _best_keys(keys, K: tl.constexpr, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, top_id_ptr, top_lp_ptr,
-                     vocab, stride_x,
+def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_ptr, rank_ptr, top_id_ptr,
+                     top_lp_ptr, vocab, stride_x,
                      HAS_ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      S: tl.constexpr, C_PAD: tl.constexpr, KEYS_PAD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -102,14 +108,19 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_
     x_row = x_ptr + row * stride_x
     counter = counter_ptr + r
     keys_ptr = work_ptr + r * num_chunks * K  # this row's [C, K] chunk keys
-    # this row's [C, 2] float32 (m, s), in the int64 slots after all keys
-    stats_ptr = (work_ptr + num_rows * num_chunks * K).to(tl.pointer_type(tl.float32)) + r * num_chunks * 2
+    # this row's [C, 4] (m, s, n, unused) 32-bit words, in the int64 slots after all keys
+    stats_ptr = (work_ptr + num_rows * num_chunks * K).to(tl.pointer_type(tl.float32)) + r * num_chunks * STATS
+    counts_ptr = stats_ptr.to(tl.pointer_type(tl.int32)) + 2  # n of chunk c at counts_ptr + STATS * c
     slot = tl.arange(0, K_PAD)
     lane = tl.arange(0, S)
     group = tl.arange(0, BLOCK // S)
     start = chunk * BLOCK
     cols = start + group[:, None] * S + lane[None, :]  # [G, S]
     x = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)  # [G, S]
+    token = tl.load(tokens_ptr + row)
+    x_token = tl.load(x_row + token).to(tl.float32)
+    # the rank counts logits >= the token's (vLLM's rank: ties count against it); padding never does
+    n_at_least = tl.sum(((x >= x_token) & (cols < vocab)).to(tl.int32))
     group_max = tl.max(x, axis=1)  # [G]
     m = tl.max(group_max, axis=0)
     # a chunk of -inf logits (masked tokens) adds nothing: shifted by 0, not by -inf (NaN), exp2(-inf) = 0
@@ -125,8 +136,9 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_
         xs = tl.load(x_row + sub, mask=ok, other=0.0).to(tl.float32)  # [K_PAD, S] same values as x's
         cand = tl.where(ok, _to_key(xs, sub), NO_KEY)
         tl.store(keys_ptr + chunk * K + slot, _best_keys(cand, K, K_PAD), mask=slot < K)
-    tl.store(stats_ptr + 2 * chunk, m)
-    tl.store(stats_ptr + 2 * chunk + 1, s)
+    tl.store(stats_ptr + STATS * chunk, m)
+    tl.store(stats_ptr + STATS * chunk + 1, s)
+    tl.store(counts_ptr + STATS * chunk, n_at_least)
     # Publish, then count: the scalar atomic is issued by one thread, so the barrier first orders
     # every thread's workspace stores before it (CTA scope) and its release (GPU scope) then makes
     # them visible to whichever program acquires the counter after it.
@@ -137,12 +149,13 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_
         tl.debug_barrier()
         c = tl.arange(0, C_PAD)
         c_ok = c < num_chunks
-        ms = tl.load(stats_ptr + 2 * c, mask=c_ok, other=float("-inf"))  # [C_PAD]
-        ss = tl.load(stats_ptr + 2 * c + 1, mask=c_ok, other=0.0)  # [C_PAD]
+        ms = tl.load(stats_ptr + STATS * c, mask=c_ok, other=float("-inf"))  # [C_PAD]
+        ss = tl.load(stats_ptr + STATS * c + 1, mask=c_ok, other=0.0)  # [C_PAD]
+        ns = tl.load(counts_ptr + STATS * c, mask=c_ok, other=0)  # [C_PAD]
         row_max = tl.max(ms, axis=0)
         lse = row_max + tl.log(tl.sum(ss * tl.exp2((ms - row_max) * LOG2E), axis=0))
-        token = tl.load(tokens_ptr + row)
-        tl.store(chosen_ptr + r, tl.load(x_row + token).to(tl.float32) - lse)
+        tl.store(chosen_ptr + r, x_token - lse)
+        tl.store(rank_ptr + r, tl.sum(ns, axis=0).to(tl.int64))
         if K > 0:
             j = tl.arange(0, KEYS_PAD)
             keys = tl.load(keys_ptr + j, mask=j < num_chunks * K, other=NO_KEY)  # [KEYS_PAD]
@@ -159,7 +172,7 @@ class LogprobsWorkspace:
 
     def __init__(self) -> None:
         self.counters: torch.Tensor | None = None  # [>= R] int32
-        self.work: torch.Tensor | None = None  # [>= R * C * (K + 1)] int64, no invariant
+        self.work: torch.Tensor | None = None  # [>= R * C * (K + 2)] int64, no invariant
 
     def take(self, rows: int, work_numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(counters, work) holding at least `rows` and `work_numel` entries on `device`. Inside a
@@ -177,11 +190,12 @@ class LogprobsWorkspace:
 
 def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
                  block: int = BLOCK, workspace: LogprobsWorkspace | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> RowLogprobs:
     """Same contract as sampling/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
     contiguous last dim; not modified), `token_ids` [B] int64, `rows` [R] int64 rows of both to
-    score (None: all B) -> (chosen [R] float32 logprob of each scored row's token, top_ids [R, k]
-    int64 by descending logprob, top_logprobs [R, k] float32).
+    score (None: all B) -> RowLogprobs (chosen [R] float32 logprob of each scored row's token,
+    ranks [R] int64 its rank in the row, top_ids [R, k] int64 by descending logprob, top_logprobs
+    [R, k] float32).
     `block`: columns per program (a power of two; tests shrink it). `workspace`: scratch reused
     by calls on one stream (None: allocated for this call)."""
     if isinstance(k, bool) or not isinstance(k, int):
@@ -209,18 +223,20 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
         raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
     r = batch if rows is None else rows.shape[0]
     chosen = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
+    ranks = torch.empty(r, dtype=torch.int64, device=dev)  # [R]
     top_ids = torch.empty((r, k), dtype=torch.int64, device=dev)  # [R, k]
     top_lps = torch.empty((r, k), dtype=torch.float32, device=dev)  # [R, k]
     if r == 0:
-        return chosen, top_ids, top_lps
-    # [R, C, k] keys and [R, C, 2] float32 stats; the [R] counters start at 0
+        return RowLogprobs(chosen, ranks, top_ids, top_lps)
+    # [R, C, k] keys and [R, C, 4] 32-bit stats; the [R] counters start at 0
     if workspace is None:
         workspace = LogprobsWorkspace()  # this call's own, zeroed counters
-    counters, work = workspace.take(r, r * num_chunks * (k + 1), dev)
+    counters, work = workspace.take(r, r * num_chunks * (k + 2), dev)
     _logprobs_kernel[(r, num_chunks)](
-        logits, token_ids if rows is None else rows, token_ids, counters, work, chosen, top_ids, top_lps, vocab,
+        logits, token_ids if rows is None else rows, token_ids, counters, work, chosen, ranks, top_ids, top_lps,
+        vocab,
         logits.stride(0), HAS_ROWS=rows is not None, K=k, K_PAD=next_pow2(max(1, k)), BLOCK=block,
         S=min(GROUP, block), C_PAD=next_pow2(num_chunks), KEYS_PAD=next_pow2(max(1, num_chunks * k)),
         num_warps=NUM_WARPS,
     )
-    return chosen, top_ids, top_lps
+    return RowLogprobs(chosen, ranks, top_ids, top_lps)

@@ -5,6 +5,9 @@ top-k / top-p / min-p, seeded or not; all rows go through the same tensor ops.
 
 Pipeline (vLLM's order), all in float32:
 
+0. Only in a step where some request asks for them: its logits rules (allowed_token_ids,
+   bad_words, min_tokens, logit_bias, then the penalties) on a float32 copy of the logits
+   (sampling/logits_rules.py); greedy rows take the argmax of the result.
 1. ``scaled = logits / T`` (greedy rows use T = 1 and are swapped for the argmax at the end).
 2. ``probs = softmax(scaled)``.
 3. top-k / top-p (only when some row uses them, known on the host): the sorted
@@ -35,11 +38,11 @@ identical; the kernel's log (libdevice's) might round differently from torch's, 
 only change a float32 near-tie).
 
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
-``log_softmax`` of their raw logits (before temperature and filters, as vLLM's default),
-float32: the sampled token's and the k most likely tokens'. They cost one pass over those
-rows only (on CUDA the Triton kernel sampling/logprobs_kernel.py: row normalisers and top k in one
-read of the logits; elsewhere ``token_logprobs``: a log_softmax and a top-k); a batch where no
-row asks does no logprob work at all.
+``log_softmax`` of their raw logits (before penalties, temperature and filters, as vLLM's default),
+float32: the sampled token's (and its rank) and the k most likely tokens'. They cost one pass over
+those rows only (on CUDA the Triton kernel sampling/logprobs_kernel.py: row normalisers, rank and
+top k in one read of the logits; elsewhere sampling/row_logprobs.token_logprobs: a log_softmax and
+a top-k); a batch where no row asks does no logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
 Python-side flags of :class:`SamplingBatch`, whose tensors are views of :class:`SamplingPack`'s
@@ -58,6 +61,8 @@ from torch import Tensor
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import KernelRoutes, construction_device, current_routes, uses_triton
 from nanovllm.sampling.batch import SamplingBatch
+from nanovllm.sampling.logits_rules import StepRules
+from nanovllm.sampling.row_logprobs import RowLogprobs, token_logprobs
 
 _DEFAULT_TOPK_MAX_K = KernelRoutes().topk_max_k
 
@@ -68,6 +73,7 @@ class TokenLogprobs:
 
     rows: Tensor  # [R] int64: which batch rows, ascending
     sampled: Tensor  # [R] float32: logprob of each row's sampled token
+    ranks: Tensor  # [R] int64: its rank in the row (sampling/row_logprobs.py)
     top_ids: Tensor  # [R, k] int64: the k most likely tokens (k = LogprobRows.k), by descending logprob
     top_logprobs: Tensor  # [R, k] float32: their logprobs
 
@@ -146,38 +152,6 @@ def _threshold_from_top(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.maximum(kth, pth)
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor, k: int,
-                   rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``log_softmax`` of rows `rows` ``[R]`` int64 (distinct, ascending; None: all) of `logits`
-    ``[B, V]`` (any float dtype, computed in float32; not modified) at their `token_ids` ``[B]``
-    int64, and each such row's `k` most likely tokens.
-
-    Returns ``chosen`` ``[R]`` float32, ``top_ids`` ``[R, k]`` int64 by descending logprob and
-    ``top_logprobs`` ``[R, k]`` float32 (k = 0: empty ``[R, 0]``). Writes the ``[R, V]``
-    float32 logprobs once; the top k are found on the raw logits, which order a row's
-    logprobs alike (log_softmax only shifts a row), in their own (maybe narrower) dtype.
-    """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {k!r}")
-    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a 2-D float tensor [rows, vocab], got {getattr(logits, 'shape', type(logits))}")
-    batch, vocab = logits.shape
-    if not 0 <= k <= vocab:
-        raise ValueError(f"k must be in [0, vocab = {vocab}], got {k}")
-    if not isinstance(token_ids, Tensor) or token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (batch,):
-        raise TypeError(f"token_ids must be an int64 tensor of shape ({batch},), got "
-                        f"{getattr(token_ids, 'dtype', type(token_ids))} {tuple(getattr(token_ids, 'shape', ()))}")
-    if rows is not None:
-        if not isinstance(rows, Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
-            raise TypeError(f"rows must be a 1-D int64 tensor, got {getattr(rows, 'dtype', type(rows))}")
-        if rows.shape[0] < batch:  # distinct rows: B of them are all rows, in order
-            logits, token_ids = logits.index_select(0, rows), token_ids.index_select(0, rows)
-    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
-    top_ids = logits.topk(k, dim=-1, sorted=True).indices  # [R, k]
-    return chosen, top_ids, logprobs.gather(1, top_ids)
-
-
 class Sampler(torch.nn.Module):
     """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`, and the
     logprobs of the rows that ask for them."""
@@ -220,15 +194,17 @@ class Sampler(torch.nn.Module):
             return radix_threshold(probs, batch.top_ks, batch.top_ps)
         return top_k_top_p_threshold(probs, batch, self.topk_max_k)
 
-    def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def forward(self, logits: Tensor, batch: SamplingBatch, rules: StepRules | None = None) -> SamplerOutput:
         """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
-        the logprobs of ``batch.logprobs``'s rows."""
-        tokens = self._sample(logits, batch)  # [B]
+        the logprobs of ``batch.logprobs``'s rows. `rules`: the step's logits rules (penalties,
+        biases, masks: sampling/logits_rules.py), applied to a float32 copy before sampling; the
+        logprobs stay those of the raw logits."""
+        tokens = self._sample(logits if rules is None else rules.apply(logits), batch)  # [B]
         if batch.logprobs is None:
             return SamplerOutput(tokens, None)
         rows = batch.logprobs.rows  # [R], read in place: the rows that do not ask cost nothing
-        sampled, top_ids, top_logprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, rows)
-        return SamplerOutput(tokens, TokenLogprobs(rows, sampled, top_ids, top_logprobs))
+        scored: RowLogprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, rows)
+        return SamplerOutput(tokens, TokenLogprobs(rows, *scored))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """``[B]`` int64 token ids."""

@@ -1,0 +1,85 @@
+"""What a request's SamplingParams change in its logits, resolved once when it is added: the
+penalties, the biases, the allowed tokens, its bad words as token sequences, and the ids min_tokens
+keeps out. The step builder (engine/rules_builder.py) turns them into each step's rules.
+
+Bad words follow vLLM: each word is tokenized as it is (leading spaces stripped) and, when that
+gives other first tokens of the same count, also after a space (a word inside a sentence); a
+sequence's last token is masked wherever its other tokens are the last ones generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """A request's logits rules. `penalties`: (repetition, frequency, presence), None when all are
+    off; `allowed`: None when every token is allowed; `single_bans`: one-token bad words;
+    `bad_sequences`: longer ones; `stop_ids`: EOS and stop ids, masked while fewer than
+    `min_tokens` tokens are generated."""
+
+    penalties: tuple[float, float, float] | None
+    bias: tuple[tuple[int, float], ...]
+    allowed: tuple[int, ...] | None
+    single_bans: tuple[int, ...]
+    bad_sequences: tuple[tuple[int, ...], ...]
+    min_tokens: int
+    stop_ids: tuple[int, ...]
+
+    @property
+    def penalties_only(self) -> bool:
+        """Only penalties (a step then needs nothing but the sequence's slot and values)."""
+        return (self.allowed is None and not self.bias and not self.single_bans and not self.bad_sequences
+                and not self.min_tokens)
+
+    @classmethod
+    def of(cls, params: SamplingParams, eos_token_ids: frozenset[int], tokenizer,
+           vocab_size: int) -> RequestRules | None:
+        """The rules of checked `params` (None when it uses none). Token ids outside the
+        vocabulary, and bad words without a tokenizer, raise ValueError naming them."""
+        if not params.uses_logits_rules:
+            return None
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            check_in_vocab(name, ids, vocab_size)
+        sequences = bad_word_sequences(params.bad_words or [], tokenizer, vocab_size)
+        penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        return cls(
+            penalties=None if penalties == (1.0, 0.0, 0.0) else penalties,
+            bias=tuple((params.logit_bias or {}).items()),
+            allowed=None if params.allowed_token_ids is None else tuple(dict.fromkeys(params.allowed_token_ids)),
+            single_bans=tuple(dict.fromkeys(s[0] for s in sequences if len(s) == 1)),
+            bad_sequences=tuple(s for s in sequences if len(s) > 1),
+            min_tokens=params.min_tokens,
+            stop_ids=tuple(sorted(eos_token_ids | set(params.stop_token_ids))),
+        )
+
+
+def check_in_vocab(name: str, token_ids: list[int], vocab_size: int) -> None:
+    """ValueError naming the first of `token_ids` outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"SamplingParams.{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+
+def bad_word_sequences(words: list[str], tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
+    """The token sequences of `words` (vLLM's rule, module docstring)."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer, and this model directory has none")
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"SamplingParams.bad_words entry {word!r} gives no tokens")
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    for sequence in sequences:
+        check_in_vocab("bad_words", list(sequence), vocab_size)
+    return sequences

@@ -1,0 +1,146 @@
+"""What `generate` and `chat` return: vLLM's output classes, under vLLM's names and module path.
+
+    out = llm.generate(["Hello"], params)[0]           # RequestOutput
+    out.outputs[0].text, out.outputs[0].token_ids      # CompletionOutput (one per sample, n of them)
+    out.outputs[0].logprobs[j][token].logprob          # Logprob(logprob, rank, decoded_token)
+    out.prompt_logprobs[i][token].rank                 # entry 0 is None
+
+Each output is also read as the dict nano-vllm's generate returned (a read-only Mapping), so code
+written against it keeps working on the same object:
+
+    out["text"], out["token_ids"], out["finish_reason"]        # the first completion's
+    out["logprobs"], out["cumulative_logprob"]                  # when SamplingParams.logprobs is set
+    out["prompt_logprobs"]                                      # when SamplingParams.prompt_logprobs is set
+    out["outputs"]                                              # the n completions, when n > 1
+
+In that view logprob entries are plain floats ({token_id: logprob}), as they were; two outputs
+compare equal when their dict views do (the request id is not part of it). A RequestOutput's
+`text`, `token_ids` and `finish_reason` attributes are its first completion's (nano-vllm's step API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log probability (log_softmax of the raw logits), its rank over the whole
+    vocabulary (1: the most likely; tied tokens share the worse rank) and its text (None when the
+    request set detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One {token_id: Logprob} per generated token: the sampled token first, then the k most likely.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; entry 0 is None (nothing precedes the first token).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def _floats(entries: list[dict[int, Logprob] | None]) -> list[dict[int, float] | None]:
+    """Entries with plain float values (nano-vllm's dict view)."""
+    return [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries]
+
+
+class _DictView(Mapping):
+    """A read-only dict view of an output: `_view()` builds its keys and values (from the current
+    attributes, once per call below)."""
+
+    def _view(self) -> dict:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str):
+        return self._view()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view())
+
+    def __len__(self) -> int:
+        return len(self._view())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._view()
+
+    def get(self, key: str, default=None):
+        return self._view().get(key, default)
+
+    def keys(self):
+        return self._view().keys()
+
+    def items(self):
+        return self._view().items()
+
+    def values(self):
+        return self._view().values()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _DictView):
+            return self._view() == other._view()
+        return self._view() == dict(other.items()) if isinstance(other, Mapping) else NotImplemented
+
+
+@dataclass(eq=False)
+class CompletionOutput(_DictView):
+    """One sample of a request.
+
+    finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or
+        max_model_len) or "abort"; None while unfinished.
+    stop_reason: the stop string or stop token id that ended it; None for EOS and length.
+    cumulative_logprob / logprobs: None unless SamplingParams.logprobs is set.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _view(self) -> dict:
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            out["logprobs"] = _floats(self.logprobs)
+            out["cumulative_logprob"] = self.cumulative_logprob
+        return out
+
+
+@dataclass(eq=False)
+class RequestOutput(_DictView):
+    """A request's result: its prompt (the text when it was given as text, else None), the prompt's
+    token ids (after truncate_prompt_tokens), its logprobs when asked for, and its n completions."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+    # nano-vllm's step-API shortcuts (StepResult.finished): the first completion's.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    def _view(self) -> dict:
+        out = self.outputs[0]._view()
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = _floats(self.prompt_logprobs)
+        if len(self.outputs) > 1:
+            out["outputs"] = self.outputs
+        return out

@@ -1,0 +1,157 @@
+"""A step's logits rules: what requests' SamplingParams change in their rows' logits before sampling
+(allowed_token_ids, bad_words, min_tokens, logit_bias, penalties), in vLLM V1's order, on a float32
+copy (logprobs stay those of the raw logits):
+
+    allowed   every token of an allowed row but its allowed ones  -> -inf
+    bans      (row, token) pairs: bad words whose prefix was just generated, and EOS / stop ids
+              of rows short of min_tokens                          -> -inf
+    bans if   the same, for a bad word whose last prefix token is the row's input still in flight
+              (the previous step's sample, read on the device)     -> -inf where it matches
+    bias      (row, token, bias)                                   -> + bias
+    penalties rows with a slot of TokenCounts                      -> sampling/penalties.py
+
+The host builds `HostRules` for the rows that use any rule (engine/rules_builder.py); its parts
+travel in one int64 buffer (one host-to-device copy) and `StepRules` is their device view. A step
+without such rows builds nothing and the sampler does no work for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nanovllm.sampling.penalties import TokenCounts, penalize_rows
+from nanovllm.utils.host_to_device import aligned_count, to_device
+
+# The integer parts of HostRules, in buffer order, then its float32 parts.
+INT_PARTS = ("penalty_rows", "penalty_slots", "allowed_rows", "allowed_entry_rows", "allowed_tokens",
+             "ban_rows", "ban_tokens", "cond_rows", "cond_tokens", "cond_sources", "cond_required",
+             "bias_rows", "bias_tokens", "reset_slots", "reset_prompt_slots", "reset_prompt_tokens",
+             "reset_output_slots", "reset_output_tokens")
+FLOAT_PARTS = ("repetition", "frequency", "presence", "bias_values")
+
+
+def _ints() -> list[int]:
+    return []
+
+
+@dataclass
+class HostRules:
+    """One step's rules on the host, as flat lists (rows are the step's sampled rows).
+
+    penalty_rows / penalty_slots / repetition / frequency / presence: [P] penalized rows, their
+        TokenCounts slots and penalties.
+    allowed_rows: [A] rows limited to allowed tokens; allowed_entry_rows / allowed_tokens: [E] the
+        index in allowed_rows and the token of each allowed (row, token).
+    ban_rows / ban_tokens: [N] (row, token) pairs masked.
+    cond_rows / cond_tokens / cond_sources / cond_required: [M] pairs masked where the previous
+        step's sample at cond_sources equals cond_required.
+    bias_rows / bias_tokens / bias_values: [K] biases added.
+    reset_*: TokenCounts rows to set before the step: [I] slots, then (index into reset_slots,
+        token) of their prompt tokens and of their generated tokens.
+    """
+
+    num_rows: int
+    penalty_rows: list[int] = field(default_factory=_ints)
+    penalty_slots: list[int] = field(default_factory=_ints)
+    repetition: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    allowed_rows: list[int] = field(default_factory=_ints)
+    allowed_entry_rows: list[int] = field(default_factory=_ints)
+    allowed_tokens: list[int] = field(default_factory=_ints)
+    ban_rows: list[int] = field(default_factory=_ints)
+    ban_tokens: list[int] = field(default_factory=_ints)
+    cond_rows: list[int] = field(default_factory=_ints)
+    cond_tokens: list[int] = field(default_factory=_ints)
+    cond_sources: list[int] = field(default_factory=_ints)
+    cond_required: list[int] = field(default_factory=_ints)
+    bias_rows: list[int] = field(default_factory=_ints)
+    bias_tokens: list[int] = field(default_factory=_ints)
+    bias_values: list[float] = field(default_factory=list)
+    reset_slots: list[int] = field(default_factory=_ints)
+    reset_prompt_slots: list[int] = field(default_factory=_ints)
+    reset_prompt_tokens: list[int] = field(default_factory=_ints)
+    reset_output_slots: list[int] = field(default_factory=_ints)
+    reset_output_tokens: list[int] = field(default_factory=_ints)
+
+    def to_device(self, device: torch.device, counts: TokenCounts | None, previous_tokens: Tensor | None,
+                  penalize: Callable[..., None] = penalize_rows) -> StepRules:
+        """The rules on `device` (one copy); the counts rows of sequences slotted this step are set
+        here, on the device before the step samples. `counts`: the slab the penalty slots index
+        (needed when any row is penalized); `previous_tokens`: the previous step's samples (needed by
+        cond_*); `penalize`: the penalties' implementation (penalties.penalize_rows' contract)."""
+        # only the parts in use travel (each costs host time every step), each starting 16-byte
+        # aligned (host_to_device.ALIGN_BYTES): the penalties kernel then sees the same pointer
+        # alignment every step, so Triton compiles no new variant mid-run
+        ints = [(name, part) for name in INT_PARTS if (part := getattr(self, name))]
+        floats = [(name, part) for name in FLOAT_PARTS if (part := getattr(self, name))]
+        int_starts = [0, *accumulate(aligned_count(len(part), 8) for _, part in ints)]
+        float_starts = [0, *accumulate(aligned_count(len(part), 4) for _, part in floats)]
+        num_ints = int_starts[-1]
+        words = np.zeros(num_ints + float_starts[-1] // 2, dtype=np.int64)
+        as_floats = words[num_ints:].view(np.float32)
+        for start, (_, part) in zip(int_starts, ints):
+            words[start : start + len(part)] = part
+        for start, (_, part) in zip(float_starts, floats):
+            as_floats[start : start + len(part)] = part
+        device_words = to_device(words, device)
+        views: dict[str, Tensor] = {name: device_words[a : a + len(part)]
+                                    for a, (name, part) in zip(int_starts, ints)}
+        if floats:  # (an empty int64 slice cannot be viewed as float32)
+            device_floats = device_words[num_ints:].view(torch.float32)
+            views.update((name, device_floats[a : a + len(part)]) for a, (name, part) in zip(float_starts, floats))
+        if self.penalty_rows and counts is None:
+            raise ValueError("penalized rows need the TokenCounts slab their slots index")
+        if self.cond_rows and previous_tokens is None:
+            raise ValueError("conditional bans need the previous step's sampled tokens")
+        rules = StepRules(views, counts, previous_tokens, penalize)
+        if self.reset_slots:
+            slots = views["reset_slots"]
+            none = slots[:0]
+            counts.reset(slots, slots[views.get("reset_prompt_slots", none)], views.get("reset_prompt_tokens", none),
+                         slots[views.get("reset_output_slots", none)], views.get("reset_output_tokens", none))
+        return rules
+
+
+class StepRules:
+    """A step's rules on the device: `apply` to the sampler's logits, `record` its sampled tokens."""
+
+    def __init__(self, parts: dict[str, Tensor], counts: TokenCounts | None, previous_tokens: Tensor | None,
+                 penalize: Callable[..., None] = penalize_rows):
+        self.parts = parts  # HostRules' non-empty parts by name, int64 / float32 views of one device buffer
+        self.counts = counts
+        self.previous_tokens = previous_tokens  # [num_prev] int64
+        self.penalize = penalize
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """`logits` [B, V] (not modified) -> [B, V] float32 with the rules applied."""
+        p = self.parts
+        x = logits.to(torch.float32, copy=True)
+        if "allowed_rows" in p:
+            keep = torch.zeros(p["allowed_rows"].shape[0], x.shape[1], dtype=torch.bool, device=x.device)  # [A, V]
+            keep[p["allowed_entry_rows"], p["allowed_tokens"]] = True
+            x[p["allowed_rows"]] = x[p["allowed_rows"]].masked_fill(~keep, -torch.inf)
+        if "ban_rows" in p:
+            masked = torch.full(p["ban_rows"].shape, -torch.inf, device=x.device)
+            x.index_put_((p["ban_rows"], p["ban_tokens"]), masked, accumulate=True)
+        if "cond_rows" in p:
+            hit = self.previous_tokens[p["cond_sources"]] == p["cond_required"]  # [M]
+            masked = torch.where(hit, -torch.inf, 0.0)
+            x.index_put_((p["cond_rows"], p["cond_tokens"]), masked, accumulate=True)
+        if "bias_rows" in p:
+            x.index_put_((p["bias_rows"], p["bias_tokens"]), p["bias_values"], accumulate=True)
+        if "penalty_rows" in p:
+            self.penalize(x, p["penalty_rows"], self.counts.slab, p["penalty_slots"], p["repetition"],
+                          p["frequency"], p["presence"])
+        return x
+
+    def record(self, tokens: Tensor) -> None:
+        """Count the step's sampled `tokens` [B] int64 in the penalized rows' slots."""
+        if "penalty_rows" in self.parts:
+            self.counts.record(self.parts["penalty_slots"], tokens[self.parts["penalty_rows"]])

@@ -1,0 +1,63 @@
+"""Triton penalties: sampling/penalties.py's rules on the penalized rows of a float32 logits copy, in
+place, in one read of each row and its token counts (the PyTorch path takes about ten passes).
+
+Grid (P, C): program (p, c) takes columns [c * BLOCK, (c + 1) * BLOCK) of logits row rows[p] and of
+counts row slots[p]:
+
+    x = where(count > 0, where(x > 0, x / rep, x * rep), x) - freq * (count >> 1) - pres * (count >= 2)
+
+No end-to-end A/B yet: the lead's H200 run of bench.py with each penalty (BENCHMARKS.md) decides
+whether the kernel earns its place over the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns per program: 38 programs per row at a 151,936-token vocabulary, 16 values a thread.
+BLOCK = 4096
+NUM_WARPS = 8
+# Chunks ride grid axis 1, which CUDA caps at 65535.
+MAX_CHUNKS = 65535
+
+
+@triton.jit
+def _penalties_kernel(x_ptr, stride_x, counts_ptr, stride_counts, rows_ptr, slots_ptr, rep_ptr, freq_ptr, pres_ptr,
+                      vocab, BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    x_row = x_ptr + tl.load(rows_ptr + p).to(tl.int64) * stride_x
+    count_row = counts_ptr + tl.load(slots_ptr + p).to(tl.int64) * stride_counts
+    rep = tl.load(rep_ptr + p)
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    count = tl.load(count_row + cols, mask=mask, other=0)
+    x = tl.where(count > 0, tl.where(x > 0, x / rep, x * rep), x)
+    generated = (count >> 1).to(tl.float32)
+    x = x - tl.load(freq_ptr + p) * generated - tl.load(pres_ptr + p) * (generated > 0).to(tl.float32)
+    tl.store(x_row + cols, x, mask=mask)
+
+
+def penalize_rows(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
+                  repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                  block: int = BLOCK) -> None:
+    """Penalize rows `rows` [P] int64 of `x` [B, V] float32 (contiguous last dim) in place, each by
+    its counts row `counts[slots[p]]` ([S, V] int32) and its `repetition` / `frequency` /
+    `presence` [P] float32. `block`: columns per program (a power of two; tests shrink it)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a 2-D float32 tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != x.shape[1] or counts.stride(-1) != 1:
+        raise ValueError(f"counts must be [slots, {x.shape[1]}] int32 with a contiguous last dim, got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block!r}")
+    num_chunks = triton.cdiv(x.shape[1], block)
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"vocab {x.shape[1]} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
+    if rows.shape[0] == 0:
+        return
+    _penalties_kernel[(rows.shape[0], num_chunks)](
+        x, x.stride(0), counts, counts.stride(0), rows, slots, repetition, frequency, presence, x.shape[1],
+        BLOCK=block, num_warps=NUM_WARPS)

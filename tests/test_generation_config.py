@@ -1,0 +1,90 @@
+"""LLM(generation_config=...): generate / chat without sampling params use the checkpoint's
+generation_config.json sampling keys (vLLM's "auto"), none with "vllm", another directory's when
+given one; explicit SamplingParams are used as given; bad values are clear errors at LLM()."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from nanovllm import LLM, SamplingParams
+
+# top_k 1: greedy, so "the defaults applied" shows as equal tokens
+FILE = {"temperature": 0.6, "top_k": 1, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.8,
+        "max_new_tokens": 5, "do_sample": True, "eos_token_id": 0}
+APPLIED = dict(temperature=0.6, top_k=1, top_p=0.95, min_p=0.05, repetition_penalty=1.8, max_tokens=5)
+ENGINE = dict(kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
+
+
+def write_generation_config(directory, values) -> None:
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump(values, f)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = build_checkpoint(str(tmp_path_factory.mktemp("genconfig") / "model"), TinyShape(), seed=2)
+    write_generation_config(path, FILE)
+    return path
+
+
+def test_auto_applies_the_checkpoints_sampling_keys(ckpt):
+    llm = cpu_llm(ckpt, **ENGINE)
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert {k: getattr(defaults, k) for k in APPLIED} == APPLIED
+        assert defaults.ignore_eos is False and defaults.n == 1  # keys the file does not set keep their defaults
+        defaults.max_tokens = 50  # a copy: the engine's defaults stay
+        assert llm.get_default_sampling_params().max_tokens == 5
+        prompts = make_prompts(1, 3, 8, 20)
+        implicit = llm.generate(prompts, use_tqdm=False)
+        explicit = llm.generate(prompts, SamplingParams(**APPLIED), use_tqdm=False)
+        assert implicit == explicit and all(len(o.outputs[0].token_ids) <= 5 for o in implicit)
+        # explicit params are used as given, not merged with the file's
+        longer = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 9 for o in longer)
+    finally:
+        llm.exit()
+
+
+def test_vllm_ignores_the_file_and_a_directory_gives_its_own(ckpt, tmp_path):
+    llm = cpu_llm(ckpt, generation_config="vllm", **ENGINE)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    finally:
+        llm.exit()
+    other = tmp_path / "other"
+    other.mkdir()
+    write_generation_config(other, {"temperature": 0.3, "max_new_tokens": 11})
+    llm = cpu_llm(ckpt, generation_config=str(other), **ENGINE)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, max_tokens=11)
+    finally:
+        llm.exit()
+
+
+def test_a_checkpoint_without_the_file_gets_sampling_params_defaults(tmp_path):
+    path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
+    saved = os.path.join(path, "generation_config.json")
+    if os.path.exists(saved):  # transformers writes one from the model's config
+        os.remove(saved)
+    llm = cpu_llm(path, **ENGINE)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    finally:
+        llm.exit()
+
+
+def test_bad_generation_configs_are_clear_errors(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a directory, got 'nope'"):
+        LLM(ckpt, generation_config="nope", device="cpu")
+    with pytest.raises(TypeError, match="generation_config must be"):
+        LLM(ckpt, generation_config=3, device="cpu")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_generation_config(bad, {"top_p": 1.5})
+    with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.top_p must be in \(0, 1\], got 1.5"):
+        cpu_llm(ckpt, generation_config=str(bad), **ENGINE)

@@ -1,0 +1,172 @@
+"""What generate returns: vLLM's RequestOutput / CompletionOutput / Logprob (ranks against a full sort
+of transformers' logprobs, decoded tokens), read also as nano-vllm's dicts; stop reasons, stop
+strings kept in the text, special tokens, detokenize=False."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanovllm
+import nanovllm.outputs
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
+from nanovllm import CompletionOutput, Logprob, RequestOutput, SamplingParams
+
+# fp32 engine against fp32 transformers: different kernels and summation order
+LOGPROB_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("outputs")), TinyShape(), seed=6)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    yield engine
+    engine.exit()
+
+
+@torch.no_grad()
+def ref_logprobs(ckpt_reference, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] float64: row i is log P(next token | ids[: i + 1]) from transformers."""
+    return torch.log_softmax(ckpt_reference(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
+    """The ranks `token` may have in a full descending sort of `row` within LOGPROB_ATOL: from the
+    count of entries surely above it to the count of entries that may tie or beat it."""
+    desc = row.sort(descending=True).values
+    own = row[token].item()
+    return int((desc > own + LOGPROB_ATOL).sum()) + 1, int((desc >= own - LOGPROB_ATOL).sum())
+
+
+def test_classes_are_exported_under_vllms_names():
+    assert nanovllm.RequestOutput is nanovllm.outputs.RequestOutput is RequestOutput
+    assert nanovllm.CompletionOutput is nanovllm.outputs.CompletionOutput is CompletionOutput
+    assert nanovllm.Logprob is nanovllm.outputs.Logprob is Logprob
+
+
+def test_objects_and_their_dict_view(llm):
+    prompt = make_prompts(1, 1, 15, 16)[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    [out] = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    assert isinstance(out, RequestOutput) and out.finished and out.prompt is None
+    assert out.prompt_token_ids == prompt and len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    [c] = out.outputs
+    assert isinstance(c, CompletionOutput) and c.index == 0 and c.finished()
+    assert (c.finish_reason, c.stop_reason, len(c.token_ids), len(c.logprobs)) == ("length", None, 6, 6)
+    assert all(isinstance(lp, Logprob) for entry in c.logprobs for lp in entry.values())
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    # nano-vllm's dict view of the same object: today's keys, float logprobs
+    assert set(out) == {"text", "token_ids", "finish_reason", "logprobs", "cumulative_logprob", "prompt_logprobs"}
+    assert (out["text"], out["token_ids"], out["finish_reason"]) == (c.text, c.token_ids, "length")
+    assert out["logprobs"] == [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs]
+    assert out["prompt_logprobs"][0] is None and out["prompt_logprobs"][1] == {
+        t: lp.logprob for t, lp in out.prompt_logprobs[1].items()}
+    assert out["cumulative_logprob"] == c.cumulative_logprob and out.get("outputs") is None and "outputs" not in out
+    assert dict(out) == {k: out[k] for k in out}
+    # text prompts keep their text
+    [text_out] = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert text_out.prompt == "the quick brown fox" and set(text_out) == {"text", "token_ids", "finish_reason"}
+
+
+def test_n_samples_are_completion_outputs_in_the_dict_view_too(llm):
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, n=3)
+    [out] = llm.generate(["the lazy dog"], sp, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert out["outputs"] is out.outputs and all(o["token_ids"] == c.token_ids for o, c in zip(out["outputs"], out.outputs))
+    assert out["token_ids"] == out.outputs[0].token_ids and out.token_ids == out.outputs[0].token_ids
+
+
+def test_logprob_ranks_are_places_in_a_full_vocabulary_sort(ckpt, llm):
+    reference = load_reference(ckpt)
+    prompts = make_prompts(2, 2, 20, 30)
+    # sampled at temperature 1.5: tokens other than the argmax, ranks above 1
+    sp = SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    tok = llm.tokenizer
+    ranks_seen = set()
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        rows = ref_logprobs(reference, prompt + c.token_ids)
+        scored = [(rows[i - 1], prompt[i], out.prompt_logprobs[i], 2) for i in range(1, len(prompt))]
+        scored += [(rows[len(prompt) - 1 + j], t, c.logprobs[j], 3) for j, t in enumerate(c.token_ids)]
+        for row, token, entry, k in scored:
+            assert next(iter(entry)) == token  # the scored token first
+            low, high = rank_bounds(row, token)
+            assert low <= entry[token].rank <= high, (token, entry[token], low, high)
+            ranks_seen.add(entry[token].rank)
+            for t, lp in entry.items():
+                assert abs(lp.logprob - row[t].item()) < LOGPROB_ATOL
+                assert lp.decoded_token == tok.decode([t])
+            # the k most likely are listed at their places 1..k (where no near-tie blurs the place)
+            for place, t in enumerate(row.topk(k).indices.tolist(), start=1):
+                if rank_bounds(row, t) == (place, place):
+                    assert entry[t].rank == place
+    assert max(ranks_seen) > 1 and 1 in ranks_seen
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    prompt = make_prompts(3, 1, 10, 11)[0]
+    on = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    off = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=0, detokenize=False)
+    a, b = llm.generate([prompt, prompt], [on, off], use_tqdm=False)
+    assert b.outputs[0].text == "" and a.outputs[0].text != ""
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert all(lp.decoded_token is None for e in b.outputs[0].logprobs for lp in e.values())
+    assert all(lp.decoded_token is None for e in b.prompt_logprobs[1:] for lp in e.values())
+    assert all(lp.decoded_token is not None for e in a.outputs[0].logprobs for lp in e.values())
+
+
+def test_stop_reasons_and_stop_strings_in_the_text(llm):
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    stop = next(text[i:i + 3] for i in range(2, len(text) - 3) if text[i:i + 3].strip() == text[i:i + 3])
+    cut = text.find(stop)
+    plain, kept, by_id = llm.generate([prompt] * 3, [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zzzz", stop]),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[ids[4]]),
+    ], use_tqdm=False)
+    assert (plain.outputs[0].text, plain.outputs[0].stop_reason) == (text[:cut], stop)
+    assert (kept.outputs[0].text, kept.outputs[0].stop_reason) == (text[:cut + len(stop)], stop)
+    first = ids.index(ids[4])
+    assert (by_id.outputs[0].token_ids, by_id.outputs[0].stop_reason) == (ids[:first + 1], ids[4])
+    assert (free.outputs[0].finish_reason, free.outputs[0].stop_reason) == ("length", None)
+    # EOS: "stop" without a stop reason
+    [eos] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, logit_bias={0: 100.0}), use_tqdm=False)
+    assert (eos.outputs[0].token_ids, eos.outputs[0].finish_reason, eos.outputs[0].stop_reason) == ([0], "stop", None)
+
+
+def test_special_tokens_in_the_text_on_request(llm):
+    """EOS (<|endoftext|>, a special token) generated past ignore_eos: skipped from the text by
+    default, kept with skip_special_tokens=False."""
+    sp = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={0: 100.0})
+    skipped, kept = llm.generate(["the dog"] * 2, [SamplingParams(**sp), SamplingParams(**sp, skip_special_tokens=False)],
+                                 use_tqdm=False)
+    assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [0, 0, 0]
+    assert skipped.outputs[0].text == "" and kept.outputs[0].text == "<|endoftext|>" * 3
+
+
+def test_stop_strings_count_only_past_min_tokens(llm):
+    """vLLM's rule: a stop string ending inside the first min_tokens tokens' text does not stop the
+    request, and the text is cut at the first one ending past it."""
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    ids, text = free.outputs[0].token_ids, free.outputs[0].text
+    tok = llm.tokenizer
+    stop = max((c for c in set(text) if c.strip()), key=text.count)  # a character the text repeats
+    min_tokens = next(n for n in range(1, len(ids)) if stop in tok.decode(ids[:n]))  # it appears by then
+    after = len(tok.decode(ids[:min_tokens]))
+    cut = text.find(stop, after)
+    assert cut >= 0, "the test needs a later occurrence"
+    n = next(n for n in range(min_tokens + 1, len(ids) + 1) if tok.decode(ids[:n]).find(stop, after) >= 0)
+    early, held = llm.generate([prompt] * 2, [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=min_tokens)],
+        use_tqdm=False)
+    assert len(early.outputs[0].token_ids) <= min_tokens and early.outputs[0].text == text[: text.find(stop)]
+    assert (held.outputs[0].token_ids, held.outputs[0].text, held.outputs[0].finish_reason) == (ids[:n], text[:cut], "stop")

@@ -1,0 +1,184 @@
+"""SamplingParams' vLLM fields checked: every bad value refused with a clear error naming it, at
+construction and again when a request is added (fields may be edited afterwards, as verl does), with
+the engine serving on; max_tokens=None, truncate_prompt_tokens, lora_request; and client code
+reading outputs as lm-evaluation-harness's and verl's vLLM backends do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
+from nanovllm import SamplingParams
+
+BAD = [
+    ({"presence_penalty": 2.5}, ValueError, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
+    ({"frequency_penalty": -3}, ValueError, "frequency_penalty must be in"),
+    ({"frequency_penalty": "high"}, TypeError, "frequency_penalty must be a number"),
+    ({"presence_penalty": float("nan")}, ValueError, "presence_penalty must not be NaN"),
+    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty must be finite and > 0, got 0.0"),
+    ({"repetition_penalty": float("inf")}, ValueError, "repetition_penalty must be finite"),
+    ({"repetition_penalty": None}, TypeError, "repetition_penalty must be a number"),
+    ({"min_tokens": -1}, ValueError, "min_tokens must be >= 0"),
+    ({"min_tokens": 1.5}, TypeError, "min_tokens must be an int"),
+    ({"min_tokens": 9, "max_tokens": 8}, ValueError, r"min_tokens \(9\) must be <= max_tokens \(8\)"),
+    ({"logit_bias": [(1, 2.0)]}, TypeError, "logit_bias must be a dict"),
+    ({"logit_bias": {"5": 1.0}}, TypeError, "logit_bias token id must be an int, got '5'"),
+    ({"logit_bias": {-2: 1.0}}, ValueError, "logit_bias token id must be >= 0, got -2"),
+    ({"logit_bias": {5: float("inf")}}, ValueError, r"logit_bias\[5\] must be finite"),
+    ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias\[5\] must be a number"),
+    ({"allowed_token_ids": []}, ValueError, "allowed_token_ids is empty"),
+    ({"allowed_token_ids": 5}, TypeError, "allowed_token_ids must be a list of token ids, got 5"),
+    ({"allowed_token_ids": [1, -1]}, ValueError, "allowed_token_ids must be >= 0, got -1"),
+    ({"bad_words": "word"}, TypeError, "bad_words must be a list of strings, got 'word'"),
+    ({"bad_words": ["ok", 3]}, TypeError, "bad_words must be a list of strings"),
+    ({"bad_words": ["ok", "  "]}, ValueError, "bad_words must not hold blank strings"),
+    ({"include_stop_str_in_output": 1}, TypeError, "include_stop_str_in_output must be a bool, got 1"),
+    ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be a bool"),
+    ({"spaces_between_special_tokens": "no"}, TypeError, "spaces_between_special_tokens must be a bool"),
+    ({"detokenize": 0}, TypeError, "detokenize must be a bool, got 0"),
+    ({"detokenize": False, "stop": ["x"]}, ValueError, "stop strings need detokenize=True"),
+    ({"truncate_prompt_tokens": 0}, ValueError, r"truncate_prompt_tokens must be >= 1 or -1 \(max_model_len\), got 0"),
+    ({"truncate_prompt_tokens": -2}, ValueError, "truncate_prompt_tokens must be >= 1 or -1"),
+    ({"truncate_prompt_tokens": 2.0}, TypeError, "truncate_prompt_tokens must be an int"),
+    ({"max_tokens": -1}, ValueError, "max_tokens must be >= 1"),
+    ({"stop_token_ids": 7}, TypeError, "stop_token_ids must be a list of token ids, got 7"),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("params")), TinyShape(), seed=8)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=64)
+    yield engine
+    engine.exit()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kwargs,exc,words", BAD, ids=[str(k) for k, _, _ in BAD])
+def test_bad_values_are_refused_at_construction_and_when_edited_in(llm, kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        SamplingParams(**kwargs)
+    # the same value set on a valid object afterwards is refused when the request is added
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for name, value in kwargs.items():
+        setattr(params, name, value)
+    for call in (lambda: llm.generate([[1, 2, 3]], params, use_tqdm=False), lambda: llm.add_request([1, 2, 3], params)):
+        with pytest.raises(exc, match=words):
+            call()
+        assert llm.is_finished()  # nothing was queued
+    assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4  # still serving
+
+
+MODEL_CHECKS = [
+    ({"stop_token_ids": [384]}, "stop_token_ids holds token id 384, outside the vocabulary \\[0, 384\\)"),
+    ({"logit_bias": {400: 1.0}}, "logit_bias holds token id 400"),
+    ({"allowed_token_ids": [3, 1000]}, "allowed_token_ids holds token id 1000"),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", MODEL_CHECKS, ids=[str(k) for k, _ in MODEL_CHECKS])
+def test_token_ids_outside_the_vocabulary_are_refused_when_added(llm, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        llm.generate([[1, 2, 3]], SamplingParams(**kwargs), use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_bad_words_need_a_tokenizer(tmp_path):
+    import os
+    import shutil
+
+    path = tmp_path / "no-tokenizer"
+    src = build_checkpoint(str(tmp_path / "src"), TinyShape())
+    path.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), path / "config.json")
+    llm = cpu_llm(str(path), load_format="dummy", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=8)
+    try:
+        with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
+            llm.generate([[1, 2]], SamplingParams(bad_words=["x"]), use_tqdm=False)
+    finally:
+        llm.exit()
+
+
+def test_logprobs_true_means_one_as_in_vllm():
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+    with pytest.raises(TypeError, match="logprobs must be an int, got False"):
+        SamplingParams(logprobs=False)
+
+
+def test_a_queued_request_keeps_the_params_it_was_added_with(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    rid = llm.add_request([5, 6, 7], params)
+    params.max_tokens = 10  # edited after add_request: the queued request is not affected
+    params.temperature = -5.0  # not even by a bad value
+    done = {}
+    while not llm.is_finished():
+        done.update({o.request_id: o for o in llm.step().finished})
+    assert len(done[rid].outputs[0].token_ids) == 3
+
+
+def test_verl_style_edits_between_batches(llm):
+    """verl edits one SamplingParams object per batch (update_sampling_params) and reads ids and
+    logprobs; each generate call sees the values of that moment."""
+    params = SamplingParams(n=1, logprobs=0, max_tokens=5, detokenize=False, temperature=1.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(4, 3, 5, 12)]
+    first = llm.generate(prompts=prompts, sampling_params=params, lora_request=None, use_tqdm=False)
+    params.n, params.max_tokens, params.temperature = 2, 3, 0.0
+    second = llm.generate(prompts=prompts, sampling_params=params, lora_request=None, use_tqdm=False)
+    assert [len(o.outputs) for o in first] == [1] * 3 and [len(o.outputs) for o in second] == [2] * 3
+    for output in first + second:
+        for sample in output.outputs:
+            response_ids = sample.token_ids
+            log_probs = [sample.logprobs[i][response_ids[i]].logprob for i in range(len(response_ids))]
+            assert len(log_probs) == len(response_ids) and all(lp <= 0 for lp in log_probs) and sample.text == ""
+    assert all(len(o.outputs[1].token_ids) == 3 for o in second)
+
+
+@torch.no_grad()
+def test_lm_eval_style_loglikelihood(ckpt, llm):
+    """lm-evaluation-harness's vLLM loglikelihood: prompt logprobs of context + continuation,
+    max_tokens=1, detokenize=False; the continuation's logprob sum and greediness read from
+    prompt_logprobs[i][token].logprob match transformers'."""
+    reference = load_reference(ckpt)
+    context, continuation = make_prompts(5, 2, 6, 12)
+    tokens = context + continuation
+    params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    [out] = llm.generate(prompts=[{"prompt_token_ids": tokens}], sampling_params=params, use_tqdm=False,
+                         lora_request=None)
+    dicts = [None if d is None else {t: getattr(lp, "logprob", lp) for t, lp in d.items()} for d in out.prompt_logprobs]
+    got = sum(d[t] for t, d in zip(tokens[len(context):], dicts[len(context):]))
+    greedy = all(max(d, key=d.get) == t for t, d in zip(tokens[len(context):], dicts[len(context):]))
+    ref = torch.log_softmax(reference(torch.tensor([tokens])).logits[0].double(), dim=-1)
+    want = sum(ref[i - 1, tokens[i]].item() for i in range(len(context), len(tokens)))
+    want_greedy = all(ref[i - 1].argmax().item() == tokens[i] for i in range(len(context), len(tokens)))
+    assert got == pytest.approx(want, abs=1e-2) and greedy == want_greedy
+
+
+def test_lora_request_is_refused(llm):
+    with pytest.raises(ValueError, match="LoRA adapters are not supported: lora_request must be None"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request="adapter")
+    assert llm.is_finished()
+
+
+def test_max_tokens_none_fills_max_model_len(llm):
+    [out] = llm.generate([[1] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 64 - 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    prompt = list(range(1, 41))
+    cut, whole = llm.generate([prompt, prompt[-8:]], [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=8), GREEDY],
+        use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-8:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    # -1: the last max_model_len tokens, then too long for any generated token: refused clearly
+    with pytest.raises(ValueError, match="prompt has 64 tokens but max_model_len is 64"):
+        llm.generate([list(range(1, 100))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)

@@ -1,0 +1,32 @@
+"""The progress bar's rates: averaged over the run (engine/run_rates.py), from each step's counts."""
+
+from __future__ import annotations
+
+from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from nanovllm import SamplingParams
+from nanovllm.engine.run_rates import RunRates
+
+
+def test_rates_are_run_averages_not_the_last_steps():
+    rates = RunRates(start=10.0)
+    rates.add(prompt_tokens=900, output_tokens=4)  # a prefill step ending at t = 11
+    rates.add(prompt_tokens=0, output_tokens=4)  # two fast decode steps (the last one's rate: 400 tok/s)
+    rates.add(prompt_tokens=0, output_tokens=4)
+    assert rates.postfix(now=12.0) == {"in tok/s": "450", "out tok/s": "6"}
+
+
+def test_steps_count_every_prompt_token_and_kept_token(tmp_path):
+    path = build_checkpoint(str(tmp_path / "m"), TinyShape())
+    prompts = make_prompts(3, 4, 10, 40)
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=32,
+                  enable_prefix_caching=False)
+    try:
+        for p in prompts:
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        results = []
+        while not llm.is_finished():
+            results.append(llm.step())
+    finally:
+        llm.exit()
+    assert sum(r.num_prompt_tokens for r in results) == sum(map(len, prompts))
+    assert sum(len(r.sampled) for r in results) == 6 * len(prompts)
