@@ -34,7 +34,7 @@ import time
 import torch
 
 from benchmarks.harness.engine_options import DEFAULT_MODEL, ROUTE_FIELDS, parse_kernel_routes, resolve_load_format
-from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
+from benchmarks.harness.probes import measure_bandwidth, measure_fp8_gemm_peak, measure_gemm_peak
 from benchmarks.harness.report import (
     DeviceLimits, Rows, ThroughputRun, format_table, hf_rows, latency_rows, throughput_rows, ttft_rows,
 )
@@ -44,6 +44,7 @@ from benchmarks.harness.workloads import WORKLOADS, Workload, WorkloadSampling, 
 from nanovllm import LLM
 from nanovllm.config import KV_CACHE_DTYPES, Config
 from nanovllm.models.model_config import ModelConfig
+from nanovllm.moe.layer import MoeExperts
 
 NO_CUDA_MESSAGE = "bench.py measures GPU throughput and needs a CUDA device; torch sees none"
 
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="LLM(kv_cache_dtype=...): fp8 stores K/V in float8 e4m3 (the roofline counts 1 byte each)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="LLM(quantization=...): fp8 quantizes the linears at load (per-channel weights, per-token "
+                         "activations); the roofline counts weights at their stored widths, GEMM FLOPs at the FP8 peak")
     ap.add_argument("--kernel-routes", default="", metavar="FIELD=N,...",
                     help=f"LLM(kernel_routes=KernelRoutes(...)): the row counts at which layers switch kernels; "
                          f"fields {', '.join(ROUTE_FIELDS)}; the rest at their defaults")
@@ -115,11 +119,31 @@ def engine_kwargs(args: argparse.Namespace, load_format: str) -> dict:
     return dict(load_format=load_format, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
                 enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kernel_routes=args.routes,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def gemm_peak(args: argparse.Namespace) -> float:
+    """The probed GEMM peak of the format the linears compute in (FP8 with --quantization fp8)."""
+    return measure_fp8_gemm_peak() if args.quantization else measure_gemm_peak()
+
+
+def weight_width(llm: LLM, decode_weights: int) -> float:
+    """Bytes per decode-step weight element as the engine stores them: the compute dtype's width,
+    or with FP8 linears the stored parameter bytes (FP8 weights, their scales, the bf16 rest; no untied
+    input embedding, no MoE experts, as decode_weight_elements counts) over the elements."""
+    if llm.config.quant_config is None:
+        return element_bytes(llm.config.torch_dtype)
+    cfg = llm.config.model_config
+    model = llm.model_runner.model
+    skip = {id(t) for m in model.modules() if isinstance(m, MoeExperts) for t in m.parameters()}
+    if not cfg.tie_word_embeddings:
+        skip.add(id(model.model.embed_tokens.weight))
+    stored = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    return stored / decode_weights
 
 
 # ----- runs -----
@@ -131,8 +155,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     warm_up(llm)
     run = run_engine(llm, prompts, max_tokens, args.sampling)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
-    limits = DeviceLimits(measure_bandwidth(), measure_gemm_peak(), args.tp)
-    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=element_bytes(llm.config.torch_dtype))
+    limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
+    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
     rows = throughput_rows(t, limits, res)
@@ -162,11 +186,13 @@ def main() -> None:
     res: dict = {"model": args.model, "weights": weights, "load_format": load_format, "startup_s": startup_s,
                  "kv_blocks": llm.num_kvcache_blocks, "device": torch.cuda.get_device_name(),
                  "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "kernel_routes": vars(args.routes), "kv_cache_dtype": args.kv_cache_dtype}
+                 "kernel_routes": vars(args.routes), "kv_cache_dtype": args.kv_cache_dtype,
+                 "quantization": args.quantization}
     rows = [("weights", weights),
             ("model / device", f"{args.model} / {res['device']}, tp {args.tp}, max_num_seqs {args.max_num_seqs}, "
                                f"max_num_batched_tokens {args.max_num_batched_tokens}"),
             ("kernel routes", args.kernel_routes or "defaults"),
+            ("weights format", args.quantization or "as the checkpoint stores them"),
             ("KV cache", f"{args.kv_cache_dtype}: {llm.config.kv_cache_torch_dtype}, {llm.num_kvcache_blocks} blocks"),
             ("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
     if args.latency:
@@ -175,7 +201,7 @@ def main() -> None:
         rows += latency_rows(res["decode_ms_per_token"], args.latency_context)
     elif args.ttft:
         times = measure_ttft(llm, [int(s) for s in args.ttft_sizes.split(",")], args.seed)
-        rows += ttft_rows(times, llm.config.model_config, measure_gemm_peak(), args.tp, res)
+        rows += ttft_rows(times, llm.config.model_config, gemm_peak(args), args.tp, res)
     else:
         more, llm = throughput(args, llm, kwargs, res, decode_weights)
         rows += more

@@ -354,7 +354,7 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
     assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {
         "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-    assert rows["HBM copy bandwidth / bf16 GEMM peak"] == "1.00 TB/s / 1000 TFLOP/s"
+    assert rows["HBM copy bandwidth / GEMM peak (the weights' format)"] == "1.00 TB/s / 1000 TFLOP/s"
     assert "fraction of roofline reached" in rows and any(n.startswith("decode-only steps of") for n in rows)
     assert res["prefill_padding"] == 0 and rows["their graph padding"].startswith("0 tokens")  # eager: no buckets
     assert res["output_tokens"] == sum(max_tokens) and res["memory_s"] == pytest.approx(

@@ -23,7 +23,7 @@ class DeviceLimits:
     """One GPU's probed limits (benchmarks/harness/probes.py) and how many GPUs the run used."""
 
     bandwidth: float  # HBM copy bytes/s
-    gemm_peak: float  # dense bf16 FLOP/s
+    gemm_peak: float  # dense GEMM FLOP/s of the weights' format (bf16, or FP8 with --quantization fp8)
     gpus: int = 1
 
 
@@ -93,7 +93,7 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
                roofline_s=roof.seconds, roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,
                phase_bound_s=phase_s)
     per_gpu = f" x {limits.gpus} GPUs" if limits.gpus > 1 else ""
-    rows += [("HBM copy bandwidth / bf16 GEMM peak",
+    rows += [("HBM copy bandwidth / GEMM peak (the weights' format)",
               f"{limits.bandwidth / 1e12:.2f} TB/s / {limits.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"),
              ("memory term: KV + weights", f"{kv_bytes / 1e12:.2f} + {w_bytes / 1e12:.2f} TB = {roof.memory_s:.2f} s"),
              ("compute term: matmul + attention", f"{mm_flops / 1e15:.2f} + {attn_flops / 1e15:.2f} PFLOP "
@@ -158,7 +158,7 @@ def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, gemm_peak: float,
     """--ttft: each prompt size's median and best time to first token, against its FLOPs at the
     GEMM peak (of one GPU, times gpus)."""
     res.update(gemm_peak_flops=gemm_peak, ttft={})
-    rows = [("bf16 GEMM peak", f"{gemm_peak / 1e12:.0f} TFLOP/s")]
+    rows = [("GEMM peak (the weights' format)", f"{gemm_peak / 1e12:.0f} TFLOP/s")]
     for size, ts in times.items():
         med, best = percentile(ts, 50), min(ts)
         flop_s = prefill_flops(cfg, size) / (gpus * gemm_peak)

@@ -123,10 +123,11 @@ def step_expert_elements(cfg: ModelConfig, rows: int) -> float:
 
 @dataclass(frozen=True)
 class ByteWidths:
-    """Bytes of one stored element: of the KV cache (1 with kv_cache_dtype fp8) and of the weights."""
+    """Bytes of one stored element: of the KV cache (1 with kv_cache_dtype fp8) and of the weights
+    (with FP8 linears, the mean over a decode step's parameters: stored bytes / elements)."""
 
     kv: int
-    weights: int
+    weights: float
 
     @classmethod
     def uniform(cls, elem_bytes: int) -> "ByteWidths":
