@@ -6,6 +6,7 @@ naming it, so the engine never sees a request it cannot serve.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,64 @@ def _check_float(name: str, value: object) -> None:
         raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
     if math.isnan(value):
         raise ValueError(f"SamplingParams.{name} must not be NaN")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a completion to a formal language (vLLM's structured outputs). Exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text): the completion is JSON valid against it.
+    regex: the whole completion matches this regular expression.
+    choice: the completion is one of these strings.
+    grammar: an EBNF grammar (xgrammar's GBNF-style syntax, start rule `root`).
+    json_object: True: the completion is a JSON object.
+
+    disable_any_whitespace: JSON (json / json_object) without optional whitespace; by default any
+        whitespace JSON allows may come between its tokens.
+    EOS ends a constrained completion only where the language allows the text to end. The shape
+    is checked here; the contents (a bad regex, schema or grammar) when the request is added,
+    where the grammar is compiled (engine/structured_outputs.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not JSON text ({e}): {self.json!r:.200}") from e
+            else:
+                schema = self.json
+            if isinstance(schema, bool) or not isinstance(schema, dict):
+                raise TypeError(f"StructuredOutputsParams.json must be a JSON schema object (a dict or its "
+                                f"JSON text), got {self.json!r:.200}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r:.200}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of strings, "
+                                f"got {self.choice!r:.200}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True (or None: not asked), "
+                             f"got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise TypeError(f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
+                            f"got {self.disable_any_whitespace!r}")
 
 
 @dataclass
@@ -48,6 +107,7 @@ class SamplingParams:
     prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: the same for every prompt token
         (given the tokens before it; the first prompt token has None).
     n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
+    structured_outputs: None, or a StructuredOutputsParams the completion must follow.
     """
 
     temperature: float = 1.0
@@ -62,6 +122,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature)
@@ -98,6 +159,9 @@ class SamplingParams:
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"SamplingParams.{name} must be at most {MAX_LOGPROBS}, got {value!r}")
         check_int("SamplingParams.n", self.n, 1)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, "
+                            f"got {self.structured_outputs!r:.200}")
 
     @property
     def greedy(self) -> bool:

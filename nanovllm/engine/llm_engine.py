@@ -8,6 +8,8 @@ Batch use: engine.generate(prompts, params) -> list of {"text", "token_ids", "fi
 (plus "logprobs", "cumulative_logprob", "prompt_logprobs", "outputs" when the params ask).
 Chat use: engine.chat(conversation or conversations, params) renders with the chat template.
 RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
+Structured outputs: SamplingParams(structured_outputs=StructuredOutputsParams(...)) constrains a
+completion (engine/structured_outputs.py; needs the optional xgrammar package).
 After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
 """
 
@@ -36,7 +38,9 @@ from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup
+from nanovllm.engine.launched_step import StepLogits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -59,6 +63,17 @@ class StepResult:
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
     postprocess_s: float  # host: appending tokens, finishing, stop strings
+
+
+@dataclass(frozen=True)
+class _Forwarded:
+    """A step whose forward is queued on the device and whose sampling is not yet."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    sample_seqs: list[Sequence]  # the sequences it samples, in row order
+    logits: StepLogits
+    constrained_rows: list[int]  # rows of sample_seqs with a grammar (structured outputs)
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        eos = self.eos_token_ids = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
             mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer, fill_sizes=self.model_runner.fill_sizes,
@@ -99,6 +114,7 @@ class LLMEngine:
         # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
         self._overlap = cfg.overlap_scheduling and self.workers is None
         self._in_flight: _InFlight | None = None
+        self._grammars: GrammarBackend | None = None  # built at the first structured-outputs request
         atexit.register(self.exit)
 
     # ----- step-wise API -----
@@ -111,13 +127,30 @@ class LLMEngine:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
         token_ids = self.validator.validate(prompt, sampling_params)
-        return self._enqueue(token_ids, sampling_params)
+        return self._enqueue(token_ids, sampling_params, self._compile_grammar(sampling_params))
 
-    def _enqueue(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _enqueue(self, token_ids: list[int], params: SamplingParams, grammar=None) -> int:
+        """Queue a validated request; `grammar`: its compiled grammar (structured outputs) or None."""
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, token_ids, params)
+        if grammar is not None:
+            for seq in request.samples:
+                seq.grammar = self._grammars.sample_grammar(grammar)
         self.scheduler.add(request)
         return request.request_id
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of params.structured_outputs (None without one). Raises ImportError
+        (how to install xgrammar) or ValueError (what does not compile) before anything is queued."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need the model's tokenizer, and {self.config.model} has none")
+            self._grammars = GrammarBackend(self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids,
+                                            self.model_runner.device)
+        return self._grammars.compile(spec)
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
@@ -127,14 +160,17 @@ class LLMEngine:
         if self.is_finished():
             return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
         t0 = time.perf_counter()
-        current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
+        current = self._in_flight or self._sample(self._launch(self.scheduler.schedule(), previous=None))
         prepare_s = current.launched.prepare_s
         self._in_flight = None
+        following: _Forwarded | None = None
         if self._overlap:
-            following = self.scheduler.schedule(ahead=True)
-            if following is not None:
-                self._in_flight = self._launch(following, previous=current)
-                prepare_s += self._in_flight.launched.prepare_s
+            ahead = self.scheduler.schedule(ahead=True)
+            if ahead is not None:
+                following = self._launch(ahead, previous=current)
+                prepare_s += following.logits.prepare_s
+                if not following.constrained_rows:  # sampled at once, as it needs no mask
+                    self._in_flight, following = self._sample(following), None
         t1 = time.perf_counter()
         with self._worker_errors():
             tokens = current.launched.tokens()
@@ -146,11 +182,14 @@ class LLMEngine:
         self._record_prompt_logprobs(current)
         done = self.scheduler.postprocess(batch, sampled, self._sample_logprobs(current, tokens))
         outputs = [request.output(self.tokenizer) for request in done]
+        if following is not None:  # its masks follow this step's tokens: filled while its forward runs
+            self._in_flight = self._sample(following)
         return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
                           launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
                           postprocess_s=time.perf_counter() - t2)
 
-    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
+    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _Forwarded:
+        """Queue `batch`'s forward (its sampling: `_sample`)."""
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
         sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
         # Once the workers have the plan, rank 0 runs its part of the step whatever signal comes (an
@@ -160,8 +199,22 @@ class LLMEngine:
         with self._worker_errors(), shielded:
             if self.workers is not None:
                 self.workers.send("run", plan)
-            launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
-        return _InFlight(batch, plan, sample_seqs, launched)
+            logits = self.model_runner.forward_step(plan, sample_seqs, previous.launched if previous else None)
+        constrained = ([r for r, s in enumerate(sample_seqs) if s.grammar is not None]
+                       if self.scheduler.num_constrained else [])
+        return _Forwarded(batch, plan, sample_seqs, logits, constrained)
+
+    def _sample(self, step: _Forwarded) -> _InFlight:
+        """Queue the sampling of a forwarded step, its constrained rows masked by their grammars
+        as they stand now (rows ended meanwhile, or whose grammar has ended, are left unmasked)."""
+        mask = None
+        if step.constrained_rows:
+            rows = [r for r in step.constrained_rows
+                    if not step.sample_seqs[r].is_finished and not step.sample_seqs[r].grammar.ended]
+            if rows:
+                mask = self._grammars.token_mask(rows, [step.sample_seqs[r].grammar for r in rows])
+        launched = self.model_runner.sample(step.logits, mask)
+        return _InFlight(step.batch, step.plan, step.sample_seqs, launched)
 
     @contextlib.contextmanager
     def _worker_errors(self) -> Iterator[None]:
@@ -224,9 +277,10 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
         # Validate everything before queueing anything: a bad request leaves the engine untouched.
         token_lists = [self.validator.validate(p, sp) for p, sp in zip(prompts, params)]
+        grammars = [self._compile_grammar(sp) for sp in params]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")
-        ids = [self._enqueue(t, sp) for t, sp in zip(token_lists, params)]
+        ids = [self._enqueue(t, sp, g) for t, sp, g in zip(token_lists, params, grammars)]
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         rates = {kind: 0.0 for kind in StepKind}  # latest step's tokens per second, by kind

@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from nanovllm.engine.stop_strings import StopStringMatcher
+from nanovllm.engine.structured_outputs import SampleGrammar
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -65,6 +66,8 @@ class Sequence:
         # Incremental stop-string search (set by the engine when params.stop is not empty).
         self.stop_matcher: StopStringMatcher | None = None
         self.stopped_by_string = False
+        # Where this sample stands in its grammar (set by the engine when params.structured_outputs is set).
+        self.grammar: SampleGrammar | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
