@@ -113,35 +113,46 @@ def test_unconstrained_rows_equal_a_run_without_constrained_rows(llm, mixed):
     assert [outputs[0]["token_ids"], outputs[-1]["token_ids"]] == [o["token_ids"] for o in alone]
 
 
-@torch.no_grad()
-def test_greedy_constrained_tokens_are_the_masked_argmax_of_transformers_logits(llm, mixed):
-    """Each greedy token is the argmax (up to float ties) of transformers' logits with the mask of
-    an xgrammar matcher compiled here and advanced on the engine's tokens; the last is EOS, where
-    that matcher's grammar ends."""
-    prompts, params, outputs = mixed
-    reference = load_reference(MODEL_DIR)
-    vocab = reference.config.vocab_size
-    info = xgrammar.TokenizerInfo.from_huggingface(llm.tokenizer, vocab_size=vocab, stop_token_ids=[EOS])
+def reference_grammars(tokenizer, vocab: int) -> dict:
+    """Each constraint's grammar compiled by xgrammar here (not by the engine's backend)."""
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[EOS])
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-    compiled = {
+    return {
         "json": compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False),
         "regex": compiler.compile_regex(REGEX),
         "choice": compiler.compile_grammar("root ::= " + " | ".join(f'"{c}"' for c in CHOICES)),
         "grammar": compiler.compile_grammar(GRAMMAR),
     }
-    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+
+
+@torch.no_grad()
+def assert_masked_greedy(reference, grammar, prompt_ids: list[int], completion: list[int],
+                         tolerance: float = 0.0) -> None:
+    """Each token of a greedy constrained `completion` is the argmax (up to float ties: 1e-4, plus
+    `tolerance` x the row's logit range for bf16) of `reference`'s logits with the mask of an
+    xgrammar matcher of `grammar` advanced on the completion's tokens; the last token is EOS, where
+    the matcher's grammar ends."""
+    device = next(reference.parameters()).device
+    logits = reference(torch.tensor([prompt_ids + completion], device=device)).logits[0].float().cpu()
+    matcher = xgrammar.GrammarMatcher(grammar)
+    bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
+    for step, token in enumerate(completion):
+        matcher.fill_next_token_bitmask(bitmask)
+        row = logits[len(prompt_ids) - 1 + step].clone()
+        tol = 1e-4 + tolerance * (row.max() - row.min()).item()
+        xgrammar.apply_token_bitmask_inplace(row.unsqueeze(0), bitmask)
+        assert row[token].item() >= row.max().item() - tol, (step, token, row.argmax().item())
+        assert matcher.accept_token(token), (step, token)
+    assert matcher.is_terminated() and completion[-1] == EOS
+
+
+def test_greedy_constrained_tokens_are_the_masked_argmax_of_transformers_logits(llm, mixed):
+    prompts, params, outputs = mixed
+    reference = load_reference(MODEL_DIR)
+    grammars = reference_grammars(llm.tokenizer, reference.config.vocab_size)
     for i, kind in enumerate(CONSTRAINTS):
-        prompt_ids = llm.tokenizer.encode(prompts[1 + 2 * i])
-        completion = outputs[1 + 2 * i]["token_ids"]
-        logits = reference(torch.tensor([prompt_ids + completion])).logits[0].float()  # [len, vocab]
-        matcher = xgrammar.GrammarMatcher(compiled[kind])
-        for step, token in enumerate(completion):
-            matcher.fill_next_token_bitmask(bitmask)
-            row = logits[len(prompt_ids) - 1 + step].clone()
-            xgrammar.apply_token_bitmask_inplace(row.unsqueeze(0), bitmask)
-            assert row[token].item() >= row.max().item() - 1e-4, (kind, step, token, row.argmax().item())
-            assert matcher.accept_token(token), (kind, step, token)
-        assert matcher.is_terminated() and completion[-1] == EOS, kind
+        assert_masked_greedy(reference, grammars[kind], llm.tokenizer.encode(prompts[1 + 2 * i]),
+                             outputs[1 + 2 * i]["token_ids"])
 
 
 def test_n_samples_each_follow_the_grammar(llm):
