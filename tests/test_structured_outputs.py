@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,6 +277,17 @@ def test_bad_structured_outputs_are_refused_and_the_engine_keeps_serving(llm, mi
     assert llm.is_finished()
     prompts, params, outputs = mixed
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == [o["token_ids"] for o in outputs]
+
+
+def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path):
+    shutil.copy(Path(MODEL_DIR) / "config.json", tmp_path / "config.json")
+    engine = cpu_llm(str(tmp_path), load_format="dummy", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    try:
+        with pytest.raises(ValueError, match="structured outputs need the model's tokenizer"):
+            engine.generate([[5, 6, 7]], SamplingParams(structured_outputs=CONSTRAINTS["choice"]), use_tqdm=False)
+        assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]
+    finally:
+        engine.exit()
 
 
 MISSING_LIBRARY = f"""

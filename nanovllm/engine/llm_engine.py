@@ -30,7 +30,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.chat import render_chat
 from nanovllm.engine.logprobs import logprob_entries
-from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.launched_step import LaunchedStep, StepLogits
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PromptValidator
 from nanovllm.engine.request import Request
@@ -40,7 +40,6 @@ from nanovllm.engine.sequence import RequestOutput, Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup
-from nanovllm.engine.launched_step import StepLogits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -62,27 +61,30 @@ class StepResult:
     launch_s: float  # host: scheduling, input preparation, queuing work on the device
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
-    postprocess_s: float  # host: appending tokens, finishing, stop strings
+    postprocess_s: float  # host: appending tokens, finishing, stop strings; the next step's token masks
 
 
 @dataclass(frozen=True)
-class _Forwarded:
-    """A step whose forward is queued on the device and whose sampling is not yet."""
+class _Step:
+    """A step queued on the device."""
 
     batch: ScheduledBatch
     plan: StepPlan
     sample_seqs: list[Sequence]  # the sequences it samples, in row order
+
+
+@dataclass(frozen=True)
+class _Forwarded(_Step):
+    """A step whose forward is queued and whose sampling is not yet."""
+
     logits: StepLogits
     constrained_rows: list[int]  # rows of sample_seqs with a grammar (structured outputs)
 
 
 @dataclass(frozen=True)
-class _InFlight:
-    """A step queued on the device whose tokens the host has not read yet."""
+class _InFlight(_Step):
+    """A step queued whole (forward and sampling) whose tokens the host has not read yet."""
 
-    batch: ScheduledBatch
-    plan: StepPlan
-    sample_seqs: list[Sequence]  # the sequences it samples, in row order
     launched: LaunchedStep
 
 
@@ -101,7 +103,7 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        eos = self.eos_token_ids = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eos,
             mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer, fill_sizes=self.model_runner.fill_sizes,
@@ -114,7 +116,7 @@ class LLMEngine:
         # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
         self._overlap = cfg.overlap_scheduling and self.workers is None
         self._in_flight: _InFlight | None = None
-        self._grammars: GrammarBackend | None = None  # built at the first structured-outputs request
+        self.grammars = GrammarBackend(self.tokenizer, cfg.model_config.vocab_size, eos, self.model_runner.device)
         atexit.register(self.exit)
 
     # ----- step-wise API -----
@@ -129,28 +131,19 @@ class LLMEngine:
         token_ids = self.validator.validate(prompt, sampling_params)
         return self._enqueue(token_ids, sampling_params, self._compile_grammar(sampling_params))
 
-    def _enqueue(self, token_ids: list[int], params: SamplingParams, grammar=None) -> int:
+    def _compile_grammar(self, params: SamplingParams) -> object | None:
+        """params.structured_outputs compiled (None without it); raises before anything is queued."""
+        return self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams, grammar: object | None = None) -> int:
         """Queue a validated request; `grammar`: its compiled grammar (structured outputs) or None."""
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, token_ids, params)
         if grammar is not None:
             for seq in request.samples:
-                seq.grammar = self._grammars.sample_grammar(grammar)
+                seq.grammar = self.grammars.sample_grammar(grammar)
         self.scheduler.add(request)
         return request.request_id
-
-    def _compile_grammar(self, params: SamplingParams):
-        """The compiled grammar of params.structured_outputs (None without one). Raises ImportError
-        (how to install xgrammar) or ValueError (what does not compile) before anything is queued."""
-        spec = params.structured_outputs
-        if spec is None:
-            return None
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError(f"structured outputs need the model's tokenizer, and {self.config.model} has none")
-            self._grammars = GrammarBackend(self.tokenizer, self.config.model_config.vocab_size, self.eos_token_ids,
-                                            self.model_runner.device)
-        return self._grammars.compile(spec)
 
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
@@ -212,7 +205,7 @@ class LLMEngine:
             rows = [r for r in step.constrained_rows
                     if not step.sample_seqs[r].is_finished and not step.sample_seqs[r].grammar.ended]
             if rows:
-                mask = self._grammars.token_mask(rows, [step.sample_seqs[r].grammar for r in rows])
+                mask = self.grammars.token_mask(rows, [step.sample_seqs[r].grammar for r in rows])
         launched = self.model_runner.sample(step.logits, mask)
         return _InFlight(step.batch, step.plan, step.sample_seqs, launched)
 

@@ -70,23 +70,33 @@ class SampleGrammar:
 
 
 class GrammarBackend:
-    """One engine's xgrammar state: the vocabulary as xgrammar reads it (the model's vocabulary
-    size, the engine's EOS ids as the grammar's end tokens), a compiler that caches compiled
-    grammars by their source, and the batch mask filler."""
+    """One engine's xgrammar state, built at its first constrained request (xgrammar imported
+    then): the vocabulary as xgrammar reads it (the model's vocabulary size, the engine's EOS ids
+    as the grammar's end tokens), a compiler that caches compiled grammars by their source, and the
+    batch mask filler."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device):
+        self.tokenizer = tokenizer  # None: a model directory without one (no structured outputs then)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._xgr = self.compiler = self.filler = None
+
+    def _start(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model directory has none")
         xgr = import_xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(eos_token_ids))
-        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=sorted(self.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info)
         self.filler = xgr.BatchGrammarMatcher(MASK_FILL_THREADS)
-        self.vocab_size = vocab_size
-        self.device = device
+        self._xgr = xgr
 
     def compile(self, spec: StructuredOutputsParams):
-        """spec's grammar, compiled (xgrammar's CompiledGrammar); a regex, schema or grammar that
-        xgrammar cannot compile raises ValueError naming it."""
+        """spec's grammar, compiled (xgrammar's CompiledGrammar). Raises ImportError (how to install
+        xgrammar) without it, ValueError naming a regex, schema or grammar that does not compile."""
+        if self._xgr is None:
+            self._start()
         c, any_whitespace = self.compiler, not spec.disable_any_whitespace
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
