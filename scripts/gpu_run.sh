@@ -42,6 +42,10 @@ for part in $parts; do
     moekernel) timeout 200 python3 -m benchmarks.kernels.bench_moe --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     kvspread) timeout 300 python3 -m benchmarks.kernels.bench_kv_spread 2>&1 | tee "$OUT/kvspread.log" ;;
     benchn) timeout 300 python3 -m benchmarks.engine.bench_n 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
+    structured) # a Qwen-sized tokenizer trained offline (kept in /tmp for later calls), then the JSON-schema workload
+      [ -f /tmp/tok151k/tokenizer.json ] || timeout 300 python3 scripts/grammar_libraries.py --build-tokenizer /tmp/tok151k
+      timeout 280 python3 -m benchmarks.engine.bench_structured --tokenizer /tmp/tok151k 2>&1 | grep -v "it/s" | tail -8 \
+        | tee "$OUT/structured.log" ;;
     profile) timeout 200 python3 -m benchmarks.engine.profile_step 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
     *) echo "unknown part $part" ;;
   esac
