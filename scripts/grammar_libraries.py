@@ -52,13 +52,15 @@ def build_tokenizer(path: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    root = sysconfig.get_paths()["stdlib"]
-    files, budget = [], TRAIN_BYTES
-    for pattern in ("**/*.py", "**/*.md", "**/*.txt"):
-        for f in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
-            if budget > 0 and os.path.isfile(f) and os.path.getsize(f) < 2_000_000:
-                files.append(f)
-                budget -= os.path.getsize(f)
+    roots = sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
+    files, seen, budget = [], set(), TRAIN_BYTES
+    for root in roots:
+        for pattern in ("**/*.py", "**/*.md", "**/*.txt"):
+            for f in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+                if budget > 0 and f not in seen and os.path.isfile(f) and os.path.getsize(f) < 2_000_000:
+                    files.append(f)
+                    seen.add(f)
+                    budget -= os.path.getsize(f)
 
     def texts():
         for f in files:
