@@ -165,6 +165,20 @@ def test_n_samples_each_follow_the_grammar(llm):
     assert len(set(texts)) > 1
 
 
+def test_choices_with_quotes_backslashes_newlines_and_unicode_are_matched_exactly(llm):
+    choices = ['say "hi"', "back\\slash", "two\nlines", "tab\there", "ünï 😀"]
+    compiled = llm.grammars.compile(StructuredOutputsParams(choice=choices))
+    for choice in choices:
+        matcher = llm.grammars.sample_grammar(compiled).matcher
+        assert matcher.accept_string(choice) and matcher.is_completed(), choice
+        assert not llm.grammars.sample_grammar(compiled).matcher.accept_string(choice + "x"), choice
+    params = SamplingParams(temperature=1.5, seed=1, n=8, max_tokens=MAX_TOKENS,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert {c["text"] for c in out["outputs"]} <= set(choices)
+    assert all(c["finish_reason"] == "stop" for c in out["outputs"])
+
+
 def test_json_object_and_whitespace(llm):
     """json_object: a JSON object (vLLM's {"type": "object"} schema); with any whitespace allowed
     (the default) a completion is still JSON valid against the schema."""

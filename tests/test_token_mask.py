@@ -135,16 +135,3 @@ def test_masked_rows_sample_allowed_tokens_and_the_rest_are_unchanged(device, pa
             assert torch.equal(got.logprobs.rows, want.logprobs.rows)
             assert torch.allclose(got.logprobs.top_logprobs, want.logprobs.top_logprobs)
             assert torch.isfinite(got.logprobs.sampled).all()
-
-
-def test_a_batch_without_a_mask_does_no_mask_work():
-    """The sampler calls its mask implementation only when given a mask (unconstrained rows pay nothing)."""
-    calls = []
-    sampler = Sampler()
-    sampler.apply_token_mask = lambda logits, mask: calls.append(mask)
-    batch = SamplingBatch.build([SamplingParams(temperature=0.0)] * 2, [1, 2], "cpu", 50)
-    sampler(torch.randn(2, 50), batch)
-    assert calls == []
-    mask = random_mask([1], 50, seed=0)
-    sampler(torch.randn(2, 50), batch, mask)
-    assert calls == [mask]
