@@ -9,6 +9,7 @@ bad words that need a tokenizer) are the engine's (engine/request_params.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -45,6 +46,64 @@ def _token_list(name: str, value: object) -> list[int]:
     for token_id in value:
         check_int(f"SamplingParams.{name}", token_id, 0)
     return list(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a completion to a formal language (vLLM's structured outputs). Exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text): the completion is JSON valid against it.
+    regex: the whole completion matches this regular expression.
+    choice: the completion is one of these strings.
+    grammar: an EBNF grammar (xgrammar's GBNF-style syntax, start rule `root`).
+    json_object: True: the completion is a JSON object.
+
+    disable_any_whitespace: JSON (json / json_object) without optional whitespace; by default any
+        whitespace JSON allows may come between its tokens.
+    EOS ends a constrained completion only where the language allows the text to end. The shape
+    is checked here; the contents (a bad regex, schema or grammar) when the request is added,
+    where the grammar is compiled (engine/structured_outputs.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not JSON text ({e}): {self.json!r:.200}") from e
+            else:
+                schema = self.json
+            if isinstance(schema, bool) or not isinstance(schema, dict):
+                raise TypeError(f"StructuredOutputsParams.json must be a JSON schema object (a dict or its "
+                                f"JSON text), got {self.json!r:.200}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r:.200}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of strings, "
+                                f"got {self.choice!r:.200}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True (or None: not asked), "
+                             f"got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise TypeError(f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
+                            f"got {self.disable_any_whitespace!r}")
 
 
 @dataclass
@@ -86,6 +145,7 @@ class SamplingParams:
     detokenize: False leaves every text empty (token ids only; stop strings are then refused).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     max_tokens: None generates up to max_model_len.
+    structured_outputs: None, or a StructuredOutputsParams the completion must follow.
     """
 
     temperature: float = 1.0
@@ -112,6 +172,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature)
@@ -156,6 +217,9 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name} must be at most {MAX_LOGPROBS}, got {value!r}")
         check_int("SamplingParams.n", self.n, 1)
         self._check_logits_settings()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, "
+                            f"got {self.structured_outputs!r:.200}")
         if self.truncate_prompt_tokens is not None:
             check_int("SamplingParams.truncate_prompt_tokens", self.truncate_prompt_tokens)
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != TRUNCATE_TO_MODEL_LEN:
@@ -204,7 +268,10 @@ class SamplingParams:
     def validated(self) -> SamplingParams:
         """A checked copy of these settings as they are now (the engine keeps one per request, so
         later edits of this object do not change a queued request); raises as construction does."""
-        return dataclasses.replace(self)
+        structured = self.structured_outputs
+        if isinstance(structured, StructuredOutputsParams):  # re-checked and copied too (it may have been edited)
+            structured = dataclasses.replace(structured)
+        return dataclasses.replace(self, structured_outputs=structured)
 
     @property
     def uses_logits_rules(self) -> bool:

@@ -44,6 +44,10 @@ for part in $parts; do
     benchn) timeout 300 python3 -m benchmarks.engine.bench_n 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
     rayreplica) # needs ray: python3 scripts/ray_wheels.py here, then carry .whl (the script's docstring)
       RAY_USAGE_STATS_ENABLED=0 timeout 400 python3 -m benchmarks.engine.bench_ray 2>&1 | grep -v "it/s\|INFO" | tail -12 | tee "$OUT/rayreplica.log" ;;
+    structured) # a Qwen-sized tokenizer trained offline (kept in /tmp for later calls), then the JSON-schema workload
+      [ -f /tmp/tok151k/tokenizer.json ] || timeout 300 python3 scripts/grammar_libraries.py --build-tokenizer /tmp/tok151k
+      timeout 280 python3 -m benchmarks.engine.bench_structured --tokenizer /tmp/tok151k 2>&1 | grep -v "it/s" | tail -8 \
+        | tee "$OUT/structured.log" ;;
     profile) timeout 200 python3 -m benchmarks.engine.profile_step 2>&1 | grep -v "it/s" | tee "$OUT/profile.log" | tail -80 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -169,6 +169,9 @@ SPECS = [
        [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "SUB": 256, "STEP_TILES": 8, "num_warps": 8}
         for p, mp in ((True, False), (False, True), (True, True))])
       for x in ("*bf16", "*fp32")],
+    # structured outputs' token masks: bfloat16 and float32 logits
+    *[("sampling.token_mask_kernel", "_token_mask_kernel", {"logits_ptr": x, "rows_ptr": "*i64", "bitmask_ptr": "*i32"},
+       [{"BLOCK": 1024}]) for x in ("*bf16", "*fp32")],
     ("moe.align", "_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"}, [{"SLICE": 32, "BLOCK_E": 128}]),
     ("moe.align", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "block_expert",
                                                                "num_used", "sorted")},

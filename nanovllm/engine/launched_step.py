@@ -1,6 +1,8 @@
-"""The handle of a step queued on the device (ModelRunner.launch): its sampled tokens and
-logprobs, copied to pinned host memory behind one event, read only when the engine needs them
-(overlap scheduling plans the next step before waiting here)."""
+"""The handles of a step queued on the device. `StepLogits` (ModelRunner.forward_step): its forward
+and LM head queued, sampling not yet (the host fills the step's token masks meanwhile).
+`LaunchedStep` (ModelRunner.sample / launch): its sampled tokens and logprobs, copied to pinned
+host memory behind one event, read only when the engine needs them (overlap scheduling plans the
+next step before waiting here)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,19 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.logprobs import HostLogprobs
+from nanovllm.sampling.batch import SamplingBatch
+from nanovllm.sampling.logits_rules import StepRules
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A step whose forward is queued on the device and whose sampling is not."""
+
+    prepare_s: float  # host time spent building the step's inputs
+    logits: torch.Tensor | None  # [num_sampled, vocab] on the device (None: nothing sampled on this rank)
+    sampling: SamplingBatch | None  # the sampled rows' settings (None with logits None)
+    prompt_logprobs: tuple[torch.Tensor, ...] | None  # (chosen, top_ids, top_logprobs) on the device
+    rules: StepRules | None = None  # the sampled rows' logits rules (None: no row uses any)
 
 
 @dataclass(frozen=True)

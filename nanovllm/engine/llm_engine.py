@@ -5,6 +5,8 @@ Step-wise use (nano-vllm's API):
     while not engine.is_finished(): result = engine.step()   # StepResult (finished RequestOutputs)
     engine.abort_request(request_id)   # drop one (or several); it is never returned
 RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
+Structured outputs: SamplingParams(structured_outputs=StructuredOutputsParams(...)) constrains a
+completion (engine/structured_outputs.py; needs the optional xgrammar package).
 After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
 The batch API (generate, chat) is the LLM class's (nanovllm/llm.py).
 
@@ -26,7 +28,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.launched_step import LaunchedStep, StepLogits
 from nanovllm.engine.logprobs import logprob_entries
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
@@ -36,6 +38,7 @@ from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.outputs import Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -59,17 +62,31 @@ class StepResult:
     launch_s: float  # host: scheduling, input preparation, queuing work on the device
     prepare_s: float  # the input-preparation part of launch_s
     wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
-    postprocess_s: float  # host: appending tokens, finishing, stop strings
+    postprocess_s: float  # host: appending tokens, finishing, stop strings; the next step's token masks
     num_prompt_tokens: int = 0  # of num_tokens, those of prefill chunks (prompts, or recomputed ones)
 
 
 @dataclass(frozen=True)
-class _InFlight:
-    """A step queued on the device whose tokens the host has not read yet."""
+class _Step:
+    """A step queued on the device."""
 
     batch: ScheduledBatch
     plan: StepPlan
     sample_seqs: list[Sequence]  # the sequences it samples, in row order
+
+
+@dataclass(frozen=True)
+class _Forwarded(_Step):
+    """A step whose forward is queued and whose sampling is not yet."""
+
+    logits: StepLogits
+    constrained_rows: list[int]  # rows of sample_seqs with a grammar (structured outputs)
+
+
+@dataclass(frozen=True)
+class _InFlight(_Step):
+    """A step queued whole (forward and sampling) whose tokens the host has not read yet."""
+
     launched: LaunchedStep
 
 
@@ -102,6 +119,8 @@ class LLMEngine:
         # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
         self._overlap = cfg.overlap_scheduling and self.workers is None
         self._in_flight: _InFlight | None = None
+        self.grammars = GrammarBackend(self.tokenizer, cfg.model_config.vocab_size, self.eos_token_ids,
+                                       self.model_runner.device)
         atexit.register(self.exit)
 
     # ----- step-wise API -----
@@ -113,24 +132,35 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
-        params, rules = self._check_params(sampling_params)
-        return self._enqueue(self.validator.validate(prompt, params), params, rules)
+        params, rules, grammar = self._check_params(sampling_params)
+        return self._enqueue(self.validator.validate(prompt, params), params, rules, grammar)
 
-    def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None]:
+    def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None, object | None]:
         """A checked copy of `params` as they are now (every SamplingParams check again, then the
-        model's: token ids within the vocabulary, bad words tokenized) and its logits rules."""
+        model's: token ids within the vocabulary, bad words tokenized, the structured-outputs
+        grammar compiled), its logits rules and its compiled grammar (None without
+        structured_outputs). Raises before anything is queued."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         checked = params.validated()
         vocab_size = self.config.model_config.vocab_size
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
-        return checked, RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
+        rules = RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
+        grammar = None
+        if checked.structured_outputs is not None:
+            grammar = self.grammars.compile(checked.structured_outputs)
+        return checked, rules, grammar
 
-    def _enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None) -> int:
-        """Queue a request already checked (_check_params, validator.validate); returns its id."""
+    def _enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None,
+                 grammar: object | None = None) -> int:
+        """Queue a request already checked (_check_params, validator.validate); returns its id.
+        `grammar`: its compiled grammar (structured outputs) or None."""
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
                                  prompt.max_tokens)
+        if grammar is not None:
+            for seq in request.samples:
+                seq.grammar = self.grammars.sample_grammar(grammar)
         self.scheduler.add(request)
         self.model_runner.rules.admit(request.samples)
         return request.request_id
@@ -143,14 +173,17 @@ class LLMEngine:
         if self.is_finished():
             return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
         t0 = time.perf_counter()
-        current = self._in_flight or self._launch(self.scheduler.schedule(), previous=None)
+        current = self._in_flight or self._sample(self._launch(self.scheduler.schedule(), previous=None))
         prepare_s = current.launched.prepare_s
         self._in_flight = None
+        following: _Forwarded | None = None
         if self._overlap:
-            following = self.scheduler.schedule(ahead=True)
-            if following is not None:
-                self._in_flight = self._launch(following, previous=current)
-                prepare_s += self._in_flight.launched.prepare_s
+            ahead = self.scheduler.schedule(ahead=True)
+            if ahead is not None:
+                following = self._launch(ahead, previous=current)
+                prepare_s += following.logits.prepare_s
+                if not following.constrained_rows:  # sampled at once, as it needs no mask
+                    self._in_flight, following = self._sample(following), None
         t1 = time.perf_counter()
         with self._worker_errors():
             tokens = current.launched.tokens()
@@ -163,12 +196,15 @@ class LLMEngine:
         done = self.scheduler.postprocess(batch, sampled, self._sample_logprobs(current, tokens))
         outputs = [request.output(self.detokenizer) for request in done]
         self.model_runner.rules.release([s for request in done for s in request.samples])
+        if following is not None:  # its masks follow this step's tokens: filled while its forward runs
+            self._in_flight = self._sample(following)
         return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
                           launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
                           postprocess_s=time.perf_counter() - t2,
                           num_prompt_tokens=batch.num_tokens - batch.num_decode)
 
-    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
+    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _Forwarded:
+        """Queue `batch`'s forward (its sampling: `_sample`)."""
         plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
         sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
         # Once the workers have the plan, rank 0 runs its part of the step whatever signal comes (an
@@ -178,8 +214,22 @@ class LLMEngine:
         with self._worker_errors(), shielded:
             if self.workers is not None:
                 self.workers.send("run", plan)
-            launched = self.model_runner.launch(plan, sample_seqs, previous.launched if previous else None)
-        return _InFlight(batch, plan, sample_seqs, launched)
+            logits = self.model_runner.forward_step(plan, sample_seqs, previous.launched if previous else None)
+        constrained = ([r for r, s in enumerate(sample_seqs) if s.grammar is not None]
+                       if self.scheduler.num_constrained else [])
+        return _Forwarded(batch, plan, sample_seqs, logits, constrained)
+
+    def _sample(self, step: _Forwarded) -> _InFlight:
+        """Queue the sampling of a forwarded step, its constrained rows masked by their grammars
+        as they stand now (rows ended meanwhile, or whose grammar has ended, are left unmasked)."""
+        mask = None
+        if step.constrained_rows:
+            rows = [r for r in step.constrained_rows
+                    if not step.sample_seqs[r].is_finished and not step.sample_seqs[r].grammar.ended]
+            if rows:
+                mask = self.grammars.token_mask(rows, [step.sample_seqs[r].grammar for r in rows])
+        launched = self.model_runner.sample(step.logits, mask)
+        return _InFlight(step.batch, step.plan, step.sample_seqs, launched)
 
     @contextlib.contextmanager
     def _worker_errors(self) -> Iterator[None]:

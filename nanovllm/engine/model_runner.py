@@ -27,7 +27,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_block_bytes, num_blocks_from_memory
-from nanovllm.engine.launched_step import LaunchedStep
+from nanovllm.engine.launched_step import LaunchedStep, StepLogits
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
@@ -39,6 +39,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
+from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
 from nanovllm.quantization.config import quantization
@@ -188,15 +189,26 @@ class ModelRunner:
                        SamplingParams(temperature=1.0)):
                 batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
                 self.sampler(logits, batch)
+            # the token-mask kernel (structured outputs) compiles here too, not at the first such request
+            allow_all = torch.full((1, mask_words(logits.shape[-1])), -1, dtype=torch.int32, device=self.device)
+            self.sampler.apply_token_mask(logits, TokenMask(torch.zeros(1, dtype=torch.int64, device=self.device),
+                                                            allow_all))
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
                previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step on the device and return without waiting for it.
+        """Queue one step on the device (forward and sampling) and return without waiting for it.
 
         `sample_seqs`: the plan's sampled sequences in order (rank 0; None on workers).
         `previous`: the step launched just before, whose device tokens a carried plan reads."""
+        return self.sample(self.forward_step(plan, sample_seqs, previous))
+
+    @torch.inference_mode()
+    def forward_step(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
+                     previous: LaunchedStep | None = None) -> StepLogits:
+        """Queue a step's forward and LM head on the device, not its sampling (`sample` does
+        that): the host may fill the step's token masks meanwhile. Arguments as `launch`."""
         start = time.perf_counter()
         prompt_logprobs: tuple[torch.Tensor, ...] | None = None
         carried_from = None
@@ -242,18 +254,27 @@ class ModelRunner:
         if plan.block_copies:  # forked samples' copies of their parents' partial blocks, now written
             self._copy_blocks(plan.block_copies)
         if not any(plan.sampled):
-            return self._finish_launch(prepare_s, None, None, prompt_logprobs)
+            return StepLogits(prepare_s, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
         if logits is None or pack is None:
-            return LaunchedStep(prepare_s)
+            return StepLogits(prepare_s, None, None, prompt_logprobs)
         if plan.fork_rows:  # forked samples draw from their parents' rows: [num_sampled + forks, vocab]
             logits = torch.cat([logits, logits[to_device(plan.fork_rows, self.device, torch.int64)]])
-        out = self.sampler(logits, pack.unpack(device_words), rules)  # tokens [num_sampled] int64, logprobs
-        if rules is not None:
-            rules.record(out.tokens)  # the penalties' counts include this step's tokens from now on
+        return StepLogits(prepare_s, logits, pack.unpack(device_words), prompt_logprobs, rules)
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> LaunchedStep:
+        """Queue the sampling of a step whose forward `forward_step` queued, its constrained rows
+        masked by `token_mask` (structured outputs) and its logits rules applied (penalties, biases,
+        masks); records the sampled tokens in the penalties' counts; returns the step's handle."""
+        if step.logits is None:
+            return self._finish_launch(step.prepare_s, None, None, step.prompt_logprobs)
+        out = self.sampler(step.logits, step.sampling, step.rules, token_mask)  # tokens [num_sampled] int64, logprobs
+        if step.rules is not None:
+            step.rules.record(out.tokens)  # the penalties' counts include this step's tokens from now on
         lp = out.logprobs
         sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs)
-        return self._finish_launch(prepare_s, out.tokens, sample_logprobs, prompt_logprobs)
+        return self._finish_launch(step.prepare_s, out.tokens, sample_logprobs, step.prompt_logprobs)
 
     def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None,
                        sample_logprobs: tuple[torch.Tensor, ...] | None,

@@ -33,7 +33,7 @@ sequence that N ends by a stop token is computed once more and its result droppe
 
 The scheduler owns the requests' lifecycle: it queues a request's sample 0, forks the
 other samples from it when its prompt completes (engine/request.py), records each step's
-tokens (and logprobs), ends samples (EOS, stop token ids, stop strings, lengths: a token that
+tokens (and logprobs; a constrained sample's grammar advances on each), ends samples (EOS, stop token ids, stop strings, lengths: a token that
 ends a sample both ways ends it by the stop, as vLLM's), reports a request once all its samples
 are done, and aborts requests (one, some or all). An aborted request is dropped, never reported.
 """
@@ -82,6 +82,8 @@ class Scheduler:
         # samples 1..n-1 of requests whose sample 0 has not completed its prompt yet, by request id
         self._unstarted: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0  # running total, for tests and stats
+        # Unfinished samples with a grammar (structured outputs): while 0, steps look for none.
+        self.num_constrained = 0
 
     def add(self, request: Request) -> None:
         """Queue a request: its sample 0 computes the prompt; the other samples start from it
@@ -89,6 +91,8 @@ class Scheduler:
         for seq in request.samples:
             if seq.params.stop and self.tokenizer is not None:
                 seq.stop_matcher = StopStringMatcher(seq.params.stop, decode_options(seq.params))
+        if request.samples[0].grammar is not None:
+            self.num_constrained += len(request.samples)
         self.waiting.append(request.samples[0])
         self.requests[request.request_id] = request
         self._unstarted[request.request_id] = request.samples[1:]
@@ -247,6 +251,8 @@ class Scheduler:
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if seq.logprobs is not None and logprobs is not None:
                 entry = logprobs[seq.seq_id]
                 seq.logprobs.append(entry)
@@ -300,6 +306,7 @@ class Scheduler:
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = FinishReason.ABORT
                     self.block_manager.free(seq)
+                    self.num_constrained -= seq.grammar is not None
 
     def abort_all(self) -> None:
         """Drop every request (after an error or interrupt) and reset the KV bookkeeping.
@@ -315,6 +322,7 @@ class Scheduler:
         self._unstarted.clear()
         self.waiting.clear()
         self.running.clear()
+        self.num_constrained = 0
         self.block_manager.reset()
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -322,6 +330,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        self.num_constrained -= seq.grammar is not None
         if seq in self.running:
             self.running.remove(seq)
         self.requests[seq.request_id].num_finished += 1

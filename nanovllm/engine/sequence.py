@@ -16,6 +16,7 @@ import enum
 
 from nanovllm.engine.request_rules import RequestRules
 from nanovllm.engine.stop_strings import StopStringMatcher
+from nanovllm.engine.structured_outputs import SampleGrammar
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class Sequence:
         self.stop_token: int | None = None  # the stop_token_ids entry that ended it
         self.rules = rules
         self.counts_slot: int | None = None
+        # Where this sample stands in its grammar (set by the engine when params.structured_outputs is set).
+        self.grammar: SampleGrammar | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -141,7 +141,7 @@ class LLMPredictor:
                 raise TypeError(f"{TEXT_COLUMN} must hold text, got {value!r}")
             if column == TOKEN_IDS_COLUMN and not isinstance(value, (list, tuple)):
                 raise TypeError(f"{TOKEN_IDS_COLUMN} must hold lists of token ids, got {value!r}")
-            return self.llm.validator.validate(value, params)
+            return self.llm.validator.validate(value, params).token_ids
 
 
 def plain(value):

@@ -37,6 +37,12 @@ batch, and given the same logits they are the same on either device (the uniform
 identical; the kernel's log (libdevice's) might round differently from torch's, which could
 only change a float32 near-tie).
 
+Token masks (structured outputs): a batch may come with a TokenMask (sampling/token_mask.py) whose
+rows get -inf at every token their grammar forbids, in place, before anything else reads the
+logits, so the logits rules (penalties etc.), greedy, sampling, filters and logprobs all see the
+masked logits (vLLM applies the grammar bitmask before its sampler too; the rules keep -inf at
+-inf, so this is the same as masking after them). A batch without one does no mask work.
+
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
 ``log_softmax`` of their raw logits (before penalties, temperature and filters, as vLLM's default),
 float32: the sampled token's (and its rank) and the k most likely tokens'. They cost one pass over
@@ -63,6 +69,7 @@ from nanovllm.layers.kernel_path import KernelRoutes, construction_device, curre
 from nanovllm.sampling.batch import SamplingBatch
 from nanovllm.sampling.logits_rules import StepRules
 from nanovllm.sampling.row_logprobs import RowLogprobs, token_logprobs
+from nanovllm.sampling.token_mask import TokenMask, apply_token_mask
 
 _DEFAULT_TOPK_MAX_K = KernelRoutes().topk_max_k
 
@@ -171,12 +178,15 @@ class Sampler(torch.nn.Module):
         self.gumbel_sample = torch_gumbel_sample
         self.token_logprobs = token_logprobs
         self.walk_sample = None
+        self.apply_token_mask = apply_token_mask
         if triton_path:  # Triton is present on this path
             from nanovllm.sampling.candidate_walk import walk_sample
             from nanovllm.sampling.gumbel_max import gumbel_sample
             from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, row_logprobs
+            from nanovllm.sampling.token_mask_kernel import triton_apply_token_mask
 
             self.gumbel_sample = gumbel_sample
+            self.apply_token_mask = triton_apply_token_mask
             # one scratch for this sampler's launches (one stream): a call allocates only its outputs
             self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
             # Batches filtered by top-p / min-p alone: one kernel walks Gumbel-max candidates
@@ -194,11 +204,17 @@ class Sampler(torch.nn.Module):
             return radix_threshold(probs, batch.top_ks, batch.top_ps)
         return top_k_top_p_threshold(probs, batch, self.topk_max_k)
 
-    def forward(self, logits: Tensor, batch: SamplingBatch, rules: StepRules | None = None) -> SamplerOutput:
-        """``logits`` ``[B, V]`` (any float dtype; not modified) -> ``[B]`` int64 token ids and
-        the logprobs of ``batch.logprobs``'s rows. `rules`: the step's logits rules (penalties,
-        biases, masks: sampling/logits_rules.py), applied to a float32 copy before sampling; the
-        logprobs stay those of the raw logits."""
+    def forward(self, logits: Tensor, batch: SamplingBatch, rules: StepRules | None = None,
+                token_mask: TokenMask | None = None) -> SamplerOutput:
+        """``logits`` ``[B, V]`` (any float dtype; not modified, but for the rows of `token_mask`,
+        masked in place) -> ``[B]`` int64 token ids and the logprobs of ``batch.logprobs``'s rows.
+        `token_mask`: the constrained rows' allowed tokens (structured outputs), applied first, so
+        logprobs, greedy and sampling all see it. `rules`: the step's logits rules (penalties,
+        biases, masks: sampling/logits_rules.py), applied to a float32 copy of the masked logits
+        before sampling; the logprobs stay those of the (masked) raw logits. Every rule keeps -inf
+        at -inf, so masking before the rules samples the same tokens as masking after them."""
+        if token_mask is not None:
+            self.apply_token_mask(logits, token_mask)
         tokens = self._sample(logits if rules is None else rules.apply(logits), batch)  # [B]
         if batch.logprobs is None:
             return SamplerOutput(tokens, None)

@@ -1,0 +1,131 @@
+"""Structured outputs, the host side: grammars compiled by xgrammar, one matcher per constrained
+sample, and the token masks of a step's constrained rows (the sampler applies them:
+sampling/token_mask.py).
+
+xgrammar is an optional dependency (`pip install 'nanovllm[structured]'`), imported when an engine
+meets its first request with `structured_outputs`, never by `import nanovllm`. Why xgrammar rather
+than llguidance: docs/structured_outputs.md (measured).
+
+Per step (engine/llm_engine.py): the forward is queued first, then the masks of the step's
+constrained rows are filled on the host while the device runs it (under overlap scheduling after
+the previous step's tokens have advanced the matchers), copied up, and the sampling queued.
+
+    request with structured_outputs ─> GrammarBackend.compile (once per distinct grammar: cached)
+    each of its n samples ─> SampleGrammar (a matcher at the grammar's start)
+    each step ─> GrammarBackend.token_mask(rows, grammars) ─> sampler: -inf where not allowed
+    each kept token ─> SampleGrammar.accept (Scheduler.postprocess)
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import torch
+
+from nanovllm.sampling.token_mask import TokenMask, mask_words
+from nanovllm.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "pip install 'nanovllm[structured]' (or: pip install xgrammar)"
+# CPU threads a step's masks are filled with: xgrammar's "auto" is half the machine's hardware threads.
+MASK_FILL_THREADS = "auto"
+# vLLM's json_object: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def import_xgrammar():
+    """The xgrammar module, or an ImportError that says how to install it."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(f"structured outputs need the xgrammar package, which is not installed: {INSTALL_HINT}") from e
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class SampleGrammar:
+    """Where one sample stands in its grammar (an xgrammar matcher). Once the grammar has ended
+    (it accepted an EOS: only a request with ignore_eos goes on) the sample is unconstrained, as
+    in vLLM."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    @property
+    def ended(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def accept(self, token: int) -> None:
+        """Advance past `token`, a token the sample kept (drawn under this grammar's mask)."""
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was sampled under a grammar mask that does not allow it")
+
+
+class GrammarBackend:
+    """One engine's xgrammar state, built at its first constrained request (xgrammar imported
+    then): the vocabulary as xgrammar reads it (the model's vocabulary size, the engine's EOS ids
+    as the grammar's end tokens), a compiler that caches compiled grammars by their source, and the
+    batch mask filler."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device):
+        self.tokenizer = tokenizer  # None: a model directory without one (no structured outputs then)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._xgr = self.compiler = self.filler = None
+
+    def _start(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model directory has none")
+        xgr = import_xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=sorted(self.eos_token_ids))
+        self.compiler = xgr.GrammarCompiler(info)
+        self.filler = xgr.BatchGrammarMatcher(MASK_FILL_THREADS)
+        self._xgr = xgr
+
+    def compile(self, spec: StructuredOutputsParams):
+        """spec's grammar, compiled (xgrammar's CompiledGrammar). Raises ImportError (how to install
+        xgrammar) without it, ValueError naming a regex, schema or grammar that does not compile."""
+        if self._xgr is None:
+            self._start()
+        c, any_whitespace = self.compiler, not spec.disable_any_whitespace
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            name, build = "json", partial(c.compile_json_schema, schema, any_whitespace=any_whitespace)
+        elif spec.json_object:
+            name, build = "json_object", partial(c.compile_json_schema, JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
+        elif spec.regex is not None:
+            name, build = "regex", partial(c.compile_regex, spec.regex)
+        elif spec.choice is not None:
+            name, build = "choice", partial(c.compile_grammar, choice_grammar(spec.choice))
+        else:
+            name, build = "grammar", partial(c.compile_grammar, spec.grammar)
+        try:
+            return build()
+        except RuntimeError as e:  # xgrammar's parse and conversion errors
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(f"StructuredOutputsParams.{name} {getattr(spec, name)!r:.200} cannot be compiled: "
+                             f"{reason}") from e
+
+    def sample_grammar(self, compiled) -> SampleGrammar:
+        """A fresh matcher of `compiled`, at the start of its language."""
+        return SampleGrammar(self._xgr.GrammarMatcher(compiled))
+
+    def token_mask(self, rows: list[int], grammars: list[SampleGrammar]) -> TokenMask:
+        """The allowed next tokens of `grammars` (none ended), for batch rows `rows`, on the device:
+        filled on the host (xgrammar's threads) into pinned memory on CUDA, copied asynchronously."""
+        device = self.device
+        pinned = device.type == "cuda"
+        host = torch.empty((len(rows), mask_words(self.vocab_size)), dtype=torch.int32, pin_memory=pinned)
+        self.filler.batch_fill_next_token_bitmask([g.matcher for g in grammars], host.numpy())
+        host_rows = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned)
+        return TokenMask(host_rows.to(device, non_blocking=True), host.to(device, non_blocking=True))
