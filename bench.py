@@ -106,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.routes = parse_kernel_routes(args.kernel_routes)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
+        ap.error("--quantization with --tp > 1: the roofline's stored weight widths are read from rank 0's shard")
     if args.compare_hf and not args.sampling.transformers_can_run:
         ap.error("--compare-hf cannot run --frequency-penalty / --presence-penalty: transformers' generate has neither")
     return args
@@ -156,7 +158,9 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     run = run_engine(llm, prompts, max_tokens, args.sampling)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
-    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights))
+    # MoE experts stay in the compute dtype in every weights format (FP8 ones are dequantized at load)
+    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
+                        experts=element_bytes(llm.config.torch_dtype))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
     rows = throughput_rows(t, limits, res)

@@ -295,6 +295,9 @@ def test_moe_workload_bytes_and_flops_by_hand():
     # KV as for the dense toy: 800 bytes.
     assert decode_expert_elements(cfg, [2, 4]) == pytest.approx(672)
     assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (800, 9936 + 1344)
+    # FP8 linears (a mean width of 1.25 over the step's weights) with bf16 experts: 3 x 1656 x 1.25
+    # = 6,210, the experts still 1,344; an FP8 KV cache halves the KV term.
+    assert workload_bytes(cfg, ByteWidths(1, 1.25, 2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS) == (400, 6210 + 1344)
     # A token goes through 2 x 192 attention + 384 dense MLP + 32 router + 2 x 96 experts = 992:
     # 12 tokens x 2 x 992 = 23,808; lm_head 9,600; attention pairs as for the dense toy, 2,944.
     assert token_linear_elements(cfg) == 992
@@ -482,7 +485,8 @@ def test_sampling_flags_are_checked_when_parsed(capsys):
     assert penalized.params(7).repetition_penalty == 1.1 and "presence_penalty=0.5" in penalized.describe()
     for bad, words in ((["--top-p=1.5"], "top_p"), (["--top-p=0"], "top_p"), (["--top-k=-2"], "top_k"),
                        (["--presence-penalty=3"], "presence_penalty"),
-                       (["--compare-hf", "--frequency-penalty=0.5"], "transformers' generate has neither")):
+                       (["--compare-hf", "--frequency-penalty=0.5"], "transformers' generate has neither"),
+                       (["--quantization", "fp8", "--tp", "2"], "rank 0's shard")):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
         assert words in capsys.readouterr().err

@@ -123,15 +123,17 @@ def step_expert_elements(cfg: ModelConfig, rows: int) -> float:
 
 @dataclass(frozen=True)
 class ByteWidths:
-    """Bytes of one stored element: of the KV cache (1 with kv_cache_dtype fp8) and of the weights
-    (with FP8 linears, the mean over a decode step's parameters: stored bytes / elements)."""
+    """Bytes of one stored element: of the KV cache (1 with kv_cache_dtype fp8), of the weights a
+    decode step reads in full (with FP8 linears, the mean over them: stored bytes / elements) and
+    of an MoE model's experts."""
 
     kv: int
     weights: float
+    experts: int
 
     @classmethod
     def uniform(cls, elem_bytes: int) -> "ByteWidths":
-        return cls(elem_bytes, elem_bytes)
+        return cls(elem_bytes, elem_bytes, elem_bytes)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_elem_bytes: int) -> int:
@@ -158,7 +160,7 @@ def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[i
     experts are added as decode_expert_elements counts them (rounded to whole bytes)."""
     kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
     steps = max(max_tokens) - 1
-    experts = round(decode_expert_elements(cfg, max_tokens) * widths.weights)
+    experts = round(decode_expert_elements(cfg, max_tokens) * widths.experts)
     return kv_tokens * kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights * steps + experts
 
 
@@ -188,7 +190,7 @@ def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int
     per_token, weights = kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
-        experts = step_expert_elements(cfg, running) * widths.weights
+        experts = step_expert_elements(cfg, running) * widths.experts
         steps.append(DecodeStep(running, weights + experts, per_token * (prompt_sum + running * t)))
         prompt_sum -= ends_prompt[t]
     return steps
