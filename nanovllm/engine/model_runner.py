@@ -182,13 +182,15 @@ class ModelRunner:
         if logits is not None:
             # Each threshold path the sampler can take, at full batch, so its kernels compile here
             # and its peak memory is what the KV cache leaves room for: top-p alone (on the CPU a
-            # full sort), top-k with top-p and every row's logprobs, a top-k too large for
-            # torch.topk (the radix select on CUDA, a full sort elsewhere), plain sampling.
+            # full sort), top-k with top-p and every row's logprobs, plain sampling, and where the
+            # sampler has the radix select (CUDA), a top-k too large for torch.topk, which takes it.
             keys = [0] * cfg.max_num_seqs
-            for sp in (SamplingParams(temperature=1.0, top_p=0.9),
-                       SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
-                       SamplingParams(temperature=1.0, top_k=self.sampler.topk_max_k + 1, top_p=0.9),
-                       SamplingParams(temperature=1.0)):
+            passes = [SamplingParams(temperature=1.0, top_p=0.9),
+                      SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
+                      SamplingParams(temperature=1.0)]
+            if self.sampler.radix_min_rows is not None:
+                passes.append(SamplingParams(temperature=1.0, top_k=self.sampler.topk_max_k + 1, top_p=0.9))
+            for sp in passes:
                 batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
                 self.sampler(logits, batch)
             # the token-mask kernel (structured outputs) compiles here too, not at the first such request
