@@ -143,44 +143,41 @@ def dense(tmp_path_factory):
     return build_checkpoint(str(tmp_path_factory.mktemp("fp8dense")), SHAPE)
 
 
-def reference_in_bf16(path):
+def fp8_reference(path, dtype=torch.float32):
+    """transformers' model of the dequantized checkpoint at `path`, on the GPU."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-
-
-def fp8_reference(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").cuda().eval()
 
 
 @torch.no_grad()
-def largest_gap(reference, prompts, outs) -> float:
-    """The largest (max logit - the token's logit) / logit range of the reference over every
-    generated token."""
+def output_logits(model, prompts, outs) -> list[torch.Tensor]:
+    """`model`'s float32 logits at each generated token's position, teacher-forced on the
+    engine's own contexts: one [len(o), vocab] tensor per prompt."""
+    return [model(torch.tensor([p + o], device=DEV)).logits[0, len(p) - 1:-1].float() for p, o in zip(prompts, outs)]
+
+
+def largest_gap(reference_logits, outs) -> float:
+    """The largest (max logit - the token's logit) / logit range of the reference's logits
+    (output_logits) over every generated token."""
     worst = 0.0
-    for p, o in zip(prompts, outs):
-        logits = reference(torch.tensor([p + o], device=DEV)).logits[0, len(p) - 1:-1].float()
+    for logits, o in zip(reference_logits, outs):
         chosen = logits.gather(1, torch.tensor(o, device=DEV)[:, None])[:, 0]
         gap = (logits.max(1).values - chosen) / (logits.max(1).values - logits.min(1).values)
         worst = max(worst, gap.max().item())
     return worst
 
 
-@torch.no_grad()
-def off_argmax_rates(reference, bf16_model, prompts, outs) -> tuple[float, float]:
-    """Issue 32's accuracy rule, teacher-forced on the engine's own contexts: (fraction of the
-    engine's tokens that are not the float32 reference's argmax, the same fraction for
-    transformers-bf16's own argmax on the same contexts and weights)."""
-    engine_off = bf16_off = steps = 0
-    for p, o in zip(prompts, outs):
-        ids = torch.tensor([p + o], device=DEV)
-        best = reference(ids).logits[0, len(p) - 1:-1].float().argmax(1)
-        bf16_best = bf16_model(ids).logits[0, len(p) - 1:-1].float().argmax(1)
+def off_argmax_rates(reference_logits, bf16_logits, outs) -> tuple[float, float]:
+    """Issue 32's accuracy rule: (fraction of the engine's tokens that are not the float32
+    reference's argmax, the same fraction for transformers-bf16's own argmax on the same contexts
+    and weights)."""
+    engine_off = bf16_off = 0
+    for logits, bf16, o in zip(reference_logits, bf16_logits, outs):
+        best = logits.argmax(1)
         engine_off += (best != torch.tensor(o, device=DEV)).sum().item()
-        bf16_off += (best != bf16_best).sum().item()
-        steps += len(o)
+        bf16_off += (best != bf16.argmax(1)).sum().item()
+    steps = sum(len(o) for o in outs)
     return engine_off / steps, bf16_off / steps
 
 
@@ -193,10 +190,10 @@ def test_fp8_engine_matches_transformers_on_dequantized_weights(dense, tmp_path,
     write_fp8(dense, str(tmp_path / "fp8"), str(tmp_path / "ref"), layout)
     ps = make_prompts(0, 8, 1, 300)
     (outs,), facts = gpu_generate(str(tmp_path / "fp8"), [ps], GREEDY)
-    reference = fp8_reference(str(tmp_path / "ref"))
-    bf16_model = reference_in_bf16(str(tmp_path / "ref"))
-    gap = largest_gap(reference, ps, outs)
-    engine_off, bf16_off = off_argmax_rates(reference, bf16_model, ps, outs)
+    reference = output_logits(fp8_reference(str(tmp_path / "ref")), ps, outs)
+    gap = largest_gap(reference, outs)
+    engine_off, bf16_off = off_argmax_rates(reference, output_logits(fp8_reference(str(tmp_path / "ref"), torch.bfloat16), ps, outs),
+                                            outs)
     steps = sum(len(o) for o in outs)
     print(f"{layout}: largest gap {gap:.4f}, off the fp32 argmax: FP8 engine {engine_off:.4f}, "
           f"transformers-bf16 {bf16_off:.4f} ({steps} tokens)")
@@ -213,13 +210,13 @@ def test_online_fp8_and_fp8_moe_match_transformers(dense, tmp_path):
     write_state(dense, str(tmp_path / "ref"), by_hand)
     ps = make_prompts(1, 6, 1, 200)
     (outs,), _ = gpu_generate(dense, [ps], GREEDY, quantization="fp8")
-    gap = largest_gap(fp8_reference(str(tmp_path / "ref")), ps, outs)
+    gap = largest_gap(output_logits(fp8_reference(str(tmp_path / "ref")), ps, outs), outs)
     print(f"online: largest gap {gap:.4f}")
     assert gap < FP8_TOLERANCE
     moe = build_moe_checkpoint(str(tmp_path / "moe"), MOE)
     write_fp8(moe, str(tmp_path / "moe_fp8"), str(tmp_path / "moe_ref"), "qwen-block", ("mlp.gate",))
     (outs,), _ = gpu_generate(str(tmp_path / "moe_fp8"), [ps], GREEDY)
-    gap = largest_gap(fp8_reference(str(tmp_path / "moe_ref")), ps, outs)
+    gap = largest_gap(output_logits(fp8_reference(str(tmp_path / "moe_ref")), ps, outs), outs)
     print(f"moe: largest gap {gap:.4f}")
     assert gap < FP8_TOLERANCE
 
