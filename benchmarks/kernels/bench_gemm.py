@@ -7,6 +7,10 @@ from HBM, not the 50 MB L2, as they do in a real decode step.
 
     python -m benchmarks.kernels.bench_gemm [--sweep] [--json PATH]
     python -m benchmarks.kernels.bench_gemm --batch-rows 16,64,128,256,512
+    python -m benchmarks.kernels.bench_gemm --fp8 [--shapes ...]
+
+--fp8 times the GEMV over FP8 weights (128 x 128 block scales and per-row scales) at 1 and 2 rows,
+at the default tiling and each of FP8_TILINGS, in GB/s of the FP8 bytes, beside the bf16 GEMV.
 
 --batch-rows times cuBLAS at a decode batch's (or a short prefill's) row counts instead, each call
 against its own roofline: max(bytes / copy bandwidth, FLOPs / dense GEMM peak), both probed in the
@@ -46,6 +50,50 @@ TILINGS = [(4, 512, 1, ""), (4, 512, 3, ""), (4, 512, 4, ""), (4, 512, 4, "evict
            (8, 256, 4, ""), (8, 256, 6, ""), (16, 256, 4, ""), (16, 512, 3, ""),
            # few rows a program, wide steps: grids of 64-128 programs for the router's 128 outputs
            (2, 1024, 2, ""), (2, 2048, 1, ""), (4, 1024, 2, ""), (4, 2048, 1, "")]
+
+
+# --fp8: GEMV tilings (BLOCK_N, BLOCK_K, stages, eviction) over FP8 weights: a step of BLOCK_K FP8
+# columns moves half the bytes of a bf16 one, so wider steps are in the list.
+FP8_TILINGS = [(8, 512, 3, ""), (8, 1024, 2, ""), (8, 1024, 3, ""), (8, 1024, 4, ""), (4, 1024, 4, "evict_first"),
+               (4, 2048, 3, "evict_first"), (16, 512, 4, ""), (16, 256, 4, ""), (8, 2048, 2, "")]
+
+
+def fp8_study(shapes: list[str]) -> list[dict]:
+    """The GEMV over FP8 weights (block and row scales) at 1-2 rows, default tiling and FP8_TILINGS,
+    beside the bf16 GEMV: us and GB/s of the weight bytes."""
+    from nanovllm.quantization.config import BLOCK, CHANNEL
+    from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
+
+    bw = measure_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        ws = rotating_weights(n, k)
+        for scales in (BLOCK, CHANNEL):
+            q8 = [quantize_weight(w, scales) for w in ws + ws]  # twice the copies: half the bytes each
+            for m in (1, 2):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x, dequantize_weight(q8[0][0], q8[0][1], scales).to(torch.bfloat16))
+                s0 = q8[0][1] if scales == BLOCK else q8[0][1].view(-1)
+                row = {"layer": name, "M": m, "scales": scales,
+                       "bf16_us": graph_time_us([lambda w=w: gemv(x, w) for w in ws])}
+                for bn, bk, st, ev in [None, *FP8_TILINGS]:
+                    tile = None if bn is None else Tiling(block_n=bn, block_k=bk, stages=st, evict=ev)
+                    label = "default" if tile is None else f"{bn}x{bk}s{st}{'e' if ev else ''}"
+                    check(gemv(x, q8[0][0], tile=tile, weight_scale=s0), ref, f"{name} M={m} fp8 {label}")
+                    t = graph_time_us([lambda q=q, s=s: gemv(x, q, tile=tile, weight_scale=s if scales == BLOCK
+                                                               else s.view(-1)) for q, s in q8])
+                    row[label] = round(t, 2)
+                best = min((kk for kk in row if kk not in ("layer", "M", "scales", "bf16_us")), key=row.get)
+                print(f"{name:<14} M={m} {scales:<8} bf16 {row['bf16_us']:.2f} us ({n * k * 2 / row['bf16_us'] / 1e3:.0f}"
+                      f" GB/s); fp8 default {row['default']:.2f} us ({n * k / row['default'] / 1e3:.0f} GB/s); best "
+                      f"{best} {row[best]:.2f} ({n * k / row[best] / 1e3:.0f} GB/s); " +
+                      " ".join(f"{kk}:{v}" for kk, v in row.items() if kk not in ("layer", "M", "scales")), flush=True)
+                rows.append(row)
+            del q8
+        del ws
+    return rows
 
 
 def rotating_weights(n: int, k: int) -> list[torch.Tensor]:
@@ -135,9 +183,16 @@ def main() -> None:
     ap.add_argument("--sweep-skinny", action="store_true", help="with --batch-rows: also kernels/skinny_gemm.py")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
     ap.add_argument("--top", type=int, default=4, help="with --sweep-skinny: tilings printed per row")
+    ap.add_argument("--fp8", action="store_true", help="the GEMV over FP8 weights instead (FP8_TILINGS)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.fp8:
+        rows = fp8_study(args.shapes.split(","))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.batch_rows:
         rows = batch_rows_study([int(m) for m in args.batch_rows.split(",")], args.sweep_skinny,
                                 args.shapes.split(","), args.top)

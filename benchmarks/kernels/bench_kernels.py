@@ -4,10 +4,12 @@ Measures (1) decode attention GB/s over the KV bytes that must be read, as % of 
 bandwidth (benchmarks/harness/probes.py), timed as CUDA-graph replays, (2) prefill TFLOP/s vs
 torch's FA2 varlen_attn (packed) and our paged variant, a triton.testing.do_bench median (the KV
 write is inside the fused q/k-norm + RoPE kernel: benchmarks/kernels/bench_fused.py). --splits instead times decode at each forced split count next to
-the automatic choice: few long sequences, and engine-like batches.
+the automatic choice: few long sequences, and engine-like batches. --fp8-tiles times engine-like
+decode batches over a 16-bit cache and an FP8 one, each at its default tile and over DECODE_TILES.
 
     python -m benchmarks.kernels.bench_kernels [--json PATH]
     python -m benchmarks.kernels.bench_kernels --splits [--json PATH]
+    python -m benchmarks.kernels.bench_kernels --fp8-tiles [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import triton
 from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count
-from nanovllm.kernels.decode_attention import choose_num_splits, flash_attn_with_kvcache
+from nanovllm.kernels.decode_attention import DecodeTile, choose_num_splits, flash_attn_with_kvcache
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
 DEV = "cuda"
+# Tiles (keys per step, stages in flight) timed by --fp8-tiles beside each cache's default.
+DECODE_TILES = [DecodeTile(64, 3), DecodeTile(64, 4), DecodeTile(128, 2), DecodeTile(128, 3), DecodeTile(128, 4),
+                DecodeTile(256, 2), DecodeTile(256, 3)]
 
 
 def bench(fn):
@@ -112,6 +117,28 @@ def split_study(bw):
     return rows
 
 
+def fp8_tile_study(bw):
+    """Engine-like decode batches (engine_batch) over the bf16 cache and the same values in FP8
+    (scale 1/64: randn fits e4m3's range): us and % of copy bandwidth over the bytes each must
+    read, at the default tile and each of DECODE_TILES."""
+    rows = []
+    for batch, ctx in [(256, 1024), (256, 2048), (128, 1024), (64, 2048), (32, 4096)]:
+        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx)
+        scale = torch.full((1,), 1 / 64, device=DEV)
+        k8, v8 = (c.float().div(scale).to(torch.float8_e4m3fn) for c in (kc, vc))
+        for name, (k, v, extra, nb) in {"bf16": (kc, vc, {}, nbytes),
+                                        "fp8": (k8, v8, {"k_scale": scale, "v_scale": scale}, nbytes // 2)}.items():
+            row = {"batch": batch, "ctx": ctx, "cache": name}
+            for tile in [None, *DECODE_TILES]:
+                t = graph_bench(lambda: flash_attn_with_kvcache(q, k, v, seqlens, table, tile=tile, **extra))
+                label = "default" if tile is None else f"{tile.block_n}x{tile.stages}"
+                row[f"us_{label}"] = round(t * 1e6, 1)
+                row[f"pct_{label}"] = round(100 * nb / t / 1e9 / bw, 1)
+            rows.append(row)
+            print("fp8 tiles", row, flush=True)
+    return rows
+
+
 def causal_flops(lens):
     return sum(4 * HQ * D * n * (n + 1) / 2 for n in lens)
 
@@ -164,12 +191,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--splits", action="store_true", help="only the split-count studies")
+    ap.add_argument("--fp8-tiles", action="store_true", help="only the 16-bit / FP8 cache decode tile study")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     bw = measure_bandwidth() / 1e9
     res = {"hbm_GBps": bw}
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
-    if args.splits:
+    if args.fp8_tiles:
+        res["fp8_tiles"] = fp8_tile_study(bw)
+    elif args.splits:
         res["small_batch_splits"] = small_batch_splits(bw)
         res["splits"] = split_study(bw)
     else:

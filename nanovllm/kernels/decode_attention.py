@@ -39,6 +39,8 @@ mixed steps on this kernel took the long workload from 68.7% to 73.3% of the roo
 BENCHMARKS.md, "Throughput and latency history" and "Decode attention in mid-size and mixed steps").
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,35 @@ NUM_STAGES = 3
 WIDE_TILE_PROGRAMS_PER_SM = 7
 WIDE_BLOCK_N = 128
 WIDE_STAGES = 2
+
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """Keys per inner step and steps whose loads are in flight (a call's `tile` argument overrides
+    the shape-based choice, `decode_tile`: benchmarks)."""
+
+    block_n: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_n, int) and self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0):
+            raise ValueError(f"DecodeTile.block_n must be a power of two >= 16, got {self.block_n!r}")
+        if not (isinstance(self.stages, int) and 1 <= self.stages <= 8):
+            raise ValueError(f"DecodeTile.stages must be an int in [1, 8], got {self.stages!r}")
+
+
+def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float) -> DecodeTile:
+    """The tile of a call: BLOCK_N keys, NUM_STAGES in flight; fp32 / head_dim 256 tiles are 2x
+    larger, so fewer stages keep shared memory in bounds; an unsplit call over host-known rows
+    (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence, kv head) pairs
+    per SM streams wide tiles."""
+    if q_dtype == torch.float32 or head_dim > 128:
+        return DecodeTile(BLOCK_N, 2)
+    if unsplit_fixed_rows and pairs_per_sm < WIDE_TILE_PROGRAMS_PER_SM:
+        return DecodeTile(WIDE_BLOCK_N, WIDE_STAGES)
+    return DecodeTile(BLOCK_N, NUM_STAGES)
+
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}
 
@@ -269,7 +300,7 @@ def _decode_merge_kernel(
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                             softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
-                            fold=None, k_scale=None, v_scale=None):
+                            fold=None, k_scale=None, v_scale=None, tile: DecodeTile | None = None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -291,7 +322,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     in the kernel (ValueError where it cannot be).
     k_scale / v_scale: float32 [1] tensors on q's device, both or neither: with them the caches
     are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale; without, they are of q's dtype.
+    tile: a DecodeTile overriding `decode_tile`'s choice (benchmarks).
     """
+    if tile is not None and not isinstance(tile, DecodeTile):
+        raise TypeError(f"tile must be a DecodeTile or None, got {type(tile).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
     if fold is not None and not isinstance(fold, bool):
@@ -347,11 +381,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"fold=True, but {num_splits} splits of group {group}, head_dim {d} over {batch * hkv} "
                          f"(sequence, kv head) pairs cannot merge in the kernel "
                          f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
-    # fp32 / head_dim 256 tiles are 2x larger: fewer stages keep shared memory in bounds.
-    block_n, stages = BLOCK_N, 2 if (q.dtype == torch.float32 or d > 128) else NUM_STAGES
-    if (num_splits == 1 and num_seqs is None and stages == NUM_STAGES
-            and batch * hkv < WIDE_TILE_PROGRAMS_PER_SM * _sm_count(q.device)):
-        block_n, stages = WIDE_BLOCK_N, WIDE_STAGES
+    if tile is None:
+        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / _sm_count(q.device))
     # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
     # sequence together, so a batch ordered longest first leaves only short work for the tail.
     grid = (hkv, batch, num_splits)
@@ -364,10 +395,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
-        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
+        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=tile.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
-        num_warps=NUM_WARPS, num_stages=stages,
+        num_warps=NUM_WARPS, num_stages=tile.stages,
         **pdl_launch_options(q),
     )
     if num_splits == 1 or counters is not None:
