@@ -194,3 +194,54 @@ def write_fp8(src: str, dst: str, ref: str, layout: str, skip: tuple[str, ...] =
 def write_state(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None) -> None:
     """`src`'s checkpoint directory with `tensors` as its weights (and a quantization_config)."""
     _copy_dir(src, dst, tensors, quantization_config)
+
+
+# Packed projections share one static input scale in the engine: the largest of their parts'.
+PACKED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 on the grid of `scale` (broadcast against x), back in x's dtype."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).float().mul(scale).to(x.dtype)
+
+
+def _dynamic_quantize(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x [..., K] rounded to e4m3 with amax / 448 scales per token (group None) or per `group`
+    columns (K a multiple of it), the scales computed in float32."""
+    g = x if group is None else x.unflatten(-1, (-1, group))
+    scale = (g.float().abs().amax(-1, keepdim=True).double() / E4M3_MAX).float().clamp(min=TINY)
+    q = _fake_quantize(g, scale)
+    return q if group is None else q.flatten(-2)
+
+
+def quantize_activations(model: torch.nn.Module, fp8_dir: str, layout: str) -> list:
+    """Forward pre-hooks on `model`'s projections (not lm_head) that round each input to e4m3 as
+    the FP8 checkpoint at `fp8_dir` (`layout`) prescribes: per 1 x 128 group (qwen-block), per
+    token (ct-channel), or with the static input scale (ct-tensor, packed parts sharing their
+    largest). Run in float32 on the dequantized weights, this is exactly what the FP8 engine
+    computes, without its bf16 roundings. Returns the hook handles."""
+    static = {}
+    if layout == "ct-tensor":
+        from safetensors.torch import load_file
+
+        for f in sorted(os.listdir(fp8_dir)):
+            if f.endswith(".safetensors"):
+                static.update({k[: -len(".input_scale")]: v.float().reshape(())
+                               for k, v in load_file(os.path.join(fp8_dir, f)).items() if k.endswith(".input_scale")})
+
+    def static_scale(name: str) -> torch.Tensor:
+        base, part = name.rsplit(".", 1)
+        parts = next((p for p in PACKED_PARTS if part in p), (part,))
+        return max(static[f"{base}.{p}"] for p in parts)
+
+    hooks = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or not PROJECTION.fullmatch(f"{name}.weight"):
+            continue
+        if layout == "ct-tensor":
+            hook = (lambda mod, args, s=static_scale(name): (_fake_quantize(args[0], s.to(args[0].device)),))
+        else:
+            group = BLOCK if layout == "qwen-block" else None
+            hook = (lambda mod, args, g=group: (_dynamic_quantize(args[0], g),))
+        hooks.append(module.register_forward_pre_hook(hook))
+    return hooks

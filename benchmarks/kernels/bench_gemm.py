@@ -78,9 +78,9 @@ def fp8_study(shapes: list[str]) -> list[dict]:
                 s0 = q8[0][1] if scales == BLOCK else q8[0][1].view(-1)
                 row = {"layer": name, "M": m, "scales": scales,
                        "bf16_us": graph_time_us([lambda w=w: gemv(x, w) for w in ws])}
-                for bn, bk, st, ev in [None, *FP8_TILINGS]:
-                    tile = None if bn is None else Tiling(block_n=bn, block_k=bk, stages=st, evict=ev)
-                    label = "default" if tile is None else f"{bn}x{bk}s{st}{'e' if ev else ''}"
+                for spec in [None, *FP8_TILINGS]:
+                    tile = None if spec is None else Tiling(*spec)
+                    label = "default" if spec is None else "{}x{}s{}{}".format(*spec[:3], "e" if spec[3] else "")
                     check(gemv(x, q8[0][0], tile=tile, weight_scale=s0), ref, f"{name} M={m} fp8 {label}")
                     t = graph_time_us([lambda q=q, s=s: gemv(x, q, tile=tile, weight_scale=s if scales == BLOCK
                                                                else s.view(-1)) for q, s in q8])
