@@ -29,13 +29,11 @@ fixed order, so a row's threshold does not depend on timing. Top-p sums float32 
 order than torch's cumsum: where a limit lies within rounding of a partial sum, the threshold may
 keep one value (with its ties) more or less than the torch path. Top-k is exact.
 
-No clean end-to-end A/B yet (kernel alone: 1.58 vs 4.39 ms at 256 rows against torch's sort). It
-serves batches of 32+ rows whose top-p rows are not all bounded by a top-k <= 1024 (top-k > 1024, or
-top-p rows mixed with top-k rows); the A/B is `bench.py --top-k 2048 --top-p 0.95` against
-`--kernel-routes radix_min_rows=1000000` (benchmarks/engine/variants.py). Its first run
-(2026-12-03, BENCHMARKS.md "ninth") gave 10,675 vs 17,555 tok/s, confounded: the select was not
-compiled at start-up then (the warm-up now takes it), so its compiles fell inside the timed run.
-If a clean A/B shows no >= 3% gain, the file goes.
+Measured end to end (H200, 2026-12-03, e5994d5, BENCHMARKS.md "tenth"): `bench.py --top-k 2048
+--top-p 0.95` on Qwen3-0.6B gave 20,089 / 19,962 tok/s with the select against 17,577 / 17,583 with
+torch's sort (`--kernel-routes radix_min_rows=1000000`), runs alternating sort, select, sort,
+select: +14%. Kept. It serves batches of 32+ rows whose top-p rows are not all bounded by a
+top-k <= 1024 (top-k > 1024, or top-p rows mixed with top-k rows).
 """
 
 from __future__ import annotations
