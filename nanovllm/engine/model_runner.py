@@ -382,6 +382,7 @@ class ModelRunner:
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""
         self.graphs = self.varlen_graphs = None
+        self.sleeping = {}  # a sleeping engine's host copies of its weights
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
             layer.scale_args = {}
