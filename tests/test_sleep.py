@@ -122,8 +122,10 @@ def test_sleep_empties_the_prefix_cache_and_it_fills_again_after_wake(ckpt):
         # ... and the cache serves hits again
         assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == first
         assert llm.block_manager.num_prefix_hit_blocks > hits
+        llm.sleep(level=1)  # exit() while asleep: as harmless as awake
     finally:
         llm.exit()
+    assert llm.model_runner.sleeping == {}  # the host copies went with the engine
 
 
 def test_bad_calls_are_refused_with_the_state_named_and_the_engine_keeps_serving(ckpt, awake_tokens):

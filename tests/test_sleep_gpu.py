@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, TinyShape, assert_bf16_greedy_matches, build_checkpoint, make_prompts,
+    GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, TinyShape, assert_bf16_greedy_matches, build_checkpoint, load_reference,
+    make_prompts,
 )
 from nanovllm import LLM, SamplingParams
 
@@ -51,7 +52,7 @@ def test_sleep_and_wake_up_under_cuda_graphs_give_the_same_tokens(ckpt):
     from transformers import Qwen3ForCausalLM
 
     reference = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    state = {n: t.float().cpu() for n, t in reference.state_dict().items()}
+    state = load_reference(ckpt).state_dict()  # the checkpoint's float32 tensors, as an RL trainer would pass
     # 8 prompts decode in graphs; their prefill (< 1,024 tokens) replays a prefill graph
     prompts = make_prompts(0, 8, 20, 120)
     llm = engine(ckpt, num_kvcache_blocks=512)

@@ -343,14 +343,14 @@ class ModelRunner:
         """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to
         host memory; level 2: discarded, buffers to host memory), the CUDA graphs (they hold the
         old addresses) and the penalties' counts. The engine checked that nothing is pending and
-        nothing sleeps already."""
-        self.graphs = self.varlen_graphs = None
-        self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot
+        nothing sleeps already. Should the host copies fail (host memory), nothing has changed."""
         params, buffers = list(self.model.parameters()), list(self.model.buffers())
-        offload = level is SleepLevel.OFFLOAD_WEIGHTS
+        offload = level == SleepLevel.OFFLOAD_WEIGHTS
         self.sleeping = {WEIGHTS: FreedStorages(params + buffers if offload else buffers,
                                                 [] if offload else params, self.device),
                          KV_CACHE: FreedStorages([], [self.kv_cache], self.device)}
+        self.graphs = self.varlen_graphs = None
+        self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
