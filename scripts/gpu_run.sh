@@ -41,6 +41,9 @@ for part in $parts; do
     fused) timeout 120 python3 -m benchmarks.kernels.bench_fused --json "$OUT/fused.json" 2>&1 | tail -20 | tee "$OUT/fused.log" ;;
     moekernel) timeout 200 python3 -m benchmarks.kernels.bench_moe --json "$OUT/moe.json" 2>&1 | tail -30 | tee "$OUT/moekernel.log" ;;
     kvspread) timeout 300 python3 -m benchmarks.kernels.bench_kv_spread 2>&1 | tee "$OUT/kvspread.log" ;;
+    sleepbench) for m in "qwen3-0.6b 200" "qwen3-8b 300"; do set -- $m
+                  timeout "$2" python3 -m benchmarks.engine.bench_sleep --model $CONFIGS/$1 2>&1 | grep -v "it/s" | tail -12 \
+                    | tee "$OUT/sleep-$1.log"; done ;;
     benchn) timeout 300 python3 -m benchmarks.engine.bench_n 2>&1 | grep -v "it/s" | tail -6 | tee "$OUT/benchn.log" ;;
     rayreplica) # needs ray: python3 scripts/ray_wheels.py here, then carry .whl (the script's docstring)
       RAY_USAGE_STATS_ENABLED=0 timeout 400 python3 -m benchmarks.engine.bench_ray 2>&1 | grep -v "it/s\|INFO" | tail -12 | tee "$OUT/rayreplica.log" ;;

@@ -4,7 +4,8 @@ Step-wise use (nano-vllm's API):
     engine.add_request(prompt, params) -> request id
     while not engine.is_finished(): result = engine.step()   # StepResult (finished RequestOutputs)
     engine.abort_request(request_id)   # drop one (or several); it is never returned
-RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls.
+RL use: engine.update_weights(state_dict.items()) swaps the weights in place between calls;
+engine.sleep(level) / engine.wake_up(tags) give the device memory back and take it again (engine/sleep.py).
 Structured outputs: SamplingParams(structured_outputs=StructuredOutputsParams(...)) constrains a
 completion (engine/structured_outputs.py; needs the optional xgrammar package).
 After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
@@ -37,6 +38,7 @@ from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup
@@ -155,6 +157,8 @@ class LLMEngine:
                  grammar: object | None = None) -> int:
         """Queue a request already checked (_check_params, validator.validate); returns its id.
         `grammar`: its compiled grammar (structured outputs) or None."""
+        if self.model_runner.sleeping:
+            raise RuntimeError(f"the engine is asleep ({self._sleep_state()}): call wake_up() before generating")
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
                                  prompt.max_tokens)
@@ -299,6 +303,9 @@ class LLMEngine:
         self._check_open()
         if not self.is_finished():
             raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
+        if WEIGHTS in self.model_runner.sleeping:
+            raise RuntimeError(f"update_weights() called while the weights sleep ({self._sleep_state()}): "
+                               "call wake_up(tags=['weights']) first")
         weights = list(weights)
         # An interrupt waits for the update to end on every rank: no half-updated model.
         with self._worker_errors(), deferred_signals():
@@ -306,6 +313,44 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
             self.block_manager.clear_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep (engine/sleep.py): frees the KV cache, the CUDA graphs and the prefix
+        cache, and the weights: level 1 to host memory, level 2 discarded (zeros after wake_up until
+        update_weights). Refused while requests are pending or anything sleeps already."""
+        self._check_open()
+        level = sleep_level(level)
+        if self.model_runner.sleeping:
+            raise RuntimeError(f"sleep() called while already asleep ({self._sleep_state()}): wake_up() first")
+        if not self.is_finished():
+            raise RuntimeError("sleep() called while requests are pending; finish or abort them first")
+        self._on_every_rank("sleep", level)
+        self.block_manager.clear_prefix_cache()  # the KV it indexes is gone
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: restores the sleeping parts among `tags` ("weights", "kv_cache";
+        None: both); awake ones are skipped (waking an awake engine does nothing). Once both are
+        awake the CUDA graphs are captured again; after level 1, outputs are as before sleep()."""
+        self._check_open()
+        parts = [tag for tag in wake_tags(tags) if tag in self.model_runner.sleeping]
+        if parts:
+            self._on_every_rank("wake_up", parts)
+
+    def is_sleeping(self) -> bool:
+        """True while any part sleeps (vLLM's LLM.is_sleeping)."""
+        self._check_open()
+        return bool(self.model_runner.sleeping)
+
+    def _sleep_state(self) -> str:
+        return ", ".join(f"{tag} asleep" for tag in self.model_runner.sleeping)
+
+    def _on_every_rank(self, method: str, *args) -> None:
+        """ModelRunner.<method>(*args) on the workers, then here (on CUDA, capturing graphs runs
+        collectives every rank joins); an interrupt waits for every rank to finish it."""
+        with self._worker_errors(), deferred_signals():
+            if self.workers is not None:
+                self.workers.send(method, *args)
+            getattr(self.model_runner, method)(*args)
 
     def exit(self) -> None:
         """Release the model, cache and any workers. Safe to call more than once; any other

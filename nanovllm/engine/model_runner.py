@@ -6,7 +6,8 @@ decode graphs per batch size, and prefill / mixed-step graphs per token bucket w
 attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch(plan)` queues one scheduled step
 on the device and returns a handle whose `tokens()` waits for the sampled token of each
 sequence that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
-run the same class on their own rank (see tp_workers.py).
+run the same class on their own rank (see tp_workers.py). `sleep(level)` gives the device memory
+back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.py).
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
 also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up,
@@ -31,6 +32,7 @@ from nanovllm.engine.launched_step import LaunchedStep, StepLogits
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sleep import KV_CACHE, WAKE_TAGS, WEIGHTS, FreedStorages, SleepLevel
 from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
@@ -129,13 +131,23 @@ class ModelRunner:
                         scales, self.num_blocks * block_bytes / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.varlen_graphs: VarlenGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
-                                       cfg.hidden_size, self.dtype, self.device, config.kernel_routes.gemv_max_rows)
-            if config.prefill_graphs and self.inputs.query_tile_rows is not None:
-                self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
-                                                  MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
+        self._capture_graphs()
+        # What sleep() gave back, by wake_up tag (engine/sleep.py); empty while awake.
+        self.sleeping: dict[str, FreedStorages] = {}
+
+    def _capture_graphs(self) -> None:
+        """Capture the CUDA graphs (CUDA, unless enforce_eager): at start-up, and at wake_up,
+        since the graphs hold the addresses of the weights and KV cache, which sleep gives back."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager:
+            return
+        torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
+        self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
+                                   config.model_config.hidden_size, self.dtype, self.device,
+                                   config.kernel_routes.gemv_max_rows)
+        if config.prefill_graphs and self.inputs.query_tile_rows is not None:
+            self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
+                                              MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:
@@ -327,6 +339,30 @@ class ModelRunner:
         and shape checked first; see loader.update_weights)."""
         update_weights(self.model, weights)
 
+    def sleep(self, level: SleepLevel) -> None:
+        """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to
+        host memory; level 2: discarded, buffers to host memory), the CUDA graphs (they hold the
+        old addresses) and the penalties' counts. The engine checked that nothing is pending and
+        nothing sleeps already. Should the host copies fail (host memory), nothing has changed."""
+        params, buffers = list(self.model.parameters()), list(self.model.buffers())
+        offload = level == SleepLevel.OFFLOAD_WEIGHTS
+        self.sleeping = {WEIGHTS: FreedStorages(params + buffers if offload else buffers,
+                                                [] if offload else params, self.device),
+                         KV_CACHE: FreedStorages([], [self.kv_cache], self.device)}
+        self.graphs = self.varlen_graphs = None
+        self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore the sleeping parts among `tags` (WAKE_TAGS names; awake ones are skipped), in
+        WAKE_TAGS order; once nothing sleeps, capture the CUDA graphs again."""
+        for tag in WAKE_TAGS:
+            if tag in tags and tag in self.sleeping:
+                self.sleeping.pop(tag).restore()
+        if not self.sleeping and self.graphs is None:
+            self._capture_graphs()
+
     def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
         """Run one step and wait for it: the new token of each of `sample_seqs` ([] on workers)."""
         return self.launch(plan, sample_seqs).tokens()
@@ -346,6 +382,7 @@ class ModelRunner:
     def exit(self) -> None:
         """Free the weights, KV cache and graphs (this object stays, without them)."""
         self.graphs = self.varlen_graphs = None
+        self.sleeping = {}  # a sleeping engine's host copies of its weights
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
             layer.scale_args = {}

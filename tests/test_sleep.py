@@ -1,0 +1,193 @@
+"""sleep / wake_up (vLLM's LLM.sleep / LLM.wake_up) on CPU: a level-1 round trip gives the tokens of an
+engine that never slept (greedy, seeded and unseeded rows), whatever order the tags wake in; level 2
+discards the weights and update_weights from the checkpoint's state gives them back; the prefix cache
+is emptied by sleep; bad calls are refused with the state named and the engine keeps serving; tensor
+parallelism (gloo) carries sleep and wake_up to every rank. The engine that never slept is itself
+checked against transformers' greedy tokens (tests/checkpoints.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, make_prompts
+from nanovllm import SamplingParams
+
+PROMPTS = make_prompts(11, 3, 20, 60)
+# A greedy row, a seeded one and an unseeded one (its noise keys come from the engine's RNG, so
+# its tokens repeat only if sleeping draws nothing from it).
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, seed=7, max_tokens=8),
+          SamplingParams(temperature=1.0, max_tokens=8)]
+GENERATE_CALLS = 3  # generate() calls of the engine that never slept: the sleeping engines' calls compare to them
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("sleep")), TinyShape(), seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf_state(ckpt):
+    return load_reference(ckpt).state_dict()
+
+
+def engine(path: str, **kwargs):
+    return cpu_llm(path, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64, **kwargs)
+
+
+def tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def awake_tokens(ckpt):
+    """The tokens of each of GENERATE_CALLS generate() calls of an engine that never slept; its
+    greedy rows are transformers' argmaxes."""
+    llm = engine(ckpt)
+    try:
+        calls = [tokens(llm) for _ in range(GENERATE_CALLS)]
+    finally:
+        llm.exit()
+    reference = load_reference(ckpt)
+    for call in calls:
+        assert_greedy_matches_reference(reference, PROMPTS[0], call[0])
+    return calls
+
+
+def weights(llm) -> dict[str, torch.Tensor]:
+    return dict(llm.model_runner.model.named_parameters())
+
+
+def freed(tensors) -> bool:
+    return all(t.untyped_storage().nbytes() == 0 for t in tensors)
+
+
+@pytest.mark.parametrize("wake", [[None], [["weights"], ["kv_cache"]], [["kv_cache"], ["weights"]],
+                                  [["kv_cache", "weights"]]])
+def test_level1_round_trip_gives_the_tokens_of_an_engine_that_never_slept(ckpt, awake_tokens, wake):
+    llm = engine(ckpt)
+    try:
+        first = tokens(llm)
+        before = {n: p.detach().clone() for n, p in weights(llm).items()}
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        assert freed(weights(llm).values()) and freed([llm.model_runner.kv_cache])
+        for tags in wake[:-1]:  # part of the engine awake: still asleep, no generating
+            llm.wake_up(tags=tags)
+            assert llm.is_sleeping()
+            with pytest.raises(RuntimeError, match="asleep"):
+                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        llm.wake_up(tags=wake[-1])
+        assert not llm.is_sleeping()
+        assert all(torch.equal(p, before[n]) for n, p in weights(llm).items())
+        assert [first, tokens(llm)] == awake_tokens[:2]
+    finally:
+        llm.exit()
+
+
+def test_level2_then_update_weights_gives_the_checkpoints_tokens(ckpt, awake_tokens, hf_state):
+    """verl's order: sleep(level=2), wake_up(["weights"]), update_weights, wake_up(["kv_cache"])."""
+    llm = engine(ckpt)
+    try:
+        first = tokens(llm)
+        rope_tables = [b.clone() for b in llm.model_runner.model.buffers()]
+        llm.sleep(level=2)
+        assert freed(weights(llm).values())
+        with pytest.raises(RuntimeError, match="weights asleep"):
+            llm.update_weights(hf_state.items())
+        llm.wake_up(tags=["weights"])
+        assert all(not p.any() for p in weights(llm).values())  # discarded: zeros until refilled
+        assert all(torch.equal(a, b) for a, b in zip(rope_tables, llm.model_runner.model.buffers()))  # kept
+        llm.update_weights(hf_state.items())
+        with pytest.raises(RuntimeError, match="kv_cache asleep"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        llm.wake_up(tags=["kv_cache"])
+        assert [first, tokens(llm)] == awake_tokens[:2]
+    finally:
+        llm.exit()
+
+
+def test_sleep_empties_the_prefix_cache_and_it_fills_again_after_wake(ckpt):
+    prompt = make_prompts(12, 1, 70, 71)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    llm = engine(ckpt)
+    try:
+        first = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        hits = llm.block_manager.num_prefix_hit_blocks
+        llm.sleep(level=1)
+        llm.wake_up()
+        # the blocks' KV went with the cache: no hit on them (the woken cache holds zeros)
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks == hits
+        # ... and the cache serves hits again
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks > hits
+        llm.sleep(level=1)  # exit() while asleep: as harmless as awake
+    finally:
+        llm.exit()
+    assert llm.model_runner.sleeping == {}  # the host copies went with the engine
+
+
+def test_bad_calls_are_refused_with_the_state_named_and_the_engine_keeps_serving(ckpt, awake_tokens):
+    llm = engine(ckpt)
+    try:
+        with pytest.raises(ValueError, match="got 3"):
+            llm.sleep(level=3)
+        with pytest.raises(TypeError, match="True"):
+            llm.sleep(level=True)
+        with pytest.raises(TypeError, match="'1'"):
+            llm.sleep(level="1")
+        with pytest.raises(ValueError, match="'bogus'.*'weights', 'kv_cache'"):
+            llm.wake_up(tags=["bogus"])
+        with pytest.raises(TypeError, match="'weights'"):
+            llm.wake_up(tags="weights")  # a bare string, not a list of tags
+        with pytest.raises(ValueError, match="empty"):
+            llm.wake_up(tags=[])
+        llm.wake_up()  # awake already: nothing to do
+        assert not llm.is_sleeping()
+        request = llm.add_request(PROMPTS[0], PARAMS[0])
+        with pytest.raises(RuntimeError, match="pending"):
+            llm.sleep()
+        llm.abort_request(request)
+        llm.sleep(level=1)
+        with pytest.raises(RuntimeError, match="already asleep"):
+            llm.sleep(level=2)
+        with pytest.raises(RuntimeError, match="weights asleep, kv_cache asleep"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.add_request(PROMPTS[0], PARAMS[0])
+        with pytest.raises(ValueError, match="bogus"):
+            llm.wake_up(tags=["weights", "bogus"])  # checked before anything wakes
+        assert freed(weights(llm).values())
+        llm.wake_up()
+        assert tokens(llm) == awake_tokens[0]
+    finally:
+        llm.exit()
+    with pytest.raises(RuntimeError, match="exit"):
+        llm.sleep()
+    with pytest.raises(RuntimeError, match="exit"):
+        llm.wake_up()
+
+
+def test_tp2_sleep_and_wake_up_reach_every_rank(ckpt, awake_tokens, hf_state):
+    llm = engine(ckpt, tensor_parallel_size=2)
+    try:
+        calls = [tokens(llm)]
+        llm.sleep(level=1)
+        llm.wake_up()
+        calls.append(tokens(llm))
+        llm.sleep(level=2)
+        llm.wake_up()
+        # every rank's weights are zeros: all-zero logits, whose argmax is token 0 (EOS here)
+        zero_model = llm.generate(PROMPTS, PARAMS[0], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in zero_model] == [[0]] * len(PROMPTS)
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.update_weights(hf_state.items())
+        llm.wake_up(tags=["kv_cache"])
+        calls.append(tokens(llm))
+    finally:
+        llm.exit()
+    assert calls[:2] == awake_tokens[:2]
+    # the zero model's step drew one key per row from the unseeded RNG: compare the other rows
+    assert [row for i, row in enumerate(calls[2]) if i != 2] == [row for i, row in enumerate(awake_tokens[2]) if i != 2]
