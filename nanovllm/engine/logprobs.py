@@ -7,6 +7,9 @@ once even when it is among the k. Logprobs are log_softmax of the raw logits. Ra
 the scored token's is counted over the vocabulary (sampling/row_logprobs.py), the k most likely
 are ranked 1..k, and a scored token among them takes its place there (as vLLM's dict does).
 Decoded tokens are filled in when the output is built (engine/detokenizer.py).
+
+Prompt logprobs go to each sequence's outputs.FlatLogprobs as flat lists (`record_prompt_logprobs`):
+no Python object per token.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.outputs import Logprob
+from nanovllm.outputs import FlatLogprobs, Logprob
+from nanovllm.sampling.row_logprobs import RowLogprobs
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,23 @@ def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> lis
             entry[token_id] = Logprob(lp, place)
         entries.append(entry)
     return entries
+
+
+def record_prompt_logprobs(spans: list[tuple[FlatLogprobs, int]], scored: RowLogprobs, targets: list[int]) -> None:
+    """Append one step's prompt logprobs to the sequences that asked: `spans` holds each one's
+    FlatLogprobs and its number of scored rows, in the plan's row order; `scored` the step's rows
+    on the host (the top k of the step's largest k); `targets` each row's scored token. A few
+    tensor operations and list copies per sequence, none per token."""
+    chosen, ranks = scored.chosen.tolist(), scored.ranks.tolist()  # [R]
+    a = 0
+    for flat, n in spans:
+        b, k = a + n, flat.k
+        if k == 0:
+            flat.extend(targets[a:b], chosen[a:b], ranks[a:b])
+        else:  # each row: the scored token, then its k most likely at places 1..k
+            ids = torch.cat([torch.tensor(targets[a:b]).unsqueeze(1), scored.top_ids[a:b, :k]], 1)  # [n, 1 + k]
+            lps = torch.cat([scored.chosen[a:b, None], scored.top_logprobs[a:b, :k]], 1)  # [n, 1 + k]
+            places = torch.arange(1, k + 1).expand(n, k)
+            rks = torch.cat([scored.ranks[a:b, None], places], 1)  # [n, 1 + k]
+            flat.extend(ids.flatten().tolist(), lps.flatten().tolist(), rks.flatten().tolist())
+        a = b
