@@ -8,8 +8,9 @@ the scored token's is counted over the vocabulary (sampling/row_logprobs.py), th
 are ranked 1..k, and a scored token among them takes its place there (as vLLM's dict does).
 Decoded tokens are filled in when the output is built (engine/detokenizer.py).
 
-Prompt logprobs go to each sequence's outputs.FlatLogprobs as flat lists (`record_prompt_logprobs`):
-no Python object per token.
+Sampled rows' entries are built as dicts here (`logprob_entries`); prompt logprobs, a whole
+prompt's worth each, go to the sequence's outputs.FlatLogprobs as flat lists of the same items
+(`record_prompt_logprobs`): no Python object per prompt token.
 """
 
 from __future__ import annotations
@@ -24,21 +25,20 @@ from nanovllm.sampling.row_logprobs import RowLogprobs
 
 @dataclass(frozen=True)
 class HostLogprobs:
-    """R scored rows of one step, on the host. `rows`: which of the step's sampled rows each
-    is (None for prompt logprobs, scored in the plan's order); `top_ids` / `top_logprobs` hold
-    the step's largest k."""
+    """R sampled rows of one step that asked for logprobs, on the host. `rows`: which of the step's
+    sampled rows each is; `top_ids` / `top_logprobs` hold the step's largest k."""
 
-    rows: list[int] | None
+    rows: list[int]
     chosen: list[float]  # [R] logprob of the scored token
     ranks: list[int]  # [R] its rank in its row
     top_ids: list[list[int]]  # [R, k]
     top_logprobs: list[list[float]]  # [R, k]
 
     @classmethod
-    def from_tensors(cls, rows: torch.Tensor | None, chosen: torch.Tensor, ranks: torch.Tensor,
+    def from_tensors(cls, rows: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor,
                      top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> HostLogprobs:
-        """From host tensors ([R] or None, [R], [R], [R, k], [R, k]); one .tolist() each."""
-        return cls(None if rows is None else rows.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(),
+        """From host tensors ([R], [R], [R], [R, k], [R, k]); one .tolist() each."""
+        return cls(rows.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(),
                    top_logprobs.tolist())
 
 
