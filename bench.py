@@ -2,6 +2,7 @@
 
     python bench.py                                    # Qwen3-0.6B shape, random weights, default workload
     python bench.py --workload long                    # or: many; explicit flags override a preset
+    python bench.py --workload score                   # prompt scoring: prompt_logprobs=0, max_tokens=1 (lm-eval)
     python bench.py --model DIR --compare-hf           # + transformers on a prefix of the same prompts
     python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
@@ -11,7 +12,10 @@
 Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with lengths in [min_input,
 max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos
 (--top-k / --top-p add those filters, on both sides of --compare-hf).
-Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. A model
+Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. Scoring
+(--workload score, or --prompt-logprobs K): 1,024 prompts of 256-1,024 tokens, each asking prompt_logprobs
+(greedy, one output token), reported as prompt tokens / wall seconds against the FLOP roofline with the
+lm_head counted at every prompt position. A model
 directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
 
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
@@ -36,7 +40,7 @@ import torch
 from benchmarks.harness.engine_options import DEFAULT_MODEL, ROUTE_FIELDS, parse_kernel_routes, resolve_load_format
 from benchmarks.harness.probes import measure_bandwidth, measure_fp8_gemm_peak, measure_gemm_peak
 from benchmarks.harness.report import (
-    DeviceLimits, Rows, ThroughputRun, format_table, hf_rows, latency_rows, throughput_rows, ttft_rows,
+    DeviceLimits, Rows, ThroughputRun, format_table, hf_rows, latency_rows, score_rows, throughput_rows, ttft_rows,
 )
 from benchmarks.harness.roofline import ByteWidths, decode_weight_elements
 from benchmarks.harness.runs import latency, measure_ttft, run_engine, run_hf, warm_up
@@ -56,10 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="auto: the checkpoint's weights, random ones if the directory has no *.safetensors")
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
-                    help="preset for the six workload flags below (an explicit flag wins)")
+                    help="preset for the workload flags below (an explicit flag wins)")
     for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(WORKLOADS["default"], name),
                         help="default: from --workload")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                    help="score the prompts: every request asks prompt_logprobs=K, greedy (default: from --workload; "
+                         "score: 0)")
     ap.add_argument("--top-k", type=int, default=0, help="the workload's top-k (0: off), both sides")
     ap.add_argument("--top-p", type=float, default=1.0, help="the workload's top-p (1.0: off), both sides")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="the workload's (1.0: off), both sides")
@@ -104,8 +111,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.sampling = WorkloadSampling(args.top_k, args.top_p, args.repetition_penalty, args.frequency_penalty,
                                          args.presence_penalty)
         args.routes = parse_kernel_routes(args.kernel_routes)
+        args.sampling.params(1, args.prompt_logprobs)  # a bad K fails here
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf):
+        ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --compare-hf")
     if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
         ap.error("--quantization with --tp > 1: the roofline's stored weight widths are read from rank 0's shard")
     if args.compare_hf and not args.sampling.transformers_can_run:
@@ -154,8 +164,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     cfg = llm.config.model_config
     w = workload_of(args)
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
-    warm_up(llm)
-    run = run_engine(llm, prompts, max_tokens, args.sampling)
+    warm_up(llm, w.prompt_logprobs)
+    run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
     # MoE experts stay in the compute dtype in every weights format (FP8 ones are dequantized at load)
@@ -163,6 +173,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
                         experts=element_bytes(llm.config.torch_dtype))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
+    if w.prompt_logprobs is not None:
+        return score_rows(t, limits, res), llm
     rows = throughput_rows(t, limits, res)
     if args.compare_hf:
         k = min(args.hf_num_seqs, len(prompts))

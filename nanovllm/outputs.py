@@ -20,7 +20,7 @@ compare equal when their dict views do (the request id is not part of it). A Req
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -35,14 +35,84 @@ class Logprob:
     decoded_token: str | None = None
 
 
+class FlatLogprobs(Sequence):
+    """A prompt's logprobs: to its reader a `list[dict[int, Logprob] | None]` (entry 0 None, then one
+    {token_id: Logprob} per later prompt token), stored as flat lists of plain numbers. A dict and
+    a Logprob per token would be two objects the garbage collector tracks: a scoring run's
+    ~600,000 prompt tokens made its full passes the larger part of the host's time per step. An
+    entry's dict is built when it is read (so editing it changes nothing stored), as vLLM's
+    FlatLogprobs does.
+
+    Every entry has 1 + k items (k: the request's prompt_logprobs): entry i >= 1 holds items
+    [(i - 1)(1 + k), i (1 + k)), the scored token first, then the k most likely ranked 1..k; a
+    scored token among them takes its place there, once (its dict key keeps the first slot)."""
+
+    __slots__ = ("k", "token_ids", "logprobs", "ranks", "decoded_tokens")
+
+    def __init__(self, k: int):
+        self.k = k
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.decoded_tokens: list[str] | None = None  # one per item, set when the output is built
+
+    def extend(self, token_ids: list[int], logprobs: list[float], ranks: list[int]) -> None:
+        """Append whole entries: 1 + k items each, in the order the class docstring gives."""
+        if not len(token_ids) == len(logprobs) == len(ranks) or len(token_ids) % (1 + self.k):
+            raise ValueError(f"entries of {1 + self.k} items each expected, got {len(token_ids)} token ids, "
+                             f"{len(logprobs)} logprobs, {len(ranks)} ranks")
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.ranks += ranks
+
+    def __len__(self) -> int:
+        return 1 + len(self.token_ids) // (1 + self.k)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(f"prompt logprobs index {index} out of range for {n} entries")
+        if i == 0:
+            return None
+        width = 1 + self.k
+        a = (i - 1) * width
+        texts = self.decoded_tokens
+        entry = {}
+        for j in range(a, a + width):
+            entry[self.token_ids[j]] = Logprob(self.logprobs[j], self.ranks[j], texts[j] if texts else None)
+        return entry
+
+    def floats(self) -> list[dict[int, float] | None]:
+        """The entries with plain float values (nano-vllm's dict view), without Logprob objects."""
+        width, ids, lps = 1 + self.k, self.token_ids, self.logprobs
+        if width == 1:
+            return [None] + [{t: lp} for t, lp in zip(ids, lps)]
+        return [None] + [dict(zip(ids[a : a + width], lps[a : a + width])) for a in range(0, len(ids), width)]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None  # mutable, as the list it stands for
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
+
+
 # One {token_id: Logprob} per generated token: the sampled token first, then the k most likely.
 SampleLogprobs = list[dict[int, Logprob]]
 # One entry per prompt token; entry 0 is None (nothing precedes the first token).
-PromptLogprobs = list[dict[int, Logprob] | None]
+PromptLogprobs = list[dict[int, Logprob] | None] | FlatLogprobs
 
 
-def _floats(entries: list[dict[int, Logprob] | None]) -> list[dict[int, float] | None]:
+def _floats(entries: list[dict[int, Logprob] | None] | FlatLogprobs) -> list[dict[int, float] | None]:
     """Entries with plain float values (nano-vllm's dict view)."""
+    if isinstance(entries, FlatLogprobs):
+        return entries.floats()
     return [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries]
 
 

@@ -27,6 +27,7 @@ for part in $parts; do
       echo "README test command: $(( $(date +%s) - s )) s" | tee -a "$OUT/readme.log" ;;
     bench) for w in default long; do bench "bench-$w" 200 --model $CONFIGS/qwen3-0.6b --workload $w; done ;;
     bench8b) bench bench8b 240 --model $CONFIGS/qwen3-8b ;;
+    score) for m in qwen3-0.6b qwen3-8b; do bench "score-$m" 240 --model $CONFIGS/$m --workload score; done ;;
     benchhf) bench benchhf 400 --model $CONFIGS/qwen3-0.6b --compare-hf ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do

@@ -56,6 +56,35 @@ def test_bf16_logprobs_and_prompt_logprobs_match_transformers(ckpt, enforce_eage
             assert abs(lp - ref[i - 1, t].item()) <= BF16_TOLERANCE * span[i - 1].item(), (i, t)
 
 
+def test_prompt_logprobs_in_mixed_graph_steps_match_transformers(ckpt):
+    """Scoring requests (prompt_logprobs 0 and 5, one token) queued behind generating ones: their
+    chunks share prefill graphs' steps with decode rows; every entry within bf16 tolerance of
+    transformers' float32 log_softmax, k = 0 entries the scored token alone."""
+    from transformers import Qwen3ForCausalLM
+
+    prompts = make_prompts(10, 6, 100, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in range(2)]
+    params += [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k) for k in (0, 5, 0, 5)]
+    llm = LLM(ckpt, dtype="bfloat16", **ENGINE)
+    try:
+        assert llm.model_runner.varlen_graphs is not None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.exit()
+    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    for prompt, out, sp in zip(prompts[2:], outs[2:], params[2:]):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt], device="cuda")).logits[0].float()  # [len, vocab]
+        ref, span = torch.log_softmax(logits, dim=-1).cpu(), (logits.amax(-1) - logits.amin(-1)).cpu()
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        for i in range(1, len(prompt)):
+            entry = plp[i]
+            assert next(iter(entry)) == prompt[i] and len(entry) <= 1 + sp.prompt_logprobs
+            for t, lp in entry.items():
+                assert abs(lp.logprob - ref[i - 1, t].item()) <= BF16_TOLERANCE * span[i - 1].item(), (i, t)
+
+
 def test_seeded_request_gives_the_same_tokens_on_cuda_float32_as_on_cpu(ckpt):
     prompts = make_prompts(9, 4, 20, 80)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(3)]

@@ -106,6 +106,26 @@ def test_prompt_logprobs(ckpt, reference, regime):
         check_entry(plp[i], rows[i - 1], prompt[i], 2)
 
 
+def test_prompt_logprobs_of_several_ks_in_chunked_steps(ckpt, reference):
+    """Prompts asking k = 0, 3 and nothing share chunked steps (the step scores its largest k):
+    each gets its own k, every entry the reference's, a k = 0 entry the scored token alone."""
+    prompts = make_prompts(5, 3, 30, 60)
+    ks = [0, 3, None]
+    llm = engine(ckpt, max_num_batched_tokens=40)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k) for k in ks],
+                        use_tqdm=False)
+    llm.exit()
+    assert "prompt_logprobs" not in outs[2] and outs[2].prompt_logprobs is None
+    for prompt, out, k in zip(prompts[:2], outs[:2], ks[:2]):
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        rows = ref_logprobs(reference, prompt)
+        for i in range(1, len(prompt)):
+            entry = plp[i]
+            assert next(iter(entry)) == prompt[i] and len(entry) <= k + 1
+            check_entry({t: lp.logprob for t, lp in entry.items()}, rows[i - 1], prompt[i], k)
+
+
 def test_n_samples_fork_from_one_prompt_and_repeat_with_a_seed(ckpt):
     prompt = make_prompts(3, 1, 50, 51)[0]
     llm = engine(ckpt)

@@ -161,7 +161,7 @@ def test_mixed_step_trimmed_to_a_fill_size_when_closer_below(rows, prompt, expec
     assert chunks == expected_chunks
 
 
-def test_trim_spans_prompts_and_skips_prompt_logprob_steps():
+def test_trim_spans_prompts_prompt_logprob_steps_included():
     sched = running_rows(40)
     a, b = add_prompt(sched, 1000, 100), add_prompt(sched, 1001, 140)  # 280 tokens: trimmed to 256
     step = sched.schedule()
@@ -172,8 +172,12 @@ def test_trim_spans_prompts_and_skips_prompt_logprob_steps():
     sched = running_rows(40)
     seq = Sequence(1000, list(range(1, 241)), SamplingParams(max_tokens=100, prompt_logprobs=1),
                    wants_prompt_logprobs=True)
-    sched.add(Request(seq.request_id, [seq]))  # a prompt-logprob step runs eagerly (no graph, no padding): never trimmed
-    assert sched.schedule().num_new_tokens[40:] == [240]
+    sched.add(Request(seq.request_id, [seq]))  # a prompt-logprob step replays a graph too: trimmed alike
+    step = sched.schedule()
+    assert step.num_new_tokens[40:] == [216] and step.prompt_logprob_spans == {40: range(0, 216)}
+    sched.postprocess(step, sampled_by(step))
+    step = sched.schedule()  # the rest of the prompt scores the rest of its positions, the last one samples
+    assert step.num_new_tokens[-1] == 24 and step.prompt_logprob_spans == {len(step.seqs) - 1: range(216, 239)}
 
 
 def test_fill_sizes_must_be_increasing_and_positive():

@@ -170,3 +170,27 @@ def test_stop_strings_count_only_past_min_tokens(llm):
         use_tqdm=False)
     assert len(early.outputs[0].token_ids) <= min_tokens and early.outputs[0].text == text[: text.find(stop)]
     assert (held.outputs[0].token_ids, held.outputs[0].text, held.outputs[0].finish_reason) == (ids[:n], text[:cut], "stop")
+
+
+def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
+    """FlatLogprobs: entry 0 None, one dict per scored prompt token (scored token first, then the k
+    most likely at places 1..k, the scored token once), indexing, slices, equality with the list it
+    stands for, the float view, and entries of the wrong width refused."""
+    flat = nanovllm.outputs.FlatLogprobs(2)
+    # position 1 scores token 7 (rank 3) with top 2 = 4, 5; position 2 scores 9, itself the most likely
+    flat.extend([7, 4, 5, 9, 9, 2], [-2.5, -0.5, -1.0, -0.25, -0.25, -2.0], [3, 1, 2, 1, 1, 2])
+    expected = [None,
+                {7: Logprob(-2.5, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},
+                {9: Logprob(-0.25, 1), 2: Logprob(-2.0, 2)}]
+    assert len(flat) == 3 and list(flat) == expected and flat == expected and expected == flat
+    assert list(flat[2]) == [9, 2] and flat[-1] == expected[2] and flat[1:] == expected[1:]
+    assert flat != expected[:2] and flat != [None]
+    with pytest.raises(IndexError):
+        flat[3]
+    assert flat.floats() == [None, {7: -2.5, 4: -0.5, 5: -1.0}, {9: -0.25, 2: -2.0}]
+    flat.decoded_tokens = ["a", "b", "c", "d", "d", "e"]
+    assert [lp.decoded_token for lp in flat[1].values()] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="3 items each"):
+        flat.extend([1, 2], [-1.0, -2.0], [1, 2])
+    empty = nanovllm.outputs.FlatLogprobs(0)
+    assert empty == [None] and len(empty) == 1 and empty[0] is None

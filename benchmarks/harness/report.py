@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.harness.roofline import (
-    DecodeStep, decode_rows, decode_steps, expected_experts_hit, phase_bound_s, prefill_flops, roofline,
-    ByteWidths, workload_bytes, workload_flops,
+    DecodeStep, decode_rows, decode_steps, expected_experts_hit, lm_head_elements, phase_bound_s, prefill_flops,
+    roofline, score_flops, ByteWidths, workload_bytes, workload_flops,
 )
 from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -107,6 +107,50 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              *decode_bucket_rows(run, floor_steps, bw, res),
              ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]
     return rows
+
+
+def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
+    """The scoring report (a workload with prompt_logprobs, one output token each): prompt tokens per
+    second, each step's host work and waiting, and the fraction of the roofline, whose FLOPs count the
+    lm_head at every prompt position (roofline.score_flops) and whose bytes are the weights read once.
+    Adds the figures to `res` (bench.py's --json)."""
+    w, run, cfg = t.workload, t.run, t.cfg
+    tokens = sum(t.prompt_lens)
+    rate = tokens / run.wall_s
+    res.update(run.summary(), workload=vars(w), input_tokens=tokens, output_tokens=sum(t.max_tokens),
+               throughput=rate, peak_mem_bytes=t.peak_mem_bytes)
+    n = max(run.prefill_steps, 1)
+    res.update(step_ms=1e3 * run.prefill_s / n, step_host_ms=1e3 * run.prefill_host_s / n,
+               step_wait_ms=1e3 * run.prefill_wait_s / n)
+    bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
+    mm_flops, attn_flops = score_flops(cfg, t.prompt_lens)
+    head_flops = 2 * lm_head_elements(cfg) * tokens
+    weight_bytes = t.decode_weights * t.widths.weights
+    roof = roofline(weight_bytes, mm_flops + attn_flops, bw, peak)
+    res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, weight_bytes=weight_bytes,
+               matmul_flops=mm_flops, lm_head_flops=head_flops, attention_flops=attn_flops, memory_s=roof.memory_s,
+               compute_s=roof.compute_s, roofline_s=roof.seconds, roofline_binds=roof.binding,
+               roofline_fraction=roof.seconds / run.wall_s)
+    steps = ", ".join(f"{k} {kind}" for kind, k in sorted(run.steps_by_kind.items()))
+    per_gpu = f" x {limits.gpus} GPUs" if limits.gpus > 1 else ""
+    return [("workload", f"{t.preset}: {w.num_seqs} prompts of {w.min_input}-{w.max_input} tokens, seed {w.seed}, "
+                         f"prompt_logprobs={w.prompt_logprobs}, max_tokens {w.min_output}-{w.max_output}, "
+                         f"temperature 0"),
+            ("prompt tokens / wall", f"{tokens} / {run.wall_s:.2f} s = {rate:,.0f} tok/s"),
+            ("steps", steps),
+            ("step mean: total / host work / waiting",
+             f"{res['step_ms']:.2f} / {res['step_host_ms']:.2f} / {res['step_wait_ms']:.2f} ms"),
+            ("their graph padding", f"{run.prefill_padding:,} tokens = "
+                                    f"{100 * run.prefill_padding / max(run.prefill_tokens, 1):.1f}% of their tokens"),
+            ("HBM copy bandwidth / GEMM peak (the weights' format)",
+             f"{limits.bandwidth / 1e12:.2f} TB/s / {limits.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"),
+            ("compute term: layers + lm_head (every prompt position) + attention",
+             f"{(mm_flops - head_flops) / 1e15:.3f} + {head_flops / 1e15:.3f} + {attn_flops / 1e15:.3f} PFLOP "
+             f"= {roof.compute_s:.3f} s"),
+            ("memory term: the weights once", f"{weight_bytes / 1e9:.2f} GB = {roof.memory_s:.4f} s"),
+            (f"roofline ({roof.binding} binds)", f"{roof.seconds:.3f} s = {tokens / roof.seconds:,.0f} tok/s"),
+            ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
+            ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]
 
 
 def decode_bucket_rows(run: EngineRun, floor_steps: list[DecodeStep], bandwidth: float, res: dict) -> Rows:

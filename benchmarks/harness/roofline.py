@@ -19,6 +19,10 @@ they read E (1 - (1 - K/E)^B) experts. Step t's B is the number of requests stil
 (all running from the start): the fewest expert reads of any schedule, as the count is concave in B.
 FLOPs count the router and the K picked experts per token.
 
+Scoring (--workload score, score_flops): prompts with prompt_logprobs and one output token each. The
+lm_head runs at every prompt position (its logits give each prompt token's logprob): 2 x vocab x
+hidden FLOPs per prompt token, not per output token. Bytes: the weights, read at least once.
+
 Phase bound (phase_bound_s): the same schedule with the phases that wait on each other in turn
 (every prefill, then each decode step's projections, then its attention), each at the roofline of
 its own bytes and FLOPs; the roofline / this is the most of the roofline that schedule can reach.
@@ -211,6 +215,15 @@ def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Seq
     forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
     pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
     return projection_flops(cfg, forwarded, sum(max_tokens)), attention_flops(cfg, pairs)
+
+
+def score_flops(cfg: ModelConfig, prompt_lens: Sequence[int]) -> tuple[int, int]:
+    """(matmul FLOPs, attention FLOPs) of scoring prompts (prompt_logprobs, one output token each):
+    every prompt token through the layers and through the lm_head, as logprobs of every prompt token
+    need the logits of every position (position i's score token i + 1, the last one's sample the
+    output token); each token attends to its causal prefix."""
+    tokens = sum(prompt_lens)
+    return projection_flops(cfg, tokens, tokens), attention_flops(cfg, sum(causal_pairs(p, 1) for p in prompt_lens))
 
 
 def phase_bound_s(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], steps: Sequence[DecodeStep],

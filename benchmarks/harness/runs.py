@@ -34,6 +34,9 @@ class EngineRun:
     prefill_s: float = 0.0  # steps with prefill in them (PREFILL and MIXED)
     prefill_tokens: int = 0
     prefill_padding: int = 0  # tokens those steps' CUDA graphs padded them with (0 without prefill graphs)
+    prefill_steps: int = 0
+    prefill_host_s: float = 0.0  # launch + postprocess of those steps
+    prefill_wait_s: float = 0.0
     decode_s: float = 0.0  # decode-only steps
     decode_tokens: int = 0
     decode_steps: int = 0
@@ -50,15 +53,17 @@ class EngineRun:
         out = {k: v for k, v in vars(self).items() if k not in lists}
         out["steps_by_kind"] = dict(self.steps_by_kind)
         for name, values in (("ttft", self.ttft_s), ("itl", self.itl_s)):
-            for q in LATENCY_PERCENTILES:
+            for q in LATENCY_PERCENTILES if values else ():  # none between tokens when each request makes one
                 out[f"{name}_p{q}_ms"] = 1e3 * percentile(values, q)
         return out
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
-               sampling: WorkloadSampling = WorkloadSampling()) -> EngineRun:
-    """Queue every request, step to completion, and check each returned the tokens counted."""
-    wanted = {llm.add_request(p, sampling.params(n)): n for p, n in zip(prompts, max_tokens, strict=True)}
+               sampling: WorkloadSampling = WorkloadSampling(), prompt_logprobs: int | None = None) -> EngineRun:
+    """Queue every request, step to completion, and check each returned the tokens counted (and
+    with `prompt_logprobs`, which every request then asks, an entry per prompt token)."""
+    ids = [llm.add_request(p, sampling.params(n, prompt_logprobs)) for p, n in zip(prompts, max_tokens, strict=True)]
+    wanted = dict(zip(ids, max_tokens))
     run = EngineRun()
     outputs: dict[int, RequestOutput] = {}
     sampled: Counter = Counter()
@@ -83,6 +88,9 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
             run.prefill_tokens += r.num_tokens
             bucket = graphs.bucket(r.num_tokens) if graphs is not None else None
             run.prefill_padding += bucket - r.num_tokens if bucket is not None else 0
+            run.prefill_steps += 1
+            run.prefill_host_s += r.launch_s + r.postprocess_s
+            run.prefill_wait_s += r.wait_s
         for rid in r.sampled:
             if rid in last_token_at:
                 run.itl_s.append(now - last_token_at[rid])
@@ -93,6 +101,8 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
         outputs.update((out.request_id, out) for out in r.finished)
     run.wall_s = time.perf_counter() - start
     check_outputs(wanted, outputs, sampled)
+    if prompt_logprobs is not None:
+        check_prompt_logprobs(dict(zip(ids, map(len, prompts))), outputs)
     return run
 
 
@@ -109,9 +119,20 @@ def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput],
             raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
 
 
-def warm_up(llm: LLM) -> None:
-    """One short generate unrelated to the workload (compiles, fills allocator pools)."""
-    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+def check_prompt_logprobs(prompt_lens: dict[int, int], outputs: dict[int, RequestOutput]) -> None:
+    """Raise unless each request's prompt_logprobs has one entry per prompt token, entry 0 None."""
+    for rid, n in prompt_lens.items():
+        got = outputs[rid].prompt_logprobs
+        if got is None or len(got) != n or got[0] is not None:
+            raise RuntimeError(f"request {rid}: prompt_logprobs of {None if got is None else len(got)} entries "
+                               f"for {n} prompt tokens")
+
+
+def warm_up(llm: LLM, prompt_logprobs: int | None = None) -> None:
+    """One short generate unrelated to the workload (compiles, fills allocator pools); asking
+    `prompt_logprobs` when the workload does (the logprobs kernel compiles per k)."""
+    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]],
+                 SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs), use_tqdm=False)
 
 
 @dataclass(frozen=True)

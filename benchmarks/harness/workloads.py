@@ -1,4 +1,5 @@
-"""bench.py's workloads: nano-vllm's random prompts and output lengths, and the --workload presets."""
+"""bench.py's workloads: nano-vllm's random prompts and output lengths, and the --workload presets (score:
+prompt logprobs of random prompts, one output token each)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ class WorkloadSampling:
     def __post_init__(self):
         self.params(1)  # SamplingParams' own checks: a bad value fails here, before any engine starts
 
-    def params(self, max_tokens: int) -> SamplingParams:
+    def params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The run's parameters; with `prompt_logprobs` a scoring request as lm-evaluation-harness's
+        loglikelihood sends it (greedy; no filter or penalty: parse_args refuses them with it)."""
+        if prompt_logprobs is not None:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                  prompt_logprobs=prompt_logprobs)
         return SamplingParams(temperature=WORKLOAD_TEMPERATURE, top_k=self.top_k, top_p=self.top_p,
                               ignore_eos=True, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
@@ -53,6 +59,9 @@ class Workload:
     min_output: int
     max_output: int
     seed: int
+    # None: a throughput run; k: each request asks prompt_logprobs=k (the score preset: 0, scoring
+    # prompts as lm-evaluation-harness's loglikelihood does, reported in prompt tokens per second)
+    prompt_logprobs: int | None = None
 
 
 # --workload presets; an explicit flag overrides the preset's value.
@@ -60,6 +69,8 @@ WORKLOADS = {
     "default": Workload(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0),
     "long": Workload(num_seqs=1024, min_input=100, max_input=2048, min_output=100, max_output=512, seed=7),
     "many": Workload(num_seqs=2048, min_input=50, max_input=1024, min_output=50, max_output=512, seed=11),
+    "score": Workload(num_seqs=1024, min_input=256, max_input=1024, min_output=1, max_output=1, seed=13,
+                      prompt_logprobs=0),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanovllm.outputs import Logprob
+from nanovllm.outputs import FlatLogprobs, Logprob
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -27,16 +27,22 @@ class Detokenizer:
             return ""
         return self.tokenizer.decode(token_ids, **decode_options(params))
 
-    def fill_decoded_tokens(self, entries: Iterable[dict[int, Logprob] | None]) -> None:
+    def fill_decoded_tokens(self, entries: Iterable[dict[int, Logprob] | None] | FlatLogprobs) -> None:
         """Set every entry's decoded_token (its id decoded alone, special tokens kept)."""
         if self.tokenizer is None:
             return
-        texts = self._token_texts
+        if isinstance(entries, FlatLogprobs):
+            known = self._token_texts.get  # a lookup per token (an empty text takes the slow way, also right)
+            entries.decoded_tokens = [known(t) or self._token_text(t) for t in entries.token_ids]
+            return
         for entry in entries:
             if entry is None:
                 continue
             for token_id, logprob in entry.items():
-                text = texts.get(token_id)
-                if text is None:
-                    text = texts[token_id] = self.tokenizer.decode([token_id])
-                logprob.decoded_token = text
+                logprob.decoded_token = self._token_text(token_id)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -13,6 +13,7 @@ import torch
 from nanovllm.engine.logprobs import HostLogprobs
 from nanovllm.sampling.batch import SamplingBatch
 from nanovllm.sampling.logits_rules import StepRules
+from nanovllm.sampling.row_logprobs import RowLogprobs
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class StepLogits:
     prepare_s: float  # host time spent building the step's inputs
     logits: torch.Tensor | None  # [num_sampled, vocab] on the device (None: nothing sampled on this rank)
     sampling: SamplingBatch | None  # the sampled rows' settings (None with logits None)
-    prompt_logprobs: tuple[torch.Tensor, ...] | None  # (chosen, top_ids, top_logprobs) on the device
+    prompt_logprobs: tuple[torch.Tensor, ...] | None  # (chosen, ranks, top_ids, top_logprobs) on the device
     rules: StepRules | None = None  # the sampled rows' logits rules (None: no row uses any)
 
 
@@ -56,8 +57,10 @@ class LaunchedStep:
         self._wait()
         return HostLogprobs.from_tensors(*self.host_logprobs)
 
-    def prompt_logprobs(self) -> HostLogprobs | None:
+    def prompt_logprobs(self) -> RowLogprobs | None:
+        """The prompt-logprob rows' host tensors, as they are (engine/logprobs.record_prompt_logprobs
+        turns them into lists)."""
         if self.host_prompt_logprobs is None:
             return None
         self._wait()
-        return HostLogprobs.from_tensors(None, *self.host_prompt_logprobs)
+        return RowLogprobs(*self.host_prompt_logprobs)

@@ -30,7 +30,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.launched_step import LaunchedStep, StepLogits
-from nanovllm.engine.logprobs import logprob_entries
+from nanovllm.engine.logprobs import logprob_entries, record_prompt_logprobs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.request import Request
@@ -260,10 +260,8 @@ class LLMEngine:
         host = step.launched.prompt_logprobs()
         if not spans or host is None:
             return
-        seqs = [step.batch.seqs[i] for i, span in spans.items() for _ in span]
-        targets = step.plan.prompt_logprob_targets
-        for seq, entry in zip(seqs, logprob_entries(host, targets, [s.params.prompt_logprobs for s in seqs])):
-            seq.prompt_logprobs.append(entry)
+        record_prompt_logprobs([(step.batch.seqs[i].prompt_logprobs, len(span)) for i, span in spans.items()],
+                               host, step.plan.prompt_logprob_targets)
 
     def is_finished(self) -> bool:
         self._check_open()

@@ -7,6 +7,10 @@ once even when it is among the k. Logprobs are log_softmax of the raw logits. Ra
 the scored token's is counted over the vocabulary (sampling/row_logprobs.py), the k most likely
 are ranked 1..k, and a scored token among them takes its place there (as vLLM's dict does).
 Decoded tokens are filled in when the output is built (engine/detokenizer.py).
+
+Sampled rows' entries are built as dicts here (`logprob_entries`); prompt logprobs, a whole
+prompt's worth each, go to the sequence's outputs.FlatLogprobs as flat lists of the same items
+(`record_prompt_logprobs`): no Python object per prompt token.
 """
 
 from __future__ import annotations
@@ -15,26 +19,26 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.outputs import Logprob
+from nanovllm.outputs import FlatLogprobs, Logprob
+from nanovllm.sampling.row_logprobs import RowLogprobs
 
 
 @dataclass(frozen=True)
 class HostLogprobs:
-    """R scored rows of one step, on the host. `rows`: which of the step's sampled rows each
-    is (None for prompt logprobs, scored in the plan's order); `top_ids` / `top_logprobs` hold
-    the step's largest k."""
+    """R sampled rows of one step that asked for logprobs, on the host. `rows`: which of the step's
+    sampled rows each is; `top_ids` / `top_logprobs` hold the step's largest k."""
 
-    rows: list[int] | None
+    rows: list[int]
     chosen: list[float]  # [R] logprob of the scored token
     ranks: list[int]  # [R] its rank in its row
     top_ids: list[list[int]]  # [R, k]
     top_logprobs: list[list[float]]  # [R, k]
 
     @classmethod
-    def from_tensors(cls, rows: torch.Tensor | None, chosen: torch.Tensor, ranks: torch.Tensor,
+    def from_tensors(cls, rows: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor,
                      top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> HostLogprobs:
-        """From host tensors ([R] or None, [R], [R], [R, k], [R, k]); one .tolist() each."""
-        return cls(None if rows is None else rows.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(),
+        """From host tensors ([R], [R], [R], [R, k], [R, k]); one .tolist() each."""
+        return cls(rows.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(),
                    top_logprobs.tolist())
 
 
@@ -47,3 +51,23 @@ def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> lis
             entry[token_id] = Logprob(lp, place)
         entries.append(entry)
     return entries
+
+
+def record_prompt_logprobs(spans: list[tuple[FlatLogprobs, int]], scored: RowLogprobs, targets: list[int]) -> None:
+    """Append one step's prompt logprobs to the sequences that asked: `spans` holds each one's
+    FlatLogprobs and its number of scored rows, in the plan's row order; `scored` the step's rows
+    on the host (the top k of the step's largest k); `targets` each row's scored token. A few
+    tensor operations and list copies per sequence, none per token."""
+    chosen, ranks = scored.chosen.tolist(), scored.ranks.tolist()  # [R]
+    a = 0
+    for flat, n in spans:
+        b, k = a + n, flat.k
+        if k == 0:
+            flat.extend(targets[a:b], chosen[a:b], ranks[a:b])
+        else:  # each row: the scored token, then its k most likely at places 1..k
+            ids = torch.cat([torch.tensor(targets[a:b]).unsqueeze(1), scored.top_ids[a:b, :k]], 1)  # [n, 1 + k]
+            lps = torch.cat([scored.chosen[a:b, None], scored.top_logprobs[a:b, :k]], 1)  # [n, 1 + k]
+            places = torch.arange(1, k + 1).expand(n, k)
+            rks = torch.cat([scored.ranks[a:b, None], places], 1)  # [n, 1 + k]
+            flat.extend(ids.flatten().tolist(), lps.flatten().tolist(), rks.flatten().tolist())
+        a = b

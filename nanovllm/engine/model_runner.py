@@ -253,10 +253,12 @@ class ModelRunner:
                 hidden, device_words = self._forward(inputs), inputs.sampling_words
         else:
             bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
-            # a graph returns sampled rows only; the FP8 scales' calibration runs eagerly
-            if bucket is not None and not plan.prompt_logprob_rows and not self._calibrate_kv:
+            # the FP8 scales' calibration runs eagerly
+            if bucket is not None and not self._calibrate_kv:
                 hidden, device_words = self.varlen_graphs.run(plan, bucket, carried_from, words)  # [num_sampled, hidden]
                 prepare_s = time.perf_counter() - start
+                if plan.prompt_logprob_rows:  # read from the graph's output before the next replay (same stream)
+                    prompt_logprobs = self._prompt_logprobs(plan, self.varlen_graphs.every_hidden(bucket))
             else:
                 inputs = self.inputs.varlen(plan, carried_from, words)
                 if self._calibrate_kv:  # the first prefill step after start-up sets the FP8 scales

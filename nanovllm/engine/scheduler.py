@@ -163,8 +163,6 @@ class Scheduler:
         if not num_rows or not self.fill_sizes:
             return budget
         reached = self._waiting_reached(budget)
-        if any(s.needs_prompt_logprobs for s in reached):
-            return budget  # such steps run eagerly, at their own size (ModelRunner.launch)
         waiting_tokens = sum(len(s) - s.num_computed_tokens for s in reached)
         return trimmed_prefill_budget(num_rows, budget, self.fill_sizes, waiting_tokens)
 

@@ -101,7 +101,8 @@ def _prompt_logprob_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], i
     targets: list[int] = []
     for i, span in batch.prompt_logprob_spans.items():
         seq, start = batch.seqs[i], batch.starts[i]
-        rows.extend(offsets[i] + p - start for p in span)
+        first = offsets[i] - start  # token index of position p: first + p
+        rows.extend(range(first + span.start, first + span.stop))
         targets.extend(seq.token_ids[span.start + 1 : span.stop + 1])
     k = max(batch.seqs[i].params.prompt_logprobs for i in batch.prompt_logprob_spans)
     return rows, targets, k

@@ -118,3 +118,8 @@ class VarlenGraphs:
         sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
         device_words = words_view(buffer, offset, words.shape[0]) if words is not None else None
         return self.hidden[bucket].index_select(0, sample_rows), device_words
+
+    def every_hidden(self, bucket: int) -> torch.Tensor:
+        """The last replay of `bucket`'s hidden states of every token [bucket, hidden]: the step's
+        tokens in its order, then padding; overwritten by that graph's next replay."""
+        return self.hidden[bucket]
