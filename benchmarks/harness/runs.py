@@ -109,9 +109,11 @@ def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput],
             raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
 
 
-def warm_up(llm: LLM) -> None:
-    """One short generate unrelated to the workload (compiles, fills allocator pools)."""
-    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+def warm_up(llm: LLM, sampling: WorkloadSampling | None = None) -> None:
+    """One short generate unrelated to the workload (compiles, fills allocator pools); sampled as the
+    workload is when given (a kernel specialised on its settings, e.g. the logprobs count, compiles here)."""
+    params = SamplingParams(max_tokens=8) if sampling is None else sampling.params(8)
+    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], params, use_tqdm=False)
 
 
 @dataclass(frozen=True)
