@@ -7,6 +7,7 @@
     python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
     python bench.py --kernel-routes "skinny_max_rows=0" --latency   # another KernelRoutes (A/B runs)
+    python bench.py --logprobs 5                       # each request asks the logprobs of its 5 likeliest
     python bench.py --kv-cache-dtype fp8               # K/V stored in float8 e4m3 (1 byte in the roofline)
 
 Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with lengths in [min_input,
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="the workload's (1.0: off), both sides")
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="each request asks SamplingParams(logprobs=K) (default: none asked), nanovllm only")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
@@ -109,7 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:
         args.sampling = WorkloadSampling(args.top_k, args.top_p, args.repetition_penalty, args.frequency_penalty,
-                                         args.presence_penalty)
+                                         args.presence_penalty, args.logprobs)
         args.routes = parse_kernel_routes(args.kernel_routes)
         args.sampling.params(1, args.prompt_logprobs)  # a bad K fails here
     except (TypeError, ValueError) as exc:
@@ -119,7 +122,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
         ap.error("--quantization with --tp > 1: the roofline's stored weight widths are read from rank 0's shard")
     if args.compare_hf and not args.sampling.transformers_can_run:
-        ap.error("--compare-hf cannot run --frequency-penalty / --presence-penalty: transformers' generate has neither")
+        ap.error("--compare-hf cannot run --frequency-penalty / --presence-penalty (transformers' generate has "
+                 "neither) or --logprobs (its run asks none)")
     return args
 
 
@@ -164,7 +168,7 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     cfg = llm.config.model_config
     w = workload_of(args)
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
-    warm_up(llm, w.prompt_logprobs)
+    warm_up(llm, args.sampling, w.prompt_logprobs)
     run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
@@ -180,7 +184,7 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
         k = min(args.hf_num_seqs, len(prompts))
         llm.exit()
         llm = LLM(args.model, **kwargs)  # fresh: no prefix cache from the run above
-        warm_up(llm)
+        warm_up(llm, args.sampling)
         ours = run_engine(llm, prompts[:k], max_tokens[:k], args.sampling)
         llm.exit()
         hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size, args.sampling)

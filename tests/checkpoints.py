@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 # Words the test tokenizer is trained on; enough variety for a few hundred merges.
@@ -258,6 +259,30 @@ def cpu_llm(model: str, **kwargs):
     from nanovllm import LLM
 
     return LLM(model, device="cpu", **kwargs)
+
+
+def checkpoint_fixture(name: str, shape: TinyShape = TinyShape(), seed: int = 0):
+    """A module-scoped fixture giving build_checkpoint(shape, seed) in a temporary folder named
+    after `name`, built once per test module. A test module assigns it: `ckpt = checkpoint_fixture(...)`."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory) -> str:
+        return build_checkpoint(str(tmp_path_factory.mktemp(name)), shape, seed=seed)
+
+    return checkpoint
+
+
+def cpu_llm_fixture(**kwargs):
+    """A module-scoped fixture giving cpu_llm(ckpt, **kwargs) (`ckpt`: the module's checkpoint
+    fixture), exited after the module's tests. A test module assigns it: `llm = cpu_llm_fixture(...)`."""
+
+    @pytest.fixture(scope="module")
+    def engine(ckpt):
+        llm = cpu_llm(ckpt, **kwargs)
+        yield llm
+        llm.exit()
+
+    return engine
 
 
 def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = TEST_VOCAB_SIZE) -> list[list[int]]:

@@ -12,23 +12,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, cpu_llm_fixture, make_prompts
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import SequenceStatus
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("abort")), TinyShape())
-
-
-@pytest.fixture(scope="module")
-def baseline(ckpt):
-    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, enable_prefix_caching=False,
-                     overlap_scheduling=False)
-    yield engine
-    engine.exit()
+ckpt = checkpoint_fixture("abort")
+baseline = cpu_llm_fixture(kvcache_block_size=16, max_model_len=256, enable_prefix_caching=False,
+                           overlap_scheduling=False)
 
 
 def greedy(max_tokens: int, n: int = 1) -> SamplingParams:

@@ -342,7 +342,7 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     by row count are the run's, and their memory floor sums to the memory term."""
     model = str(REPO / "nanovllm" / "default_model")
     args = bench.parse_args([f"--model={model}", "--num-seqs=6", "--min-input=5", "--max-input=20",
-                             "--min-output=2", "--max-output=12", "--top-k=20", "--top-p=0.9"])
+                             "--min-output=2", "--max-output=12", "--top-k=20", "--top-p=0.9", "--logprobs=2"])
     w = bench.workload_of(args)
     llm = cpu_llm(model, enforce_eager=True)
     try:
@@ -355,8 +355,9 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     t = ThroughputRun(args.workload, w, args.sampling, cfg, ByteWidths.uniform(4), decode_weight_elements(cfg), [len(p) for p in prompts],
                       max_tokens, run, peak_mem_bytes=0)
     rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
-    assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9") and res["sampling"] == {
-        "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    assert rows["workload"].endswith("T=0.6 top_k=20 top_p=0.9 logprobs=2") and res["sampling"] == {
+        "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+        "logprobs": 2}
     assert rows["HBM copy bandwidth / GEMM peak (the weights' format)"] == "1.00 TB/s / 1000 TFLOP/s"
     assert "fraction of roofline reached" in rows and any(n.startswith("decode-only steps of") for n in rows)
     assert res["prefill_padding"] == 0 and rows["their graph padding"].startswith("0 tokens")  # eager: no buckets
@@ -374,7 +375,12 @@ def test_kernel_routes_flag_builds_the_engines_routes(capsys):
     assert args.routes == KernelRoutes(gemv_max_rows=1, skinny_max_rows=0)
     assert bench.engine_kwargs(args, "dummy")["kernel_routes"] == args.routes
     assert bench.parse_args([]).routes == KernelRoutes() == parse_kernel_routes("")
+    # the A/B of the Triton logprobs pass against torch's (an on / off route), and of the radix select
+    # (a row count above any batch turns it off)
+    assert bench.parse_args(["--kernel-routes", "logprobs_kernel=off"]).routes == KernelRoutes(logprobs_kernel=False)
+    assert parse_kernel_routes("logprobs_kernel=True, radix_min_rows=1000000") == KernelRoutes(radix_min_rows=10**6)
     for bad, reason in (("gemv_rows=1", "radix_min_rows"), ("gemv_max_rows=two", "integer"),
+                        ("logprobs_kernel=2", "takes one of true"), ("logprobs_kernel=", "takes one of true"),
                         ("skinny_max_rows", "field=value"), ("gemv_max_rows=1,gemv_max_rows=2", "twice"),
                         ("gemv_max_rows=0,norm_in_gemv_max_rows=1", "must not exceed")):
         with pytest.raises(SystemExit):
@@ -483,9 +489,15 @@ def test_sampling_flags_are_checked_when_parsed(capsys):
     penalized = bench.parse_args(["--repetition-penalty", "1.1", "--presence-penalty", "0.5"]).sampling
     assert penalized == WorkloadSampling(0, 1.0, 1.1, 0.0, 0.5)
     assert penalized.params(7).repetition_penalty == 1.1 and "presence_penalty=0.5" in penalized.describe()
+    assert penalized.params(7).logprobs is None and "logprobs" not in penalized.describe()
+    scored = bench.parse_args(["--logprobs", "5"]).sampling
+    assert scored == WorkloadSampling(logprobs=5) and scored.params(7).logprobs == 5
+    assert scored.describe().endswith(" logprobs=5")
     for bad, words in ((["--top-p=1.5"], "top_p"), (["--top-p=0"], "top_p"), (["--top-k=-2"], "top_k"),
                        (["--presence-penalty=3"], "presence_penalty"),
-                       (["--compare-hf", "--frequency-penalty=0.5"], "transformers' generate has neither"),
+                       (["--compare-hf", "--frequency-penalty=0.5"], "transformers' generate has"),
+                       (["--compare-hf", "--logprobs=1"], "--logprobs (its run asks none)"),
+                       (["--logprobs=-1"], "logprobs"),
                        (["--quantization", "fp8", "--tp", "2"], "rank 0's shard")):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -8,6 +8,8 @@ import torch
 
 from checkpoints import BF16_TOLERANCE, TinyShape, build_checkpoint, cpu_llm, make_prompts
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.kernel_path import KernelRoutes
+from nanovllm.sampling.row_logprobs import token_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +33,15 @@ def reference_logprobs(path, ids):
     return torch.log_softmax(logits, dim=-1).cpu(), (logits.amax(-1) - logits.amin(-1)).cpu()
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_bf16_logprobs_and_prompt_logprobs_match_transformers(ckpt, enforce_eager):
+@pytest.mark.parametrize("enforce_eager, logprobs_kernel", [(False, True), (True, True), (False, False)])
+def test_bf16_logprobs_and_prompt_logprobs_match_transformers(ckpt, enforce_eager, logprobs_kernel):
+    """The Triton logprobs pass, and torch's where KernelRoutes turns it off (bench.py's A/B)."""
     prompt = make_prompts(8, 1, 300, 301)[0]  # longer than the 256-token budget: chunked prompt logprobs
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=4, prompt_logprobs=3, n=2)
-    llm = LLM(ckpt, dtype="bfloat16", enforce_eager=enforce_eager, **ENGINE)
+    llm = LLM(ckpt, dtype="bfloat16", enforce_eager=enforce_eager,
+              kernel_routes=KernelRoutes(logprobs_kernel=logprobs_kernel), **ENGINE)
     try:
+        assert (llm.model_runner.sampler.token_logprobs is token_logprobs) != logprobs_kernel
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
     finally:
         llm.exit()

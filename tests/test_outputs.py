@@ -9,23 +9,15 @@ import torch
 
 import nanovllm
 import nanovllm.outputs
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm_fixture, load_reference, make_prompts
 from nanovllm import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 # fp32 engine against fp32 transformers: different kernels and summation order
 LOGPROB_ATOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("outputs")), TinyShape(), seed=6)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
-    yield engine
-    engine.exit()
+ckpt = checkpoint_fixture("outputs", seed=6)
+llm = cpu_llm_fixture(kvcache_block_size=16, max_model_len=256)
 
 
 @torch.no_grad()

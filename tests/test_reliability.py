@@ -13,23 +13,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, rewrite_config
+from checkpoints import (
+    TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference, rewrite_config,
+)
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 VOCAB = TinyShape().vocab_size
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("rel")), TinyShape())
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
-    yield engine
-    engine.exit()
+ckpt = checkpoint_fixture("rel")
+llm = cpu_llm_fixture(kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
 
 
 def served(llm) -> list[int]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
+from checkpoints import (
+    TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference, make_prompts,
+)
 from nanovllm import SamplingParams
 
 BAD = [
@@ -46,16 +48,8 @@ BAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("params")), TinyShape(), seed=8)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=64)
-    yield engine
-    engine.exit()
+ckpt = checkpoint_fixture("params", seed=8)
+llm = cpu_llm_fixture(kvcache_block_size=16, max_model_len=64)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

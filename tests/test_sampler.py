@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.sampling.row_logprobs import token_logprobs
 from nanovllm.sampling.sampler import Sampler, takes_topk_path, top_k_top_p_threshold
@@ -425,6 +426,15 @@ def test_sampler_picks_the_noise_implementation_of_its_device() -> None:
     assert Sampler().walk_sample is None  # the threshold path serves every filter
     with torch.device("meta"):
         assert Sampler().gumbel_sample is torch_gumbel_sample  # any device but CUDA: the PyTorch twin
+
+
+def test_the_logprobs_route_is_on_or_off() -> None:
+    """KernelRoutes.logprobs_kernel takes a bool only; a sampler built off CUDA takes torch's path either way."""
+    with pytest.raises(TypeError, match="kernel_routes.logprobs_kernel must be a bool, got 1"):
+        KernelRoutes(logprobs_kernel=1)
+    for on in (True, False):
+        with kernel_routes(KernelRoutes(logprobs_kernel=on)):
+            assert Sampler().token_logprobs is token_logprobs
 
 
 @pytest.mark.interpreter

@@ -18,6 +18,9 @@ from benchmarks.engine.variants import parse_variant, side_by_side  # noqa: E402
 def test_specs_are_kernel_routes():
     assert parse_variant("default") == ("default", "")
     assert parse_variant("cublas:skinny_max_rows=0,gemv_max_rows=1") == ("cublas", "skinny_max_rows=0,gemv_max_rows=1")
+    # benchmarks/README.md's A/B runs of the sampler's kernels
+    assert parse_variant("torch:logprobs_kernel=off") == ("torch", "logprobs_kernel=off")
+    assert parse_variant("sort:radix_min_rows=1000000") == ("sort", "radix_min_rows=1000000")
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -25,6 +28,7 @@ def test_specs_are_kernel_routes():
     ("x:nanovllm.layers.linear.SKINNY_MAX_ROWS=0", "field of KernelRoutes"),
     ("x:gemv_max_rows=1.5", "integer"),
     ("x:radix_min_rows=-1", "radix_min_rows"),
+    ("x:logprobs_kernel=maybe", "logprobs_kernel takes one of"),
     (":gemv_max_rows=1", "name"),
 ])
 def test_bad_specs_are_refused(spec, message):

@@ -7,6 +7,8 @@ Kernel runs on CPU go through Triton's interpreter (small shapes); the GPU ones 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,62 @@ def test_rows_with_nan_or_inf_end():
     logits[2, 100:] = float("-inf")
     tokens = run("cpu", logits, [1, 2, 3], [1.0] * 3, top_ps=[0.2] * 3, min_ps=[0.5] * 3)
     assert tokens[1].item() == 3 and 0 <= tokens[2].item() < 100
+
+
+# Seconds a walk over a few 700-column rows may take before it counts as hung (interpreter: ~2 s).
+WALK_DEADLINE_S = 120
+
+
+def within_deadline(fn):
+    """fn() run in a daemon thread; fails the test if it has not returned by WALK_DEADLINE_S (a
+    hung walk would otherwise stall the suite), re-raises what it raised."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the test's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(WALK_DEADLINE_S)
+    assert not worker.is_alive(), f"walk_sample did not return within {WALK_DEADLINE_S} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_p, min_p", [(0.9, None), (None, 0.1), (0.5, 0.2)])
+def test_rows_of_non_finite_logits_end_on_a_token_of_the_row(device, top_p, min_p):
+    """The walk's termination argument (candidate_walk's docstring) where softmax has no meaning:
+    a row of all -inf, rows with NaN (all NaN, one NaN, NaN at the max), rows with +inf, under top-p
+    alone, min-p alone and both. Each walk returns a column of the row; never a NaN one where the
+    row has another; the first +inf column where there is one (its noisy score is +inf, the
+    highest, and nothing lies above it); the one finite logit of an otherwise -inf row."""
+    inf, nan = float("inf"), float("nan")
+    vocab = 700
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    rows = {
+        "all -inf": torch.full((vocab,), -inf),
+        "all NaN": torch.full((vocab,), nan),
+        "NaN at 5": base.clone().index_fill_(0, torch.tensor([5]), nan),
+        "NaN at the max": base.clone().index_fill_(0, base.argmax().view(1), nan),
+        "+inf at 90 and 37": base.clone().index_fill_(0, torch.tensor([90, 37]), inf),
+        "NaN, +inf, -inf": base.clone().index_fill_(0, torch.tensor([1]), nan).index_fill_(0, torch.tensor([2]), inf)
+                           .index_fill_(0, torch.tensor([3]), -inf),
+        "-inf but 400": torch.full((vocab,), -inf).index_fill_(0, torch.tensor([400]), 1.0),
+        "greedy, +inf at 90 and 37": base.clone().index_fill_(0, torch.tensor([90, 37]), inf),
+    }
+    logits = torch.stack(list(rows.values()))
+    n = len(rows)
+    temps = [0.8] * (n - 1) + [0.0]
+    tokens = dict(zip(rows, within_deadline(lambda: run(
+        device, logits, list(range(11, 11 + n)), temps, None if top_p is None else [top_p] * n,
+        None if min_p is None else [min_p] * n)).tolist()))
+    assert all(0 <= t < vocab for t in tokens.values()), tokens
+    assert tokens["NaN at 5"] != 5 and tokens["NaN, +inf, -inf"] == 2, tokens
+    assert not torch.isnan(rows["NaN at the max"][tokens["NaN at the max"]]), tokens
+    assert tokens["+inf at 90 and 37"] == tokens["greedy, +inf at 90 and 37"] == 37, tokens
+    assert tokens["-inf but 400"] == 400, tokens

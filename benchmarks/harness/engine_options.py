@@ -7,13 +7,15 @@ import glob
 import os
 from dataclasses import fields
 
-from nanovllm.layers.kernel_path import KernelRoutes
+from nanovllm.layers.kernel_path import ON_OFF_ROUTES, KernelRoutes
 
 # The published model shapes (config.json only), found from this file so any working directory works.
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULT_MODEL = os.path.join(CONFIGS_DIR, "qwen3-0.6b")
 # The names --kernel-routes accepts (and lists when given another).
 ROUTE_FIELDS = tuple(f.name for f in fields(KernelRoutes))
+# The words an on / off route (kernel_path.ON_OFF_ROUTES) takes.
+ON_OFF_WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 
 
 def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
@@ -26,9 +28,10 @@ def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
 
 
 def parse_kernel_routes(text: str) -> KernelRoutes:
-    """'field=value,...' over KernelRoutes' fields (integers) -> KernelRoutes, the defaults for the
-    rest ('' gives the defaults). Raises ValueError naming the bad item, or KernelRoutes' own error."""
-    values: dict[str, int] = {}
+    """'field=value,...' over KernelRoutes' fields (integers; on / off for the on / off routes) ->
+    KernelRoutes, the defaults for the rest ('' gives the defaults). Raises ValueError naming the bad
+    item, or KernelRoutes' own error."""
+    values: dict[str, int | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = (s.strip() for s in item.partition("="))
         if not eq or name not in ROUTE_FIELDS:
@@ -36,8 +39,13 @@ def parse_kernel_routes(text: str) -> KernelRoutes:
                              f"({', '.join(ROUTE_FIELDS)})")
         if name in values:
             raise ValueError(f"kernel routes: {name} given twice")
-        try:
-            values[name] = int(value)
-        except ValueError:
-            raise ValueError(f"kernel routes: {name} takes an integer, got {value!r}") from None
+        if name in ON_OFF_ROUTES:
+            if value.lower() not in ON_OFF_WORDS:
+                raise ValueError(f"kernel routes: {name} takes one of {', '.join(ON_OFF_WORDS)}, got {value!r}")
+            values[name] = ON_OFF_WORDS[value.lower()]
+        else:
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise ValueError(f"kernel routes: {name} takes an integer, got {value!r}") from None
     return KernelRoutes(**values)

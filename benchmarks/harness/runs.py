@@ -128,11 +128,13 @@ def check_prompt_logprobs(prompt_lens: dict[int, int], outputs: dict[int, Reques
                                f"for {n} prompt tokens")
 
 
-def warm_up(llm: LLM, prompt_logprobs: int | None = None) -> None:
-    """One short generate unrelated to the workload (compiles, fills allocator pools); asking
-    `prompt_logprobs` when the workload does (the logprobs kernel compiles per k)."""
-    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]],
-                 SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs), use_tqdm=False)
+def warm_up(llm: LLM, sampling: WorkloadSampling | None = None, prompt_logprobs: int | None = None) -> None:
+    """One short generate unrelated to the workload (compiles, fills allocator pools); sampled as the
+    workload is when given (a kernel specialised on its settings, e.g. the logprobs count or the
+    prompt-logprobs k, compiles here)."""
+    params = (SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs) if sampling is None
+              else sampling.params(8, prompt_logprobs))
+    llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], params, use_tqdm=False)
 
 
 @dataclass(frozen=True)

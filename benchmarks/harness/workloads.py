@@ -18,13 +18,15 @@ WORKLOAD_TEMPERATURE = 0.6
 class WorkloadSampling:
     """How the throughput workload samples: nano-vllm's temperature; top-k / top-p and the penalties
     off unless asked (bench.py --top-k / --top-p / --repetition-penalty / ...), for both nanovllm and
-    transformers (which has no frequency or presence penalty: --compare-hf refuses those)."""
+    transformers (which has no frequency or presence penalty: --compare-hf refuses those); logprobs
+    (--logprobs K: each request asks the sampled token's and the K most likely) nanovllm only."""
 
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None  # None: none asked
 
     def __post_init__(self):
         self.params(1)  # SamplingParams' own checks: a bad value fails here, before any engine starts
@@ -37,18 +39,21 @@ class WorkloadSampling:
                                   prompt_logprobs=prompt_logprobs)
         return SamplingParams(temperature=WORKLOAD_TEMPERATURE, top_k=self.top_k, top_p=self.top_p,
                               ignore_eos=True, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              logprobs=self.logprobs)
 
     @property
     def transformers_can_run(self) -> bool:
-        """Whether transformers' generate has every setting (it has no frequency / presence penalty)."""
-        return self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
+        """Whether transformers' generate runs every setting (it has no frequency / presence penalty,
+        and its run here asks no logprobs)."""
+        return self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.logprobs is None
 
     def describe(self) -> str:
         penalties = "".join(f" {name}={value:g}" for name, value, off in (
             ("repetition_penalty", self.repetition_penalty, 1.0), ("frequency_penalty", self.frequency_penalty, 0.0),
             ("presence_penalty", self.presence_penalty, 0.0)) if value != off)
-        return f"T={WORKLOAD_TEMPERATURE} top_k={self.top_k} top_p={self.top_p:g}{penalties}"
+        logprobs = "" if self.logprobs is None else f" logprobs={self.logprobs}"
+        return f"T={WORKLOAD_TEMPERATURE} top_k={self.top_k} top_p={self.top_p:g}{penalties}{logprobs}"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Token ids to the text of outputs: completions (with the request's decode options) and the
 `decoded_token` of logprob entries (each id decoded alone, as vLLM does, and remembered: a
-vocabulary's worth of strings at most)."""
+vocabulary's worth of strings at most). The text decoded token by token while a request runs (for
+stop strings) is tokenizers' DecodeStream's (engine/stop_strings.py)."""
 
 from __future__ import annotations
 

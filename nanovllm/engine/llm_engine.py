@@ -40,6 +40,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.engine.stop_strings import stream_decoder
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.outputs import Logprob, RequestOutput
@@ -111,7 +112,7 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.eos_token_ids,
-            mixed_steps=cfg.mixed_steps, tokenizer=self.tokenizer, fill_sizes=self.model_runner.fill_sizes,
+            mixed_steps=cfg.mixed_steps, decoder=stream_decoder(self.tokenizer), fill_sizes=self.model_runner.fill_sizes,
         )
         self.validator = PromptValidator(
             self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,
@@ -147,6 +148,9 @@ class LLMEngine:
         checked = params.validated()
         vocab_size = self.config.model_config.vocab_size
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
+        if checked.stop and self.tokenizer is not None and self.scheduler.decoder is None:
+            raise ValueError(f"SamplingParams.stop {checked.stop!r} needs a tokenizers-backed tokenizer (a "
+                             f"tokenizer.json); this model's {type(self.tokenizer).__name__} has none")
         rules = RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
         grammar = None
         if checked.structured_outputs is not None:

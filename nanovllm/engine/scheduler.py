@@ -42,8 +42,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from tokenizers import Tokenizer
+
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import decode_options
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -61,7 +62,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         mixed_steps: bool = True,
-        tokenizer=None,
+        decoder: Tokenizer | None = None,
         fill_sizes: tuple[int, ...] = (),
     ):
         if list(fill_sizes) != sorted(set(fill_sizes)) or any(n < 1 for n in fill_sizes):
@@ -75,7 +76,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.tokenizer = tokenizer  # decodes completions for stop strings (None: no stop strings)
+        # tokenizers.Tokenizer that decodes completions for stop strings (stop_strings.stream_decoder;
+        # None: no tokenizer, stop strings are not looked for)
+        self.decoder = decoder
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.requests: dict[int, Request] = {}  # unfinished requests by id
@@ -89,8 +92,8 @@ class Scheduler:
         """Queue a request: its sample 0 computes the prompt; the other samples start from it
         when it completes the prompt (forked, see _start_samples)."""
         for seq in request.samples:
-            if seq.params.stop and self.tokenizer is not None:
-                seq.stop_matcher = StopStringMatcher(seq.params.stop, decode_options(seq.params))
+            if seq.params.stop and self.decoder is not None:
+                seq.stop_matcher = StopStringMatcher(seq.params.stop, seq.params.skip_special_tokens, self.decoder)
         if request.samples[0].grammar is not None:
             self.num_constrained += len(request.samples)
         self.waiting.append(request.samples[0])
@@ -276,7 +279,7 @@ class Scheduler:
             return FinishReason.STOP
         # a stop string counts once it ends past the first min_tokens tokens (vLLM's rule); the text
         # is still fed, so the search stays incremental
-        if (seq.stop_matcher is not None and seq.stop_matcher.feed(self.tokenizer, seq.completion_token_ids)
+        if (seq.stop_matcher is not None and seq.stop_matcher.feed(token)
                 and len(seq) - seq.num_prompt_tokens > params.min_tokens):
             seq.stopped_by_string = True
             return FinishReason.STOP

@@ -11,6 +11,8 @@ keeps the answer for its whole life (moving it afterwards changes nothing):
                      .. skinny_max_rows           skinny GEMM (kernels/skinny_gemm.py) on narrow layers
                      more                         cuBLAS (F.linear)
                      MoE decode steps of 1 .. moe_gemv_max_tokens: the expert GEMVs (moe/decode.py)
+                     the sampler: top-k thresholds by torch.topk up to topk_max_k, the radix select
+                     from radix_min_rows rows; logprobs by the Triton pass unless logprobs_kernel is off
     other devices -> PyTorch (the CPU path; Triton's interpreter serves the kernel tests only)
 
 Each threshold's evidence (H200, BENCHMARKS.md) is at its field. An A/B run passes another
@@ -52,14 +54,26 @@ class KernelRoutes:
     # Fewest rows at which the radix select (sampling/radix_filter.py) beats a full sort (151,936
     # columns: at 16 rows the two tie, 0.88 / 0.85 ms; at 256 the select takes 1.58 ms against 4.39).
     radix_min_rows: int = 32
+    # Logprobs (sampled and prompt) by the Triton pass (sampling/logprobs_kernel.py) rather than torch's
+    # log_softmax + top-k (sampling/row_logprobs.py): alone, k=5 at 256 rows, 0.068 against 0.686 ms
+    # (BENCHMARKS.md "Sampler"). False: torch's path on CUDA too, the other side of bench.py --logprobs' A/B.
+    logprobs_kernel: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_int(f"kernel_routes.{f.name}", getattr(self, f.name), 0)
+            value = getattr(self, f.name)
+            if f.name in ON_OFF_ROUTES:
+                if not isinstance(value, bool):
+                    raise TypeError(f"kernel_routes.{f.name} must be a bool, got {value!r}")
+            else:
+                check_int(f"kernel_routes.{f.name}", value, 0)
         if self.norm_in_gemv_max_rows > self.gemv_max_rows:
             raise ValueError(f"kernel_routes.norm_in_gemv_max_rows ({self.norm_in_gemv_max_rows}) must not "
                              f"exceed gemv_max_rows ({self.gemv_max_rows}): the norm runs inside the GEMV")
 
+
+# The fields of KernelRoutes that turn a kernel on or off (bools); the others are row counts.
+ON_OFF_ROUTES = frozenset(f.name for f in fields(KernelRoutes) if isinstance(f.default, bool))
 
 _ROUTES: ContextVar[KernelRoutes] = ContextVar("kernel_routes", default=KernelRoutes())
 

@@ -8,6 +8,14 @@ one of MODEL_MODULES (models/registry.py builds it); RoPE must be plain or Llama
 A mixture-of-experts architecture (MOE_ARCHITECTURES) also carries `moe`, its router
 and expert shape. Its expert count is `num_experts` in published configs and
 `num_local_experts` in transformers 5's (its attribute map renames it on save); both are read.
+
+Why not transformers' AutoConfig (tried with transformers 5.24 on benchmarks/configs/*): it reads
+both spellings to one (rope_parameters, dtype, num_experts), which would remove ~12 lines here, but
+it fills a key the file lacks with its family's default (a Qwen3-MoE config.json without
+vocab_size or moe_intermediate_size reads as 151,936 and 768), where this parser names the missing
+key; it needs `model_type` (the raw dicts tests and benchmarks pass have none) and transformers >= 5
+(4.x keeps rope_theta / rope_scaling apart, and pyproject allows 4.51); and it takes 0.80 ms
+against 0.02 ms for Llama 3.1 8B's config.
 """
 
 from __future__ import annotations

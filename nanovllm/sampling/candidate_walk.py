@@ -22,9 +22,15 @@ One program per row: pass 1 finds m, Z and the first candidate (online softmax);
 pass sums M of the current candidate and finds the next one (skipping what min-p already
 removes; a tile wholly at or below the candidate is only read, its noise never drawn, so on
 peaked rows these passes cost little more than the read). Rows whose first candidate is kept
-take two passes; each rejection costs one more, and x[c] strictly rises, so the loop ends (the
-row's maximum is always kept; so is a candidate with nothing above it). Top-k is left to the
-threshold path (sampling/sampler.py): top-p within top-k needs the k-th value, and on near-flat rows
+take two passes; each rejection costs one more. The loop ends within V rounds, whatever the
+logits: the next candidate is taken only among tokens with x > x[c], so x[c] strictly rises over
+the row's values, and a candidate with nothing above it is kept (the row's maximum, a +inf, a
+row of all -inf), even where NaN sums make the filters' tests false. A NaN never becomes a later
+candidate: it compares false, so it is neither above c nor a better noisy score (the noise is
+finite: the uniforms lie in (0, 1)). Rows of all -inf, with NaN and with +inf:
+tests/test_walk_sample.py (each ends on a column of its row; a +inf row on its first +inf).
+
+Top-k is left to the threshold path (sampling/sampler.py): top-p within top-k needs the k-th value, and on near-flat rows
 (random-weight models) a small k takes ~log2(V / k) rounds, each drawing the noise of half the row.
 
 Measured end to end (H200, bench.py --top-p 0.9): 24,397 tok/s (65.5% of the roofline) against

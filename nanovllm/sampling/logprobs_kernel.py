@@ -33,7 +33,9 @@ that is written before it is read. A LogprobsWorkspace keeps both across calls o
 combining program sets its row's counter back to 0), so a call allocates only its outputs.
 
 No end-to-end A/B yet (kernel alone: logprobs k=5 at 256 rows 0.686 ms in torch -> 0.068 ms;
-BENCHMARKS.md "Sampler"); every RL rollout that asks logprobs=0 pays it each step.
+BENCHMARKS.md "Sampler"); every RL rollout that asks logprobs=0 pays it each step. The A/B is
+`bench.py --logprobs 5` against `--kernel-routes logprobs_kernel=off` (torch's path on CUDA;
+benchmarks/README.md has the variants.py command).
 """
 
 from __future__ import annotations

@@ -167,8 +167,8 @@ class Sampler(torch.nn.Module):
         super().__init__()
         # The noise implementation of the device this sampler is built on (kernel_path's rule):
         # the Triton kernel on CUDA, its PyTorch twin elsewhere; both draw the same noise.
-        # Likewise the logprobs: one Triton pass on CUDA, torch's log_softmax and top-k elsewhere
-        # (same contract; the engine's prompt logprobs use it too).
+        # Likewise the logprobs: one Triton pass on CUDA (unless routes.logprobs_kernel is off), torch's
+        # log_softmax and top-k elsewhere (same contract; the engine's prompt logprobs use it too).
         triton_path = uses_triton(construction_device())
         routes = current_routes()
         self.topk_max_k = routes.topk_max_k
@@ -187,8 +187,9 @@ class Sampler(torch.nn.Module):
 
             self.gumbel_sample = gumbel_sample
             self.apply_token_mask = triton_apply_token_mask
-            # one scratch for this sampler's launches (one stream): a call allocates only its outputs
-            self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
+            if routes.logprobs_kernel:
+                # one scratch for this sampler's launches (one stream): a call allocates only its outputs
+                self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
             # Batches filtered by top-p / min-p alone: one kernel walks Gumbel-max candidates
             # (sampling/candidate_walk.py), the same tokens as the threshold path without its passes.
             self.walk_sample = walk_sample
