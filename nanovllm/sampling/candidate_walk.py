@@ -120,8 +120,8 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
         c = t0 + j  # [STEP_TILES, SUB] columns of sub-block 0
         m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c, vocab, t), c, gumbel_noise(u0, noise),
                                                   m_acc, z_acc, best, best_col)
-        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + SUB, vocab, t), c + SUB, gumbel_noise(u1, noise),
-                                                  m_acc, z_acc, best, best_col)
+        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + SUB, vocab, t), c + SUB,
+                                                  gumbel_noise(u1, noise), m_acc, z_acc, best, best_col)
         m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + 2 * SUB, vocab, t), c + 2 * SUB,
                                                   gumbel_noise(u2, noise), m_acc, z_acc, best, best_col)
         m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + 3 * SUB, vocab, t), c + 3 * SUB,

@@ -31,7 +31,8 @@ keep one value (with its ties) more or less than the torch path. Top-k is exact.
 
 No clean end-to-end A/B yet (kernel alone: 1.58 vs 4.39 ms at 256 rows against torch's sort). It
 serves batches of 32+ rows whose top-p rows are not all bounded by a top-k <= 1024 (top-k > 1024, or
-top-p rows mixed with top-k rows); the A/B is `bench.py --top-k 2048 --top-p 0.95` against
+top-p rows mixed with top-k rows) and that the Triton top-k kernel (sampling/topk_sample.py: every
+sampled row with a top-k <= 128) does not take; the A/B is `bench.py --top-k 2048 --top-p 0.95` against
 `--kernel-routes radix_min_rows=1000000` (benchmarks/engine/variants.py). Its first run
 (2026-12-03, BENCHMARKS.md "ninth") gave 10,675 vs 17,555 tok/s, confounded: the select was not
 compiled at start-up then (the warm-up now takes it), so its compiles fell inside the timed run.
