@@ -58,6 +58,9 @@ NUM_WARPS = 8
 COL_LIMIT = tl.constexpr(2**31 - 1)
 # A slot entry holding no element: below every key of a value (keys of -inf included).
 EMPTY = tl.constexpr(-(2**63))
+# The noise layout's widths (gumbel_torch.py), as the kernels read them.
+_SUB = tl.constexpr(SUB)
+_TILE = tl.constexpr(TILE)
 # Flips the magnitude bits of negative floats, so their bits order as int32 like the values.
 MAGNITUDE = tl.constexpr(0x7FFFFFFF)
 
@@ -122,8 +125,8 @@ def _chunk_top_kernel(x_ptr, temperature_ptr, slot_ptr, eq_ptr, vocab, stride_x,
 @triton.jit
 def _column_noise(key, cols):
     """Gumbel noise of `cols` (any shape) in the layout of gumbel_torch.py."""
-    u0, u1, u2, u3 = tile_uniforms(key, cols // TILE * TILE, cols % SUB)
-    word = cols % TILE // SUB
+    u0, u1, u2, u3 = tile_uniforms(key, cols // _TILE * _TILE, cols % _SUB)
+    word = cols % _TILE // _SUB
     u = tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
     return gumbel_noise(u, 1.0)
 
