@@ -169,6 +169,18 @@ SPECS = [
        [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "SUB": 256, "STEP_TILES": 8, "num_warps": 8}
         for p, mp in ((True, False), (False, True), (True, True))])
       for x in ("*bf16", "*fp32")],
+    # top-k sampling (sampling/topk_sample.py) at the serving vocabulary (38 chunks): both list lengths,
+    # bfloat16 and float32 logits, with and without top-p / min-p
+    *[("sampling.topk_sample", "_chunk_top_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "slot_ptr": "*i64",
+                                                    "eq_ptr": "*i32"},
+       [{"K": k, "NG": 4 * k, "CAP": 4 * k, "CHUNK": 4096, "num_warps": 8} for k in (32, 128)])
+      for x in ("*bf16", "*fp32")],
+    *[("sampling.topk_sample", "_row_sample_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "key_ptr": "*i64",
+                                                     "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
+                                                     "slot_ptr": "*i64", "eq_ptr": "*i32", "out_ptr": "*i64"},
+       [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "K": k, "CAP": 4 * k, "C_PAD": 64, "SUB": 256, "num_warps": 8}
+        for k in (32, 128) for p, mp in ((False, False), (True, False), (True, True))])
+      for x in ("*bf16", "*fp32")],
     # structured outputs' token masks: bfloat16 and float32 logits
     *[("sampling.token_mask_kernel", "_token_mask_kernel", {"logits_ptr": x, "rows_ptr": "*i64", "bitmask_ptr": "*i32"},
        [{"BLOCK": 1024}]) for x in ("*bf16", "*fp32")],

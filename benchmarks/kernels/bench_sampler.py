@@ -12,8 +12,10 @@ of per-call CUDA-event timings in ms (the SamplingBatch is built once per case; 
 one packed host-to-device copy included, is reported separately).
 
 The Sampler is built on CUDA under --kernel-routes (bench.py's syntax; KernelRoutes' sampling fields:
-radix_min_rows, the fewest rows whose top-k / top-p thresholds come from the radix select, and
-topk_max_k): e.g. radix_min_rows=1000000 takes torch.topk / the full sort at every batch size.
+radix_min_rows, the fewest rows whose top-k / top-p thresholds come from the radix select,
+topk_max_k, and topk_kernel_max_k, the largest top_k the Triton top-k kernel samples): e.g.
+radix_min_rows=1000000 takes torch.topk / the full sort at every batch size, and
+topk_kernel_max_k=0 the threshold path for "top_k_only" / "top_k_top_p" (the kernel's before / after).
 
     python -m benchmarks.kernels.bench_sampler [--batch 256] [--dtype bf16|fp32] [--kernel-routes F=N,...] [--json PATH]
 """
@@ -67,7 +69,7 @@ def base_params(name: str, batch: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0.7, top_p=0.9)] * batch
     if name == "min_p_only":
         return [SamplingParams(temperature=1.0, min_p=0.05)] * batch
-    if name == "top_k_top_p":  # Qwen3's suggested settings: top-p within torch.topk's 20 largest
+    if name == "top_k_top_p":  # Qwen3's suggested settings: the top-k kernel's small list (K = 32)
         return [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * batch
     if name == "mixed_topk_topp":
         return [MIXED[i % len(MIXED)] for i in range(batch)]

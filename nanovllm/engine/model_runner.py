@@ -62,6 +62,8 @@ MAX_KV_SLOTS = 2**31 - 1
 # Prompt-logprob rows scored per LM-head call: bounds the [rows, vocab] float32 logits
 # (1,024 x 151,936 x 4 B = 0.6 GB) whatever the step's token budget.
 PROMPT_LOGPROB_CHUNK_ROWS = 1024
+# Qwen3's generation_config top_k: the warm-up samples with it, so the top-k kernel's small list compiles there.
+QWEN3_TOP_K = 20
 
 
 class ModelRunner:
@@ -195,11 +197,14 @@ class ModelRunner:
             # Each threshold path the sampler can take, at full batch, so its kernels compile here
             # and its peak memory is what the KV cache leaves room for: top-p alone (on the CPU a
             # full sort), top-k with top-p and every row's logprobs, plain sampling, and where the
-            # sampler has the radix select (CUDA), a top-k too large for torch.topk, which takes it.
+            # sampler has the radix select (CUDA), a top-k too large for torch.topk, which takes it;
+            # with the Triton top-k kernel (CUDA), its two list lengths (top_k 50 and 20).
             keys = [0] * cfg.max_num_seqs
             passes = [SamplingParams(temperature=1.0, top_p=0.9),
                       SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
                       SamplingParams(temperature=1.0)]
+            if self.sampler.topk_kernel_max_k >= QWEN3_TOP_K:  # the top-k kernel's small list (Qwen3's defaults)
+                passes.append(SamplingParams(temperature=0.6, top_k=QWEN3_TOP_K, top_p=0.95))
             if self.sampler.radix_min_rows is not None:
                 passes.append(SamplingParams(temperature=1.0, top_k=self.sampler.topk_max_k + 1, top_p=0.9))
             for sp in passes:

@@ -48,6 +48,11 @@ class KernelRoutes:
     # MoE decode steps up to this many tokens run the expert GEMVs (moe/decode.MAX_TOKENS is the
     # kernel's limit); larger steps run the grouped GEMMs.
     moe_gemv_max_tokens: int = 2
+    # Largest top_k sampled by the Triton top-k kernel (sampling/topk_sample.py, capped at its MAX_K)
+    # on batches whose every sampled row uses top-k: two launches where the threshold path's
+    # softmax, torch.topk, tie count, mask and sampling passes took ~1.7 ms at 256 rows x 151,936
+    # (H200, top_k 20 / top_p 0.95). 0: never (the threshold path).
+    topk_kernel_max_k: int = 128
     # Largest top_k whose thresholds come from torch.topk instead of a full sort (when every top-p
     # row also uses top-k).
     topk_max_k: int = 1024

@@ -79,6 +79,8 @@ class SamplingBatch:
         ``torch.topk`` instead of a full sort.
     top_p_within_top_k: every row using top-p uses top-k too (vacuously true without top-p
         rows), so each top-p row's candidates lie among its max_top_k largest probabilities.
+    top_k_on_sampled_rows: every non-greedy row uses top-k (false without top-k rows), so every
+        token the batch can sample lies among its row's max_top_k largest values.
 
     The tensors are views of one device buffer, filled by one host-to-device copy.
     """
@@ -92,6 +94,7 @@ class SamplingBatch:
     all_greedy: bool
     max_top_k: int = 0
     top_p_within_top_k: bool = True
+    top_k_on_sampled_rows: bool = False
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], keys: Sequence[int], device: torch.device,
@@ -118,6 +121,7 @@ class SamplingPack:
     all_greedy: bool
     max_top_k: int
     top_p_within_top_k: bool
+    top_k_on_sampled_rows: bool
 
     @staticmethod
     def max_words(rows: int) -> int:
@@ -158,6 +162,8 @@ class SamplingPack:
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
             top_p_within_top_k=all(k < vocab_size for k, p in zip(top_ks, top_ps) if p < 1.0),
+            # greedy rows hold top_k = vocab_size: the rows left at the vocabulary are the greedy ones
+            top_k_on_sampled_rows=use_top_k and top_ks.count(vocab_size) == greedy.count(True),
         )
 
     def unpack(self, words: Tensor) -> SamplingBatch:
@@ -182,6 +188,7 @@ class SamplingPack:
             all_greedy=self.all_greedy,
             max_top_k=self.max_top_k,
             top_p_within_top_k=self.top_p_within_top_k,
+            top_k_on_sampled_rows=self.top_k_on_sampled_rows,
         )
 
 

@@ -55,7 +55,7 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _load_x(x_row, cols, vocab, t):
+def load_scaled(x_row, cols, vocab, t):
     """x = logit / t at `cols` (correctly rounded, as torch's division), -inf past the vocab."""
     mask = cols < vocab
     logit = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -124,13 +124,13 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
         t0 = s0 + tiles
         u0, u1, u2, u3 = tile_uniforms(key, t0, j)
         c = t0 + j  # [STEP_TILES, SUB] columns of sub-block 0
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c, vocab, t), c, gumbel_noise(u0, noise),
+        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c, vocab, t), c, gumbel_noise(u0, noise),
                                                   m_acc, z_acc, best, best_col)
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + SUB, vocab, t), c + SUB, gumbel_noise(u1, noise),
-                                                  m_acc, z_acc, best, best_col)
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 2 * SUB, vocab, t), c + 2 * SUB,
+        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + SUB, vocab, t), c + SUB,
+                                                  gumbel_noise(u1, noise), m_acc, z_acc, best, best_col)
+        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + 2 * SUB, vocab, t), c + 2 * SUB,
                                                   gumbel_noise(u2, noise), m_acc, z_acc, best, best_col)
-        m_acc, z_acc, best, best_col = _first_sub(_load_x(x_row, c + 3 * SUB, vocab, t), c + 3 * SUB,
+        m_acc, z_acc, best, best_col = _first_sub(load_scaled(x_row, c + 3 * SUB, vocab, t), c + 3 * SUB,
                                                   gumbel_noise(u3, noise), m_acc, z_acc, best, best_col)
     m = _max2(m_acc)
     z = tl.sum(tl.sum(z_acc * tl.exp(m_acc - m), axis=1), axis=0)
@@ -145,10 +145,10 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
         for s0 in range(0, vocab, STEP_TILES * 4 * SUB):
             t0 = s0 + tiles
             c = t0 + j
-            x0 = _load_x(x_row, c, vocab, t)
-            x1 = _load_x(x_row, c + SUB, vocab, t)
-            x2 = _load_x(x_row, c + 2 * SUB, vocab, t)
-            x3 = _load_x(x_row, c + 3 * SUB, vocab, t)
+            x0 = load_scaled(x_row, c, vocab, t)
+            x1 = load_scaled(x_row, c + SUB, vocab, t)
+            x2 = load_scaled(x_row, c + 2 * SUB, vocab, t)
+            x3 = load_scaled(x_row, c + 3 * SUB, vocab, t)
             if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
                 # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
                 u0, u1, u2, u3 = tile_uniforms(key, t0, j)

@@ -33,7 +33,8 @@ Measured end to end (H200, 2026-12-03, e5994d5, BENCHMARKS.md "tenth"): `bench.p
 --top-p 0.95` on Qwen3-0.6B gave 20,089 / 19,962 tok/s with the select against 17,577 / 17,583 with
 torch's sort (`--kernel-routes radix_min_rows=1000000`), runs alternating sort, select, sort,
 select: +14%. Kept. It serves batches of 32+ rows whose top-p rows are not all bounded by a
-top-k <= 1024 (top-k > 1024, or top-p rows mixed with top-k rows).
+top-k <= 1024 (top-k > 1024, or top-p rows mixed with top-k rows) and that the Triton top-k kernel
+(sampling/topk_sample.py: every sampled row with a top-k <= 128) does not take.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ Pipeline (vLLM's order), all in float32:
    (``argmax(logits / T + G)``, steps 1-2 folded in). On CUDA a batch filtered by top-p /
    min-p alone (no top-k row) goes from the logits to the same tokens in one kernel that walks
    the Gumbel-max candidates down until one passes the filters (sampling/candidate_walk.py),
-   with no threshold computed.
+   with no threshold computed; a batch whose every sampled row uses a small top-k (with or without
+   top-p / min-p) in two launches that take each row's top K values and sample among them
+   (sampling/topk_sample.py; KernelRoutes.topk_kernel_max_k).
 
 Noise source: one, on every device. Each row has a 64-bit key (a seeded request's from
 ``row_key(seed, position)``, the others from the engine's RNG) and its noise is Philox of
@@ -97,6 +99,13 @@ def takes_topk_path(batch: SamplingBatch, topk_max_k: int) -> bool:
     """Whether the torch path's thresholds come from torch.topk (every top-p row bounded by a
     top-k of at most topk_max_k) rather than a full sort of each row."""
     return batch.top_ks is not None and batch.max_top_k <= topk_max_k and batch.top_p_within_top_k
+
+
+def takes_topk_kernel(batch: SamplingBatch, vocab: int, topk_kernel_max_k: int, topk_kernel_max_vocab: int) -> bool:
+    """Whether a filtered batch is sampled by the Triton top-k kernel (sampling/topk_sample.py):
+    every sampled row uses a top_k of at most topk_kernel_max_k (0: never), and the vocabulary fits."""
+    return (batch.top_k_on_sampled_rows and batch.max_top_k <= topk_kernel_max_k
+            and batch.max_top_k < vocab <= topk_kernel_max_vocab)
 
 
 def uses_radix(rows: int, batch: SamplingBatch, radix_min_rows: int | None, topk_max_k: int) -> bool:
@@ -178,6 +187,10 @@ class Sampler(torch.nn.Module):
         self.gumbel_sample = torch_gumbel_sample
         self.token_logprobs = token_logprobs
         self.walk_sample = None
+        self.topk_sample = None
+        # Batches the Triton top-k kernel samples (takes_topk_kernel): none off CUDA.
+        self.topk_kernel_max_k = 0
+        self.topk_kernel_max_vocab = 0
         self.apply_token_mask = apply_token_mask
         if triton_path:  # Triton is present on this path
             from nanovllm.sampling.candidate_walk import walk_sample
@@ -193,6 +206,13 @@ class Sampler(torch.nn.Module):
             # Batches filtered by top-p / min-p alone: one kernel walks Gumbel-max candidates
             # (sampling/candidate_walk.py), the same tokens as the threshold path without its passes.
             self.walk_sample = walk_sample
+            # Batches whose every sampled row uses a small top-k (with or without top-p / min-p):
+            # the top K values of each row in two launches (sampling/topk_sample.py).
+            from nanovllm.sampling import topk_sample
+
+            self.topk_sample = topk_sample.topk_sample
+            self.topk_kernel_max_k = min(routes.topk_kernel_max_k, topk_sample.MAX_K)
+            self.topk_kernel_max_vocab = topk_sample.MAX_VOCAB
 
     def threshold(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
         """Each row's top-k/top-p threshold [B, 1]: the radix select (sampling/radix_filter.py)
@@ -234,6 +254,9 @@ class Sampler(torch.nn.Module):
             return self.gumbel_sample(logits, batch.keys, batch.temperatures)  # greedy rows: T = 0
         if self.walk_sample is not None and batch.top_ks is None:
             return self.walk_sample(logits, batch.keys, batch.temperatures, batch.top_ps, batch.min_ps)
+        if takes_topk_kernel(batch, logits.shape[-1], self.topk_kernel_max_k, self.topk_kernel_max_vocab):
+            return self.topk_sample(logits, batch.keys, batch.temperatures, batch.top_ks, batch.max_top_k,
+                                    batch.top_ps, batch.min_ps)
         greedy_ids = logits.argmax(dim=-1)
         is_greedy = batch.temperatures == 0.0  # top_k 1 rows too: build stores them with T = 0
         safe_t = torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(-1)

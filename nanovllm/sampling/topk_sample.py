@@ -1,0 +1,246 @@
+"""Top-k sampling (with or without top-p / min-p) in two Triton launches, for top_k <= MAX_K.
+
+The sampler's threshold path (sampling/sampler.py) keeps the tokens whose probability reaches a
+per-row threshold (top-k's k-th largest value, ties kept; top-p's over the top-k survivors' mass;
+min-p against the row's max) and takes argmax(log p + g), g the row's Gumbel noise. With a small
+k every kept token lies among the row's largest values, so neither the softmax nor a pass over the
+filtered row is needed: x = logit / T orders like p, the top-p test is a ratio of masses
+e^(x - m) (the row normaliser cancels), and the Gumbel-max draw over the kept tokens needs the
+noise of at most K columns.
+
+    launch 1, grid (rows, chunks of CHUNK columns): the chunk's K largest x, as packed keys
+        key = (x's float bits made int-ordered) << 32 | (COL_LIMIT - column)
+      (a key orders by value, then lowest column first). Cheaply: the K-th largest of NG = 4K group
+      maxima bounds the chunk's K-th value from below; the ~1.15 K elements at or above it are
+      compacted into the chunk's slot and their top K taken (tl.topk); a chunk with more than
+      CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the
+      chunk's elements equal to its K-th value (ties that may lie past its list).
+    launch 2, one program per row: the top K of the row's chunk lists (its exact K largest),
+      then kth = v[k-1], the ties of kth past the list (from the pool and the chunks' counts),
+      top-p's threshold from the cumulative masses over the survivors (as the torch path's
+      _threshold_from_top), min-p's floor, and argmax(x + g) over the kept list entries. Only
+      when kept ties of kth lie past the list (rare: more than K - k ties) does the row's program
+      scan its whole row with the threshold.
+
+The tokens are the threshold path's with the same noise (gumbel_torch.py's layout) up to float32
+near-ties: the filters compare x = logit / T where the torch path compares probabilities, and the
+score is x + g where it is log(p) + g. Greedy rows (T = 0) take the row's argmax (lowest column on
+ties). No device value reaches the host: the launch shapes follow the host's max_top_k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.checks import check_row_vector, next_pow2
+from .candidate_walk import load_scaled
+from .gumbel_max import gumbel_noise, keep_best, tile_uniforms
+from .gumbel_torch import SUB, TILE, check_gumbel_args
+
+# Largest top_k served: the row's pool (chunks x K packed int64 keys, up to 64 x 128) is sorted by
+# one program in registers; 128 covers the common defaults (20, 40, 50, 64, 100).
+MAX_K = 128
+# The list length for max_top_k <= SMALL_K (Qwen3's 20): each K is one compiled variant, so two.
+SMALL_K = 32
+# Columns per program of launch 1: 38 programs a row at Qwen3's 151,936-token vocabulary.
+CHUNK = 4096
+# Chunks a row may have (the pool's sort holds next_pow2(chunks) x K keys): vocabularies up to 262,144.
+MAX_CHUNKS = 64
+MAX_VOCAB = CHUNK * MAX_CHUNKS
+# Group maxima per list entry: the K-th largest of 4K maxima leaves ~1.15 K candidates a chunk.
+GROUPS_PER_K = 4
+# Candidate slot per list entry: 4K holds ~3.5x the expected count (more: the chunk's full top-k).
+CAP_PER_K = 4
+NUM_WARPS = 8
+# Low 32 bits of a key: COL_LIMIT - column, so the lower column of equal values sorts first.
+COL_LIMIT = tl.constexpr(2**31 - 1)
+# A slot entry holding no element: below every key of a value (keys of -inf included).
+EMPTY = tl.constexpr(-(2**63))
+# The noise layout's widths (gumbel_torch.py), as the kernels read them.
+_SUB = tl.constexpr(SUB)
+_TILE = tl.constexpr(TILE)
+# Flips the magnitude bits of negative floats, so their bits order as int32 like the values.
+MAGNITUDE = tl.constexpr(0x7FFFFFFF)
+
+
+def list_length(max_top_k: int) -> int:
+    """K, the list length of a batch whose largest top_k is `max_top_k` (1 .. MAX_K)."""
+    return SMALL_K if max_top_k <= SMALL_K else MAX_K
+
+
+@triton.jit
+def _pack(x, cols):
+    """int64 keys ordering (x, -column) pairs; x has no -0.0 (equal floats get equal high words)."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ MAGNITUDE, bits)
+    return (ordered.to(tl.int64) << 32) | (cols * -1 + COL_LIMIT).to(tl.int64)
+
+
+@triton.jit
+def _unpack(key):
+    """(x float32, column int32) of packed keys (EMPTY decodes to garbage: callers mask it)."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ MAGNITUDE, ordered)
+    return bits.to(tl.float32, bitcast=True), (key & 0xFFFFFFFF).to(tl.int32) * -1 + COL_LIMIT
+
+
+@triton.jit
+def _chunk_top_kernel(x_ptr, temperature_ptr, slot_ptr, eq_ptr, vocab, stride_x, num_chunks,
+                      K: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    temp = tl.load(temperature_ptr + row)
+    t = tl.where(temp == 0.0, 1.0, temp)  # greedy rows: the logits' own order
+    GS: tl.constexpr = CHUNK // NG
+    cols = chunk * CHUNK + tl.arange(0, NG)[:, None] * GS + tl.arange(0, GS)[None, :]  # [NG, GS]
+    inside = cols < vocab
+    x = load_scaled(x_row, cols, vocab, t)  # -inf past the vocab
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0: one key for both
+    keys = tl.where(inside, _pack(x, cols), EMPTY)
+    # at least K elements (one a group) reach the K-th largest group max: the chunk's K-th value is above it
+    low = tl.min(tl.topk(tl.max(x, axis=1), K), axis=0)
+    cand = inside & (x >= low)
+    count = tl.sum(cand.to(tl.int32))
+    slot = slot_ptr + (row * num_chunks + chunk).to(tl.int64) * CAP
+    if count <= CAP:
+        flat = tl.reshape(cand.to(tl.int32), [CHUNK])
+        pos = tl.cumsum(flat, 0) - 1
+        tl.store(slot + pos, tl.reshape(keys, [CHUNK]), mask=flat != 0)
+        tl.debug_barrier()  # the slot's candidates, written by every thread, are read by others
+        i = tl.arange(0, CAP)
+        top = tl.topk(tl.load(slot + i, mask=i < count, other=EMPTY), K)
+    else:
+        top = tl.topk(tl.reshape(keys, [CHUNK]), K)
+    tl.debug_barrier()  # every thread has read the candidates before the slot's head is rewritten
+    tl.store(slot + tl.arange(0, K), top)
+    last = tl.min(top, axis=0)
+    last_x, _ = _unpack(last)
+    ties = tl.sum((inside & (x == last_x)).to(tl.int32))
+    tl.store(eq_ptr + row * num_chunks + chunk, tl.where(last == EMPTY, 0, ties))
+
+
+@triton.jit
+def _column_noise(key, cols):
+    """Gumbel noise of `cols` (any shape) in the layout of gumbel_torch.py."""
+    u0, u1, u2, u3 = tile_uniforms(key, cols // _TILE * _TILE, cols % _SUB)
+    word = cols % _TILE // _SUB
+    u = tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
+    return gumbel_noise(u, 1.0)
+
+
+@triton.jit
+def _scan_sub(x_row, c, u, t, thr, m, min_p, vocab, best, best_col):
+    x = load_scaled(x_row, c, vocab, t)
+    kept = (x >= thr) & (tl.exp(x - m) >= min_p)
+    return keep_best(best, best_col, tl.where(kept, x + gumbel_noise(u, 1.0), float("-inf")), c)
+
+
+@triton.jit
+def _scan_sample(x_row, key, t, thr, m, min_p, vocab, SUB: tl.constexpr):
+    """argmax(x + g) over the whole row's tokens with x >= thr and e^(x - m) >= min_p (lowest column)."""
+    j = tl.arange(0, SUB)
+    best = tl.full([SUB], float("-inf"), tl.float32)
+    best_col = tl.zeros([SUB], tl.int32)
+    for s0 in range(0, vocab, 4 * SUB):
+        u0, u1, u2, u3 = tile_uniforms(key, s0, j)
+        c = s0 + j
+        best, best_col = _scan_sub(x_row, c, u0, t, thr, m, min_p, vocab, best, best_col)
+        best, best_col = _scan_sub(x_row, c + SUB, u1, t, thr, m, min_p, vocab, best, best_col)
+        best, best_col = _scan_sub(x_row, c + 2 * SUB, u2, t, thr, m, min_p, vocab, best, best_col)
+        best, best_col = _scan_sub(x_row, c + 3 * SUB, u3, t, thr, m, min_p, vocab, best, best_col)
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_col, vocab), axis=0)
+
+
+@triton.jit
+def _row_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_k_ptr, top_p_ptr, min_p_ptr, slot_ptr, eq_ptr,
+                       out_ptr, vocab, stride_x, num_chunks, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                       K: tl.constexpr, CAP: tl.constexpr, C_PAD: tl.constexpr, SUB: tl.constexpr):
+    row = tl.program_id(0)
+    temp = tl.load(temperature_ptr + row)
+    greedy = temp == 0.0
+    c = tl.arange(0, C_PAD)
+    idx = tl.arange(0, K)
+    in_row = c < num_chunks
+    pool = tl.load(slot_ptr + (row * num_chunks + c[:, None]).to(tl.int64) * CAP + idx[None, :],
+                   mask=in_row[:, None], other=EMPTY)  # [C_PAD, K] each chunk's list, descending
+    top = tl.topk(tl.reshape(pool, [C_PAD * K]), K)  # [K] the row's K largest, descending
+    v, col = _unpack(top)
+    valid = top != EMPTY
+    m = tl.max(tl.where(valid, v, float("-inf")), axis=0)
+    first = tl.sum(tl.where(idx == 0, col, 0), axis=0)  # the argmax (lowest column of the max)
+    k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), K).to(tl.int32)
+    kth = tl.max(tl.where(idx == k - 1, v, float("-inf")), axis=0)
+    # ties of kth past the K list: in the pool but not the list, and past a chunk's list
+    pool_x, _ = _unpack(pool)
+    pool_eq = (pool != EMPTY) & (pool_x == kth)  # [C_PAD, K]
+    last = tl.min(pool, axis=1)  # [C_PAD] each list's K-th key
+    last_x, _ = _unpack(last)
+    chunk_ties = tl.load(eq_ptr + row * num_chunks + c, mask=in_row, other=0)
+    in_list = tl.sum(pool_eq.to(tl.int32), axis=1)
+    spill = tl.sum(tl.where((last != EMPTY) & (last_x == kth), chunk_ties - in_list, 0), axis=0)
+    past = tl.sum(in_list, axis=0) - tl.sum((valid & (v == kth)).to(tl.int32), axis=0) + spill
+    thr = kth
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + row)
+        mass = tl.where(valid & (v >= kth), tl.exp(v - m), 0.0)
+        inclusive = tl.cumsum(mass, 0)  # [K], non-decreasing
+        limit = top_p * (tl.max(inclusive, axis=0) + past.to(tl.float32) * tl.exp(kth - m))
+        num_kept = 1 + tl.sum(((idx < K - 1) & (inclusive < limit)).to(tl.int32), axis=0)
+        pth = tl.max(tl.where(idx == num_kept - 1, v, float("-inf")), axis=0)
+        thr = tl.where(top_p < 1.0, tl.maximum(kth, pth), kth)
+    min_p = 0.0
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row)
+    key = tl.load(key_ptr + row)
+    kept = valid & (v >= thr) & (tl.exp(v - m) >= min_p)
+    score = tl.where(kept, v + _column_noise(key, col), float("-inf"))
+    best = tl.max(score, axis=0)
+    token = tl.min(tl.where(kept & (score == best), col, vocab), axis=0)
+    token = tl.where(token == vocab, first, token)  # nothing kept (a row of -inf): its argmax
+    if (temp != 0.0) & (past > 0) & (thr <= kth) & (tl.exp(kth - m) >= min_p):
+        # kept ties of kth lie past the list: their noise is drawn over the whole row
+        token = _scan_sample(x_ptr + row.to(tl.int64) * stride_x, key, temp, thr, m, min_p, vocab, SUB)
+    tl.store(out_ptr + row, tl.where(greedy, first, token).to(tl.int64))
+
+
+def topk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                max_top_k: int, top_ps: torch.Tensor | None, min_ps: torch.Tensor | None, *,
+                chunk: int = CHUNK) -> torch.Tensor:
+    """One token per row of `logits` [B, V]: the Gumbel-max sample (noise of `keys` [B] int64, as
+    gumbel_sample) of softmax(logits / T) restricted to the row's top-k set (`top_ks` [B] int64,
+    every non-greedy row's <= `max_top_k` <= MAX_K, the host's bound), within it the top-p set
+    (`top_ps` [B] float32, 1.0: off) and the min-p floor (`min_ps` [B] float32, 0.0: off), each
+    None when no row uses it. `temperatures` [B] float32 (0: greedy argmax). Returns [B] int64.
+    `chunk`: columns a program of launch 1 reads (a power of two >= 4K; tests shrink it)."""
+    check_gumbel_args(logits, keys, temperatures, is_probs=False)
+    rows, vocab = logits.shape
+    if isinstance(max_top_k, bool) or not isinstance(max_top_k, int) or not 1 <= max_top_k <= MAX_K:
+        raise ValueError(f"max_top_k must be an int in [1, {MAX_K}], got {max_top_k!r}")
+    k = list_length(max_top_k)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < GROUPS_PER_K * k or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= {GROUPS_PER_K * k}, got {chunk!r}")
+    if not max_top_k < vocab <= MAX_CHUNKS * chunk:
+        raise ValueError(f"vocab must be in ({max_top_k}, {MAX_CHUNKS * chunk}] for top_k {max_top_k}, got {vocab}")
+    check_row_vector("top_ks", top_ks, rows, torch.int64, logits.device)
+    for name, values in (("top_ps", top_ps), ("min_ps", min_ps)):
+        if values is not None:
+            check_row_vector(name, values, rows, torch.float32, logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if not rows:
+        return out
+    cap = CAP_PER_K * k
+    num_chunks = triton.cdiv(vocab, chunk)
+    slots = torch.empty(rows, num_chunks, cap, dtype=torch.int64, device=logits.device)
+    ties = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _chunk_top_kernel[(rows, num_chunks)](logits, temperatures, slots, ties, vocab, logits.stride(0), num_chunks,
+                                          K=k, NG=GROUPS_PER_K * k, CAP=cap, CHUNK=chunk, num_warps=NUM_WARPS)
+    _row_sample_kernel[(rows,)](
+        logits, temperatures, keys, top_ks, top_ps if top_ps is not None else temperatures,
+        min_ps if min_ps is not None else temperatures, slots, ties, out, vocab, logits.stride(0), num_chunks,
+        HAS_TOP_P=top_ps is not None, HAS_MIN_P=min_ps is not None, K=k, CAP=cap, C_PAD=next_pow2(num_chunks),
+        SUB=SUB, num_warps=NUM_WARPS)
+    return out
