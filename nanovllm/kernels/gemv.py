@@ -142,14 +142,8 @@ def _gemv_kernel(
             a = round_to(a * rstd[:, None] * g[None, :], dtype).to(tl.float32)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        if W_SCALE == 2:  # the weight blocks' scales folded into a: one load per 128-column group
-            if BLOCK_K % SCALE_BLOCK == 0:
-                groups = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-                s = tl.load(ws_row + groups, mask=groups * SCALE_BLOCK < k_in, other=0.0)  # [BLOCK_K / 128]
-                a = tl.reshape(tl.reshape(a, (BLOCK_M, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK)) * s[None, :, None],
-                               (BLOCK_M, BLOCK_K))
-            else:  # a step inside one group (short K)
-                a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
+        if W_SCALE == 2:  # the weight blocks' scales, one per column here: folded into a
+            a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if W_SCALE == 1:  # one scale per weight row
