@@ -115,7 +115,7 @@ def main() -> None:
         outs, seconds, steps = run_side(model, load_format, prompts, constrained)
         free = [SamplingParams(temperature=0, max_tokens=len(o.token_ids), ignore_eos=True) for o in outs]
         free_outs, free_seconds, free_steps = run_side(model, load_format, prompts, free)
-    closed = sum(o.finish_reason.value == "stop" for o in outs)
+    closed = sum(o.finish_reason == "stop" for o in outs)
     print(f"{closed} of {len(outs)} constrained completions closed their JSON (EOS)")
     a = describe("json schema", outs, seconds, steps)
     b = describe("unconstrained", free_outs, free_seconds, free_steps)
