@@ -33,7 +33,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.sampling_params import StructuredOutputsParams
 
-# Every string bounded, so every completion closes within MAX_TOKENS.
+# Every string and number bounded (an unbounded "number" let random weights write digits until max_tokens),
+# so every completion closes within MAX_TOKENS.
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -41,7 +42,7 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 24},
         "kind": {"enum": ["module", "class", "function", "method"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        "score": {"type": "number"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
         "public": {"type": "boolean"},
     },
     "required": ["id", "name", "kind", "tags", "score", "public"],
