@@ -3,6 +3,7 @@ weights (an unbounded "number" once let them write digits until max_tokens, so t
 no closed JSON), and the closed count it reports must count EOS endings."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +13,12 @@ from benchmarks.engine.bench_structured import MAX_TOKENS, SCHEMA, closed_count
 from nanovllm import LLM, SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
 
-DEFAULT_MODEL = "nanovllm/default_model"
+MODEL_DIR = str(Path(__file__).resolve().parent.parent / "nanovllm" / "default_model")
 
 
 @pytest.fixture(scope="module")
 def outputs():
-    llm = LLM(DEFAULT_MODEL, load_format="dummy", max_num_seqs=8)
+    llm = LLM(MODEL_DIR, load_format="dummy", max_num_seqs=8)
     try:
         spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
         prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [100, 200], [42] * 9, [7, 300, 7]]
