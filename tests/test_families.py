@@ -13,8 +13,8 @@ import torch
 
 from checkpoints import (
     LlamaShape, Qwen2Shape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
-    check_scheduling_regimes, cpu_llm, generate_tokens, load_reference, make_prompts, rewrite_config,
-    rewrite_config_published,
+    check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, load_reference, make_prompts,
+    rewrite_config, rewrite_config_published,
 )
 from nanovllm import SamplingParams
 from nanovllm.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
@@ -26,13 +26,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # Llama shapes: original_max_position_embeddings is 64, so prompts of 100-200 tokens reach
 # positions where llama3 scaling changes the rotation.
 CHECKPOINTS = {
-    "llama-tied-gqa2": (build_llama_checkpoint, LlamaShape()),  # head_dim 32 in config (not hidden / heads)
-    "llama-untied-gqa4-derived-hd": (build_llama_checkpoint, LlamaShape(
-        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=None, tie_word_embeddings=False)),
-    "llama-biases": (build_llama_checkpoint, LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
-    "qwen2-tied": (build_qwen2_checkpoint, Qwen2Shape()),
-    "qwen2-untied": (build_qwen2_checkpoint, Qwen2Shape(num_attention_heads=8, num_key_value_heads=2,
-                                                          tie_word_embeddings=False)),
+    "llama-tied-gqa2": LlamaShape(),  # head_dim 32 in config (not hidden / heads)
+    "llama-untied-gqa4-derived-hd": LlamaShape(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=None, tie_word_embeddings=False),
+    "llama-biases": LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    "qwen2-tied": Qwen2Shape(),
+    "qwen2-untied": Qwen2Shape(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
 }
 # One checkpoint per family for the slower tests (scheduling regimes, tensor parallelism).
 PER_FAMILY = ["llama-untied-gqa4-derived-hd", "qwen2-untied"]
@@ -42,18 +41,7 @@ def run(path, prompts, **kwargs):
     return generate_tokens(path, prompts, GREEDY, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> path, each built on first use."""
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            build, shape = CHECKPOINTS[name]
-            built[name] = build(str(tmp_path_factory.mktemp(name)), shape)
-        return built[name]
-
-    return get
+checkpoints = lazy_checkpoints_fixture(CHECKPOINTS)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
