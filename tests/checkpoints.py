@@ -331,7 +331,8 @@ def gpu_reference_fixture():
     def reference(ckpt):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+        return model.cuda().eval()
 
     return reference
 
@@ -364,6 +365,16 @@ def generate_tokens(path: str, prompts, params, **kwargs):
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
     finally:
         llm.exit()
+
+
+def check_greedy_tokens(path: str, prompts, params) -> None:
+    """generate_tokens' completions (ignore_eos greedy `params`) have max_tokens tokens each, every one
+    an argmax of transformers' logits."""
+    outs, _ = generate_tokens(path, prompts, params)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert len(out) == params.max_tokens
+        assert_greedy_matches_reference(reference, prompt, out)
 
 
 def check_scheduling_regimes(path: str, prompts, params, preempt_blocks: int) -> list[list[int]]:

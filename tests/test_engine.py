@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    TinyShape, assert_greedy_matches_reference, build_checkpoint, check_scheduling_regimes, checkpoint_fixture,
-    checkpoint_params_fixture, cpu_llm, generate_tokens, load_reference, make_prompts, rewrite_config,
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, check_greedy_tokens, check_scheduling_regimes,
+    checkpoint_fixture, checkpoint_params_fixture, cpu_llm, generate_tokens, load_reference, make_prompts,
+    rewrite_config,
 )
 from nanovllm import SamplingParams
 
@@ -34,12 +35,7 @@ def run(path, prompts, params=GREEDY, **kwargs):
 
 
 def test_greedy_matches_transformers(checkpoint):
-    prompts = make_prompts(0, 5, 1, 70)
-    outs, _ = run(checkpoint, prompts)
-    reference = load_reference(checkpoint)
-    for prompt, out in zip(prompts, outs):
-        assert len(out) == GREEDY.max_tokens
-        assert_greedy_matches_reference(reference, prompt, out)
+    check_greedy_tokens(checkpoint, make_prompts(0, 5, 1, 70), GREEDY)
 
 
 def test_identical_under_every_scheduling_regime(tied_checkpoint):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    LlamaShape, Qwen2Shape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
-    check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, load_reference, make_prompts,
+    LlamaShape, Qwen2Shape, build_llama_checkpoint, build_qwen2_checkpoint, build_shaped_checkpoint,
+    check_greedy_tokens, check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, make_prompts,
     rewrite_config, rewrite_config_published,
 )
 from nanovllm import SamplingParams
@@ -46,13 +46,7 @@ checkpoints = lazy_checkpoints_fixture(CHECKPOINTS)
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_greedy_matches_transformers(checkpoints, name):
-    path = checkpoints(name)
-    prompts = make_prompts(0, 4, 100, 200)
-    outs, _ = run(path, prompts)
-    reference = load_reference(path)
-    for prompt, out in zip(prompts, outs):
-        assert len(out) == GREEDY.max_tokens
-        assert_greedy_matches_reference(reference, prompt, out)
+    check_greedy_tokens(checkpoints(name), make_prompts(0, 4, 100, 200), GREEDY)
 
 
 @pytest.mark.parametrize("name", PER_FAMILY)
@@ -75,8 +69,7 @@ def test_tp2_matches_tp1(checkpoints, name):
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa2", "qwen2-untied"])
 def test_both_config_spellings_give_identical_tokens(tmp_path, name):
-    build, shape = CHECKPOINTS[name]
-    path = build(str(tmp_path / name), shape)
+    path = build_shaped_checkpoint(str(tmp_path / name), CHECKPOINTS[name])
     prompts = make_prompts(4, 3, 90, 150)
     new_spelling, _ = run(path, prompts)
     new_cfg = ModelConfig.from_pretrained(path)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, MoeShape, build_checkpoint, build_moe_checkpoint, checkpoint_fixture, gpu_generate, make_prompts
+from checkpoints import (
+    MoeShape, TinyShape, build_checkpoint, build_moe_checkpoint, checkpoint_fixture, gpu_generate, make_prompts,
+)
 from fp8_checkpoints import (LAYOUTS, checkpoint_state, quantize_activations, quantize_channels, quantize_state, write_fp8,
                              write_state)
 from nanovllm import SamplingParams
