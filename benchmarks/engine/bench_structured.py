@@ -83,6 +83,11 @@ def run_side(model: str, load_format: str, prompts: list[list[int]], params: lis
         llm.exit()
 
 
+def closed_count(outs) -> int:
+    """How many completions ended by EOS (their JSON closed), not by max_tokens."""
+    return sum(o.finish_reason == "stop" for o in outs)
+
+
 def describe(name: str, outs, seconds: float, steps) -> float:
     tokens = sum(len(o.token_ids) for o in outs)
     host, wait, wall = (statistics.mean(s[i] for s in steps) * 1e3 for i in range(3))
@@ -110,8 +115,7 @@ def main() -> None:
         outs, seconds, steps = run_side(model, load_format, prompts, constrained)
         free = [SamplingParams(temperature=0, max_tokens=len(o.token_ids), ignore_eos=True) for o in outs]
         free_outs, free_seconds, free_steps = run_side(model, load_format, prompts, free)
-    closed = sum(o.finish_reason == "stop" for o in outs)
-    print(f"{closed} of {len(outs)} constrained completions closed their JSON (EOS)")
+    print(f"{closed_count(outs)} of {len(outs)} constrained completions closed their JSON (EOS)")
     a = describe("json schema", outs, seconds, steps)
     b = describe("unconstrained", free_outs, free_seconds, free_steps)
     print(f"json schema / unconstrained tok/s: {a / b:.3f}")
