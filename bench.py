@@ -38,7 +38,9 @@ import time
 
 import torch
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL, ROUTE_FIELDS, parse_kernel_routes, resolve_load_format
+from benchmarks.harness.engine_options import (
+    ROUTE_FIELDS, add_model_options, parse_kernel_routes, require_cuda, resolve_load_format,
+)
 from benchmarks.harness.probes import measure_bandwidth, measure_fp8_gemm_peak, measure_gemm_peak
 from benchmarks.harness.report import (
     DeviceLimits, Rows, ThroughputRun, format_table, hf_rows, latency_rows, score_rows, throughput_rows, ttft_rows,
@@ -51,15 +53,10 @@ from nanovllm.config import KV_CACHE_DTYPES, Config
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.moe.layer import MoeExperts
 
-NO_CUDA_MESSAGE = "bench.py measures GPU throughput and needs a CUDA device; torch sees none"
-
-
 # ----- command line -----
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                    help="auto: the checkpoint's weights, random ones if the directory has no *.safetensors")
+    add_model_options(ap)
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
                     help="preset for the workload flags below (an explicit flag wins)")
     for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
@@ -194,8 +191,7 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    if not torch.cuda.is_available():
-        sys.exit(NO_CUDA_MESSAGE)
+    require_cuda("bench.py")
     load_format, weights = resolve_load_format(args.load_format, args.model)
     print(weights, flush=True)
     kwargs = engine_kwargs(args, load_format)

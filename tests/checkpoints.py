@@ -72,11 +72,7 @@ def build_checkpoint(path: str, shape: TinyShape = TinyShape(), seed: int = 0,
         # Larger init than the 0.02 default so logits are spread and argmax ties are rare.
         initializer_range=0.2,
     )
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
-    build_tokenizer(path)
-    return path
+    return _save_checkpoint(path, Qwen3ForCausalLM(config), max_shard_size)
 
 
 @dataclass(frozen=True)
@@ -126,21 +122,26 @@ class Qwen2Shape:
 BIAS_STD = 0.2
 
 
-def _save_family_checkpoint(path: str, model, seed: int) -> str:
-    """Randomise `model`'s biases, save it in float32 with the test tokenizer, drop head_dim
-    from config.json where the model's config derives it."""
+def _save_family_checkpoint(path: str, model, seed: int, max_shard_size: str | None = None) -> str:
+    """Randomise `model`'s biases, save it in float32 with the test tokenizer."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=gen) * BIAS_STD)
-    model.to(torch.float32).eval().save_pretrained(path)
+    return _save_checkpoint(path, model, max_shard_size)
+
+
+def _save_checkpoint(path: str, model, max_shard_size: str | None) -> str:
+    """Save `model` in float32 (in shards of at most `max_shard_size` when given) with the test tokenizer."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(torch.float32).eval().save_pretrained(path, **kwargs)
     build_tokenizer(path)
     return path
 
 
 def build_llama_checkpoint(path: str, shape: LlamaShape = LlamaShape(), seed: int = 0,
-                           eos_token_id: int | list[int] = 0) -> str:
+                           max_shard_size: str | None = None, eos_token_id: int | list[int] = 0) -> str:
     """Write a random-weight Llama 3 checkpoint (llama3 RoPE scaling) plus the test tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -159,14 +160,14 @@ def build_llama_checkpoint(path: str, shape: LlamaShape = LlamaShape(), seed: in
         },
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
     )
-    _save_family_checkpoint(path, LlamaForCausalLM(config), seed)
+    _save_family_checkpoint(path, LlamaForCausalLM(config), seed, max_shard_size)
     if shape.head_dim is None:
         rewrite_config(path, head_dim=None)
     return path
 
 
 def build_qwen2_checkpoint(path: str, shape: Qwen2Shape = Qwen2Shape(), seed: int = 0,
-                           eos_token_id: int | list[int] = 0) -> str:
+                           max_shard_size: str | None = None, eos_token_id: int | list[int] = 0) -> str:
     """Write a random-weight Qwen2 checkpoint (random q/k/v biases) plus the test tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -179,7 +180,7 @@ def build_qwen2_checkpoint(path: str, shape: Qwen2Shape = Qwen2Shape(), seed: in
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
     )
-    return _save_family_checkpoint(path, Qwen2ForCausalLM(config), seed)
+    return _save_family_checkpoint(path, Qwen2ForCausalLM(config), seed, max_shard_size)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class MoeShape:
 
 
 def build_moe_checkpoint(path: str, shape: MoeShape = MoeShape(), seed: int = 0,
-                         eos_token_id: int | list[int] = 0) -> str:
+                         max_shard_size: str | None = None, eos_token_id: int | list[int] = 0) -> str:
     """Write a random-weight Qwen3-MoE checkpoint plus the test tokenizer. transformers keeps the
     experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and
     writes one tensor per expert and projection, as published checkpoints have them."""
@@ -223,9 +224,18 @@ def build_moe_checkpoint(path: str, shape: MoeShape = MoeShape(), seed: int = 0,
         tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=1e-6,
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, initializer_range=shape.initializer_range,
     )
-    Qwen3MoeForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
-    build_tokenizer(path)
-    return path
+    return _save_checkpoint(path, Qwen3MoeForCausalLM(config), max_shard_size)
+
+
+Shape = TinyShape | LlamaShape | Qwen2Shape | MoeShape
+# The builder of each shape's family.
+_BUILDERS = {TinyShape: build_checkpoint, LlamaShape: build_llama_checkpoint, Qwen2Shape: build_qwen2_checkpoint,
+             MoeShape: build_moe_checkpoint}
+
+
+def build_shaped_checkpoint(path: str, shape: Shape, seed: int = 0, max_shard_size: str | None = None) -> str:
+    """Write a random-weight checkpoint of `shape`'s family (Qwen3, Llama 3, Qwen2, Qwen3-MoE)."""
+    return _BUILDERS[type(shape)](path, shape, seed=seed, max_shard_size=max_shard_size)
 
 
 def rewrite_checkpoint_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -261,15 +271,70 @@ def cpu_llm(model: str, **kwargs):
     return LLM(model, device="cpu", **kwargs)
 
 
-def checkpoint_fixture(name: str, shape: TinyShape = TinyShape(), seed: int = 0):
-    """A module-scoped fixture giving build_checkpoint(shape, seed) in a temporary folder named
-    after `name`, built once per test module. A test module assigns it: `ckpt = checkpoint_fixture(...)`."""
+def checkpoint_fixture(name: str, shape: Shape = TinyShape(), seed: int = 0):
+    """A module-scoped fixture giving build_shaped_checkpoint(shape, seed) in a temporary folder
+    named after `name`, built once per test module. A test module assigns it: `ckpt = checkpoint_fixture(...)`."""
 
     @pytest.fixture(scope="module")
     def checkpoint(tmp_path_factory) -> str:
-        return build_checkpoint(str(tmp_path_factory.mktemp(name)), shape, seed=seed)
+        return build_shaped_checkpoint(str(tmp_path_factory.mktemp(name)), shape, seed=seed)
 
     return checkpoint
+
+
+def checkpoint_params_fixture(shapes: dict[str, Shape], max_shard_sizes: dict[str, str] | None = None):
+    """A module-scoped fixture parametrized over `shapes` (test id -> shape): each one's checkpoint,
+    in a temporary folder named after its id, sharded where `max_shard_sizes` names it."""
+    shard = max_shard_sizes or {}
+
+    @pytest.fixture(scope="module", params=list(shapes))
+    def checkpoint(request, tmp_path_factory) -> str:
+        path = str(tmp_path_factory.mktemp(request.param))
+        return build_shaped_checkpoint(path, shapes[request.param], max_shard_size=shard.get(request.param))
+
+    return checkpoint
+
+
+def lazy_checkpoints_fixture(shapes: dict[str, Shape]):
+    """A module-scoped fixture giving get(name, seed=0) -> the path of shapes[name]'s checkpoint
+    built with `seed`, each built on first use (in a folder named after name and a non-zero seed)."""
+
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory):
+        built: dict[tuple[str, int], str] = {}
+
+        def get(name: str, seed: int = 0) -> str:
+            if (name, seed) not in built:
+                folder = str(tmp_path_factory.mktemp(f"{name}{seed or ''}"))
+                built[name, seed] = build_shaped_checkpoint(folder, shapes[name], seed=seed)
+            return built[name, seed]
+
+        return get
+
+    return checkpoints
+
+
+def reference_fixture():
+    """A module-scoped fixture giving load_reference(ckpt) (`ckpt`: the module's checkpoint fixture)."""
+
+    @pytest.fixture(scope="module")
+    def reference(ckpt):
+        return load_reference(ckpt)
+
+    return reference
+
+
+def gpu_reference_fixture():
+    """A module-scoped fixture giving transformers' bf16 model of `ckpt` (sdpa attention) on CUDA."""
+
+    @pytest.fixture(scope="module")
+    def reference(ckpt):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+        return model.cuda().eval()
+
+    return reference
 
 
 def cpu_llm_fixture(**kwargs):
@@ -300,6 +365,16 @@ def generate_tokens(path: str, prompts, params, **kwargs):
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
     finally:
         llm.exit()
+
+
+def check_greedy_tokens(path: str, prompts, params) -> None:
+    """generate_tokens' completions (ignore_eos greedy `params`) have max_tokens tokens each, every one
+    an argmax of transformers' logits."""
+    outs, _ = generate_tokens(path, prompts, params)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert len(out) == params.max_tokens
+        assert_greedy_matches_reference(reference, prompt, out)
 
 
 def check_scheduling_regimes(path: str, prompts, params, preempt_blocks: int) -> list[list[int]]:
@@ -376,6 +451,9 @@ GPU_KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 g
 GPU_MAX_NUM_SEQS = 48
 # Token budget per step (prefill / mixed graphs are captured up to it): above every prompt there.
 GPU_MAX_STEP_TOKENS = 1024
+# The GPU tests' Qwen3: Qwen3-0.6B's attention geometry (16 q heads, 8 kv heads, head_dim 128) at a small width.
+GPU_SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 
 
 def gpu_generate(path: str, batches, params, **kwargs):

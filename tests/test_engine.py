@@ -11,32 +11,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    TinyShape, assert_greedy_matches_reference, build_checkpoint, check_scheduling_regimes, cpu_llm,
-    generate_tokens, load_reference, make_prompts, rewrite_config,
+    TinyShape, assert_greedy_matches_reference, build_checkpoint, check_greedy_tokens, check_scheduling_regimes,
+    checkpoint_fixture, checkpoint_params_fixture, cpu_llm, generate_tokens, load_reference, make_prompts,
+    rewrite_config,
 )
 from nanovllm import SamplingParams
 
 SHAPES = {
-    "tied-hd64": (TinyShape(), None),
-    "untied-hd128-sharded": (
-        TinyShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-                  head_dim=128, intermediate_size=160, tie_word_embeddings=False),
-        "200KB",
-    ),
-    "mha-hd64": (TinyShape(hidden_size=128, num_attention_heads=2, num_key_value_heads=2), None),
+    "tied-hd64": TinyShape(),
+    "untied-hd128-sharded": TinyShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                                      head_dim=128, intermediate_size=160, tie_word_embeddings=False),
+    "mha-hd64": TinyShape(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def checkpoint(request, tmp_path_factory):
-    shape, shard = SHAPES[request.param]
-    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), shape, max_shard_size=shard)
-
-
-@pytest.fixture(scope="module")
-def tied_checkpoint(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("tied")), TinyShape())
+checkpoint = checkpoint_params_fixture(SHAPES, max_shard_sizes={"untied-hd128-sharded": "200KB"})
+tied_checkpoint = checkpoint_fixture("tied")
 
 
 def run(path, prompts, params=GREEDY, **kwargs):
@@ -44,12 +35,7 @@ def run(path, prompts, params=GREEDY, **kwargs):
 
 
 def test_greedy_matches_transformers(checkpoint):
-    prompts = make_prompts(0, 5, 1, 70)
-    outs, _ = run(checkpoint, prompts)
-    reference = load_reference(checkpoint)
-    for prompt, out in zip(prompts, outs):
-        assert len(out) == GREEDY.max_tokens
-        assert_greedy_matches_reference(reference, prompt, out)
+    check_greedy_tokens(checkpoint, make_prompts(0, 5, 1, 70), GREEDY)
 
 
 def test_identical_under_every_scheduling_regime(tied_checkpoint):

@@ -7,32 +7,22 @@ import pytest
 import torch
 
 from checkpoints import (
-    GPU_KV_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, LlamaShape, Qwen2Shape, TinyShape, assert_bf16_greedy_matches,
-    build_checkpoint, build_llama_checkpoint, build_qwen2_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
+    GPU_KV_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, GPU_SHAPE, LlamaShape, Qwen2Shape, TinyShape,
+    assert_bf16_greedy_matches, build_checkpoint, build_shaped_checkpoint, check_gpu_regimes, checkpoint_fixture,
+    gpu_generate, gpu_reference_fixture, make_prompts,
 )
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
 pytestmark = pytest.mark.gpu
 
-# Qwen3-0.6B's attention geometry (16 q heads, 8 kv heads, head_dim 128) at a small width.
-QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # Engines get checkpoints.gpu_generate's test-sized KV cache and graph sets; only the tests of
 # memory sizing itself keep gpu_memory_utilization's cache.
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("gpu")), QWEN_HEADS)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    from transformers import Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+ckpt = checkpoint_fixture("gpu", GPU_SHAPE)
+reference = gpu_reference_fixture()
 
 
 def generate(ckpt, ps, params=GREEDY, **kw):
@@ -190,21 +180,21 @@ def unit_score_init(hidden: int) -> float:
 # one-hot and bf16 rounding (ours or transformers') flips which key wins (a CPU bf16 run of these
 # shapes: 6-10% of the logit range off transformers' argmax); unit_score_init makes it about 1.
 FAMILY_SHAPES = {
-    "llama3-tied-hd64": (build_llama_checkpoint, LlamaShape(
+    "llama3-tied-hd64": LlamaShape(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
         intermediate_size=512, max_position_embeddings=4096, original_max_position_embeddings=256,
-        initializer_range=unit_score_init(256))),
-    "llama3-untied-hd128-derived": (build_llama_checkpoint, LlamaShape(
+        initializer_range=unit_score_init(256)),
+    "llama3-untied-hd128-derived": LlamaShape(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=None,
         intermediate_size=1024, tie_word_embeddings=False, max_position_embeddings=4096,
-        original_max_position_embeddings=256, initializer_range=unit_score_init(512))),
-    "qwen2-tied-hd128": (build_qwen2_checkpoint, Qwen2Shape(
+        original_max_position_embeddings=256, initializer_range=unit_score_init(512)),
+    "qwen2-tied-hd128": Qwen2Shape(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
-        max_position_embeddings=4096, initializer_range=unit_score_init(512))),
+        max_position_embeddings=4096, initializer_range=unit_score_init(512)),
     # Qwen2.5-0.5B's attention geometry (14 q heads, 2 kv heads, head_dim 64), untied
-    "qwen2-untied-hd64-group7": (build_qwen2_checkpoint, Qwen2Shape(
+    "qwen2-untied-hd64-group7": Qwen2Shape(
         hidden_size=896, num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2, intermediate_size=1024,
-        tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=unit_score_init(896))),
+        tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=unit_score_init(896)),
 }
 
 
@@ -213,8 +203,7 @@ def family(request, tmp_path_factory):
     """(checkpoint path, transformers' bf16 model of it on CUDA)."""
     from transformers import AutoModelForCausalLM
 
-    build, shape = FAMILY_SHAPES[request.param]
-    path = build(str(tmp_path_factory.mktemp(request.param)), shape)
+    path = build_shaped_checkpoint(str(tmp_path_factory.mktemp(request.param)), FAMILY_SHAPES[request.param])
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
     return path, reference.cuda().eval()
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from checkpoints import (
-    LlamaShape, Qwen2Shape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
-    check_scheduling_regimes, cpu_llm, generate_tokens, load_reference, make_prompts, rewrite_config,
-    rewrite_config_published,
+    LlamaShape, Qwen2Shape, build_llama_checkpoint, build_qwen2_checkpoint, build_shaped_checkpoint,
+    check_greedy_tokens, check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, make_prompts,
+    rewrite_config, rewrite_config_published,
 )
 from nanovllm import SamplingParams
 from nanovllm.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
@@ -26,13 +26,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # Llama shapes: original_max_position_embeddings is 64, so prompts of 100-200 tokens reach
 # positions where llama3 scaling changes the rotation.
 CHECKPOINTS = {
-    "llama-tied-gqa2": (build_llama_checkpoint, LlamaShape()),  # head_dim 32 in config (not hidden / heads)
-    "llama-untied-gqa4-derived-hd": (build_llama_checkpoint, LlamaShape(
-        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=None, tie_word_embeddings=False)),
-    "llama-biases": (build_llama_checkpoint, LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
-    "qwen2-tied": (build_qwen2_checkpoint, Qwen2Shape()),
-    "qwen2-untied": (build_qwen2_checkpoint, Qwen2Shape(num_attention_heads=8, num_key_value_heads=2,
-                                                          tie_word_embeddings=False)),
+    "llama-tied-gqa2": LlamaShape(),  # head_dim 32 in config (not hidden / heads)
+    "llama-untied-gqa4-derived-hd": LlamaShape(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=None, tie_word_embeddings=False),
+    "llama-biases": LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    "qwen2-tied": Qwen2Shape(),
+    "qwen2-untied": Qwen2Shape(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
 }
 # One checkpoint per family for the slower tests (scheduling regimes, tensor parallelism).
 PER_FAMILY = ["llama-untied-gqa4-derived-hd", "qwen2-untied"]
@@ -42,29 +41,12 @@ def run(path, prompts, **kwargs):
     return generate_tokens(path, prompts, GREEDY, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> path, each built on first use."""
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            build, shape = CHECKPOINTS[name]
-            built[name] = build(str(tmp_path_factory.mktemp(name)), shape)
-        return built[name]
-
-    return get
+checkpoints = lazy_checkpoints_fixture(CHECKPOINTS)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_greedy_matches_transformers(checkpoints, name):
-    path = checkpoints(name)
-    prompts = make_prompts(0, 4, 100, 200)
-    outs, _ = run(path, prompts)
-    reference = load_reference(path)
-    for prompt, out in zip(prompts, outs):
-        assert len(out) == GREEDY.max_tokens
-        assert_greedy_matches_reference(reference, prompt, out)
+    check_greedy_tokens(checkpoints(name), make_prompts(0, 4, 100, 200), GREEDY)
 
 
 @pytest.mark.parametrize("name", PER_FAMILY)
@@ -87,8 +69,7 @@ def test_tp2_matches_tp1(checkpoints, name):
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa2", "qwen2-untied"])
 def test_both_config_spellings_give_identical_tokens(tmp_path, name):
-    build, shape = CHECKPOINTS[name]
-    path = build(str(tmp_path / name), shape)
+    path = build_shaped_checkpoint(str(tmp_path / name), CHECKPOINTS[name])
     prompts = make_prompts(4, 3, 90, 150)
     new_spelling, _ = run(path, prompts)
     new_cfg = ModelConfig.from_pretrained(path)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    LlamaShape, MoeShape, TinyShape, assert_greedy_matches_reference, build_checkpoint, build_llama_checkpoint,
-    build_moe_checkpoint, cpu_llm, load_reference, make_prompts,
+    LlamaShape, MoeShape, TinyShape, assert_greedy_matches_reference, cpu_llm, lazy_checkpoints_fixture, load_reference,
+    make_prompts,
 )
 from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_channels, quantize_state, spread, write_fp8, write_state,
@@ -26,8 +26,7 @@ PARTIAL = TinyShape(hidden_size=192, num_attention_heads=4, num_key_value_heads=
                     intermediate_size=320, tie_word_embeddings=False)
 LLAMA = LlamaShape(hidden_size=160, intermediate_size=288, tie_word_embeddings=False)
 MOE = MoeShape(hidden_size=192, moe_intermediate_size=160, intermediate_size=320, mlp_only_layers=(0,))
-BUILDERS = {"qwen3": (build_checkpoint, PARTIAL), "llama": (build_llama_checkpoint, LLAMA),
-            "moe": (build_moe_checkpoint, MOE)}
+SHAPES = {"qwen3": PARTIAL, "llama": LLAMA, "moe": MOE}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 # Engine vs reference logprobs (float32, the same weights): summation order only.
 SAME_MODEL_TOL = 2e-3
@@ -43,18 +42,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def full_precision(tmp_path_factory):
-    """family -> a full-precision checkpoint of it, built on first use."""
-    built: dict[str, str] = {}
-
-    def get(family: str, seed: int = 0) -> str:
-        if (family, seed) not in built:
-            build, shape = BUILDERS[family]
-            built[family, seed] = build(str(tmp_path_factory.mktemp(f"{family}{seed}")), shape, seed=seed)
-        return built[family, seed]
-
-    return get
+# (family, seed) -> a full-precision checkpoint of it, built on first use.
+full_precision = lazy_checkpoints_fixture(SHAPES)
 
 
 def run(path: str, prompts, **kwargs):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, MoeShape, build_checkpoint, build_moe_checkpoint, gpu_generate, make_prompts
+from checkpoints import (
+    MoeShape, TinyShape, build_checkpoint, build_moe_checkpoint, checkpoint_fixture, gpu_generate, make_prompts,
+)
 from fp8_checkpoints import (LAYOUTS, checkpoint_state, quantize_activations, quantize_channels, quantize_state, write_fp8,
                              write_state)
 from nanovllm import SamplingParams
@@ -139,9 +141,7 @@ def test_fp8_linear_against_dequantized_operands(n, k, m, kind):
 
 # ---- engines ----
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("fp8dense")), SHAPE)
+dense = checkpoint_fixture("fp8dense", SHAPE)
 
 
 def fp8_reference(path, dtype=torch.float32):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, generate_tokens, load_reference, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, generate_tokens, load_reference, make_prompts
 from nanovllm import SamplingParams
 from nanovllm.config import Config
 from nanovllm.config import KV_CACHE_DTYPES
@@ -266,9 +266,7 @@ def test_torch_store_fp8_saturates():
 
 
 # ---------------------------------------------------------------- engines
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("fp8kv")), TinyShape())
+checkpoint = checkpoint_fixture("fp8kv")
 
 
 def with_kv_scales(src: str, dst: str, tensors: dict[str, torch.Tensor], scheme: dict | None) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint, gpu_generate, make_prompts
+from checkpoints import GPU_SHAPE, checkpoint_fixture, gpu_generate, gpu_reference_fixture, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
@@ -30,8 +30,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # bf16 output rounding alone is ~2-3e-3 (the FP8 values convert to bf16 exactly).
 TOL = 8e-3
-QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -240,16 +238,8 @@ def test_prefill_fp8_cuda_graph_reads_scales_at_replay():
 
 
 # ---------------------------------------------------------------- engines
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("fp8gpu")), QWEN_HEADS)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    from transformers import Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+ckpt = checkpoint_fixture("fp8gpu", GPU_SHAPE)
+reference = gpu_reference_fixture()
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, load_reference, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, make_prompts, reference_fixture
 from logits_refs import assert_rules_argmax, bad_word_token_sequences
 from nanovllm import SamplingParams
 
@@ -26,14 +26,8 @@ REGIMES = {"overlap": {}, "no-overlap": {"overlap_scheduling": False}, "chunked"
            "preempt": {"num_kvcache_blocks": 6}}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("rules")), TinyShape(), seed=5)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return load_reference(ckpt)
+ckpt = checkpoint_fixture("rules", seed=5)
+reference = reference_fixture()
 
 
 def run(ckpt, prompts, params, **kwargs):

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints import BF16_TOLERANCE, TinyShape, build_checkpoint, load_reference, make_prompts
+from checkpoints import BF16_TOLERANCE, GPU_SHAPE, checkpoint_fixture, load_reference, make_prompts
 from logits_refs import assert_rules_argmax
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 ENGINE = dict(kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=1024, max_num_seqs=64,
               max_num_batched_tokens=512, dtype="bfloat16")
 REGIMES = {"graphs+overlap": {}, "graphs": {"overlap_scheduling": False}, "eager+overlap": {"enforce_eager": True},
@@ -34,9 +32,7 @@ PARAMS = [greedy(repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty
           greedy(presence_penalty=2.0, min_tokens=4), greedy()] * 5
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("rulesgpu")), SHAPE, seed=1)
+ckpt = checkpoint_fixture("rulesgpu", GPU_SHAPE, seed=1)
 
 
 def run(path, prompts, params, **kwargs):

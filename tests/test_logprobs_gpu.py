@@ -6,22 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import BF16_TOLERANCE, TinyShape, build_checkpoint, cpu_llm, make_prompts
+from checkpoints import BF16_TOLERANCE, GPU_SHAPE, checkpoint_fixture, cpu_llm, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.sampling.row_logprobs import token_logprobs
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 ENGINE = dict(kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=512, max_num_seqs=16,
               max_num_batched_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("lpgpu")), SHAPE)
+ckpt = checkpoint_fixture("lpgpu", GPU_SHAPE)
 
 
 @torch.no_grad()

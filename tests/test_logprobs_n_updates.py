@@ -10,26 +10,16 @@ import torch
 
 from nanovllm import SamplingParams
 from checkpoints import (
-    TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, make_prompts,
+    assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference, make_prompts, reference_fixture,
 )
 
 LOGPROB_ATOL = 2e-3  # fp32 engine vs fp32 transformers, different kernels and summation order
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("lp") / "a"), TinyShape(), seed=3)
-
-
-@pytest.fixture(scope="module")
-def other_ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("lp") / "b"), TinyShape(), seed=4)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return load_reference(ckpt)
+ckpt = checkpoint_fixture("lp-a", seed=3)
+other_ckpt = checkpoint_fixture("lp-b", seed=4)
+reference = reference_fixture()
 
 
 def engine(path, **kwargs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
+from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
@@ -24,9 +24,7 @@ MAX_SEQS = 4
 ARRIVALS = [(0, 2), (3, 3), (7, 2), (12, 3)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("mixed")), TinyShape())
+ckpt = checkpoint_fixture("mixed")
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    MoeShape, build_moe_checkpoint, check_scheduling_regimes, generate_tokens, load_reference, make_prompts,
-    rewrite_checkpoint_tensors, rewrite_config, assert_greedy_matches_reference,
+    MoeShape, build_moe_checkpoint, check_greedy_tokens, check_scheduling_regimes, generate_tokens,
+    lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_checkpoint_tensors, rewrite_config,
 )
 from nanovllm import SamplingParams
 from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, map_expert_name, route
@@ -34,17 +34,7 @@ CHECKPOINTS = {
 MIXED = "dense-layer-1"
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> path, each built on first use."""
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            built[name] = build_moe_checkpoint(str(tmp_path_factory.mktemp(name)), CHECKPOINTS[name])
-        return built[name]
-
-    return get
+checkpoints = lazy_checkpoints_fixture(CHECKPOINTS)
 
 
 def run(path, prompts, **kwargs):
@@ -60,13 +50,7 @@ def cpu_model(path: str, load: bool = True):
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_greedy_matches_transformers(checkpoints, name):
-    path = checkpoints(name)
-    prompts = make_prompts(0, 4, 60, 140)
-    outs, _ = run(path, prompts)
-    reference = load_reference(path)
-    for prompt, out in zip(prompts, outs):
-        assert len(out) == GREEDY.max_tokens
-        assert_greedy_matches_reference(reference, prompt, out)
+    check_greedy_tokens(checkpoints(name), make_prompts(0, 4, 60, 140), GREEDY)
 
 
 def test_layers_are_sparse_where_transformers_says(checkpoints):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    MoeShape, assert_bf16_greedy_matches, build_moe_checkpoint, check_gpu_regimes, gpu_generate, make_prompts,
+    MoeShape, assert_bf16_greedy_matches, check_gpu_regimes, checkpoint_fixture, gpu_generate, gpu_reference_fixture,
+    make_prompts,
 )
 from nanovllm import SamplingParams
 from nanovllm.moe.layer import SparseMoeBlock, experts_native, route
@@ -36,16 +37,8 @@ ROUTER_WEIGHT_STD = 0.05
 LAYER_RTOL = 3e-2
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_moe_checkpoint(str(tmp_path_factory.mktemp("moe-gpu")), SHAPE)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    from transformers import Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+ckpt = checkpoint_fixture("moe-gpu", SHAPE)
+reference = gpu_reference_fixture()
 
 
 def generate(ckpt, ps, **kw):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, make_prompts
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
@@ -115,9 +114,7 @@ def test_max_model_len_is_never_overrun_by_an_ahead_step():
     assert sched.schedule(ahead=True) is None
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("overlap")), TinyShape())
+ckpt = checkpoint_fixture("overlap")
 
 
 def first_new_token_after(tokens: list[int], index: int) -> list[int]:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from checkpoints import build_checkpoint, cpu_llm, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, make_prompts
 from nanovllm import SamplingParams
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
@@ -60,9 +60,7 @@ def cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("ray_ckpt")))
+ckpt = checkpoint_fixture("ray_ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,18 @@ buckets), prompt-logprob steps (eager at their exact size)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from checkpoints import GPU_KV_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, TinyShape, build_checkpoint, make_prompts
+from checkpoints import GPU_KV_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, GPU_SHAPE, checkpoint_fixture, make_prompts
 from nanovllm import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = TinyShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=512, max_position_embeddings=4096)
+SHAPE = dataclasses.replace(GPU_SHAPE, num_hidden_layers=2)
 # One of each sampling path: greedy, plain, top-p, top-k with min-p, logprobs, prompt logprobs.
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
@@ -45,9 +45,7 @@ def compiles() -> Iterator[list[str]]:
         triton.knobs.runtime.jit_post_compile_hook = previous
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("recompile")), SHAPE)
+ckpt = checkpoint_fixture("recompile", SHAPE)
 
 
 def test_steps_of_new_sizes_compile_nothing(ckpt):

@@ -5,22 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference
+from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference
 from nanovllm import SamplingParams
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.sampling.batch import row_key
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("sampling")), TinyShape())
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    engine = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
-    yield engine
-    engine.exit()
+ckpt = checkpoint_fixture("sampling")
+llm = cpu_llm_fixture(kvcache_block_size=16, max_model_len=256)
 
 
 PROMPT = [11, 12, 13, 14, 15, 16]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import TinyShape, assert_greedy_matches_reference, build_checkpoint, cpu_llm, load_reference, make_prompts
+from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference, make_prompts
 from nanovllm import SamplingParams
 
 PROMPTS = make_prompts(11, 3, 20, 60)
@@ -21,9 +21,7 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperat
 GENERATE_CALLS = 3  # generate() calls of the engine that never slept: the sleeping engines' calls compare to them
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("sleep")), TinyShape(), seed=5)
+ckpt = checkpoint_fixture("sleep", seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,13 @@ import pytest
 import torch
 
 from checkpoints import (
-    GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, TinyShape, assert_bf16_greedy_matches, build_checkpoint, load_reference,
+    GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, GPU_SHAPE, assert_bf16_greedy_matches, checkpoint_fixture, load_reference,
     make_prompts,
 )
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-QWEN_HEADS = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=512, max_position_embeddings=4096)
 QWEN3_06B = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"  # config.json only
 # Greedy rows, and seeded ones (an unseeded row's noise keys depend on the engine's earlier calls).
 PARAMS = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
@@ -43,9 +41,7 @@ def tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(str(tmp_path_factory.mktemp("sleep_gpu")), QWEN_HEADS)
+ckpt = checkpoint_fixture("sleep_gpu", GPU_SHAPE)
 
 
 def test_sleep_and_wake_up_under_cuda_graphs_give_the_same_tokens(ckpt):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from checkpoints import TinyShape, build_checkpoint, cpu_llm
+from checkpoints import TinyShape, checkpoint_fixture, checkpoint_params_fixture, cpu_llm
 from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -24,18 +24,12 @@ SHAPES = {
 PROMPTS = [list(range(100, 140)) + [i] * (5 + 7 * i) for i in range(6)]
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def shaped_ckpt(request, tmp_path_factory):
-    """Both shapes: the sharded weights (tied or not, head_dim apart from hidden / heads) must give
-    one rank's tokens."""
-    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), SHAPES[request.param])
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """The worker life-cycle tests do not depend on the shape: one is enough (each costs 2-20 s of
-    process start-up, twice that on the H200 host)."""
-    return build_checkpoint(str(tmp_path_factory.mktemp("tied")), SHAPES["tied"])
+# Both shapes: the sharded weights (tied or not, head_dim apart from hidden / heads) must give
+# one rank's tokens.
+shaped_ckpt = checkpoint_params_fixture(SHAPES)
+# The worker life-cycle tests do not depend on the shape: one is enough (each costs 2-20 s of
+# process start-up, twice that on the H200 host).
+ckpt = checkpoint_fixture("tied", SHAPES["tied"])
 
 
 def generate(path, tp, **kw):

@@ -1,6 +1,6 @@
 """n samples per prompt against n copies of the prompt, in output tokens per second.
 
-    python -m benchmarks.engine.bench_n [--model DIR] [--num-prompts 64] [--n 8]
+    python -m benchmarks.engine.bench_n [--model DIR] [--load-format auto] [--num-prompts 64] [--n 8]
 
 Takes the first --num-prompts prompts of bench.py's default workload (each with its own
 max_tokens, EOS ignored, temperature 1.0) and runs, each on a fresh engine (no warm prefix
@@ -15,13 +15,10 @@ first copy's prompt blocks through it; n's samples fork from sample 0 and need n
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-import torch
-
-from benchmarks.harness.engine_options import DEFAULT_MODEL, resolve_load_format
-from benchmarks.harness.workloads import WORKLOADS, make_workload
+from benchmarks.harness.engine_options import add_model_options, require_cuda, resolve_load_format
+from benchmarks.harness.workloads import workload_prefix
 from nanovllm import LLM, SamplingParams
 
 
@@ -36,16 +33,13 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_n.py measures GPU throughput and needs a CUDA device", file=sys.stderr)
-        sys.exit(1)
-    load_format, weights_line = resolve_load_format("auto", args.model)
-    prompts, max_tokens = make_workload(WORKLOADS["default"], vocab_size=10**9)
-    prompts, max_tokens = prompts[: args.num_prompts], max_tokens[: args.num_prompts]
+    require_cuda("bench_n.py")
+    load_format, weights_line = resolve_load_format(args.load_format, args.model)
+    prompts, max_tokens = workload_prefix(n=args.num_prompts)
 
     def params(m: int, n: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=m, n=n)

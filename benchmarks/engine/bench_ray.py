@@ -1,6 +1,6 @@
 """One Ray Data replica against the same engine in this process, in output tok/s, on bench.py's workload.
 
-    python -m benchmarks.engine.bench_ray [--model DIR] [--workload default] [--batch-size N]
+    python -m benchmarks.engine.bench_ray [--model DIR] [--load-format auto] [--workload default] [--batch-size N]
 
 Needs the ray extra (pip install -e '.[ray]') and a CUDA device. Both sides run the workload's
 prompts (token ids, each with its own max_tokens, temperature 0.6, EOS ignored: every token is
@@ -18,14 +18,13 @@ The in-process side runs first and exits its engine, so the actor's engine finds
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL, resolve_load_format
+from benchmarks.harness.engine_options import add_model_options, require_cuda, resolve_load_format
 from benchmarks.harness.runs import warm_up
-from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, workload_prefix
 from nanovllm import LLM
 
 # Columns the timed predictor adds: its batch's start (actor clock) and seconds inside the call.
@@ -103,15 +102,13 @@ def replica(model: str, load_format: str, prompts, max_tokens, sampling: Workloa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap)
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
     ap.add_argument("--batch-size", type=int, default=None, help="rows per generate call of the replica (default: all)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_ray.py measures GPU throughput and needs a CUDA device; torch sees none")
-    load_format, weights_line = resolve_load_format("auto", args.model)
-    workload = WORKLOADS[args.workload]
-    prompts, max_tokens = make_workload(workload, vocab_size=10**9)  # ids < PROMPT_ID_MAX fit any real vocab
+    require_cuda("bench_ray.py")
+    load_format, weights_line = resolve_load_format(args.load_format, args.model)
+    prompts, max_tokens = workload_prefix(args.workload)
     sampling = WorkloadSampling()
     batch_size = args.batch_size or len(prompts)
     print(weights_line)

@@ -1,7 +1,7 @@
 """sleep / wake_up (RL colocated with training): the device memory an engine holds awake, asleep at
 level 1 and level 2 and woken again, and how long sleep and each wake_up step take.
 
-    python -m benchmarks.engine.bench_sleep [--model DIR] [--gpu-memory-utilization 0.9]
+    python -m benchmarks.engine.bench_sleep [--model DIR] [--load-format auto] [--gpu-memory-utilization 0.9]
 
 Builds bench.py's engine for --model (a config-only shape runs with random weights), runs a few of
 bench.py's default prompts, then per level: sleep(level), wake_up(["weights"]) and wake_up(["kv_cache"])
@@ -13,13 +13,12 @@ must give the tokens of before (greedy), which the report says.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL, resolve_load_format
-from benchmarks.harness.workloads import WORKLOADS, make_workload
+from benchmarks.harness.engine_options import add_model_options, require_cuda, resolve_load_format
+from benchmarks.harness.workloads import workload_prefix
 from nanovllm import LLM, SamplingParams
 
 # Prompts of the default workload run before sleeping and after each level-1 wake_up.
@@ -44,15 +43,12 @@ def timed(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_sleep.py measures GPU memory and needs a CUDA device", file=sys.stderr)
-        sys.exit(1)
-    load_format, weights_line = resolve_load_format("auto", args.model)
-    prompts, _ = make_workload(WORKLOADS["default"], vocab_size=10**9)
-    prompts = prompts[:CHECK_PROMPTS]
+    require_cuda("bench_sleep.py", "GPU memory")
+    load_format, weights_line = resolve_load_format(args.load_format, args.model)
+    prompts, _ = workload_prefix(n=CHECK_PROMPTS)
     greedy = SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True)
     start = time.perf_counter()
     llm = LLM(args.model, load_format=load_format, gpu_memory_utilization=args.gpu_memory_utilization)

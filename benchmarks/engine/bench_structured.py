@@ -1,6 +1,6 @@
 """Structured outputs' cost: a JSON-schema workload against the same prompts unconstrained.
 
-    python -m benchmarks.engine.bench_structured --tokenizer DIR [--model DIR] [--num-prompts 256]
+    python -m benchmarks.engine.bench_structured --tokenizer DIR [--model DIR] [--load-format auto] [--num-prompts 256]
 
 The engine runs --model's shape (random weights when it has no *.safetensors, as bench.py) with the
 tokenizer of --tokenizer (needed for grammars; a Qwen-sized one without downloading:
@@ -21,14 +21,11 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-import torch
-
-from benchmarks.harness.engine_options import DEFAULT_MODEL, resolve_load_format
-from benchmarks.harness.workloads import WORKLOADS, make_workload
+from benchmarks.harness.engine_options import add_model_options, require_cuda, resolve_load_format
+from benchmarks.harness.workloads import workload_prefix
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.sampling_params import StructuredOutputsParams
@@ -103,16 +100,13 @@ def describe(name: str, outs, seconds: float, steps) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap)
     ap.add_argument("--tokenizer", required=True, help="a tokenizer directory (model vocabulary or smaller)")
     ap.add_argument("--num-prompts", type=int, default=256)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_structured.py measures GPU throughput and needs a CUDA device", file=sys.stderr)
-        sys.exit(1)
-    load_format, weights_line = resolve_load_format("auto", args.model)
-    prompts, _ = make_workload(WORKLOADS["default"], vocab_size=10**9)
-    prompts = prompts[: args.num_prompts]
+    require_cuda("bench_structured.py")
+    load_format, weights_line = resolve_load_format(args.load_format, args.model)
+    prompts, _ = workload_prefix(n=args.num_prompts)
     print(weights_line)
     with tempfile.TemporaryDirectory() as tmp:
         model = model_with_tokenizer(args.model, args.tokenizer, tmp)

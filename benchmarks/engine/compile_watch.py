@@ -13,7 +13,7 @@ import time
 
 import triton
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL
+from benchmarks.harness.engine_options import add_model_options
 from benchmarks.harness.runs import run_engine, warm_up
 from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
 from nanovllm import LLM
@@ -35,8 +35,7 @@ class CompileLog:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    add_model_options(ap, load_format="dummy")
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)

@@ -14,19 +14,20 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL
+from benchmarks.harness.engine_options import add_model_options, resolve_load_format
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap, load_format="dummy")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-decode-rows", type=int, default=200)
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", enforce_eager=args.enforce_eager)
+    load_format, _ = resolve_load_format(args.load_format, args.model)
+    llm = LLM(args.model, load_format=load_format, enforce_eager=args.enforce_eager)
     rng = random.Random(7)
     for _ in range(1024):
         llm.add_request([rng.randrange(10000) for _ in range(rng.randint(100, 2048))],

@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness.engine_options import DEFAULT_MODEL
+from benchmarks.harness.engine_options import add_model_options, resolve_load_format
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
@@ -34,7 +34,7 @@ def fill(llm: LLM, batch: int, context: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_options(ap, load_format="dummy")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
@@ -43,8 +43,9 @@ def main() -> None:
     ap.add_argument("--mixed-prompt", type=int, default=0, help="prompt tokens added to every step (0: decode steps)")
     args = ap.parse_args()
 
+    load_format, _ = resolve_load_format(args.load_format, args.model)
     for eager in (True, False):
-        llm = LLM(args.model, load_format="dummy", enforce_eager=eager, max_model_len=4096)
+        llm = LLM(args.model, load_format=load_format, enforce_eager=eager, max_model_len=4096)
         fill(llm, args.batch, args.context, args.timed_steps + args.steps)
         times = []
         vocab = llm.config.model_config.vocab_size

@@ -1,11 +1,16 @@
 """What a benchmark's engine runs: the model directory (benchmarks/configs/ holds published shapes as
-config.json only, run with random weights) and the kernel routes (`--kernel-routes`, for A/B runs)."""
+config.json only, run with random weights), its load format, the kernel routes (`--kernel-routes`,
+for A/B runs), and the engine tools' shared command-line options for them."""
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
+import sys
 from dataclasses import fields
+
+import torch
 
 from nanovllm.layers.kernel_path import ON_OFF_ROUTES, KernelRoutes
 
@@ -16,6 +21,23 @@ DEFAULT_MODEL = os.path.join(CONFIGS_DIR, "qwen3-0.6b")
 ROUTE_FIELDS = tuple(f.name for f in fields(KernelRoutes))
 # The words an on / off route (kernel_path.ON_OFF_ROUTES) takes.
 ON_OFF_WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+# --load-format's choices: auto (resolve_load_format) or dummy (random weights always).
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def add_model_options(ap: argparse.ArgumentParser, load_format: str = "auto") -> None:
+    """--model (default: DEFAULT_MODEL) and --load-format (default `load_format`), the options every
+    engine tool shares; resolve_load_format(args.load_format, args.model) gives what LLM takes."""
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="model directory (default: benchmarks/configs/qwen3-0.6b, config.json only)")
+    ap.add_argument("--load-format", default=load_format, choices=LOAD_FORMATS,
+                    help="auto: the checkpoint's weights, random ones if the directory has no *.safetensors")
+
+
+def require_cuda(tool: str, measures: str = "GPU throughput") -> None:
+    """Exit with a line naming `tool` and what it `measures` where torch sees no CUDA device."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} measures {measures} and needs a CUDA device; torch sees none")
 
 
 def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:

@@ -10,6 +10,8 @@ from nanovllm import SamplingParams
 
 # Largest token id used for random prompts (nano-vllm's bench draws ids in [0, 10000]).
 PROMPT_ID_MAX = 10000
+# A vocabulary size above every real one: make_workload's ids then go up to PROMPT_ID_MAX.
+ANY_VOCAB = 10**9
 # Sampling temperature of the throughput workload (nano-vllm's).
 WORKLOAD_TEMPERATURE = 0.6
 
@@ -87,3 +89,10 @@ def make_workload(w: Workload, vocab_size: int) -> tuple[list[list[int]], list[i
                for _ in range(w.num_seqs)]
     max_tokens = [rng.randint(w.min_output, w.max_output) for _ in range(w.num_seqs)]
     return prompts, max_tokens
+
+
+def workload_prefix(name: str = "default", n: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """The first n prompts (all where n is None) of preset `name` and their max_tokens, for an engine
+    whose vocabulary is not read first: ids stay at most PROMPT_ID_MAX, which every real vocabulary holds."""
+    prompts, max_tokens = make_workload(WORKLOADS[name], vocab_size=ANY_VOCAB)
+    return prompts[:n], max_tokens[:n]
