@@ -22,11 +22,12 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
 
-def fill(llm: LLM, batch: int, context: int, steps: int) -> None:
+def fill(llm: LLM, batch: int, context: int, steps: int, repetition_penalty: float) -> None:
     vocab = llm.config.model_config.vocab_size
     for i in range(batch):
         llm.add_request([(13 * i + j) % vocab for j in range(context)],
-                        SamplingParams(temperature=0.6, max_tokens=steps + 64, ignore_eos=True))
+                        SamplingParams(temperature=0.6, max_tokens=steps + 64, ignore_eos=True,
+                                       repetition_penalty=repetition_penalty))
     while True:  # run the prefill steps
         if llm.step().kind is StepKind.DECODE:
             return
@@ -41,12 +42,13 @@ def main() -> None:
     ap.add_argument("--timed-steps", type=int, default=50, help="unprofiled steps timed first")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--mixed-prompt", type=int, default=0, help="prompt tokens added to every step (0: decode steps)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="every row's (1.0: off)")
     args = ap.parse_args()
 
     load_format, _ = resolve_load_format(args.load_format, args.model)
     for eager in (True, False):
         llm = LLM(args.model, load_format=load_format, enforce_eager=eager, max_model_len=4096)
-        fill(llm, args.batch, args.context, args.timed_steps + args.steps)
+        fill(llm, args.batch, args.context, args.timed_steps + args.steps, args.repetition_penalty)
         times = []
         vocab = llm.config.model_config.vocab_size
 
@@ -66,7 +68,8 @@ def main() -> None:
                 llm.step()
         mode = "eager" if eager else "graphs"
         kind = f"mixed (+{args.mixed_prompt} prompt tokens a step)" if args.mixed_prompt else "decode"
-        print(f"===== {kind}, batch {args.batch}, context ~{args.context}, {mode}")
+        print(f"===== {kind}, batch {args.batch}, context ~{args.context}, {mode}, "
+              f"repetition penalty {args.repetition_penalty}")
         total, launch, prep, wait, post = (1e3 * sum(col) / len(times) for col in zip(*times))
         print(f"mean of {len(times)} unprofiled steps: {total:.3f} ms (host: launch {launch:.3f} incl. "
               f"prepare {prep:.3f}, post {post:.3f}; waiting on the device {wait:.3f})")
