@@ -64,11 +64,12 @@ SPECS = [
                                       "top_id_ptr": "*i64", "top_lp_ptr": "*fp32"},
      [{"HAS_ROWS": True, "K": k, "K_PAD": 8 if k else 1, "BLOCK": 4096, "S": 32, "C_PAD": 64,
        "KEYS_PAD": 256 if k else 1} for k in (0, 5)]),
-    # penalties on float32 logits rows from int32 token counts, at the serving block
-    ("sampling.penalties_kernel", "_penalties_kernel", {"x_ptr": "*fp32", "counts_ptr": "*i32", "rows_ptr": "*i64",
-                                                     "slots_ptr": "*i64", "rep_ptr": "*fp32", "freq_ptr": "*fp32",
-                                                     "pres_ptr": "*fp32"},
-     [{"BLOCK": 4096, "num_warps": 8}]),
+    # penalties on float32 logits rows from int32 token counts, at the serving block: in place, and
+    # from the model's bfloat16 logits (the copy in the same pass)
+    *(("sampling.penalties_kernel", "_penalties_kernel", {"src_ptr": src, "x_ptr": "*fp32", "counts_ptr": "*i32",
+                                                        "rows_ptr": "*i64", "slots_ptr": "*i64", "rep_ptr": "*fp32",
+                                                        "freq_ptr": "*fp32", "pres_ptr": "*fp32"},
+       [{"BLOCK": 4096, "num_warps": 8}]) for src in ("*fp32", "*bf16")),
     # top-k/top-p radix select at the serving vocabulary (38 chunks of 4096): first / second / later
     # passes, counts (top-k) and masses (top-p), and the final choice
     ("sampling.radix_filter", "_histogram_kernel", {"probs_ptr": "*fp32", "target_ptr": "*fp32", "floor_ptr": "*i32",

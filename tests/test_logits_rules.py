@@ -20,12 +20,20 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark
 # float32 rules against the float64 reference of the same (float32-representable) logits
 ATOL = 1e-5
 
-PARAMS = [
+MIXED = [
     SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4),
     SamplingParams(temperature=0),  # no rule: a row that pays nothing
     SamplingParams(logit_bias={3: 2.5, 7: -1.0}, min_tokens=3, stop_token_ids=[9]),
     SamplingParams(allowed_token_ids=[1, 2, 3, 5, 8, 13], repetition_penalty=0.8),
     SamplingParams(presence_penalty=1.5),
+]
+# Every row penalized and none biased: the logits are copied and penalized in one pass, masks after
+ALL_PENALIZED = [
+    MIXED[0],
+    SamplingParams(temperature=0, repetition_penalty=1.2),
+    SamplingParams(min_tokens=3, stop_token_ids=[9], frequency_penalty=0.3),
+    MIXED[3],
+    MIXED[4],
 ]
 # Bad words as token sequences, by sequence (what RequestRules.of tokenizes words into)
 BAD = {2: [[4], [5, 6], [6, 7, 8]], 4: [[10, 11], [12]]}
@@ -36,8 +44,7 @@ OVERLAP_FROM = 2
 STEPS = 8
 
 
-def rules_of(i: int) -> RequestRules | None:
-    params = PARAMS[i]
+def rules_of(params: SamplingParams, i: int) -> RequestRules | None:
     bad = BAD.get(i, [])
     rules = RequestRules.of(params, frozenset(EOS), None, VOCAB)
     if not bad:
@@ -50,7 +57,7 @@ def rules_of(i: int) -> RequestRules | None:
 def check_rows(out: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], prompts, generated) -> None:
     for r, seq in enumerate(seqs):
         i = seq.seq_id
-        want = reference_row(logits[r].cpu(), prompts[i], generated[i], PARAMS[i], EOS, BAD.get(i, []))
+        want = reference_row(logits[r].cpu(), prompts[i], generated[i], seq.params, EOS, BAD.get(i, []))
         got = out[r].cpu().double()
         finite = torch.isfinite(want)
         assert torch.equal(finite, torch.isfinite(got)), (i, (~finite).nonzero().flatten(), (~torch.isfinite(got)).nonzero())
@@ -59,11 +66,12 @@ def check_rows(out: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], pr
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rules_over_steps_match_the_reference(device, dtype):
+@pytest.mark.parametrize("params", [MIXED, ALL_PENALIZED], ids=["mixed", "all_penalized"])
+def test_rules_over_steps_match_the_reference(device, dtype, params):
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 5, 9, 4)]
-    seqs = [Sequence(i, p, sp, rules=rules_of(i)) for i, (p, sp) in enumerate(zip(prompts, PARAMS))]
+    seqs = [Sequence(i, p, sp, rules=rules_of(sp, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
     builder = RulesBuilder(VOCAB, dev)
     builder.admit(seqs)
     generated: list[list[int]] = [[] for _ in seqs]  # the truth: every sampled token, as the device has them
@@ -99,7 +107,7 @@ def test_rules_over_steps_match_the_reference(device, dtype):
     _append(*previous)
     old_slot = seqs[0].counts_slot
     builder.release([seqs[0]])
-    fresh = Sequence(0, [1, 2, 2], PARAMS[0], rules=rules_of(0))
+    fresh = Sequence(0, [1, 2, 2], params[0], rules=rules_of(params[0], 0))
     builder.admit([fresh])
     prompts[0], generated[0] = [1, 2, 2], []
     host = builder.build([fresh], [3], [])
@@ -118,7 +126,7 @@ def test_rows_without_rules_build_nothing():
     plain = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9)) for i in range(3)]
     builder.admit(plain)
     assert builder.build(plain, [3, 3, 3], []) is None  # no live sequence has rules: rows not even read
-    ruled = Sequence(3, [1, 2, 3], PARAMS[2], rules=rules_of(2))
+    ruled = Sequence(3, [1, 2, 3], MIXED[2], rules=rules_of(MIXED[2], 2))
     builder.admit([ruled])
     assert builder.build(plain, [3, 3, 3], []) is None  # one has, but not in this step
     host = builder.build(plain + [ruled], [3, 3, 3, 3], [])
@@ -128,7 +136,7 @@ def test_rows_without_rules_build_nothing():
 
 
 def test_a_penalized_row_first_seen_in_flight_is_refused():
-    seq = Sequence(0, [1, 2], PARAMS[0], rules=rules_of(0))
+    seq = Sequence(0, [1, 2], MIXED[0], rules=rules_of(MIXED[0], 0))
     builder = RulesBuilder(VOCAB, torch.device("cpu"))
     builder.admit([seq])
     with pytest.raises(RuntimeError, match="in flight"):

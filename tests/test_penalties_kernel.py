@@ -52,9 +52,30 @@ def run(penalize, device, x, rows, counts, slots, rep, freq, pres, **kw):
     return got.cpu()
 
 
+def run_from_source(penalize, device, x, rows, counts, slots, rep, freq, pres, **kw):
+    """The penalized rows written into a zero float32 tensor from `x` in bfloat16 (the model's logits,
+    copied and penalized in one pass); returns (output, the bfloat16 source's values)."""
+    source = x.to(torch.bfloat16)
+    got = torch.zeros(x.shape, device=device)
+    as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    as_float = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+    penalize(got, as_long(rows), counts.to(device), as_long(slots), as_float(rep), as_float(freq), as_float(pres),
+             source=source.to(device), **kw)
+    return got.cpu(), source.float()
+
+
+def check_from_source(penalize, device, args, **kw):
+    got, source = run_from_source(penalize, device, *args, **kw)
+    rows = args[1]
+    torch.testing.assert_close(got[rows].double(), reference(source, *args[1:])[rows], rtol=ATOL, atol=ATOL)
+    untouched = [r for r in range(got.shape[0]) if r not in rows]
+    assert not got[untouched].any()  # rows not penalized are not written
+
+
 def test_torch_path_matches_the_reference():
     args = case(vocab=300, batch=6, slots=5, seed=1)
     torch.testing.assert_close(run(torch_penalize_rows, "cpu", *args).double(), reference(*args), rtol=ATOL, atol=ATOL)
+    check_from_source(torch_penalize_rows, "cpu", args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -67,6 +88,7 @@ def test_kernel_matches_the_reference(device, vocab, block):
     torch.testing.assert_close(got.double(), reference(*args), rtol=ATOL, atol=ATOL)
     untouched = [r for r in range(5) if r not in args[1]]
     assert torch.equal(got[untouched], args[0][untouched])
+    check_from_source(penalize_rows, device, args, block=block)
 
 
 @pytest.mark.gpu
@@ -84,6 +106,13 @@ def test_kernel_at_serving_size_matches_the_pytorch_path():
     torch_penalize_rows(want, rows, counts, slots, rep, freq, pres)
     penalize_rows(got, rows, counts, slots, rep, freq, pres)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    source = x.to(torch.bfloat16)  # every row from the model's logits: the copy and the penalties in one pass
+    rows, slots = torch.randperm(batch, generator=g, device="cuda"), torch.randperm(300, generator=g, device="cuda")[:batch]
+    rep, freq, pres = (1 + torch.rand(batch, generator=g, device="cuda") for _ in range(3))
+    want, got = torch.zeros_like(x), torch.zeros_like(x)
+    torch_penalize_rows(want, rows, counts, slots, rep, freq, pres, source=source)
+    penalize_rows(got, rows, counts, slots, rep, freq, pres, source=source)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_arguments_name_the_problem():
@@ -95,5 +124,7 @@ def test_bad_arguments_name_the_problem():
         penalize_rows(x.double(), rows, counts, slots, f, f, f)
     with pytest.raises(ValueError, match=r"counts must be \[slots, 8\] int32"):
         penalize_rows(x, rows, counts.long(), slots, f, f, f)
+    with pytest.raises(ValueError, match=r"source must be a float tensor of x's shape \(2, 8\)"):
+        penalize_rows(x, rows, counts, slots, f, f, f, source=torch.zeros(2, 9))
     with pytest.raises(ValueError, match="block must be a power of two, got 48"):
         penalize_rows(x, rows, counts, slots, f, f, f, block=48)

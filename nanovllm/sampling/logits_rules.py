@@ -1,6 +1,6 @@
 """A step's logits rules: what requests' SamplingParams change in their rows' logits before sampling
-(allowed_token_ids, bad_words, min_tokens, logit_bias, penalties), in vLLM V1's order, on a float32
-copy (logprobs stay those of the raw logits):
+(allowed_token_ids, bad_words, min_tokens, logit_bias, penalties), as vLLM V1 applies them, on a float32
+copy (logprobs stay those of the raw logits); `StepRules.apply` says in which order:
 
     allowed   every token of an allowed row but its allowed ones  -> -inf
     bans      (row, token) pairs: bad words whose prefix was just generated, and EOS / stop ids
@@ -130,9 +130,23 @@ class StepRules:
         self.penalize = penalize
 
     def apply(self, logits: Tensor) -> Tensor:
-        """`logits` [B, V] (not modified) -> [B, V] float32 with the rules applied."""
+        """`logits` [B, V] (not modified) -> [B, V] float32 with the rules applied.
+
+        vLLM's order but for the masks, which come last: they set -inf, and every other rule keeps
+        -inf at -inf, so the result is the same. Then a step whose every row is penalized and none
+        biased (the bias comes before the penalties) reads the logits once, penalizing them as it
+        writes the float32 rows, instead of a copy and a second pass over it."""
         p = self.parts
-        x = logits.to(torch.float32, copy=True)
+        penalized = "penalty_rows" in p
+        if penalized and "bias_rows" not in p and p["penalty_rows"].shape[0] == logits.shape[0]:
+            x = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            self._penalize(x, source=logits)
+        else:
+            x = logits.to(torch.float32, copy=True)
+            if "bias_rows" in p:
+                x.index_put_((p["bias_rows"], p["bias_tokens"]), p["bias_values"], accumulate=True)
+            if penalized:
+                self._penalize(x)
         if "allowed_rows" in p:
             keep = torch.zeros(p["allowed_rows"].shape[0], x.shape[1], dtype=torch.bool, device=x.device)  # [A, V]
             keep[p["allowed_entry_rows"], p["allowed_tokens"]] = True
@@ -144,12 +158,12 @@ class StepRules:
             hit = self.previous_tokens[p["cond_sources"]] == p["cond_required"]  # [M]
             masked = torch.where(hit, -torch.inf, 0.0)
             x.index_put_((p["cond_rows"], p["cond_tokens"]), masked, accumulate=True)
-        if "bias_rows" in p:
-            x.index_put_((p["bias_rows"], p["bias_tokens"]), p["bias_values"], accumulate=True)
-        if "penalty_rows" in p:
-            self.penalize(x, p["penalty_rows"], self.counts.slab, p["penalty_slots"], p["repetition"],
-                          p["frequency"], p["presence"])
         return x
+
+    def _penalize(self, x: Tensor, source: Tensor | None = None) -> None:
+        p = self.parts
+        self.penalize(x, p["penalty_rows"], self.counts.slab, p["penalty_slots"], p["repetition"], p["frequency"],
+                      p["presence"], source=source)
 
     def record(self, tokens: Tensor) -> None:
         """Count the step's sampled `tokens` [B] int64 in the penalized rows' slots."""

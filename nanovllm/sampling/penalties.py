@@ -66,18 +66,21 @@ class TokenCounts:
 
     def record(self, slots: Tensor, tokens: Tensor) -> None:
         """Count one more generation of `tokens` [P] in rows `slots` [P] (int64, on the device)."""
-        self.slab.index_put_((slots, tokens), self._step(tokens), accumulate=True)
+        # one atomic add per pair (an accumulating index_put_ sorts its indices first: several launches)
+        self.slab.view(-1).index_add_(0, slots * self.vocab_size + tokens, self._step(tokens))
 
     def _step(self, like: Tensor) -> Tensor:
         return torch.full(like.shape, OUTPUT_STEP, dtype=torch.int32, device=like.device)
 
 
 def penalize_rows(x: Tensor, rows: Tensor, counts: Tensor, slots: Tensor, repetition: Tensor, frequency: Tensor,
-                  presence: Tensor) -> None:
-    """Penalize rows `rows` [P] of `x` [B, V] float32 in place, each by its counts row
-    `counts[slots[p]]` ([S, V] int32) and its penalties [P] (the PyTorch path; on CUDA the Triton
-    kernel of sampling/penalties_kernel.py keeps this contract)."""
-    x[rows] = apply_penalties(x[rows], counts.index_select(0, slots), repetition, frequency, presence)
+                  presence: Tensor, source: Tensor | None = None) -> None:
+    """Penalize rows `rows` [P] of `x` [B, V] float32, each by its counts row `counts[slots[p]]`
+    ([S, V] int32) and its penalties [P]: in place, or from the same rows of `source` [B, V] (any
+    float dtype) when given (the PyTorch path; on CUDA the Triton kernel of
+    sampling/penalties_kernel.py keeps this contract)."""
+    rows_in = (x if source is None else source)[rows].to(torch.float32)
+    x[rows] = apply_penalties(rows_in, counts.index_select(0, slots), repetition, frequency, presence)
 
 
 def apply_penalties(logits: Tensor, counts: Tensor, repetition: Tensor, frequency: Tensor,

@@ -1,13 +1,11 @@
-"""Triton penalties: sampling/penalties.py's rules on the penalized rows of a float32 logits copy, in
-place, in one read of each row and its token counts (the PyTorch path takes about ten passes).
+"""Triton penalties: sampling/penalties.py's rules on the penalized rows of float32 logits, in one read
+of each row and its token counts (the PyTorch path takes about ten passes).
 
-Grid (P, C): program (p, c) takes columns [c * BLOCK, (c + 1) * BLOCK) of logits row rows[p] and of
-counts row slots[p]:
+Grid (P, C): program (p, c) takes columns [c * BLOCK, (c + 1) * BLOCK) of row rows[p] of the source
+(the float32 rows themselves, or the model's logits in any float dtype: the copy and the penalties in
+one pass) and of counts row slots[p], and writes that row of the float32 output:
 
     x = where(count > 0, where(x > 0, x / rep, x * rep), x) - freq * (count >> 1) - pres * (count >= 2)
-
-No end-to-end A/B yet: the lead's H200 run of bench.py with each penalty (BENCHMARKS.md) decides
-whether the kernel earns its place over the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,15 +22,16 @@ MAX_CHUNKS = 65535
 
 
 @triton.jit
-def _penalties_kernel(x_ptr, stride_x, counts_ptr, stride_counts, rows_ptr, slots_ptr, rep_ptr, freq_ptr, pres_ptr,
-                      vocab, BLOCK: tl.constexpr):
+def _penalties_kernel(src_ptr, stride_src, x_ptr, stride_x, counts_ptr, stride_counts, rows_ptr, slots_ptr, rep_ptr,
+                      freq_ptr, pres_ptr, vocab, BLOCK: tl.constexpr):
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
-    x_row = x_ptr + tl.load(rows_ptr + p).to(tl.int64) * stride_x
+    row = tl.load(rows_ptr + p).to(tl.int64)
+    x_row = x_ptr + row * stride_x
     count_row = counts_ptr + tl.load(slots_ptr + p).to(tl.int64) * stride_counts
     rep = tl.load(rep_ptr + p)
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    x = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
     count = tl.load(count_row + cols, mask=mask, other=0)
     x = tl.where(count > 0, tl.where(x > 0, x / rep, x * rep), x)
     generated = (count >> 1).to(tl.float32)
@@ -42,12 +41,18 @@ def _penalties_kernel(x_ptr, stride_x, counts_ptr, stride_counts, rows_ptr, slot
 
 def penalize_rows(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
                   repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                  block: int = BLOCK) -> None:
-    """Penalize rows `rows` [P] int64 of `x` [B, V] float32 (contiguous last dim) in place, each by
-    its counts row `counts[slots[p]]` ([S, V] int32) and its `repetition` / `frequency` /
-    `presence` [P] float32. `block`: columns per program (a power of two; tests shrink it)."""
+                  source: torch.Tensor | None = None, block: int = BLOCK) -> None:
+    """Penalize rows `rows` [P] int64 of `x` [B, V] float32 (contiguous last dim), each by its counts
+    row `counts[slots[p]]` ([S, V] int32) and its `repetition` / `frequency` / `presence` [P]
+    float32: in place, or from the same rows of `source` [B, V] (any float dtype, contiguous last
+    dim) when given. `block`: columns per program (a power of two; tests shrink it)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a 2-D float32 tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    if source is None:
+        source = x
+    elif not source.is_floating_point() or source.shape != x.shape or source.stride(-1) != 1:
+        raise ValueError(f"source must be a float tensor of x's shape {tuple(x.shape)} with a contiguous last dim, "
+                         f"got {source.dtype} {tuple(source.shape)}")
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != x.shape[1] or counts.stride(-1) != 1:
         raise ValueError(f"counts must be [slots, {x.shape[1]}] int32 with a contiguous last dim, got "
                          f"{counts.dtype} {tuple(counts.shape)}")
@@ -59,5 +64,5 @@ def penalize_rows(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, slo
     if rows.shape[0] == 0:
         return
     _penalties_kernel[(rows.shape[0], num_chunks)](
-        x, x.stride(0), counts, counts.stride(0), rows, slots, repetition, frequency, presence, x.shape[1],
+        source, source.stride(0), x, x.stride(0), counts, counts.stride(0), rows, slots, repetition, frequency, presence, x.shape[1],
         BLOCK=block, num_warps=NUM_WARPS)
