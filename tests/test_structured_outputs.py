@@ -26,6 +26,7 @@ import xgrammar
 
 from checkpoints import cpu_llm, load_reference
 from nanovllm import SamplingParams
+from nanovllm.engine.structured_outputs import accept_tokens
 from nanovllm.sampling_params import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,3 +404,16 @@ def test_structured_outputs_edited_after_construction_are_checked_when_added(llm
     while not llm.is_finished():
         finished += llm.step().finished
     assert [o.request_id for o in finished] == [request_id] and finished[0].outputs[0].text in CHOICES
+
+
+def test_accept_tokens_advances_each_grammar_and_refuses_a_token_its_mask_forbids(llm):
+    compiled = llm.grammars.compile(StructuredOutputsParams(choice=["ab", "cd"]))
+    ab, zz = (llm.tokenizer.encode(text, add_special_tokens=False) for text in ("ab", "zz"))
+    first, ended, refused = (llm.grammars.sample_grammar(compiled) for _ in range(3))
+    assert ended.matcher.accept_string("cd") and ended.matcher.accept_token(sorted(llm.eos_token_ids)[0])
+    accept_tokens([first, ended], [ab[0], zz[0]])  # the ended grammar is skipped, not refused
+    for token in ab[1:]:
+        accept_tokens([first], [token])
+    assert first.matcher.is_completed() and ended.ended and not first.ended
+    with pytest.raises(RuntimeError, match=f"token {zz[0]} was sampled under a grammar mask that does not allow it"):
+        accept_tokens([refused], [zz[0]])

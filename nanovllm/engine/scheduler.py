@@ -48,6 +48,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.engine.structured_outputs import SampleGrammar, accept_tokens
 from nanovllm.engine.step_trim import trimmed_prefill_budget
 from nanovllm.engine.stop_strings import StopStringMatcher
 from nanovllm.outputs import Logprob
@@ -247,13 +248,16 @@ class Scheduler:
         to that token's {token_id: Logprob} (sequences that ask). Returns the requests that
         finished (all their samples done), no longer tracked here."""
         done: list[Request] = []
+        grammars: list[SampleGrammar] = []  # the constrained samples' grammars, and their tokens
+        grammar_tokens: list[int] = []
         for seq in batch.seqs + [f.child for f in batch.forks]:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
             seq.token_ids.append(token)
             if seq.grammar is not None:
-                seq.grammar.accept(token)
+                grammars.append(seq.grammar)
+                grammar_tokens.append(token)
             if seq.logprobs is not None and logprobs is not None:
                 entry = logprobs[seq.seq_id]
                 seq.logprobs.append(entry)
@@ -265,6 +269,8 @@ class Scheduler:
                 if request.is_finished:
                     del self.requests[seq.request_id]
                     done.append(request)
+        if grammars:
+            accept_tokens(grammars, grammar_tokens)
         return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -13,7 +13,7 @@ the previous step's tokens have advanced the matchers), copied up, and the sampl
     request with structured_outputs ─> GrammarBackend.compile (once per distinct grammar: cached)
     each of its n samples ─> SampleGrammar (a matcher at the grammar's start)
     each step ─> GrammarBackend.token_mask(rows, grammars) ─> sampler: -inf where not allowed
-    each kept token ─> SampleGrammar.accept (Scheduler.postprocess)
+    a step's kept tokens ─> accept_tokens (Scheduler.postprocess)
 """
 
 from __future__ import annotations
@@ -61,12 +61,19 @@ class SampleGrammar:
     def ended(self) -> bool:
         return self.matcher.is_terminated()
 
-    def accept(self, token: int) -> None:
-        """Advance past `token`, a token the sample kept (drawn under this grammar's mask)."""
-        if self.matcher.is_terminated():
-            return
-        if not self.matcher.accept_token(token):
-            raise RuntimeError(f"token {token} was sampled under a grammar mask that does not allow it")
+
+
+def accept_tokens(grammars: list[SampleGrammar], tokens: list[int]) -> None:
+    """Advance each of `grammars` past its sample's kept token (drawn under its mask), in one call
+    into xgrammar for the batch (half the time of a call per row); grammars that ended stay so."""
+    live = [(g.matcher, t) for g, t in zip(grammars, tokens) if not g.ended]
+    if not live:
+        return
+    matchers, kept = zip(*live)
+    accepted = import_xgrammar().BatchGrammarMatcher.batch_accept_token(list(matchers), list(kept))
+    if not all(accepted):
+        token = kept[accepted.index(False)]
+        raise RuntimeError(f"token {token} was sampled under a grammar mask that does not allow it")
 
 
 class GrammarBackend:
