@@ -62,7 +62,6 @@ class SampleGrammar:
         return self.matcher.is_terminated()
 
 
-
 def accept_tokens(grammars: list[SampleGrammar], tokens: list[int]) -> None:
     """Advance each of `grammars` past its sample's kept token (drawn under its mask), in one call
     into xgrammar for the batch (half the time of a call per row); grammars that ended stay so."""
