@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .align import _check_ids, aligned_blocks, moe_align
+from .fp8_experts import ScaleMode, expert_scale_mode
 
 # Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
 # that holds most experts' pairs whole reads each selected expert's weights once per N tile.
@@ -98,11 +99,29 @@ def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     return x
 
 
+@triton.jit
+def _scaled_dot(a, w, acc, s_ptrs, k0, rk, k_ok, W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
+                SCALE_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + a @ dequant(w)^T: a [BLOCK_M, BLOCK_K], w [BLOCK_N, BLOCK_K] (FP8 values or, W_SCALE 0
+    and 1, hidden's dtype), s_ptrs [BLOCK_N] the scale row of each weight row's block (W_SCALE 2).
+    Block scales multiply the step's product (SCALE_PER_STEP: BLOCK_K divides SCALE_BLOCK, the
+    step lies in one column of blocks) or, otherwise, each weight element before the product;
+    channel scales (W_SCALE 1) are applied to the finished sums by the caller."""
+    if W_SCALE == 2:
+        if SCALE_PER_STEP:
+            s = tl.load(s_ptrs + k0 // SCALE_BLOCK)  # [BLOCK_N]
+            return acc + tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PREC) * s[None, :]
+        s = tl.load(s_ptrs[:, None] + ((k0 + rk) // SCALE_BLOCK)[None, :], mask=k_ok[None, :], other=0.0)
+        w = (w.to(tl.float32) * s).to(a.dtype)  # [BLOCK_N, BLOCK_K]
+    return tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
-                    n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn,
+                    n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn, s13_ptr, stride_se, stride_sn,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                    W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
@@ -113,6 +132,10 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
     w_ptrs = w13_ptr + expert * stride_we + rk[None, :]
     g_ptrs = w_ptrs + n_rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K], gate rows n
     u_ptrs = w_ptrs + (n_rows + inter)[:, None].to(tl.int64) * stride_wn  # up rows I + n
+    if W_SCALE != 0:  # this expert's scales; [BLOCK_N] each row's row of blocks (W_SCALE 2)
+        s_base = s13_ptr + expert * stride_se
+        sg_ptrs = s_base + (n_rows // SCALE_BLOCK).to(tl.int64) * stride_sn
+        su_ptrs = s_base + ((n_rows + inter) // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -120,8 +143,15 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
         a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
         g = _load_tile(g_ptrs + k0, k_ok, EVEN_K, UPCAST)
         u = _load_tile(u_ptrs + k0, k_ok, EVEN_K, UPCAST)
-        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+        if W_SCALE == 0:  # the weights in hidden's dtype
+            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+        else:
+            acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
+            acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
+    if W_SCALE == 1:  # one scale per weight row: the finished sums
+        acc_g *= tl.load(s_base + n_rows)[None, :]
+        acc_u *= tl.load(s_base + n_rows + inter)[None, :]
     dtype = act_ptr.dtype.element_ty
     act = silu_mul(round_to(acc_g, dtype).to(tl.float32), round_to(acc_u, dtype).to(tl.float32), dtype)
     tl.store(act_ptr + rows[:, None] * inter + rn[None, :], act, mask=(rn < inter)[None, :])
@@ -129,23 +159,33 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
-                 n_pairs, hidden_size, inter, stride_we, stride_wn,
+                 n_pairs, hidden_size, inter, stride_we, stride_wn, s2_ptr, stride_se, stride_sn,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                 W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * inter + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    w_rows = tl.minimum(rn, hidden_size - 1).to(tl.int64) * stride_wn
+    n_rows = tl.minimum(rn, hidden_size - 1)  # columns past H repeat row H - 1, never stored
+    w_rows = n_rows.to(tl.int64) * stride_wn
     w_ptrs = w2_ptr + expert * stride_we + w_rows[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    if W_SCALE != 0:  # this expert's scales; [BLOCK_N] each row's row of blocks (W_SCALE 2)
+        s_base = s2_ptr + expert * stride_se
+        s_ptrs = s_base + (n_rows // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = k0 + rk < inter
         a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
         w = _load_tile(w_ptrs + k0, k_ok, EVEN_K, UPCAST)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+        if W_SCALE == 0:  # the weights in hidden's dtype
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+        else:
+            acc = _scaled_dot(a, w, acc, s_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
+    if W_SCALE == 1:  # one scale per weight row: the finished sums
+        acc *= tl.load(s_base + n_rows)[None, :]
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
     tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
@@ -199,8 +239,6 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [E, N, K], got {getattr(w, 'shape', type(w))}")
-        if w.dtype != hidden.dtype:
-            raise TypeError(f"{name} dtype {w.dtype} != hidden dtype {hidden.dtype}")
         if w.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {w.stride()}")
     e, two_i, wh = w13.shape
@@ -222,11 +260,26 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
 
 
+def _scale_args(mode: ScaleMode, scale: torch.Tensor | None, block_k: int,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A kernel's scale tensor (hidden as a placeholder without scales, never read) and the
+    keyword arguments that go with it: strides, the mode, and whether block scales apply per K
+    step (block_k divides FP8_BLOCK) or per element."""
+    blocks = mode == ScaleMode.BLOCK
+    return (hidden if scale is None else scale,
+            dict(stride_se=0 if scale is None else scale.stride(0), stride_sn=scale.stride(1) if blocks else 0,
+                 W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % block_k == 0, SCALE_BLOCK=FP8_BLOCK))
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              tiles: MoeTiles | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: sum_k topk_weights[t, k] * expert topk_ids[t, k]'s
-    SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). `tiles` overrides moe_tiles (benchmarks)."""
+    SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). FP8 experts: w13 / w2 float8_e4m3fn with
+    w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py). `tiles` overrides
+    moe_tiles (benchmarks)."""
     _check_moe(hidden, w13, w2, topk_weights, topk_ids)
+    mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
     (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, n_pairs = two_i // 2, topk_ids.numel()
     if t == 0:
@@ -239,15 +292,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    s13, scales = _scale_args(mode, w13_scale, gate_up.block_k, hidden)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
         hidden, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+        n_pairs, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
-        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **common)
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common)
     pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
+    s2, scales = _scale_args(mode, w2_scale, down.block_k, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, w2.stride(0), w2.stride(1),
+        n_pairs, h, inter, w2.stride(0), w2.stride(1), s2,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
-        num_warps=down.num_warps, num_stages=down.num_stages, **common)
+        num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common)
     return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]
