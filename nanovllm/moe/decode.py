@@ -18,7 +18,12 @@ the down launch. One launch (the separate routing kernel) fewer a layer.
 gate_up streams BN weight rows over H in BK steps (accumulators [BN, BK] float32, as
 kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in flight together
 (one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
-every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0). g, u and act are
+every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0).
+FP8 experts (moe/fp8_experts.py, W_SCALE): weights are read at one byte and converted in
+registers; per-channel scales multiply the row sums (gate_up) or each slot's [BN] sums (down).
+Block scales: gate_up folds them into x column by column (each program's gate rows, and its up
+rows, lie in one row of blocks: the wrapper halves BN until BN divides 128 and I); down multiplies
+each step's [KP, BN] sums (BK divides 128), else each weight element. g, u and act are
 rounded to the input dtype as the unfused MLP does; the sum over k stays float32 until the
 output. Offsets are int64; no atomics (deterministic). One-wave grids launch with PDL
 (kernels/pdl.py): each waits for its inputs before its first load. Shapes only set the launch: CUDA-graph

@@ -17,6 +17,12 @@ num_used_blocks returns at once; padding rows compute on token 0 and never reach
 Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
 Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
 
+FP8 experts (moe/fp8_experts.py, W_SCALE): weight tiles are read at one byte a value and
+converted to hidden's dtype in registers (exact). Per-channel scales multiply the finished sums'
+columns; block scales multiply each K step's product column by column (BLOCK_K divides 128: the
+step lies in one column of blocks), else each weight element before the product (rounded to
+hidden's dtype). W_SCALE 0 compiles the bf16 kernels unchanged.
+
 Measured end to end (H200): Qwen3-30B-A3B default workload 5,464 tok/s (69.4% of the roofline) ->
 5,728 (71.5%) after its tile retune (827a097, fe73658; BENCHMARKS.md "Qwen3-MoE (#16)"); no PyTorch
 MoE path exists on CUDA to compare with (a per-expert loop cannot be graph-captured).
