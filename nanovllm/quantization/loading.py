@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.moe.layer import split_fused_experts
+from nanovllm.moe.checkpoint_names import split_fused_experts
 from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
 from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
 
