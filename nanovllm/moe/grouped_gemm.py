@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .align import _check_ids, aligned_blocks, moe_align
@@ -106,13 +107,23 @@ def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(a, w, acc, s_ptrs, k0, rk, k_ok, W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
-                SCALE_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):
+def _scaled_dot(a, w, acc, s_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE: tl.constexpr,
+                SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                ACT_FP8: tl.constexpr):
     """acc + a @ dequant(w)^T: a [BLOCK_M, BLOCK_K], w [BLOCK_N, BLOCK_K] (FP8 values or, W_SCALE 0
     and 1, hidden's dtype), s_ptrs [BLOCK_N] the scale row of each weight row's block (W_SCALE 2).
     Block scales multiply the step's product (SCALE_PER_STEP: BLOCK_K divides SCALE_BLOCK, the
     step lies in one column of blocks) or, otherwise, each weight element before the product;
-    channel scales (W_SCALE 1) are applied to the finished sums by the caller."""
+    channel scales (W_SCALE 1) are applied to the finished sums by the caller.
+    ACT_FP8 (W8A8): a is e4m3 too and the product runs on FP8 operands; under block scales (per
+    step only) as_ptrs [BLOCK_M] point at each row's activation scales (group k0 // SCALE_BLOCK
+    at stride_asg), which multiply the product's rows; channel: the caller scales the sums."""
+    if ACT_FP8:
+        if W_SCALE == 2:
+            s = tl.load(s_ptrs + k0 // SCALE_BLOCK)  # [BLOCK_N]
+            a_s = tl.load(as_ptrs + (k0 // SCALE_BLOCK) * stride_asg)  # [BLOCK_M]
+            return acc + tl.dot(a, tl.trans(w)) * (a_s[:, None] * s[None, :])
+        return tl.dot(a, tl.trans(w), acc)
     if W_SCALE == 2:
         if SCALE_PER_STEP:
             s = tl.load(s_ptrs + k0 // SCALE_BLOCK)  # [BLOCK_N]
@@ -125,15 +136,18 @@ def _scaled_dot(a, w, acc, s_ptrs, k0, rk, k_ok, W_SCALE: tl.constexpr, SCALE_PE
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
                     n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn, s13_ptr, stride_se, stride_sn,
+                    as_ptr, stride_asm, stride_asg,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                    W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                    W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                    ACT_FP8: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = hidden_ptr + tokens[:, None] * stride_h + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    as_ptrs = as_ptr + tokens * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
     n_rows = tl.minimum(rn, inter - 1)  # columns past I repeat row I - 1, never stored
     w_ptrs = w13_ptr + expert * stride_we + rk[None, :]
     g_ptrs = w_ptrs + n_rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K], gate rows n
@@ -153,11 +167,17 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
             acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
         else:
-            acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
-            acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
-    if W_SCALE == 1:  # one scale per weight row: the finished sums
+            acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                                SCALE_BLOCK, DOT_PREC, ACT_FP8)
+            acc_u = _scaled_dot(a, u, acc_u, su_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                                SCALE_BLOCK, DOT_PREC, ACT_FP8)
+    if W_SCALE == 1:  # one scale per weight row (and, ACT_FP8, per activation row): the finished sums
         acc_g *= tl.load(s_base + n_rows)[None, :]
         acc_u *= tl.load(s_base + n_rows + inter)[None, :]
+        if ACT_FP8:
+            a_s = tl.load(as_ptrs)[:, None]  # [BLOCK_M, 1]
+            acc_g *= a_s
+            acc_u *= a_s
     dtype = act_ptr.dtype.element_ty
     act = silu_mul(round_to(acc_g, dtype).to(tl.float32), round_to(acc_u, dtype).to(tl.float32), dtype)
     tl.store(act_ptr + rows[:, None] * inter + rn[None, :], act, mask=(rn < inter)[None, :])
@@ -166,15 +186,18 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
                  n_pairs, hidden_size, inter, stride_we, stride_wn, s2_ptr, stride_se, stride_sn,
+                 as_ptr, stride_asm, stride_asg,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                 W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                 ACT_FP8: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * inter + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    as_ptrs = as_ptr + rows * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
     n_rows = tl.minimum(rn, hidden_size - 1)  # columns past H repeat row H - 1, never stored
     w_rows = n_rows.to(tl.int64) * stride_wn
     w_ptrs = w2_ptr + expert * stride_we + w_rows[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
@@ -189,9 +212,12 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert
         if W_SCALE == 0:  # the weights in hidden's dtype
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
         else:
-            acc = _scaled_dot(a, w, acc, s_ptrs, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP, SCALE_BLOCK, DOT_PREC)
-    if W_SCALE == 1:  # one scale per weight row: the finished sums
+            acc = _scaled_dot(a, w, acc, s_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                              SCALE_BLOCK, DOT_PREC, ACT_FP8)
+    if W_SCALE == 1:  # one scale per weight row (and, ACT_FP8, per activation row): the finished sums
         acc *= tl.load(s_base + n_rows)[None, :]
+        if ACT_FP8:
+            acc *= tl.load(as_ptrs)[:, None]
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
     tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
@@ -277,38 +303,65 @@ def _scale_args(mode: ScaleMode, scale: torch.Tensor | None, block_k: int,
                  W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % block_k == 0, SCALE_BLOCK=FP8_BLOCK))
 
 
+def _act_fp8_args(mode: ScaleMode, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """W8A8: x [M, K] in e4m3 (kernels/fp8_quant.quantize_rows: amax / 448, floored, saturating),
+    its float32 scales and their strides: one a row (channel weights: [M, 1]) or one a row per
+    FP8_BLOCK-column group, the weights' block columns (block weights: [M, cdiv(K, 128)])."""
+    q, scales = quantize_rows(x, group=FP8_BLOCK if mode == ScaleMode.BLOCK else None)
+    return q, scales, dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
+
+
+def _check_act_fp8(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tiling) -> None:
+    if not isinstance(act_fp8, bool):
+        raise TypeError(f"act_fp8 must be a bool, got {act_fp8!r}")
+    if act_fp8 and mode == ScaleMode.NONE:
+        raise ValueError("act_fp8 (W8A8) takes FP8 experts: w13 / w2 float8_e4m3fn with w13_scale / w2_scale")
+    if act_fp8 and mode == ScaleMode.BLOCK:
+        for name, t in (("gate_up", gate_up), ("down", down)):
+            if FP8_BLOCK % t.block_k:
+                raise ValueError(f"act_fp8 with block scales takes K steps dividing {FP8_BLOCK} (one activation "
+                                 f"group a step), got {name} block_k={t.block_k}")
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              tiles: MoeTiles | None = None) -> torch.Tensor:
+              tiles: MoeTiles | None = None, act_fp8: bool = False) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: sum_k topk_weights[t, k] * expert topk_ids[t, k]'s
     SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). FP8 experts: w13 / w2 float8_e4m3fn with
-    w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py). `tiles` overrides
-    moe_tiles (benchmarks)."""
+    w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py); `act_fp8` (W8A8) quantizes
+    hidden and the activation per row (block scales: per row per 128 columns) and multiplies FP8
+    operands. `tiles` overrides moe_tiles (benchmarks)."""
     _check_moe(hidden, w13, w2, topk_weights, topk_ids)
     mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
     (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, n_pairs = two_i // 2, topk_ids.numel()
-    if t == 0:
-        return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
     tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles)
+    _check_act_fp8(act_fp8, mode, gate_up, down)
+    if t == 0:
+        return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     align = moe_align(topk_ids, e, tiles.block_m)
     blocks = align.block_expert.numel()
-    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16,
+    # The interpreter's tl.dot takes e4m3 operands as they are (W8A8); bfloat16 ones in float32 (UPCAST).
+    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
+    a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
+    x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
     s13, scales = _scale_args(mode, w13_scale, gate_up.block_k, hidden)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
-        hidden, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13,
+        x, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
+        n_pairs, h, inter, x.stride(0), w13.stride(0), w13.stride(1), s13, as_ptr=a_scale,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
-        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common)
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common, **acts)
+    # W8A8: act [P, I] in e4m3, every row (those of unused blocks hold torch.empty's bytes: never read)
+    act, a_scale, acts = _act_fp8_args(mode, act) if act_fp8 else (act, hidden, a16)
     pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
     s2, scales = _scale_args(mode, w2_scale, down.block_k, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, w2.stride(0), w2.stride(1), s2,
+        n_pairs, h, inter, w2.stride(0), w2.stride(1), s2, as_ptr=a_scale,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
-        num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common)
+        num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common, **acts)
     return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]
