@@ -3,7 +3,8 @@ mode a launch takes, checked once at the wrapper, never in the kernels' loops.
 
 The kernels take the stacked experts in the compute dtype (hidden's), or as float8_e4m3fn with
 float32 scales (weight = e4m3 value x scale), dequantized in registers: W8A16, the activations
-stay in hidden's dtype and every product accumulates in float32.
+stay in hidden's dtype and every product accumulates in float32 (or, the grouped GEMMs' W8A8
+variant, quantized per row too: moe/grouped_gemm.py).
 
     ScaleMode.NONE     w13 [E, 2I, H], w2 [E, H, I] in hidden's dtype, no scales (the bf16 path)
     ScaleMode.CHANNEL  w13_scale [E, 2I], w2_scale [E, H]: one per output row of each expert

@@ -23,6 +23,13 @@ columns; block scales multiply each K step's product column by column (BLOCK_K d
 step lies in one column of blocks), else each weight element before the product (rounded to
 hidden's dtype). W_SCALE 0 compiles the bf16 kernels unchanged.
 
+W8A8 (fused_moe(act_fp8=True), ACT_FP8; FP8 experts, block scales per K step only): hidden and act
+are quantized to e4m3 first (kernels/fp8_quant: per row; block scales: per row per 128 columns,
+the weights' block columns) and tl.dot multiplies e4m3 operands (Hopper's FP8 MMAs, twice the bf16
+rate) into float32; channel: acc * a_scale[row] * w_scale[col] on the finished sums, block: each
+step's product * a_scale[row, group] * w_scale[col block, group]. The layer takes it for large
+steps only (KernelRoutes.moe_fp8_mma_min_tokens), where the GEMMs are compute-bound.
+
 Measured end to end (H200): Qwen3-30B-A3B default workload 5,464 tok/s (69.4% of the roofline) ->
 5,728 (71.5%) after its tile retune (827a097, fe73658; BENCHMARKS.md "Qwen3-MoE (#16)"); no PyTorch
 MoE path exists on CUDA to compare with (a per-expert loop cannot be graph-captured).

@@ -26,7 +26,9 @@ w13_weight_scale_inv), which the kernels apply in registers (moe/fp8_experts.py)
                                                                [E, cdiv(H, 128), I/tp / 128]
 
 Elsewhere (CPU; block scales whose rank boundary splits a block) the loader dequantizes them into
-w13 / w2 in the compute dtype. The router stays in full precision.
+w13 / w2 in the compute dtype. The router stays in full precision. Held FP8 experts run W8A16
+(activations in the compute dtype) except grouped-GEMM steps of KernelRoutes.moe_fp8_mma_min_tokens
+or more (size class), which quantize the activations per token and multiply FP8 x FP8 (W8A8).
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
@@ -127,6 +129,8 @@ class MoeExperts(nn.Module):
             from nanovllm.moe.decode import MAX_TOKENS
 
             self.gemv_tokens = min(current_routes().moe_gemv_max_tokens, MAX_TOKENS)
+        # Grouped-GEMM steps whose size class reaches this run W8A8 (held FP8 experts; None: never).
+        self.fp8_mma_tokens = (current_routes().moe_fp8_mma_min_tokens or None) if held and self.use_triton else None
 
     def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
@@ -207,6 +211,14 @@ class MoeExperts(nn.Module):
         graphs pad to 16+ tokens) always run the same kernels."""
         return in_decode_step() and hidden.shape[0] <= self.gemv_tokens
 
+    def runs_fp8_mma(self, hidden: torch.Tensor) -> bool:
+        """Whether this grouped-GEMM step runs W8A8: held FP8 experts on CUDA, a step whose size
+        class (the tiles' and CUDA graphs' unit, moe/grouped_gemm.size_class) reaches
+        fp8_mma_tokens, so an eager step and the graph replaying it run the same kernels."""
+        from nanovllm.moe.grouped_gemm import size_class
+
+        return self.fp8_mma_tokens is not None and size_class(hidden.shape[0]) >= self.fp8_mma_tokens
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a given routing (the steps runs_gemv serves take forward_routed)."""
         if not self.use_triton:
@@ -214,7 +226,8 @@ class MoeExperts(nn.Module):
         from nanovllm.moe.grouped_gemm import fused_moe
 
         w13_scale, w2_scale = self.scales or (None, None)
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                         act_fp8=self.runs_fp8_mma(hidden))
 
     def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> torch.Tensor:
