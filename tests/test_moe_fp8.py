@@ -269,8 +269,8 @@ def test_update_weights_quantizes_full_precision_experts_with_the_engines_scheme
 
 @pytest.mark.interpreter
 def test_bench_moe_fp8_smoke_counts_the_bytes_each_format_reads(tmp_path):
-    """bench_moe.py --fp8 block --shape tiny on CPU: both kernels run on bf16 and FP8 experts and
-    pass the bench's own fp32 check; the bytes it counts are the stored widths by hand (FP8: one
+    """bench_moe.py --fp8 block --shape tiny on CPU: both kernels run on bf16 and FP8 experts (the
+    grouped GEMM W8A16 and W8A8) and pass the bench's own fp32 check; the bytes it counts are the stored widths by hand (FP8: one
     byte a weight plus float32 block scales, 2 x 2 for w13 [256, 256] and 2 x 1 for w2 [256, 128])."""
     import json
 
@@ -282,7 +282,8 @@ def test_bench_moe_fp8_smoke_counts_the_bytes_each_format_reads(tmp_path):
     assert head["shape"] == "tiny" and head["scales"] == "block" and head["copy_gbps"] is None
     e, _, h, i = bench_moe.SHAPES["tiny"]
     assert [(r["kernel"], r["tokens"], r["weights"]) for r in rows] == [
-        (kernel, t, w) for kernel, t in (("fused_moe", 3), ("gemv", 1), ("gemv", 2)) for w in ("bf16", "fp8-block")]
+        ("fused_moe", 3, w) for w in ("bf16", "fp8-block", "fp8-block-w8a8")] + [
+        ("gemv", t, w) for t in (1, 2) for w in ("bf16", "fp8-block")]
     for r in rows:
         per_expert = 3 * h * i * 2 if r["weights"] == "bf16" else 3 * h * i + (2 * 2 + 2 * 1) * 4
         assert 1 <= r["distinct_experts"] <= e and r["bytes_read"] == r["distinct_experts"] * per_expert

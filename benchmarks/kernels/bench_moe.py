@@ -14,7 +14,9 @@ K slots); `align ms` is moe_align alone, timed the same way.
     python -m benchmarks.kernels.bench_moe --fp8 channel|block [--tokens ...] [--shape tiny]
 
 --fp8 MODE: FP8 experts (moe/fp8_experts.py; weights quantized here per expert with MODE's scales)
-beside the same experts in bf16, in one run: the grouped GEMM (fused_moe) at FP8_TOKENS and the
+beside the same experts in bf16, in one run: the grouped GEMM (fused_moe) at FP8_TOKENS, W8A16 and
+W8A8 (act_fp8: activations quantized per token, FP8 MMAs; a last table sets the three side by side,
+from which KernelRoutes.moe_fp8_mma_min_tokens is picked), and the
 routed decode GEMVs (moe_gemv_routed, router logits in) at 1 and 2 tokens; us, GB/s of the bytes
 each actually reads (FP8 weights + float32 scales, or bf16 weights) and their fraction of the copy
 bandwidth, TFLOP/s, and the bf16 / fp8 time ratio. `--shape tiny` (TINY_SHAPE) runs it on CPU under
@@ -70,6 +72,11 @@ SWEEP_GEMV_WARPS = (4,)
 # float32 values a thread holds per step (the loaded tile or accumulators); past 64 the tile and its
 # loads in flight need more than ~128 registers a thread and spill.
 SWEEP_GEMV_MAX_PER_THREAD = 64
+# check(): largest error relative to the reference's largest magnitude. bf16 activations round g, u,
+# act and the output once each; W8A8 rounds hidden and act to e4m3 too (3 mantissa bits: a few % of
+# the largest output, measured up to ~8% at H=200); a wrong kernel (a scale dropped or misplaced) is off by O(1).
+CHECK_TOLERANCE = 3e-2
+W8A8_CHECK_TOLERANCE = 0.15
 NO_CUDA_MESSAGE = "bench_moe.py needs a CUDA device; none is visible"
 
 
@@ -155,16 +162,17 @@ def routings(tokens: int, gen: torch.Generator, experts: int = E, top_k: int = K
     return out
 
 
-def check(out, hidden, w13, w2, weights, ids, what: str = "fused_moe") -> None:
+def check(out, hidden, w13, w2, weights, ids, what: str = "fused_moe", tolerance: float = CHECK_TOLERANCE) -> None:
     """Stop on a wrong kernel: `out` [T, H] (what the kernel gave for this routing) against an fp32
-    loop over the experts w13 / w2 (FP8 ones: their dequantized values)."""
+    loop over the experts w13 / w2 (FP8 ones: their dequantized values), within `tolerance` of
+    the reference's largest magnitude."""
     ref = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gate, up = (hidden[tok].float() @ w13[e].float().T).chunk(2, dim=-1)
         ref.index_add_(0, tok, (torch.nn.functional.silu(gate) * up) @ w2[e].float().T * weights[tok, slot, None])
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    if err > 3e-2:
+    if err > tolerance:
         raise SystemExit(f"{what}: relative error {err:.2e} against the fp32 reference")
 
 
@@ -237,7 +245,8 @@ def first_call(calls: list[Callable[[], object]]) -> tuple[object, float]:
 
 def fp8_study(args: argparse.Namespace) -> list[dict]:
     """--fp8: the grouped GEMM at args.tokens and the routed decode GEMVs at 1..MAX_TOKENS, each on
-    bf16 experts and on the same experts in FP8 (args.fp8 scales), checked against an fp32 loop."""
+    bf16 experts and on the same experts in FP8 (args.fp8 scales; the grouped GEMM W8A16 and W8A8),
+    checked against an fp32 loop."""
     from nanovllm.moe.decode import MAX_TOKENS as GEMV_MAX_TOKENS
     from nanovllm.moe.decode import moe_gemv_routed
     from nanovllm.moe.grouped_gemm import fused_moe
@@ -250,14 +259,16 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
     w2 = (torch.randn(experts, hidden_size, inter, device=device, generator=gen) * inter ** -0.5).bfloat16()
     q13, s13, d13 = fp8_experts(w13, args.fp8)
     q2, s2, d2 = fp8_experts(w2, args.fp8)
-    # name -> (weights passed, their scales, weights the reference multiplies, tensors read)
+    # name -> (weights passed, their scales (and act_fp8), weights the reference multiplies, tensors read)
+    fp8, w8a8 = f"fp8-{args.fp8}", f"fp8-{args.fp8}-w8a8"
     formats = {"bf16": ((w13, w2), {}, (w13, w2), (w13, w2)),
-               f"fp8-{args.fp8}": ((q13, q2), dict(w13_scale=s13, w2_scale=s2), (d13, d2), (q13, q2, s13, s2))}
+               fp8: ((q13, q2), dict(w13_scale=s13, w2_scale=s2), (d13, d2), (q13, q2, s13, s2)),
+               w8a8: ((q13, q2), dict(w13_scale=s13, w2_scale=s2, act_fp8=True), (d13, d2), (q13, q2, s13, s2))}
     copy_gbps = measure_bandwidth() / 1e9 if device.type == "cuda" else None
     print(f"{torch.cuda.get_device_name() if copy_gbps else 'CPU (interpreter)'}: shape {args.shape} (E={experts}, "
           f"top-{top_k}, H={hidden_size}, I={inter}); HBM copy "
           + (f"{copy_gbps:,.0f} GB/s (read + written)" if copy_gbps else "not probed (no CUDA)"))
-    print(f"{'kernel':<10}{'T':>6}  {'weights':<13}{'us':>10}{'MB read':>9}{'GB/s':>8}{'of copy':>9}{'TFLOP/s':>9}"
+    print(f"{'kernel':<10}{'T':>6}  {'weights':<18}{'us':>10}{'MB read':>9}{'GB/s':>8}{'of copy':>9}{'TFLOP/s':>9}"
           f"{'bf16/this':>10}")
     rows = []
 
@@ -268,7 +279,7 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
                    gbps=gbps, fraction_of_copy=gbps / copy_gbps if copy_gbps else None,
                    tflops=moe_flops(t, top_k, hidden_size, inter) / (ms * 1e-3) / 1e12, bf16_over_this=bf16_ms / ms)
         rows.append(row)
-        print(f"{kernel:<10}{t:>6}  {name:<13}{row['us']:>10.1f}{read / 1e6:>9.2f}{gbps:>8.0f}"
+        print(f"{kernel:<10}{t:>6}  {name:<18}{row['us']:>10.1f}{read / 1e6:>9.2f}{gbps:>8.0f}"
               f"{format(row['fraction_of_copy'], '.1%') if copy_gbps else '-':>9}{row['tflops']:>9.1f}"
               f"{row['bf16_over_this']:>10.2f}", flush=True)
 
@@ -280,7 +291,8 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
         for name, (w, scales, ref, _) in formats.items():
             calls = [lambda rw=rw, ri=ri, w=w, sc=scales: fused_moe(hidden, *w, rw, ri, **sc) for rw, ri in routes]
             out, ms = first_call(calls)
-            check(out, hidden, *ref, *routes[0], f"fused_moe {name}")
+            check(out, hidden, *ref, *routes[0], f"fused_moe {name}",
+                  W8A8_CHECK_TOLERANCE if name == w8a8 else CHECK_TOLERANCE)
             ms = graph_ms(calls) if device.type == "cuda" else ms
             bf16_ms = bf16_ms or ms  # formats start with bf16
             report("fused_moe", t, name, ms, distinct, bf16_ms)
@@ -291,14 +303,26 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
         distinct = statistics.mean(len(lg.float().topk(top_k, dim=-1).indices.unique()) for lg in logits)
         bf16_ms = None
         for name, (w, scales, ref, _) in formats.items():
+            if name == w8a8:  # the GEMVs read FP8 weights only (W8A16)
+                continue
             calls = [lambda lg=lg, w=w, sc=scales: moe_gemv_routed(hidden, *w, lg, top_k, True, **sc) for lg in logits]
             (out, weights, ids), ms = first_call(calls)
             check(out, hidden, *ref, weights, ids, f"moe_gemv_routed {name}")
             ms = graph_ms(calls) if device.type == "cuda" else ms
             bf16_ms = bf16_ms or ms
             report("gemv", t, name, ms, distinct, bf16_ms)
+    grouped_table(rows, ("bf16", fp8, w8a8))
     return [dict(device=torch.cuda.get_device_name() if copy_gbps else "cpu", copy_gbps=copy_gbps,
                  shape=args.shape, scales=args.fp8)] + rows
+
+
+def grouped_table(rows: list[dict], names: tuple[str, str, str]) -> None:
+    """The grouped GEMM's us per T for bf16, W8A16 and W8A8 side by side, and W8A16 / W8A8: the
+    steps where W8A8 wins set KernelRoutes.moe_fp8_mma_min_tokens."""
+    us = {(r["tokens"], r["weights"]): r["us"] for r in rows if r["kernel"] == "fused_moe"}
+    print(f"\nfused_moe us{'T':>7}" + "".join(f"{n:>20}" for n in names) + f"{'w8a16/w8a8':>12}")
+    for t in dict.fromkeys(t for t, _ in us):
+        print(f"{'':<12}{t:>7}" + "".join(f"{us[t, n]:>20.1f}" for n in names) + f"{us[t, names[1]] / us[t, names[2]]:>12.2f}")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
