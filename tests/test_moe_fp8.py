@@ -19,6 +19,7 @@ from torch import nn
 
 from fp8_checkpoints import LAYOUTS, SCALE_NAMES, quantized
 from test_fused_moe import QWEN3_30B, assert_close, make_case, random_ids, reference_moe
+from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.moe.decode import GemvTiles, moe_gemv, moe_gemv_routed
 from nanovllm.moe.grouped_gemm import MoeTiles, Tiling, fused_moe
 from nanovllm.moe.checkpoint_names import map_expert_name
@@ -32,6 +33,7 @@ BLOCK = 128
 MODES = ("channel", "block")
 # Steps of 256 columns: block scales per element (BLOCK_K does not divide 128).
 WIDE_K = MoeTiles(16, Tiling(64, 256, 4, 3), Tiling(64, 256, 4, 3))
+W8A16_ONLY = KernelRoutes(moe_fp8_mma_min_tokens=0)  # held FP8 experts, activations never quantized
 
 
 def quantize_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +220,8 @@ def test_checkpoint_loads_fp8_experts_per_rank_and_runs(tmp_path, layout, i, wor
     e, h, k = 3, 200, 2
     deq = write_experts(tmp_path, layout, e, h, i)
     for rank in range(world_size):
-        model = ExpertsModel(config_of(layout), e, h, i, rank, world_size)
+        with kernel_routes(W8A16_ONLY):  # fp32 activations, exact against the dequantized weights
+            model = ExpertsModel(config_of(layout), e, h, i, rank, world_size)
         experts = model.mlp.experts
         load_model(model, str(tmp_path))
         assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8

@@ -141,21 +141,42 @@ def test_layer_routes_steps_by_size_class():
         assert MoeExperts(4, 200, 136, kernels=True).fp8_mma_tokens is None  # full precision
 
 
+# On the GPU the float32 sums of g and u come in another order than float64's (Hopper's FP8 MMAs
+# also accumulate with fewer bits), which moves a few roundings of g, u and act to bf16, and a moved
+# act value (or a row's act scale) can land on the neighbouring e4m3 value: up to 2^-3 of it. H200,
+# 30B-A3B shapes: each row's largest error against the W8A8 reference 1.0-1.1% of the largest output
+# (median), 2.4% at most over 512 rows and 3.1% over 8,192; against the W8A16 reference 2.7-3.3%
+# (median). So the GPU check bounds the largest error (a dropped or misplaced scale is off by O(1))
+# and asks the median row to sit nearer W8A8 than W8A16 by GPU_W8A8_SEPARATION.
+GPU_W8A8_TOLERANCE = 5e-2
+GPU_W8A8_SEPARATION = 2.0
+
+
+def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[T] each row's largest |out - ref|, over ref's largest magnitude."""
+    return (out.double() - ref).abs().amax(dim=1) / ref.abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t", [512, 2048, 8192])
+@pytest.mark.parametrize("t", [16, 256, 512, 2048, 8192])
 def test_w8a8_qwen3_30b_shape(mode, t):
+    """Decode (16, 256: 16- and 32-row blocks) and prefill (64-row blocks, PREFILL_W8A8) tilings."""
     e, k, h, i = QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"]
-    args, deq = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
-    check_w8a8(args, deq, mode, torch.bfloat16)
+    (hidden, q13, q2, weights, ids, s13, s2), deq = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
+    out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    w8a8 = row_errors(out, w8a8_reference(hidden, *deq, weights, ids, mode))
+    w8a16 = row_errors(out, reference_moe(hidden, *deq, weights, ids))
+    assert w8a8.max() <= GPU_W8A8_TOLERANCE, w8a8.max().item()
+    assert w8a16.median() >= GPU_W8A8_SEPARATION * w8a8.median(), (w8a16.median().item(), w8a8.median().item())
 
 
 @pytest.mark.gpu
 def test_w8a8_layer_route_default_on_cuda():
-    """Built on CUDA with the default routes: 512 tokens (class 512) run W8A8, 256 do not."""
+    """Built on CUDA with the default routes, every grouped-GEMM step runs W8A8 (class 16 up)."""
     with torch.device("cuda"):
         experts = fp8_layer(KernelRoutes(), kernels=None)
-    assert experts.fp8_mma_tokens == KernelRoutes().moe_fp8_mma_min_tokens == 512
-    assert experts.runs_fp8_mma(torch.empty(512, 200, device="cuda"))
-    assert experts.runs_fp8_mma(torch.empty(257, 200, device="cuda"))  # class 512
-    assert not experts.runs_fp8_mma(torch.empty(256, 200, device="cuda"))
+    assert experts.fp8_mma_tokens == KernelRoutes().moe_fp8_mma_min_tokens == 16
+    for t in (1, 16, 17, 512):
+        assert experts.runs_fp8_mma(torch.empty(t, 200, device="cuda"))

@@ -51,8 +51,9 @@ class KernelRoutes:
     moe_gemv_max_tokens: int = 2
     # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/grouped_gemm.size_class,
     # so an eager step and its graph replay agree) run W8A8: activations quantized per token, FP8 x FP8 MMAs.
-    # FP8 MMAs pay where the grouped GEMM is compute-bound; the H200 A/B (bench_moe.py --fp8) decides. 0: never.
-    moe_fp8_mma_min_tokens: int = 512
+    # 16 (the smallest class): all of them. H200 (bench_moe.py --fp8, 30B-A3B experts): W8A8 took 0.46-0.90x
+    # W8A16's time at every T measured (1-8,192), channel and block scales alike. 0: never.
+    moe_fp8_mma_min_tokens: int = 16
     # Largest top_k sampled by the Triton top-k kernel (sampling/topk_sample.py, capped at its MAX_K)
     # on batches whose every sampled row uses top-k: two launches where the threshold path's
     # softmax, torch.topk, tie count, mask and sampling passes took ~1.7 ms at 256 rows x 151,936

@@ -27,8 +27,8 @@ W8A8 (fused_moe(act_fp8=True), ACT_FP8; FP8 experts, block scales per K step onl
 are quantized to e4m3 first (kernels/fp8_quant: per row; block scales: per row per 128 columns,
 the weights' block columns) and tl.dot multiplies e4m3 operands (Hopper's FP8 MMAs, twice the bf16
 rate) into float32; channel: acc * a_scale[row] * w_scale[col] on the finished sums, block: each
-step's product * a_scale[row, group] * w_scale[col block, group]. The layer takes it for large
-steps only (KernelRoutes.moe_fp8_mma_min_tokens), where the GEMMs are compute-bound.
+step's product * a_scale[row, group] * w_scale[col block, group]. The layer takes it for its
+grouped-GEMM steps (KernelRoutes.moe_fp8_mma_min_tokens): faster than W8A16 at every T measured.
 
 Measured end to end (H200): Qwen3-30B-A3B default workload 5,464 tok/s (69.4% of the roofline) ->
 5,728 (71.5%) after its tile retune (827a097, fe73658; BENCHMARKS.md "Qwen3-MoE (#16)"); no PyTorch
@@ -86,6 +86,12 @@ DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 # Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
 PREFILL_GATE_UP = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Prefill W8A8 (both GEMMs): 128-column steps (128 bytes of an e4m3 row, as 64 bf16 columns are);
+# the fastest of nine tilings at T = 2,048 / 8,192 on the H200 (BENCHMARKS.md, thirteenth session):
+# channel 492 / 1,421 us against 531 / 1,588 with PREFILL_*; block (a scale per 128-column step)
+# 756 / 2,387 against 1,075 / 3,431.
+PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
+                ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
 
 
 @triton.jit
@@ -251,12 +257,13 @@ def size_class(num_tokens: int) -> int:
 
 
 def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int | None,
-               tiles: MoeTiles | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
-    """(tiles, gate_up tiling, down tiling) for num_tokens tokens: every choice is a function of
-    size_class(num_tokens), never of the count itself. `tiles` overrides moe_tiles (benchmarks)."""
+               tiles: MoeTiles | None = None, w8a8: ScaleMode | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
+    """(tiles, gate_up tiling, down tiling) for num_tokens tokens (`w8a8`: the experts' scales of a
+    W8A8 call): every choice is a function of size_class(num_tokens), never of the count itself.
+    `tiles` overrides moe_tiles (benchmarks)."""
     size = size_class(num_tokens)
     if tiles is None:
-        tiles = moe_tiles(size * top_k, num_experts)
+        tiles = moe_tiles(size * top_k, num_experts, w8a8)
     # block_n shrinks until the class's smallest count fills the GPU (one token: K blocks of one
     # pair each), so every count of the class keeps every SM streaming weights.
     smallest = 1 if size == SIZE_CLASS_MIN else size // 2 + 1
@@ -264,11 +271,14 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return tiles, _fit(tiles.gate_up, inter, hidden, blocks, sms), _fit(tiles.down, hidden, inter, blocks, sms)
 
 
-def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
-    """The batch-based choice: block_m_for, then decode or prefill tilings."""
+def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
+    """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8 prefill: its own,
+    by the experts' scales; decode tilings already step 128 columns)."""
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP, DECODE_DOWN)
+    if w8a8 is not None:
+        return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8])
     return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
 
 
@@ -318,11 +328,15 @@ def _act_fp8_args(mode: ScaleMode, x: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scales, dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
 
 
-def _check_act_fp8(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tiling) -> None:
+def _check_act_fp8(act_fp8: bool, mode: ScaleMode) -> None:
     if not isinstance(act_fp8, bool):
         raise TypeError(f"act_fp8 must be a bool, got {act_fp8!r}")
     if act_fp8 and mode == ScaleMode.NONE:
         raise ValueError("act_fp8 (W8A8) takes FP8 experts: w13 / w2 float8_e4m3fn with w13_scale / w2_scale")
+
+
+def _check_act_steps(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tiling) -> None:
+    """W8A8 with block scales: each K step lies in one activation group (`tiles` may override)."""
     if act_fp8 and mode == ScaleMode.BLOCK:
         for name, t in (("gate_up", gate_up), ("down", down)):
             if FP8_BLOCK % t.block_k:
@@ -344,8 +358,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     inter, n_pairs = two_i // 2, topk_ids.numel()
     if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
-    tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles)
-    _check_act_fp8(act_fp8, mode, gate_up, down)
+    _check_act_fp8(act_fp8, mode)
+    tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles,
+                                      mode if act_fp8 else None)
+    _check_act_steps(act_fp8, mode, gate_up, down)
     if t == 0:
         return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     align = moe_align(topk_ids, e, tiles.block_m)

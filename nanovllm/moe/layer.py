@@ -27,8 +27,9 @@ w13_weight_scale_inv), which the kernels apply in registers (moe/fp8_experts.py)
 
 Elsewhere (CPU; block scales whose rank boundary splits a block) the loader dequantizes them into
 w13 / w2 in the compute dtype. The router stays in full precision. Held FP8 experts run W8A16
-(activations in the compute dtype) except grouped-GEMM steps of KernelRoutes.moe_fp8_mma_min_tokens
-or more (size class), which quantize the activations per token and multiply FP8 x FP8 (W8A8).
+(activations in the compute dtype) in the decode GEMVs; grouped-GEMM steps of
+KernelRoutes.moe_fp8_mma_min_tokens or more (size class: by default all) quantize the activations
+per token and multiply FP8 x FP8 (W8A8).
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
