@@ -37,6 +37,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 from benchmarks.harness.engine_options import (
     ROUTE_FIELDS, add_model_options, parse_kernel_routes, require_cuda, resolve_load_format,
@@ -159,6 +160,17 @@ def weight_width(llm: LLM, decode_weights: int) -> float:
     return stored / decode_weights
 
 
+def experts_width(model: nn.Module, compute_bytes: int) -> float:
+    """Bytes per MoE expert weight element as the engine stores them: the MoE layers' stored
+    parameter bytes (FP8 weights and their float32 scales, or the compute dtype's) over the
+    elements of w13 and w2; `compute_bytes` for a model without experts."""
+    layers = [m for m in model.modules() if isinstance(m, MoeExperts)]
+    elements = sum(m.w13.numel() + m.w2.numel() for m in layers)
+    if not elements:
+        return compute_bytes
+    return sum(p.numel() * p.element_size() for m in layers for p in m.parameters()) / elements
+
+
 # ----- runs -----
 def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, decode_weights: int) -> tuple[Rows, LLM]:
     """The throughput run (and --compare-hf); returns report rows and the engine left to exit."""
@@ -169,9 +181,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
-    # MoE experts stay in the compute dtype in every weights format (FP8 ones are dequantized at load)
     widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
-                        experts=element_bytes(llm.config.torch_dtype))
+                        experts=experts_width(llm.model_runner.model, element_bytes(llm.config.torch_dtype)))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
     if w.prompt_logprobs is not None:

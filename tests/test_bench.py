@@ -308,6 +308,23 @@ def test_moe_workload_bytes_and_flops_by_hand():
     assert "E (1 - (1 - K/E)^B) of E = 4, K = 2" in expert_rows(cfg, [2, 4])[0][1]
 
 
+def test_fp8_experts_count_at_their_stored_width():
+    """bench's experts width: 4 experts, H = I = 256, FP8 per channel where the layer runs the
+    MoE kernels (kernels=True: the CUDA layout): 786,432 one-byte weights (4 x 3 x 256 x 256) and
+    3,072 float32 scales (4 x (512 + 256)) = 798,720 bytes / 786,432 = 1.015625; dequantized
+    (kernels=False) or unquantized: the compute dtype's 4 bytes (float32 on CPU)."""
+    from nanovllm.moe.layer import MoeExperts
+    from nanovllm.quantization.config import quantization, resolve_quantization
+
+    online = resolve_quantization("fp8", None, "test")
+    with quantization(online):
+        held = torch.nn.ModuleList([MoeExperts(4, 256, 256, "mlp.experts", kernels=True)])
+        dequantized = torch.nn.ModuleList([MoeExperts(4, 256, 256, "mlp.experts", kernels=False)])
+    assert bench.experts_width(held, 2) == 1.015625
+    assert bench.experts_width(dequantized, 2) == 4
+    assert bench.experts_width(torch.nn.Linear(2, 2), 2) == 2  # no experts: the compute width
+
+
 def test_qwen3_30b_a3b_parameters_match_the_model_card():
     """Model card: 30.5B parameters, 29.9B non-embedding, 3.3B activated (each cut to 0.1B).
     By hand: attention 2048 x (4096 + 2 x 512) + 4096 x 2048 = 18,874,368; norms 2 x 2048 + 2 x 128;

@@ -213,7 +213,8 @@ def test_fp8_engine_matches_transformers_on_dequantized_weights(dense, tmp_path,
 
 def test_online_fp8_and_fp8_moe_match_transformers(dense, tmp_path):
     """LLM(quantization="fp8") on a bf16 checkpoint (per-channel scales at load; reference:
-    quantized by hand), and a Qwen3-MoE block-FP8 checkpoint (experts dequantized at load)."""
+    quantized by hand), and a Qwen3-MoE block-FP8 checkpoint (experts held in FP8: the fused MoE
+    kernels' block-scaled path, prefill and decode GEMVs)."""
     state = checkpoint_state(dense)
     by_hand = {n: (lambda q, s: q.float() * s)(*quantize_channels(t)) if n.endswith("_proj.weight") else t
                for n, t in state.items()}
@@ -243,6 +244,18 @@ def test_fp8_layers_hold_fp8(dense, tmp_path):
         assert layers[0].mlp.down_proj.weight_scale_inv.shape == (SHAPE.hidden_size // B, SHAPE.intermediate_size // B)
         assert layers[3].mlp.down_proj.weight.dtype == torch.bfloat16  # kept in full precision
         assert llm.model_runner.model.lm_head.weight.dtype == torch.bfloat16
+    finally:
+        llm.exit()
+    moe = build_moe_checkpoint(str(tmp_path / "moe"), MOE)
+    write_fp8(moe, str(tmp_path / "moe_fp8"), str(tmp_path / "moe_ref"), "qwen-block", ("mlp.gate",))
+    llm = LLM(str(tmp_path / "moe_fp8"), dtype="bfloat16", num_kvcache_blocks=64, kvcache_block_size=16,
+              max_num_seqs=4, enforce_eager=True)
+    try:
+        experts = llm.model_runner.model.model.layers[1].mlp.experts  # layer 0 is dense (mlp_only_layers)
+        assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8
+        i, h = MOE.moe_intermediate_size, MOE.hidden_size
+        assert experts.w13_weight_scale_inv.shape == (experts.num_experts, 2 * i // B, h // B)
+        assert experts.w2_weight_scale_inv.shape == (experts.num_experts, h // B, i // B)
     finally:
         llm.exit()
 

@@ -16,6 +16,7 @@ import inspect
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,14 @@ DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 NO_KV_SCALES = {"k_scale_ptr": None, "v_scale_ptr": None}
 FP8_KV_SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 FP8 = "*fp8e4nv"
+# The MoE kernels' FP8 experts: e4m3 weights and float32 scales (moe/fp8_experts.py).
+MOE_FP8 = {"w13_ptr": FP8, "w2_ptr": FP8, "s13_ptr": "*fp32", "s2_ptr": "*fp32"}
+# ... and their W8A8 variant's float32 activation scales (the e4m3 activation pointer is per kernel).
+MOE_FP8_ACT = {**MOE_FP8, "as_ptr": "*fp32"}
+# W8A8 blocks of this many rows and more must multiply on Hopper's FP8 tensor cores (wgmma with e4m3
+# operands, FP8_MMA in the PTX); 32-row blocks lower to mma.sync, which takes the e4m3 values as fp16.
+WGMMA_ROWS = 64
+FP8_MMA = "f32.e4m3.e4m3"
 ROPE_TYPES = {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
 PREFILL_TYPES = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
                  "tile_block_ptr": "*i32", "num_tiles_ptr": "*i32", "qk_scale": "fp32"}
@@ -83,24 +92,54 @@ SPECS = [
      [{"WEIGHTED": w, "BINS": 16, "C_PAD": 64} for w in (False, True)]),
     ("moe.routing", "_route_kernel", {"weights_ptr": "*fp32", "ids_ptr": "*i32"},
      [{"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": r, "PDL": p} for r in (True, False) for p in (True, False)]),
-    # routed ids given, or routing from bf16 logits folded in (128 experts, top 8)
-    ("moe.decode", "_gate_up_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
-     [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
-       "ROUTE": route, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": route, "PDL": p}
-      for route in (False, True) for p in (True, False)]),
-    ("moe.decode", "_down_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32"},
-     [{"TOP_K": k, "K_PAD": 1 << (k - 1).bit_length(), "BLOCK_N": DECODE_TILES.down_block_n,
-       "BLOCK_K": DECODE_TILES.down_block_k, "PDL": p} for k in (8, 6, 1) for p in (True, False)]),
-    # The fused MoE's grouped GEMMs at the engine's decode and prefill tilings (moe/grouped_gemm.py).
-    ("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_used_ptr": "*i32"},
-     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-       "DOT_PREC": None, "num_warps": t.num_warps, "num_stages": t.num_stages}
-      for m, t in ((16, moe.DECODE_GATE_UP), (32, moe.DECODE_GATE_UP), (64, moe.PREFILL_GATE_UP))]),
-    ("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
-                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32"},
-     [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-       "DOT_PREC": None, "num_warps": t.num_warps, "num_stages": t.num_stages}
-      for m, t in ((16, moe.DECODE_DOWN), (32, moe.DECODE_DOWN), (64, moe.PREFILL_DOWN))]),
+    # routed ids given, or routing from bf16 logits folded in (128 experts, top 8); bf16 weights, or
+    # FP8 ones with a scale per row (W_SCALE 1) or per 128 x 128 block (2: per step or per element)
+    *[("moe.decode", "_gate_up_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32", **types},
+       [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
+         "ROUTE": route, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": route, "PDL": p, "W_SCALE": scale,
+         "SCALE_BLOCK": 128} for route in (False, True) for p in (True, False)])
+      for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
+    *[("moe.decode", "_down_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32", **types},
+       [{"TOP_K": k, "K_PAD": 1 << (k - 1).bit_length(), "BLOCK_N": DECODE_TILES.down_block_n,
+         "BLOCK_K": block_k, "PDL": p, "W_SCALE": scale, "SCALE_PER_STEP": block_k <= 128, "SCALE_BLOCK": 128}
+        for k in (8, 6, 1) for p in (True, False)])
+      for scale, types, block_k in ((0, {}, DECODE_TILES.down_block_k), (1, MOE_FP8, DECODE_TILES.down_block_k),
+                                    (2, MOE_FP8, 128), (2, MOE_FP8, 256))],
+    # The fused MoE's grouped GEMMs at the engine's decode and prefill tilings (moe/grouped_gemm.py),
+    # bf16 or FP8 weights as above (block scales per K step; 256-column steps: per element).
+    *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                                               "num_used_ptr": "*i32", **types},
+       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
+         "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
+        for m, t in ((16, moe.DECODE_GATE_UP), (32, moe.DECODE_GATE_UP), (64, moe.PREFILL_GATE_UP),
+                     (16, replace(moe.DECODE_GATE_UP, block_k=256)))])
+      for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
+    # ... W8A8 (ACT_FP8): e4m3 hidden with float32 per-token (per-group) scales, e4m3 x e4m3 MMAs
+    # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
+    *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                                               "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
+       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
+         "num_warps": t.num_warps, "num_stages": t.num_stages}
+        for m, t in ((64, moe.PREFILL_GATE_UP), (32, moe.DECODE_GATE_UP))])
+      for scale in (1, 2)],
+    *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
+                                            "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
+       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
+         "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
+        for m, t in ((16, moe.DECODE_DOWN), (32, moe.DECODE_DOWN), (64, moe.PREFILL_DOWN),
+                     (16, replace(moe.DECODE_DOWN, block_k=256)))])
+      for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
+    *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
+                                            "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
+                                            "act_ptr": FP8},
+       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
+         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
+         "num_warps": t.num_warps, "num_stages": t.num_stages}
+        for m, t in ((64, moe.PREFILL_DOWN), (32, moe.DECODE_DOWN))])
+      for scale in (1, 2)],
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
     ("kernels.gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
@@ -226,6 +265,8 @@ def compile_all() -> None:
             compiled = triton.compile(src, target=target, options=options)
             if not compiled.asm.get("cubin"):
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no cubin")
+            if constexprs.get("ACT_FP8") and constexprs["BLOCK_M"] >= WGMMA_ROWS and FP8_MMA not in compiled.asm["ptx"]:
+                raise SystemExit(f"{module}.{kernel} {constexprs}: no {FP8_MMA} MMA (the W8A8 point)")
             print(f"compiled {module}.{kernel} {constexprs}")
 
 

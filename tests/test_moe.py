@@ -16,7 +16,8 @@ from checkpoints import (
     lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_checkpoint_tensors, rewrite_config,
 )
 from nanovllm import SamplingParams
-from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, map_expert_name, route
+from nanovllm.moe.checkpoint_names import map_expert_name
+from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, route
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import build_model
 from nanovllm.utils.loader import checkpoint_tensors, load_model, update_weights

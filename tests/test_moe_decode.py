@@ -154,8 +154,10 @@ def test_bad_arguments_name_the_problem():
         moe_gemv(hidden, w13, w2, weights, ids.float())
     with pytest.raises(TypeError, match="topk_weights"):
         moe_gemv(hidden, w13, w2, weights.double(), ids)
-    with pytest.raises(ValueError, match="w2 must be"):
+    with pytest.raises(TypeError, match="w2 dtype torch.float16 != hidden dtype"):  # as fused_moe names it
         moe_gemv(hidden, w13, w2.half(), weights, ids)
+    with pytest.raises(ValueError, match="w2 must be a 3-D tensor"):
+        moe_gemv(hidden, w13, w2[0], weights, ids)
 
 
 def test_the_step_kind_reaches_layers_through_the_forward_context():

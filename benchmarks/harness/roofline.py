@@ -133,7 +133,7 @@ class ByteWidths:
 
     kv: int
     weights: float
-    experts: int
+    experts: float  # with FP8 experts, stored bytes (weights and scales) over elements
 
     @classmethod
     def uniform(cls, elem_bytes: int) -> "ByteWidths":

@@ -11,6 +11,7 @@ keeps the answer for its whole life (moving it afterwards changes nothing):
                      .. skinny_max_rows           skinny GEMM (kernels/skinny_gemm.py) on narrow layers
                      more                         cuBLAS (F.linear)
                      MoE decode steps of 1 .. moe_gemv_max_tokens: the expert GEMVs (moe/decode.py)
+                     MoE grouped GEMMs on FP8 experts from moe_fp8_mma_min_tokens: W8A8 (FP8 MMAs)
                      the sampler: top-k thresholds by torch.topk up to topk_max_k, the radix select
                      from radix_min_rows rows; logprobs by the Triton pass unless logprobs_kernel is off
     other devices -> PyTorch (the CPU path; Triton's interpreter serves the kernel tests only)
@@ -48,6 +49,11 @@ class KernelRoutes:
     # MoE decode steps up to this many tokens run the expert GEMVs (moe/decode.MAX_TOKENS is the
     # kernel's limit); larger steps run the grouped GEMMs.
     moe_gemv_max_tokens: int = 2
+    # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/grouped_gemm.size_class,
+    # so an eager step and its graph replay agree) run W8A8: activations quantized per token, FP8 x FP8 MMAs.
+    # 16 (the smallest class): all of them. H200 (bench_moe.py --fp8, 30B-A3B experts): W8A8 took 0.46-0.90x
+    # W8A16's time at every T measured (1-8,192), channel and block scales alike. 0: never.
+    moe_fp8_mma_min_tokens: int = 16
     # Largest top_k sampled by the Triton top-k kernel (sampling/topk_sample.py, capped at its MAX_K)
     # on batches whose every sampled row uses top-k: two launches where the threshold path's
     # softmax, torch.topk, tie count, mask and sampling passes took ~1.7 ms at 256 rows x 151,936

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from nanovllm.moe.layer import SparseMoeBlock, map_expert_name
+from nanovllm.moe.checkpoint_names import map_expert_name
+from nanovllm.moe.layer import SparseMoeBlock
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderTraits, layer_prefix
 from nanovllm.models.model_config import ModelConfig
 
@@ -33,6 +34,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                               moe.norm_topk_prob, prefix=f"{layer_prefix(layer_idx)}.mlp")
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        """Expert tensors -> the stacked w13 / w2 (moe/layer.map_expert_name); the rest as
+        """Expert tensors -> the stacked w13 / w2 (moe/checkpoint_names.map_expert_name); the rest as
         the dense decoder maps them (the router `mlp.gate.weight` onto itself)."""
         return map_expert_name(name) or super().map_checkpoint_name(name)

@@ -18,7 +18,12 @@ the down launch. One launch (the separate routing kernel) fewer a layer.
 gate_up streams BN weight rows over H in BK steps (accumulators [BN, BK] float32, as
 kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in flight together
 (one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
-every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0). g, u and act are
+every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0).
+FP8 experts (moe/fp8_experts.py, W_SCALE): weights are read at one byte and converted in
+registers; per-channel scales multiply the row sums (gate_up) or each slot's [BN] sums (down).
+Block scales: gate_up folds them into x column by column (each program's gate rows, and its up
+rows, lie in one row of blocks: the wrapper halves BN until BN divides 128 and I); down multiplies
+each step's [KP, BN] sums (BK divides 128), else each weight element. g, u and act are
 rounded to the input dtype as the unfused MLP does; the sum over k stays float32 until the
 output. Offsets are int64; no atomics (deterministic). One-wave grids launch with PDL
 (kernels/pdl.py): each waits for its inputs before its first load. Shapes only set the launch: CUDA-graph
@@ -38,9 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import check_matrix, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, check_matrix, next_pow2
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
+from .fp8_experts import ScaleMode, expert_scale_mode
 from .routing import check_router_logits, expert_block, route_row
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 
@@ -86,9 +92,10 @@ DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_B
 
 @triton.jit
 def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr, hidden_size, inter, num_experts,
-                  stride_h, stride_we, stride_wn, stride_l,
+                  stride_h, stride_we, stride_wn, stride_l, s13_ptr, stride_se, stride_sn,
                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                  K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+                  K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
+                  W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     wait_for_prior(PDL)  # before any load: hidden and the ids (or the router logits) are written upstream
     pair = tl.program_id(0)
     token = pair // TOP_K
@@ -111,23 +118,42 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr
     g_ptrs = w + rows[:, None] * stride_wn  # [BLOCK_N, BLOCK_K]
     u_ptrs = w + (rows + inter)[:, None] * stride_wn
     x_ptrs = hidden_ptr + token.to(tl.int64) * stride_h + rk  # [BLOCK_K]
+    if W_SCALE != 0:
+        s_base = s13_ptr + expert * stride_se  # this expert's scales
+    if W_SCALE == 2:  # this program's gate rows lie in one row of blocks, its up rows in one (wrapper)
+        first = tl.program_id(1) * BLOCK_N
+        sg_row = s_base + (first // SCALE_BLOCK).to(tl.int64) * stride_sn
+        su_row = s_base + ((first + inter) // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         k_ok = k0 + rk < hidden_size
         x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(g_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * x
-        acc_u += tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * x
+        if W_SCALE == 2:  # the blocks' scales, one per column here: folded into x
+            kb = (k0 + rk) // SCALE_BLOCK
+            xg = x * tl.load(sg_row + kb, mask=k_ok, other=0.0)[None, :]
+            xu = x * tl.load(su_row + kb, mask=k_ok, other=0.0)[None, :]
+        else:
+            xg = x
+            xu = x
+        acc_g += tl.load(g_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xg
+        acc_u += tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xu
     dtype = act_ptr.dtype.element_ty
-    g = round_to(tl.sum(acc_g, axis=1), dtype).to(tl.float32)
-    u = round_to(tl.sum(acc_u, axis=1), dtype).to(tl.float32)
+    g = tl.sum(acc_g, axis=1)  # [BLOCK_N]
+    u = tl.sum(acc_u, axis=1)
+    if W_SCALE == 1:  # one scale per weight row
+        g *= tl.load(s_base + rows)
+        u *= tl.load(s_base + rows + inter)
+    g = round_to(g, dtype).to(tl.float32)
+    u = round_to(u, dtype).to(tl.float32)
     tl.store(act_ptr + pair.to(tl.int64) * inter + rn, silu_mul(g, u, dtype), mask=n_ok)
 
 
 @triton.jit
 def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inter, stride_we, stride_wn, stride_o,
+               s2_ptr, stride_se, stride_sn,
                TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     wait_for_prior(PDL)  # act comes from the gate_up launch
     token = tl.program_id(0)
     slot = tl.arange(0, K_PAD)  # [K_PAD]; slots >= TOP_K are padding
@@ -142,43 +168,64 @@ def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inte
     w_ptrs = (w2_ptr + (expert * stride_we)[:, None, None] + (rows * stride_wn)[None, :, None]
               + rk[None, None, :])
     a_ptrs = act_ptr + (pair * inter)[:, None] + rk[None, :]  # [K_PAD, BLOCK_K]
+    if W_SCALE != 0:  # [K_PAD, BLOCK_N]: each slot's expert's scales of rows rn (W_SCALE 1) or their row of blocks
+        s_ptrs = s2_ptr + (expert * stride_se)[:, None]
+        if W_SCALE == 1:
+            s_ptrs += rows[None, :]
+        else:
+            s_ptrs += ((rows // SCALE_BLOCK) * stride_sn)[None, :]
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = k0 + rk < inter
         a_ok = slot_ok[:, None] & k_ok[None, :]
         a = tl.load(a_ptrs + k0, mask=a_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k0, mask=a_ok[:, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[:, None, :], axis=2)
+        if W_SCALE == 2:
+            if SCALE_PER_STEP:  # BLOCK_K divides SCALE_BLOCK: one column of blocks a step
+                s = tl.load(s_ptrs + k0 // SCALE_BLOCK, mask=slot_ok[:, None], other=0.0)  # [K_PAD, BLOCK_N]
+                acc += tl.sum(w * a[:, None, :], axis=2) * s
+            else:  # each weight element's block
+                s = tl.load(s_ptrs[:, :, None] + ((k0 + rk) // SCALE_BLOCK)[None, None, :],
+                            mask=a_ok[:, None, :], other=0.0)  # [K_PAD, BLOCK_N, BLOCK_K]
+                acc += tl.sum(w * s * a[:, None, :], axis=2)
+        else:
+            acc += tl.sum(w * a[:, None, :], axis=2)
+    if W_SCALE == 1:  # one scale per weight row
+        acc *= tl.load(s_ptrs, mask=slot_ok[:, None], other=0.0)
     weights = tl.load(weights_ptr + pair, mask=slot_ok, other=0.0)  # float32 [K_PAD]
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N] float32
     out = out_ptr + token.to(tl.int64) * stride_o + rn
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
-    """(T, H, I) of a 1..MAX_TOKENS token step over these stacked experts; else a clear error."""
+def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                   w2_scale: torch.Tensor | None) -> ScaleMode:
+    """The scale mode of a 1..MAX_TOKENS token step over these stacked experts; else a clear error."""
     check_matrix("hidden", hidden)
     t, h = hidden.shape
     if not 1 <= t <= MAX_TOKENS:
         raise ValueError(f"moe_gemv serves 1..{MAX_TOKENS} tokens, got {t}")
     for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.stride(-1) != 1 or w.dtype != hidden.dtype:
-            raise ValueError(f"{name} must be a 3-D {hidden.dtype} tensor with a contiguous last dim")
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.stride(-1) != 1:
+            raise ValueError(f"{name} must be a 3-D tensor with a contiguous last dim")
         if w.device != hidden.device:
             raise ValueError(f"{name} is on {w.device}, hidden on {hidden.device}")
     e, two_i, wh = w13.shape
     inter = two_i // 2
     if wh != h or two_i % 2 or tuple(w2.shape) != (e, h, inter):
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {tuple(hidden.shape)}")
-    return t, h, inter
+    return expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
 
 
 def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
+             topk_ids: torch.Tensor, tiles: GemvTiles | None = None, *, w13_scale: torch.Tensor | None = None,
+             w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as moe/grouped_gemm.fused_moe for 1..MAX_TOKENS tokens: hidden [T, H] -> [T, H]
-    in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights [T, K] float32,
-    topk_ids [T, K] int32/int64 (contiguous). `tiles` overrides DEFAULT_TILES (benchmarks)."""
-    t, _, _ = _check_experts(hidden, w13, w2)
+    in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I] (FP8 with w13_scale / w2_scale:
+    moe/fp8_experts.py), topk_weights [T, K] float32, topk_ids [T, K] int32/int64 (contiguous).
+    `tiles` overrides DEFAULT_TILES (benchmarks)."""
+    mode = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
+    t = hidden.shape[0]
     if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
             or topk_ids.dim() != 2 or topk_ids.shape[0] != t or not topk_ids.is_contiguous()):
         raise TypeError(f"topk_ids must be a contiguous int32/int64 [{t}, K] tensor")
@@ -189,50 +236,68 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for name, x in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
-    return _launch(hidden, w13, w2, topk_weights, topk_ids, None, False, tiles)
+    return _launch(hidden, (w13, w2, w13_scale, w2_scale, mode), topk_weights, topk_ids, None, False, tiles)
 
 
 def moe_gemv_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
-                    top_k: int, renormalize: bool, tiles: GemvTiles | None = None,
+                    top_k: int, renormalize: bool, tiles: GemvTiles | None = None, *,
+                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_route + moe_gemv in moe_gemv's two launches: router_logits [T, E] (E = w13's experts;
     float16/bfloat16/float32, contiguous last dim) -> (out [T, H], weights [T, K] float32, ids
-    [T, K] int32), the routing exactly as moe_route gives it."""
-    t, _, _ = _check_experts(hidden, w13, w2)
+    [T, K] int32), the routing exactly as moe_route gives it. FP8 experts as in moe_gemv."""
+    mode = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
+    t = hidden.shape[0]
     tokens, num_experts = check_router_logits(router_logits, top_k)
     if tokens != t or num_experts != w13.shape[0] or router_logits.device != hidden.device:
         raise ValueError(f"router_logits {tuple(router_logits.shape)} on {router_logits.device} must be "
                          f"[{t}, {w13.shape[0]}] on {hidden.device}")
     weights = torch.empty((t, top_k), dtype=torch.float32, device=hidden.device)  # [T, K], written by gate_up
     ids = torch.empty((t, top_k), dtype=torch.int32, device=hidden.device)  # [T, K], written by gate_up
-    out = _launch(hidden, w13, w2, weights, ids, router_logits, bool(renormalize), tiles)
+    out = _launch(hidden, (w13, w2, w13_scale, w2_scale, mode), weights, ids, router_logits, bool(renormalize), tiles)
     return out, weights, ids
 
 
-def _launch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, router_logits: torch.Tensor | None, renormalize: bool,
-            tiles: GemvTiles | None) -> torch.Tensor:
-    """The two launches on checked arguments; with router_logits, gate_up routes and writes
-    topk_weights / topk_ids."""
+def _gate_up_rows(block_n: int, inter: int, mode: ScaleMode) -> int:
+    """gate_up's rows per program: block_n, halved under block scales until every program's gate
+    rows and up rows each lie in one row of blocks (a power of two dividing FP8_BLOCK and I)."""
+    while mode == ScaleMode.BLOCK and (FP8_BLOCK % block_n or inter % block_n):
+        block_n //= 2
+    return block_n
+
+
+def _launch(hidden: torch.Tensor, experts: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            router_logits: torch.Tensor | None, renormalize: bool, tiles: GemvTiles | None) -> torch.Tensor:
+    """The two launches on checked arguments (`experts`: w13, w2, w13_scale, w2_scale and their
+    ScaleMode); with router_logits, gate_up routes and writes topk_weights / topk_ids."""
+    w13, w2, w13_scale, w2_scale, mode = experts
     if tiles is None:
         tiles = DEFAULT_TILES
     if not isinstance(tiles, GemvTiles):
         raise TypeError(f"tiles must be a GemvTiles or None, got {type(tiles).__name__}")
     (t, h), inter, k = hidden.shape, w2.shape[2], topk_ids.shape[1]
     route = router_logits is not None
+    blocks = mode == ScaleMode.BLOCK
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
-    gate_up_grid = (t * k, triton.cdiv(inter, tiles.gate_up_block_n))
+    gate_up_n = _gate_up_rows(tiles.gate_up_block_n, inter, mode)
+    gate_up_grid = (t * k, triton.cdiv(inter, gate_up_n))
     _gate_up_gemv[gate_up_grid](
         hidden, w13, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
         hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0,
-        TOP_K=k, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
+        hidden if w13_scale is None else w13_scale, 0 if w13_scale is None else w13_scale.stride(0),
+        w13_scale.stride(1) if blocks else 0,
+        TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
         ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
+        W_SCALE=int(mode), SCALE_BLOCK=FP8_BLOCK,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
     down_grid = (t, triton.cdiv(h, tiles.down_block_n))
+    down_k = max(16, min(tiles.down_block_k, next_pow2(inter)))
     _down_gemv[down_grid](
         act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=max(16, min(tiles.down_block_k, next_pow2(inter))), num_warps=tiles.num_warps,
-        **pdl_for_grid(hidden, down_grid[0] * down_grid[1]))
+        hidden if w2_scale is None else w2_scale, 0 if w2_scale is None else w2_scale.stride(0),
+        w2_scale.stride(1) if blocks else 0,
+        TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n, BLOCK_K=down_k,
+        W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % down_k == 0, SCALE_BLOCK=FP8_BLOCK,
+        num_warps=tiles.num_warps, **pdl_for_grid(hidden, down_grid[0] * down_grid[1]))
     return out

@@ -17,6 +17,19 @@ num_used_blocks returns at once; padding rows compute on token 0 and never reach
 Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
 Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
 
+FP8 experts (moe/fp8_experts.py, W_SCALE): weight tiles are read at one byte a value and
+converted to hidden's dtype in registers (exact). Per-channel scales multiply the finished sums'
+columns; block scales multiply each K step's product column by column (BLOCK_K divides 128: the
+step lies in one column of blocks), else each weight element before the product (rounded to
+hidden's dtype). W_SCALE 0 compiles the bf16 kernels unchanged.
+
+W8A8 (fused_moe(act_fp8=True), ACT_FP8; FP8 experts, block scales per K step only): hidden and act
+are quantized to e4m3 first (kernels/fp8_quant: per row; block scales: per row per 128 columns,
+the weights' block columns) and tl.dot multiplies e4m3 operands (Hopper's FP8 MMAs, twice the bf16
+rate) into float32; channel: acc * a_scale[row] * w_scale[col] on the finished sums, block: each
+step's product * a_scale[row, group] * w_scale[col block, group]. The layer takes it for its
+grouped-GEMM steps (KernelRoutes.moe_fp8_mma_min_tokens): faster than W8A16 at every T measured.
+
 Measured end to end (H200): Qwen3-30B-A3B default workload 5,464 tok/s (69.4% of the roofline) ->
 5,728 (71.5%) after its tile retune (827a097, fe73658; BENCHMARKS.md "Qwen3-MoE (#16)"); no PyTorch
 MoE path exists on CUDA to compare with (a per-expert loop cannot be graph-captured).
@@ -30,10 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .align import _check_ids, aligned_blocks, moe_align
+from .fp8_experts import ScaleMode, expert_scale_mode
 
 # Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
 # that holds most experts' pairs whole reads each selected expert's weights once per N tile.
@@ -71,6 +86,12 @@ DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 # Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
 PREFILL_GATE_UP = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Prefill W8A8 (both GEMMs): 128-column steps (128 bytes of an e4m3 row, as 64 bf16 columns are);
+# the fastest of nine tilings at T = 2,048 / 8,192 on the H200 (BENCHMARKS.md, thirteenth session):
+# channel 492 / 1,421 us against 531 / 1,588 with PREFILL_*; block (a scale per 128-column step)
+# 756 / 2,387 against 1,075 / 3,431.
+PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
+                ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
 
 
 @triton.jit
@@ -98,21 +119,56 @@ def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     return x
 
 
+@triton.jit
+def _scaled_dot(a, w, acc, s_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE: tl.constexpr,
+                SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                ACT_FP8: tl.constexpr):
+    """acc + a @ dequant(w)^T: a [BLOCK_M, BLOCK_K], w [BLOCK_N, BLOCK_K] (FP8 values or, W_SCALE 0
+    and 1, hidden's dtype), s_ptrs [BLOCK_N] the scale row of each weight row's block (W_SCALE 2).
+    Block scales multiply the step's product (SCALE_PER_STEP: BLOCK_K divides SCALE_BLOCK, the
+    step lies in one column of blocks) or, otherwise, each weight element before the product;
+    channel scales (W_SCALE 1) are applied to the finished sums by the caller.
+    ACT_FP8 (W8A8): a is e4m3 too and the product runs on FP8 operands; under block scales (per
+    step only) as_ptrs [BLOCK_M] point at each row's activation scales (group k0 // SCALE_BLOCK
+    at stride_asg), which multiply the product's rows; channel: the caller scales the sums."""
+    if ACT_FP8:
+        if W_SCALE == 2:
+            s = tl.load(s_ptrs + k0 // SCALE_BLOCK)  # [BLOCK_N]
+            a_s = tl.load(as_ptrs + (k0 // SCALE_BLOCK) * stride_asg)  # [BLOCK_M]
+            return acc + tl.dot(a, tl.trans(w)) * (a_s[:, None] * s[None, :])
+        return tl.dot(a, tl.trans(w), acc)
+    if W_SCALE == 2:
+        if SCALE_PER_STEP:
+            s = tl.load(s_ptrs + k0 // SCALE_BLOCK)  # [BLOCK_N]
+            return acc + tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PREC) * s[None, :]
+        s = tl.load(s_ptrs[:, None] + ((k0 + rk) // SCALE_BLOCK)[None, :], mask=k_ok[None, :], other=0.0)
+        w = (w.to(tl.float32) * s).to(a.dtype)  # [BLOCK_N, BLOCK_K]
+    return tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
-                    n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn,
+                    n_pairs, hidden_size, inter, stride_h, stride_we, stride_wn, s13_ptr, stride_se, stride_sn,
+                    as_ptr, stride_asm, stride_asg,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                    W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                    ACT_FP8: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = hidden_ptr + tokens[:, None] * stride_h + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    as_ptrs = as_ptr + tokens * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
     n_rows = tl.minimum(rn, inter - 1)  # columns past I repeat row I - 1, never stored
     w_ptrs = w13_ptr + expert * stride_we + rk[None, :]
     g_ptrs = w_ptrs + n_rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K], gate rows n
     u_ptrs = w_ptrs + (n_rows + inter)[:, None].to(tl.int64) * stride_wn  # up rows I + n
+    if W_SCALE != 0:  # this expert's scales; [BLOCK_N] each row's row of blocks (W_SCALE 2)
+        s_base = s13_ptr + expert * stride_se
+        sg_ptrs = s_base + (n_rows // SCALE_BLOCK).to(tl.int64) * stride_sn
+        su_ptrs = s_base + ((n_rows + inter) // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -120,8 +176,21 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
         a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
         g = _load_tile(g_ptrs + k0, k_ok, EVEN_K, UPCAST)
         u = _load_tile(u_ptrs + k0, k_ok, EVEN_K, UPCAST)
-        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+        if W_SCALE == 0:  # the weights in hidden's dtype
+            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+        else:
+            acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                                SCALE_BLOCK, DOT_PREC, ACT_FP8)
+            acc_u = _scaled_dot(a, u, acc_u, su_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                                SCALE_BLOCK, DOT_PREC, ACT_FP8)
+    if W_SCALE == 1:  # one scale per weight row (and, ACT_FP8, per activation row): the finished sums
+        acc_g *= tl.load(s_base + n_rows)[None, :]
+        acc_u *= tl.load(s_base + n_rows + inter)[None, :]
+        if ACT_FP8:
+            a_s = tl.load(as_ptrs)[:, None]  # [BLOCK_M, 1]
+            acc_g *= a_s
+            acc_u *= a_s
     dtype = act_ptr.dtype.element_ty
     act = silu_mul(round_to(acc_g, dtype).to(tl.float32), round_to(acc_u, dtype).to(tl.float32), dtype)
     tl.store(act_ptr + rows[:, None] * inter + rn[None, :], act, mask=(rn < inter)[None, :])
@@ -129,23 +198,39 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_used_ptr,
-                 n_pairs, hidden_size, inter, stride_we, stride_wn,
+                 n_pairs, hidden_size, inter, stride_we, stride_wn, s2_ptr, stride_se, stride_sn,
+                 as_ptr, stride_asm, stride_asg,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                 W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                 ACT_FP8: tl.constexpr):
     if tl.program_id(0) >= tl.load(num_used_ptr):
         return
     rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * inter + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    w_rows = tl.minimum(rn, hidden_size - 1).to(tl.int64) * stride_wn
+    as_ptrs = as_ptr + rows * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
+    n_rows = tl.minimum(rn, hidden_size - 1)  # columns past H repeat row H - 1, never stored
+    w_rows = n_rows.to(tl.int64) * stride_wn
     w_ptrs = w2_ptr + expert * stride_we + w_rows[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    if W_SCALE != 0:  # this expert's scales; [BLOCK_N] each row's row of blocks (W_SCALE 2)
+        s_base = s2_ptr + expert * stride_se
+        s_ptrs = s_base + (n_rows // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = k0 + rk < inter
         a = _load_tile(a_ptrs + k0, k_ok, EVEN_K, UPCAST)
         w = _load_tile(w_ptrs + k0, k_ok, EVEN_K, UPCAST)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+        if W_SCALE == 0:  # the weights in hidden's dtype
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+        else:
+            acc = _scaled_dot(a, w, acc, s_ptrs, as_ptrs, stride_asg, k0, rk, k_ok, W_SCALE, SCALE_PER_STEP,
+                              SCALE_BLOCK, DOT_PREC, ACT_FP8)
+    if W_SCALE == 1:  # one scale per weight row (and, ACT_FP8, per activation row): the finished sums
+        acc *= tl.load(s_base + n_rows)[None, :]
+        if ACT_FP8:
+            acc *= tl.load(as_ptrs)[:, None]
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
     tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
@@ -172,12 +257,13 @@ def size_class(num_tokens: int) -> int:
 
 
 def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int | None,
-               tiles: MoeTiles | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
-    """(tiles, gate_up tiling, down tiling) for num_tokens tokens: every choice is a function of
-    size_class(num_tokens), never of the count itself. `tiles` overrides moe_tiles (benchmarks)."""
+               tiles: MoeTiles | None = None, w8a8: ScaleMode | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
+    """(tiles, gate_up tiling, down tiling) for num_tokens tokens (`w8a8`: the experts' scales of a
+    W8A8 call): every choice is a function of size_class(num_tokens), never of the count itself.
+    `tiles` overrides moe_tiles (benchmarks)."""
     size = size_class(num_tokens)
     if tiles is None:
-        tiles = moe_tiles(size * top_k, num_experts)
+        tiles = moe_tiles(size * top_k, num_experts, w8a8)
     # block_n shrinks until the class's smallest count fills the GPU (one token: K blocks of one
     # pair each), so every count of the class keeps every SM streaming weights.
     smallest = 1 if size == SIZE_CLASS_MIN else size // 2 + 1
@@ -185,11 +271,14 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return tiles, _fit(tiles.gate_up, inter, hidden, blocks, sms), _fit(tiles.down, hidden, inter, blocks, sms)
 
 
-def moe_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
-    """The batch-based choice: block_m_for, then decode or prefill tilings."""
+def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
+    """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8 prefill: its own,
+    by the experts' scales; decode tilings already step 128 columns)."""
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP, DECODE_DOWN)
+    if w8a8 is not None:
+        return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8])
     return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
 
 
@@ -199,8 +288,6 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [E, N, K], got {getattr(w, 'shape', type(w))}")
-        if w.dtype != hidden.dtype:
-            raise TypeError(f"{name} dtype {w.dtype} != hidden dtype {hidden.dtype}")
         if w.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {w.stride()}")
     e, two_i, wh = w13.shape
@@ -222,32 +309,82 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
 
 
+def _scale_args(mode: ScaleMode, scale: torch.Tensor | None, block_k: int,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A kernel's scale tensor (hidden as a placeholder without scales, never read) and the
+    keyword arguments that go with it: strides, the mode, and whether block scales apply per K
+    step (block_k divides FP8_BLOCK) or per element."""
+    blocks = mode == ScaleMode.BLOCK
+    return (hidden if scale is None else scale,
+            dict(stride_se=0 if scale is None else scale.stride(0), stride_sn=scale.stride(1) if blocks else 0,
+                 W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % block_k == 0, SCALE_BLOCK=FP8_BLOCK))
+
+
+def _act_fp8_args(mode: ScaleMode, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """W8A8: x [M, K] in e4m3 (kernels/fp8_quant.quantize_rows: amax / 448, floored, saturating),
+    its float32 scales and their strides: one a row (channel weights: [M, 1]) or one a row per
+    FP8_BLOCK-column group, the weights' block columns (block weights: [M, cdiv(K, 128)])."""
+    q, scales = quantize_rows(x, group=FP8_BLOCK if mode == ScaleMode.BLOCK else None)
+    return q, scales, dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
+
+
+def _check_act_fp8(act_fp8: bool, mode: ScaleMode) -> None:
+    if not isinstance(act_fp8, bool):
+        raise TypeError(f"act_fp8 must be a bool, got {act_fp8!r}")
+    if act_fp8 and mode == ScaleMode.NONE:
+        raise ValueError("act_fp8 (W8A8) takes FP8 experts: w13 / w2 float8_e4m3fn with w13_scale / w2_scale")
+
+
+def _check_act_steps(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tiling) -> None:
+    """W8A8 with block scales: each K step lies in one activation group (`tiles` may override)."""
+    if act_fp8 and mode == ScaleMode.BLOCK:
+        for name, t in (("gate_up", gate_up), ("down", down)):
+            if FP8_BLOCK % t.block_k:
+                raise ValueError(f"act_fp8 with block scales takes K steps dividing {FP8_BLOCK} (one activation "
+                                 f"group a step), got {name} block_k={t.block_k}")
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, tiles: MoeTiles | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              tiles: MoeTiles | None = None, act_fp8: bool = False) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: sum_k topk_weights[t, k] * expert topk_ids[t, k]'s
-    SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). `tiles` overrides moe_tiles (benchmarks)."""
+    SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). FP8 experts: w13 / w2 float8_e4m3fn with
+    w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py); `act_fp8` (W8A8) quantizes
+    hidden and the activation per row (block scales: per row per 128 columns) and multiplies FP8
+    operands. `tiles` overrides moe_tiles (benchmarks)."""
     _check_moe(hidden, w13, w2, topk_weights, topk_ids)
+    mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
     (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, n_pairs = two_i // 2, topk_ids.numel()
-    if t == 0:
-        return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
-    tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles)
+    _check_act_fp8(act_fp8, mode)
+    tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles,
+                                      mode if act_fp8 else None)
+    _check_act_steps(act_fp8, mode, gate_up, down)
+    if t == 0:
+        return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     align = moe_align(topk_ids, e, tiles.block_m)
     blocks = align.block_expert.numel()
-    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16,
+    # The interpreter's tl.dot takes e4m3 operands as they are (W8A8); bfloat16 ones in float32 (UPCAST).
+    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
+    a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
+    x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    s13, scales = _scale_args(mode, w13_scale, gate_up.block_k, hidden)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
-        hidden, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+        x, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
+        n_pairs, h, inter, x.stride(0), w13.stride(0), w13.stride(1), s13, as_ptr=a_scale,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
-        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **common)
+        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common, **acts)
+    # W8A8: act [P, I] in e4m3, every row (those of unused blocks hold torch.empty's bytes: never read)
+    act, a_scale, acts = _act_fp8_args(mode, act) if act_fp8 else (act, hidden, a16)
     pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
+    s2, scales = _scale_args(mode, w2_scale, down.block_k, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
-        n_pairs, h, inter, w2.stride(0), w2.stride(1),
+        n_pairs, h, inter, w2.stride(0), w2.stride(1), s2, as_ptr=a_scale,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
-        num_warps=down.num_warps, num_stages=down.num_stages, **common)
+        num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common, **acts)
     return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]

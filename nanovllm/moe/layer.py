@@ -10,16 +10,26 @@ Expert weights are stacked: w13 [E, 2 I/tp, H] (rows [0, I/tp): this rank's rows
 dense MLP, each rank sums over its part of the intermediate dimension and the ranks all-reduce;
 the router is replicated, so every rank routes identically.
 
-Checkpoint spellings (`map_expert_name`): published checkpoints hold one tensor per expert and
-projection, `...mlp.experts.{e}.{gate,up,down}_proj.weight` (shard (e, "gate_proj") etc. of w13 /
-w2); transformers 5's in-memory state dict (what update_weights gets from a transformers model)
-fuses them into `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I],
-each filling a whole parameter (its `shard_groups`, utils/loader.py).
+Checkpoint spellings (per expert and projection, or transformers 5's fused tensors) map onto w13 /
+w2 and their shard ids in moe/checkpoint_names.py; a fused tensor fills a whole parameter (its
+`shard_groups`, utils/loader.py).
 
-FP8 experts (a checkpoint's per-expert `weight` + `weight_scale_inv`, or full-precision ones under
-LLM(quantization="fp8")): the experts ask their format by name at construction and the loader
-dequantizes them into w13 / w2 in the compute dtype, on CUDA too for now (no FP8 grouped GEMMs
-yet); the router stays in full precision.
+FP8 experts (a checkpoint's per-expert `weight` + `weight_scale_inv` / `weight_scale`, or
+full-precision ones under LLM(quantization="fp8")): the experts ask their format by name at
+construction (quantization/config.expert_quant). Where they run the Triton kernels (CUDA) they
+hold w13 / w2 as float8_e4m3fn beside float32 scales, registered as `w13_{scale name}` /
+`w2_{scale name}` (`...experts.{e}.gate_proj.weight_scale_inv` fills expert e's rows of
+w13_weight_scale_inv), which the kernels apply in registers (moe/fp8_experts.py):
+
+    per channel (channel and tensor checkpoints, online FP8)   [E, 2 I/tp], [E, H]
+    per 128 x 128 block (I/tp a multiple of 128)               [E, 2 I/tp / 128, cdiv(H, 128)],
+                                                               [E, cdiv(H, 128), I/tp / 128]
+
+Elsewhere (CPU; block scales whose rank boundary splits a block) the loader dequantizes them into
+w13 / w2 in the compute dtype. The router stays in full precision. Held FP8 experts run W8A16
+(activations in the compute dtype) in the decode GEMVs; grouped-GEMM steps of
+KernelRoutes.moe_fp8_mma_min_tokens or more (size class: by default all) quantize the activations
+per token and multiply FP8 x FP8 (W8A8).
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
@@ -31,67 +41,19 @@ PyTorch loop over the experts that some token picked.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.kernel_path import current_routes, uses_triton
+from nanovllm.kernels.checks import FP8_BLOCK
+from nanovllm.layers.kernel_path import construction_device, current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.quantization.config import LinearQuant, layer_format
+from nanovllm.moe.checkpoint_names import DOWN_PROJ, FUSED_DOWN, FUSED_GATE_UP, GATE_PROJ, UP_PROJ
+from nanovllm.quantization.config import BLOCK, FP8_DTYPE, expert_quant
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.validation import check_int
-
-# Per-expert checkpoint projections -> (stacked parameter, part of its expert's slice).
-GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
-# Shard ids of the fused (transformers 5) tensors, each filling a whole parameter.
-FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
-_PER_EXPERT_NAME = re.compile(
-    r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
-_FUSED_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
-
-
-def map_expert_name(name: str) -> tuple[str, tuple[int, str] | str] | None:
-    """A checkpoint's expert tensor name -> (stacked parameter name, shard id); None for a name
-    that is not an expert tensor.
-
-        model.layers.3.mlp.experts.17.gate_proj.weight -> (model.layers.3.mlp.experts.w13, (17, "gate_proj"))
-        model.layers.3.mlp.experts.17.down_proj.weight -> (model.layers.3.mlp.experts.w2, (17, "down_proj"))
-        model.layers.3.mlp.experts.gate_up_proj        -> (model.layers.3.mlp.experts.w13, "gate_up_proj")
-    """
-    m = _PER_EXPERT_NAME.fullmatch(name)
-    if m is not None:
-        param = "w2" if m["proj"] == DOWN_PROJ else "w13"
-        return f"{m['prefix']}.{param}", (int(m["expert"]), m["proj"])
-    m = _FUSED_NAME.fullmatch(name)
-    if m is not None:
-        param = "w2" if m["proj"] == FUSED_DOWN else "w13"
-        return f"{m['prefix']}.{param}", m["proj"]
-    return None
-
-
-def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
-    """A fused expert tensor (transformers 5) -> the published per-expert tensors it holds; None
-    for another name. (Quantized experts are quantized one expert and projection at a time.)
-
-        ...experts.gate_up_proj [E, 2I, H] -> ...experts.{e}.gate_proj.weight, ...experts.{e}.up_proj.weight [I, H]
-        ...experts.down_proj [E, H, I]     -> ...experts.{e}.down_proj.weight [H, I]
-    """
-    m = _FUSED_NAME.fullmatch(name)
-    if m is None:
-        return None
-    if tensor.dim() != 3 or (m["proj"] == FUSED_GATE_UP and tensor.shape[1] % 2):
-        raise ValueError(f"fused expert tensor {name!r} must be [experts, rows, columns] (gate_up: even rows), "
-                         f"got {tuple(tensor.shape)}")
-    if m["proj"] == FUSED_DOWN:
-        return [(f"{m['prefix']}.{e}.{DOWN_PROJ}.weight", t) for e, t in enumerate(tensor)]
-    gate, up = tensor.chunk(2, dim=1)
-    return [(f"{m['prefix']}.{e}.{proj}.weight", t[e]) for e in range(tensor.shape[0])
-            for proj, t in ((GATE_PROJ, gate), (UP_PROJ, up))]
-
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64): the top-k of
@@ -128,9 +90,11 @@ class MoeExperts(nn.Module):
     `rank` / `world_size`: the tensor-parallel part this layer holds (None: the process group's)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str | None = None, *,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, kernels: bool | None = None):
         """`prefix`: the checkpoint name of the experts module (`...mlp.experts`), by which
-        they ask for their weights' format (quantization/config.py); None: full precision."""
+        they ask for their weights' format (quantization/config.py); None: full precision.
+        `kernels`: whether the layer runs the Triton kernels (None: layers/kernel_path.uses_triton
+        of the construction device; True on CPU: under Triton's interpreter, in tests)."""
         super().__init__()
         self.tp_rank = tp_rank() if rank is None else rank
         self.tp_size = tp_size() if world_size is None else world_size
@@ -140,27 +104,50 @@ class MoeExperts(nn.Module):
             raise ValueError(f"rank must be below world_size {self.tp_size}, got {self.tp_rank}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.local_size = intermediate_size // self.tp_size  # I / tp
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size), requires_grad=False)
+        self.use_triton = uses_triton(construction_device()) if kernels is None else bool(kernels)
         experts = range(num_experts)
+        names = None if prefix is None else tuple(f"{prefix}.{e}.{proj}" for e in experts
+                                                  for proj in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
+        quant = expert_quant(names, self.local_size, self.use_triton)
+        held = quant is not None and quant.held
+        dtype = FP8_DTYPE if held else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size, dtype=dtype), requires_grad=False)
         self.w13.shard_ids = tuple((e, proj) for e in experts for proj in (GATE_PROJ, UP_PROJ))
         self.w2.shard_ids = tuple((e, DOWN_PROJ) for e in experts)
         self.w13.shard_groups = {FUSED_GATE_UP: self.w13.shard_ids}
         self.w2.shard_groups = {FUSED_DOWN: self.w2.shard_ids}
-        names = None if prefix is None else tuple(f"{prefix}.{e}.{proj}" for e in experts
-                                                  for proj in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
-        fmt = layer_format(names)
         for param in (self.w13, self.w2):
             param.weight_slice = self.weight_slice
-            if fmt is not None:  # FP8 experts: dequantized at load for now (no FP8 MoE kernels)
-                param.quant = LinearQuant(fmt, held=False)
-        self.use_triton = uses_triton(self.w13.device)
+            if quant is not None:  # the loader quantizes / dequantizes by it
+                param.quant = quant
+        # FP8 experts' (w13, w2) scale parameters (float32, module docstring); None: w13 / w2 in the compute dtype.
+        self.scales = self._scale_parameters(quant.fmt.requant_scales, quant.fmt.scale_name) if held else None
         # Decode steps of up to this many tokens run the expert GEMVs (KernelRoutes; 0 off CUDA).
         self.gemv_tokens = 0
         if self.use_triton:
             from nanovllm.moe.decode import MAX_TOKENS
 
             self.gemv_tokens = min(current_routes().moe_gemv_max_tokens, MAX_TOKENS)
+        # Grouped-GEMM steps whose size class reaches this run W8A8 (held FP8 experts; None: never).
+        self.fp8_mma_tokens = (current_routes().moe_fp8_mma_min_tokens or None) if held and self.use_triton else None
+
+    def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
+        `w13_{scale_name}` / `w2_{scale_name}`, filled per expert and projection (scale_slice)."""
+        E, H, local = self.num_experts, self.hidden_size, self.local_size
+        if scales == BLOCK:  # local is whole blocks (expert_quant)
+            shapes = ((E, 2 * local // FP8_BLOCK, -(-H // FP8_BLOCK)), (E, -(-H // FP8_BLOCK), local // FP8_BLOCK))
+        else:
+            shapes = ((E, 2 * local), (E, H))
+        params = []
+        for weight, shape in ((self.w13, shapes[0]), (self.w2, shapes[1])):
+            param = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+            param.shard_ids, param.weight_slice = weight.shard_ids, self.scale_slice
+            self.register_parameter(f"{'w13' if weight is self.w13 else 'w2'}_{scale_name}", param)
+            params.append(param)
+        return params[0], params[1]
 
     def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: tuple[int, str] | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +173,38 @@ class MoeExperts(nn.Module):
         offset = 0 if proj == GATE_PROJ else local
         return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
 
+    def scale_slice(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight_slice for the scales of one expert's projection: a block grid ([ceil(I/128),
+        ceil(H/128)], down_proj [ceil(H/128), ceil(I/128)]) in blocks; per channel [rows, 1] or
+        [rows], a tensor scale ([1] or []) spread over the projection's rows."""
+        H, I, local = self.hidden_size, self.intermediate_size, self.local_size
+        if shard_id not in param.shard_ids:
+            raise ValueError(f"expert scale shard id must be one of (expert < {self.num_experts}, projection), "
+                             f"got {shard_id!r}")
+        expert, proj = shard_id
+        what = f"expert {expert} {proj} scale"
+        unit = FP8_BLOCK if param.dim() == 3 else 1  # weight rows / columns per scale entry
+        start, rows = self.tp_rank * local // unit, local // unit
+        if unit == 1:
+            full = H if proj == DOWN_PROJ else I
+            if loaded.numel() == 1 and loaded.dim() <= 1:
+                loaded = loaded.reshape(1).expand(full)
+            elif loaded.dim() == 2 and loaded.shape[1] == 1:
+                loaded = loaded.reshape(-1)
+            _check_shape(what, (full,), loaded)
+            if proj == DOWN_PROJ:  # one scale per output row: every rank holds them all
+                return param.data[expert], loaded
+            offset = 0 if proj == GATE_PROJ else local
+            return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
+        grid_h, grid_i = -(-H // FP8_BLOCK), -(-I // FP8_BLOCK)
+        if proj == DOWN_PROJ:
+            _check_shape(what, (grid_h, grid_i), loaded)
+            return param.data[expert], loaded.narrow(1, start, rows)
+        _check_shape(what, (grid_i, grid_h), loaded)
+        offset = 0 if proj == GATE_PROJ else rows
+        return param.data[expert].narrow(0, offset, rows), loaded.narrow(0, start, rows)
+
     def runs_gemv(self, hidden: torch.Tensor) -> bool:
         """Whether this step's experts run as the decode GEMVs (moe/decode.py): on CUDA, in
         a decode step of 1-2 tokens. Decided by the step's kind as well as its size, so that an
@@ -193,20 +212,32 @@ class MoeExperts(nn.Module):
         graphs pad to 16+ tokens) always run the same kernels."""
         return in_decode_step() and hidden.shape[0] <= self.gemv_tokens
 
+    def runs_fp8_mma(self, hidden: torch.Tensor) -> bool:
+        """Whether this grouped-GEMM step runs W8A8: held FP8 experts on CUDA, a step whose size
+        class (the tiles' and CUDA graphs' unit, moe/grouped_gemm.size_class) reaches
+        fp8_mma_tokens, so an eager step and the graph replaying it run the same kernels."""
+        from nanovllm.moe.grouped_gemm import size_class
+
+        return self.fp8_mma_tokens is not None and size_class(hidden.shape[0]) >= self.fp8_mma_tokens
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a given routing (the steps runs_gemv serves take forward_routed)."""
         if not self.use_triton:
             return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
         from nanovllm.moe.grouped_gemm import fused_moe
 
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        w13_scale, w2_scale = self.scales or (None, None)
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                         act_fp8=self.runs_fp8_mma(hidden))
 
     def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> torch.Tensor:
         """The decode GEMVs with the routing folded into their first launch (runs_gemv steps only)."""
         from nanovllm.moe.decode import moe_gemv_routed
 
-        return moe_gemv_routed(hidden, self.w13, self.w2, router_logits, top_k, renormalize)[0]
+        w13_scale, w2_scale = self.scales or (None, None)
+        return moe_gemv_routed(hidden, self.w13, self.w2, router_logits, top_k, renormalize, w13_scale=w13_scale,
+                               w2_scale=w2_scale)[0]
 
 
 class SparseMoeBlock(nn.Module):

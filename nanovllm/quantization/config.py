@@ -24,7 +24,13 @@ module names it is built from (a packed layer: all of its parts) and keeps the a
                               without names: the MoE router)
     LinearQuant(fmt, held)    held=True: the weight stays float8 with its scales (CUDA, bf16
                               compute, shapes the FP8 kernels take); held=False: the loader
-                              dequantizes it into the compute dtype (CPU, MoE experts for now)
+                              dequantizes it into the compute dtype (CPU, and shapes the
+                              kernels do not take)
+
+MoE experts ask `expert_quant` instead: held where the layer runs the Triton MoE kernels, which
+dequantize FP8 weights in registers (W8A16: activations stay in the compute dtype; large steps run
+W8A8 with dynamic per-token activation scales, so a static input_scale is dropped), with per-channel scales (tensor scales spread over the rows) or block
+scales when this rank's part of the intermediate dimension is whole blocks.
 
 Skip-list entries match a module whose dotted name contains the entry as whole components
 ("lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"); "re:" entries are regular
@@ -86,6 +92,8 @@ class LinearQuant:
 
     fmt: Fp8Format
     held: bool
+    # Held weights multiply full-precision activations (the MoE kernels): no input_scale is used.
+    weight_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,3 +241,19 @@ def linear_quant(names: tuple[str, ...] | None, out_parts: list[int], in_feature
     else:
         fits = in_features % FP8_GEMM_ALIGN == 0 and sum(out_parts) % FP8_GEMM_ALIGN == 0
     return LinearQuant(fmt, device.type == "cuda" and torch.get_default_dtype() == torch.bfloat16 and fits)
+
+
+def expert_quant(names: tuple[str, ...] | None, local_inter: int, kernels: bool) -> LinearQuant | None:
+    """MoE experts' quantization (`names`: every expert's projection modules; `local_inter`: I/tp,
+    this rank's part of the intermediate dimension). Held where the layer runs the Triton MoE
+    kernels (`kernels`: layers/kernel_path.uses_triton), any compute dtype, for channel and tensor
+    scales (held per output channel) and for block scales when local_inter is a multiple of
+    FP8_BLOCK: this rank's rows of gate_proj and up_proj and its columns of down_proj are then
+    whole blocks of the checkpoint's grids, which stack into the layer's (the block grid of
+    w13 [2 I/tp, H] needs the up half to start on a block). Otherwise (e.g. I=768 over 4 ranks:
+    192 rows) the loader dequantizes them."""
+    fmt = layer_format(names)
+    if fmt is None:
+        return None
+    fits = fmt.requant_scales != BLOCK or local_inter % FP8_BLOCK == 0
+    return LinearQuant(fmt, kernels and fits, weight_only=True)

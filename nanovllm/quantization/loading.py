@@ -10,10 +10,11 @@ construction). By what it holds and where the tensor comes from:
     dequantized      paired up, then weight x scale           quantized, then dequantized here: the
                                                               engine sees the quantization error
 
-Static input scales go to held layers and are dropped where the layer computes in full
-precision. A float8 tensor for a module the config leaves in full precision, a full-precision
-one where the checkpoint should be FP8, scales given to update_weights, and a weight without
-its scale or a scale without its weight (`missing`) are ValueErrors naming them.
+Static input scales go to held layers and are dropped where the layer's activations stay in
+full precision (dequantized layers, and held weight-only ones: the MoE experts). A float8
+tensor for a module the config leaves in full precision, a full-precision one where the
+checkpoint should be FP8, scales given to update_weights, and a weight without its scale or a
+scale without its weight (`missing`) are ValueErrors naming them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.moe.layer import split_fused_experts
+from nanovllm.moe.checkpoint_names import split_fused_experts
 from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
 from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
 
@@ -72,8 +73,8 @@ class QuantizedTensors:
         if self.update or quant.fmt.online:
             raise ValueError(f"{name!r}: {self.source} takes full-precision weights only (their scales are "
                              f"computed here)")
-        if leaf == INPUT_SCALE and quant.fmt.static_input and not quant.held:
-            return []  # the layer computes in full precision: activations are not quantized
+        if leaf == INPUT_SCALE and quant.fmt.static_input and (not quant.held or quant.weight_only):
+            return []  # the layer's activations stay in full precision: not quantized
         if quant.held or leaf != quant.fmt.scale_name:
             return [(name, tensor)]
         return self._pair(module, quant, "scale", tensor)
