@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.moe.align import MAX_EXPERTS, moe_align
-from nanovllm.moe.grouped_gemm import fused_moe, BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
+from nanovllm.moe.grouped_gemm import fused_moe
+from nanovllm.moe.tiles import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -252,7 +253,7 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     from nanovllm.engine.cuda_graphs import graph_batch_sizes
     from nanovllm.layers.kernel_path import KernelRoutes
     from nanovllm.engine.varlen_graphs import token_buckets
-    from nanovllm.moe.grouped_gemm import plan_tiles
+    from nanovllm.moe.tiles import plan_tiles
 
     def padded(sizes, t):
         return next(s for s in sizes if s >= t)
@@ -267,7 +268,7 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
     # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
-    from nanovllm.moe.grouped_gemm import MIN_PROGRAMS_PER_SM
+    from nanovllm.moe.tiles import MIN_PROGRAMS_PER_SM
     from nanovllm.moe.align import aligned_blocks
 
     tiles, gate_up, down = plan_tiles(1, 8, 128, 2048, 768, 132)

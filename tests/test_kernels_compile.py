@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from nanovllm.moe import grouped_gemm as moe
+from nanovllm.moe import tiles as moe_tiles
+from nanovllm.moe.fp8_experts import ScaleMode
 from nanovllm.moe.decode import DEFAULT_TILES as DECODE_TILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,8 +114,8 @@ SPECS = [
        [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
          "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
          "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
-        for m, t in ((16, moe.DECODE_GATE_UP), (32, moe.DECODE_GATE_UP), (64, moe.PREFILL_GATE_UP),
-                     (16, replace(moe.DECODE_GATE_UP, block_k=256)))])
+        for m, t in ((16, moe_tiles.DECODE_GATE_UP), (32, moe_tiles.DECODE_GATE_UP), (64, moe_tiles.PREFILL_GATE_UP),
+                     (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256)))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     # ... W8A8 (ACT_FP8): e4m3 hidden with float32 per-token (per-group) scales, e4m3 x e4m3 MMAs
     # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
@@ -122,15 +124,15 @@ SPECS = [
        [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
          "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
          "num_warps": t.num_warps, "num_stages": t.num_stages}
-        for m, t in ((64, moe.PREFILL_GATE_UP), (32, moe.DECODE_GATE_UP))])
+        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_GATE_UP))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
        [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
          "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
          "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
-        for m, t in ((16, moe.DECODE_DOWN), (32, moe.DECODE_DOWN), (64, moe.PREFILL_DOWN),
-                     (16, replace(moe.DECODE_DOWN, block_k=256)))])
+        for m, t in ((16, moe_tiles.DECODE_DOWN), (32, moe_tiles.DECODE_DOWN), (64, moe_tiles.PREFILL_DOWN),
+                     (16, replace(moe_tiles.DECODE_DOWN, block_k=256)))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
@@ -138,7 +140,7 @@ SPECS = [
        [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
          "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
          "num_warps": t.num_warps, "num_stages": t.num_stages}
-        for m, t in ((64, moe.PREFILL_DOWN), (32, moe.DECODE_DOWN))])
+        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN))])
       for scale in (1, 2)],
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
     ("kernels.gemv", "_gemv_kernel", {"eps": "fp32"},

@@ -21,7 +21,8 @@ from fp8_checkpoints import LAYOUTS, SCALE_NAMES, quantized
 from test_fused_moe import QWEN3_30B, assert_close, make_case, random_ids, reference_moe
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.moe.decode import GemvTiles, moe_gemv, moe_gemv_routed
-from nanovllm.moe.grouped_gemm import MoeTiles, Tiling, fused_moe
+from nanovllm.moe.grouped_gemm import fused_moe
+from nanovllm.moe.tiles import MoeTiles, Tiling
 from nanovllm.moe.checkpoint_names import map_expert_name
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.routing import moe_route

@@ -328,7 +328,8 @@ def grouped_table(rows: list[dict], names: tuple[str, str, str]) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.moe.grouped_gemm import MoeTiles, Tiling, fused_moe, moe_tiles, size_class
+    from nanovllm.moe.grouped_gemm import fused_moe
+    from nanovllm.moe.tiles import MoeTiles, Tiling, moe_tiles, size_class
     from nanovllm.moe.align import moe_align
     from nanovllm.moe.decode import MAX_TOKENS as GEMV_MAX_TOKENS
     from nanovllm.moe.decode import moe_gemv

@@ -49,7 +49,7 @@ class KernelRoutes:
     # MoE decode steps up to this many tokens run the expert GEMVs (moe/decode.MAX_TOKENS is the
     # kernel's limit); larger steps run the grouped GEMMs.
     moe_gemv_max_tokens: int = 2
-    # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/grouped_gemm.size_class,
+    # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/tiles.size_class,
     # so an eager step and its graph replay agree) run W8A8: activations quantized per token, FP8 x FP8 MMAs.
     # 16 (the smallest class): all of them. H200 (bench_moe.py --fp8, 30B-A3B experts): W8A8 took 0.46-0.90x
     # W8A16's time at every T measured (1-8,192), channel and block scales alike. 0: never.

@@ -7,5 +7,6 @@
 - routing.py: softmax, top k and renormalisation in one Triton launch.
 - align.py: the counting sort of (token, expert) pairs into single-expert blocks.
 - grouped_gemm.py: the fused MoE (grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM).
+- tiles.py: the grouped GEMMs' tilings (decode, prefill, W8A8 prefill) and a call's plan by size class.
 - decode.py: decode steps of 1-2 tokens as two GEMV-style launches that route too.
 """

@@ -37,62 +37,17 @@ MoE path exists on CUDA to compare with (a per-expert loop cannot be graph-captu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count
 from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .align import _check_ids, aligned_blocks, moe_align
+from .align import _check_ids, moe_align
 from .fp8_experts import ScaleMode, expert_scale_mode
-
-# Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
-# that holds most experts' pairs whole reads each selected expert's weights once per N tile.
-BLOCK_MS = (16, 32, 64)
-# block_m >= this x the mean pairs per expert (routing is uneven: room for the busier experts).
-PAIRS_SLACK = 2
-# Grids below this many programs per SM shrink block_n (down to 16) so every SM streams weights.
-MIN_PROGRAMS_PER_SM = 2
-# Tiles are picked for the token count's size class, the power of two at or above it (at least
-# this), not for the count: CUDA graphs replay a step padded to a size in [T, size_class(T)] (every
-# power of two >= 16 is a graph size), so an eager step and its replay pick the same tiles and round alike.
-SIZE_CLASS_MIN = 16
-
-
-@dataclass(frozen=True)
-class Tiling:
-    block_n: int  # output columns per program (GEMM 1: of gate and of up each)
-    block_k: int  # reduction columns per step
-    num_warps: int
-    num_stages: int  # steps whose loads are in flight (3-4 on Hopper)
-
-
-@dataclass(frozen=True)
-class MoeTiles:
-    block_m: int  # sorted pairs per block
-    gate_up: Tiling
-    down: Tiling
-
-
-# Decode (block_m <= 32): memory-bound; 128-column steps (two 128-byte lines per bf16 weight row)
-# 3 in flight were the fastest of each GEMM's candidates at T = 64-256 in the H200 sweep
-# (benchmarks/kernels/bench_moe.py --sweep; figures in BENCHMARKS.md).
-DECODE_GATE_UP = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
-DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
-# Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
-PREFILL_GATE_UP = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
-PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
-# Prefill W8A8 (both GEMMs): 128-column steps (128 bytes of an e4m3 row, as 64 bf16 columns are);
-# the fastest of nine tilings at T = 2,048 / 8,192 on the H200 (BENCHMARKS.md, thirteenth session):
-# channel 492 / 1,421 us against 531 / 1,588 with PREFILL_*; block (a scale per 128-column step)
-# 756 / 2,387 against 1,075 / 3,431.
-PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
-                ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
-
+from .tiles import MoeTiles, Tiling, plan_tiles
 
 @triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -234,52 +189,6 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
     tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
-
-
-def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Smallest block height of BLOCK_MS holding PAIRS_SLACK x the mean pairs per expert."""
-    want = PAIRS_SLACK * num_pairs / max(1, num_experts)
-    return next((m for m in BLOCK_MS if m >= want), BLOCK_MS[-1])
-
-
-def _fit(t: Tiling, n_out: int, k_in: int, blocks: int, sms: int | None) -> Tiling:
-    """t clamped to the problem (tiles >= 16 for tl.dot) and, on a GPU, block_n halved while the
-    grid is under MIN_PROGRAMS_PER_SM programs per SM."""
-    block_n = max(16, min(t.block_n, next_pow2(n_out)))
-    while sms is not None and block_n > 16 and blocks * triton.cdiv(n_out, block_n) < MIN_PROGRAMS_PER_SM * sms:
-        block_n //= 2
-    return replace(t, block_n=block_n, block_k=max(16, min(t.block_k, next_pow2(k_in))))
-
-
-def size_class(num_tokens: int) -> int:
-    """The token count tiles are chosen for (see SIZE_CLASS_MIN)."""
-    return max(SIZE_CLASS_MIN, next_pow2(num_tokens))
-
-
-def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int | None,
-               tiles: MoeTiles | None = None, w8a8: ScaleMode | None = None) -> tuple[MoeTiles, Tiling, Tiling]:
-    """(tiles, gate_up tiling, down tiling) for num_tokens tokens (`w8a8`: the experts' scales of a
-    W8A8 call): every choice is a function of size_class(num_tokens), never of the count itself.
-    `tiles` overrides moe_tiles (benchmarks)."""
-    size = size_class(num_tokens)
-    if tiles is None:
-        tiles = moe_tiles(size * top_k, num_experts, w8a8)
-    # block_n shrinks until the class's smallest count fills the GPU (one token: K blocks of one
-    # pair each), so every count of the class keeps every SM streaming weights.
-    smallest = 1 if size == SIZE_CLASS_MIN else size // 2 + 1
-    blocks = aligned_blocks(smallest * top_k, num_experts, tiles.block_m)
-    return tiles, _fit(tiles.gate_up, inter, hidden, blocks, sms), _fit(tiles.down, hidden, inter, blocks, sms)
-
-
-def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
-    """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8 prefill: its own,
-    by the experts' scales; decode tilings already step 128 columns)."""
-    block_m = block_m_for(num_pairs, num_experts)
-    if block_m <= 32:
-        return MoeTiles(block_m, DECODE_GATE_UP, DECODE_DOWN)
-    if w8a8 is not None:
-        return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8])
-    return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
 
 
 def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:

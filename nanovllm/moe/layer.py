@@ -214,9 +214,9 @@ class MoeExperts(nn.Module):
 
     def runs_fp8_mma(self, hidden: torch.Tensor) -> bool:
         """Whether this grouped-GEMM step runs W8A8: held FP8 experts on CUDA, a step whose size
-        class (the tiles' and CUDA graphs' unit, moe/grouped_gemm.size_class) reaches
+        class (the tiles' and CUDA graphs' unit, moe/tiles.size_class) reaches
         fp8_mma_tokens, so an eager step and the graph replaying it run the same kernels."""
-        from nanovllm.moe.grouped_gemm import size_class
+        from nanovllm.moe.tiles import size_class
 
         return self.fp8_mma_tokens is not None and size_class(hidden.shape[0]) >= self.fp8_mma_tokens
 
