@@ -46,7 +46,7 @@ import triton.language as tl
 from nanovllm.kernels.checks import FP8_BLOCK, check_matrix, next_pow2
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .fp8_experts import ScaleMode, expert_scale_mode
+from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .routing import check_router_logits, expert_block, route_row
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 
@@ -277,27 +277,23 @@ def _launch(hidden: torch.Tensor, experts: tuple, topk_weights: torch.Tensor, to
         raise TypeError(f"tiles must be a GemvTiles or None, got {type(tiles).__name__}")
     (t, h), inter, k = hidden.shape, w2.shape[2], topk_ids.shape[1]
     route = router_logits is not None
-    blocks = mode == ScaleMode.BLOCK
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
     gate_up_n = _gate_up_rows(tiles.gate_up_block_n, inter, mode)
     gate_up_grid = (t * k, triton.cdiv(inter, gate_up_n))
+    s13, scales13 = scale_args(mode, w13_scale, hidden)
     _gate_up_gemv[gate_up_grid](
         hidden, w13, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
-        hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0,
-        hidden if w13_scale is None else w13_scale, 0 if w13_scale is None else w13_scale.stride(0),
-        w13_scale.stride(1) if blocks else 0,
+        hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0, s13, **scales13,
         TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
         ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
-        W_SCALE=int(mode), SCALE_BLOCK=FP8_BLOCK,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
     down_grid = (t, triton.cdiv(h, tiles.down_block_n))
     down_k = max(16, min(tiles.down_block_k, next_pow2(inter)))
+    s2, scales2 = scale_args(mode, w2_scale, hidden)
     _down_gemv[down_grid](
-        act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
-        hidden if w2_scale is None else w2_scale, 0 if w2_scale is None else w2_scale.stride(0),
-        w2_scale.stride(1) if blocks else 0,
+        act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0), s2, **scales2,
         TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n, BLOCK_K=down_k,
-        W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % down_k == 0, SCALE_BLOCK=FP8_BLOCK,
+        SCALE_PER_STEP=scales_per_step(mode, down_k),
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, down_grid[0] * down_grid[1]))
     return out

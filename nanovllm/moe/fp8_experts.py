@@ -21,8 +21,7 @@ from enum import IntEnum
 import torch
 
 from nanovllm.kernels.checks import FP8_BLOCK
-
-FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+from nanovllm.quantization.config import FP8_DTYPE
 
 
 class ScaleMode(IntEnum):
@@ -35,6 +34,29 @@ class ScaleMode(IntEnum):
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def scale_shapes(mode: ScaleMode, experts: int, inter: int, hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(w13_scale, w2_scale) shapes of `experts` stacked experts of intermediate size `inter`
+    (w13 [E, 2 inter, H], w2 [E, H, inter]) under `mode` (CHANNEL or BLOCK: module docstring)."""
+    if mode == ScaleMode.BLOCK:
+        return ((experts, _cdiv(2 * inter, FP8_BLOCK), _cdiv(hidden, FP8_BLOCK)),
+                (experts, _cdiv(hidden, FP8_BLOCK), _cdiv(inter, FP8_BLOCK)))
+    return (experts, 2 * inter), (experts, hidden)
+
+
+def scale_args(mode: ScaleMode, scale: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A kernel's scale tensor (`placeholder` without scales, never read) and the keyword arguments
+    that go with it: its expert and row-of-blocks strides, the mode (W_SCALE) and the block size."""
+    return (placeholder if scale is None else scale,
+            dict(stride_se=0 if scale is None else scale.stride(0),
+                 stride_sn=scale.stride(1) if mode == ScaleMode.BLOCK else 0, W_SCALE=int(mode), SCALE_BLOCK=FP8_BLOCK))
+
+
+def scales_per_step(mode: ScaleMode, block_k: int) -> bool:
+    """Whether block scales multiply each K step's product (block_k divides FP8_BLOCK: the step lies
+    in one column of blocks) rather than each weight element."""
+    return mode == ScaleMode.BLOCK and FP8_BLOCK % block_k == 0
 
 
 def expert_scale_mode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -50,15 +72,13 @@ def expert_scale_mode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                 f"w13_scale / w2_scale)")
         return ScaleMode.NONE
     e, two_i, h = w13.shape
-    inter = two_i // 2
-    channel = {"w13_scale": (e, two_i), "w2_scale": (e, h)}
-    block = {"w13_scale": (e, _cdiv(two_i, FP8_BLOCK), _cdiv(h, FP8_BLOCK)),
-             "w2_scale": (e, _cdiv(h, FP8_BLOCK), _cdiv(inter, FP8_BLOCK))}
+    channel = dict(zip(("w13_scale", "w2_scale"), scale_shapes(ScaleMode.CHANNEL, e, two_i // 2, h)))
+    block = dict(zip(("w13_scale", "w2_scale"), scale_shapes(ScaleMode.BLOCK, e, two_i // 2, h)))
     mode = ScaleMode.BLOCK if w13_scale.dim() == 3 else ScaleMode.CHANNEL
     want = block if mode == ScaleMode.BLOCK else channel
     for name, w in (("w13", w13), ("w2", w2)):
-        if w.dtype != FP8_WEIGHT_DTYPE:
-            raise TypeError(f"{name} must be {FP8_WEIGHT_DTYPE} with scales, got {w.dtype}")
+        if w.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be {FP8_DTYPE} with scales, got {w.dtype}")
     for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
             raise TypeError(f"{name} must be a float32 tensor, got {getattr(s, 'dtype', type(s))}")

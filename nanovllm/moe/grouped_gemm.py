@@ -46,7 +46,7 @@ from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .align import _check_ids, moe_align
-from .fp8_experts import ScaleMode, expert_scale_mode
+from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .tiles import MoeTiles, Tiling, plan_tiles
 
 @triton.jit
@@ -218,17 +218,6 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
 
 
-def _scale_args(mode: ScaleMode, scale: torch.Tensor | None, block_k: int,
-                hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """A kernel's scale tensor (hidden as a placeholder without scales, never read) and the
-    keyword arguments that go with it: strides, the mode, and whether block scales apply per K
-    step (block_k divides FP8_BLOCK) or per element."""
-    blocks = mode == ScaleMode.BLOCK
-    return (hidden if scale is None else scale,
-            dict(stride_se=0 if scale is None else scale.stride(0), stride_sn=scale.stride(1) if blocks else 0,
-                 W_SCALE=int(mode), SCALE_PER_STEP=blocks and FP8_BLOCK % block_k == 0, SCALE_BLOCK=FP8_BLOCK))
-
-
 def _act_fp8_args(mode: ScaleMode, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """W8A8: x [M, K] in e4m3 (kernels/fp8_quant.quantize_rows: amax / 448, floored, saturating),
     its float32 scales and their strides: one a row (channel weights: [M, 1]) or one a row per
@@ -281,19 +270,21 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
     x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
-    s13, scales = _scale_args(mode, w13_scale, gate_up.block_k, hidden)
+    s13, scales = scale_args(mode, w13_scale, hidden)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
         x, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, x.stride(0), w13.stride(0), w13.stride(1), s13, as_ptr=a_scale,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
+        SCALE_PER_STEP=scales_per_step(mode, gate_up.block_k),
         num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common, **acts)
     # W8A8: act [P, I] in e4m3, every row (those of unused blocks hold torch.empty's bytes: never read)
     act, a_scale, acts = _act_fp8_args(mode, act) if act_fp8 else (act, hidden, a16)
     pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
-    s2, scales = _scale_args(mode, w2_scale, down.block_k, hidden)
+    s2, scales = scale_args(mode, w2_scale, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, w2.stride(0), w2.stride(1), s2, as_ptr=a_scale,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
+        SCALE_PER_STEP=scales_per_step(mode, down.block_k),
         num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common, **acts)
     return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]

@@ -50,6 +50,7 @@ from nanovllm.kernels.checks import FP8_BLOCK
 from nanovllm.layers.kernel_path import construction_device, current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.moe.checkpoint_names import DOWN_PROJ, FUSED_DOWN, FUSED_GATE_UP, GATE_PROJ, UP_PROJ
+from nanovllm.moe.fp8_experts import ScaleMode, scale_shapes
 from nanovllm.quantization.config import BLOCK, FP8_DTYPE, expert_quant
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
@@ -136,11 +137,8 @@ class MoeExperts(nn.Module):
     def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
         `w13_{scale_name}` / `w2_{scale_name}`, filled per expert and projection (scale_slice)."""
-        E, H, local = self.num_experts, self.hidden_size, self.local_size
-        if scales == BLOCK:  # local is whole blocks (expert_quant)
-            shapes = ((E, 2 * local // FP8_BLOCK, -(-H // FP8_BLOCK)), (E, -(-H // FP8_BLOCK), local // FP8_BLOCK))
-        else:
-            shapes = ((E, 2 * local), (E, H))
+        mode = ScaleMode.BLOCK if scales == BLOCK else ScaleMode.CHANNEL  # BLOCK: local is whole blocks (expert_quant)
+        shapes = scale_shapes(mode, self.num_experts, self.local_size, self.hidden_size)
         params = []
         for weight, shape in ((self.w13, shapes[0]), (self.w2, shapes[1])):
             param = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)

@@ -27,10 +27,11 @@ module names it is built from (a packed layer: all of its parts) and keeps the a
                               dequantizes it into the compute dtype (CPU, and shapes the
                               kernels do not take)
 
-MoE experts ask `expert_quant` instead: held where the layer runs the Triton MoE kernels, which
-dequantize FP8 weights in registers (W8A16: activations stay in the compute dtype; large steps run
-W8A8 with dynamic per-token activation scales, so a static input_scale is dropped), with per-channel scales (tensor scales spread over the rows) or block
-scales when this rank's part of the intermediate dimension is whole blocks.
+MoE experts ask `expert_quant` instead: held where the layer runs the Triton MoE kernels (the
+decode GEMVs dequantize FP8 weights in registers, W8A16; the grouped GEMMs run W8A8 with dynamic
+per-token activation scales; so a static input_scale is dropped), with per-channel scales (tensor
+scales spread over the rows) or block scales when this rank's part of the intermediate dimension
+is whole blocks.
 
 Skip-list entries match a module whose dotted name contains the entry as whole components
 ("lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"); "re:" entries are regular
