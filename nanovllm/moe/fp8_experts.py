@@ -19,6 +19,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 import torch
+import triton
 
 from nanovllm.kernels.checks import FP8_BLOCK
 from nanovllm.quantization.config import FP8_DTYPE
@@ -32,16 +33,12 @@ class ScaleMode(IntEnum):
     BLOCK = 2
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def scale_shapes(mode: ScaleMode, experts: int, inter: int, hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(w13_scale, w2_scale) shapes of `experts` stacked experts of intermediate size `inter`
     (w13 [E, 2 inter, H], w2 [E, H, inter]) under `mode` (CHANNEL or BLOCK: module docstring)."""
     if mode == ScaleMode.BLOCK:
-        return ((experts, _cdiv(2 * inter, FP8_BLOCK), _cdiv(hidden, FP8_BLOCK)),
-                (experts, _cdiv(hidden, FP8_BLOCK), _cdiv(inter, FP8_BLOCK)))
+        return ((experts, triton.cdiv(2 * inter, FP8_BLOCK), triton.cdiv(hidden, FP8_BLOCK)),
+                (experts, triton.cdiv(hidden, FP8_BLOCK), triton.cdiv(inter, FP8_BLOCK)))
     return (experts, 2 * inter), (experts, hidden)
 
 

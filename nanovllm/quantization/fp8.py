@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
@@ -25,10 +26,6 @@ from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
 # this (H200, torch 2.11: 1-3, 5 and 17 rows refused, 4-32 in steps of 4 taken); the
 # activations are padded with zero rows.
 BLOCKWISE_ROW_MULTIPLE = 4
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def expand_blocks(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -54,7 +51,7 @@ def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.T
     w = w.float()
     n, k = w.shape
     if scales == BLOCK:
-        gn, gk = _cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK)
+        gn, gk = triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK)
         padded = F.pad(w, (0, gk * FP8_BLOCK - k, 0, gn * FP8_BLOCK - n)).view(gn, FP8_BLOCK, gk, FP8_BLOCK)
         s = _scale(padded.abs().amax(dim=(1, 3)))  # [gn, gk]
         return _to_fp8(w / expand_blocks(s, n, k)), s
@@ -68,7 +65,7 @@ def scale_shape_ok(s: torch.Tensor, n: int, k: int, scales: str) -> bool:
     """Whether `s` is a checkpoint's `scales` scale of an [n, k] weight: a block grid, [n, 1] or
     [n] per channel, [1] or [] per tensor."""
     if scales == BLOCK:
-        return tuple(s.shape) == (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+        return tuple(s.shape) == (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
     if scales == CHANNEL:
         return tuple(s.shape) in ((n, 1), (n,))
     return s.numel() == 1 and s.dim() <= 1
@@ -112,7 +109,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weights, bias: torch.Tensor | None) -> tor
 
     m = x.shape[0]
     if w.blocks:
-        rows = _cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
+        rows = triton.cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
         xq, xs = quantize_rows(x, group=FP8_BLOCK, rows=rows)  # [rows, K], [rows, K/128] column-major
         y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.t(), out_dtype=x.dtype)[:m]
         return y if bias is None else y + bias
