@@ -198,9 +198,20 @@ def _down_gemv(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inte
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """Stacked experts checked for a 1..MAX_TOKENS token step (`_check_experts`) and their scale mode."""
+
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    mode: ScaleMode
+
+
 def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                   w2_scale: torch.Tensor | None) -> ScaleMode:
-    """The scale mode of a 1..MAX_TOKENS token step over these stacked experts; else a clear error."""
+                   w2_scale: torch.Tensor | None) -> _Experts:
+    """These stacked experts with their scale mode, for a 1..MAX_TOKENS token step; else a clear error."""
     check_matrix("hidden", hidden)
     t, h = hidden.shape
     if not 1 <= t <= MAX_TOKENS:
@@ -214,7 +225,7 @@ def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w1
     inter = two_i // 2
     if wh != h or two_i % 2 or tuple(w2.shape) != (e, h, inter):
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {tuple(hidden.shape)}")
-    return expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
+    return _Experts(w13, w2, w13_scale, w2_scale, expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale))
 
 
 def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -224,7 +235,7 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     in hidden's dtype; w13 [E, 2I, H] (gate | up), w2 [E, H, I] (FP8 with w13_scale / w2_scale:
     moe/fp8_experts.py), topk_weights [T, K] float32, topk_ids [T, K] int32/int64 (contiguous).
     `tiles` overrides DEFAULT_TILES (benchmarks)."""
-    mode = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
+    experts = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
     t = hidden.shape[0]
     if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
             or topk_ids.dim() != 2 or topk_ids.shape[0] != t or not topk_ids.is_contiguous()):
@@ -236,7 +247,7 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for name, x in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
-    return _launch(hidden, (w13, w2, w13_scale, w2_scale, mode), topk_weights, topk_ids, None, False, tiles)
+    return _launch(hidden, experts, topk_weights, topk_ids, None, False, tiles)
 
 
 def moe_gemv_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
@@ -246,7 +257,7 @@ def moe_gemv_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     """moe_route + moe_gemv in moe_gemv's two launches: router_logits [T, E] (E = w13's experts;
     float16/bfloat16/float32, contiguous last dim) -> (out [T, H], weights [T, K] float32, ids
     [T, K] int32), the routing exactly as moe_route gives it. FP8 experts as in moe_gemv."""
-    mode = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
+    experts = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
     t = hidden.shape[0]
     tokens, num_experts = check_router_logits(router_logits, top_k)
     if tokens != t or num_experts != w13.shape[0] or router_logits.device != hidden.device:
@@ -254,7 +265,7 @@ def moe_gemv_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
                          f"[{t}, {w13.shape[0]}] on {hidden.device}")
     weights = torch.empty((t, top_k), dtype=torch.float32, device=hidden.device)  # [T, K], written by gate_up
     ids = torch.empty((t, top_k), dtype=torch.int32, device=hidden.device)  # [T, K], written by gate_up
-    out = _launch(hidden, (w13, w2, w13_scale, w2_scale, mode), weights, ids, router_logits, bool(renormalize), tiles)
+    out = _launch(hidden, experts, weights, ids, router_logits, bool(renormalize), tiles)
     return out, weights, ids
 
 
@@ -266,11 +277,11 @@ def _gate_up_rows(block_n: int, inter: int, mode: ScaleMode) -> int:
     return block_n
 
 
-def _launch(hidden: torch.Tensor, experts: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             router_logits: torch.Tensor | None, renormalize: bool, tiles: GemvTiles | None) -> torch.Tensor:
-    """The two launches on checked arguments (`experts`: w13, w2, w13_scale, w2_scale and their
-    ScaleMode); with router_logits, gate_up routes and writes topk_weights / topk_ids."""
-    w13, w2, w13_scale, w2_scale, mode = experts
+    """The two launches on checked arguments; with router_logits, gate_up routes and writes
+    topk_weights / topk_ids."""
+    w13, w2, mode = experts.w13, experts.w2, experts.mode
     if tiles is None:
         tiles = DEFAULT_TILES
     if not isinstance(tiles, GemvTiles):
@@ -280,7 +291,7 @@ def _launch(hidden: torch.Tensor, experts: tuple, topk_weights: torch.Tensor, to
     act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)  # [T * K, I]
     gate_up_n = _gate_up_rows(tiles.gate_up_block_n, inter, mode)
     gate_up_grid = (t * k, triton.cdiv(inter, gate_up_n))
-    s13, scales13 = scale_args(mode, w13_scale, hidden)
+    s13, scales13 = scale_args(mode, experts.w13_scale, hidden)
     _gate_up_gemv[gate_up_grid](
         hidden, w13, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
         hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0, s13, **scales13,
@@ -290,7 +301,7 @@ def _launch(hidden: torch.Tensor, experts: tuple, topk_weights: torch.Tensor, to
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
     down_grid = (t, triton.cdiv(h, tiles.down_block_n))
     down_k = max(16, min(tiles.down_block_k, next_pow2(inter)))
-    s2, scales2 = scale_args(mode, w2_scale, hidden)
+    s2, scales2 = scale_args(mode, experts.w2_scale, hidden)
     _down_gemv[down_grid](
         act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0), s2, **scales2,
         TOP_K=k, K_PAD=next_pow2(k), BLOCK_N=tiles.down_block_n, BLOCK_K=down_k,
