@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -181,8 +182,17 @@ class GrammarBackend:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-mask-fill")
         host = self._host_mask(len(rows))
-        done = self._worker.submit(self.filler.batch_fill_next_token_bitmask, [g.matcher for g in grammars],
-                                   host.numpy())
+        matchers, started = [g.matcher for g in grammars], threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self.filler.batch_fill_next_token_bitmask(matchers, host.numpy())
+
+        done = self._worker.submit(fill)
+        # Wait until the worker runs: from there it holds the GIL only until xgrammar's call releases
+        # it. Without this, the worker would wait for the GIL as long as this thread runs Python
+        # (up to sys.getswitchinterval(), 5 ms), and the fill would start after the work it should hide.
+        started.wait()
         try:
             yield MaskFill(rows, host, done, self.device)
         finally:
