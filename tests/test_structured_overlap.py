@@ -1,6 +1,6 @@
 """The overlapped mask fill of structured outputs (CPU, the shipped default model): under overlap
 scheduling the next step's token masks are filled on the grammar backend's worker thread while the
-engine records the step and prepares the one after (engine/llm_engine.py, LLMEngine.step).
+engine records the step and prepares the one after (engine/step_pipeline.py, StepPipeline.step).
 
 Checked here: the same tokens as the serial path (overlap scheduling off, where the masks are filled
 on the engine's thread) for greedy and seeded rows of every constraint kind; a fill that fails is

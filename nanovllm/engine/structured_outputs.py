@@ -6,7 +6,7 @@ xgrammar is an optional dependency (`pip install 'nanovllm[structured]'`), impor
 meets its first request with `structured_outputs`, never by `import nanovllm`. Why xgrammar rather
 than llguidance: docs/structured_outputs.md (measured).
 
-Per step (engine/llm_engine.py): the forward is queued first, then the masks of the step's
+Per step (engine/step_pipeline.py): the forward is queued first, then the masks of the step's
 constrained rows are filled on the host while the device runs it, copied up, and the sampling
 queued. Under overlap scheduling the fill of step N+1's masks, which needs step N's tokens
 accepted, runs on the backend's worker thread (`filling`: xgrammar's own threads, the GIL
