@@ -110,7 +110,7 @@ def test_abort_in_mixed_steps_while_a_step_holding_the_request_is_in_flight(ckpt
             assert not llm.is_finished(), "no mixed step left a prompt half prefilled"
             waiting = llm.scheduler.waiting
             chunked = run.step().kind is StepKind.MIXED and bool(waiting) and bool(waiting[0].block_table)
-        queued = llm._in_flight.batch.seqs
+        queued = llm.pipeline.in_flight_batch.seqs
         decoding, prefilling = ids[0], llm.scheduler.waiting[0].request_id
         assert {decoding, prefilling} <= {s.request_id for s in queued}
         free = llm.block_manager.num_free_blocks
@@ -168,7 +168,8 @@ def test_random_aborts_leak_no_block(ckpt, baseline, data, budget, slack_blocks,
         step = 0
         while not llm.is_finished():
             if step in aborts:
-                queued = llm._in_flight.batch.seqs if llm._in_flight is not None else []
+                in_flight = llm.pipeline.in_flight_batch
+                queued = in_flight.seqs if in_flight is not None else []
                 if any(s.request_id in aborts[step] for s in queued):
                     event("aborted a request of the step in flight")
                 run.abort(aborts[step])

@@ -57,10 +57,11 @@ def test_mixed_step_attention_kernels_match_torch_path():
     n = plan.num_tokens
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
     caches = [torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for _ in range(2)]
-    ref = attend(TORCH, StepInputBuilder(BS, CPU, WIDTH).varlen(plan, None), q, k, v, caches)
+    plain = StepInputBuilder(BS, CPU, WIDTH)
+    ref = attend(TORCH, plain.varlen(plan, plain.varlen_copy(plan, plain.exact_layout(plan)), None), q, k, v, caches)
 
     builder = StepInputBuilder(BS, CPU, WIDTH, query_tile_rows(D, torch.float32))
-    exact = builder.varlen(plan, None)
+    exact = builder.varlen(plan, builder.varlen_copy(plan, builder.exact_layout(plan)), None)
     assert exact.meta.decode_rows is not None and int(exact.meta.decode_rows.num_rows) == 3
     out = attend(TRITON, exact, q, k, v, caches)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
-from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
+from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.sampling.batch import SamplingBatch, SamplingPack
 from nanovllm.utils.host_to_device import to_device, with_words, words_view
@@ -74,9 +74,14 @@ def test_step_inputs_carry_the_words_without_changing_the_step(kind, width):
     plan = StepPlan(kind, starts=starts, num_new_tokens=lens, token_ids=list(range(1, sum(lens) + 1)),
                     block_tables=[[0, 1, 2], [3], [4, 5, 6]], sampled=[True] * 3,
                     num_decode=3 if kind is StepKind.DECODE else 0)
-    build = builder.decode if kind is StepKind.DECODE else builder.varlen
     pack = SamplingPack.of(PARAMS, KEYS, 50)
-    plain, carrying = build(plan, None), build(plan, None, pack.words)
+    if kind is StepKind.DECODE:
+        plain, carrying = (builder.decode(plan, HostCopy.of(builder.decode_rows(plan, 3), words), None)
+                           for words in (None, pack.words))
+    else:
+        layout = builder.exact_layout(plan)
+        plain, carrying = (builder.varlen(plan, builder.varlen_copy(plan, layout, words), None)
+                           for words in (None, pack.words))
     assert plain.sampling_words is None and carrying.sampling_words.tolist() == pack.words.tolist()
     assert torch.equal(plain.input_ids, carrying.input_ids) and torch.equal(plain.positions, carrying.positions)
     assert torch.equal(plain.meta.slot_mapping, carrying.meta.slot_mapping)

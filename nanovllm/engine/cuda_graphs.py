@@ -9,16 +9,15 @@ Inputs arrive in one pinned host-to-device copy into a staging buffer.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from nanovllm.engine.step_inputs import (
-    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, fill_carried_ids,
+    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, HostCopy, fill_carried_ids,
 )
 from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
-from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
+from nanovllm.utils.host_to_device import copy_into, words_offset
 
 # Above this batch size decode runs eagerly (graph memory grows with the batch).
 MAX_GRAPH_BATCH = 512
@@ -99,21 +98,19 @@ class DecodeGraphs:
         """The captured size a batch replays (the smallest >= batch_size), or None if none fits."""
         return next((s for s in self.sizes if s >= batch_size), None)
 
-    def run(self, rows: np.ndarray, batch_size: int, carried_from: torch.Tensor | None,
-            num_carried: int = 0, words: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, copy: HostCopy, batch_size: int, carried_from: torch.Tensor | None,
+            num_carried: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay for a decode batch; returns (hidden states [batch_size, hidden], the step's
         sampling words on the device or None), views.
 
-        rows: StepInputBuilder.decode_rows for padded_size(batch_size) rows. carried_from:
-        the previous step's sampled tokens; the input column of the first num_carried rows
-        holds rows of it. words: int64 sampling values, copied with the rows (one copy): they
-        land past the rows this graph reads, in staging rows of larger graphs or the buffer's
-        tail, which each replay's copy rewrites before it reads them."""
-        size = len(rows)
-        host, offset = with_words(rows, words)
-        copy_into(self.buffer[: host.shape[0]], host)
+        copy: StepInputBuilder.decode_rows for padded_size(batch_size) rows, then the step's
+        sampling words (one copy): they land past the rows this graph reads, in staging rows of
+        larger graphs or the buffer's tail, which each replay's copy rewrites before it reads them.
+        carried_from: the previous step's sampled tokens; the input column of the first
+        num_carried rows holds rows of it."""
+        size = self.padded_size(batch_size)
+        copy_into(self.buffer[: copy.array.shape[0]], copy.array)
         if num_carried:
             fill_carried_ids(self.staging[:num_carried, COL_INPUT], carried_from)
         self.graphs[size].replay()
-        device_words = words_view(self.buffer, offset, words.shape[0]) if words is not None else None
-        return self.hidden[:batch_size], device_words
+        return self.hidden[:batch_size], copy.device_words(self.buffer)

@@ -1,4 +1,5 @@
-"""The handles of a step queued on the device. `StepLogits` (ModelRunner.forward_step): its forward
+"""The handles of a step on its way to the device. `PreparedStep` (ModelRunner.prepare): its inputs
+built on the host, nothing queued. `StepLogits` (ModelRunner.queue / forward_step): its forward
 and LM head queued, sampling not yet (the host fills the step's token masks meanwhile).
 `LaunchedStep` (ModelRunner.sample / launch): its sampled tokens and logprobs, copied to pinned
 host memory behind one event, read only when the engine needs them (overlap scheduling plans the
@@ -11,9 +12,24 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.logprobs import HostLogprobs
-from nanovllm.sampling.batch import SamplingBatch
-from nanovllm.sampling.logits_rules import StepRules
+from nanovllm.engine.step_inputs import HostCopy
+from nanovllm.engine.step_plan import StepPlan
+from nanovllm.sampling.batch import SamplingBatch, SamplingPack
+from nanovllm.sampling.logits_rules import HostRules, StepRules
 from nanovllm.sampling.row_logprobs import RowLogprobs
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step built on the host and not queued on the device yet: what ModelRunner.queue needs."""
+
+    plan: StepPlan
+    prepare_s: float  # host time spent building it
+    copy: HostCopy  # its inputs and sampling words, one host-to-device copy
+    sampling: SamplingPack | None  # the sampled rows' settings (None: nothing sampled on this rank)
+    rules: HostRules | None  # the sampled rows' logits rules (None: no row uses any)
+    graph: int | None  # the CUDA graph it replays: the decode batch size or the varlen token bucket; None: eager
+    calibrate_kv: bool = False  # the first prefill step after start-up: it sets the FP8 cache's scales
 
 
 @dataclass(frozen=True)

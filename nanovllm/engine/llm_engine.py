@@ -18,79 +18,29 @@ A request's SamplingParams are checked when it is added and the engine keeps its
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.launched_step import LaunchedStep, StepLogits
-from nanovllm.engine.logprobs import logprob_entries, record_prompt_logprobs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.request import Request
 from nanovllm.engine.request_rules import RequestRules, check_in_vocab
-from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
-from nanovllm.engine.step_plan import StepPlan
+from nanovllm.engine.step_pipeline import StepPipeline, StepResult
 from nanovllm.engine.stop_strings import stream_decoder
 from nanovllm.engine.structured_outputs import GrammarBackend
-from nanovllm.engine.tp_workers import WorkerGroup
-from nanovllm.outputs import Logprob, RequestOutput
+from nanovllm.engine.tp_workers import WorkerGroup, worker_errors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
-
-@dataclass(frozen=True)
-class StepResult:
-    """One completed step. With overlap scheduling the call that returns it has already
-    queued the next decode step, so `launch_s` may belong partly to that one. A step() with
-    nothing to do returns an empty result (kind None)."""
-
-    kind: StepKind | None  # None: nothing was pending, no step ran
-    num_tokens: int  # tokens processed by the forward (prefill chunk tokens plus one per decode row)
-    num_seqs: int
-    finished: list[RequestOutput]
-    # ids of the sequences (the requests, when n = 1) whose token of this step was kept: not one
-    # that an earlier step ended (overlap scheduling computed it once more) or that was aborted
-    sampled: list[int]
-    launch_s: float  # host: scheduling, input preparation, queuing work on the device
-    prepare_s: float  # the input-preparation part of launch_s
-    wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
-    postprocess_s: float  # host: appending tokens, finishing, stop strings; the next step's token masks
-    num_prompt_tokens: int = 0  # of num_tokens, those of prefill chunks (prompts, or recomputed ones)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """A step queued on the device."""
-
-    batch: ScheduledBatch
-    plan: StepPlan
-    sample_seqs: list[Sequence]  # the sequences it samples, in row order
-
-
-@dataclass(frozen=True)
-class _Forwarded(_Step):
-    """A step whose forward is queued and whose sampling is not yet."""
-
-    logits: StepLogits
-    constrained_rows: list[int]  # rows of sample_seqs with a grammar (structured outputs)
-
-
-@dataclass(frozen=True)
-class _InFlight(_Step):
-    """A step queued whole (forward and sampling) whose tokens the host has not read yet."""
-
-    launched: LaunchedStep
+__all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
 
 
 class LLMEngine:
@@ -119,11 +69,12 @@ class LLMEngine:
             self.num_kvcache_blocks * cfg.kvcache_block_size,
         )
         self._ids = itertools.count()
-        # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
-        self._overlap = cfg.overlap_scheduling and self.workers is None
-        self._in_flight: _InFlight | None = None
         self.grammars = GrammarBackend(self.tokenizer, cfg.model_config.vocab_size, self.eos_token_ids,
                                        self.model_runner.device)
+        # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
+        overlap = cfg.overlap_scheduling and self.workers is None
+        self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.workers, self.grammars,
+                                     self.detokenizer, overlap)
         atexit.register(self.exit)
 
     # ----- step-wise API -----
@@ -176,100 +127,15 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
         next step is queued on the device before this one's tokens are read. Nothing pending:
-        an empty result, no work."""
+        an empty result, no work. The steps themselves: engine/step_pipeline.py."""
         self._check_open()
         if self.is_finished():
             return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
-        t0 = time.perf_counter()
-        current = self._in_flight or self._sample(self._launch(self.scheduler.schedule(), previous=None))
-        prepare_s = current.launched.prepare_s
-        self._in_flight = None
-        following: _Forwarded | None = None
-        if self._overlap:
-            ahead = self.scheduler.schedule(ahead=True)
-            if ahead is not None:
-                following = self._launch(ahead, previous=current)
-                prepare_s += following.logits.prepare_s
-                if not following.constrained_rows:  # sampled at once, as it needs no mask
-                    self._in_flight, following = self._sample(following), None
-        t1 = time.perf_counter()
-        with self._worker_errors():
-            tokens = current.launched.tokens()
-        # A sequence ended since this step was queued (a stop in the step before it, under overlap
-        # scheduling, or abort_request) gets nothing: its token is dropped.
-        sampled = {s.seq_id: t for s, t in zip(current.sample_seqs, tokens) if not s.is_finished}
-        t2 = time.perf_counter()
-        batch = current.batch
-        self._record_prompt_logprobs(current)
-        done = self.scheduler.postprocess(batch, sampled, self._sample_logprobs(current, tokens))
-        outputs = [request.output(self.detokenizer) for request in done]
-        self.model_runner.rules.release([s for request in done for s in request.samples])
-        if following is not None:  # its masks follow this step's tokens: filled while its forward runs
-            self._in_flight = self._sample(following)
-        return StepResult(batch.kind, batch.num_tokens, len(batch.seqs), outputs, list(sampled),
-                          launch_s=t1 - t0, prepare_s=prepare_s, wait_s=t2 - t1,
-                          postprocess_s=time.perf_counter() - t2,
-                          num_prompt_tokens=batch.num_tokens - batch.num_decode)
-
-    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _Forwarded:
-        """Queue `batch`'s forward (its sampling: `_sample`)."""
-        plan = StepPlan.from_batch(batch, previous.sample_seqs if previous is not None else None)
-        sample_seqs = [s for s, sampled in zip(batch.seqs, plan.sampled) if sampled] + [f.child for f in batch.forks]
-        # Once the workers have the plan, rank 0 runs its part of the step whatever signal comes (an
-        # interrupt is raised after it): a forward stopped half-way would leave the workers inside a
-        # collective, which the next step's first collective would then be paired with.
-        shielded = deferred_signals() if self.workers is not None else contextlib.nullcontext()
-        with self._worker_errors(), shielded:
-            if self.workers is not None:
-                self.workers.send("run", plan)
-            logits = self.model_runner.forward_step(plan, sample_seqs, previous.launched if previous else None)
-        constrained = ([r for r, s in enumerate(sample_seqs) if s.grammar is not None]
-                       if self.scheduler.num_constrained else [])
-        return _Forwarded(batch, plan, sample_seqs, logits, constrained)
-
-    def _sample(self, step: _Forwarded) -> _InFlight:
-        """Queue the sampling of a forwarded step, its constrained rows masked by their grammars
-        as they stand now (rows ended meanwhile, or whose grammar has ended, are left unmasked)."""
-        mask = None
-        if step.constrained_rows:
-            rows = [r for r in step.constrained_rows
-                    if not step.sample_seqs[r].is_finished and not step.sample_seqs[r].grammar.ended]
-            if rows:
-                mask = self.grammars.token_mask(rows, [step.sample_seqs[r].grammar for r in rows])
-        launched = self.model_runner.sample(step.logits, mask)
-        return _InFlight(step.batch, step.plan, step.sample_seqs, launched)
-
-    @contextlib.contextmanager
-    def _worker_errors(self) -> Iterator[None]:
-        """A collective that fails because a tensor-parallel worker died names that worker."""
-        try:
-            yield
-        except RuntimeError as e:
-            if self.workers is None:
-                raise
-            raise (self.workers.dead_worker_error(e) or e) from e
-
-    def _sample_logprobs(self, step: _InFlight, tokens: list[int]) -> dict[int, dict[int, Logprob]] | None:
-        """{seq_id: {token_id: Logprob}} for the sampled rows that ask for logprobs."""
-        host = step.launched.logprobs()
-        if host is None:
-            return None
-        seqs = [step.sample_seqs[r] for r in host.rows]
-        entries = logprob_entries(host, [tokens[r] for r in host.rows], [s.params.logprobs for s in seqs])
-        return {s.seq_id: e for s, e in zip(seqs, entries)}
-
-    def _record_prompt_logprobs(self, step: _InFlight) -> None:
-        """Append the step's prompt logprobs to the sequences that asked, in position order."""
-        spans = step.batch.prompt_logprob_spans
-        host = step.launched.prompt_logprobs()
-        if not spans or host is None:
-            return
-        record_prompt_logprobs([(step.batch.seqs[i].prompt_logprobs, len(span)) for i, span in spans.items()],
-                               host, step.plan.prompt_logprob_targets)
+        return self.pipeline.step()
 
     def is_finished(self) -> bool:
         self._check_open()
-        return self.scheduler.is_finished() and self._in_flight is None
+        return self.scheduler.is_finished() and self.pipeline.idle
 
     def abort_request(self, request_id: int | Iterable[int]) -> None:
         """Drop one pending request, or each of an iterable of ids (vLLM's LLMEngine.abort_request);
@@ -288,7 +154,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
         self._check_open()
-        self._in_flight = None  # its results are not wanted; its KV writes land in freed blocks
+        self.pipeline.drop()  # results not wanted; their KV writes land in freed blocks
         self.scheduler.abort_all()
         self.model_runner.rules.reset()
 
@@ -310,7 +176,7 @@ class LLMEngine:
                                "call wake_up(tags=['weights']) first")
         weights = list(weights)
         # An interrupt waits for the update to end on every rank: no half-updated model.
-        with self._worker_errors(), deferred_signals():
+        with worker_errors(self.workers), deferred_signals():
             self.model_runner.update_weights(weights)  # checks everything before changing anything
             if self.workers is not None:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
@@ -349,7 +215,7 @@ class LLMEngine:
     def _on_every_rank(self, method: str, *args) -> None:
         """ModelRunner.<method>(*args) on the workers, then here (on CUDA, capturing graphs runs
         collectives every rank joins); an interrupt waits for every rank to finish it."""
-        with self._worker_errors(), deferred_signals():
+        with worker_errors(self.workers), deferred_signals():
             if self.workers is not None:
                 self.workers.send(method, *args)
             getattr(self.model_runner, method)(*args)
@@ -361,7 +227,12 @@ class LLMEngine:
             return
         self._exited = True
         atexit.unregister(self.exit)
-        self._in_flight = None  # a queued step's device tensors
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            pipeline.drop()  # queued steps' device tensors
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.exit()

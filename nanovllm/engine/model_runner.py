@@ -3,9 +3,10 @@
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
 decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
-attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch(plan)` queues one scheduled step
-on the device and returns a handle whose `tokens()` waits for the sampled token of each
-sequence that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
+attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch(plan)` queues one
+scheduled step on the device (`prepare`: its inputs built on the host; `queue`: its forward;
+`sample`) and returns a handle whose `tokens()` waits for the sampled token of each sequence
+that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
 run the same class on their own rank (see tp_workers.py). `sleep(level)` gives the device memory
 back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.py).
 
@@ -28,12 +29,12 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_block_bytes, num_blocks_from_memory
-from nanovllm.engine.launched_step import LaunchedStep, StepLogits
+from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import KV_CACHE, WAKE_TAGS, WEIGHTS, FreedStorages, SleepLevel
-from nanovllm.engine.step_inputs import StepInputBuilder, StepInputs
+from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.kernels.checks import FP8_KV_DTYPE
@@ -189,7 +190,7 @@ class ModelRunner:
         plan = StepPlan(StepKind.PREFILL, starts=[0] * num_seqs, num_new_tokens=[seq_len] * num_seqs,
                         token_ids=[0] * (num_seqs * seq_len), block_tables=[[0] * cfg.max_blocks_per_seq] * num_seqs,
                         sampled=[True] * num_seqs)
-        inputs = self.inputs.varlen(plan, None)
+        inputs = self.inputs.varlen(plan, self.inputs.varlen_copy(plan, self.inputs.exact_layout(plan)), None)
         hidden = self._forward(inputs)[inputs.sample_indices]
         rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
@@ -230,60 +231,73 @@ class ModelRunner:
                      previous: LaunchedStep | None = None) -> StepLogits:
         """Queue a step's forward and LM head on the device, not its sampling (`sample` does
         that): the host may fill the step's token masks meanwhile. Arguments as `launch`."""
+        return self.queue(self.prepare(plan, sample_seqs), previous)
+
+    def prepare(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> PreparedStep:
+        """Build a step's inputs on the host, queuing nothing on the device (`queue` does that), so
+        the host can prepare a step while the one before it waits for its token masks. Steps are
+        prepared and queued in turn: prepare(N), queue(N), prepare(N + 1), queue(N + 1)."""
         start = time.perf_counter()
+        # The step's sampling values travel in its input copy (rank 0; workers sample nothing).
+        positions = sampled_positions(plan) if sample_seqs else []
+        pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
+        words = pack.words if pack is not None else None
+        # penalties, biases, masks of the rows that ask (none: no work)
+        rules = self.rules.build(sample_seqs, positions, plan.carried_rows) if sample_seqs else None
+        if plan.kind is StepKind.DECODE:
+            batch_size = len(plan.starts)
+            graph = self.graphs.padded_size(batch_size) if self.graphs is not None else None
+            copy = HostCopy.of(self.inputs.decode_rows(plan, batch_size if graph is None else graph), words)
+            return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph)
+        # the FP8 scales' calibration runs eagerly
+        graph = (self.varlen_graphs.bucket(plan.num_tokens)
+                 if self.varlen_graphs is not None and not self._calibrate_kv else None)
+        layout = self.inputs.exact_layout(plan) if graph is None else self.varlen_graphs.layouts[graph]
+        copy = self.inputs.varlen_copy(plan, layout, words)
+        return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph, self._calibrate_kv)
+
+    @torch.inference_mode()
+    def queue(self, step: PreparedStep, previous: LaunchedStep | None = None) -> StepLogits:
+        """Queue a prepared step's forward and LM head on the device (its input copy first).
+        `previous`: the step launched just before, whose device tokens a carried plan reads."""
+        plan = step.plan
         prompt_logprobs: tuple[torch.Tensor, ...] | None = None
         carried_from = None
         if plan.carried_rows:
             if previous is None or previous.device_tokens is None:
                 raise ValueError("a step with carried rows needs the previous step's sampled tokens")
             carried_from = previous.device_tokens
-        # The step's sampling values travel in its input copy (rank 0; workers sample nothing).
-        positions = sampled_positions(plan) if sample_seqs else []
-        pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
-        words = pack.words if pack is not None else None
-        rules = None
-        if sample_seqs:  # penalties, biases, masks of the rows that ask (none: no work)
-            rules = self.rules.step_rules(sample_seqs, positions, plan.carried_rows, carried_from)
+        rules = self.rules.upload(step.rules, carried_from) if step.rules is not None else None
         if plan.kind is StepKind.DECODE:
-            batch_size = len(plan.starts)
-            graph_size = self.graphs.padded_size(batch_size) if self.graphs is not None else None
-            if graph_size is not None:
-                rows = self.inputs.decode_rows(plan, graph_size)
-                prepare_s = time.perf_counter() - start
-                hidden, device_words = self.graphs.run(rows, batch_size, carried_from, len(plan.carried_rows),
-                                                       words)  # [batch, hidden]
+            if step.graph is not None:
+                hidden, device_words = self.graphs.run(step.copy, len(plan.starts), carried_from,
+                                                       len(plan.carried_rows))  # [batch, hidden]
             else:
-                inputs = self.inputs.decode(plan, carried_from, words)
-                prepare_s = time.perf_counter() - start
+                inputs = self.inputs.decode(plan, step.copy, carried_from)
                 hidden, device_words = self._forward(inputs), inputs.sampling_words
+        elif step.graph is not None:
+            hidden, device_words = self.varlen_graphs.run(plan, step.graph, step.copy, carried_from)  # [num_sampled, hidden]
+            if plan.prompt_logprob_rows:  # read from the graph's output before the next replay (same stream)
+                prompt_logprobs = self._prompt_logprobs(plan, self.varlen_graphs.every_hidden(step.graph))
         else:
-            bucket = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None else None
-            # the FP8 scales' calibration runs eagerly
-            if bucket is not None and not self._calibrate_kv:
-                hidden, device_words = self.varlen_graphs.run(plan, bucket, carried_from, words)  # [num_sampled, hidden]
-                prepare_s = time.perf_counter() - start
-                if plan.prompt_logprob_rows:  # read from the graph's output before the next replay (same stream)
-                    prompt_logprobs = self._prompt_logprobs(plan, self.varlen_graphs.every_hidden(bucket))
-            else:
-                inputs = self.inputs.varlen(plan, carried_from, words)
-                if self._calibrate_kv:  # the first prefill step after start-up sets the FP8 scales
-                    inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
-                    self._calibrate_kv = False
-                prepare_s = time.perf_counter() - start
-                every = self._forward(inputs)  # [num_tokens, hidden]
-                hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
-                if plan.prompt_logprob_rows:
-                    prompt_logprobs = self._prompt_logprobs(plan, every)
+            inputs = self.inputs.varlen(plan, step.copy, carried_from)
+            if step.calibrate_kv:  # the first prefill step after start-up sets the FP8 scales
+                inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
+                self._calibrate_kv = False
+            every = self._forward(inputs)  # [num_tokens, hidden]
+            hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
+            if plan.prompt_logprob_rows:
+                prompt_logprobs = self._prompt_logprobs(plan, every)
         if plan.block_copies:  # forked samples' copies of their parents' partial blocks, now written
             self._copy_blocks(plan.block_copies)
         if not any(plan.sampled):
-            return StepLogits(prepare_s, None, None, prompt_logprobs)
+            return StepLogits(step.prepare_s, None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
-        if logits is None or pack is None:
-            return StepLogits(prepare_s, None, None, prompt_logprobs)
+        if logits is None or step.sampling is None:
+            return StepLogits(step.prepare_s, None, None, prompt_logprobs)
         if plan.fork_rows:  # forked samples draw from their parents' rows: [num_sampled + forks, vocab]
             logits = torch.cat([logits, logits[to_device(plan.fork_rows, self.device, torch.int64)]])
-        return StepLogits(prepare_s, logits, pack.unpack(device_words), prompt_logprobs, rules)
+        return StepLogits(step.prepare_s, logits, step.sampling.unpack(device_words), prompt_logprobs, rules)
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> LaunchedStep:

@@ -40,11 +40,13 @@ class RulesBuilder:
 
     def step_rules(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int],
                    previous_tokens: torch.Tensor | None) -> StepRules | None:
-        """The step's rules on the device (build, then one copy), or None when no row has any.
-        `previous_tokens`: the previous step's samples on the device (the carried rows' inputs)."""
+        """The step's rules on the device (`build`, then `upload`), or None when no row has any."""
         host = self.build(seqs, positions, carried_rows)
-        if host is None:
-            return None
+        return None if host is None else self.upload(host, previous_tokens)
+
+    def upload(self, host: HostRules, previous_tokens: torch.Tensor | None) -> StepRules:
+        """A step's rules (`build`) on the device, in one copy; `previous_tokens`: the previous step's
+        samples on the device (the carried rows' inputs)."""
         return host.to_device(self.counts.device, self.counts, previous_tokens, self.penalize)
 
     def build(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int]) -> HostRules | None:

@@ -33,7 +33,7 @@ sequence that N ends by a stop token is computed once more and its result droppe
 
 The scheduler owns the requests' lifecycle: it queues a request's sample 0, forks the
 other samples from it when its prompt completes (engine/request.py), records each step's
-tokens (and logprobs; a constrained sample's grammar advances on each), ends samples (EOS, stop token ids, stop strings, lengths: a token that
+tokens (and logprobs), advances constrained samples' grammars on them, ends samples (EOS, stop token ids, stop strings, lengths: a token that
 ends a sample both ways ends it by the stop, as vLLM's), reports a request once all its samples
 are done, and aborts requests (one, some or all). An aborted request is dropped, never reported.
 """
@@ -242,22 +242,34 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
+    def advance_grammars(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+        """Advance the grammar of each constrained sample of `batch` past its new token (`sampled`:
+        seq_id -> token, as postprocess takes), in one batch call; the engine calls this before
+        `postprocess`, so that the next step's masks can be filled while postprocess runs."""
+        if not self.num_constrained:
+            return
+        grammars: list[SampleGrammar] = []
+        tokens: list[int] = []
+        for seq in batch.seqs + [f.child for f in batch.forks]:
+            token = sampled.get(seq.seq_id)
+            if token is not None and seq.grammar is not None and not seq.is_finished:
+                grammars.append(seq.grammar)
+                tokens.append(token)
+        if grammars:
+            accept_tokens(grammars, tokens)
+
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
                     logprobs: dict[int, dict[int, Logprob]] | None = None) -> list[Request]:
         """Record a step's results: `sampled` maps seq_id to its new token, `logprobs` seq_id
         to that token's {token_id: Logprob} (sequences that ask). Returns the requests that
-        finished (all their samples done), no longer tracked here."""
+        finished (all their samples done), no longer tracked here. Grammars are advanced apart
+        (`advance_grammars`)."""
         done: list[Request] = []
-        grammars: list[SampleGrammar] = []  # the constrained samples' grammars, and their tokens
-        grammar_tokens: list[int] = []
         for seq in batch.seqs + [f.child for f in batch.forks]:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
             seq.token_ids.append(token)
-            if seq.grammar is not None:
-                grammars.append(seq.grammar)
-                grammar_tokens.append(token)
             if seq.logprobs is not None and logprobs is not None:
                 entry = logprobs[seq.seq_id]
                 seq.logprobs.append(entry)
@@ -269,8 +281,6 @@ class Scheduler:
                 if request.is_finished:
                     del self.requests[seq.request_id]
                     done.append(request)
-        if grammars:
-            accept_tokens(grammars, grammar_tokens)
         return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

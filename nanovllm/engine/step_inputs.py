@@ -3,7 +3,8 @@
 slot of position p = block_table[p // block_size] * block_size + p % block_size.
 Each step's integers travel in one pinned int32 array, one host-to-device copy:
 a pure decode step as `decode_rows`, any other step as `VarlenLayout`; the step's sampling
-values (sampling/batch.SamplingPack words) ride at its end (utils/host_to_device.with_words).
+values (sampling/batch.SamplingPack words) ride at its end (utils/host_to_device.with_words): a
+`HostCopy`, built on the host before anything of the step is queued (ModelRunner.prepare).
 Carried rows (engine/step_plan.py) get their input ids on the device: `fill_carried_ids`.
 """
 
@@ -86,6 +87,25 @@ class VarlenLayout:
         out = [flat[a : a + n] for a, n in zip(self._starts, self._sizes())]
         out[-1] = out[-1].reshape(self.num_seqs, self.width)
         return VarlenSections(*out)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A step's one host-to-device copy, built on the host: int32 `array` holding the step's packed
+    inputs, then its sampling words (int64, `num_words` of them, 0 for none) from index `words_at`."""
+
+    array: np.ndarray
+    words_at: int
+    num_words: int
+
+    @classmethod
+    def of(cls, ints: np.ndarray, words: np.ndarray | None) -> HostCopy:
+        array, words_at = with_words(ints, words)
+        return cls(array, words_at, 0 if words is None else words.shape[0])
+
+    def device_words(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The sampling words in `flat`, the device array this copy landed in (None without words)."""
+        return words_view(flat, self.words_at, self.num_words) if self.num_words else None
 
 
 @dataclass(frozen=True)
@@ -175,21 +195,21 @@ class StepInputBuilder:
         )
         return StepInputs(v.input_ids, v.positions, meta, v.sample_rows[:num_sampled])
 
-    def varlen(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
-               words: np.ndarray | None = None) -> StepInputs:
-        """Eager inputs of a prefill / mixed step at its exact size; `words` (int64, the step's
-        sampling values) come in the same copy, as `sampling_words`."""
+    def varlen_copy(self, plan: StepPlan, layout: VarlenLayout, words: np.ndarray | None = None) -> HostCopy:
+        """The copy of a prefill / mixed step packed as `layout`, with the step's sampling `words` (int64)."""
+        return HostCopy.of(self.varlen_array(plan, layout), words)
+
+    def varlen(self, plan: StepPlan, copy: HostCopy, previous_tokens: torch.Tensor | None) -> StepInputs:
+        """Eager inputs of a prefill / mixed step from its `copy` at its exact size
+        (`varlen_copy(plan, exact_layout(plan), words)`); the words arrive as `sampling_words`."""
         layout = self.exact_layout(plan)
-        host, offset = with_words(self.varlen_array(plan, layout), words)
-        flat = to_device(host, self.device)
+        flat = to_device(copy.array, self.device)
         ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
         inputs = self.varlen_inputs(flat[: layout.size], layout, max(plan.num_new_tokens), max(ends),
                                     sum(plan.sampled))
         if plan.carried_rows:
             fill_carried_ids(inputs.input_ids[: len(plan.carried_rows)], previous_tokens)
-        if words is None:
-            return inputs
-        return replace(inputs, sampling_words=words_view(flat, offset, words.shape[0]))
+        return replace(inputs, sampling_words=copy.device_words(flat))
 
     # ----- pure decode steps -----
     def decode_rows(self, plan: StepPlan, num_rows: int) -> np.ndarray:
@@ -213,15 +233,13 @@ class StepInputBuilder:
             out[i, DECODE_COLUMNS : DECODE_COLUMNS + len(bt)] = bt
         return out
 
-    def decode(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
-               words: np.ndarray | None = None) -> StepInputs:
-        """Eager decode inputs; `previous_tokens` [num_prev] int64: the previous step's
-        samples on the device (carried rows read their input ids from it); `words` as in varlen."""
+    def decode(self, plan: StepPlan, copy: HostCopy, previous_tokens: torch.Tensor | None) -> StepInputs:
+        """Eager decode inputs from the step's `copy` (`HostCopy.of(decode_rows(plan, n), words)`, n
+        its batch size); `previous_tokens` [num_prev] int64: the previous step's samples on the device
+        (carried rows read their input ids from it)."""
         n = len(plan.starts)
-        host_rows = self.decode_rows(plan, n)
-        host, offset = with_words(host_rows, words)
-        flat = to_device(host, self.device)
-        rows = flat[: host_rows.size].view(host_rows.shape)  # [n, DECODE_COLUMNS + width] int32
+        flat = to_device(copy.array, self.device)
+        rows = flat[: n * (DECODE_COLUMNS + self.table_width)].view(n, -1)  # [n, DECODE_COLUMNS + width] int32
         input_ids = rows[:, COL_INPUT]
         if plan.carried_rows:
             fill_carried_ids(input_ids[: len(plan.carried_rows)], previous_tokens)
@@ -236,7 +254,7 @@ class StepInputBuilder:
             positions=rows[:, COL_POSITION].contiguous(),
             meta=meta,
             sample_indices=torch.arange(n, device=self.device),
-            sampling_words=words_view(flat, offset, words.shape[0]) if words is not None else None,
+            sampling_words=copy.device_words(flat),
         )
 
 

@@ -6,19 +6,26 @@ xgrammar is an optional dependency (`pip install 'nanovllm[structured]'`), impor
 meets its first request with `structured_outputs`, never by `import nanovllm`. Why xgrammar rather
 than llguidance: docs/structured_outputs.md (measured).
 
-Per step (engine/llm_engine.py): the forward is queued first, then the masks of the step's
-constrained rows are filled on the host while the device runs it (under overlap scheduling after
-the previous step's tokens have advanced the matchers), copied up, and the sampling queued.
+Per step (engine/step_pipeline.py): the forward is queued first, then the masks of the step's
+constrained rows are filled on the host while the device runs it, copied up, and the sampling
+queued. Under overlap scheduling the fill of step N+1's masks, which needs step N's tokens
+accepted, runs on the backend's worker thread (`filling`: xgrammar's own threads, the GIL
+released) while the engine's thread records step N and prepares step N+2; without it the fill
+runs on the engine's thread (`token_mask`).
 
     request with structured_outputs ─> GrammarBackend.compile (once per distinct grammar: cached)
     each of its n samples ─> SampleGrammar (a matcher at the grammar's start)
-    each step ─> GrammarBackend.token_mask(rows, grammars) ─> sampler: -inf where not allowed
-    a step's kept tokens ─> accept_tokens (Scheduler.postprocess)
+    a step's kept tokens ─> accept_tokens (Scheduler.advance_grammars)
+    each step ─> GrammarBackend.token_mask / filling(rows, grammars) ─> sampler: -inf where not allowed
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
 import torch
@@ -75,11 +82,38 @@ def accept_tokens(grammars: list[SampleGrammar], tokens: list[int]) -> None:
         raise RuntimeError(f"token {token} was sampled under a grammar mask that does not allow it")
 
 
+class MaskFill:
+    """Token masks being filled on the backend's worker thread into pinned host memory (`filling`).
+    `mask()` waits for them and queues their copy to the device; an error of the fill is raised
+    there, in the step that uses them."""
+
+    def __init__(self, rows: list[int], host: torch.Tensor, done: Future, device: torch.device):
+        self.rows = rows
+        self.host = host  # [len(rows), mask_words(V)] int32, written by the worker thread
+        self.done = done
+        self.device = device
+
+    def mask(self) -> TokenMask:
+        try:
+            self.done.result()
+        except Exception as e:
+            raise RuntimeError(f"filling the token masks of {len(self.rows)} constrained rows (batch rows "
+                               f"{self.rows[:8]}{'...' if len(self.rows) > 8 else ''}) failed: {e}") from e
+        return upload_mask(self.rows, self.host, self.device)
+
+
+def upload_mask(rows: list[int], host: torch.Tensor, device: torch.device) -> TokenMask:
+    """The filled host bitmask of batch rows `rows`, copied to `device` (asynchronously from pinned memory)."""
+    host_rows = torch.tensor(rows, dtype=torch.int64, pin_memory=host.is_pinned())
+    return TokenMask(host_rows.to(device, non_blocking=True), host.to(device, non_blocking=True))
+
+
 class GrammarBackend:
     """One engine's xgrammar state, built at its first constrained request (xgrammar imported
     then): the vocabulary as xgrammar reads it (the model's vocabulary size, the engine's EOS ids
     as the grammar's end tokens), a compiler that caches compiled grammars by their source, and the
-    batch mask filler."""
+    batch mask filler, and the worker thread that runs it beside the engine's (started at the first
+    overlapped fill, shut down by `close`)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device):
         self.tokenizer = tokenizer  # None: a model directory without one (no structured outputs then)
@@ -87,6 +121,7 @@ class GrammarBackend:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self._xgr = self.compiler = self.filler = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def _start(self) -> None:
         if self.tokenizer is None:
@@ -126,12 +161,45 @@ class GrammarBackend:
         """A fresh matcher of `compiled`, at the start of its language."""
         return SampleGrammar(self._xgr.GrammarMatcher(compiled))
 
+    def _host_mask(self, num_rows: int) -> torch.Tensor:
+        """An unfilled [num_rows, mask_words(V)] int32 bitmask in host memory (pinned on CUDA)."""
+        return torch.empty((num_rows, mask_words(self.vocab_size)), dtype=torch.int32,
+                           pin_memory=self.device.type == "cuda")
+
     def token_mask(self, rows: list[int], grammars: list[SampleGrammar]) -> TokenMask:
         """The allowed next tokens of `grammars` (none ended), for batch rows `rows`, on the device:
-        filled on the host (xgrammar's threads) into pinned memory on CUDA, copied asynchronously."""
-        device = self.device
-        pinned = device.type == "cuda"
-        host = torch.empty((len(rows), mask_words(self.vocab_size)), dtype=torch.int32, pin_memory=pinned)
+        filled here (xgrammar's threads) into pinned memory on CUDA, copied asynchronously."""
+        host = self._host_mask(len(rows))
         self.filler.batch_fill_next_token_bitmask([g.matcher for g in grammars], host.numpy())
-        host_rows = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned)
-        return TokenMask(host_rows.to(device, non_blocking=True), host.to(device, non_blocking=True))
+        return upload_mask(rows, host, self.device)
+
+    @contextlib.contextmanager
+    def filling(self, rows: list[int], grammars: list[SampleGrammar]) -> Iterator[MaskFill]:
+        """`token_mask`'s fill started on the worker thread; the block does other host work (not
+        touching these grammars) and takes the masks with `mask()`. Leaving the block waits for the
+        fill to end, however the block ends: no fill outlives it to touch grammars that later
+        calls advance, abort or free."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-mask-fill")
+        host = self._host_mask(len(rows))
+        matchers, started = [g.matcher for g in grammars], threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self.filler.batch_fill_next_token_bitmask(matchers, host.numpy())
+
+        done = self._worker.submit(fill)
+        # Wait until the worker runs: from there it holds the GIL only until xgrammar's call releases
+        # it. Without this, the worker would wait for the GIL as long as this thread runs Python
+        # (up to sys.getswitchinterval(), 5 ms), and the fill would start after the work it should hide.
+        started.wait()
+        try:
+            yield MaskFill(rows, host, done, self.device)
+        finally:
+            wait([done])
+
+    def close(self) -> None:
+        """Stop the worker thread (the engine's exit); filling starts another if called again."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None

@@ -16,7 +16,7 @@ cores spin against each other inside every collective.
 
 A worker ignores SIGINT (Ctrl-C at a terminal reaches every process of its group): rank 0
 decides what an interrupt does, and finishes the step it has sent before raising it
-(LLMEngine._launch), so the ranks always agree on where a step ends.
+(StepPipeline._queue, engine/step_pipeline.py), so the ranks always agree on where a step ends.
 
 A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
@@ -25,11 +25,13 @@ collective makes gloo fail on rank 0 (NCCL: after the group's timeout).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import torch
@@ -169,3 +171,14 @@ class WorkerGroup:
         self._stop_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def worker_errors(workers: WorkerGroup | None) -> Iterator[None]:
+    """A collective that fails because a tensor-parallel worker died names that worker."""
+    try:
+        yield
+    except RuntimeError as e:
+        if workers is None:
+            raise
+        raise (workers.dead_worker_error(e) or e) from e

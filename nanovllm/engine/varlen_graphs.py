@@ -16,15 +16,14 @@ whatever the number of layers. Steps above the largest bucket run eagerly.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout, fill_carried_ids
+from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, VarlenLayout, fill_carried_ids
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
-from nanovllm.utils.host_to_device import copy_into, with_words, words_offset, words_view
+from nanovllm.utils.host_to_device import copy_into, words_offset
 
 # Smallest bucket: below this many tokens a step costs the same padded (weights dominate).
 MIN_BUCKET = 16
@@ -103,21 +102,19 @@ class VarlenGraphs:
         """The bucket a step of num_tokens tokens replays, or None if it is too large."""
         return next((t for t in self.buckets if t >= num_tokens), None)
 
-    def run(self, plan: StepPlan, bucket: int, carried_from: torch.Tensor | None,
-            words: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, plan: StepPlan, bucket: int, copy: HostCopy,
+            carried_from: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay for `plan`; returns (the hidden states of its sampled rows [num_sampled, hidden],
-        the step's sampling words on the device or None). carried_from: the previous step's
-        sampled tokens when the plan has carried rows; words: int64 sampling values, copied
-        with the layout (one copy) into the buffer's tail."""
+        the step's sampling words on the device or None). copy: the plan packed as the bucket's
+        layout (`layouts[bucket]`), then its sampling words, which land in the buffer's tail;
+        carried_from: the previous step's sampled tokens when the plan has carried rows."""
         layout, staging, buffer = self.layouts[bucket], self.staging[bucket], self.buffers[bucket]
-        host, offset = with_words(self.builder.varlen_array(plan, layout), words)
-        copy_into(buffer[: host.shape[0]], host)
+        copy_into(buffer[: copy.array.shape[0]], copy.array)
         if plan.carried_rows:  # the input-id section leads the layout
             fill_carried_ids(staging[: len(plan.carried_rows)], carried_from)
         self.graphs[bucket].replay()
         sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
-        device_words = words_view(buffer, offset, words.shape[0]) if words is not None else None
-        return self.hidden[bucket].index_select(0, sample_rows), device_words
+        return self.hidden[bucket].index_select(0, sample_rows), copy.device_words(buffer)
 
     def every_hidden(self, bucket: int) -> torch.Tensor:
         """The last replay of `bucket`'s hidden states of every token [bucket, hidden]: the step's
