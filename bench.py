@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness.engine_options import (
-    ROUTE_FIELDS, add_model_options, parse_kernel_routes, require_cuda, resolve_load_format,
+    ROUTE_FIELDS, add_format_options, add_model_options, parse_kernel_routes, require_cuda, resolve_load_format,
 )
 from benchmarks.harness.probes import measure_bandwidth, measure_fp8_gemm_peak, measure_gemm_peak
 from benchmarks.harness.report import (
@@ -50,7 +50,7 @@ from benchmarks.harness.roofline import ByteWidths, decode_weight_elements
 from benchmarks.harness.runs import latency, measure_ttft, run_engine, run_hf, warm_up
 from benchmarks.harness.workloads import WORKLOADS, Workload, WorkloadSampling, make_workload
 from nanovllm import LLM
-from nanovllm.config import KV_CACHE_DTYPES, Config
+from nanovllm.config import Config
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.moe.layer import MoeExperts
 
@@ -78,11 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                    help="LLM(kv_cache_dtype=...): fp8 stores K/V in float8 e4m3 (the roofline counts 1 byte each)")
-    ap.add_argument("--quantization", default=None, choices=["fp8"],
-                    help="LLM(quantization=...): fp8 quantizes the linears at load (per-channel weights, per-token "
-                         "activations); the roofline counts weights at their stored widths, GEMM FLOPs at the FP8 peak")
+    add_format_options(ap)
     ap.add_argument("--kernel-routes", default="", metavar="FIELD=N,...",
                     help=f"LLM(kernel_routes=KernelRoutes(...)): the row counts at which layers switch kernels; "
                          f"fields {', '.join(ROUTE_FIELDS)}; the rest at their defaults")

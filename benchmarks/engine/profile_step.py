@@ -1,6 +1,7 @@
 """Profile prefill and decode steps of the engine with torch.profiler (CUDA).
 
     python -m benchmarks.engine.profile_step --model benchmarks/configs/qwen3-0.6b --batch 256 --context 512
+    python -m benchmarks.engine.profile_step --model benchmarks/configs/qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8
 
 Prints the top CUDA kernels of a few decode steps (eager, so each kernel is visible),
 the kernel count per step, and host-side timings of graph-replayed steps. With
@@ -17,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness.engine_options import add_model_options, resolve_load_format
+from benchmarks.harness.engine_options import add_format_options, add_model_options, resolve_load_format
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
@@ -36,6 +37,7 @@ def fill(llm: LLM, batch: int, context: int, steps: int, repetition_penalty: flo
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_options(ap, load_format="dummy")
+    add_format_options(ap)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
@@ -47,7 +49,8 @@ def main() -> None:
 
     load_format, _ = resolve_load_format(args.load_format, args.model)
     for eager in (True, False):
-        llm = LLM(args.model, load_format=load_format, enforce_eager=eager, max_model_len=4096)
+        llm = LLM(args.model, load_format=load_format, enforce_eager=eager, max_model_len=4096,
+                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
         fill(llm, args.batch, args.context, args.timed_steps + args.steps, args.repetition_penalty)
         times = []
         vocab = llm.config.model_config.vocab_size
@@ -69,7 +72,8 @@ def main() -> None:
         mode = "eager" if eager else "graphs"
         kind = f"mixed (+{args.mixed_prompt} prompt tokens a step)" if args.mixed_prompt else "decode"
         print(f"===== {kind}, batch {args.batch}, context ~{args.context}, {mode}, "
-              f"repetition penalty {args.repetition_penalty}")
+              f"repetition penalty {args.repetition_penalty}, weights {args.quantization or 'as stored'}, "
+              f"KV {args.kv_cache_dtype}")
         total, launch, prep, wait, post = (1e3 * sum(col) / len(times) for col in zip(*times))
         print(f"mean of {len(times)} unprofiled steps: {total:.3f} ms (host: launch {launch:.3f} incl. "
               f"prepare {prep:.3f}, post {post:.3f}; waiting on the device {wait:.3f})")

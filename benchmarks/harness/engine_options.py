@@ -12,6 +12,7 @@ from dataclasses import fields
 
 import torch
 
+from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.layers.kernel_path import ON_OFF_ROUTES, KernelRoutes
 
 # The published model shapes (config.json only), found from this file so any working directory works.
@@ -32,6 +33,15 @@ def add_model_options(ap: argparse.ArgumentParser, load_format: str = "auto") ->
                     help="model directory (default: benchmarks/configs/qwen3-0.6b, config.json only)")
     ap.add_argument("--load-format", default=load_format, choices=LOAD_FORMATS,
                     help="auto: the checkpoint's weights, random ones if the directory has no *.safetensors")
+
+
+def add_format_options(ap: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype and --quantization, LLM's storage formats (vLLM's names), for every engine tool."""
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="LLM(kv_cache_dtype=...): fp8 stores K/V in float8 e4m3 (the roofline counts 1 byte each)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="LLM(quantization=...): fp8 quantizes the linears at load (per-channel weights, per-token "
+                         "activations); the roofline counts weights at their stored widths, GEMM FLOPs at the FP8 peak")
 
 
 def require_cuda(tool: str, measures: str = "GPU throughput") -> None:

@@ -46,6 +46,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (b > 0): triton.cdiv's arithmetic, for modules that must not import Triton."""
+    return -(-a // b)
+
+
 def prev_pow2(x: int) -> int:
     """The largest power of two <= x (x >= 1); 0 for x < 1."""
     return 1 << (x.bit_length() - 1) if x >= 1 else 0

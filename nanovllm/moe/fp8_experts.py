@@ -19,9 +19,8 @@ from __future__ import annotations
 from enum import IntEnum
 
 import torch
-import triton
 
-from nanovllm.kernels.checks import FP8_BLOCK
+from nanovllm.kernels.checks import FP8_BLOCK, cdiv
 from nanovllm.quantization.config import FP8_DTYPE
 
 
@@ -37,8 +36,8 @@ def scale_shapes(mode: ScaleMode, experts: int, inter: int, hidden: int) -> tupl
     """(w13_scale, w2_scale) shapes of `experts` stacked experts of intermediate size `inter`
     (w13 [E, 2 inter, H], w2 [E, H, inter]) under `mode` (CHANNEL or BLOCK: module docstring)."""
     if mode == ScaleMode.BLOCK:
-        return ((experts, triton.cdiv(2 * inter, FP8_BLOCK), triton.cdiv(hidden, FP8_BLOCK)),
-                (experts, triton.cdiv(hidden, FP8_BLOCK), triton.cdiv(inter, FP8_BLOCK)))
+        return ((experts, cdiv(2 * inter, FP8_BLOCK), cdiv(hidden, FP8_BLOCK)),
+                (experts, cdiv(hidden, FP8_BLOCK), cdiv(inter, FP8_BLOCK)))
     return (experts, 2 * inter), (experts, hidden)
 
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE
+from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE, cdiv
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
 
 # torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
@@ -51,7 +50,7 @@ def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.T
     w = w.float()
     n, k = w.shape
     if scales == BLOCK:
-        gn, gk = triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK)
+        gn, gk = cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)
         padded = F.pad(w, (0, gk * FP8_BLOCK - k, 0, gn * FP8_BLOCK - n)).view(gn, FP8_BLOCK, gk, FP8_BLOCK)
         s = _scale(padded.abs().amax(dim=(1, 3)))  # [gn, gk]
         return _to_fp8(w / expand_blocks(s, n, k)), s
@@ -65,7 +64,7 @@ def scale_shape_ok(s: torch.Tensor, n: int, k: int, scales: str) -> bool:
     """Whether `s` is a checkpoint's `scales` scale of an [n, k] weight: a block grid, [n, 1] or
     [n] per channel, [1] or [] per tensor."""
     if scales == BLOCK:
-        return tuple(s.shape) == (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+        return tuple(s.shape) == (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
     if scales == CHANNEL:
         return tuple(s.shape) in ((n, 1), (n,))
     return s.numel() == 1 and s.dim() <= 1
@@ -109,7 +108,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weights, bias: torch.Tensor | None) -> tor
 
     m = x.shape[0]
     if w.blocks:
-        rows = triton.cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
+        rows = cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
         xq, xs = quantize_rows(x, group=FP8_BLOCK, rows=rows)  # [rows, K], [rows, K/128] column-major
         y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.t(), out_dtype=x.dtype)[:m]
         return y if bias is None else y + bias
