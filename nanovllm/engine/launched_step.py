@@ -1,5 +1,5 @@
 """The handles of a step on its way to the device. `PreparedStep` (ModelRunner.prepare): its inputs
-built on the host, nothing queued. `StepLogits` (ModelRunner.queue / forward_step): its forward
+built on the host, nothing queued. `StepLogits` (ModelRunner.queue): its forward
 and LM head queued, sampling not yet (the host fills the step's token masks meanwhile).
 `LaunchedStep` (ModelRunner.sample / launch): its sampled tokens and logprobs, copied to pinned
 host memory behind one event, read only when the engine needs them (overlap scheduling plans the

@@ -224,14 +224,7 @@ class ModelRunner:
 
         `sample_seqs`: the plan's sampled sequences in order (rank 0; None on workers).
         `previous`: the step launched just before, whose device tokens a carried plan reads."""
-        return self.sample(self.forward_step(plan, sample_seqs, previous))
-
-    @torch.inference_mode()
-    def forward_step(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
-                     previous: LaunchedStep | None = None) -> StepLogits:
-        """Queue a step's forward and LM head on the device, not its sampling (`sample` does
-        that): the host may fill the step's token masks meanwhile. Arguments as `launch`."""
-        return self.queue(self.prepare(plan, sample_seqs), previous)
+        return self.sample(self.queue(self.prepare(plan, sample_seqs), previous))
 
     def prepare(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> PreparedStep:
         """Build a step's inputs on the host, queuing nothing on the device (`queue` does that), so
@@ -301,7 +294,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> LaunchedStep:
-        """Queue the sampling of a step whose forward `forward_step` queued, its constrained rows
+        """Queue the sampling of a step whose forward `queue` queued, its constrained rows
         masked by `token_mask` (structured outputs) and its logits rules applied (penalties, biases,
         masks); records the sampled tokens in the penalties' counts; returns the step's handle."""
         if step.logits is None:
