@@ -24,7 +24,7 @@ import torch
 
 from nanovllm.moe import grouped_gemm as moe
 from nanovllm.moe import tiles as moe_tiles
-from nanovllm.moe.fp8_experts import ScaleMode
+from nanovllm.moe.fp8_experts import ScaleMode, scales_per_step
 from nanovllm.moe.decode import DEFAULT_TILES as DECODE_TILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,16 @@ DECODE_LAUNCHES = ((1, False, False, 64), (8, True, False, 64), (8, False, False
 
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
 # scalars to i32), each variant's constexpr values and launch options)
+
+def grouped_gemm_constexprs(block_m: int, t: moe_tiles.Tiling, scale: int, act_fp8: bool) -> dict:
+    """A grouped-GEMM kernel's constexprs and launch options (both GEMMs take the same), as fused_moe
+    sets them for a block height, a tiling, a scale mode (W_SCALE) and W8A8 or not."""
+    return {"TOP_K": 8, "BLOCK_M": block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True,
+            "UPCAST": False, "DOT_PREC": None, "W_SCALE": scale,
+            "SCALE_PER_STEP": scales_per_step(ScaleMode(scale), t.block_k), "SCALE_BLOCK": 128, "ACT_FP8": act_fp8,
+            "num_warps": t.num_warps, "num_stages": t.num_stages}
+
+
 SPECS = [
     # logprobs at the serving vocabulary (151,936 = 38 chunks of 4096): k = 0, 5 and 20, scored rows
     # given or all (the prompt-logprobs path), bfloat16 and float32 logits.
@@ -111,9 +121,7 @@ SPECS = [
     # bf16 or FP8 weights as above (block scales per K step; 256-column steps: per element).
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **types},
-       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
-         "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=False)
         for m, t in ((16, moe_tiles.DECODE_GATE_UP), (32, moe_tiles.DECODE_GATE_UP), (64, moe_tiles.PREFILL_GATE_UP),
                      (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256)))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
@@ -121,25 +129,19 @@ SPECS = [
     # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
-       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
-         "num_warps": t.num_warps, "num_stages": t.num_stages}
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
         for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_GATE_UP))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
-       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2 and 128 % t.block_k == 0,
-         "SCALE_BLOCK": 128, "ACT_FP8": False, "num_warps": t.num_warps, "num_stages": t.num_stages}
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=False)
         for m, t in ((16, moe_tiles.DECODE_DOWN), (32, moe_tiles.DECODE_DOWN), (64, moe_tiles.PREFILL_DOWN),
                      (16, replace(moe_tiles.DECODE_DOWN, block_k=256)))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
-       [{"TOP_K": 8, "BLOCK_M": m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True, "UPCAST": False,
-         "DOT_PREC": None, "W_SCALE": scale, "SCALE_PER_STEP": scale == 2, "SCALE_BLOCK": 128, "ACT_FP8": True,
-         "num_warps": t.num_warps, "num_stages": t.num_stages}
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
         for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN))])
       for scale in (1, 2)],
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
