@@ -113,16 +113,18 @@ def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
     baseline = torch.cuda.memory_allocated()
     # a small step budget: prefill graphs for 64 tokens, not for the default 16,384 (the test is
     # about memory, not graphs; the default cost ~15 s on the H200)
-    llm = LLM(path, kvcache_block_size=16, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64)
+    # 256-token blocks: the card holds ~16x fewer of them than of 16-token ones (at 16, building the
+    # block table took most of this test's 25 s on the H200)
+    llm = LLM(path, kvcache_block_size=256, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64)
     outs = llm.generate([[3] * 30, [4] * 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [10, 35]
     # The first engine took 90% of the card: a second one allowed 50% has no room at all.
     with pytest.raises(ValueError, match="already allocated in this process.*exit"):
-        LLM(path, kvcache_block_size=16, max_model_len=512, gpu_memory_utilization=0.5, max_num_seqs=8)
+        LLM(path, kvcache_block_size=256, max_model_len=512, gpu_memory_utilization=0.5, max_num_seqs=8)
     llm.exit()
     assert torch.cuda.memory_allocated() - baseline < 2**30
-    second = LLM(path, kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=32, max_num_seqs=8)
+    second = LLM(path, kvcache_block_size=256, max_model_len=512, max_num_batched_tokens=32, max_num_seqs=8)
     assert second.num_kvcache_blocks > 1000
     second.exit()
 
