@@ -108,6 +108,27 @@ def test_activation_quantization_bit_for_bit(dtype, m, k, group):
         assert s.stride() == (1, rows)
 
 
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("k", [300, 4100])  # one step / the two-pass walk (per token)
+def test_moe_padding_rows_are_skipped(group, k):
+    """Rows of an aligned MoE activation whose pair id is >= num_pairs are padding: skipped (here
+    they hold NaN and inf, as torch.empty's bytes may); the other rows quantize as without pair_ids."""
+    gen = torch.Generator().manual_seed(k)
+    x = randn((6, k), gen, torch.bfloat16, 30.0)
+    pair_ids = torch.tensor([0, 9, 3, 9, 9, 1], dtype=torch.int32)  # num_pairs 9: rows 1, 3, 4 padding
+    x[1], x[3], x[4] = float("nan"), float("inf"), float("-inf")
+    q, s = quantize_rows(x, group=group, pair_ids=pair_ids, num_pairs=9)
+    live = [0, 2, 5]
+    ref_q, ref_s = ref_quantize(x[live], group)
+    assert torch.equal(q[live].float(), ref_q.float()) and torch.equal(s[live], ref_s)
+    with pytest.raises(ValueError, match="pair_ids must be a contiguous int32 \\[6\\]"):
+        quantize_rows(x, pair_ids=pair_ids.long(), num_pairs=9)
+    with pytest.raises(ValueError, match="pair_ids must be a contiguous int32 \\[6\\]"):
+        quantize_rows(x, pair_ids=pair_ids[:4], num_pairs=9)
+    with pytest.raises(ValueError, match="rows must be x's 6"):
+        quantize_rows(x, pair_ids=pair_ids, num_pairs=9, rows=8)
+
+
 def test_static_activation_scale_and_bad_arguments():
     gen = torch.Generator().manual_seed(1)
     x = randn((4, 300), gen, torch.bfloat16, 100.0)

@@ -166,8 +166,12 @@ SPECS = [
           (False, 2, 8, 512, 3, "", True, False, 1),
           (True, 1, 8, 512, 3, "", True, False, 1))]),
     # FP8 activation quantization: per token (2048-column steps), per 128-group, static
-    ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32"},
-     [{"STATIC": static, "BLOCK": block} for static, block in ((False, 2048), (False, 128), (True, 2048))]),
+    # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
+    ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",
+                                            "pairs_ptr": "*i32"},
+     [{"STATIC": static, "BLOCK": block, "ONE_STEP": one, "SKIP_PADDING": skip}
+      for static, block, one, skip in ((False, 2048, False, False), (False, 1024, True, True), (False, 128, True, False),
+                                       (True, 2048, True, False), (True, 2048, False, False))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}

@@ -7,8 +7,8 @@
     static:                 s[m]    = the given per-tensor scale                      scales [M, 1]
     q = float8_e4m3fn(clamp(x / s, -448, 448))   (correctly rounded division, as torch divides)
 
-Grid (rows, groups): a per-token program walks its row twice in BLOCK-column steps (amax, then
-quantize); a per-group program quantizes its one group. `rows` may exceed M (padding rows for
+Grid (rows, groups): a program reads its row (per token) or group once when it fits one BLOCK
+step (up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax, then quantize). `rows` may exceed M (padding rows for
 the GEMM: zeros, scale FP8_MIN_SCALE). Shapes only set the launch, so calls are CUDA-graph capturable.
 """
 
@@ -47,38 +47,55 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, k_in, group, stride_x, stride_q, stride_sm, stride_sg,
-                  STATIC: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, group, stride_x, stride_q,
+                  stride_sm, stride_sg, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
+                  SKIP_PADDING: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
+    if SKIP_PADDING:  # a padding row of an aligned MoE layout: never read, so not written
+        if tl.load(pairs_ptr + row) >= num_pairs:
+            return
     start = g * group
     end = tl.minimum(start + group, k_in)
     filled = tl.where(row < n_rows, end, start)  # padding rows read nothing: zeros
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
+    s_out = s_ptr + row.to(tl.int64) * stride_sm + g * stride_sg
     cols = tl.arange(0, BLOCK)
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    if ONE_STEP:  # the part fits one step: read once, kept in registers
+        x = tl.load(x_row + start + cols, mask=start + cols < filled, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), FP8_MIN_SCALE)
+        tl.store(s_out, scale)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_row + start + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=start + cols < end)
+    else:  # wide rows: the amax pass, then the quantizing pass
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for c in range(start, end, BLOCK):
+                x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
+        tl.store(s_out, scale)
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
-    tl.store(s_ptr + row.to(tl.int64) * stride_sm + g * stride_sg, scale)
-    for c in range(start, end, BLOCK):
-        mask = c + cols < end
-        x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_row + c + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=mask)
+            q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+            tl.store(q_row + c + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=c + cols < end)
 
 
 def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
-                  rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: int | None = None, pair_ids: torch.Tensor | None = None,
+                  num_pairs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [rows, K], scales float32): per token (group None), per
     FP8_BLOCK-column group (group=FP8_BLOCK: scales [rows, K/128] column-major) or with the
     per-tensor `static_scale` (a one-element float32 tensor). `rows` >= M pads with zero rows
-    (default M)."""
+    (default M). `pair_ids` (int32 [M] on x's device: moe_align's sorted_pair_ids, the rows of
+    an aligned MoE activation) with `num_pairs`: rows whose id is >= num_pairs are padding, and
+    their q and scales are left unwritten (nothing reads them)."""
     check_matrix("x", x)
     m, k = x.shape
     rows = m if rows is None else rows
@@ -92,6 +109,13 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
         if (not isinstance(static_scale, torch.Tensor) or static_scale.numel() != 1
                 or static_scale.dtype != torch.float32 or static_scale.device != x.device):
             raise ValueError(f"static_scale must be a one-element float32 tensor on {x.device}, got {static_scale!r}")
+    if pair_ids is not None:
+        if (not isinstance(pair_ids, torch.Tensor) or pair_ids.dtype != torch.int32 or pair_ids.shape != (m,)
+                or pair_ids.device != x.device or not pair_ids.is_contiguous()):
+            raise ValueError(f"pair_ids must be a contiguous int32 [{m}] tensor on {x.device}, got "
+                             f"{getattr(pair_ids, 'dtype', type(pair_ids))} {tuple(getattr(pair_ids, 'shape', ()))}")
+        if rows != m:
+            raise ValueError(f"pair_ids marks padding rows of x itself: rows must be x's {m}, got {rows}")
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     if group is None:
         groups, block, size = 1, min(MAX_BLOCK, next_pow2(k)), k
@@ -102,7 +126,9 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
     if rows == 0 or k == 0:
         return q, scales
     _quant_kernel[(rows, groups)](
-        x, q, scales, static_scale if static_scale is not None else scales, m, k, size, x.stride(0), q.stride(0),
-        scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, num_warps=NUM_WARPS,
+        x, q, scales, static_scale if static_scale is not None else scales,
+        pair_ids if pair_ids is not None else scales, num_pairs, m, k, size, x.stride(0), q.stride(0),
+        scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, ONE_STEP=block >= size,
+        SKIP_PADDING=pair_ids is not None, num_warps=NUM_WARPS,
     )
     return q, scales

@@ -48,7 +48,7 @@ from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_
 from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .align import _check_ids, moe_align
+from .align import MoeAlignment, _check_ids, moe_align
 from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .tiles import MoeTiles, Tiling, plan_tiles
 
@@ -221,11 +221,15 @@ def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
 
 
-def _act_fp8_args(mode: ScaleMode, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _act_fp8_args(mode: ScaleMode, x: torch.Tensor, align: MoeAlignment | None = None,
+                  n_pairs: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """W8A8: x [M, K] in e4m3 (kernels/fp8_quant.quantize_rows: amax / 448, floored, saturating),
     its float32 scales and their strides: one a row (channel weights: [M, 1]) or one a row per
-    FP8_BLOCK-column group, the weights' block columns (block weights: [M, cdiv(K, 128)])."""
-    q, scales = quantize_rows(x, group=FP8_BLOCK if mode == ScaleMode.BLOCK else None)
+    FP8_BLOCK-column group, the weights' block columns (block weights: [M, cdiv(K, 128)]). With
+    `align` (x in its sorted rows), padding rows are skipped: left unwritten."""
+    pair_ids = align.sorted_pair_ids if align is not None else None
+    q, scales = quantize_rows(x, group=FP8_BLOCK if mode == ScaleMode.BLOCK else None, pair_ids=pair_ids,
+                              num_pairs=n_pairs)
     return q, scales, dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
 
 
@@ -280,8 +284,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
         SCALE_PER_STEP=scales_per_step(mode, gate_up.block_k),
         num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **scales, **common, **acts)
-    # W8A8: act [P, I] in e4m3, every row (those of unused blocks hold torch.empty's bytes: never read)
-    act, a_scale, acts = _act_fp8_args(mode, act) if act_fp8 else (act, hidden, a16)
+    # W8A8: act [P, I] in e4m3, its pairs' rows only (padding rows hold torch.empty's bytes: a GEMM
+    # row depends on its own row of act alone, and the down kernel stores no padding row)
+    act, a_scale, acts = _act_fp8_args(mode, act, align, n_pairs) if act_fp8 else (act, hidden, a16)
     pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
     s2, scales = scale_args(mode, w2_scale, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
