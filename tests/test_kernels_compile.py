@@ -144,6 +144,9 @@ SPECS = [
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
         for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN))])
       for scale in (1, 2)],
+    # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)
+    ("moe.grouped_gemm", "_slot_sum_kernel", {"pair_ptr": "*fp32", "out_ptr": "*bf16"},
+     [{"TOP_K": 8, "BLOCK_K": 8, "BLOCK_H": 1024}]),
     # The 1-4 row projections (kernels/gemv.py): wide (PDL, L2 prefetch) and narrow (evict-first) tilings.
     ("kernels.gemv", "_gemv_kernel", {"eps": "fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": bias, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,

@@ -12,7 +12,7 @@ num_used_blocks returns at once; padding rows compute on token 0 and never reach
 
     gate_up: act[r, n] = silu_mul(w13[e, n] . hidden[t(r)], w13[e, I + n] . hidden[t(r)])   act [P, I]
     down:    pair_out[p(r), h] = topk_weights[p(r)] * (w2[e, h] . act[r])                   [T*K, H] fp32
-    out = pair_out.view(T, K, H).sum(1) in hidden's dtype
+    out[t, h] = sum_k pair_out[t * K + k, h]  in hidden's dtype (the slot sum: one launch)
 
 Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
 Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
@@ -44,13 +44,17 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
 from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .align import MoeAlignment, _check_ids, moe_align
 from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .tiles import MoeTiles, Tiling, plan_tiles
+
+# Columns a program of the slot sum adds up (K rows of them): 8 x 1024 float32 is 64 registers a
+# thread at 4 warps.
+SLOT_SUM_COLUMNS = 1024
 
 @triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -194,6 +198,19 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert
     tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
 
 
+@triton.jit
+def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """out[t, h] = sum_k pair_out[t * K + k, h], float32 sums stored in out's dtype (one read, one write)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, BLOCK_K)
+    ptrs = pair_ptr + (t * TOP_K + slots)[:, None] * hidden_size + cols[None, :]  # [BLOCK_K, BLOCK_H]
+    parts = tl.load(ptrs, mask=(slots < TOP_K)[:, None] & (cols < hidden_size)[None, :], other=0.0)
+    tl.store(out_ptr + t * hidden_size + cols, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+             mask=cols < hidden_size)
+
+
 def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
     check_matrix("hidden", hidden)
     t, h = hidden.shape
@@ -295,4 +312,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,
         SCALE_PER_STEP=scales_per_step(mode, down.block_k),
         num_warps=down.num_warps, num_stages=down.num_stages, **scales, **common, **acts)
-    return pair_out.view(t, k, h).sum(dim=1).to(hidden.dtype)  # [T, K, H] -> [T, H]
+    out = torch.empty_like(hidden)  # [T * K, H] -> [T, H]
+    _slot_sum_kernel[(t, triton.cdiv(h, SLOT_SUM_COLUMNS))](pair_out, out, h, TOP_K=k, BLOCK_K=next_pow2(k),
+                                                            BLOCK_H=SLOT_SUM_COLUMNS, num_warps=4)
+    return out
