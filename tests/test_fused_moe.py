@@ -266,6 +266,36 @@ def test_benchmark_without_cuda_exits_with_one_line():
     assert len(lines) == 1 and "CUDA" in lines[0], proc.stderr
 
 
+@pytest.mark.interpreter
+def test_bench_align_mode_parses_and_its_check_catches_a_wrong_alignment():
+    """bench_moe.py --align (GPU only) on CPU: its defaults and exclusions, and the check it runs
+    before timing, on a right alignment and on one with a pair dropped."""
+    from benchmarks.kernels import bench_moe
+
+    assert bench_moe.parse_args(["--align"]).tokens == list(bench_moe.ALIGN_TOKENS)
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--align", "--fp8", "block"])
+    ids = random_ids(5, bench_moe.E, bench_moe.K, torch.Generator().manual_seed(3))
+    align = moe_align(ids, bench_moe.E, 16)
+    bench_moe.check_alignment(align, ids, 16)
+    align.sorted_pair_ids[align.sorted_pair_ids == 0] = ids.numel()  # pair 0 becomes padding
+    with pytest.raises(SystemExit, match="wrong alignment"):
+        bench_moe.check_alignment(align, ids, 16)
+
+
+@pytest.mark.gpu
+def test_bench_align_mode_times_every_block_height(tmp_path):
+    import json
+
+    from benchmarks.kernels import bench_moe
+
+    out = tmp_path / "align.json"
+    bench_moe.main(["--align", "--tokens", "1", "300", "--json", str(out)])
+    _, *rows = json.loads(out.read_text())
+    assert [(r["tokens"], r["block_m"]) for r in rows] == [(t, m) for t in (1, 300) for m in BLOCK_MS]
+    assert all(r["us"] > 0 for r in rows) and sum(r["picked"] for r in rows) == 2
+
+
 def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps():
     """A step replayed from a CUDA graph runs at a padded token count (decode: the graph batch
     size; prefill / mixed: the token bucket). fused_moe must choose every tile for the padded
