@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.moe.align import MAX_EXPERTS, moe_align
+from nanovllm.moe.align import MAX_EXPERTS, MAX_SLICES, moe_align
 from nanovllm.moe.grouped_gemm import fused_moe
 from nanovllm.moe.tiles import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
 
@@ -121,6 +121,26 @@ def test_moe_align_slices_of_several_chunks(device):
     check_alignment(moe_align(ids.to(device), 128, 16, max_slices=3), ids, 128, 16)
     with pytest.raises(ValueError, match="max_slices"):
         moe_align(ids.to(device), 128, 16, max_slices=0)
+
+
+ALIGN_SHARE_CASES = {  # name: (T, K, E, block_m, max_slices)
+    # 400 pairs, 145 blocks (2,320 rows): 2 programs of 73 blocks (1,168 rows), the second past the
+    # end for 1 of them: 3 table steps of 32 blocks (the last partial), 2 FILL steps (the last partial)
+    "uneven-shares": (50, 8, 128, 16, 2),
+    # one program owns all 145 blocks: 5 table steps and 3 FILL steps, the last ones partial
+    "one-program-all-blocks": (50, 8, 128, 16, 1),
+    # 12,289 pairs of one expert in 4 slices of 4,096, 3 blocks of 8,192 rows: the last program owns none
+    "a-program-without-blocks": (12289, 1, 1, 8192, MAX_SLICES),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ALIGN_SHARE_CASES)
+def test_moe_align_splits_padding_and_block_table_over_programs(device, case):
+    """The count programs pad, and the scatter programs label, blocks in per-program shares."""
+    t, k, e, block_m, max_slices = ALIGN_SHARE_CASES[case]
+    ids = random_ids(t, e, k, torch.Generator().manual_seed(t))
+    check_alignment(moe_align(ids.to(device), e, block_m, max_slices=max_slices), ids, e, block_m)
 
 
 FUSED_CASES = {  # name: (T, E, K, H, I, dtype, ids or None for random)
@@ -244,6 +264,36 @@ def test_benchmark_without_cuda_exits_with_one_line():
     assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0], proc.stderr
+
+
+@pytest.mark.interpreter
+def test_bench_align_mode_parses_and_its_check_catches_a_wrong_alignment():
+    """bench_moe.py --align (GPU only) on CPU: its defaults and exclusions, and the check it runs
+    before timing, on a right alignment and on one with a pair dropped."""
+    from benchmarks.kernels import bench_moe
+
+    assert bench_moe.parse_args(["--align"]).tokens == list(bench_moe.ALIGN_TOKENS)
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--align", "--fp8", "block"])
+    ids = random_ids(5, bench_moe.E, bench_moe.K, torch.Generator().manual_seed(3))
+    align = moe_align(ids, bench_moe.E, 16)
+    bench_moe.check_alignment(align, ids, 16)
+    align.sorted_pair_ids[align.sorted_pair_ids == 0] = ids.numel()  # pair 0 becomes padding
+    with pytest.raises(SystemExit, match="wrong alignment"):
+        bench_moe.check_alignment(align, ids, 16)
+
+
+@pytest.mark.gpu
+def test_bench_align_mode_times_every_block_height(tmp_path):
+    import json
+
+    from benchmarks.kernels import bench_moe
+
+    out = tmp_path / "align.json"
+    bench_moe.main(["--align", "--tokens", "1", "300", "--json", str(out)])
+    _, *rows = json.loads(out.read_text())
+    assert [(r["tokens"], r["block_m"]) for r in rows] == [(t, m) for t in (1, 300) for m in BLOCK_MS]
+    assert all(r["us"] > 0 for r in rows) and sum(r["picked"] for r in rows) == 2
 
 
 def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps():

@@ -235,12 +235,12 @@ SPECS = [
     # structured outputs' token masks: bfloat16 and float32 logits
     *[("sampling.token_mask_kernel", "_token_mask_kernel", {"logits_ptr": x, "rows_ptr": "*i64", "bitmask_ptr": "*i32"},
        [{"BLOCK": 1024}]) for x in ("*bf16", "*fp32")],
-    ("moe.align", "_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"}, [{"SLICE": 32, "BLOCK_E": 128}]),
-    ("moe.align", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "block_expert",
-                                                               "num_used", "sorted")},
-     [{"BLOCK_E": 128, "BLOCK_M": 16, "ROWS": 32, "FILL": 1024}]),
-    ("moe.align", "_scatter_kernel", {f"{n}_ptr": "*i32" for n in ("ids", "offsets", "base", "sorted")},
-     [{"SLICE": 32, "BLOCK_E": 128}]),
+    ("moe.align", "_count_kernel", {f"{n}_ptr": "*i32" for n in ("ids", "counts", "sorted")},
+     [{"SLICE": 32, "BLOCK_E": 128, "FILL": 1024}]),
+    ("moe.align", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "num_used")},
+     [{"BLOCK_E": 128, "BLOCK_M": 16, "ROWS": 32}]),
+    ("moe.align", "_scatter_kernel", {f"{n}_ptr": "*i32" for n in ("ids", "offsets", "base", "sorted", "block_expert")},
+     [{"SLICE": 32, "BLOCK_E": 128, "BLOCK_M": m} for m in (16, 64)]),
 ]
 
 

@@ -12,6 +12,7 @@ K slots); `align ms` is moe_align alone, timed the same way.
     python -m benchmarks.kernels.bench_moe [--tokens 1 64 4096] [--sweep] [--json PATH]
     python -m benchmarks.kernels.bench_moe --sweep-gemv [--json PATH]
     python -m benchmarks.kernels.bench_moe --fp8 channel|block [--tokens ...] [--shape tiny]
+    python -m benchmarks.kernels.bench_moe --align [--tokens ...] [--json PATH]
 
 --fp8 MODE: FP8 experts (moe/fp8_experts.py; weights quantized here per expert with MODE's scales)
 beside the same experts in bf16, in one run: the grouped GEMM (fused_moe) at FP8_TOKENS, W8A16 and
@@ -21,6 +22,10 @@ routed decode GEMVs (moe_gemv_routed, router logits in) at 1 and 2 tokens; us, G
 each actually reads (FP8 weights + float32 scales, or bf16 weights) and their fraction of the copy
 bandwidth, TFLOP/s, and the bf16 / fp8 time ratio. `--shape tiny` (TINY_SHAPE) runs it on CPU under
 TRITON_INTERPRET=1 (a smoke test: one untimed-grade wall-clock call, no bandwidth probe).
+
+--align: moe_align alone (its three launches), us per call at ALIGN_TOKENS for every block height of
+moe/tiles.BLOCK_MS; `*` marks the one fused_moe picks for that T (moe_tiles). Each routing's
+alignment is checked (every pair once, num_used_blocks) before it is timed.
 
 --sweep / --sweep-gemv pass other tilings as the kernels' `tiles` argument (nothing else changes).
 --sweep-gemv times only the decode path (moe/decode.moe_gemv) at T = 1 and 2, for every GemvTiles of
@@ -49,6 +54,8 @@ TOKENS = (1, 16, 64, 128, 256, 4096)  # decode batches and one prefill size
 # --fp8: decode batches (1: the grouped path a 1-token prefill takes), a decode graph's batch and
 # prefill chunks up to the engine's 8,192-token steps.
 FP8_TOKENS = (1, 16, 256, 2048, 8192)
+# --align: decode batches, then prefill chunks up to the engine's 8,192-token steps.
+ALIGN_TOKENS = (1, 16, 64, 256, 512, 2048, 8192)
 # --shape: experts, top-k, hidden, expert intermediate. tiny: a CPU smoke test under the interpreter
 # (H and I whole 128-blocks, so block scales take their per-step path as at 30B).
 SHAPES = {"30b-a3b": (E, K, H, I), "tiny": (4, 2, 256, 128)}
@@ -125,20 +132,24 @@ def gemv_candidates() -> list:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", help="batch sizes T (default: TOKENS; --fp8: FP8_TOKENS)")
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    help="batch sizes T (default: TOKENS; --fp8: FP8_TOKENS; --align: ALIGN_TOKENS)")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP_* tilings at every T")
     ap.add_argument("--sweep-gemv", action="store_true",
                     help="only time moe_gemv (decode path) over gemv_candidates() at T = 1 and 2")
     ap.add_argument("--fp8", choices=("channel", "block"),
                     help="only FP8 experts with these scales beside bf16: grouped GEMM and routed decode GEMVs")
+    ap.add_argument("--align", action="store_true", help="only time moe_align at every block height")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b",
                     help="expert shape of --fp8 (tiny: CPU smoke test under TRITON_INTERPRET=1)")
     ap.add_argument("--json", metavar="PATH", help="write the rows here")
     args = ap.parse_args(argv)
     if args.shape != "30b-a3b" and not args.fp8:
         ap.error("--shape applies to --fp8 only")
+    if args.align and (args.fp8 or args.sweep or args.sweep_gemv):
+        ap.error("--align times moe_align alone: not with --fp8, --sweep or --sweep-gemv")
     if args.tokens is None:
-        args.tokens = list(FP8_TOKENS if args.fp8 else TOKENS)
+        args.tokens = list(FP8_TOKENS if args.fp8 else ALIGN_TOKENS if args.align else TOKENS)
     return args
 
 
@@ -316,6 +327,39 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
                  shape=args.shape, scales=args.fp8)] + rows
 
 
+def check_alignment(align, ids: torch.Tensor, block_m: int) -> None:
+    """Stop on a wrong alignment: every pair of ids [T, K] once in sorted_pair_ids (the rest
+    padding), and num_used_blocks the experts' pairs each rounded up to block_m."""
+    n = ids.numel()
+    real = align.sorted_pair_ids[align.sorted_pair_ids != n].long().sort().values
+    blocks = (torch.bincount(ids.view(-1), minlength=E) + block_m - 1) // block_m
+    if not torch.equal(real, torch.arange(n, device=ids.device)) or int(align.num_used_blocks) != int(blocks.sum()):
+        raise SystemExit(f"moe_align T={ids.shape[0]} block_m={block_m}: wrong alignment")
+
+
+def align_study(args: argparse.Namespace) -> list[dict]:
+    """--align: moe_align's us per call at args.tokens for each block height (E, K: 30B-A3B)."""
+    from nanovllm.moe.align import moe_align
+    from nanovllm.moe.tiles import BLOCK_MS, moe_tiles, size_class
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: moe_align us per call, E={E}, top-{K}; * = fused_moe's block_m")
+    print(f"{'T':>6}" + "".join(f"{f'm{m}':>10}" for m in BLOCK_MS))
+    rows = []
+    for t in args.tokens:
+        ids = [i for _, i in routings(t, gen)]
+        picked = moe_tiles(size_class(t) * K, E).block_m
+        line = f"{t:>6}"
+        for block_m in BLOCK_MS:
+            for i in ids:
+                check_alignment(moe_align(i, E, block_m), i, block_m)
+            us = graph_ms([lambda i=i, m=block_m: moe_align(i, E, m) for i in ids]) * 1e3
+            rows.append(dict(kernel="moe_align", tokens=t, block_m=block_m, us=us, picked=block_m == picked))
+            line += f"{us:>9.2f}" + ("*" if block_m == picked else " ")
+        print(line, flush=True)
+    return [dict(device=torch.cuda.get_device_name(), experts=E, top_k=K)] + rows
+
+
 def grouped_table(rows: list[dict], names: tuple[str, str, str]) -> None:
     """The grouped GEMM's us per T for bf16, W8A16 and W8A8 side by side, and W8A16 / W8A8: the
     steps where W8A8 wins set KernelRoutes.moe_fp8_mma_min_tokens."""
@@ -390,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available() and args.shape != "tiny":
         sys.exit(NO_CUDA_MESSAGE)
-    rows = fp8_study(args) if args.fp8 else run(args)
+    rows = fp8_study(args) if args.fp8 else align_study(args) if args.align else run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,8 +16,13 @@ Invariants: every pair appears exactly once in sorted_pair_ids; blocks b < num_u
 pairs of expert block_expert[b] only (then padding), ordered by expert; blocks past it hold only
 padding. Rows P = round_up(T*K + min(E, T*K) * (BLOCK_M - 1), BLOCK_M) bound every routing,
 so shapes depend on (T, K, E, BLOCK_M) only and no host sync is needed (CUDA-graph capturable).
-Alignment is three launches: per-slice expert counts (grid: <= MAX_SLICES slices of the pairs), one
-program scanning them (per-slice offsets, block table, padding fill), a per-slice scatter.
+Alignment is three launches, one program per slice of the pairs (<= MAX_SLICES) in the first and
+last: per-slice expert counts, each program also filling a share of sorted_pair_ids with padding;
+one program scanning the counts (per-slice offsets, each expert's first row, num_used_blocks); a
+per-slice scatter of the pairs to their rows, each program also writing a share of block_expert.
+Program s owns blocks [s * share, (s + 1) * share): their padding rows in the first launch, their
+block_expert entries in the last. Stream order puts the fill before the scatter's stores; the scan
+does no per-block or per-row work, as its single program would walk them one dependent step at a time.
 
 No end-to-end figure of its own: the grouped MoE kernels need this device-side sort to run inside
 CUDA graphs at all (8-41 us of a fused MoE call, BENCHMARKS.md "Qwen3-MoE (#16)").
@@ -42,7 +47,7 @@ ALIGN_WARPS = 4
 # Most slices (programs of the count and scatter kernels, rows the scan program walks): about one
 # wave of an H200's 132 SMs; more pairs make each slice several chunks long.
 MAX_SLICES = 128
-# Padding rows the scan program stores per step: 8 int32 a thread at 4 warps.
+# Padding rows a count program stores per step: 8 int32 a thread at 4 warps.
 FILL_ROWS = 1024
 
 
@@ -65,9 +70,15 @@ def _expert_ids(ids_ptr, pairs, n_pairs, num_experts):
 
 
 @triton.jit(do_not_specialize=["n_pairs", "chunks"])
-def _count_kernel(ids_ptr, counts_ptr, n_pairs, num_experts, chunks, SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """counts[s, e]: pairs of expert e among slice s's `chunks` x SLICE pairs."""
+def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, n_pairs, num_experts, chunks, n_rows, share_rows,
+                  SLICE: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    """counts[s, e]: pairs of expert e among slice s's `chunks` x SLICE pairs; and padding (n_pairs)
+    in the sorted rows [s * share_rows, (s + 1) * share_rows) below n_rows."""
     s = tl.program_id(0)
+    for r0 in range(0, share_rows, FILL):
+        mine = r0 + tl.arange(0, FILL)  # [FILL], rows of this program's share
+        r = s * share_rows + mine
+        tl.store(sorted_ptr + r, tl.zeros([FILL], dtype=tl.int32) + n_pairs, mask=(mine < share_rows) & (r < n_rows))
     experts = tl.arange(0, BLOCK_E)
     total = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c in range(chunks):
@@ -76,13 +87,14 @@ def _count_kernel(ids_ptr, counts_ptr, n_pairs, num_experts, chunks, SLICE: tl.c
     tl.store(counts_ptr + s * BLOCK_E + experts, total)
 
 
-@triton.jit(do_not_specialize=["n_slices", "n_pairs", "n_blocks"])
-def _scan_kernel(counts_ptr, offsets_ptr, base_ptr, block_expert_ptr, num_used_ptr, sorted_ptr,
-                 n_slices, n_pairs, n_rows, n_blocks, num_experts,
-                 BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, FILL: tl.constexpr):
+@triton.jit(do_not_specialize=["n_slices"])
+def _scan_kernel(counts_ptr, offsets_ptr, base_ptr, num_used_ptr, n_slices,
+                 BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """offsets[s, e]: pairs of expert e in slices before s; base[e]: expert e's first sorted row
+    (the blocks of experts before it, times BLOCK_M); num_used: the blocks of all experts."""
     experts = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for s0 in range(0, n_slices, ROWS):  # offsets[s, e]: pairs of expert e in slices before s
+    for s0 in range(0, n_slices, ROWS):
         s = s0 + tl.arange(0, ROWS)
         tile = s[:, None] * BLOCK_E + experts[None, :]  # [ROWS, BLOCK_E]
         c = tl.load(counts_ptr + tile, mask=(s < n_slices)[:, None], other=0)
@@ -92,23 +104,25 @@ def _scan_kernel(counts_ptr, offsets_ptr, base_ptr, block_expert_ptr, num_used_p
     block_end = tl.cumsum(blocks, axis=0)  # [BLOCK_E]: expert e owns blocks [end - blocks, end)
     tl.store(base_ptr + experts, (block_end - blocks) * BLOCK_M)
     tl.store(num_used_ptr, tl.sum(blocks, axis=0))
-    for b0 in range(0, n_blocks, ROWS):
-        b = b0 + tl.arange(0, ROWS)
-        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts ending before b
-        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts - 1), mask=b < n_blocks)
-    for r0 in range(0, n_rows, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + r, tl.zeros([FILL], dtype=tl.int32) + n_pairs, mask=r < n_rows)
 
 
-@triton.jit(do_not_specialize=["n_pairs", "chunks"])
-def _scatter_kernel(ids_ptr, offsets_ptr, base_ptr, sorted_ptr, n_pairs, num_experts, chunks,
-                    SLICE: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["n_pairs", "chunks", "n_blocks", "share_blocks"])
+def _scatter_kernel(ids_ptr, offsets_ptr, base_ptr, sorted_ptr, block_expert_ptr, n_pairs, num_experts, chunks,
+                    n_blocks, share_blocks, SLICE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
     """Each pair of slice s to its sorted row: its expert's first row + pairs of that expert
-    before it (in earlier slices: offsets; earlier in this slice: a running count)."""
+    before it (in earlier slices: offsets; earlier in this slice: a running count). And the
+    experts of blocks [s * share_blocks, (s + 1) * share_blocks) below n_blocks."""
     s = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    next_row = tl.load(base_ptr + experts) + tl.load(offsets_ptr + s * BLOCK_E + experts)  # [BLOCK_E]
+    base = tl.load(base_ptr + experts)  # [BLOCK_E]
+    # Block b's owner: the last expert starting at or before it (experts without pairs start where
+    # the next does, so they come first); past the used blocks all start before b: clamped.
+    for b0 in range(0, share_blocks, SLICE):
+        mine = b0 + tl.arange(0, SLICE)  # [SLICE], blocks of this program's share
+        b = s * share_blocks + mine
+        owner = tl.sum((base[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1) - 1  # [SLICE, BLOCK_E] -> [SLICE]
+        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts - 1), mask=(mine < share_blocks) & (b < n_blocks))
+    next_row = base + tl.load(offsets_ptr + s * BLOCK_E + experts)  # [BLOCK_E]
     for c in range(chunks):
         pairs = (s * chunks + c) * SLICE + tl.arange(0, SLICE)
         ids = _expert_ids(ids_ptr, pairs, n_pairs, num_experts)
@@ -152,22 +166,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, max_sli
     n_rows = n_blocks * block_m
     sorted_ids = torch.empty(n_rows, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
-    num_used = torch.zeros(1, dtype=torch.int32, device=dev)
     if n_pairs == 0:
-        return MoeAlignment(sorted_ids, block_expert, num_used)
+        return MoeAlignment(sorted_ids, block_expert, torch.zeros(1, dtype=torch.int32, device=dev))
+    num_used = torch.empty(1, dtype=torch.int32, device=dev)  # the scan's store
     block_e = next_pow2(num_experts)
-    rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step
+    rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step, blocks per table step
     chunks = triton.cdiv(triton.cdiv(n_pairs, rows), max_slices)  # per slice
     n_slices = triton.cdiv(n_pairs, rows * chunks)
+    share = triton.cdiv(n_blocks, n_slices)  # blocks per program: padded by count, labelled by scatter
     ids = topk_ids.view(-1)  # [T * K]
     counts = torch.empty((n_slices, block_e), dtype=torch.int32, device=dev)
     offsets = torch.empty_like(counts)  # [slices, BLOCK_E]
     base = torch.empty(block_e, dtype=torch.int32, device=dev)  # first sorted row of each expert
-    _count_kernel[(n_slices,)](ids, counts, n_pairs, num_experts, chunks, SLICE=rows, BLOCK_E=block_e,
-                               num_warps=ALIGN_WARPS)
-    _scan_kernel[(1,)](counts, offsets, base, block_expert, num_used, sorted_ids,
-                       n_slices, n_pairs, n_rows, n_blocks, num_experts,
-                       BLOCK_E=block_e, BLOCK_M=block_m, ROWS=rows, FILL=FILL_ROWS, num_warps=ALIGN_WARPS)
-    _scatter_kernel[(n_slices,)](ids, offsets, base, sorted_ids, n_pairs, num_experts, chunks,
-                                 SLICE=rows, BLOCK_E=block_e, num_warps=ALIGN_WARPS)
+    _count_kernel[(n_slices,)](ids, counts, sorted_ids, n_pairs, num_experts, chunks, n_rows, share * block_m,
+                               SLICE=rows, BLOCK_E=block_e, FILL=FILL_ROWS, num_warps=ALIGN_WARPS)
+    _scan_kernel[(1,)](counts, offsets, base, num_used, n_slices,
+                       BLOCK_E=block_e, BLOCK_M=block_m, ROWS=rows, num_warps=ALIGN_WARPS)
+    _scatter_kernel[(n_slices,)](ids, offsets, base, sorted_ids, block_expert, n_pairs, num_experts, chunks,
+                                 n_blocks, share, SLICE=rows, BLOCK_E=block_e, BLOCK_M=block_m, num_warps=ALIGN_WARPS)
     return MoeAlignment(sorted_ids, block_expert, num_used)
