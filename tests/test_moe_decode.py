@@ -148,8 +148,10 @@ def test_bad_arguments_name_the_problem():
     hidden, w13, w2, weights, ids = make_case(2, 4, 2, 32, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="1..2 tokens"):
         moe_gemv(hidden.repeat(2, 1), w13, w2, weights.repeat(2, 1), ids.repeat(2, 1))
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match=r"w13 shape \(4, 32, 16\) must be \[E, 2 \* I, H=32\]"):  # as fused_moe names it
         moe_gemv(hidden, w13[:, :, :16], w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        moe_gemv(hidden, w13, w2, weights, ids + 4)
     with pytest.raises(TypeError, match="topk_ids"):
         moe_gemv(hidden, w13, w2, weights, ids.float())
     with pytest.raises(TypeError, match="topk_weights"):

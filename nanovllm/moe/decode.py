@@ -44,10 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, check_matrix, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, next_pow2
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
+from .checks import check_experts, check_routing
 from .routing import check_router_logits, expert_block, route_row
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 
@@ -213,19 +214,9 @@ class _Experts:
 def _check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
                    w2_scale: torch.Tensor | None) -> _Experts:
     """These stacked experts with their scale mode, for a 1..MAX_TOKENS token step; else a clear error."""
-    check_matrix("hidden", hidden)
-    t, h = hidden.shape
-    if not 1 <= t <= MAX_TOKENS:
-        raise ValueError(f"moe_gemv serves 1..{MAX_TOKENS} tokens, got {t}")
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.stride(-1) != 1:
-            raise ValueError(f"{name} must be a 3-D tensor with a contiguous last dim")
-        if w.device != hidden.device:
-            raise ValueError(f"{name} is on {w.device}, hidden on {hidden.device}")
-    e, two_i, wh = w13.shape
-    inter = two_i // 2
-    if wh != h or two_i % 2 or tuple(w2.shape) != (e, h, inter):
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {tuple(hidden.shape)}")
+    check_experts(hidden, w13, w2)
+    if not 1 <= hidden.shape[0] <= MAX_TOKENS:
+        raise ValueError(f"moe_gemv serves 1..{MAX_TOKENS} tokens, got {hidden.shape[0]}")
     return _Experts(w13, w2, w13_scale, w2_scale, expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale))
 
 
@@ -237,17 +228,7 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     moe/fp8_experts.py), topk_weights [T, K] float32, topk_ids [T, K] int32/int64 (contiguous).
     `tiles` overrides DEFAULT_TILES (benchmarks)."""
     experts = _check_experts(hidden, w13, w2, w13_scale, w2_scale)
-    t = hidden.shape[0]
-    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
-            or topk_ids.dim() != 2 or topk_ids.shape[0] != t or not topk_ids.is_contiguous()):
-        raise TypeError(f"topk_ids must be a contiguous int32/int64 [{t}, K] tensor")
-    k = topk_ids.shape[1]
-    if (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
-            or topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous()):
-        raise TypeError(f"topk_weights must be a contiguous float32 [{t}, {k}] tensor")
-    for name, x in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
+    check_routing(hidden, topk_weights, topk_ids, w13.shape[0])
     return _launch(hidden, experts, topk_weights, topk_ids, None, False, tiles)
 
 

@@ -48,11 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, check_matrix, cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, cuda_sm_count, next_pow2
 from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .align import MoeAlignment, _check_ids, moe_align
+from .align import MoeAlignment, moe_align
+from .checks import check_experts, check_routing
 from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .tiles import MoeTiles, Tiling, plan_tiles
 
@@ -215,33 +216,6 @@ def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_
              mask=cols < hidden_size)
 
 
-def _check_moe(hidden, w13, w2, topk_weights, topk_ids) -> None:
-    check_matrix("hidden", hidden)
-    t, h = hidden.shape
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor [E, N, K], got {getattr(w, 'shape', type(w))}")
-        if w.stride(2) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {w.stride()}")
-    e, two_i, wh = w13.shape
-    if wh != h or two_i < 2 or two_i % 2:
-        raise ValueError(f"w13 shape {tuple(w13.shape)} must be [E, 2 * I, H={h}] (gate | up)")
-    if tuple(w2.shape) != (e, h, two_i // 2):
-        raise ValueError(f"w2 shape {tuple(w2.shape)} must be [E={e}, H={h}, I={two_i // 2}]")
-    _check_ids(topk_ids, e)
-    if topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, hidden {t}")
-    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-        got = getattr(topk_weights, "dtype", type(topk_weights))
-        raise TypeError(f"topk_weights must be a float32 tensor, got {got}")
-    if topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be contiguous of topk_ids' shape {tuple(topk_ids.shape)}, "
-                         f"got {tuple(topk_weights.shape)} strides {topk_weights.stride()}")
-    for name, x in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
-
-
 def _act_fp8_args(mode: ScaleMode, x: torch.Tensor, align: MoeAlignment | None = None,
                   n_pairs: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """W8A8: x [M, K] in e4m3 (kernels/fp8_quant.quantize_rows: amax / 448, floored, saturating),
@@ -278,7 +252,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py); `act_fp8` (W8A8) quantizes
     hidden and the activation per row (block scales: per row per 128 columns) and multiplies FP8
     operands. `tiles` overrides moe_tiles (benchmarks)."""
-    _check_moe(hidden, w13, w2, topk_weights, topk_ids)
+    e = check_experts(hidden, w13, w2)[0]
+    check_routing(hidden, topk_weights, topk_ids, e)
     mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
     (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, n_pairs = two_i // 2, topk_ids.numel()
