@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels.decode_attention import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge, flash_attn_with_kvcache
+from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.decode_plan import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows, tile_programs
 from nanovllm.kernels.query_tiles import build_query_tiles
 

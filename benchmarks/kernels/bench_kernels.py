@@ -23,7 +23,8 @@ import triton
 from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count
-from nanovllm.kernels.decode_attention import DecodeTile, choose_num_splits, flash_attn_with_kvcache
+from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads

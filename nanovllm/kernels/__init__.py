@@ -2,7 +2,8 @@
 
 - prefill_attention.py: `flash_attn_varlen_func` (flash-attn's name and semantics), paged K/V over a
   query-tile table (query_tiles.py builds it on the host); `query_tile_rows`, the table's tile height.
-- decode_attention.py: `flash_attn_with_kvcache`, one query per sequence over the paged cache, split-K.
+- decode_attention.py: `flash_attn_with_kvcache`, one query per sequence over the paged cache, split-K;
+  decode_plan.py: its host-side plan (key tile, split count, where the splits merge).
 - fused_rope.py: per-head q/k RMSNorm + RoPE + the K/V cache write in one launch.
 - fp8_kv.py: the FP8 KV cache's quantizing step, shared by the cache writers.
 - fused_norm.py, fused_activation.py: add + RMSNorm, SiLU-and-mul.

@@ -16,7 +16,8 @@ Paging and split arithmetic for a sequence of length L (BLOCK_N = 64 here)::
     token t -> block_table[b, t // block_size], row t % block_size of that cache block
 
 The split count S is chosen on the host from shapes only (batch, Hkv, max context =
-block_table.shape[1] * block_size), so the launch is CUDA-graph capturable; per_split
+block_table.shape[1] * block_size; kernels/decode_plan.py, with the key tile and where the splits
+merge), so the launch is CUDA-graph capturable; per_split
 is computed in the kernel from the device length, balancing splits for every L.
 Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
 
@@ -39,107 +40,26 @@ mixed steps on this kernel took the long workload from 68.7% to 73.3% of the roo
 BENCHMARKS.md, "Throughput and latency history" and "Decode attention in mid-size and mixed steps").
 """
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
-                     check_out, check_query, cuda_sm_count, kv_cache_dtype, next_pow2)
+                     check_out, check_query, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
+from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
 from .pdl import pdl_launch_options, wait_for_prior
 
-# Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
-BLOCK_N = 64
 # tl.dot needs >= 16 rows: the GQA group is padded to this (Qwen3 groups are 2..8).
 MIN_BLOCK_G = 16
-# Aim for this many stage-1 programs per SM: ~2 fit at once (96 KB smem each), so 16
-# gives ~8 waves and a small tail (measured: BENCHMARKS.md, "Tuning notes moved from kernel docstrings").
-PROGRAMS_PER_SM = 16
-# From this many (sequence, kv head) programs per SM, one split is best (measured: same section).
-NO_SPLIT_PROGRAMS_PER_SM = 3
-# A split shorter than this costs more in partial writes/merging than it saves.
-MIN_TOKENS_PER_SPLIT = 256
-# Upper bound on splits (also sizes the merge kernel's tile).
-MAX_SPLITS = 128
-# The last split of a (sequence, kv head) merges its group's partials itself when the
-# [group, splits, head_dim] fp32 tile has at most this many elements (64 registers per thread
-# at 4 warps); larger merges run as the separate merge kernel.
-FOLD_MAX_ELEMS = 8192
-# Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
-# by every call (the merging program resets its own). Batches needing more use the merge kernel.
-NUM_COUNTERS = 4096
-# Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
-CPU_SM_COUNT = 2
 NUM_WARPS = 4
-NUM_STAGES = 3
-# An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles,
-# 2 in flight (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
-# (3.9 / 5.8 programs per SM) ran at 84-99% of copy bandwidth instead of 65-87%, while 128 rows
-# (7.8 per SM) and more lose ~1% (bench_kernels.py --sweep-decode-engine at f1ce559, H200, 2026-12-02).
-WIDE_TILE_PROGRAMS_PER_SM = 7
-WIDE_BLOCK_N = 128
-WIDE_STAGES = 2
-
-
-
-@dataclass(frozen=True)
-class DecodeTile:
-    """Keys per inner step and steps whose loads are in flight (a call's `tile` argument overrides
-    the shape-based choice, `decode_tile`: benchmarks)."""
-
-    block_n: int
-    stages: int
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.block_n, int) and self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0):
-            raise ValueError(f"DecodeTile.block_n must be a power of two >= 16, got {self.block_n!r}")
-        if not (isinstance(self.stages, int) and 1 <= self.stages <= 8):
-            raise ValueError(f"DecodeTile.stages must be an int in [1, 8], got {self.stages!r}")
-
-
-def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float) -> DecodeTile:
-    """The tile of a call: BLOCK_N keys, NUM_STAGES in flight; fp32 / head_dim 256 tiles are 2x
-    larger, so fewer stages keep shared memory in bounds; an unsplit call over host-known rows
-    (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence, kv head) pairs
-    per SM streams wide tiles."""
-    if q_dtype == torch.float32 or head_dim > 128:
-        return DecodeTile(BLOCK_N, 2)
-    if unsplit_fixed_rows and pairs_per_sm < WIDE_TILE_PROGRAMS_PER_SM:
-        return DecodeTile(WIDE_BLOCK_N, WIDE_STAGES)
-    return DecodeTile(BLOCK_N, NUM_STAGES)
-
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    sms = cuda_sm_count(device)
-    return CPU_SM_COUNT if sms is None else sms
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """This kernel's zeroed arrival counters on `device` (kernels/counters.py), or None."""
     return arrival_counters(_counter_cache, device, needed, NUM_COUNTERS)
-
-
-def can_fold_merge(num_splits: int, group: int, head_dim: int, pairs: int) -> bool:
-    """Whether the last split of each (sequence, kv head) can merge the partials itself (no merge
-    kernel): more than one split, a [group, splits, head_dim] tile of at most FOLD_MAX_ELEMS
-    (both padded to powers of two) and an arrival counter for each of the `pairs` programs."""
-    return (num_splits > 1 and next_pow2(group) * next_pow2(num_splits) * head_dim <= FOLD_MAX_ELEMS
-            and pairs <= NUM_COUNTERS)
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
-    """Host-only split count: enough programs to fill the GPU, none shorter than MIN_TOKENS_PER_SPLIT.
-    A batch that fills the GPU by itself is not split (no partials, no merge pass)."""
-    if batch * num_kv_heads >= NO_SPLIT_PROGRAMS_PER_SM * sm_count:
-        return 1
-    want = triton.cdiv(sm_count * PROGRAMS_PER_SM, max(1, batch * num_kv_heads))
-    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, cap, MAX_SPLITS))
 
 
 @triton.jit
@@ -368,7 +288,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     group = hq // hkv
     max_context = block_table.shape[1] * block_size
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, hkv, max_context, _sm_count(q.device))
+        num_splits = choose_num_splits(batch, hkv, max_context, sm_count(q.device))
     # Temporaries sized from shapes only (capturable): partial outputs and log-sum-exps.
     n_mid = num_splits if num_splits > 1 else 0  # one split writes `out` directly
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
@@ -382,7 +302,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                          f"(sequence, kv head) pairs cannot merge in the kernel "
                          f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
     if tile is None:
-        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / _sm_count(q.device))
+        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / sm_count(q.device))
     # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
     # sequence together, so a batch ordered longest first leaves only short work for the tail.
     grid = (hkv, batch, num_splits)
