@@ -150,6 +150,8 @@ FUSED_CASES = {  # name: (T, E, K, H, I, dtype, ids or None for random)
     "all-one-expert": (20, 4, 1, 32, 16, torch.float32, [[2]] * 20),  # 20 pairs: two blocks of 16
     "experts-nobody-picks-fp16": (6, 8, 2, 64, 64, torch.float16, [[1, 5], [6, 1], [5, 6], [1, 5], [1, 6], [6, 5]]),
     "top-4-bf16": (8, 8, 4, 64, 64, torch.bfloat16, None),
+    # the slot sum: K not a power of two, H over one program's SLOT_SUM_COLUMNS (a partial second one)
+    "top-3-wide-hidden": (4, 8, 3, 1100, 32, torch.float32, None),
 }
 
 
