@@ -127,6 +127,8 @@ def test_moe_padding_rows_are_skipped(group, k):
         quantize_rows(x, pair_ids=pair_ids[:4], num_pairs=9)
     with pytest.raises(ValueError, match="rows must be x's 6"):
         quantize_rows(x, pair_ids=pair_ids, num_pairs=9, rows=8)
+    with pytest.raises(TypeError, match="num_pairs must be an int, got 9.0"):
+        quantize_rows(x, pair_ids=pair_ids, num_pairs=9.0)
 
 
 def test_static_activation_scale_and_bad_arguments():

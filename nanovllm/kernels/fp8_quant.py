@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.utils.validation import check_int
 from . import checks
 from .checks import FP8_BLOCK, check_matrix, next_pow2
 
@@ -116,6 +117,7 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
                              f"{getattr(pair_ids, 'dtype', type(pair_ids))} {tuple(getattr(pair_ids, 'shape', ()))}")
         if rows != m:
             raise ValueError(f"pair_ids marks padding rows of x itself: rows must be x's {m}, got {rows}")
+        check_int("num_pairs", num_pairs, 0)
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     if group is None:
         groups, block, size = 1, min(MAX_BLOCK, next_pow2(k)), k
