@@ -61,6 +61,7 @@ from .tiles import MoeTiles, Tiling, plan_tiles
 # thread at 4 warps.
 SLOT_SUM_COLUMNS = 1024
 
+
 @triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
     """Sorted rows, their pairs, which are real (not padding), their tokens (0 for padding) and
