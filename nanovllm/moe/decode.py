@@ -47,8 +47,8 @@ import triton.language as tl
 from nanovllm.kernels.checks import FP8_BLOCK, next_pow2
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .checks import check_experts, check_routing
+from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
 from .routing import check_router_logits, expert_block, route_row
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 

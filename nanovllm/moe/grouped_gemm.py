@@ -253,11 +253,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py); `act_fp8` (W8A8) quantizes
     hidden and the activation per row (block scales: per row per 128 columns) and multiplies FP8
     operands. `tiles` overrides moe_tiles (benchmarks)."""
-    e = check_experts(hidden, w13, w2)[0]
+    e, h, inter = check_experts(hidden, w13, w2)
     check_routing(hidden, topk_weights, topk_ids, e)
     mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
-    (t, h), (e, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
-    inter, n_pairs = two_i // 2, topk_ids.numel()
+    t, k, n_pairs = hidden.shape[0], topk_ids.shape[1], topk_ids.numel()
     if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
     _check_act_fp8(act_fp8, mode)
