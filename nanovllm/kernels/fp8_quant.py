@@ -8,8 +8,15 @@
     q = float8_e4m3fn(clamp(x / s, -448, 448))   (correctly rounded division, as torch divides)
 
 Grid (rows, groups): a program reads its row (per token) or group once when it fits one BLOCK
-step (up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax, then quantize). `rows` may exceed M (padding rows for
-the GEMM: zeros, scale FP8_MIN_SCALE). Shapes only set the launch, so calls are CUDA-graph capturable.
+step (up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax, then quantize).
+`rows` may exceed M (padding rows for the GEMM: zeros, scale FP8_MIN_SCALE); `pair_ids` marks an
+aligned MoE activation's padding rows, which are skipped. Shapes only set the launch, so calls are
+CUDA-graph capturable.
+
+Measured (H200, fifteenth session, BENCHMARKS.md): the one read and the skipped padding rows took
+the W8A8 MoE call's two quantizations from 15.9 to 8.8 us at T=256; with the align and slot-sum
+changes beside them (moe/), the Qwen3-30B-A3B FP8 decode step went from 16.99 to 16.14 ms
+(`profile_step`, 256 rows).
 """
 
 from __future__ import annotations
@@ -48,6 +55,19 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _amax_scale(amax):
+    """The dynamic scale of a part whose largest magnitude is `amax`: amax / 448, floored."""
+    return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
+
+
+@triton.jit
+def _store_fp8(q_ptrs, x, scale, mask):
+    """q = e4m3(clamp(x / scale, -448, 448)) stored at q_ptrs where mask."""
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptrs, _to_fp8(q, q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, group, stride_x, stride_q,
                   stride_sm, stride_sg, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
                   SKIP_PADDING: tl.constexpr):
@@ -65,13 +85,9 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
     cols = tl.arange(0, BLOCK)
     if ONE_STEP:  # the part fits one step: read once, kept in registers
         x = tl.load(x_row + start + cols, mask=start + cols < filled, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), FP8_MIN_SCALE)
+        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_scale(tl.abs(x))
         tl.store(s_out, scale)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_row + start + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=start + cols < end)
+        _store_fp8(q_row + start + cols, x, scale, start + cols < end)
     else:  # wide rows: the amax pass, then the quantizing pass
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -80,12 +96,11 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
             for c in range(start, end, BLOCK):
                 x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
+            scale = _amax_scale(amax)
         tl.store(s_out, scale)
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-            tl.store(q_row + c + cols, _to_fp8(q, q_ptr.dtype.element_ty), mask=c + cols < end)
+            _store_fp8(q_row + c + cols, x, scale, c + cols < end)
 
 
 def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
