@@ -30,8 +30,8 @@ from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
 DEV = "cuda"
 # Tiles (keys per step, stages in flight) timed by --fp8-tiles beside each cache's default.
-DECODE_TILES = [DecodeTile(64, 3), DecodeTile(64, 4), DecodeTile(128, 2), DecodeTile(128, 3), DecodeTile(128, 4),
-                DecodeTile(256, 2), DecodeTile(256, 3)]
+DECODE_TILES = [DecodeTile(32, 3), DecodeTile(32, 4), DecodeTile(64, 2), DecodeTile(64, 3), DecodeTile(64, 4),
+                DecodeTile(128, 2), DecodeTile(128, 3)]
 
 
 def bench(fn):

@@ -47,6 +47,7 @@ import triton.language as tl
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
                      check_out, check_query, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
+from .paging import tile_blocks, tile_rows
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -121,16 +122,12 @@ def _decode_row(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < hi
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # start_n is a multiple of BLOCK_N, so the whole tile sits in one cache block.
-            blk = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
-            rows = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kt
-        else:
-            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-            rows = blk * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kt
+        rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
         ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
         v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_gqa, check_head_dim, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, cuda_sm_count, kv_cache_dtype)
+from .paging import tile_blocks, tile_rows
 from .query_tiles import MAX_GRID_YZ, check_tiles
 
 # Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
@@ -101,34 +102,28 @@ def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
 
 
 @triton.jit
-def _kv_offsets(start_n, offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                stride_vb, stride_vt, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int64 row offsets ([BLOCK_N] for K, [BLOCK_N] for V) of keys offs_n = start_n + arange
-    (masked by n_valid); start_n is a multiple of BLOCK_N."""
+def _kv_offsets(start_n, blocks, k_start, stride_kb, stride_kt, stride_vb, stride_vt, PAGED: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 row offsets ([BLOCK_N] for K, [BLOCK_N] for V) of keys start_n + arange(BLOCK_N):
+    in the paged cache at `blocks` (kernels/paging.py), or packed from row k_start."""
     if PAGED:
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # The whole key tile sits in one cache block: one scalar block-id load.
-            blk = tl.load(bt_ptr + seq * stride_bt + start_n // BLOCK_SIZE).to(tl.int64)
-            within = ((start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:
-            blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-            within = (offs_n % BLOCK_SIZE).to(tl.int64)
-        return blk * stride_kb + within * stride_kt, blk * stride_vb + within * stride_vt
+        return (tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N),
+                tile_rows(blocks, start_n, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N))
     else:
-        rows = k_start + offs_n.to(tl.int64)
+        rows = k_start + (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
         return rows * stride_kt, rows * stride_vt
 
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len, causal_off,
-                 seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, k_scale_ptr,
+                 blocks, k_start, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, k_scale_ptr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_valid = offs_n < k_len
-    k_rows, v_rows = _kv_offsets(start_n, offs_n, n_valid, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
-                                 stride_vb, stride_vt, PAGED, BLOCK_SIZE, BLOCK_N)
+    k_rows, v_rows = _kv_offsets(start_n, blocks, k_start, stride_kb, stride_kt, stride_vb, stride_vt, PAGED,
+                                 BLOCK_SIZE, BLOCK_N)
     k_off = k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     v_off = v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     if MASKED:
@@ -199,20 +194,26 @@ def _prefill_tile(
         end = tl.maximum(end, 0)
         full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
 
+        bt_row = bt_ptr + seq * stride_bt
+        blocks = tile_blocks(bt_row, 0, k_len, BLOCK_SIZE, BLOCK_N) if PAGED else 0
         # Finite start for the running max: fully masked rows then give p = 0, never NaN.
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for start_n in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
-                                         causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                                         causal_off, blocks, k_start, stride_kb, stride_kt,
                                          stride_vb, stride_vt, qk_scale, k_scale_ptr,
                                          False, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+            if PAGED:  # the next tile's blocks, a tile ahead (kernels/paging.py)
+                blocks = tile_blocks(bt_row, start_n + BLOCK_N, k_len, BLOCK_SIZE, BLOCK_N)
         for start_n in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, offs_m, offs_d, start_n, k_len,
-                                         causal_off, seq, k_start, bt_ptr, stride_bt, stride_kb, stride_kt,
+                                         causal_off, blocks, k_start, stride_kb, stride_kt,
                                          stride_vb, stride_vt, qk_scale, k_scale_ptr,
                                          True, CAUSAL, PAGED, BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST)
+            if PAGED:  # the next tile's blocks, a tile ahead (kernels/paging.py)
+                blocks = tile_blocks(bt_row, start_n + BLOCK_N, k_len, BLOCK_SIZE, BLOCK_N)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
         if v_scale_ptr is not None:  # FP8: the values' scale, once per output row

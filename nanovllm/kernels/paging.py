@@ -1,0 +1,38 @@
+"""Where a key tile lives in the paged KV cache, for the attention kernels' inner loops.
+
+A tile's cache blocks are fetched one tile ahead, carried into the next iteration:
+
+    keys:     | tile 0 | tile 1 | tile 2 | tile 3 | tile 4 | ...   BLOCK_N keys each
+    blocks:   |<----------- cache block b0 ---------->|<-- b1 ...   (BLOCK_SIZE = 4 x BLOCK_N here)
+    loop i:   load K/V of tile i at blocks(i) (fetched by loop i-1); fetch blocks(i+1)
+
+Why: when a K/V load's address comes from a block-table load in the same iteration, Triton 3.6's
+pipeliner spends a stage on that load and gives the K/V tiles one buffer less, waiting for every
+copy at the top of each iteration (sm_90 TTGIR at 3 stages: one [64, 128] buffer and
+`async_wait {num = 0}` in decode attention: no tile's loads overlap the previous tile's MMAs).
+Carried across iterations the id is an ordinary loop value, and num_stages - 1 tiles are in flight.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_blocks(bt_row, start_n, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache blocks (int32) holding keys [start_n, start_n + BLOCK_N) of the sequence whose
+    block-table row starts at `bt_row`: one scalar when a tile sits in one block (BLOCK_SIZE a
+    multiple of BLOCK_N, start_n a multiple of BLOCK_N), else one per key ([BLOCK_N]). Keys at or
+    past `end` read nothing and give block 0."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        return tl.load(bt_row + start_n // BLOCK_SIZE, mask=start_n < end, other=0)
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
+
+
+@triton.jit
+def tile_rows(blocks, start_n, stride_b, stride_t, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 element offsets [BLOCK_N] of keys start_n + arange(BLOCK_N) in a cache of block
+    stride `stride_b` and token stride `stride_t`, from their `tile_blocks`."""
+    within = ((start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE).to(tl.int64)
+    return blocks.to(tl.int64) * stride_b + within * stride_t
