@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -49,6 +50,10 @@ MOE_FP8_ACT = {**MOE_FP8, "as_ptr": "*fp32"}
 # operands, FP8_MMA in the PTX); 32-row blocks lower to mma.sync, which takes the e4m3 values as fp16.
 WGMMA_ROWS = 64
 FP8_MMA = "f32.e4m3.e4m3"
+# The attention kernels over the paged cache: at 3+ stages their K/V tiles must be double-buffered in
+# shared memory (the next tile's copies in flight while this one's MMAs run; kernels/paging.py says
+# what once left them single-buffered).
+PIPELINED_KV_KERNELS = ("_decode_split_kernel", "_prefill_kernel")
 ROPE_TYPES = {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
 PREFILL_TYPES = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
                  "tile_block_ptr": "*i32", "num_tiles_ptr": "*i32", "qk_scale": "fp32"}
@@ -260,6 +265,17 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> tuple[dict[str, s
     return sig, attrs
 
 
+def _check_kv_pipelined(ttgir: str, constexprs: dict, name: str) -> None:
+    """The K/V tiles sit in shared buffers of >= 2 slots, and a wait in the loop leaves copies in
+    flight (an `async_wait` with num >= 1): the next tile loads while this one is used."""
+    tile = rf"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x{constexprs['BLOCK_N']}x{constexprs['HEAD_DIM']}x"
+    slots = [int(n) for n in re.findall(tile, ttgir)]
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)]
+    if not slots or min(slots) < 2 or max(waits, default=0) < 1:
+        raise SystemExit(f"{name} {constexprs}: K/V tiles in {slots}-slot shared buffers, waits {waits}: "
+                         f"the loads do not overlap the MMAs")
+
+
 def compile_all() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -278,6 +294,8 @@ def compile_all() -> None:
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no cubin")
             if constexprs.get("ACT_FP8") and constexprs["BLOCK_M"] >= WGMMA_ROWS and FP8_MMA not in compiled.asm["ptx"]:
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no {FP8_MMA} MMA (the W8A8 point)")
+            if kernel in PIPELINED_KV_KERNELS and options["num_stages"] >= 3:
+                _check_kv_pipelined(compiled.asm["ttgir"], constexprs, f"{module}.{kernel}")
             print(f"compiled {module}.{kernel} {constexprs}")
 
 
