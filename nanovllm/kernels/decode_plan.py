@@ -31,9 +31,13 @@ FOLD_MAX_ELEMS = 8192
 NUM_COUNTERS = 4096
 # Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
 CPU_SM_COUNT = 2
+# Loads in flight: with the block ids fetched a tile ahead (kernels/paging.py), stages - 1 K/V
+# tiles are buffered. The decode kernel's time did not move when they were (sixteenth session):
+# at 16-bit it runs near copy bandwidth, and FP8 stays at the 16-bit kernel's time whatever the
+# tile, stages or warps (BENCHMARKS.md).
 NUM_STAGES = 3
-# An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles,
-# 2 in flight (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
+# An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles
+# at 2 stages (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
 # (3.9 / 5.8 programs per SM) ran at 84-99% of copy bandwidth instead of 65-87%, while 128 rows
 # (7.8 per SM) and more lose ~1% (bench_kernels.py --sweep-decode-engine at f1ce559, H200, 2026-12-02).
 WIDE_TILE_PROGRAMS_PER_SM = 7
@@ -43,8 +47,8 @@ WIDE_STAGES = 2
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Keys per inner step and steps whose loads are in flight (a call's `tile` argument overrides
-    the shape-based choice, `decode_tile`: benchmarks)."""
+    """Keys per inner step and pipeline stages (stages - 1 tiles buffered); a call's `tile` argument
+    overrides the shape-based choice, `decode_tile` (benchmarks)."""
 
     block_n: int
     stages: int
@@ -57,7 +61,7 @@ class DecodeTile:
 
 
 def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float) -> DecodeTile:
-    """The tile of a call: BLOCK_N keys, NUM_STAGES in flight; fp32 / head_dim 256 tiles are 2x
+    """The tile of a call: BLOCK_N keys at NUM_STAGES stages; fp32 / head_dim 256 tiles are 2x
     larger, so fewer stages keep shared memory in bounds; an unsplit call over host-known rows
     (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence, kv head) pairs
     per SM streams wide tiles."""
