@@ -30,8 +30,8 @@ from nanovllm.engine.kv_cache import blocks_in_budget, kv_block_bytes
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
-from nanovllm.kernels.query_tiles import build_query_tiles
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
+from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows
 from nanovllm.layers.attention import KV_SCALE_HEADROOM
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.rotary_embedding import RotaryEmbedding

@@ -18,8 +18,8 @@ from checkpoints import GPU_SHAPE, checkpoint_fixture, gpu_generate, gpu_referen
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
-from nanovllm.kernels.query_tiles import build_query_tiles
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
+from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu

@@ -12,8 +12,8 @@ import torch
 
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows, tile_programs
-from nanovllm.kernels.query_tiles import build_query_tiles
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
+from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows, tile_programs
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
 pytestmark = pytest.mark.interpreter

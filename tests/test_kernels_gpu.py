@@ -11,8 +11,8 @@ import torch
 from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import can_fold_merge, choose_num_splits
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows, tile_programs
-from nanovllm.kernels.query_tiles import build_query_tiles
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
+from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows, tile_programs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

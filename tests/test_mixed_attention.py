@@ -16,7 +16,8 @@ from nanovllm.engine.step_inputs import StepInputBuilder, VarlenLayout
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.prefill_attention import flash_attn_varlen_func, query_tile_rows
+from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
+from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import attention_context

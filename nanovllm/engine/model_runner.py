@@ -162,7 +162,7 @@ class ModelRunner:
         """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""
         if self.backend.name != "triton":
             return None
-        from nanovllm.kernels.prefill_attention import query_tile_rows
+        from nanovllm.kernels.prefill_plan import query_tile_rows
 
         return query_tile_rows(head_dim, self.dtype)
 

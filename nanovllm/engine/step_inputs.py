@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.step_plan import StepPlan
-from nanovllm.kernels.query_tiles import build_query_tiles
+from nanovllm.kernels.prefill_plan import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
 

@@ -1,13 +1,15 @@
 """Triton kernels of the dense path, one family per module; import the module you need.
 
 - prefill_attention.py: `flash_attn_varlen_func` (flash-attn's name and semantics), paged K/V over a
-  query-tile table (query_tiles.py builds it on the host); `query_tile_rows`, the table's tile height.
+  query-tile table; prefill_plan.py: its host-side plan (the tile, the table and `query_tile_rows`, its
+  tile height, the programs that walk it).
 - decode_attention.py: `flash_attn_with_kvcache`, one query per sequence over the paged cache, split-K;
   decode_plan.py: its host-side plan (key tile, split count, where the splits merge).
 - fused_rope.py: per-head q/k RMSNorm + RoPE + the K/V cache write in one launch.
 - fp8_kv.py: the FP8 KV cache's quantizing step, shared by the cache writers.
 - fused_norm.py, fused_activation.py: add + RMSNorm, SiLU-and-mul.
 - gemv.py, skinny_gemm.py: projections of 1-2 rows and of narrow layers at 3-16 rows.
+- paging.py: where a key tile lives in the paged cache (fetched a tile ahead by both attention kernels).
 - pdl.py, counters.py, checks.py: programmatic dependent launch, per-device scratch, argument checks.
 - torch_attention.py: the plain-PyTorch attention contract (the CPU path; no Triton).
 

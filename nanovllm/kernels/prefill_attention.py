@@ -24,7 +24,7 @@ Two launch modes, one per-tile body (`_prefill_tile`):
 - grid (Hq, num_seqs, cdiv(max_seqlen_q, BLOCK_M)): shaped by the batch; one tile per
   program, programs past a sequence's end skip it.
 - query-tile table (``tile_seq``/``tile_block``/``num_tiles``, built on the host with
-  kernels/query_tiles.build_query_tiles, heaviest tile first): a persistent grid (Hq, P) with
+  kernels/prefill_plan.build_query_tiles, heaviest tile first): a persistent grid (Hq, P) with
   P = min(cap, max(1, TILE_PROGRAMS_PER_SM * SMs // Hq)), cap the table length. P depends
   on shapes and the device only, so the launch can sit in a CUDA graph and replay with any
   table of that cap. Program (h, p) walks entries t = p, p + P, p + 2P, ... < num_tiles
@@ -56,54 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, SUPPORTED_DTYPES, check_cache, check_gqa, check_head_dim, check_int_tensor,
-                     check_kv_scales, check_on_device, check_out, check_query, cuda_sm_count, kv_cache_dtype)
+from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales,
+                     check_on_device, check_out, check_query, kv_cache_dtype)
 from .paging import tile_blocks, tile_rows
-from .query_tiles import MAX_GRID_YZ, check_tiles
-
-# Tile config (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES): the fastest measured (BENCHMARKS.md,
-# "Tuning notes moved from kernel docstrings").
-# Query rows per program: 64 gives 2x more programs (better SM balance for causal tiles).
-BLOCK_M = 64
-# Keys per inner step: 64 keeps the fp32 [BLOCK_M, BLOCK_N] score tile in registers.
-BLOCK_N = 64
-# One warpgroup per program; 3 stages: three K/V tiles buffered in shared memory, the next ones
-# loading while one is used (4 stages overflow shared memory at one program per SM: 1.8x slower).
-NUM_WARPS = 4
-NUM_STAGES = 3
-# Tile mode launches up to this many programs per SM over all heads (P per head = this x SMs // Hq):
-# ~2 programs fit per SM (the pipelined K/V tiles' shared memory), so 4 is two resident waves,
-# enough slack for the block scheduler to even out tiles of unequal key counts, while a small
-# step no longer launches cap programs per head that mostly exit at once.
-TILE_PROGRAMS_PER_SM = 4
-# SM count assumed off CUDA (interpreter): small, so CPU tests run several tiles per program.
-CPU_SM_COUNT = 2
-
-
-def _config(head_dim: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); smaller tiles where 16-bit D<=128 ones
-    would overflow the 228 KB of shared memory per SM (fp32 or head_dim 256)."""
-    if dtype == torch.float32 or head_dim > 128:
-        return 64, 32, 4, 2
-    return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
-
-
-def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
-    """P, the programs per head of a tile-table launch: min(cap, max(1, TILE_PROGRAMS_PER_SM x SMs // Hq)).
-    Shapes and device only (no tensor values), so a captured launch keeps it on every replay."""
-    sms = cuda_sm_count(device)
-    target = TILE_PROGRAMS_PER_SM * (CPU_SM_COUNT if sms is None else sms)
-    return min(cap, max(1, target // num_heads))
-
-
-def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
-    """Query rows per program (BLOCK_M) of the kernel for this head_dim and dtype: the
-    `block_m` that `build_query_tiles` must be given for a tile-table call."""
-    check_head_dim(head_dim)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of float16/bfloat16/float32, got {dtype}")
-    return _config(head_dim, dtype)[0]
-
+from .prefill_plan import MAX_GRID_YZ, check_tiles, prefill_tile, tile_programs
 
 @triton.jit
 def _kv_offsets(start_n, blocks, k_start, stride_kb, stride_kt, stride_vb, stride_vt, PAGED: tl.constexpr,
@@ -360,12 +316,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
         stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
         bt, stride_bt = cu_seqlens_k, 0  # dummy pointer, never read
-    block_m, block_n, num_warps, num_stages = _config(d, q.dtype)
+    tile = prefill_tile(d, q.dtype)
     if tiled:
         num_m_blocks = 0  # unused: the table names each program's query block
         grid = (hq, tile_programs(hq, cap, q.device))
     else:
-        num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+        num_m_blocks = triton.cdiv(max_seqlen_q, tile.block_m)
         grid = (hq, num_seqs, num_m_blocks)
         tile_seq = tile_block = num_tiles = cu_seqlens_q  # dummy pointers, never read
     _prefill_kernel[grid](
@@ -373,9 +329,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k_scale, v_scale, scale * LOG2E, num_m_blocks, cap,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         out.stride(0), out.stride(1), stride_bt,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_SIZE=block_size,
         CAUSAL=bool(causal), PAGED=paged, TILED=tiled, DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

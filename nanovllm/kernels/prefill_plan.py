@@ -1,18 +1,73 @@
-"""The query-tile table of the prefill kernel's persistent launch (kernels/prefill_attention.py):
-which BLOCK_M rows of which sequence each table entry computes, built on the host (numpy) and
-checked at the call that receives it.
+"""How a prefill-attention call (kernels/prefill_attention.py) is planned on the host, from shapes
+only (so a CUDA graph can capture the launch): its tile (query rows and keys per program, warps,
+stages), and the query-tile table of its persistent launch with the programs that walk it: which
+BLOCK_M rows of which sequence each table entry computes, built on the host (numpy) and checked at
+the call that receives it. The tuned numbers were measured on an H200: BENCHMARKS.md, "Tuning notes
+moved from kernel docstrings" and the sixteenth session.
 
     sequence i with q_lens[i] queries -> tiles (i, 0), (i, 1), ... (i, cdiv(q_lens[i], block_m) - 1)
     table order: by the keys a tile attends to, most first (the longest programs start first)
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from .checks import check_int_tensor, check_on_device
+from .checks import SUPPORTED_DTYPES, check_head_dim, check_int_tensor, check_on_device, cuda_sm_count
 
+# Query rows per program: 64 gives 2x more programs (better SM balance for causal tiles).
+BLOCK_M = 64
+# Keys per inner step: 64 keeps the fp32 [BLOCK_M, BLOCK_N] score tile in registers.
+BLOCK_N = 64
+# One warpgroup per program; 3 stages: three K/V tiles buffered in shared memory, the next ones
+# loading while one is used (4 stages overflow shared memory at one program per SM: 1.8x slower).
+NUM_WARPS = 4
+NUM_STAGES = 3
+# Tile mode launches up to this many programs per SM over all heads (P per head = this x SMs // Hq):
+# ~2 programs fit per SM (the pipelined K/V tiles' shared memory), so 4 is two resident waves,
+# enough slack for the block scheduler to even out tiles of unequal key counts, while a small
+# step no longer launches cap programs per head that mostly exit at once.
+TILE_PROGRAMS_PER_SM = 4
+# SM count assumed off CUDA (interpreter): small, so CPU tests run several tiles per program.
+CPU_SM_COUNT = 2
 # CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
 MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """A prefill program's shape: query rows, keys per inner step, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+    """The kernel's tile for this head_dim and dtype: smaller where 16-bit D <= 128 tiles would
+    overflow the 228 KB of shared memory per SM (fp32 or head_dim 256)."""
+    if dtype == torch.float32 or head_dim > 128:
+        return PrefillTile(64, 32, 4, 2)
+    return PrefillTile(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+
+
+def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
+    """P, the programs per head of a tile-table launch: min(cap, max(1, TILE_PROGRAMS_PER_SM x SMs // Hq)).
+    Shapes and device only (no tensor values), so a captured launch keeps it on every replay."""
+    sms = cuda_sm_count(device)
+    target = TILE_PROGRAMS_PER_SM * (CPU_SM_COUNT if sms is None else sms)
+    return min(cap, max(1, target // num_heads))
+
+
+def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
+    """Query rows per program (BLOCK_M) of the kernel for this head_dim and dtype: the
+    `block_m` that `build_query_tiles` must be given for a tile-table call."""
+    check_head_dim(head_dim)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of float16/bfloat16/float32, got {dtype}")
+    return prefill_tile(head_dim, dtype).block_m
 
 
 def build_query_tiles(q_lens, block_m: int, k_lens=None) -> tuple[np.ndarray, np.ndarray]:
