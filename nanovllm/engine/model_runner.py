@@ -38,6 +38,7 @@ from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.kernels.checks import FP8_KV_DTYPE
+from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.sampling.sampler import Sampler
@@ -162,8 +163,6 @@ class ModelRunner:
         """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""
         if self.backend.name != "triton":
             return None
-        from nanovllm.kernels.prefill_plan import query_tile_rows
-
         return query_tile_rows(head_dim, self.dtype)
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
