@@ -47,8 +47,8 @@ import triton.language as tl
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
                      check_out, check_query, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
-from .paging import tile_blocks, tile_rows
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
+from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior
 
 # tl.dot needs >= 16 rows: the GQA group is padded to this (Qwen3 groups are 2..8).
