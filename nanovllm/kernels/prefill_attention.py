@@ -61,6 +61,7 @@ from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor,
 from .paging import tile_blocks, tile_rows
 from .prefill_plan import MAX_GRID_YZ, check_tiles, prefill_tile, tile_programs
 
+
 @triton.jit
 def _kv_offsets(start_n, blocks, k_start, stride_kb, stride_kt, stride_vb, stride_vt, PAGED: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
