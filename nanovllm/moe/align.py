@@ -135,7 +135,9 @@ def _scatter_kernel(ids_ptr, offsets_ptr, base_ptr, sorted_ptr, block_expert_ptr
         next_row += tl.sum(hits, axis=0)
 
 
-def _check_ids(topk_ids, num_experts: int) -> None:
+def check_ids(topk_ids, num_experts: int) -> None:
+    """topk_ids [T, K] int32/int64, contiguous, K >= 1, for num_experts in [1, MAX_EXPERTS]; the id range
+    is read on the CPU only. A TypeError / ValueError naming the argument otherwise."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be an int32/int64 tensor, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
     if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
@@ -160,7 +162,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, max_sli
     """Group the pairs of topk_ids [T, K] (contiguous int32/int64) by expert into blocks of
     block_m rows (a power of two >= 16); see the module docstring for the layout. `max_slices`
     bounds the count / scatter programs (fewer: each slice walks more chunks of pairs)."""
-    _check_ids(topk_ids, num_experts)
+    check_ids(topk_ids, num_experts)
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
     check_int("max_slices", max_slices, 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.checks import check_matrix
-from .align import _check_ids
+from .align import check_ids
 
 
 def check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
@@ -33,7 +33,7 @@ def check_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> 
 def check_routing(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
     """topk_ids [T, K] int32/int64 in [0, num_experts) (range read on the CPU only) and topk_weights
     [T, K] float32, both contiguous, on hidden's device, T = hidden's rows."""
-    _check_ids(topk_ids, num_experts)
+    check_ids(topk_ids, num_experts)
     if topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, hidden {hidden.shape[0]}")
     if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
