@@ -16,7 +16,7 @@ CUDA-graph capturable.
 Measured (H200, fifteenth session, BENCHMARKS.md): the one read and the skipped padding rows took
 the W8A8 MoE call's two quantizations from 15.9 to 8.8 us at T=256; with the align and slot-sum
 changes beside them (moe/), the Qwen3-30B-A3B FP8 decode step went from 16.99 to 16.14 ms
-(`profile_step`, 256 rows).
+(`profile_step`, 256 rows); bench.py's figure after them: moe/grouped_gemm.py.
 """
 
 from __future__ import annotations

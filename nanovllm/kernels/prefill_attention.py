@@ -17,7 +17,8 @@ block_size a key tile lies in one cache block and one block id is loaded per til
 otherwise the block id is gathered per key. Block ids are fetched a tile ahead
 (kernels/paging.py), so the next tile's K/V copies are in flight while this one's MMAs run:
 the kernel went from 458.8 to 408.4 us (0.6B heads) and 1,044 to 918 us (8B) on 48 prompts of
-256-1,024 tokens (BENCHMARKS.md, sixteenth session).
+256-1,024 tokens; bench.py's steps with prefill (Qwen3-0.6B) 393,287 -> 416,150 tok/s, scoring 57.9% ->
+58.3% of its roofline (BENCHMARKS.md, sixteenth session).
 
 Two launch modes, one per-tile body (`_prefill_tile`):
 
