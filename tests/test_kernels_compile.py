@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton.language as tl
 
+from nanovllm.kernels.decode_plan import FP8_STAGES
 from nanovllm.moe import grouped_gemm as moe
 from nanovllm.moe import tiles as moe_tiles
 from nanovllm.moe.fp8_experts import ScaleMode, scales_per_step
@@ -202,10 +204,12 @@ SPECS = [
        "PAGED": True, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for tiled in (True, False)]),
     *[("kernels.decode_attention", "_decode_split_kernel", types,
        [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-         "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits, "ROWS_ON_DEVICE": rows,
-         "PDL": True, **scales} for splits, fold, rows, n in DECODE_LAUNCHES])
-      for types, scales in ((DECODE_TYPES, NO_KV_SCALES),  # 16-bit caches, then FP8 ones
-                            ({**DECODE_TYPES, "k_ptr": FP8, "v_ptr": FP8, **FP8_KV_SCALES}, {}))],
+         "DOT_PREC": None, "UPCAST": False, "PLANE_DTYPE": tl.float16, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
+         "ROWS_ON_DEVICE": rows, "PDL": True, **extra} for splits, fold, rows, n in DECODE_LAUNCHES])
+      # 16-bit caches, then FP8 ones: int32 words of four values, the next tile prefetched in registers
+      for types, extra in ((DECODE_TYPES, NO_KV_SCALES),
+                           ({**DECODE_TYPES, "k_ptr": "*i32", "v_ptr": "*i32", **FP8_KV_SCALES},
+                            {"num_stages": FP8_STAGES}))],
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias

@@ -17,6 +17,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 # Its largest finite value: stores clamp x / scale to +-FP8_MAX first (a plain cast of a larger value is NaN).
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
+# FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time.
+FP8_PER_WORD = 4
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
 BLOCK_SIZE_MULTIPLE = 16
 # Rows and columns of one block of block-scaled FP8 weights (the one size supported: Qwen's and
@@ -199,6 +201,16 @@ def check_cache(k_cache, v_cache, hkv: int, d: int, dtype) -> int:
     if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
         raise ValueError(f"block_size must be a positive multiple of {BLOCK_SIZE_MULTIPLE}, got {block_size}")
     return block_size
+
+
+def check_word_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """FP8 caches the decode kernel can read as int32 words of four values: head_dim, every stride
+    but the last and the storage offset multiples of 4 (the engine's caches are)."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(x % FP8_PER_WORD for x in (*c.shape[-1:], *c.stride()[:-1], c.storage_offset())):
+            raise ValueError(f"an FP8 {name} is read {FP8_PER_WORD} values to a word: its head_dim, strides and "
+                             f"storage offset must be multiples of {FP8_PER_WORD}, got shape {tuple(c.shape)}, "
+                             f"strides {c.stride()}, offset {c.storage_offset()}")
 
 
 def check_int_tensor(name: str, t, shape=None, dims=None) -> None:

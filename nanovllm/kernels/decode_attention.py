@@ -45,9 +45,11 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
-                     check_out, check_query, kv_cache_dtype, next_pow2)
+                     check_out, check_query, check_word_aligned, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
+from .decode_fp8 import attend_fp8_planes
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
+from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -95,7 +97,8 @@ def _decode_row(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr, PLANE_DTYPE: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
     NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
@@ -111,40 +114,37 @@ def _decode_row(
     offs_d = tl.arange(0, HEAD_DIM)
     g_valid = offs_g < GROUP
     heads = kv_head * GROUP + offs_g  # query heads of this GQA group
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
-    if UPCAST:
-        q = q.to(tl.float32)
-
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [BLOCK_G, 1]
     k_ptr += kv_head * stride_kh
     v_ptr += kv_head * stride_kh
     bt_row = bt_ptr + b * stride_bt
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
-        blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
-        ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-        if k_scale_ptr is not None:  # FP8 -> q's dtype: exact, the scales come later
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+    if k_scale_ptr is not None:  # FP8: int32 words of the cache, in fp16 planes (kernels/decode_fp8.py)
+        m_i, l_i, acc = attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale,
+                                          stride_kb, stride_kt, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
+                                          PLANE_DTYPE, DOT_PREC)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
         if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-        qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < hi
+            rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+            blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
+            ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+            v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+            qk = tl.where(n_valid[None, :], qk, float("-inf"))
+            p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -178,8 +178,8 @@ def _decode_split_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PLANE_DTYPE: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr,
+    BLOCK_S: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
     kv_head = tl.program_id(0).to(tl.int64)
@@ -192,14 +192,16 @@ def _decode_split_kernel(
                         k_scale_ptr, v_scale_ptr, qk_scale, kv_head, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
+                        FOLD, GP,
                         BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
+                        FOLD, GP,
                     BLOCK_S)
 
 
@@ -257,6 +259,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     hkv = k_cache.shape[2]
     fp8 = check_kv_scales(k_scale, v_scale, q.device)
     block_size = check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype(q.dtype, fp8))
+    if fp8:
+        check_word_aligned(k_cache, v_cache)
     check_gqa(hq, hkv)
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
     check_int_tensor("block_table", block_table, dims=2)
@@ -299,7 +303,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                          f"(sequence, kv head) pairs cannot merge in the kernel "
                          f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
     if tile is None:
-        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / sm_count(q.device))
+        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / sm_count(q.device), fp8)
+    if fp8:  # [num_blocks, block_size, Hkv, D / 4] int32 words of four e4m3 values (kernels/decode_fp8.py)
+        k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
     # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
     # sequence together, so a batch ordered longest first leaves only short work for the tail.
     grid = (hkv, batch, num_splits)
@@ -314,6 +320,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=tile.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        PLANE_DTYPE=tl.float32 if INTERPRET or q.dtype == torch.float32 else tl.float16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
         num_warps=NUM_WARPS, num_stages=tile.stages,
         **pdl_launch_options(q),

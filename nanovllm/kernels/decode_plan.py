@@ -43,6 +43,9 @@ NUM_STAGES = 3
 WIDE_TILE_PROGRAMS_PER_SM = 7
 WIDE_BLOCK_N = 128
 WIDE_STAGES = 2
+# An FP8 cache's loop (kernels/decode_fp8.py) keeps the next tile's words in registers itself: the
+# launch runs unpipelined, at one stage.
+FP8_STAGES = 1
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,14 @@ class DecodeTile:
             raise ValueError(f"DecodeTile.stages must be an int in [1, 8], got {self.stages!r}")
 
 
-def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float) -> DecodeTile:
-    """The tile of a call: BLOCK_N keys at NUM_STAGES stages; fp32 / head_dim 256 tiles are 2x
-    larger, so fewer stages keep shared memory in bounds; an unsplit call over host-known rows
-    (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence, kv head) pairs
-    per SM streams wide tiles."""
+def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float,
+                fp8: bool) -> DecodeTile:
+    """The tile of a call: BLOCK_N keys at NUM_STAGES stages; an FP8 cache's at FP8_STAGES; fp32 /
+    head_dim 256 tiles are 2x larger, so fewer stages keep shared memory in bounds; an unsplit call
+    over host-known rows (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence,
+    kv head) pairs per SM streams wide tiles."""
+    if fp8:
+        return DecodeTile(BLOCK_N, FP8_STAGES)
     if q_dtype == torch.float32 or head_dim > 128:
         return DecodeTile(BLOCK_N, 2)
     if unsplit_fixed_rows and pairs_per_sm < WIDE_TILE_PROGRAMS_PER_SM:

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) KV cache: the quantization step every Triton cache writer shares.
+"""FP8 (e4m3) KV cache: the quantization step every Triton cache writer shares, and the
+word-wise read the decode kernel takes.
 
     stored = e4m3(clamp(x / scale, -FP8_MAX, FP8_MAX))   round to nearest even, as torch's .to(float8_e4m3fn)
     read   = float(stored) * scale                       (the attention kernels fold the scales in)
@@ -8,6 +9,13 @@ x / scale is an IEEE division (div_rn, not the approximate one `/` compiles to),
 GPU store and torch_attention.store_kvcache give the same bytes. Triton's CPU interpreter casts
 float32 to fp8 wrongly (a carry out of the mantissa is dropped, ties round up), so under it the
 value is first snapped to the e4m3 grid by hand and the cast is then exact.
+
+Reading, `e4m3_planes` turns int32 words of four e4m3 bytes into four fp16 planes (byte j of every
+word: head dims 4c + j), two `cvt.rn.f16x2.e4m3x2` per word on the GPU (exact: every e4m3 value is
+an fp16 one)::
+
+    word c:  | byte 3 | byte 2 | byte 1 | byte 0 |   little-endian: byte j holds dim 4c + j
+               plane 3  plane 2  plane 1  plane 0
 """
 
 from __future__ import annotations
@@ -28,6 +36,22 @@ F32_BIAS = tl.constexpr(127)
 F32_MANTISSA_BITS = tl.constexpr(23)
 # Adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to an integer, ties to even.
 RNE_MAGIC = tl.constexpr(12582912.0)
+# An e4m3 byte: sign bit, then 4 exponent bits (bias 7), then the 3 mantissa bits.
+E4M3_BIAS = tl.constexpr(7)
+E4M3_SIGN = tl.constexpr(0x80)
+# Smallest subnormal e4m3 step: 2**-9 (= 2**(E4M3_MIN_EXP - E4M3_MANTISSA_BITS)).
+E4M3_TINY = tl.constexpr(2.0 ** -9)
+BYTE_BITS = tl.constexpr(8)
+# Two e4m3 bytes (a 16-bit half of the word) -> two fp16 (one 32-bit register), twice per word.
+_PLANES_PTX = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    .reg .b32 r0, r1;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 r0, lo;
+    cvt.rn.f16x2.e4m3x2 r1, hi;
+    mov.b32 {$0, $1}, r0;
+    mov.b32 {$2, $3}, r1;
+}""")
 
 
 @triton.jit
@@ -49,3 +73,28 @@ def quantize_fp8(x, scale, dtype: tl.constexpr):
     if INTERPRET:
         y = _snap_e4m3(y)
     return y.to(dtype)
+
+
+@triton.jit
+def _e4m3_byte(words, j: tl.constexpr):
+    """float32 value of byte j of each int32 word, read as e4m3 (no NaN: stores saturate); interpreter only."""
+    b = (words >> (BYTE_BITS * j)) & 0xFF
+    exp = (b >> E4M3_MANTISSA_BITS) & 0xF
+    man = b & 0x7
+    normal = ((exp - E4M3_BIAS + F32_BIAS) << F32_MANTISSA_BITS) | (man << (F32_MANTISSA_BITS - E4M3_MANTISSA_BITS))
+    mag = tl.where(exp == 0, man.to(tl.float32) * E4M3_TINY, normal.to(tl.float32, bitcast=True))
+    return tl.where((b & E4M3_SIGN) != 0, -mag, mag)
+
+
+@triton.jit
+def e4m3_planes(words, dtype: tl.constexpr):
+    """int32 words of four e4m3 bytes [..., C] -> the four planes of their values, each [..., C] of
+    `dtype` (fp16 on the GPU: the hardware pair conversion; anything under the interpreter)."""
+    if INTERPRET:
+        return (_e4m3_byte(words, 0).to(dtype), _e4m3_byte(words, 1).to(dtype),
+                _e4m3_byte(words, 2).to(dtype), _e4m3_byte(words, 3).to(dtype))
+    else:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_PLANES_PTX, "=h,=h,=h,=h,r", [words],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=1)
+        return p0.to(dtype), p1.to(dtype), p2.to(dtype), p3.to(dtype)

@@ -1,0 +1,94 @@
+"""Decode attention's inner loop over an FP8 (e4m3) cache, read as int32 words and computed in
+four fp16 planes (kernels/fp8_kv.py, `e4m3_planes`): plane j holds head dims 4c + j.
+
+    q . k = sum_j q_j . k_j        (q_j, k_j: [D / 4] slices of dims j, j + 4, j + 8, ...)
+    o_j   = sum_n p_n v_j[n]       (the output's dims 4c + j; joined back into [G, D] at the end)
+
+Why planes: converting a tile to q's dtype and transposing it for the MMA took the compiled loop to
+907 instructions per thread per 64-key tile against 432 on a bf16 cache (byte-wise shared-memory
+reads into the transposed layout, scalar fp16 -> bf16 converts), and the kernel ran at the bf16
+kernel's time on half the bytes. Words load 4 bytes at a time and convert two values per
+instruction straight to an MMA type (fp16 holds every e4m3 value exactly); the loop is 502.
+
+The next tile's words are loaded into registers one tile ahead (a manual stage: the launch runs at
+num_stages = 1, decode_plan.FP8_STAGES), so its loads are in flight while this tile's MMAs run.
+q is cast to fp16 (clamped to +-FP16_MAX; it comes from a bf16 or fp16 activation, and its product
+with a key is accumulated in fp32). Under the interpreter or for a float32 q, the planes are fp32.
+"""
+
+import triton
+import triton.language as tl
+
+from . import checks
+from .fp8_kv import e4m3_planes
+from .online_softmax import online_softmax
+from .paging import tile_blocks, tile_rows
+
+# Largest finite fp16: q is clamped to it before the cast (a bf16 q may hold larger values).
+FP16_MAX = tl.constexpr(65504.0)
+PER_WORD = tl.constexpr(checks.FP8_PER_WORD)
+
+
+@triton.jit
+def _q_plane(q_rows, offs_c, g_valid, j: tl.constexpr, DTYPE: tl.constexpr):
+    """Dims 4c + j of the group's query rows ([BLOCK_G, 1] pointers) as DTYPE: [BLOCK_G, D / 4]."""
+    q = tl.load(q_rows + (offs_c * PER_WORD + j)[None, :], mask=g_valid[:, None], other=0.0).to(tl.float32)
+    if DTYPE == tl.float16:
+        q = tl.clamp(q, -FP16_MAX, FP16_MAX)
+    return q.to(DTYPE)
+
+
+@triton.jit
+def _tile_words(k_ptr, v_ptr, blocks, start_n, hi, offs_c, stride_kb, stride_kt,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K and V words [BLOCK_N, D / 4] of keys start_n + arange(BLOCK_N) (0 at or past hi)."""
+    valid = (start_n + tl.arange(0, BLOCK_N)) < hi
+    off = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)[:, None] + offs_c[None, :]
+    return (tl.load(k_ptr + off, mask=valid[:, None], other=0),
+            tl.load(v_ptr + off, mask=valid[:, None], other=0))
+
+
+@triton.jit
+def attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Keys [lo, hi) of one kv head for its GQA group: q_rows [BLOCK_G, 1] pointers to the query rows
+    (rows past the group masked by g_valid), k_ptr / v_ptr the head's int32 words with word strides.
+    Returns (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM]) of the online softmax, in log2
+    units, unnormalised, the e4m3 values unscaled (k_scale is in qk_scale, v_scale is the caller's)."""
+    offs_c = tl.arange(0, HEAD_DIM // PER_WORD)
+    q0 = _q_plane(q_rows, offs_c, g_valid, 0, DTYPE)  # [BLOCK_G, D / 4] each
+    q1 = _q_plane(q_rows, offs_c, g_valid, 1, DTYPE)
+    q2 = _q_plane(q_rows, offs_c, g_valid, 2, DTYPE)
+    q3 = _q_plane(q_rows, offs_c, g_valid, 3, DTYPE)
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
+    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)
+    k_words, v_words = _tile_words(k_ptr, v_ptr, blocks, lo, hi, offs_c, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+    blocks = tile_blocks(bt_row, lo + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        # The next tile's words (nothing read past hi) while this tile computes.
+        k_next, v_next = _tile_words(k_ptr, v_ptr, blocks, start_n + BLOCK_N, hi, offs_c, stride_kb, stride_kt,
+                                     BLOCK_SIZE, BLOCK_N)
+        blocks = tile_blocks(bt_row, start_n + 2 * BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
+        k0, k1, k2, k3 = e4m3_planes(k_words, DTYPE)  # [BLOCK_N, D / 4] each
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.where((start_n + tl.arange(0, BLOCK_N) < hi)[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+        p = p.to(DTYPE)
+        v0, v1, v2, v3 = e4m3_planes(v_words, DTYPE)
+        acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
+        acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
+        acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=DOT_PREC)
+        acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=DOT_PREC)
+        k_words, v_words = k_next, v_next
+    # [BLOCK_G, D/4, 2 (plane bit 1), 2 (plane bit 0)] -> [BLOCK_G, D]: dim 4c + 2 * b1 + b0
+    acc = tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)).reshape(BLOCK_G, HEAD_DIM)
+    return m_i, l_i, acc
