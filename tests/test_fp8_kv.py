@@ -96,7 +96,7 @@ def cu(lens):
 # ---------------------------------------------------------------- attention kernels
 @interpreter
 @pytest.mark.parametrize("block_size,d,hq,hkv,dtype,num_splits", [
-    (16, 64, 8, 2, torch.bfloat16, 0), (32, 64, 4, 1, torch.float16, 3), (16, 32, 4, 4, torch.float32, 1),
+    (16, 64, 8, 2, torch.bfloat16, 0), (32, 64, 4, 1, torch.float16, 3), (16, 128, 4, 4, torch.float32, 1),
     (32, 64, 4, 2, torch.float32, 3)])
 def test_decode_fp8_cache(block_size, d, hq, hkv, dtype, num_splits):
     """One query per sequence over FP8 caches (unsplit, and split three ways then merged): the
@@ -184,6 +184,13 @@ def test_fp8_attention_bad_inputs():
         flash_attn_varlen_func(qp, qp[:, :2], qp[:, :2], c, c, 2, 2, k_scale=scale, v_scale=scale)
     with pytest.raises(TypeError, match="k dtype torch.float8_e4m3fn != q dtype"):
         flash_attn_varlen_func(qp, fp8, fp8.clone(), c, c, 2, 2, block_table=table[:1])
+    # read as int32 words in four planes of head_dim / 4: a head_dim under 64, or a cache not word-aligned
+    small = torch.zeros(3, 16, 2, 32, dtype=FP8)
+    with pytest.raises(ValueError, match="FP8 KV cache needs head_dim >= 64.*got 32"):
+        flash_attn_with_kvcache(q[..., :32].contiguous(), small, small.clone(), lens, table, k_scale=scale, v_scale=scale)
+    shifted = torch.zeros(3 * 16 * 2 * 64 + 1, dtype=FP8)[1:].view(3, 16, 2, 64)
+    with pytest.raises(ValueError, match=r"FP8 k_cache is read 4 values to a word.*offset 1"):
+        flash_attn_with_kvcache(q, shifted, fp8.clone(), lens, table, k_scale=scale, v_scale=scale)
 
 
 # ---------------------------------------------------------------- quantizing cache writes
@@ -391,6 +398,15 @@ def test_flash_attn_cannot_read_an_fp8_cache():
     with pytest.raises(ValueError, match="flash_attn.*FP8 KV cache"):
         select_attention_backend("flash_attn", "cuda", 256, fp8_kv=True)
     assert select_attention_backend("auto", "cuda", 256, fp8_kv=True).name == "triton"
+
+
+def test_fp8_cache_head_dim_floor_on_the_triton_kernels():
+    """The Triton decode kernel reads an FP8 cache in planes of head_dim / 4 (>= 16 for an MMA): a
+    smaller head_dim is refused when the backend is chosen, naming it; the CPU's torch path reads any."""
+    with pytest.raises(ValueError, match="FP8 KV cache needs head_dim >= 64.*got 32"):
+        select_attention_backend("triton", "cuda", 256, fp8_kv=True, head_dim=32)
+    assert select_attention_backend("triton", "cuda", 256, fp8_kv=True, head_dim=64).name == "triton"
+    assert select_attention_backend("auto", "cpu", 16, fp8_kv=True, head_dim=32).name == "torch"
 
 
 def test_checkpoint_scales_spellings_and_errors(checkpoint, tmp_path):

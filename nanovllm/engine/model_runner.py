@@ -83,7 +83,8 @@ class ModelRunner:
         self.kv_dtype = config.kv_cache_torch_dtype
         fp8_kv = self.kv_dtype == FP8_KV_DTYPE
         self.block_size = config.kvcache_block_size
-        self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size, fp8_kv)
+        self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size, fp8_kv,
+                                                cfg.head_dim)
 
         with torch.device(self.device), kernel_routes(config.kernel_routes), quantization(config.quant_config):
             previous_dtype = torch.get_default_dtype()

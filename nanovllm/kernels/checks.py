@@ -19,6 +19,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time.
 FP8_PER_WORD = 4
+# ... into FP8_PER_WORD planes of head_dim / 4 dims, each an MMA operand of >= 16 (tl.dot's least
+# K): head_dim below this cannot be read from an FP8 cache by the Triton kernels.
+FP8_MIN_HEAD_DIM = 64
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
 BLOCK_SIZE_MULTIPLE = 16
 # Rows and columns of one block of block-scaled FP8 weights (the one size supported: Qwen's and
@@ -203,14 +206,23 @@ def check_cache(k_cache, v_cache, hkv: int, d: int, dtype) -> int:
     return block_size
 
 
-def check_word_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """FP8 caches the decode kernel can read as int32 words of four values: head_dim, every stride
-    but the last and the storage offset multiples of 4 (the engine's caches are)."""
+def check_fp8_head_dim(head_dim: int) -> None:
+    """The decode kernel reads an FP8 cache in four planes of head_dim / 4: at least FP8_MIN_HEAD_DIM."""
+    if head_dim < FP8_MIN_HEAD_DIM:
+        raise ValueError(f"an FP8 KV cache needs head_dim >= {FP8_MIN_HEAD_DIM} on the Triton kernels, got {head_dim} "
+                         f"(use kv_cache_dtype='auto', or the CPU's attention_backend='torch')")
+
+
+def check_fp8_words(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """FP8 caches the decode kernel can read as int32 words of four values: head_dim at least
+    FP8_MIN_HEAD_DIM; every stride but the last and the storage offset multiples of 4 (the engine's
+    caches are)."""
+    check_fp8_head_dim(k_cache.shape[-1])
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(x % FP8_PER_WORD for x in (*c.shape[-1:], *c.stride()[:-1], c.storage_offset())):
-            raise ValueError(f"an FP8 {name} is read {FP8_PER_WORD} values to a word: its head_dim, strides and "
-                             f"storage offset must be multiples of {FP8_PER_WORD}, got shape {tuple(c.shape)}, "
-                             f"strides {c.stride()}, offset {c.storage_offset()}")
+        if any(x % FP8_PER_WORD for x in (*c.stride()[:-1], c.storage_offset())):
+            raise ValueError(f"an FP8 {name} is read {FP8_PER_WORD} values to a word: its strides and storage "
+                             f"offset must be multiples of {FP8_PER_WORD}, got strides {c.stride()}, offset "
+                             f"{c.storage_offset()}")
 
 
 def check_int_tensor(name: str, t, shape=None, dims=None) -> None:

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
-                     check_out, check_query, check_word_aligned, kv_cache_dtype, next_pow2)
+                     check_out, check_query, check_fp8_words, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
 from .decode_fp8 import attend_fp8_planes
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
@@ -260,7 +260,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     fp8 = check_kv_scales(k_scale, v_scale, q.device)
     block_size = check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype(q.dtype, fp8))
     if fp8:
-        check_word_aligned(k_cache, v_cache)
+        check_fp8_words(k_cache, v_cache)
     check_gqa(hq, hkv)
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
     check_int_tensor("block_table", block_table, dims=2)

@@ -8,7 +8,8 @@
 
 An FP8 KV cache (kv_cache_dtype "fp8" / "fp8_e4m3") is read by our kernels only: flash-attn 2
 has no FP8 KV. "auto" then takes triton on CUDA (flash-attn installed or not), and an explicit
-"flash_attn" is refused with a ValueError.
+"flash_attn" is refused with a ValueError, as is a head_dim below the Triton decode kernel's floor
+for FP8 (kernels/checks.py, FP8_MIN_HEAD_DIM).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable
+
+from nanovllm.kernels.checks import check_fp8_head_dim
 
 # flash-attn's paged-KV path only accepts block sizes that are multiples of this.
 FLASH_ATTN_PAGED_BLOCK_MULTIPLE = 256
@@ -33,8 +36,10 @@ def _flash_attn_usable(block_size: int) -> bool:
     return importlib.util.find_spec("flash_attn") is not None and block_size % FLASH_ATTN_PAGED_BLOCK_MULTIPLE == 0
 
 
-def select_attention_backend(requested: str, device: str, block_size: int, fp8_kv: bool = False) -> AttentionBackend:
-    """The backend for `requested` on `device`; fp8_kv: the KV cache is FP8 (flash-attn cannot read it)."""
+def select_attention_backend(requested: str, device: str, block_size: int, fp8_kv: bool = False,
+                             head_dim: int | None = None) -> AttentionBackend:
+    """The backend for `requested` on `device`; fp8_kv: the KV cache is FP8 (flash-attn cannot read it);
+    head_dim: the model's, checked against the Triton kernels' FP8 floor (None: not checked)."""
     if requested == "flash_attn" and fp8_kv:
         raise ValueError("attention_backend='flash_attn' cannot read an FP8 KV cache (flash-attn 2 has no FP8 KV): "
                          "use attention_backend='auto' or 'triton', or kv_cache_dtype='auto'")
@@ -49,6 +54,8 @@ def select_attention_backend(requested: str, device: str, block_size: int, fp8_k
         mod = importlib.import_module("nanovllm.kernels.torch_attention")
         return AttentionBackend("torch", mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
     if requested == "triton":
+        if fp8_kv and head_dim is not None:
+            check_fp8_head_dim(head_dim)
         prefill = importlib.import_module("nanovllm.kernels.prefill_attention")
         decode = importlib.import_module("nanovllm.kernels.decode_attention")
         return AttentionBackend("triton", prefill.flash_attn_varlen_func, decode.flash_attn_with_kvcache)
