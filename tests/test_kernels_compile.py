@@ -24,7 +24,8 @@ import pytest
 import torch
 import triton.language as tl
 
-from nanovllm.kernels.decode_plan import FP8_STAGES
+from nanovllm.kernels.checks import FP8_PER_WORD
+from nanovllm.kernels.decode_plan import FP8_BLOCK_N, FP8_STAGES
 from nanovllm.moe import grouped_gemm as moe
 from nanovllm.moe import tiles as moe_tiles
 from nanovllm.moe.fp8_experts import ScaleMode, scales_per_step
@@ -44,6 +45,8 @@ DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 NO_KV_SCALES = {"k_scale_ptr": None, "v_scale_ptr": None}
 FP8_KV_SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 FP8 = "*fp8e4nv"
+# The decode kernel reads an FP8 cache as int32 words of FP8_PER_WORD values (kernels/decode_fp8.py).
+FP8_WORDS = "*i32"
 # The MoE kernels' FP8 experts: e4m3 weights and float32 scales (moe/fp8_experts.py).
 MOE_FP8 = {"w13_ptr": FP8, "w2_ptr": FP8, "s13_ptr": "*fp32", "s2_ptr": "*fp32"}
 # ... and their W8A8 variant's float32 activation scales (the e4m3 activation pointer is per kernel).
@@ -205,11 +208,12 @@ SPECS = [
     *[("kernels.decode_attention", "_decode_split_kernel", types,
        [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
          "DOT_PREC": None, "UPCAST": False, "PLANE_DTYPE": tl.float16, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
-         "ROWS_ON_DEVICE": rows, "PDL": True, **extra} for splits, fold, rows, n in DECODE_LAUNCHES])
-      # 16-bit caches, then FP8 ones: int32 words of four values, the next tile prefetched in registers
-      for types, extra in ((DECODE_TYPES, NO_KV_SCALES),
-                           ({**DECODE_TYPES, "k_ptr": "*i32", "v_ptr": "*i32", **FP8_KV_SCALES},
-                            {"num_stages": FP8_STAGES}))],
+         "ROWS_ON_DEVICE": rows, "PDL": True, **extra} for splits, fold, rows, n in launches])
+      # 16-bit caches, then FP8 ones: int32 words of four values, at their own tile (decode_plan)
+      for types, extra, launches in (
+          (DECODE_TYPES, NO_KV_SCALES, DECODE_LAUNCHES),
+          ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES}, {"num_stages": FP8_STAGES},
+           [(splits, fold, rows, FP8_BLOCK_N) for splits, fold, rows, _ in DECODE_LAUNCHES[:-1]]))],
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias
@@ -269,10 +273,12 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> tuple[dict[str, s
     return sig, attrs
 
 
-def _check_kv_pipelined(ttgir: str, constexprs: dict, name: str) -> None:
-    """The K/V tiles sit in shared buffers of >= 2 slots, and a wait in the loop leaves copies in
-    flight (an `async_wait` with num >= 1): the next tile loads while this one is used."""
-    tile = rf"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x{constexprs['BLOCK_N']}x{constexprs['HEAD_DIM']}x"
+def _check_kv_pipelined(ttgir: str, constexprs: dict, types: dict, name: str) -> None:
+    """The K/V tiles ([BLOCK_N, HEAD_DIM] values, or [BLOCK_N, HEAD_DIM / 4] int32 words of an FP8
+    cache) sit in shared buffers of >= 2 slots, and a wait in the loop leaves copies in flight (an
+    `async_wait` with num >= 1): the next tile loads while this one is used."""
+    width = constexprs["HEAD_DIM"] // (FP8_PER_WORD if types.get("k_ptr") == FP8_WORDS else 1)
+    tile = rf"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x{constexprs['BLOCK_N']}x{width}x"
     slots = [int(n) for n in re.findall(tile, ttgir)]
     waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)]
     if not slots or min(slots) < 2 or max(waits, default=0) < 1:
@@ -299,7 +305,7 @@ def compile_all() -> None:
             if constexprs.get("ACT_FP8") and constexprs["BLOCK_M"] >= WGMMA_ROWS and FP8_MMA not in compiled.asm["ptx"]:
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no {FP8_MMA} MMA (the W8A8 point)")
             if kernel in PIPELINED_KV_KERNELS and options["num_stages"] >= 3:
-                _check_kv_pipelined(compiled.asm["ttgir"], constexprs, f"{module}.{kernel}")
+                _check_kv_pipelined(compiled.asm["ttgir"], constexprs, types, f"{module}.{kernel}")
             print(f"compiled {module}.{kernel} {constexprs}")
 
 

@@ -31,8 +31,9 @@ output may be a caller's buffer (`out`, any row stride).
 An FP8 cache (float8_e4m3fn, given with its `k_scale` / `v_scale`, float32 [1] device tensors
 read by the kernel, so a CUDA graph replays with the values they hold then) is read in a
 constexpr branch (the scale pointers are None for a cache of q's dtype, leaving that code as
-it was): each K/V tile is converted to q's dtype in registers (exact), k_scale is folded into
-the softmax scale and v_scale into the output (o = v_scale * sum_j p_j v8_j / sum_j p_j).
+it was): the cache is read as int32 words and computed in four fp16 planes of head_dim / 4
+(kernels/decode_fp8.py; head_dim >= 64), k_scale is folded into the softmax scale and v_scale
+into the output (o = v_scale * sum_j p_j v8_j / sum_j p_j).
 
 Measured end to end (H200, bench.py default workload): longest-first order with kv heads on grid
 axis 0 took the decode step from 4.91 to 4.65 ms (24,983 -> 26,305 tok/s, 50a5716); decode rows of

@@ -32,9 +32,8 @@ NUM_COUNTERS = 4096
 # Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
 CPU_SM_COUNT = 2
 # Loads in flight: with the block ids fetched a tile ahead (kernels/paging.py), stages - 1 K/V
-# tiles are buffered. The decode kernel's time did not move when they were (sixteenth session):
-# at 16-bit it runs near copy bandwidth, and FP8 stays at the 16-bit kernel's time whatever the
-# tile, stages or warps (BENCHMARKS.md).
+# tiles are buffered. The decode kernel's time did not move when they were (sixteenth session): at
+# 16-bit it runs near copy bandwidth.
 NUM_STAGES = 3
 # An unsplit grid of fewer (sequence, kv head) programs per SM than this streams 128-key tiles
 # at 2 stages (16-bit caches, head_dim <= 128): engine-like batches of 64 / 96 rows x 8 kv heads
@@ -43,9 +42,11 @@ NUM_STAGES = 3
 WIDE_TILE_PROGRAMS_PER_SM = 7
 WIDE_BLOCK_N = 128
 WIDE_STAGES = 2
-# An FP8 cache's loop (kernels/decode_fp8.py) keeps the next tile's words in registers itself: the
-# launch runs unpipelined, at one stage.
-FP8_STAGES = 1
+# An FP8 cache's tile (kernels/decode_fp8.py): 128 keys are 16 KB of K or V words, as 64 keys of a
+# 16-bit cache. At 3 stages it was the fastest of 32-128 keys x 2-4 stages at every engine-like
+# batch measured, 80-88% of copy bandwidth at 256 rows (BENCHMARKS.md, seventeenth session).
+FP8_BLOCK_N = 128
+FP8_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,12 @@ class DecodeTile:
 
 def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, pairs_per_sm: float,
                 fp8: bool) -> DecodeTile:
-    """The tile of a call: BLOCK_N keys at NUM_STAGES stages; an FP8 cache's at FP8_STAGES; fp32 /
+    """The tile of a call: BLOCK_N keys at NUM_STAGES stages; an FP8 cache's FP8_BLOCK_N x FP8_STAGES; fp32 /
     head_dim 256 tiles are 2x larger, so fewer stages keep shared memory in bounds; an unsplit call
     over host-known rows (`unsplit_fixed_rows`) with fewer than WIDE_TILE_PROGRAMS_PER_SM (sequence,
     kv head) pairs per SM streams wide tiles."""
     if fp8:
-        return DecodeTile(BLOCK_N, FP8_STAGES)
+        return DecodeTile(FP8_BLOCK_N, FP8_STAGES)
     if q_dtype == torch.float32 or head_dim > 128:
         return DecodeTile(BLOCK_N, 2)
     if unsplit_fixed_rows and pairs_per_sm < WIDE_TILE_PROGRAMS_PER_SM:
