@@ -59,6 +59,7 @@ import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales,
                      check_on_device, check_out, check_query, kv_cache_dtype)
+from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 from .prefill_plan import MAX_GRID_YZ, check_tiles, prefill_tile, tile_programs
 
@@ -106,12 +107,9 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_off)
         qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
