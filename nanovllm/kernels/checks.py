@@ -15,7 +15,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The FP8 KV cache's element type (vLLM's "fp8" / "fp8_e4m3"): stored = x / scale, read = stored * scale.
 FP8_KV_DTYPE = torch.float8_e4m3fn
-# Its largest finite value: stores clamp x / scale to +-FP8_MAX first (a plain cast of a larger value is NaN).
+# Its largest finite value (448), for the KV cache and FP8 weights and activations alike: values are
+# clamped to +-FP8_MAX before the cast (a plain cast of a larger value is NaN).
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time.
 FP8_PER_WORD = 4
@@ -27,8 +28,6 @@ BLOCK_SIZE_MULTIPLE = 16
 # Rows and columns of one block of block-scaled FP8 weights (the one size supported: Qwen's and
 # DeepSeek's [128, 128]); activations then take one scale per 1 x FP8_BLOCK group.
 FP8_BLOCK = 128
-# Largest finite float8_e4m3fn value: quantized values are clamped to it (a cast beyond gives NaN).
-FP8_MAX = 448.0
 # Scale floor of FP8 quantization: an all-zero row, group or block gets this scale instead of 0
 # (x / 0 would be NaN).
 FP8_MIN_SCALE = 1e-12

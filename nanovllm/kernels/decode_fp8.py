@@ -5,15 +5,18 @@ four fp16 planes (kernels/fp8_kv.py, `e4m3_planes`): plane j holds head dims 4c 
     o_j   = sum_n p_n v_j[n]       (the output's dims 4c + j; joined back into [G, D] at the end)
 
 Why planes: converting a tile to q's dtype and transposing it for the MMA took the compiled loop to
-907 instructions per thread per 64-key tile against 432 on a bf16 cache (byte-wise shared-memory
-reads into the transposed layout, scalar fp16 -> bf16 converts), and the kernel ran at the bf16
-kernel's time on half the bytes. Words load 4 bytes at a time and convert two values per
-instruction straight to an MMA type (fp16 holds every e4m3 value exactly); the loop is 502.
+907 instructions per thread per 64 keys against 432 on a bf16 cache (byte-wise shared-memory reads
+into the transposed layout, scalar fp16 -> bf16 converts), and the kernel ran at the bf16 kernel's
+time on half the bytes. Words load 4 bytes at a time and convert two values per instruction straight
+to an MMA type (fp16 holds every e4m3 value exactly): 401 instructions per 64 keys (sm_90, Triton 3.6).
 
 The words stream through shared memory as a 16-bit cache's tiles do (Triton's pipeliner, stages - 1
 tiles in flight; decode_plan.FP8_BLOCK_N keys a tile). Measured (H200, bench_kernels --fp8-tiles,
-seventeenth session): 90.1 us at 256 x <= 1,024 keys (80% of copy bandwidth on its bytes) against
-154.3 before and 148.6 for a bf16 cache; a manual register prefetch at one stage ran at 124.8.
+BENCHMARKS.md, seventeenth session): 89.4 us at 256 x <= 1,024 keys (80% of copy bandwidth on its
+bytes) against 154.3 before and 148.6 on a bf16 cache; 0.53-0.65x the old time over engine-like
+batches (a register prefetch at one stage instead: 0.8x). End to end, bench.py: Qwen3-0.6B with an FP8
+cache 1.336x the bf16 cache's tok/s (was 1.018x), Qwen3-30B-A3B FP8 + FP8 KV 1.396x bf16 (was 1.321x).
+
 q is cast to fp16 (clamped to +-FP16_MAX; it comes from a bf16 or fp16 activation, and its product
 with a key is accumulated in fp32). Under the interpreter or for a float32 q, the planes are fp32.
 """
