@@ -1,7 +1,8 @@
 """FP8 (e4m3) KV cache on CPU: `LLM(kv_cache_dtype="fp8")`.
 
 Kernels (Triton's interpreter, marked `interpreter`): decode and paged prefill attention over FP8
-caches against float64 references on the dequantized caches (fp8 * scale), and the quantizing
+caches against float64 references on the dequantized caches (fp8 * scale), the decode kernel's
+word-wise read of every e4m3 byte against torch's conversion, and the quantizing
 cache writes (the fused RoPE kernel's, torch_attention's) against the definition
 e4m3(clamp(x / scale, -448, 448)), saturating without NaN. Engines (the plain-PyTorch CPU path, the
 same numerics): one FP8 engine gives the same tokens under every scheduling regime (with the
@@ -20,6 +21,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from safetensors.torch import load_file, save_file
 
 from checkpoints import checkpoint_fixture, cpu_llm, generate_tokens, load_reference, make_prompts
@@ -29,6 +32,7 @@ from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.engine.kv_cache import blocks_in_budget, kv_block_bytes
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.fp8_kv import e4m3_planes
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows
@@ -161,6 +165,34 @@ def test_prefill_fp8_cache(block_size, dtype, tiled):
     ref = torch.cat([ref_attention(q[a : a + lq], gather(kd, table[i], lk), gather(vd, table[i], lk), 0.2)
                      for i, (a, lq, lk) in enumerate(zip(starts, q_lens, k_lens))])
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@triton.jit
+def _planes_kernel(words_ptr, out_ptr, N: tl.constexpr):
+    """out[j, c] = plane j of word c (e4m3_planes, float32)."""
+    offs = tl.arange(0, N)
+    p0, p1, p2, p3 = e4m3_planes(tl.load(words_ptr + offs), tl.float32)
+    tl.store(out_ptr + offs, p0)
+    tl.store(out_ptr + N + offs, p1)
+    tl.store(out_ptr + 2 * N + offs, p2)
+    tl.store(out_ptr + 3 * N + offs, p3)
+
+
+@interpreter
+def test_e4m3_planes_decode_every_byte_in_place():
+    """The decode kernel's word-wise read: every finite e4m3 byte (subnormals, +-0, +-448), at each of
+    a word's four positions, gives torch's float8_e4m3fn value, in plane j = byte j."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
+    n = codes.numel()  # 254: each code once per byte position, rotated through the four positions
+    grid = torch.stack([codes.roll(-j) for j in range(4)], dim=1)  # [n, 4]: byte j of word c
+    words = grid.contiguous().view(torch.int32).reshape(n)
+    pad = triton.next_power_of_2(n)
+    words = torch.cat([words, torch.zeros(pad - n, dtype=torch.int32)])
+    out = torch.empty(4, pad, dtype=torch.float32)
+    _planes_kernel[(1,)](words, out, N=pad)
+    ref = grid.view(FP8).float().T  # [4, n]
+    assert torch.equal(out[:, :n], ref)
+    assert torch.equal(out[:, :n].signbit(), ref.signbit())  # -0 kept
 
 
 @interpreter
