@@ -91,6 +91,38 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
 
 
 @triton.jit
+def _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys [lo, hi) of one kv head for its GQA group over a cache of q's dtype (the arguments and
+    the result as decode_fp8.attend_fp8_planes's): (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM])."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
+        ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_row(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, kv_head, b, split,
@@ -124,28 +156,8 @@ def _decode_row(
                                           stride_kb, stride_kt, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
                                           PLANE_DTYPE, DOT_PREC)
     else:
-        q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
-        if UPCAST:
-            q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < hi
-            rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
-            blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
-            ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-            k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-            v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-            qk = tl.where(n_valid[None, :], qk, float("-inf"))
-            p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i, l_i, acc = _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                                      BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -194,16 +206,14 @@ def _decode_split_kernel(
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
-                        FOLD, GP,
-                        BLOCK_S)
+                        FOLD, GP, BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                     GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
-                        FOLD, GP,
-                    BLOCK_S)
+                    FOLD, GP, BLOCK_S)
 
 
 @triton.jit
