@@ -214,6 +214,12 @@ SPECS = [
           (DECODE_TYPES, NO_KV_SCALES, DECODE_LAUNCHES),
           ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES}, {"num_stages": FP8_STAGES},
            [(splits, fold, rows, FP8_BLOCK_N) for splits, fold, rows, _ in DECODE_LAUNCHES[:-1]]))],
+    # a float32 q over an FP8 cache: fp32 planes, IEEE dots
+    ("kernels.decode_attention", "_decode_split_kernel",
+     {**DECODE_TYPES, "q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
+     [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
+       "DOT_PREC": "ieee", "UPCAST": False, "PLANE_DTYPE": tl.float32, "FOLD": False, "GP": 2, "BLOCK_S": 1,
+       "ROWS_ON_DEVICE": False, "PDL": True, "num_stages": FP8_STAGES}]),
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias
