@@ -4,9 +4,11 @@
   query-tile table; prefill_plan.py: its host-side plan (the tile, the table and `query_tile_rows`, its
   tile height, the programs that walk it).
 - decode_attention.py: `flash_attn_with_kvcache`, one query per sequence over the paged cache, split-K;
-  decode_plan.py: its host-side plan (key tile, split count, where the splits merge).
+  decode_plan.py: its host-side plan (key tile, split count, where the splits merge); decode_fp8.py:
+  its inner loop over an FP8 cache (int32 words in fp16 planes).
+- online_softmax.py: the running max / sum step both attention kernels take per key tile.
 - fused_rope.py: per-head q/k RMSNorm + RoPE + the K/V cache write in one launch.
-- fp8_kv.py: the FP8 KV cache's quantizing step, shared by the cache writers.
+- fp8_kv.py: the FP8 KV cache's quantizing step, shared by the cache writers, and its word-wise read.
 - fused_norm.py, fused_activation.py: add + RMSNorm, SiLU-and-mul.
 - gemv.py, skinny_gemm.py: projections of 1-2 rows and of narrow layers at 3-16 rows.
 - paging.py: where a key tile lives in the paged cache (fetched a tile ahead by both attention kernels).

@@ -18,11 +18,13 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 # Its largest finite value (448), for the KV cache and FP8 weights and activations alike: values are
 # clamped to +-FP8_MAX before the cast (a plain cast of a larger value is NaN).
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
-# FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time.
+# tl.dot's least size along each of its dimensions.
+MIN_DOT_DIM = 16
+# FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time ...
 FP8_PER_WORD = 4
-# ... into FP8_PER_WORD planes of head_dim / 4 dims, each an MMA operand of >= 16 (tl.dot's least
-# K): head_dim below this cannot be read from an FP8 cache by the Triton kernels.
-FP8_MIN_HEAD_DIM = 64
+# ... into FP8_PER_WORD planes of head_dim / 4 dims, each an MMA operand: a smaller head_dim cannot
+# be read from an FP8 cache by the Triton kernels.
+FP8_MIN_HEAD_DIM = FP8_PER_WORD * MIN_DOT_DIM
 # Token granularity of the paged cache: the kernels' tiles assume multiples of 16 rows.
 BLOCK_SIZE_MULTIPLE = 16
 # Rows and columns of one block of block-scaled FP8 weights (the one size supported: Qwen's and

@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales, check_on_device,
-                     check_out, check_query, check_fp8_words, kv_cache_dtype, next_pow2)
+from .checks import (INTERPRET, LOG2E, MIN_DOT_DIM, check_cache, check_fp8_words, check_gqa, check_int_tensor,
+                     check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, next_pow2)
 from .counters import arrival_counters
 from .decode_fp8 import attend_fp8_planes
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
@@ -54,8 +54,8 @@ from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior
 
-# tl.dot needs >= 16 rows: the GQA group is padded to this (Qwen3 groups are 2..8).
-MIN_BLOCK_G = 16
+# tl.dot needs >= MIN_DOT_DIM rows: the GQA group is padded to this (Qwen3 groups are 2..8).
+MIN_BLOCK_G = MIN_DOT_DIM
 NUM_WARPS = 4
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}

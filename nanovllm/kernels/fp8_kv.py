@@ -12,7 +12,7 @@ value is first snapped to the e4m3 grid by hand and the cast is then exact.
 
 Reading, `e4m3_planes` turns int32 words of four e4m3 bytes into four fp16 planes (byte j of every
 word: head dims 4c + j), two `cvt.rn.f16x2.e4m3x2` per word on the GPU (exact: every e4m3 value is
-an fp16 one)::
+an fp16 one; what it bought end to end: kernels/decode_fp8.py)::
 
     word c:  | byte 3 | byte 2 | byte 1 | byte 0 |   little-endian: byte j holds dim 4c + j
                plane 3  plane 2  plane 1  plane 0
