@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_PER_WORD
 from nanovllm.kernels.decode_plan import FP8_BLOCK_N, FP8_STAGES
@@ -207,7 +206,7 @@ SPECS = [
        "PAGED": True, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for tiled in (True, False)]),
     *[("kernels.decode_attention", "_decode_split_kernel", types,
        [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
-         "DOT_PREC": None, "UPCAST": False, "PLANE_DTYPE": tl.float16, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
+         "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
          "ROWS_ON_DEVICE": rows, "PDL": True, **extra} for splits, fold, rows, n in launches])
       # 16-bit caches, then FP8 ones: int32 words of four values, at their own tile (decode_plan)
       for types, extra, launches in (
@@ -218,7 +217,7 @@ SPECS = [
     ("kernels.decode_attention", "_decode_split_kernel",
      {**DECODE_TYPES, "q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
-       "DOT_PREC": "ieee", "UPCAST": False, "PLANE_DTYPE": tl.float32, "FOLD": False, "GP": 2, "BLOCK_S": 1,
+       "DOT_PREC": "ieee", "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1,
        "ROWS_ON_DEVICE": False, "PDL": True, "num_stages": FP8_STAGES}]),
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),

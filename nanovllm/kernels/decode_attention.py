@@ -130,8 +130,7 @@ def _decode_row(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PLANE_DTYPE: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
     NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
@@ -153,8 +152,7 @@ def _decode_row(
     bt_row = bt_ptr + b * stride_bt
     if k_scale_ptr is not None:  # FP8: int32 words of the cache, in fp16 planes (kernels/decode_fp8.py)
         m_i, l_i, acc = attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale,
-                                          stride_kb, stride_kt, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                          PLANE_DTYPE, DOT_PREC)
+                                          stride_kb, stride_kt, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC)
     else:
         m_i, l_i, acc = _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
                                       BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
@@ -191,8 +189,8 @@ def _decode_split_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PLANE_DTYPE: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr,
-    BLOCK_S: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
     kv_head = tl.program_id(0).to(tl.int64)
@@ -205,15 +203,15 @@ def _decode_split_kernel(
                         k_scale_ptr, v_scale_ptr, qk_scale, kv_head, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
-                        FOLD, GP, BLOCK_S)
+                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                        BLOCK_S)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, PLANE_DTYPE,
-                    FOLD, GP, BLOCK_S)
+                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                    BLOCK_S)
 
 
 @triton.jit
@@ -331,7 +329,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=tile.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        PLANE_DTYPE=tl.float32 if INTERPRET or q.dtype == torch.float32 else tl.float16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
         num_warps=NUM_WARPS, num_stages=tile.stages,
         **pdl_launch_options(q),

@@ -25,13 +25,20 @@ import triton
 import triton.language as tl
 
 from . import checks
-from .fp8_kv import e4m3_planes
+from .fp8_kv import INTERPRET, e4m3_planes
 from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 
 # Largest finite fp16: q is clamped to it before the cast (a bf16 q may hold larger values).
 FP16_MAX = tl.constexpr(65504.0)
 PER_WORD = tl.constexpr(checks.FP8_PER_WORD)
+
+
+@triton.constexpr_function
+def _plane_dtype(q_dtype):
+    """The planes' dtype: fp16 (the hardware conversion's) for a 16-bit q on the GPU; fp32 for a
+    float32 q, and under the interpreter."""
+    return tl.float32 if INTERPRET or q_dtype == tl.float32 else tl.float16
 
 
 @triton.jit
@@ -56,11 +63,12 @@ def _tile_words(k_ptr, v_ptr, blocks, start_n, hi, offs_c, stride_kb, stride_kt,
 @triton.jit
 def attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Keys [lo, hi) of one kv head for its GQA group: q_rows [BLOCK_G, 1] pointers to the query rows
     (rows past the group masked by g_valid), k_ptr / v_ptr the head's int32 words with word strides.
     Returns (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM]) of the online softmax, in log2
     units, unnormalised, the e4m3 values unscaled (k_scale is in qk_scale, v_scale is the caller's)."""
+    DTYPE: tl.constexpr = _plane_dtype(q_rows.dtype.element_ty)
     offs_c = tl.arange(0, HEAD_DIM // PER_WORD)
     q0 = _q_plane(q_rows, offs_c, g_valid, 0, DTYPE)  # [BLOCK_G, D / 4] each
     q1 = _q_plane(q_rows, offs_c, g_valid, 1, DTYPE)
