@@ -1,7 +1,8 @@
 """CPU tests of the FP8 kernels (TRITON_INTERPRET=1, set by conftest.py): the GEMV's FP8 variant
 (weights per row or per 128 x 128 block, with the SiLU-and-mul and RMSNorm prologues) against a
 float64 matmul on the dequantized weights, and the activation quantization against the same
-arithmetic written out in torch (bit for bit)."""
+arithmetic written out in torch (bit for bit), standalone and inside the RMSNorm and SiLU-and-mul
+kernels that quantize their own outputs."""
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ import torch
 from fp8_checkpoints import dequantize_blocks, quantize_blocks, quantize_channels
 from linear_refs import DTYPES, REF_TOL, randn, rel_err
 
-from nanovllm.kernels.fp8_quant import quantize_rows
+from nanovllm.kernels.fp8_quant import RowQuant, quantize_rows
+from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
+from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
 from nanovllm.kernels.gemv import Tiling, gemv, rms_norm_gemv, silu_mul_gemv
 
 pytestmark = pytest.mark.interpreter
@@ -147,3 +150,63 @@ def test_static_activation_scale_and_bad_arguments():
         quantize_rows(x, static_scale=torch.tensor([0.1, 0.2]))
     with pytest.raises(ValueError, match="rows must be an int >= x's 4 rows"):
         quantize_rows(x, rows=2)
+
+
+QUANTS = {"token": lambda: RowQuant(), "group": lambda: RowQuant(128, row_multiple=4),
+          "static": lambda: RowQuant(static_scale=torch.tensor([0.02]))}
+
+
+def check_quantized(got, out16, how, mode):
+    """got (QuantizedRows) is out16 [m, K] quantized as `how` says: the written-out reference on
+    its rows, zero padding rows (group: the scale floor), _scaled_mm's layouts."""
+    m, k = out16.shape
+    ref_q, ref_s = ref_quantize(out16, how.group, 0.02 if mode == "static" else None)
+    rows = how.rows(m)
+    assert got.m == m and got.dtype == out16.dtype and got.q.shape == (rows, k)
+    assert torch.equal(got.q[:m].float(), ref_q.float()) and torch.equal(got.scales[:m], ref_s)
+    assert not got.q[m:].float().any() and (got.scales[m:] == 1e-12).all()
+    if how.group is not None:
+        assert got.scales.shape == (rows, -(-k // 128)) and got.scales.stride() == (1, rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", QUANTS)
+@pytest.mark.parametrize("h", [200, 640])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantizes_its_output(dtype, mode, h, with_residual):
+    """rms_norm_fp8 = the 16-bit RMSNorm (and residual sum) quantized: bit for bit, padding rows too."""
+    gen = torch.Generator().manual_seed(h)
+    x, w = randn((5, h), gen, dtype, 3.0), randn((h,), gen, dtype)
+    res = randn((5, h), gen, dtype) if with_residual else None
+    x[1] = 0  # a zero row: the scale floor
+    how = QUANTS[mode]()
+    got, summed = rms_norm_fp8(x, res, w, 1e-6, how)
+    if with_residual:
+        out16, ref_sum = add_rms_norm(x, res, w, 1e-6)
+        assert torch.equal(summed, ref_sum)
+    else:
+        out16 = rms_norm(x, w, 1e-6)
+        assert summed is None
+    check_quantized(got, out16, how, mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", QUANTS)
+@pytest.mark.parametrize("inter", [200, 4200])  # per token: one step / the amax pass, then the quantizing pass
+def test_silu_and_mul_quantizes_its_output(dtype, mode, inter):
+    """silu_and_mul_fp8 = silu_and_mul quantized: bit for bit, padding rows too."""
+    gen = torch.Generator().manual_seed(inter)
+    x = randn((3, 2 * inter), gen, dtype, 4.0)
+    x[2, :inter] = 0  # silu(0) = 0: a zero row
+    how = QUANTS[mode]()
+    check_quantized(silu_and_mul_fp8(x, how), silu_and_mul(x), how, mode)
+
+
+def test_producers_refuse_other_quant_specs():
+    x = torch.ones(2, 256)
+    with pytest.raises(TypeError, match="quant must be a RowQuant, got dict"):
+        rms_norm_fp8(x, None, torch.ones(256), 1e-6, {"group": 128})
+    with pytest.raises(TypeError, match="quant must be a RowQuant, got NoneType"):
+        silu_and_mul_fp8(x, None)
+    with pytest.raises(ValueError, match="row_multiple must be"):
+        RowQuant(row_multiple=0)

@@ -177,18 +177,27 @@ SPECS = [
           (False, 1, 16, 256, 4, "", True, True, 2),
           (False, 2, 8, 512, 3, "", True, False, 1),
           (True, 1, 8, 512, 3, "", True, False, 1))]),
-    # FP8 activation quantization: per token (2048-column steps), per 128-group, static
+    # FP8 activation quantization: per token (4096-column steps), per 128-group, static
     # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
     ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",
                                             "pairs_ptr": "*i32"},
      [{"STATIC": static, "BLOCK": block, "ONE_STEP": one, "SKIP_PADDING": skip}
-      for static, block, one, skip in ((False, 2048, False, False), (False, 1024, True, True), (False, 128, True, False),
-                                       (True, 2048, True, False), (True, 2048, False, False))]),
+      for static, block, one, skip in ((False, 4096, False, False), (False, 1024, True, True), (False, 128, True, False),
+                                       (True, 4096, True, False), (True, 4096, False, False))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
-     [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "PDL": p, "num_warps": w}
+     [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "QUANT": None, "GROUP": 1, "PDL": p, "num_warps": w}
       for r in (True, False) for p in (True, False) for h, rows, w in ((1024, 1, 4), (128, 8, 4))]),
+    # ... quantizing its output for an FP8 layer (8B hidden 4096: one row a program at 16 warps)
+    ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32", "out_ptr": FP8, "s_ptr": "*fp32", "static_ptr": "*fp32"},
+     [{"HAS_RESIDUAL": r, "BLOCK_H": 4096, "ROWS": 1, "QUANT": mode, "GROUP": group, "PDL": True, "num_warps": 16}
+      for r in (True, False) for mode, group in (("token", 1), ("group", 128), ("static", 1))]),
     ("kernels.fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
+    # ... quantizing its output: per token over one step or two passes, per group, static
+    ("kernels.fused_activation", "_silu_and_mul_fp8_kernel", {"q_ptr": FP8, "s_ptr": "*fp32", "static_ptr": "*fp32"},
+     [{"QUANT": mode, "GROUP": group, "BLOCK": block, "ONE_STEP": one, "PDL": True}
+      for mode, group, block, one in (("token", 1, 4096, False), ("token", 1, 4096, True), ("group", 128, 1024, False),
+                                      ("static", 1, 1024, False))]),
     ("kernels.fused_rope", "_qk_norm_rope_kernel", ROPE_TYPES,
      [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": kv, "BLOCK_SIZE": 256 if kv else 1,
        "PDL": p, **NO_KV_SCALES} for n in (True, False) for kv in (True, False) for p in (True, False)]),

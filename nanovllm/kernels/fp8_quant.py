@@ -21,6 +21,8 @@ changes beside them (moe/), the Qwen3-30B-A3B FP8 decode step went from 16.99 to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,8 +41,9 @@ FP8_MIN_SCALE = tl.constexpr(checks.FP8_MIN_SCALE)
 INTERPRET = tl.constexpr(checks.INTERPRET)
 FP8_MIN_NORMAL = tl.constexpr(2.0**-6)
 SUBNORMAL_SHIFT = tl.constexpr(1.5 * 2.0**14)
-# Columns per step of a per-token program: 2048 bf16 = 4 KB, 16 per thread at 4 warps.
-MAX_BLOCK = 2048
+# Columns per step of a per-token program: 4096 bf16 = 8 KB, 32 per thread at 4 warps (an 8B /
+# 30B-A3B attention output, 4096 wide, is read once).
+MAX_BLOCK = 4096
 NUM_WARPS = 4
 
 
@@ -55,16 +58,47 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _amax_scale(amax):
-    """The dynamic scale of a part whose largest magnitude is `amax`: amax / 448, floored."""
-    return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FP8_MIN_SCALE)
+def amax_scale(amax):
+    """The dynamic scale of a part whose largest magnitude is `amax` (any shape): amax / 448, floored."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
 
 
 @triton.jit
-def _store_fp8(q_ptrs, x, scale, mask):
+def _amax_scale(amax):
+    """The scale of a part from its running |x| maxima [BLOCK]."""
+    return amax_scale(tl.max(amax, axis=0))
+
+
+@triton.jit
+def store_fp8(q_ptrs, x, scale, mask):
     """q = e4m3(clamp(x / scale, -448, 448)) stored at q_ptrs where mask."""
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptrs, _to_fp8(q, q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, stride_sg, static_ptr,
+                  MODE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr):
+    """Store y [R, C] (float32 holding activation-dtype values, 0 past the row's end) at q_ptrs
+    [R, C] where mask, quantized as quantize_rows does: MODE "token" (a scale per row, stored at
+    s_ptr + rows * stride_sm), "group" (per GROUP columns: group g's at + g * stride_sg, groups
+    below n_groups) or "static" (the per-tensor scale at static_ptr, stored per row too). Rows not
+    row_valid store no scale. For kernels that quantize their own output (fused_norm, fused_activation)."""
+    if MODE == "group":
+        yg = tl.reshape(y, (R, C // GROUP, GROUP))
+        scale = amax_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
+        q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptrs, _to_fp8(tl.reshape(q, (R, C)), q_ptrs.dtype.element_ty), mask=mask)
+        groups = tl.arange(0, C // GROUP)
+        tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :] * stride_sg, scale,
+                 mask=row_valid[:, None] & (groups < n_groups)[None, :])
+    else:
+        if MODE == "static":
+            scale = tl.load(static_ptr).to(tl.float32) + tl.zeros((R,), dtype=tl.float32)
+        else:
+            scale = amax_scale(tl.max(tl.abs(y), axis=1))  # [R]
+        store_fp8(q_ptrs, y, scale[:, None], mask)
+        tl.store(s_ptr + rows * stride_sm, scale, mask=row_valid)
 
 
 @triton.jit
@@ -87,7 +121,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
         x = tl.load(x_row + start + cols, mask=start + cols < filled, other=0.0).to(tl.float32)
         scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_scale(tl.abs(x))
         tl.store(s_out, scale)
-        _store_fp8(q_row + start + cols, x, scale, start + cols < end)
+        store_fp8(q_row + start + cols, x, scale, start + cols < end)
     else:  # wide rows: the amax pass, then the quantizing pass
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -100,7 +134,74 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
         tl.store(s_out, scale)
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-            _store_fp8(q_row + c + cols, x, scale, c + cols < end)
+            store_fp8(q_row + c + cols, x, scale, c + cols < end)
+
+
+@dataclass(frozen=True)
+class RowQuant:
+    """How an activation [M, K] becomes e4m3 rows for torch._scaled_mm: per token (`group` None),
+    per FP8_BLOCK-column group, or with a per-tensor `static_scale` (a one-element float32 tensor
+    on the activation's device); rows padded with zero rows to a multiple of `row_multiple`. The
+    one description quantize_rows and the kernels that quantize their own output both follow."""
+
+    group: int | None = None
+    static_scale: torch.Tensor | None = None
+    row_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if self.group not in (None, FP8_BLOCK):
+            raise ValueError(f"group must be None (per token) or {FP8_BLOCK}, got {self.group!r}")
+        if self.static_scale is not None:
+            if self.group is not None:
+                raise ValueError("a static scale is per tensor: it takes no group")
+            if (not isinstance(self.static_scale, torch.Tensor) or self.static_scale.numel() != 1
+                    or self.static_scale.dtype != torch.float32):
+                raise ValueError(f"static_scale must be a one-element float32 tensor, got {self.static_scale!r}")
+        check_int("row_multiple", self.row_multiple, 1)
+
+    @property
+    def mode(self) -> str:
+        """The kernels' name for it (quantize_tile's MODE): "static", "group" or "token"."""
+        return "static" if self.static_scale is not None else "group" if self.group is not None else "token"
+
+    def check_device(self, x: torch.Tensor) -> None:
+        if self.static_scale is not None and self.static_scale.device != x.device:
+            raise ValueError(f"static_scale is on {self.static_scale.device}, the activation on {x.device}")
+
+    def rows(self, m: int) -> int:
+        """The rows an activation of m rows is quantized into (m rounded up to row_multiple)."""
+        return triton.cdiv(m, self.row_multiple) * self.row_multiple
+
+    def outputs(self, x_rows: int, k: int, x_dtype: torch.dtype, device: torch.device) -> QuantizedRows:
+        """Empty QuantizedRows for an activation [x_rows, K] of x_dtype (see `_empty_outputs`)."""
+        return QuantizedRows(*_empty_outputs(self.rows(x_rows), k, self.group, device), x_rows, x_dtype)
+
+
+def _empty_outputs(rows: int, k: int, group: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [rows, K] e4m3 and its scales: [rows, 1], or [rows, K/128] column-major per group (the
+    transpose of a contiguous [K/128, rows]: _scaled_mm's blockwise layout)."""
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
+    if group is None:
+        return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
+    return q, torch.empty((triton.cdiv(k, group), rows), dtype=torch.float32, device=device).t()
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An activation of m rows of `dtype` in e4m3: q [rows >= m, K] (rows past m: zeros) and its
+    scales ([rows, 1] per token or static, [rows, K/128] column-major per group)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    m: int
+    dtype: torch.dtype  # the activation's (a matmul on it gives this dtype)
+
+
+def quantize(x: torch.Tensor, how: RowQuant) -> QuantizedRows:
+    """x [M, K] -> QuantizedRows, as `how` says (quantize_rows)."""
+    check_matrix("x", x)
+    q, scales = quantize_rows(x, group=how.group, static_scale=how.static_scale, rows=how.rows(x.shape[0]))
+    return QuantizedRows(q, scales, x.shape[0], x.dtype)
 
 
 def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
@@ -117,14 +218,8 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
     rows = m if rows is None else rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < m:
         raise ValueError(f"rows must be an int >= x's {m} rows, got {rows!r}")
-    if group not in (None, FP8_BLOCK):
-        raise ValueError(f"group must be None (per token) or {FP8_BLOCK}, got {group!r}")
-    if static_scale is not None:
-        if group is not None:
-            raise ValueError("a static scale is per tensor: it takes no group")
-        if (not isinstance(static_scale, torch.Tensor) or static_scale.numel() != 1
-                or static_scale.dtype != torch.float32 or static_scale.device != x.device):
-            raise ValueError(f"static_scale must be a one-element float32 tensor on {x.device}, got {static_scale!r}")
+    how = RowQuant(group, static_scale)
+    how.check_device(x)
     if pair_ids is not None:
         if (not isinstance(pair_ids, torch.Tensor) or pair_ids.dtype != torch.int32 or pair_ids.shape != (m,)
                 or pair_ids.device != x.device or not pair_ids.is_contiguous()):
@@ -133,13 +228,9 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
         if rows != m:
             raise ValueError(f"pair_ids marks padding rows of x itself: rows must be x's {m}, got {rows}")
         check_int("num_pairs", num_pairs, 0)
-    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    if group is None:
-        groups, block, size = 1, min(MAX_BLOCK, next_pow2(k)), k
-        scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    else:
-        groups, block, size = triton.cdiv(k, group), group, group
-        scales = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()  # [rows, groups]
+    q, scales = _empty_outputs(rows, k, group, x.device)
+    groups, block, size = ((1, min(MAX_BLOCK, next_pow2(k)), k) if group is None
+                           else (triton.cdiv(k, group), group, group))
     if rows == 0 or k == 0:
         return q, scales
     _quant_kernel[(rows, groups)](

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from . import checks
 from .checks import check_eps, check_matrix, check_vector, next_pow2
+from .fp8_quant import QuantizedRows, RowQuant, quantize_tile
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Largest supported hidden size: one row lives in registers (16384 fp32 over 16 warps =
@@ -54,12 +55,15 @@ def round_to(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "out_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_rows, hidden, stride_x, stride_r, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr,
+    n_rows, out_rows, hidden, n_groups, stride_x, stride_r, stride_sm, stride_sg, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
+    GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
+    """QUANT None: out_ptr gets the normed rows in x's dtype. Else (fp8_quant.quantize_tile's modes)
+    out_ptr gets them in e4m3, out_rows of them (rows past n_rows: zeros), with their scales."""
     wait_for_prior(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -75,8 +79,13 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(x * x, axis=1) / hidden  # masked columns are 0 and add nothing
     rstd = tl.math.rsqrt(mean_sq + eps)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = (x * rstd[:, None]) * w[None, :]
-    tl.store(out_ptr + out_offs, round_to(y, out_ptr.dtype.element_ty), mask=mask)
+    y = round_to((x * rstd[:, None]) * w[None, :], x_ptr.dtype.element_ty)  # the 16-bit output
+    if QUANT is None:
+        tl.store(out_ptr + out_offs, y, mask=mask)
+    else:  # quantized from the 16-bit values, as quantize_rows would quantize the output above
+        in_out = rows < out_rows
+        quantize_tile(y.to(tl.float32), out_ptr + out_offs, in_out[:, None] & col_mask[None, :], s_ptr, rows,
+                      in_out, n_groups, stride_sm, stride_sg, static_ptr, QUANT, ROWS, BLOCK_H, GROUP)
 
 
 def _check_args(x, residual, weight, eps) -> None:
@@ -96,22 +105,32 @@ def _check_args(x, residual, weight, eps) -> None:
     check_eps(eps)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, quant: RowQuant | None = None):
     n, h = x.shape
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     res_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if residual is not None else None
-    if n == 0:
-        return out, res_out
+    if quant is None:
+        out = scales = torch.empty((n, h), dtype=x.dtype, device=x.device)
+        out_rows, result = n, out
+    else:
+        result = quant.outputs(n, h, x.dtype, x.device)
+        out, scales, out_rows = result.q, result.scales, result.q.shape[0]
+    if out_rows == 0:
+        return result, res_out
     block_h = next_pow2(h)
+    if quant is not None and quant.group is not None:
+        block_h = max(block_h, quant.group)  # whole groups in the tile
     rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_h))
     num_warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_h // ELEMS_PER_WARP))
     has_res = residual is not None
-    _rms_norm_kernel[(triton.cdiv(n, rows),)](
-        x, residual if has_res else x, weight, out, res_out if has_res else out,
-        n, h, x.stride(0), residual.stride(0) if has_res else 0, float(eps),
-        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps, **pdl_launch_options(x),
+    static = quant.static_scale if quant is not None and quant.static_scale is not None else weight
+    _rms_norm_kernel[(triton.cdiv(out_rows, rows),)](
+        x, residual if has_res else x, weight, out, res_out if has_res else out, scales, static,
+        n, out_rows, h, triton.cdiv(h, quant.group) if quant is not None and quant.group else 1,
+        x.stride(0), residual.stride(0) if has_res else 0, scales.stride(0), scales.stride(-1), float(eps),
+        HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, QUANT=None if quant is None else quant.mode,
+        GROUP=quant.group if quant is not None and quant.group else 1, num_warps=num_warps, **pdl_launch_options(x),
     )
-    return out, res_out
+    return result, res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,3 +144,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(s), s) with s = x + residual rounded to x.dtype; both outputs contiguous [N, H]."""
     _check_args(x, residual, weight, eps)
     return _launch(x, residual, weight, eps)
+
+
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 quant: RowQuant) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """(quantize(norm(s), quant), s), s = x + residual (x when residual is None; then None is
+    returned for it): rms_norm / add_rms_norm with the 16-bit output quantized in the same kernel,
+    identical to quantizing that output with fp8_quant.quantize."""
+    _check_args(x, residual, weight, eps)
+    if not isinstance(quant, RowQuant):
+        raise TypeError(f"quant must be a RowQuant, got {type(quant).__name__}")
+    quant.check_device(x)
+    return _launch(x, residual, weight, eps, quant)

@@ -23,7 +23,9 @@ name (`weight_scale_inv` / `weight_scale`: float32 [out] per row, per-tensor sca
 their part's rows; or the block grid [out/128, in/128]) and, for static activations,
 `input_scale` [parts]; the scales slice over ranks and parts like the weight, in rows (grids: in
 blocks). Its 1-2 row calls run the GEMV's FP8 variant, larger ones quantization/fp8.fp8_linear
-(torch._scaled_mm); no skinny GEMM. A layer whose weights the loader dequantizes stays as is.
+(torch._scaled_mm); no skinny GEMM. There the RMSNorm in front (forward_normed) and the down
+projection's SiLU-and-mul quantize their own outputs for it (one kernel each, no 16-bit activation
+written and read back). A layer whose weights the loader dequantizes stays as is.
 """
 
 from __future__ import annotations
@@ -210,6 +212,11 @@ class ColumnParallelLinear(_LinearBase):
             y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                  weight_scale=None if self.fp8 is None else self.fp8.scale)
             return y, x if s is None else s
+        if self.fp8 is not None and not self.path.gemv_serves(x):  # the norm quantizes its output itself
+            from nanovllm.kernels.fused_norm import rms_norm_fp8
+
+            xq, s = rms_norm_fp8(x, residual, norm.weight, norm.eps, self.fp8.row_quant())
+            return fp8_linear(xq, self.fp8, self.bias), x if s is None else s
         normed, s = norm.add_and_norm(x, residual)
         return self(normed), s
 
@@ -294,4 +301,8 @@ class SiluMulRowParallelLinear(RowParallelLinear):
 
             scale = None if self.fp8 is None else self.fp8.scale
             return self._reduce(silu_mul_gemv(gate_up, self.weight, weight_scale=scale))
+        if self.fp8 is not None:  # the activation quantizes its output itself
+            from nanovllm.kernels.fused_activation import silu_and_mul_fp8
+
+            return self._reduce(fp8_linear(silu_and_mul_fp8(gate_up, self.fp8.row_quant()), self.fp8, None))
         return super().forward(self.act(gate_up))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE, cdiv
+from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
 
 # torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
@@ -99,20 +100,24 @@ class Fp8Weights:
     def blocks(self) -> bool:
         return self.scale.dim() == 2
 
+    def row_quant(self) -> RowQuant:
+        """How fp8_linear quantizes this layer's activations: per 1 x 128 group for block weights
+        (rows padded to BLOCKWISE_ROW_MULTIPLE), else per token, or with the static input scale
+        (the largest of the parts' scales, as one packed matmul takes one)."""
+        if self.blocks:
+            return RowQuant(FP8_BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
+        return RowQuant(static_scale=None if self.input_scale is None else self.input_scale.max().reshape(1))
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in x's dtype, through torch._scaled_mm
-    on x quantized per token (per 1 x 128 group for block weights; static: the largest of the
-    parts' input scales, as one packed matmul takes one)."""
-    from nanovllm.kernels.fp8_quant import quantize_rows
 
-    m = x.shape[0]
+def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in the compute dtype, through
+    torch._scaled_mm on x quantized as `w.row_quant()` says; `x` may come quantized so already
+    (kernels/fused_norm.rms_norm_fp8, fused_activation.silu_and_mul_fp8: the same values)."""
+    from nanovllm.kernels.fp8_quant import quantize
+
+    xq = quantize(x, w.row_quant()) if isinstance(x, torch.Tensor) else x
     if w.blocks:
-        rows = cdiv(m, BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
-        xq, xs = quantize_rows(x, group=FP8_BLOCK, rows=rows)  # [rows, K], [rows, K/128] column-major
-        y = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.t(), out_dtype=x.dtype)[:m]
+        y = torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.t(), out_dtype=xq.dtype)[:xq.m]
         return y if bias is None else y + bias
-    static = None if w.input_scale is None else w.input_scale.max().reshape(1)
-    xq, xs = quantize_rows(x, static_scale=static)  # [M, K], [M, 1]
-    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=x.dtype,
+    return torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.view(1, -1), out_dtype=xq.dtype,
                             bias=bias)
