@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from .checks import check_matrix, next_pow2
-from .fp8_quant import QuantizedRows, RowQuant, amax_scale, quantize_tile, store_fp8
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -31,11 +30,6 @@ MAX_BLOCK = 1024
 # Column blocks ride grid axis 1, which CUDA caps at 65535.
 MAX_COL_BLOCKS = 65535
 NUM_WARPS = 4
-# Columns per step of a per-token quantizing program (one program a row, which it walks twice
-# when it is wider): up to 16384 (Qwen3-8B's 12288 in one read), 1024 per warp = 32 float32 per
-# thread of each operand.
-TOKEN_BLOCK = 16384
-TOKEN_COLS_PER_WARP = 1024
 
 
 @triton.jit
@@ -58,92 +52,17 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, P
     tl.store(out_ptr + row * inter + cols, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _silu_mul_cols(x_row, inter, cols, filled):
-    """round(silu(gate) * up) at columns `cols` of one row, 0 from column `filled` on (inter, or 0
-    for a padding row), as float32 holding the row's dtype's values."""
-    mask = cols < filled
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    return silu_mul(gate, up, x_row.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["n_rows", "out_rows"])
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, out_rows, inter, n_groups, stride_x, stride_q,
-                             stride_sm, stride_sg, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                             ONE_STEP: tl.constexpr, PDL: tl.constexpr):
-    """Grid (out_rows, column blocks): silu_and_mul's rows quantized (fp8_quant.quantize_tile's
-    modes); rows past n_rows are zeros. Per token over more than one block ("token", not ONE_STEP):
-    one program a row, its amax pass, then its quantizing pass."""
-    wait_for_prior(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    filled = tl.where(row < n_rows, inter, 0)  # padding rows read nothing: zeros
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    if QUANT == "token" and not ONE_STEP:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c in range(0, inter, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_silu_mul_cols(x_row, inter, c + tl.arange(0, BLOCK), filled)))
-        scale = amax_scale(tl.max(amax, axis=0))
-        tl.store(s_ptr + row * stride_sm, scale)
-        for c in range(0, inter, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            store_fp8(q_row + cols, _silu_mul_cols(x_row, inter, cols, filled), scale, cols < inter)
-    else:  # this program's BLOCK columns (whole groups), quantized as one tile row
-        first = tl.program_id(1) * BLOCK
-        cols = first + tl.arange(0, BLOCK)
-        y = _silu_mul_cols(x_row, inter, cols, filled)
-        rows = row + tl.zeros((1,), dtype=tl.int64)
-        g0 = first // GROUP if QUANT == "group" else 0  # the program's first scale column
-        quantize_tile(y[None, :], (q_row + cols)[None, :], (cols < inter)[None, :], s_ptr + g0 * stride_sg,
-                      rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP)
-
-
-def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
-    """fp8_quant.quantize(silu_and_mul(x), quant) in one kernel (the same values): x [N, 2I] (rows
-    may be strided) -> QuantizedRows of [N, I]."""
-    inter = _check(x)
-    if not isinstance(quant, RowQuant):
-        raise TypeError(f"quant must be a RowQuant, got {type(quant).__name__}")
-    quant.check_device(x)
-    n = x.shape[0]
-    result = quant.outputs(n, inter, x.dtype, x.device)
-    q, scales = result.q, result.scales
-    if q.shape[0] == 0:
-        return result
-    group = quant.group or 1
-    block = min(TOKEN_BLOCK if quant.mode == "token" else MAX_BLOCK, next_pow2(inter))
-    if quant.group is not None:
-        block = max(block, quant.group)  # whole groups in a program
-    one_step = block >= inter
-    col_blocks = 1 if quant.mode == "token" else triton.cdiv(inter, block)
-    warps = max(NUM_WARPS, block // TOKEN_COLS_PER_WARP) if quant.mode == "token" else NUM_WARPS
-    static = quant.static_scale if quant.static_scale is not None else scales
-    _silu_and_mul_fp8_kernel[(q.shape[0], col_blocks)](
-        x, q, scales, static, n, q.shape[0], inter, triton.cdiv(inter, group), x.stride(0), q.stride(0),
-        scales.stride(0), scales.stride(-1), QUANT=quant.mode, GROUP=group, BLOCK=block, ONE_STEP=one_step,
-        num_warps=warps, **pdl_launch_options(x))
-    return result
-
-
-def _check(x: torch.Tensor) -> int:
-    """x [N, 2I] checked; returns I."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] (rows may be strided) -> contiguous [N, I] in x.dtype: silu(x[:, :I]) * x[:, I:]."""
     check_matrix("x", x)
-    two_i = x.shape[1]
+    n, two_i = x.shape
     if two_i < 2 or two_i % 2:
         raise ValueError(f"x last dim must be even and >= 2 (gate | up), got {two_i}")
     inter = two_i // 2
-    if triton.cdiv(inter, min(MAX_BLOCK, next_pow2(inter))) > MAX_COL_BLOCKS:
-        raise ValueError(f"x last dim {two_i} too large: needs more than {MAX_COL_BLOCKS} column blocks")
-    return inter
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [N, 2I] (rows may be strided) -> contiguous [N, I] in x.dtype: silu(x[:, :I]) * x[:, I:]."""
-    inter = _check(x)
-    n = x.shape[0]
     block = min(MAX_BLOCK, next_pow2(inter))
     col_blocks = triton.cdiv(inter, block)
+    if col_blocks > MAX_COL_BLOCKS:
+        raise ValueError(f"x last dim {two_i} too large: needs {col_blocks} > {MAX_COL_BLOCKS} column blocks")
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
