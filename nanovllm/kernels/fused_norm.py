@@ -116,26 +116,24 @@ def _launch(x, residual, weight, eps, quant: RowQuant | None = None):
     n, h = x.shape
     res_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if residual is not None else None
     if quant is None:
-        out = scales = torch.empty((n, h), dtype=x.dtype, device=x.device)
-        out_rows, result = n, out
+        result = out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+        scales, static, out_rows, group = out, out, n, 1  # the scale pointers: stand-ins, never touched
     else:
         result = quant.outputs(n, h, x.dtype, x.device)
-        out, scales, out_rows = result.q, result.scales, result.q.shape[0]
+        out, scales, out_rows, group = result.q, result.scales, result.q.shape[0], quant.group or 1
+        static = quant.static_scale if quant.static_scale is not None else scales
     if out_rows == 0:
         return result, res_out
-    block_h = next_pow2(h)
-    if quant is not None and quant.group is not None:
-        block_h = max(block_h, quant.group)  # whole groups in the tile
+    block_h = max(next_pow2(h), group)  # whole groups in the tile
     rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_h))
     num_warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_h // ELEMS_PER_WARP))
     has_res = residual is not None
-    static = quant.static_scale if quant is not None and quant.static_scale is not None else weight
     _rms_norm_kernel[(triton.cdiv(out_rows, rows),)](
         x, residual if has_res else x, weight, out, res_out if has_res else out, scales, static,
-        n, out_rows, h, triton.cdiv(h, quant.group) if quant is not None and quant.group else 1,
-        x.stride(0), residual.stride(0) if has_res else 0, scales.stride(0), scales.stride(-1), float(eps),
+        n, out_rows, h, triton.cdiv(h, group), x.stride(0), residual.stride(0) if has_res else 0,
+        scales.stride(0), scales.stride(-1), float(eps),
         HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, QUANT=None if quant is None else quant.mode,
-        GROUP=quant.group if quant is not None and quant.group else 1, num_warps=num_warps, **pdl_launch_options(x),
+        GROUP=group, num_warps=num_warps, **pdl_launch_options(x),
     )
     return result, res_out
 

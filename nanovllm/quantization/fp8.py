@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE, cdiv
-from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
+from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
 
 # torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
@@ -113,8 +113,6 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tenso
     """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in the compute dtype, through
     torch._scaled_mm on x quantized as `w.row_quant()` says; `x` may come quantized so already
     (kernels/fused_norm.rms_norm_fp8: the same values)."""
-    from nanovllm.kernels.fp8_quant import quantize
-
     xq = quantize(x, w.row_quant()) if isinstance(x, torch.Tensor) else x
     if w.blocks:
         y = torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.t(), out_dtype=xq.dtype)[:xq.m]
