@@ -14,13 +14,16 @@ CUDA matmul of a layer that holds them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE, cdiv
-from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
+
+if TYPE_CHECKING:  # the kernels import Triton, which config-only imports must not pull in
+    from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
 
 # torch._scaled_mm's blockwise scaling (cuBLAS) refused row counts that are not multiples of
 # this (H200, torch 2.11: 1-3, 5 and 17 rows refused, 4-32 in steps of 4 taken); the
@@ -104,6 +107,8 @@ class Fp8Weights:
         """How fp8_linear quantizes this layer's activations: per 1 x 128 group for block weights
         (rows padded to BLOCKWISE_ROW_MULTIPLE), else per token, or with the static input scale
         (the largest of the parts' scales, as one packed matmul takes one)."""
+        from nanovllm.kernels.fp8_quant import RowQuant
+
         if self.blocks:
             return RowQuant(FP8_BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
         return RowQuant(static_scale=None if self.input_scale is None else self.input_scale.max().reshape(1))
@@ -113,6 +118,8 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tenso
     """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in the compute dtype, through
     torch._scaled_mm on x quantized as `w.row_quant()` says; `x` may come quantized so already
     (kernels/fused_norm.rms_norm_fp8: the same values)."""
+    from nanovllm.kernels.fp8_quant import quantize
+
     xq = quantize(x, w.row_quant()) if isinstance(x, torch.Tensor) else x
     if w.blocks:
         y = torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.t(), out_dtype=xq.dtype)[:xq.m]
