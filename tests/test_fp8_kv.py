@@ -394,6 +394,31 @@ def test_fp8_engine_close_to_transformers(checkpoint):
     assert max(gaps) < 0.08
 
 
+@torch.no_grad()
+def off_argmax_rate(reference, prompts, outs) -> float:
+    """The fraction of the engine's tokens (teacher-forced on its own contexts) that are not the
+    argmax of `reference`'s logits."""
+    off = sum(int((reference(torch.tensor([p + o])).logits[0, len(p) - 1 : -1].argmax(-1) != torch.tensor(o)).sum())
+              for p, o in zip(prompts, outs))
+    return off / sum(map(len, outs))
+
+
+def test_fp8_cache_accuracy_rule(checkpoint):
+    """Issue 32's rule, against transformers in float32: a bf16 engine on an FP8 cache is off the
+    float32 argmax at most twice as often as the larger of (a) the same engine on a bf16 cache and
+    (b) a float32 engine on an FP8 cache, the e4m3 rounding of K and V and nothing else. On this
+    random-weight model's flat logits (b) alone is 2.6x (a), so no FP8 cache meets "2x (a)" here;
+    measured: (a) 2.3%, (b) 5.9%, the bf16 FP8 engine 7.8% of 256 steps (the models of seeds 1 and
+    2: 2.3 / 9.8 / 8.2% and 2.0 / 11.7 / 9.4%). A wrong scale or layout puts it near 100%."""
+    prompts = make_prompts(5, 8, 20, 120)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    reference = load_reference(checkpoint)
+    rate = {(dtype, kv): off_argmax_rate(reference, prompts,
+                                         generate_tokens(checkpoint, prompts, greedy, dtype=dtype, kv_cache_dtype=kv)[0])
+            for dtype, kv in (("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8"))}
+    assert rate["bfloat16", "fp8"] <= 2 * max(rate["bfloat16", "auto"], rate["float32", "fp8"]), rate
+
+
 def test_fp8_cache_holds_more_blocks_in_the_same_memory(checkpoint):
     """The sizing the engine uses for num_kvcache_blocks=None, at a given memory: an FP8 cache has
     twice the blocks of a bfloat16 one and four times those of a float32 one."""
