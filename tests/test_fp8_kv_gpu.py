@@ -286,6 +286,24 @@ def test_fp8_engine_close_to_transformers(ckpt, reference):
         assert share >= MIN_AGREEMENT and gap < MAX_GAP, (name, share, gap)
 
 
+def test_fp8_cache_accuracy_rule(ckpt):
+    """Issue 32's rule on the GPU kernels (tests/test_fp8_kv.py holds its CPU twin and the reasoning),
+    against transformers in float32: a bf16 engine on an FP8 cache is off the float32 argmax at
+    most twice as often as the larger of the bf16 cache's rate and the FP8 format's own (a float32
+    engine on an FP8 cache: fp32 planes in the decode kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+    reference = reference.cuda().eval()
+    ps = make_prompts(7, 16, 50, 400)
+    rate = {}
+    for dtype, kv in (("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8")):
+        (outs,), _ = gpu_generate(ckpt, [ps], GREEDY, dtype=dtype, kv_cache_dtype=kv)
+        rate[dtype, kv] = 1 - agreement(reference, ps, outs)[0]
+    print("off the float32 argmax:", rate)
+    assert rate["bfloat16", "fp8"] <= 2 * max(rate["bfloat16", "auto"], rate["float32", "fp8"]), rate
+
+
 def test_fp8_cuda_graphs_and_eager_identical(ckpt):
     """Decode graphs and prefill / mixed-step graphs read the same FP8 cache and scales as eager
     steps: batches of 1, 2, 8 and 48 requests, one after another on one engine of each kind, give
