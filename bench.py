@@ -136,9 +136,10 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def gemm_peak(args: argparse.Namespace) -> float:
-    """The probed GEMM peak of the format the linears compute in (FP8 with --quantization fp8)."""
-    return measure_fp8_gemm_peak() if args.quantization else measure_gemm_peak()
+def gemm_peak(llm: LLM) -> float:
+    """The probed GEMM peak of the format the linears compute in: FP8 when the engine holds FP8
+    linears (--quantization fp8, or a checkpoint quantized so: configs/qwen3-8b-fp8)."""
+    return measure_fp8_gemm_peak() if llm.config.quant_config is not None else measure_gemm_peak()
 
 
 def weight_width(llm: LLM, decode_weights: int) -> float:
@@ -176,7 +177,7 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     warm_up(llm, args.sampling, w.prompt_logprobs)
     run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
-    limits = DeviceLimits(measure_bandwidth(), gemm_peak(args), args.tp)
+    limits = DeviceLimits(measure_bandwidth(), gemm_peak(llm), args.tp)
     widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
                         experts=experts_width(llm.model_runner.model, element_bytes(llm.config.torch_dtype)))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
@@ -211,11 +212,13 @@ def main() -> None:
                  "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                  "kernel_routes": vars(args.routes), "kv_cache_dtype": args.kv_cache_dtype,
                  "quantization": args.quantization}
+    weights_format = args.quantization or ("fp8, as the checkpoint stores them" if llm.config.quant_config is not None
+                                           else "as the checkpoint stores them")
     rows = [("weights", weights),
             ("model / device", f"{args.model} / {res['device']}, tp {args.tp}, max_num_seqs {args.max_num_seqs}, "
                                f"max_num_batched_tokens {args.max_num_batched_tokens}"),
             ("kernel routes", args.kernel_routes or "defaults"),
-            ("weights format", args.quantization or "as the checkpoint stores them"),
+            ("weights format", weights_format),
             ("KV cache", f"{args.kv_cache_dtype}: {llm.config.kv_cache_torch_dtype}, {llm.num_kvcache_blocks} blocks"),
             ("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
     if args.latency:
@@ -224,7 +227,7 @@ def main() -> None:
         rows += latency_rows(res["decode_ms_per_token"], args.latency_context)
     elif args.ttft:
         times = measure_ttft(llm, [int(s) for s in args.ttft_sizes.split(",")], args.seed)
-        rows += ttft_rows(times, llm.config.model_config, gemm_peak(args), args.tp, res)
+        rows += ttft_rows(times, llm.config.model_config, gemm_peak(llm), args.tp, res)
     else:
         more, llm = throughput(args, llm, kwargs, res, decode_weights)
         rows += more

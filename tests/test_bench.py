@@ -101,6 +101,18 @@ def test_decode_weights_follow_each_family(name, published_params, untied_embedd
     assert decode_weight_elements(cfg) == published_params - untied_embedding
 
 
+def test_fp8_release_config_is_the_8b_shape_in_block_fp8():
+    """configs/qwen3-8b-fp8: Qwen3-8B's shape with the quantization_config of Qwen's FP8 release,
+    read as 128 x 128 block-scaled e4m3 weights (so bench.py probes the FP8 GEMM peak for it)."""
+    from nanovllm.quantization.config import BLOCK, resolve_quantization
+
+    fp8 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-8b-fp8"))
+    bf16 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-8b"))
+    assert fp8 == bf16 and decode_weight_elements(fp8) == decode_weight_elements(bf16)
+    quant = resolve_quantization(None, fp8.quantization_config, "qwen3-8b-fp8")
+    assert quant is not None and quant.fmt.scales == BLOCK
+
+
 def test_workload_bytes_by_hand():
     cfg = toy_config(tied=False)
     # Requests (prompt 3, 2 outputs) and (prompt 5, 4 outputs).

@@ -23,7 +23,7 @@ class DeviceLimits:
     """One GPU's probed limits (benchmarks/harness/probes.py) and how many GPUs the run used."""
 
     bandwidth: float  # HBM copy bytes/s
-    gemm_peak: float  # dense GEMM FLOP/s of the weights' format (bf16, or FP8 with --quantization fp8)
+    gemm_peak: float  # dense GEMM FLOP/s of the weights' format (bf16, or FP8 when the linears hold FP8)
     gpus: int = 1
 
 
