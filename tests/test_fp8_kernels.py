@@ -177,7 +177,7 @@ def test_rms_norm_quantizes_its_output(dtype, mode, h, with_residual):
     gen = torch.Generator().manual_seed(h)
     x, w = randn((5, h), gen, dtype, 3.0), randn((h,), gen, dtype)
     res = randn((5, h), gen, dtype) if with_residual else None
-    x[1] = 0  # a zero row: the scale floor
+    x[1] = 0  # without a residual, a zero row: the scale floor
     how = QUANTS[mode]()
     got, summed = rms_norm_fp8(x, res, w, 1e-6, how)
     if with_residual:
