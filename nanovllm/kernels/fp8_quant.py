@@ -13,6 +13,11 @@ step (up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax,
 aligned MoE activation's padding rows, which are skipped. Shapes only set the launch, so calls are
 CUDA-graph capturable.
 
+`RowQuant` is the one description of a layer's choice (mode, padding rows; quantization/fp8.py's
+`Fp8Weights.row_quant` makes it), `quantize` applies it and returns `QuantizedRows`, and
+`quantize_tile` is the same arithmetic for a kernel that quantizes its own output in registers
+(kernels/fused_norm.rms_norm_fp8, whose figures are there).
+
 Measured (H200, fifteenth session, BENCHMARKS.md): the one read and the skipped padding rows took
 the W8A8 MoE call's two quantizations from 15.9 to 8.8 us at T=256; with the align and slot-sum
 changes beside them (moe/), the Qwen3-30B-A3B FP8 decode step went from 16.99 to 16.14 ms
