@@ -12,7 +12,7 @@ from linear_refs import DTYPES, REF_TOL, randn, rel_err
 
 from nanovllm.kernels.fp8_quant import RowQuant, quantize_rows
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
-from nanovllm.kernels.gemv import Tiling, gemv, rms_norm_gemv, silu_mul_gemv
+from nanovllm.kernels.gemv import Tiling, gemv, rms_norm_gemv, silu_mul_gemv, tiling
 
 pytestmark = pytest.mark.interpreter
 FP8 = torch.float8_e4m3fn
@@ -76,6 +76,16 @@ def test_fp8_gemv_tall_tiles_and_bad_scales():
         gemv(x, wd.float(), weight_scale=s)
     with pytest.raises(TypeError, match="weight dtype"):
         gemv(x, q)  # an FP8 weight needs its scale
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (2, 4096, 12288), (1, 1024, 2048), (1, 300, 64)])
+def test_block_scaled_tilings_take_one_scale_a_step(rows, n, k):
+    """Under 128 x 128 block scales a step spans at most one block (one scale, not one per column),
+    with the steps in flight raised so that the bytes in flight match the unscaled tiling."""
+    plain, scaled = tiling(rows, n, k, wave=528), tiling(rows, n, k, wave=528, block_scales=True)
+    assert scaled.block_k <= 128 and 128 % scaled.block_k == 0
+    assert (scaled.block_n, scaled.evict) == (plain.block_n, plain.evict)
+    assert scaled.block_k * scaled.stages == plain.block_k * plain.stages
 
 
 def ref_quantize(x, group, static=None):

@@ -52,10 +52,10 @@ TILINGS = [(4, 512, 1, ""), (4, 512, 3, ""), (4, 512, 4, ""), (4, 512, 4, "evict
            (2, 1024, 2, ""), (2, 2048, 1, ""), (4, 1024, 2, ""), (4, 2048, 1, "")]
 
 
-# --fp8: GEMV tilings (BLOCK_N, BLOCK_K, stages, eviction) over FP8 weights: a step of BLOCK_K FP8
-# columns moves half the bytes of a bf16 one, so wider steps are in the list.
-FP8_TILINGS = [(8, 512, 3, ""), (8, 1024, 2, ""), (8, 1024, 3, ""), (8, 1024, 4, ""), (4, 1024, 4, "evict_first"),
-               (4, 2048, 3, "evict_first"), (16, 512, 4, ""), (16, 256, 4, ""), (8, 2048, 2, "")]
+# --fp8: GEMV tilings (BLOCK_N, BLOCK_K, stages, eviction) over FP8 weights: the bf16 tilings, and steps of
+# 128 columns (one scale a step under 128 x 128 block scales) with more of them in flight.
+FP8_TILINGS = [(8, 512, 3, ""), (16, 256, 4, ""), (4, 512, 4, "evict_first"), (8, 128, 12, ""), (16, 128, 8, ""),
+               (4, 128, 16, "evict_first"), (32, 128, 4, ""), (16, 128, 4, "")]
 
 
 def fp8_study(shapes: list[str]) -> list[dict]:

@@ -142,8 +142,11 @@ def _gemv_kernel(
             a = round_to(a * rstd[:, None] * g[None, :], dtype).to(tl.float32)
         else:
             a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        if W_SCALE == 2:  # the weight blocks' scales, one per column here: folded into a
-            a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
+        if W_SCALE == 2:  # the weight blocks' scales, folded into a
+            if BLOCK_K <= SCALE_BLOCK:  # the step lies in one block (BLOCK_K divides it): one scale
+                a = a * tl.load(ws_row + k0 // SCALE_BLOCK)
+            else:  # one per column
+                a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
         acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if W_SCALE == 1:  # one scale per weight row
@@ -163,18 +166,23 @@ def _summed(x_ptrs, r_ptrs, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
     return s
 
 
-def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None) -> Tiling:
+def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scales: bool = False) -> Tiling:
     """The tiling for a call: NARROW_TILING below WIDE_N outputs, else WIDE_TILING, or (one row
     only) TALL_TILING where that alone fits the grid into one wave of `wave` programs (None: no
     GPU, no waves). BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K
-    for short rows."""
+    for short rows. With `block_scales` (FP8 weights scaled per 128 x 128 block) a step spans at most
+    one block, so it takes one scale, not one per column; more steps are then in flight, so the
+    bytes in flight stay those of the unscaled tiling."""
     t = NARROW_TILING
     if n_out >= WIDE_N:
         # TALL's [rows, 16, 256] accumulator only pays at one row (2026-12-02 sweep, 2 rows: 0.6B
         # gate_up 8.9 us TALL vs 6.9 WIDE, 8B qkv 19.4 vs 16.6; 30B qkv 8.9 vs 9.2 the exception)
         spills = wave is not None and rows == 1 and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
         t = TALL_TILING if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave else WIDE_TILING
-    return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
+    t = replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
+    if block_scales and t.block_k > FP8_BLOCK:
+        t = replace(t, block_k=FP8_BLOCK, stages=t.stages * t.block_k // FP8_BLOCK)
+    return t
 
 
 @dataclass(frozen=True)
@@ -204,7 +212,7 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         _check_norm(norm, x)
     wave = one_wave(x.device)
     if tile is None:
-        tile = tiling(m, n_out, k_in, wave)
+        tile = tiling(m, n_out, k_in, wave, block_scales=weight_scale is not None and weight_scale.dim() == 2)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     w_scale = 0 if weight_scale is None else weight_scale.dim()  # 1: per row, 2: per block
