@@ -14,6 +14,7 @@ kernel of its own; here one kernel streams the weight once, computing its input 
 FP8 weights (`weight_scale`, W_SCALE): weight = e4m3 values x scale, read at one byte a value and
 converted in registers. A scale per row multiplies each output sum; a scale per 128 x 128 block
 multiplies a's columns (a program's BLOCK_N rows lie in one row of blocks, BLOCK_N dividing 128):
+one scale a step when the step's BLOCK_K columns lie in one block, else one gathered per column:
 
     per row:    out[m, n] = s[n] * sum_k a[m, k] w8[n, k]
     per block:  out[m, n] = sum_k (a[m, k] s[n // 128, k // 128]) w8[n, k]
@@ -42,7 +43,9 @@ Shapes only set the launch, so calls are CUDA-graph capturable.
 Measured end to end (H200, bench.py --latency): the GEMV with its SiLU-and-mul prologue took batch-1
 decode from 1.333 to 1.081 ms per token on 0.6B and 5.103 to 4.605 on 8B (2c43c71, "Throughput and
 latency history"); the RMSNorm prologue at one row 0.978 -> 0.942 ms on 0.6B (-3.7%; d44b36e,
-"Session of 2026-12-02 (fifth)"). Kept: both >= 3% on batch-1 latency.
+"Session of 2026-12-02 (fifth)"). Kept: both >= 3% on batch-1 latency. Under block scales (Qwen's FP8
+releases), the one-scale steps and BLOCK_SCALED tilings took Qwen3-8B from 7.080 / 7.865 to 4.288 /
+4.603 ms per token at batch 1 / 2 (BENCHMARKS.md, nineteenth session).
 """
 
 from __future__ import annotations
