@@ -101,15 +101,16 @@ def test_decode_weights_follow_each_family(name, published_params, untied_embedd
     assert decode_weight_elements(cfg) == published_params - untied_embedding
 
 
-def test_fp8_release_config_is_the_8b_shape_in_block_fp8():
-    """configs/qwen3-8b-fp8: Qwen3-8B's shape with the quantization_config of Qwen's FP8 release,
-    read as 128 x 128 block-scaled e4m3 weights (so bench.py probes the FP8 GEMM peak for it)."""
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
+def test_fp8_release_configs_are_their_shapes_in_block_fp8(name):
+    """configs/<name>-fp8: the shape of configs/<name> with the quantization_config of Qwen's FP8
+    releases, read as 128 x 128 block-scaled e4m3 weights (so bench.py probes the FP8 GEMM peak)."""
     from nanovllm.quantization.config import BLOCK, resolve_quantization
 
-    fp8 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-8b-fp8"))
-    bf16 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / "qwen3-8b"))
+    fp8 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / f"{name}-fp8"))
+    bf16 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / name))
     assert fp8 == bf16 and decode_weight_elements(fp8) == decode_weight_elements(bf16)
-    quant = resolve_quantization(None, fp8.quantization_config, "qwen3-8b-fp8")
+    quant = resolve_quantization(None, fp8.quantization_config, f"{name}-fp8")
     assert quant is not None and quant.fmt.scales == BLOCK
 
 
