@@ -78,15 +78,19 @@ def test_fp8_gemv_tall_tiles_and_bad_scales():
         gemv(x, q)  # an FP8 weight needs its scale
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (1, 24576, 4096), (2, 4096, 12288), (2, 300, 64)])
+@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (1, 24576, 4096), (2, 4096, 12288), (1, 2048, 4096),
+                                      (2, 1024, 64)])
 def test_block_scaled_tilings(rows, n, k):
-    """Under 128 x 128 block scales: two rows take 128-column steps (one scale each); one row takes
-    them only where 32-row programs fill a wave (8B gate_up), else the tall tiling."""
-    t = tiling(rows, n, k, wave=528, block_scales=True)
-    if rows > 1 or n >= 32 * 528:
+    """Under 128 x 128 block scales, layers of 4,096 outputs or more: two rows take 128-column steps
+    (one scale each); one row takes them only where 32-row programs fill a wave (8B gate_up), else
+    the tall tiling. Narrower layers keep the plain rule."""
+    t, plain = tiling(rows, n, k, wave=528, block_scales=True), tiling(rows, n, k, wave=528)
+    if n < 4096:
+        assert t == plain
+    elif rows > 1 or n >= 32 * 528:
         assert t.block_k <= 128 and 128 % t.block_k == 0
     else:
-        assert t == tiling(rows, n, k, wave=528)  # TALL: it alone fits one wave
+        assert (t.block_n, t.block_k) == (16, 256)  # the tall tiling
     assert 128 % t.block_n == 0
 
 

@@ -177,9 +177,9 @@ SPECS = [
           (False, 1, 16, 256, 4, "", True, True, 2),
           (False, 2, 8, 512, 3, "", True, False, 1),
           (True, 1, 8, 512, 3, "", True, False, 1),
-          # block scales at 128-column steps: one scale a step
-          (False, 1, 8, 128, 12, "", True, True, 2),
-          (True, 2, 4, 128, 16, "evict_first", False, False, 2))]),
+          # block scales at 128-column steps (gemv.BLOCK_SCALED_*): one scale a step
+          (False, 1, 32, 128, 4, "", True, True, 2),
+          (True, 2, 16, 128, 8, "", True, False, 2))]),
     # FP8 activation quantization: per token (4096-column steps), per 128-group, static
     # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
     ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",

@@ -93,9 +93,9 @@ TALL_TILING = Tiling(block_n=16, block_k=256, stages=4, evict="")
 # 4 weight rows per program, 4 steps in flight, weight loads marked evict-first.
 NARROW_TILING = Tiling(block_n=4, block_k=BLOCK_K, stages=4, evict="evict_first")
 # FP8 weights under 128 x 128 block scales: 128-column steps take one scale each (kernel: BLOCK_K <=
-# SCALE_BLOCK) where wider steps gather one per column. Two rows: 16 x 128 x 8; one row: 32 x 128 x 4
-# on layers wide enough to fill a wave with it (8B gate_up), else TALL_TILING (BENCHMARKS.md, nineteenth
-# session: 8B layer us at 1 / 2 rows against the earlier tilings).
+# SCALE_BLOCK) where wider steps gather one per column. From WIDE_N outputs, two rows: 16 x 128 x 8; one
+# row: 32 x 128 x 4 on layers wide enough to fill a wave with it (8B gate_up), else TALL_TILING
+# (BENCHMARKS.md, nineteenth session: 8B and 30B layer us at 1 / 2 rows against the earlier tilings).
 BLOCK_SCALED_TILING = Tiling(block_n=16, block_k=FP8_BLOCK, stages=8, evict="")
 BLOCK_SCALED_WIDE = Tiling(block_n=32, block_k=FP8_BLOCK, stages=4, evict="")
 
@@ -178,22 +178,18 @@ def _summed(x_ptrs, r_ptrs, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
 def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scales: bool = False) -> Tiling:
     """The tiling for a call: NARROW_TILING below WIDE_N outputs, else WIDE_TILING, or (one row
     only) TALL_TILING where that alone fits the grid into one wave of `wave` programs (None: no
-    GPU, no waves). With `block_scales` (FP8 weights scaled per 128 x 128 block): BLOCK_SCALED_TILING
-    at two rows or more; at one row BLOCK_SCALED_WIDE where its grid fills a wave, else TALL_TILING.
-    BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K for short rows."""
+    GPU, no waves). With `block_scales` (FP8 weights scaled per 128 x 128 block) from WIDE_N outputs:
+    BLOCK_SCALED_TILING at two rows or more; at one row BLOCK_SCALED_WIDE where its grid fills a wave,
+    else TALL_TILING (narrower block-scaled layers: the plain rule, not measured otherwise). BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K for short rows."""
     t = NARROW_TILING
-    if n_out >= WIDE_N:
+    if block_scales and n_out >= WIDE_N:
+        fills_wave = wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave
+        t = BLOCK_SCALED_TILING if rows > 1 else BLOCK_SCALED_WIDE if fills_wave else TALL_TILING
+    elif n_out >= WIDE_N:
         # TALL's [rows, 16, 256] accumulator only pays at one row (2026-12-02 sweep, 2 rows: 0.6B
         # gate_up 8.9 us TALL vs 6.9 WIDE, 8B qkv 19.4 vs 16.6; 30B qkv 8.9 vs 9.2 the exception)
         spills = wave is not None and rows == 1 and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
         t = TALL_TILING if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave else WIDE_TILING
-    if block_scales:
-        if rows > 1:
-            t = BLOCK_SCALED_TILING
-        elif wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave:
-            t = BLOCK_SCALED_WIDE
-        else:
-            t = TALL_TILING
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
 
 
