@@ -87,6 +87,16 @@ def test_rms_norm_gemv(dtype, m, n, k, with_residual, with_bias):
     near_torch(out, F.linear(norm.forward_native(summed), w, bias))
 
 
+def test_norm_in_gemv_reads_the_block_scaled_tiling():
+    """Whether the norm runs inside a layer's GEMV depends on that GEMV's grid: a block-scaled FP8
+    layer's two-row tiles (16 rows a program) make half the programs of the plain 8-row tiling."""
+    from nanovllm.layers.kernel_path import KernelRoutes, plan_linear
+
+    routes = KernelRoutes(norm_in_gemv_max_rows=2)  # wave at 100 SMs: 400 programs
+    assert plan_linear(4096, 1024, routes, 100, takes_norm=True).norm_rows == 0  # 512 programs
+    assert plan_linear(4096, 1024, routes, 100, takes_norm=True, block_scales=True).norm_rows == 2  # 256
+
+
 def test_column_layers_take_the_norm_into_the_gemv():
     """A column-parallel layer whose path takes the norm into its GEMV (the routes' one row; the
     interpreter runs the kernel) gives what the norm then the layer give, with and without a
