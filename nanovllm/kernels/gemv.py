@@ -180,7 +180,8 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
     only) TALL_TILING where that alone fits the grid into one wave of `wave` programs (None: no
     GPU, no waves). With `block_scales` (FP8 weights scaled per 128 x 128 block) from WIDE_N outputs:
     BLOCK_SCALED_TILING at two rows or more; at one row BLOCK_SCALED_WIDE where its grid fills a wave,
-    else TALL_TILING (narrower block-scaled layers: the plain rule, not measured otherwise). BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K for short rows."""
+    else TALL_TILING (narrower block-scaled layers: the plain rule, not measured otherwise). BLOCK_K
+    shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K for short rows."""
     t = NARROW_TILING
     if block_scales and n_out >= WIDE_N:
         fills_wave = wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave
@@ -219,11 +220,11 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
     if norm is not None:
         _check_norm(norm, x)
     wave = one_wave(x.device)
+    w_scale = 0 if weight_scale is None else weight_scale.dim()  # 1: per row, 2: per block
     if tile is None:
-        tile = tiling(m, n_out, k_in, wave, block_scales=weight_scale is not None and weight_scale.dim() == 2)
+        tile = tiling(m, n_out, k_in, wave, block_scales=w_scale == 2)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
-    w_scale = 0 if weight_scale is None else weight_scale.dim()  # 1: per row, 2: per block
     if w_scale == 2 and FP8_BLOCK % tile.block_n:
         raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
