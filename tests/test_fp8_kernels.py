@@ -12,7 +12,8 @@ from linear_refs import DTYPES, REF_TOL, randn, rel_err
 
 from nanovllm.kernels.fp8_quant import RowQuant, quantize_rows
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
-from nanovllm.kernels.gemv import Tiling, gemv, rms_norm_gemv, silu_mul_gemv, tiling
+from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
+from nanovllm.kernels.gemv_plan import Tiling, tiling
 
 pytestmark = pytest.mark.interpreter
 FP8 = torch.float8_e4m3fn
@@ -79,19 +80,24 @@ def test_fp8_gemv_tall_tiles_and_bad_scales():
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (1, 24576, 4096), (2, 4096, 12288), (1, 2048, 4096),
-                                      (2, 1024, 64)])
-def test_block_scaled_tilings(rows, n, k):
-    """Under 128 x 128 block scales, layers of 4,096 outputs or more: two rows take 128-column steps
-    (one scale each); one row takes them only where 32-row programs fill a wave (8B gate_up), else
-    the tall tiling. Narrower layers keep the plain rule."""
-    t, plain = tiling(rows, n, k, wave=528, block_scales=True), tiling(rows, n, k, wave=528)
-    if n < 4096:
-        assert t == plain
-    elif rows > 1 or n >= 32 * 528:
-        assert t.block_k <= 128 and 128 % t.block_k == 0
+                                      (2, 2048, 4096), (2, 1024, 64), (2, 24576, 4096), (2, 6144, 4096)])
+def test_fp8_tilings(rows, n, k):
+    """FP8 tilings (wave 528: 132 SMs). Block scales, any width: 32 x 128 where 32-row programs fill a
+    wave (8B gate_up), else 16 x 128 at two rows (one scale a step) and the tall tiling at one.
+    Per-row scales from 4,096 outputs at two rows: 32 x 128 where it fills a wave, 1,024-column
+    steps where 8-row programs fit one wave, else the tall tiling; otherwise the plain rule (the
+    words' accumulator budget aside)."""
+    wave = 528
+    block, row, plain = (tiling(rows, n, k, wave=wave, block_scales=True, fp8=True),
+                         tiling(rows, n, k, wave=wave, fp8=True), tiling(rows, n, k, wave=wave))
+    tall = (16, min(256, k))
+    fills = n >= 32 * wave
+    assert (block.block_n, block.block_k) == ((32, 128) if fills else (16, min(128, k)) if rows > 1 else tall)
+    assert 128 % block.block_n == 0
+    if rows > 1 and n >= 4096:
+        assert (row.block_n, row.block_k) == ((32, 128) if fills else (8, 1024) if -(-n // 8) <= wave else tall)
     else:
-        assert (t.block_n, t.block_k) == (16, 256)  # the tall tiling
-    assert 128 % t.block_n == 0
+        assert (row.block_n, row.stages) == (plain.block_n, plain.stages)
 
 
 def ref_quantize(x, group, static=None):

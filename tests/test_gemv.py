@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from linear_refs import DTYPES, REF_TOL, near_torch, randn, rel_err
 
 from nanovllm.kernels.checks import next_pow2
-from nanovllm.kernels.gemv import (ACC_ELEMS, MAX_ROWS, NARROW_TILING, TALL_TILING, WIDE_N,
-                                   WIDE_TILING, Tiling, gemv, rms_norm_gemv, silu_mul_gemv, tiling)
+from nanovllm.kernels.gemv import MAX_ROWS, gemv, rms_norm_gemv, silu_mul_gemv
+from nanovllm.kernels.gemv_plan import ACC_ELEMS, NARROW_TILING, TALL_TILING, WIDE_N, WIDE_TILING, Tiling, tiling
 from nanovllm.kernels.pdl import RESIDENT_PER_SM
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm

@@ -96,7 +96,7 @@ def test_gemv_after_producer_in_graph(n, k):
     producer whether it launches early (one-wave grids: PDL, weight lines prefetched before the
     wait) or not (the 8B gate_up grid); 8B qkv takes 16-row programs to fit one wave."""
     from nanovllm.kernels.fused_norm import rms_norm
-    from nanovllm.kernels.gemv import TALL_TILING, tiling
+    from nanovllm.kernels.gemv_plan import TALL_TILING, tiling
     from nanovllm.kernels.pdl import one_wave
 
     wave = one_wave(torch.device(DEV))

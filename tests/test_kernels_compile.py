@@ -48,6 +48,8 @@ FP8 = "*fp8e4nv"
 FP8_WORDS = "*i32"
 # The MoE kernels' FP8 experts: e4m3 weights and float32 scales (moe/fp8_experts.py).
 MOE_FP8 = {"w13_ptr": FP8, "w2_ptr": FP8, "s13_ptr": "*fp32", "s2_ptr": "*fp32"}
+# ... which the decode gate_up GEMV reads as int32 words of four under block scales (moe/decode.py).
+MOE_FP8_WORDS = {**MOE_FP8, "w13_ptr": FP8_WORDS}
 # ... and their W8A8 variant's float32 activation scales (the e4m3 activation pointer is per kernel).
 MOE_FP8_ACT = {**MOE_FP8, "as_ptr": "*fp32"}
 # W8A8 blocks of this many rows and more must multiply on Hopper's FP8 tensor cores (wgmma with e4m3
@@ -119,7 +121,7 @@ SPECS = [
        [{"TOP_K": 8, "BLOCK_N": DECODE_TILES.gate_up_block_n, "BLOCK_K": DECODE_TILES.gate_up_block_k,
          "ROUTE": route, "K_PAD": 8, "BLOCK_E": 128, "RENORMALIZE": route, "PDL": p, "W_SCALE": scale,
          "SCALE_BLOCK": 128} for route in (False, True) for p in (True, False)])
-      for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
+      for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8_WORDS))],
     *[("moe.decode", "_down_gemv", {"ids_ptr": "*i32", "weights_ptr": "*fp32", **types},
        [{"TOP_K": k, "K_PAD": 1 << (k - 1).bit_length(), "BLOCK_N": DECODE_TILES.down_block_n,
          "BLOCK_K": block_k, "PDL": p, "W_SCALE": scale, "SCALE_PER_STEP": block_k <= 128, "SCALE_BLOCK": 128}
@@ -166,10 +168,10 @@ SPECS = [
           (True, True, 2, 4, 512, 4, "evict_first", False, False, False),
           (False, False, 1, 16, 256, 4, "", True, True, True),  # the add + RMSNorm in front (TALL tiles)
           (False, True, 2, 8, 512, 3, "", True, True, False))]),
-    # ... with FP8 weights, a scale per row (1) or per 128 x 128 block (2), each prologue
-    ("kernels.gemv", "_gemv_kernel", {"eps": "fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"},
+    # ... with FP8 weights (int32 words of four e4m3), a scale per row (1) or per 128 x 128 block (2), each prologue
+    ("kernels.gemv", "_gemv_kernel", {"eps": "fp32", "w_ptr": FP8_WORDS, "ws_ptr": "*fp32"},
      [{"SILU_MUL": silu, "HAS_BIAS": False, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "EVEN_K": True, "STAGES": st,
-       "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 128, "PDL": pdl, "NORM": norm, "HAS_RES": norm,
+       "EVICT": ev, "PREFETCH": pdl, "LINE_ELEMS": 32, "PDL": pdl, "NORM": norm, "HAS_RES": norm,
        "BLOCK_KF": 4096 if norm else 16, "W_SCALE": scale, "SCALE_BLOCK": 128}
       for silu, m, n, k, st, ev, pdl, norm, scale in (
           (False, 1, 8, 512, 3, "", True, False, 2),
@@ -177,9 +179,12 @@ SPECS = [
           (False, 1, 16, 256, 4, "", True, True, 2),
           (False, 2, 8, 512, 3, "", True, False, 1),
           (True, 1, 8, 512, 3, "", True, False, 1),
-          # block scales at 128-column steps (gemv.BLOCK_SCALED_*): one scale a step
+          # block scales at 128-column steps (gemv_plan.BLOCK_SCALED_*): one scale a step
           (False, 1, 32, 128, 4, "", True, True, 2),
-          (True, 2, 16, 128, 8, "", True, False, 2))]),
+          (True, 2, 16, 128, 8, "", True, False, 2),
+          # two rows, per-row scales, 1,024-column steps (gemv_plan.FP8_ROWS_WIDE): o and down
+          (False, 2, 8, 1024, 3, "", True, False, 1),
+          (True, 2, 8, 1024, 3, "", True, False, 1))]),
     # FP8 activation quantization: per token (4096-column steps), per 128-group, static
     # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
     ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",

@@ -31,7 +31,8 @@ from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count, next_pow2
 from nanovllm.kernels.fused_activation import silu_and_mul
-from nanovllm.kernels.gemv import MAX_ROWS, Tiling, gemv, silu_mul_gemv
+from nanovllm.kernels.gemv import MAX_ROWS, gemv, silu_mul_gemv
+from nanovllm.kernels.gemv_plan import Tiling
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm, skinny_tiling
 
@@ -55,6 +56,7 @@ TILINGS = [(4, 512, 1, ""), (4, 512, 3, ""), (4, 512, 4, ""), (4, 512, 4, "evict
 # --fp8: GEMV tilings (BLOCK_N, BLOCK_K, stages, eviction) over FP8 weights: the bf16 tilings, and steps of
 # 128 columns (one scale a step under 128 x 128 block scales) with more of them in flight.
 FP8_TILINGS = [(8, 512, 3, ""), (16, 256, 4, ""), (4, 512, 4, "evict_first"), (8, 128, 12, ""), (16, 128, 8, ""),
+               (8, 1024, 3, ""), (16, 512, 3, ""), (4, 1024, 4, "evict_first"),
                (4, 128, 16, "evict_first"), (32, 128, 4, ""), (16, 128, 4, "")]
 
 

@@ -98,3 +98,13 @@ def e4m3_planes(words, dtype: tl.constexpr):
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=1)
         return p0.to(dtype), p1.to(dtype), p2.to(dtype), p3.to(dtype)
+
+
+@triton.jit
+def split_planes(a, ROWS: tl.constexpr, KW: tl.constexpr):
+    """a [ROWS, 4 KW] -> its four planes [ROWS, KW] (plane j: columns 4c + j), laid out as
+    `e4m3_planes` lays out the words of the same columns."""
+    even, odd = tl.split(tl.reshape(a, (ROWS, KW, 2, 2)))  # column 4c + 2 b1 + b0: split takes b0
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    return a0, a1, a2, a3

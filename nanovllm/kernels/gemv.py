@@ -11,10 +11,13 @@ kernel of its own; here one kernel streams the weight once, computing its input 
     NORM:       a = round(s * rsqrt(mean(s^2) + eps) * g)        s = round(x + residual) (or x),
                                                                  g the RMSNorm weight [K]
 
-FP8 weights (`weight_scale`, W_SCALE): weight = e4m3 values x scale, read at one byte a value and
-converted in registers. A scale per row multiplies each output sum; a scale per 128 x 128 block
-multiplies a's columns (a program's BLOCK_N rows lie in one row of blocks, BLOCK_N dividing 128):
-one scale a step when the step's BLOCK_K columns lie in one block, else one gathered per column:
+FP8 weights (`weight_scale`, W_SCALE): weight = e4m3 values x scale, read as int32 words of four
+values and converted in registers two an instruction into four planes (kernels/fp8_kv.e4m3_planes:
+plane j holds columns 4c + j; a is split into the same planes). Read byte-wise, the tiles came out
+of shared memory one byte a load (32 LDS.U8 a thread a step, sm_90 SASS). A scale per row
+multiplies each output sum; a scale per 128 x 128 block multiplies a's columns (a program's
+BLOCK_N rows lie in one row of blocks, BLOCK_N dividing 128): one scale a step when the step's
+BLOCK_K columns lie in one block, else one gathered per column:
 
     per row:    out[m, n] = s[n] * sum_k a[m, k] w8[n, k]
     per block:  out[m, n] = sum_k (a[m, k] s[n // 128, k // 128]) w8[n, k]
@@ -45,20 +48,25 @@ decode from 1.333 to 1.081 ms per token on 0.6B and 5.103 to 4.605 on 8B (2c43c7
 latency history"); the RMSNorm prologue at one row 0.978 -> 0.942 ms on 0.6B (-3.7%; d44b36e,
 "Session of 2026-12-02 (fifth)"). Kept: both >= 3% on batch-1 latency. Under block scales (Qwen's FP8
 releases), the one-scale steps and BLOCK_SCALED tilings took Qwen3-8B from 7.080 / 7.865 to 4.288 /
-4.603 ms per token at batch 1 / 2 (BENCHMARKS.md, nineteenth session).
+4.603 ms per token at batch 1 / 2 (BENCHMARKS.md, nineteenth session). The word reads and the FP8
+tilings at two rows: Qwen3-8B `--quantization fp8` 3.482 / 3.946 -> 3.069 / 3.245 ms, its block layout
+4.316 / 4.600 -> 4.210 / 4.306; the narrow block-scaled layers' tilings with them, Qwen3-30B-A3B's
+block layout 3.427 / 3.950 -> 2.848 / 2.998 (BENCHMARKS.md, twentieth session).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, check_eps, check_linear, check_matrix, check_vector, next_pow2
+from .checks import FP8_BLOCK, FP8_PER_WORD, check_eps, check_linear, check_matrix, check_vector, next_pow2
+from .fp8_kv import e4m3_planes, split_planes
 from .fused_activation import silu_mul
 from .fused_norm import round_to
+from .gemv_plan import Tiling, tiling
 from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
@@ -67,37 +75,10 @@ MAX_ROWS = 4
 # Most elements the NORM prologue loads whole (rows x K, each a power of two): 8192 fp32 are 64
 # registers a thread at 4 warps, held only before the main loop (e.g. 2 rows of K = 4096).
 MAX_NORM_ELEMS = 8192
-# Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
-ACC_ELEMS = 8192
 NUM_WARPS = 4
-# The tilings below are the fastest of benchmarks/kernels/bench_gemm.py --sweep (timings: BENCHMARKS.md,
-# "Tuning notes moved from kernel docstrings").
-# Weight columns per step (before shrinking for more rows or a short K).
-BLOCK_K = 512
-# Layers at least this wide take 8-row programs; narrower ones 4 rows, so enough programs share the read.
-WIDE_N = 4096
 
 
-@dataclass(frozen=True)
-class Tiling:
-    block_n: int  # weight rows per program
-    block_k: int  # weight columns per step
-    stages: int  # steps whose loads are in flight at once
-    evict: str  # eviction policy of the weight loads ("" = the default)
-
-
-# 8 weight rows x BLOCK_K columns per step, 3 steps in flight.
-WIDE_TILING = Tiling(block_n=8, block_k=BLOCK_K, stages=3, evict="")
-# Twice the rows per program, half the grid: for wide layers whose 8-row grid needs a second wave.
-TALL_TILING = Tiling(block_n=16, block_k=256, stages=4, evict="")
-# 4 weight rows per program, 4 steps in flight, weight loads marked evict-first.
-NARROW_TILING = Tiling(block_n=4, block_k=BLOCK_K, stages=4, evict="evict_first")
-# FP8 weights under 128 x 128 block scales: 128-column steps take one scale each (kernel: BLOCK_K <=
-# SCALE_BLOCK) where wider steps gather one per column. From WIDE_N outputs, two rows: 16 x 128 x 8; one
-# row: 32 x 128 x 4 on layers wide enough to fill a wave with it (8B gate_up), else TALL_TILING
-# (BENCHMARKS.md, nineteenth session: 8B and 30B layer us at 1 / 2 rows against the earlier tilings).
-BLOCK_SCALED_TILING = Tiling(block_n=16, block_k=FP8_BLOCK, stages=8, evict="")
-BLOCK_SCALED_WIDE = Tiling(block_n=32, block_k=FP8_BLOCK, stages=4, evict="")
+PER_WORD = tl.constexpr(FP8_PER_WORD)
 
 
 @triton.jit
@@ -113,8 +94,10 @@ def _gemv_kernel(
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_out
     w_rows = w_ptr + tl.minimum(rn, n_out - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    # FP8 weights (W_SCALE > 0) arrive as int32 words of PER_WORD e4m3 values: BLOCK_K // PER_WORD words a step.
+    KW: tl.constexpr = BLOCK_K // PER_WORD if W_SCALE > 0 else BLOCK_K
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        prefetch_rows_l2(w_rows, k_in, BLOCK_K, LINE_ELEMS)
+        prefetch_rows_l2(w_rows, k_in // (BLOCK_K // KW), KW, LINE_ELEMS)
     wait_for_prior(PDL)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
@@ -131,16 +114,20 @@ def _gemv_kernel(
         rstd = tl.math.rsqrt(tl.sum(row * row, axis=1) / k_in + eps)  # [BLOCK_M]
     if W_SCALE == 2:  # this program's rows lie in one row of blocks (BLOCK_N divides SCALE_BLOCK)
         ws_row = ws_ptr + ((tl.program_id(0) * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_ws
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
     for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         if EVEN_K:
             a_mask = m_ok[:, None]
-            w_mask = n_ok[:, None]
         else:
             a_mask = m_ok[:, None] & (kk < k_in)[None, :]
-            w_mask = n_ok[:, None] & (kk < k_in)[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        if W_SCALE > 0:
+            kw = tl.arange(0, KW) + k0 // PER_WORD
+            w_mask = n_ok[:, None] if EVEN_K else n_ok[:, None] & (kw < k_in // PER_WORD)[None, :]
+            words = tl.load(w_rows + kw[None, :], mask=w_mask, other=0, eviction_policy=EVICT)  # [BLOCK_N, KW]
+        else:
+            w_mask = n_ok[:, None] if EVEN_K else n_ok[:, None] & (kk < k_in)[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         if SILU_MUL:
             gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
             up = tl.load(x_rows + k_in + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
@@ -156,7 +143,10 @@ def _gemv_kernel(
                 a = a * tl.load(ws_row + k0 // SCALE_BLOCK)
             else:  # one per column
                 a = a * tl.load(ws_row + kk // SCALE_BLOCK, mask=kk < k_in, other=0.0)[None, :]
-        acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
+        if W_SCALE > 0:
+            acc = _fma_word_planes(acc, a, words, BLOCK_M, KW)
+        else:
+            acc += a[:, None, :] * w[None, :, :]  # w: [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if W_SCALE == 1:  # one scale per weight row
         y *= tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -167,31 +157,22 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _fma_word_planes(acc, a, words, BLOCK_M: tl.constexpr, KW: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N, KW] += sum_j a_j w_j: words [BLOCK_N, KW] hold columns 4c + j (byte j,
+    kernels/fp8_kv.e4m3_planes), a [BLOCK_M, 4 KW] is split into the same four planes."""
+    w0, w1, w2, w3 = e4m3_planes(words, tl.float32)  # [BLOCK_N, KW] each
+    a0, a1, a2, a3 = split_planes(a, BLOCK_M, KW)  # [BLOCK_M, KW] each
+    return acc + (a0[:, None, :] * w0[None, :, :] + a1[:, None, :] * w1[None, :, :]
+                  + a2[:, None, :] * w2[None, :, :] + a3[:, None, :] * w3[None, :, :])
+
+
+@triton.jit
 def _summed(x_ptrs, r_ptrs, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
     """float32 x, or round(x + residual) to dtype (as the add + RMSNorm kernel rounds it)."""
     s = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         s = round_to(s + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
     return s
-
-
-def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scales: bool = False) -> Tiling:
-    """The tiling for a call: NARROW_TILING below WIDE_N outputs, else WIDE_TILING, or (one row
-    only) TALL_TILING where that alone fits the grid into one wave of `wave` programs (None: no
-    GPU, no waves). With `block_scales` (FP8 weights scaled per 128 x 128 block) from WIDE_N outputs:
-    BLOCK_SCALED_TILING at two rows or more; at one row BLOCK_SCALED_WIDE where its grid fills a wave,
-    else TALL_TILING (narrower block-scaled layers: the plain rule, not measured otherwise). BLOCK_K
-    shrinks with more rows to keep the accumulator at ACC_ELEMS, and to K for short rows."""
-    t = NARROW_TILING
-    if block_scales and n_out >= WIDE_N:
-        fills_wave = wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave
-        t = BLOCK_SCALED_TILING if rows > 1 else BLOCK_SCALED_WIDE if fills_wave else TALL_TILING
-    elif n_out >= WIDE_N:
-        # TALL's [rows, 16, 256] accumulator only pays at one row (2026-12-02 sweep, 2 rows: 0.6B
-        # gate_up 8.9 us TALL vs 6.9 WIDE, 8B qkv 19.4 vs 16.6; 30B qkv 8.9 vs 9.2 the exception)
-        spills = wave is not None and rows == 1 and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
-        t = TALL_TILING if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave else WIDE_TILING
-    return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, ACC_ELEMS // (next_pow2(rows) * t.block_n))))
 
 
 @dataclass(frozen=True)
@@ -222,23 +203,28 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
     wave = one_wave(x.device)
     w_scale = 0 if weight_scale is None else weight_scale.dim()  # 1: per row, 2: per block
     if tile is None:
-        tile = tiling(m, n_out, k_in, wave, block_scales=w_scale == 2)
+        tile = tiling(m, n_out, k_in, wave, block_scales=w_scale == 2, fp8=w_scale > 0)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     if w_scale == 2 and FP8_BLOCK % tile.block_n:
         raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
+    if w_scale and k_in % FP8_PER_WORD:
+        raise ValueError(f"an FP8 weight's rows are read as int32 words: K must be a multiple of {FP8_PER_WORD}, "
+                         f"got {tuple(weight.shape)}")
+    # FP8: the rows as int32 words of FP8_PER_WORD e4m3 values (strides in words)
+    w_arg = weight.view(torch.int32) if w_scale else weight
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res = norm.residual if norm is not None else None
     s_out = torch.empty((m, k_in), dtype=x.dtype, device=x.device) if res is not None else None
     grid = triton.cdiv(n_out, tile.block_n)
     pdl = pdl_for_grid(x, grid)
-    line_elems = LINE_BYTES // weight.element_size()
+    line_elems = LINE_BYTES // w_arg.element_size()  # in the kernel's weight elements (words for FP8)
     _gemv_kernel[(grid,)](
-        x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
+        x, w_arg, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), w_arg.stride(0),
         out.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
-        PREFETCH=pdl["PDL"] and tile.block_k >= line_elems, LINE_ELEMS=line_elems, num_warps=NUM_WARPS,
+        PREFETCH=pdl["PDL"] and tile.block_k * weight.element_size() >= LINE_BYTES, LINE_ELEMS=line_elems, num_warps=NUM_WARPS,
         res_ptr=x if res is None else res, norm_w_ptr=x if norm is None else norm.weight,
         s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
         eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,

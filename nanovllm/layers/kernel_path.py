@@ -135,23 +135,24 @@ class LinearPath:
 
 
 def linear_path(out_features: int, in_features: int, device: torch.device, *, takes_norm: bool,
-                block_scales: bool = False) -> LinearPath:
+                block_scales: bool = False, fp8: bool = False) -> LinearPath:
     """The path of a projection [out, in] built on `device` (`takes_norm`: a column-parallel layer
-    whose input norm may run inside its GEMV; `block_scales`: FP8 weights held with 128 x 128 block
-    scales, whose GEMV tiles differ)."""
+    whose input norm may run inside its GEMV; `fp8`: FP8 weights held as such, `block_scales` with
+    128 x 128 block scales: their GEMV tiles differ)."""
     if not uses_triton(device):
         return LinearPath(0, 0, 0)
     from nanovllm.kernels.checks import cuda_sm_count
 
     return plan_linear(out_features, in_features, current_routes(), cuda_sm_count(device), takes_norm=takes_norm,
-                       block_scales=block_scales)
+                       block_scales=block_scales, fp8=fp8)
 
 
 def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_count: int, *,
-                takes_norm: bool, block_scales: bool = False) -> LinearPath:
+                takes_norm: bool, block_scales: bool = False, fp8: bool = False) -> LinearPath:
     """`linear_path` on a CUDA device of `sm_count` SMs under `routes` (no device needed)."""
     from nanovllm.kernels.checks import next_pow2
-    from nanovllm.kernels.gemv import MAX_NORM_ELEMS, MAX_ROWS, tiling
+    from nanovllm.kernels.gemv import MAX_NORM_ELEMS, MAX_ROWS
+    from nanovllm.kernels.gemv_plan import tiling
     from nanovllm.kernels.pdl import RESIDENT_PER_SM
     from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS_LIMIT, skinny_tiling
 
@@ -161,7 +162,7 @@ def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_co
     # repeats the row's norm in too many programs) and the rows fit the prologue (MAX_NORM_ELEMS).
     norm_fits = (takes_norm and norm_rows > 0
                  and next_pow2(norm_rows) * next_pow2(in_features) <= MAX_NORM_ELEMS
-                 and -(-out_features // tiling(norm_rows, out_features, in_features, wave, block_scales).block_n)
+                 and -(-out_features // tiling(norm_rows, out_features, in_features, wave, block_scales, fp8).block_n)
                  <= wave)
     skinny_rows = min(routes.skinny_max_rows, SKINNY_ROWS_LIMIT)
     # Narrow: the skinny GEMM's default tiling splits K at skinny_rows (few output tiles).

@@ -94,7 +94,7 @@ class _LinearBase(nn.Module):
             self.weight.quant = self.quant  # the loader quantizes / dequantizes by it
         self.fp8 = self._fp8_parameters(in_features) if held else None
         path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm,
-                           block_scales=self.fp8 is not None and self.fp8.blocks)
+                           block_scales=self.fp8 is not None and self.fp8.blocks, fp8=self.fp8 is not None)
         self.path = replace(path, skinny_rows=0) if held else path
 
     def checkpoint_names(self, prefix: str | None) -> tuple[str, ...] | None:

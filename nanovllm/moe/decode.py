@@ -19,8 +19,13 @@ gate_up streams BN weight rows over H in BK steps (accumulators [BN, BK] float32
 kernels/gemv.py). down loads one 3-D tile a step, so the K experts' reads are in flight together
 (one expert after another left ~4 KB in flight per program: latency-bound); it reduces over BK
 every step into [KP, BN] float32. Slots K..KP-1 are masked (no loads, weight 0).
-FP8 experts (moe/fp8_experts.py, W_SCALE): weights are read at one byte and converted in
-registers; per-channel scales multiply the row sums (gate_up) or each slot's [BN] sums (down).
+FP8 experts (moe/fp8_experts.py, W_SCALE): weights are read at one byte and converted in registers,
+except gate_up's under block scales, read as int32 words of four e4m3 values converted two values
+an instruction into four planes (kernels/fp8_kv.e4m3_planes; x split into the same planes,
+`split_planes`): at 30B-A3B's experts 10.0 / 15.7 us at T = 1 / 2 against 10.4 / 23.3 in bytes,
+where under per-channel scales words lost at T = 1 (10.3 against 7.7) and down lost 2-9% (H200,
+BENCHMARKS.md, twentieth session). Per-channel scales multiply the row sums (gate_up) or each
+slot's [BN] sums (down).
 Block scales: gate_up folds them into x column by column (each program's gate rows, and its up
 rows, lie in one row of blocks: the wrapper halves BN until BN divides 128 and I); down multiplies
 each step's [KP, BN] sums (BK divides 128), else each weight element. g, u and act are
@@ -44,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD, next_pow2
+from nanovllm.kernels.fp8_kv import e4m3_planes, split_planes
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .checks import check_experts, check_routing
@@ -92,6 +98,18 @@ NUM_WARPS = 4
 DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
 
 
+PER_WORD = tl.constexpr(FP8_PER_WORD)
+
+
+@triton.jit
+def _fma_planes(acc, x, words, KW: tl.constexpr):
+    """acc [N, KW] + sum_j x_j w_j: x [1, 4 KW] split into the planes (kernels/fp8_kv.split_planes)
+    of the words [N, KW] of four e4m3 values (one row's columns 4c .. 4c + 3 each)."""
+    w0, w1, w2, w3 = e4m3_planes(words, tl.float32)
+    x0, x1, x2, x3 = split_planes(x, 1, KW)
+    return acc + (x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3)
+
+
 @triton.jit
 def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr, hidden_size, inter, num_experts,
                   stride_h, stride_we, stride_wn, stride_l, s13_ptr, stride_se, stride_sn,
@@ -116,8 +134,11 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr
     n_ok = rn < inter
     rows = tl.minimum(rn, inter - 1).to(tl.int64)  # columns past I repeat row I - 1, never stored
     rk = tl.arange(0, BLOCK_K)
-    w = w13_ptr + expert * stride_we + rk[None, :]
-    g_ptrs = w + rows[:, None] * stride_wn  # [BLOCK_N, BLOCK_K]
+    # Block-scaled FP8 experts (W_SCALE 2) arrive as int32 words of PER_WORD e4m3 values (strides in words)
+    KW: tl.constexpr = BLOCK_K // PER_WORD if W_SCALE == 2 else BLOCK_K
+    rkw = tl.arange(0, KW)
+    w = w13_ptr + expert * stride_we + rkw[None, :]
+    g_ptrs = w + rows[:, None] * stride_wn  # [BLOCK_N, KW]
     u_ptrs = w + (rows + inter)[:, None] * stride_wn
     x_ptrs = hidden_ptr + token.to(tl.int64) * stride_h + rk  # [BLOCK_K]
     if W_SCALE != 0:
@@ -126,8 +147,8 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr
         first = tl.program_id(1) * BLOCK_N
         sg_row = s_base + (first // SCALE_BLOCK).to(tl.int64) * stride_sn
         su_row = s_base + ((first + inter) // SCALE_BLOCK).to(tl.int64) * stride_sn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         k_ok = k0 + rk < hidden_size
         x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
@@ -138,8 +159,13 @@ def _gate_up_gemv(hidden_ptr, w13_ptr, ids_ptr, act_ptr, logits_ptr, weights_ptr
         else:
             xg = x
             xu = x
-        acc_g += tl.load(g_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xg
-        acc_u += tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xu
+        if W_SCALE == 2:
+            kw_ok = (rkw + k0 // PER_WORD < hidden_size // PER_WORD)[None, :]
+            acc_g = _fma_planes(acc_g, xg, tl.load(g_ptrs + k0 // PER_WORD, mask=kw_ok, other=0), KW)
+            acc_u = _fma_planes(acc_u, xu, tl.load(u_ptrs + k0 // PER_WORD, mask=kw_ok, other=0), KW)
+        else:
+            acc_g += tl.load(g_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xg
+            acc_u += tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32) * xu
     dtype = act_ptr.dtype.element_ty
     g = tl.sum(acc_g, axis=1)  # [BLOCK_N]
     u = tl.sum(acc_u, axis=1)
@@ -259,6 +285,17 @@ def _gate_up_rows(block_n: int, inter: int, mode: ScaleMode) -> int:
     return block_n
 
 
+def _as_words(w: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
+    """Block-scaled FP8 experts [E, N, K] as int32 words [E, N, K / FP8_PER_WORD] (gate_up's read of
+    them); others as given."""
+    if mode != ScaleMode.BLOCK:
+        return w
+    if w.shape[2] % FP8_PER_WORD or w.stride(1) % FP8_PER_WORD or w.stride(0) % FP8_PER_WORD:
+        raise ValueError(f"FP8 experts are read as int32 words: rows of a multiple of {FP8_PER_WORD} values, "
+                         f"got {tuple(w.shape)} strides {w.stride()}")
+    return w.view(torch.int32)
+
+
 def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             router_logits: torch.Tensor | None, renormalize: bool, tiles: GemvTiles | None) -> torch.Tensor:
     """The two launches on checked arguments; with router_logits, gate_up routes and writes
@@ -274,9 +311,10 @@ def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     gate_up_n = _gate_up_rows(tiles.gate_up_block_n, inter, mode)
     gate_up_grid = (t * k, triton.cdiv(inter, gate_up_n))
     s13, scales13 = scale_args(mode, experts.w13_scale, hidden)
+    w13_arg = _as_words(w13, mode)
     _gate_up_gemv[gate_up_grid](
-        hidden, w13, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
-        hidden.stride(0), w13.stride(0), w13.stride(1), router_logits.stride(0) if route else 0, s13, **scales13,
+        hidden, w13_arg, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
+        hidden.stride(0), w13_arg.stride(0), w13_arg.stride(1), router_logits.stride(0) if route else 0, s13, **scales13,
         TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
         ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
