@@ -77,6 +77,10 @@ def test_fp8_gemv_tall_tiles_and_bad_scales():
         gemv(x, wd.float(), weight_scale=s)
     with pytest.raises(TypeError, match="weight dtype"):
         gemv(x, q)  # an FP8 weight needs its scale
+    # rows read as int32 words: K (and the row stride) a multiple of 4
+    q6, s6, _ = fp8_weight(8, 130, gen, "row")
+    with pytest.raises(ValueError, match="multiples of 4"):
+        gemv(randn((1, 130), gen, torch.float32), q6, weight_scale=s6)
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (1, 24576, 4096), (2, 4096, 12288), (1, 2048, 4096),

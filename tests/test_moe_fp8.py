@@ -106,6 +106,14 @@ def test_decode_gemv_fp8_matches_reference(mode, tokens):
     assert_close(out, reference_moe(hidden, *deq, w, i.long()), dtype)
 
 
+@pytest.mark.interpreter
+def test_decode_gemv_block_fp8_rows_must_be_words():
+    """gate_up reads block-scaled experts as int32 words of four: a hidden size off that grid is refused."""
+    (hidden, q13, q2, weights, ids, s13, s2), _ = fp8_case(1, 4, 2, 130, 64, torch.bfloat16, "cpu", "block")
+    with pytest.raises(ValueError, match="multiples of 4"):
+        moe_gemv(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [1, 16, 256, 2000])
@@ -154,15 +162,16 @@ def config_of(layout: str | None):
 def test_expert_quant_holds_where_the_kernels_run_and_blocks_fit():
     names = ("m.experts.0.gate_proj",)
     with quantization(config_of("qwen-block")):
-        assert expert_quant(names, 256, kernels=True).held
-        assert not expert_quant(names, 64, kernels=True).held  # a rank's rows split a block
-        assert not expert_quant(names, 256, kernels=False).held  # CPU: dequantized at load
-        assert expert_quant(None, 256, kernels=True) is None  # no checkpoint names: full precision
+        assert expert_quant(names, 256, kernels=True, hidden=2048).held
+        assert not expert_quant(names, 64, kernels=True, hidden=2048).held  # a rank's rows split a block
+        assert not expert_quant(names, 256, kernels=True, hidden=130).held  # rows off the int32 words
+        assert not expert_quant(names, 256, kernels=False, hidden=2048).held  # CPU: dequantized at load
+        assert expert_quant(None, 256, kernels=True, hidden=2048) is None  # no checkpoint names: full precision
     for layout in ("ct-channel", "ct-tensor", "qwen-tensor", None):
         with quantization(config_of(layout)):
-            quant = expert_quant(names, 40, kernels=True)
+            quant = expert_quant(names, 40, kernels=True, hidden=2048)
             assert quant.held and quant.weight_only and quant.fmt.requant_scales == "channel"
-    assert expert_quant(names, 256, kernels=True) is None  # no config
+    assert expert_quant(names, 256, kernels=True, hidden=2048) is None  # no config
 
 
 class ExpertsModel(nn.Module):

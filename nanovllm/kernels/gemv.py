@@ -97,7 +97,7 @@ def _gemv_kernel(
     # FP8 weights (W_SCALE > 0) arrive as int32 words of PER_WORD e4m3 values: BLOCK_K // PER_WORD words a step.
     KW: tl.constexpr = BLOCK_K // PER_WORD if W_SCALE > 0 else BLOCK_K
     if PREFETCH:  # the first step's weight lines, while the previous kernel finishes
-        prefetch_rows_l2(w_rows, k_in // (BLOCK_K // KW), KW, LINE_ELEMS)
+        prefetch_rows_l2(w_rows, k_in // PER_WORD if W_SCALE > 0 else k_in, KW, LINE_ELEMS)
     wait_for_prior(PDL)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
@@ -208,9 +208,10 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     if w_scale == 2 and FP8_BLOCK % tile.block_n:
         raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
-    if w_scale and k_in % FP8_PER_WORD:
-        raise ValueError(f"an FP8 weight's rows are read as int32 words: K must be a multiple of {FP8_PER_WORD}, "
-                         f"got {tuple(weight.shape)}")
+    if w_scale and (k_in % FP8_PER_WORD or weight.stride(0) % FP8_PER_WORD or weight.storage_offset() % FP8_PER_WORD):
+        raise ValueError(f"an FP8 weight's rows are read as int32 words: K, the row stride and the offset must be "
+                         f"multiples of {FP8_PER_WORD}, got {tuple(weight.shape)} strides {weight.stride()} "
+                         f"offset {weight.storage_offset()}")
     # FP8: the rows as int32 words of FP8_PER_WORD e4m3 values (strides in words)
     w_arg = weight.view(torch.int32) if w_scale else weight
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)

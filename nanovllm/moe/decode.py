@@ -290,9 +290,10 @@ def _as_words(w: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
     them); others as given."""
     if mode != ScaleMode.BLOCK:
         return w
-    if w.shape[2] % FP8_PER_WORD or w.stride(1) % FP8_PER_WORD or w.stride(0) % FP8_PER_WORD:
-        raise ValueError(f"FP8 experts are read as int32 words: rows of a multiple of {FP8_PER_WORD} values, "
-                         f"got {tuple(w.shape)} strides {w.stride()}")
+    if any(n % FP8_PER_WORD for n in (w.shape[2], w.stride(0), w.stride(1), w.storage_offset())):
+        raise ValueError(f"block-scaled FP8 experts are read as int32 words: rows, strides and offset in multiples "
+                         f"of {FP8_PER_WORD} values, got {tuple(w.shape)} strides {w.stride()} offset "
+                         f"{w.storage_offset()}")
     return w.view(torch.int32)
 
 

@@ -109,7 +109,7 @@ class MoeExperts(nn.Module):
         experts = range(num_experts)
         names = None if prefix is None else tuple(f"{prefix}.{e}.{proj}" for e in experts
                                                   for proj in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
-        quant = expert_quant(names, self.local_size, self.use_triton)
+        quant = expert_quant(names, self.local_size, self.use_triton, hidden_size)
         held = quant is not None and quant.held
         dtype = FP8_DTYPE if held else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size, dtype=dtype),

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.kernels.checks import FP8_BLOCK
+from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The values LLM(quantization=...) takes.
@@ -244,17 +244,18 @@ def linear_quant(names: tuple[str, ...] | None, out_parts: list[int], in_feature
     return LinearQuant(fmt, device.type == "cuda" and torch.get_default_dtype() == torch.bfloat16 and fits)
 
 
-def expert_quant(names: tuple[str, ...] | None, local_inter: int, kernels: bool) -> LinearQuant | None:
+def expert_quant(names: tuple[str, ...] | None, local_inter: int, kernels: bool, hidden: int) -> LinearQuant | None:
     """MoE experts' quantization (`names`: every expert's projection modules; `local_inter`: I/tp,
-    this rank's part of the intermediate dimension). Held where the layer runs the Triton MoE
-    kernels (`kernels`: layers/kernel_path.uses_triton), any compute dtype, for channel and tensor
-    scales (held per output channel) and for block scales when local_inter is a multiple of
-    FP8_BLOCK: this rank's rows of gate_proj and up_proj and its columns of down_proj are then
+    this rank's part of the intermediate dimension; `hidden`: H). Held where the layer runs the
+    Triton MoE kernels (`kernels`: layers/kernel_path.uses_triton), any compute dtype, for channel
+    and tensor scales (held per output channel) and for block scales when local_inter is a multiple
+    of FP8_BLOCK: this rank's rows of gate_proj and up_proj and its columns of down_proj are then
     whole blocks of the checkpoint's grids, which stack into the layer's (the block grid of
-    w13 [2 I/tp, H] needs the up half to start on a block). Otherwise (e.g. I=768 over 4 ranks:
-    192 rows) the loader dequantizes them."""
+    w13 [2 I/tp, H] needs the up half to start on a block), and H a multiple of FP8_PER_WORD (the
+    decode gate_up reads those rows as int32 words, moe/decode.py). Otherwise (e.g. I=768 over 4
+    ranks: 192 rows) the loader dequantizes them."""
     fmt = layer_format(names)
     if fmt is None:
         return None
-    fits = fmt.requant_scales != BLOCK or local_inter % FP8_BLOCK == 0
+    fits = fmt.requant_scales != BLOCK or (local_inter % FP8_BLOCK == 0 and hidden % FP8_PER_WORD == 0)
     return LinearQuant(fmt, kernels and fits, weight_only=True)
