@@ -63,6 +63,7 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
     BLOCK_SCALED_WIDE where it fills a wave, FP8_ROWS_WIDE where its grid fits one wave, else
     TALL_TILING; at one row the plain rule. BLOCK_K shrinks with more rows to keep the accumulator
     at ACC_ELEMS (in words of FP8_PER_WORD columns for FP8), and to K for short rows."""
+    fp8 = fp8 or block_scales  # block scales are FP8 weights' only
     t = NARROW_TILING
     fills_wave = wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave
     if block_scales:  # steps inside one block (one scale each), or the tall tiling's 256 columns at one row
