@@ -24,14 +24,12 @@ with a key is accumulated in fp32). Under the interpreter or for a float32 q, th
 import triton
 import triton.language as tl
 
-from . import checks
-from .fp8_kv import INTERPRET, e4m3_planes
+from .fp8_kv import INTERPRET, PER_WORD, e4m3_planes
 from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 
 # Largest finite fp16: q is clamped to it before the cast (a bf16 q may hold larger values).
 FP16_MAX = tl.constexpr(65504.0)
-PER_WORD = tl.constexpr(checks.FP8_PER_WORD)
 
 
 @triton.constexpr_function

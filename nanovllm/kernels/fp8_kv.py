@@ -42,6 +42,8 @@ E4M3_SIGN = tl.constexpr(0x80)
 # Smallest subnormal e4m3 step: 2**-9 (= 2**(E4M3_MIN_EXP - E4M3_MANTISSA_BITS)).
 E4M3_TINY = tl.constexpr(2.0 ** -9)
 BYTE_BITS = tl.constexpr(8)
+# e4m3 values an int32 word holds (the word-wise reads of the cache and of FP8 weights).
+PER_WORD = tl.constexpr(checks.FP8_PER_WORD)
 # Two e4m3 bytes (a 16-bit half of the word) -> two fp16 (one 32-bit register), twice per word.
 _PLANES_PTX = tl.constexpr("""{
     .reg .b16 lo, hi;

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from .checks import FP8_BLOCK, FP8_PER_WORD, check_eps, check_linear, check_matrix, check_vector, next_pow2
-from .fp8_kv import e4m3_planes, split_planes
+from .fp8_kv import PER_WORD, e4m3_planes, split_planes
 from .fused_activation import silu_mul
 from .fused_norm import round_to
 from .gemv_plan import Tiling, tiling
@@ -77,8 +77,6 @@ MAX_ROWS = 4
 MAX_NORM_ELEMS = 8192
 NUM_WARPS = 4
 
-
-PER_WORD = tl.constexpr(FP8_PER_WORD)
 
 
 @triton.jit

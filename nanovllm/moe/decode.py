@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD, next_pow2
-from nanovllm.kernels.fp8_kv import e4m3_planes, split_planes
+from nanovllm.kernels.fp8_kv import PER_WORD, e4m3_planes, split_planes
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from .checks import check_experts, check_routing
@@ -96,9 +96,6 @@ DOWN_BLOCK_N = 1
 DOWN_BLOCK_K = 128
 NUM_WARPS = 4
 DEFAULT_TILES = GemvTiles(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, NUM_WARPS)
-
-
-PER_WORD = tl.constexpr(FP8_PER_WORD)
 
 
 @triton.jit
