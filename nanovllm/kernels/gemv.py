@@ -78,7 +78,6 @@ MAX_NORM_ELEMS = 8192
 NUM_WARPS = 4
 
 
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, n_rows, n_out, k_in, stride_x, stride_w, stride_o,
