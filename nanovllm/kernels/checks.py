@@ -100,6 +100,15 @@ def check_row_vector(name: str, t, rows: int, dtype: torch.dtype, device: torch.
         raise ValueError(f"{name} is on {t.device}, not on {device}")
 
 
+def fp8_words(t: torch.Tensor, what: str) -> torch.Tensor:
+    """FP8 values t [..., K] (last dim contiguous) as int32 words [..., K / FP8_PER_WORD], the kernels'
+    word-wise read; a ValueError naming `what` where K, a stride or the offset is off the word grid."""
+    if any(n % FP8_PER_WORD for n in (t.shape[-1], *t.stride()[:-1], t.storage_offset())):
+        raise ValueError(f"{what} are read as int32 words: rows, strides and offset in multiples of {FP8_PER_WORD} "
+                         f"values, got {tuple(t.shape)} strides {t.stride()} offset {t.storage_offset()}")
+    return t.view(torch.int32)
+
+
 def check_fp8_weight(weight, scale, device: torch.device) -> None:
     """An FP8 weight [N, K] (float8_e4m3fn, last dim contiguous) and its float32 scale on
     `device`: [N] (one per row) or the block grid [ceil(N/FP8_BLOCK), ceil(K/FP8_BLOCK)]."""

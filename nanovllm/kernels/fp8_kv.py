@@ -1,5 +1,5 @@
 """FP8 (e4m3) KV cache: the quantization step every Triton cache writer shares, and the
-word-wise read the decode kernel takes.
+word-wise read the decode kernel takes (and the FP8 GEMVs: kernels/gemv.py, moe/decode.py).
 
     stored = e4m3(clamp(x / scale, -FP8_MAX, FP8_MAX))   round to nearest even, as torch's .to(float8_e4m3fn)
     read   = float(stored) * scale                       (the attention kernels fold the scales in)

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, FP8_PER_WORD, check_eps, check_linear, check_matrix, check_vector, next_pow2
+from .checks import FP8_BLOCK, check_eps, check_linear, check_matrix, check_vector, fp8_words, next_pow2
 from .fp8_kv import PER_WORD, e4m3_planes, split_planes
 from .fused_activation import silu_mul
 from .fused_norm import round_to
@@ -205,12 +205,7 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     if w_scale == 2 and FP8_BLOCK % tile.block_n:
         raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
-    if w_scale and (k_in % FP8_PER_WORD or weight.stride(0) % FP8_PER_WORD or weight.storage_offset() % FP8_PER_WORD):
-        raise ValueError(f"an FP8 weight's rows are read as int32 words: K, the row stride and the offset must be "
-                         f"multiples of {FP8_PER_WORD}, got {tuple(weight.shape)} strides {weight.stride()} "
-                         f"offset {weight.storage_offset()}")
-    # FP8: the rows as int32 words of FP8_PER_WORD e4m3 values (strides in words)
-    w_arg = weight.view(torch.int32) if w_scale else weight
+    w_arg = fp8_words(weight, "an FP8 weight's values") if w_scale else weight  # strides in words for FP8
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res = norm.residual if norm is not None else None
     s_out = torch.empty((m, k_in), dtype=x.dtype, device=x.device) if res is not None else None
@@ -222,7 +217,8 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         out.stride(0),
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=next_pow2(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages, EVICT=tile.evict,
-        PREFETCH=pdl["PDL"] and tile.block_k * weight.element_size() >= LINE_BYTES, LINE_ELEMS=line_elems, num_warps=NUM_WARPS,
+        PREFETCH=pdl["PDL"] and tile.block_k * weight.element_size() >= LINE_BYTES, LINE_ELEMS=line_elems,
+        num_warps=NUM_WARPS,
         res_ptr=x if res is None else res, norm_w_ptr=x if norm is None else norm.weight,
         s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
         eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,

@@ -24,8 +24,11 @@ except gate_up's under block scales, read as int32 words of four e4m3 values con
 an instruction into four planes (kernels/fp8_kv.e4m3_planes; x split into the same planes,
 `split_planes`): at 30B-A3B's experts 10.0 / 15.7 us at T = 1 / 2 against 10.4 / 23.3 in bytes,
 where under per-channel scales words lost at T = 1 (10.3 against 7.7) and down lost 2-9% (H200,
-BENCHMARKS.md, twentieth session). Per-channel scales multiply the row sums (gate_up) or each
-slot's [BN] sums (down).
+BENCHMARKS.md, twentieth session). End to end, with the dense GEMV's word reads and tilings beside
+it, Qwen3-30B-A3B's release layout went from 3.427 / 3.950 to 2.848 / 2.998 ms per token at batch
+1 / 2; the gate_up words' share of that, from the kernel times, is ~0.36 ms at batch 2 (48 layers x
+7.6 us), ~0.02 ms at batch 1 (not isolated end to end). Per-channel scales multiply the row sums
+(gate_up) or each slot's [BN] sums (down).
 Block scales: gate_up folds them into x column by column (each program's gate rows, and its up
 rows, lie in one row of blocks: the wrapper halves BN until BN divides 128 and I); down multiplies
 each step's [KP, BN] sums (BK divides 128), else each weight element. g, u and act are
@@ -49,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, fp8_words, next_pow2
 from nanovllm.kernels.fp8_kv import PER_WORD, e4m3_planes, split_planes
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
@@ -282,18 +285,6 @@ def _gate_up_rows(block_n: int, inter: int, mode: ScaleMode) -> int:
     return block_n
 
 
-def _as_words(w: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
-    """Block-scaled FP8 experts [E, N, K] as int32 words [E, N, K / FP8_PER_WORD] (gate_up's read of
-    them); others as given."""
-    if mode != ScaleMode.BLOCK:
-        return w
-    if any(n % FP8_PER_WORD for n in (w.shape[2], w.stride(0), w.stride(1), w.storage_offset())):
-        raise ValueError(f"block-scaled FP8 experts are read as int32 words: rows, strides and offset in multiples "
-                         f"of {FP8_PER_WORD} values, got {tuple(w.shape)} strides {w.stride()} offset "
-                         f"{w.storage_offset()}")
-    return w.view(torch.int32)
-
-
 def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             router_logits: torch.Tensor | None, renormalize: bool, tiles: GemvTiles | None) -> torch.Tensor:
     """The two launches on checked arguments; with router_logits, gate_up routes and writes
@@ -309,10 +300,11 @@ def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     gate_up_n = _gate_up_rows(tiles.gate_up_block_n, inter, mode)
     gate_up_grid = (t * k, triton.cdiv(inter, gate_up_n))
     s13, scales13 = scale_args(mode, experts.w13_scale, hidden)
-    w13_arg = _as_words(w13, mode)
+    w13_arg = fp8_words(w13, "block-scaled FP8 experts") if mode == ScaleMode.BLOCK else w13  # gate_up's words
     _gate_up_gemv[gate_up_grid](
         hidden, w13_arg, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
-        hidden.stride(0), w13_arg.stride(0), w13_arg.stride(1), router_logits.stride(0) if route else 0, s13, **scales13,
+        hidden.stride(0), w13_arg.stride(0), w13_arg.stride(1), router_logits.stride(0) if route else 0, s13,
+        **scales13,
         TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
         ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
