@@ -89,8 +89,9 @@ def test_fp8_tilings(rows, n, k):
     """FP8 tilings (wave 528: 132 SMs). Block scales, any width: 32 x 128 where 32-row programs fill a
     wave (8B gate_up), else 16 x 128 at two rows (one scale a step) and the tall tiling at one.
     Per-row scales from 4,096 outputs at two rows: 32 x 128 where it fills a wave, 1,024-column
-    steps where 8-row programs fit one wave, else the tall tiling; otherwise the plain rule (the
-    words' accumulator budget aside)."""
+    steps where 8-row programs fit one wave, else the tall tiling; at one row the plain rule (the
+    words' accumulator budget aside), but 1,024-column steps where neither 8- nor 16-row programs
+    fit one wave (8B gate_up), where the plain rule takes the 8 x 512 tiling."""
     wave = 528
     block, row, plain = (tiling(rows, n, k, wave=wave, block_scales=True, fp8=True),
                          tiling(rows, n, k, wave=wave, fp8=True), tiling(rows, n, k, wave=wave))
@@ -100,6 +101,9 @@ def test_fp8_tilings(rows, n, k):
     assert 128 % block.block_n == 0
     if rows > 1 and n >= 4096:
         assert (row.block_n, row.block_k) == ((32, 128) if fills else (8, 1024) if -(-n // 8) <= wave else tall)
+    elif rows == 1 and n >= 4096 and -(-n // 16) > wave:
+        assert (row.block_n, row.block_k, row.stages) == (8, 1024, 3)
+        assert (plain.block_n, plain.block_k) == (8, 512)
     else:
         assert (row.block_n, row.stages) == (plain.block_n, plain.stages)
 

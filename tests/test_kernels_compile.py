@@ -184,7 +184,9 @@ SPECS = [
           (True, 2, 16, 128, 8, "", True, False, 2),
           # two rows, per-row scales, 1,024-column steps (gemv_plan.FP8_ROWS_WIDE): o and down
           (False, 2, 8, 1024, 3, "", True, False, 1),
-          (True, 2, 8, 1024, 3, "", True, False, 1))]),
+          (True, 2, 8, 1024, 3, "", True, False, 1),
+          # ... and at one row past a wave (8B gate_up, behind the add + RMSNorm: no PDL)
+          (False, 1, 8, 1024, 3, "", False, True, 1))]),
     # FP8 activation quantization: per token (4096-column steps), per 128-group, static
     # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
     ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",

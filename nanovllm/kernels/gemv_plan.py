@@ -50,6 +50,8 @@ BLOCK_SCALED_WIDE = Tiling(block_n=32, block_k=FP8_BLOCK, stages=4, evict="")
 # H200, 8B shapes at 2 rows, per-row scales (BENCHMARKS.md, twentieth session): o 6.84 us against 9.51
 # for WIDE_TILING, down 14.89 against 22.61; at 768+ programs (qkv) TALL_TILING wins (9.37 against
 # 11.27), and where 32-row programs fill a wave (gate_up) BLOCK_SCALED_WIDE (28.21, block scales 29.32).
+# At one row, where neither the 8-row nor the 16-row grid fits a wave (8B gate_up): 27.33 / 27.11 us
+# against WIDE_TILING's 29.19 / 29.08 (twentieth and twenty-first sessions' sweeps).
 FP8_ROWS_WIDE = Tiling(block_n=8, block_k=1024, stages=3, evict="")
 
 
@@ -61,7 +63,8 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
     BLOCK_SCALED_WIDE where its grid fills a wave (8B gate_up), else BLOCK_SCALED_TILING at two rows
     or more and TALL_TILING at one. Under per-row scales, from WIDE_N outputs at two rows or more:
     BLOCK_SCALED_WIDE where it fills a wave, FP8_ROWS_WIDE where its grid fits one wave, else
-    TALL_TILING; at one row the plain rule. BLOCK_K shrinks with more rows to keep the accumulator
+    TALL_TILING; at one row the plain rule, but FP8_ROWS_WIDE where it would take WIDE_TILING past
+    one wave. BLOCK_K shrinks with more rows to keep the accumulator
     at ACC_ELEMS (in words of FP8_PER_WORD columns for FP8), and to K for short rows."""
     fp8 = fp8 or block_scales  # block scales are FP8 weights' only
     t = NARROW_TILING
@@ -75,6 +78,9 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
         # TALL's [rows, 16, 256] accumulator only pays at one row (2026-12-02 sweep, 2 rows: 0.6B
         # gate_up 8.9 us TALL vs 6.9 WIDE, 8B qkv 19.4 vs 16.6; 30B qkv 8.9 vs 9.2 the exception)
         spills = wave is not None and rows == 1 and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
-        t = TALL_TILING if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave else WIDE_TILING
+        if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave:
+            t = TALL_TILING
+        else:  # FP8 words past two waves either way (8B gate_up): 1,024-column steps, FP8_ROWS_WIDE
+            t = FP8_ROWS_WIDE if spills and fp8 else WIDE_TILING
     acc_k = ACC_ELEMS * (FP8_PER_WORD if fp8 else 1) // (next_pow2(rows) * t.block_n)
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, acc_k)))
