@@ -43,9 +43,13 @@ so a caller's preallocated ``out`` keeps whatever those rows held.
 
 Paged FP8 caches (float8_e4m3fn, given with their `k_scale` / `v_scale`, float32 [1] device
 tensors the kernel reads, so a captured launch uses the values they hold at replay) are read in
-a constexpr branch (the scale pointers are None otherwise, leaving that code as it was): each
-K/V tile is converted to q's dtype in registers (exact), k_scale is folded into the softmax
-scale and v_scale into the output.
+a constexpr branch (the scale pointers are None otherwise, leaving that code as it was): a
+bf16 q is taken to fp16 (clamped to +-FP16_MAX), each K/V tile is converted to q's dtype in
+registers (exact), k_scale is folded into the softmax scale and v_scale into the output. fp16
+MMAs, because e4m3 -> fp16 is one instruction a pair and e4m3 -> bf16 is not: the kernel over an
+FP8 cache took 1.42x the bf16 cache's time with bf16 MMAs, 1.22x with fp16 (H200, 48 prompts of
+256-1,024 tokens: 586 -> 502 us at 0.6B's heads; scoring with an FP8 cache 341,565 -> 347,652
+prompt tok/s; BENCHMARKS.md, twenty-first session).
 
 Measured end to end (H200, bench.py): with the query-tile table and the prefill / mixed-step CUDA
 graphs it serves, time to first token at 128 / 1,000 tokens went from 32.10 / 31.40 ms to 1.85 /
@@ -96,7 +100,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
     else:
         k = tl.load(k_ptr + k_off)
         v = tl.load(v_ptr + v_off)
-    if k_scale_ptr is not None:  # FP8 -> q's dtype: exact, the scales are applied outside
+    if k_scale_ptr is not None:  # FP8 -> q's dtype (fp16 for a bf16 q): exact, the scales are applied outside
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     if UPCAST:
