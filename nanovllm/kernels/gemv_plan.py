@@ -64,8 +64,8 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
     or more and TALL_TILING at one. Under per-row scales, from WIDE_N outputs at two rows or more:
     BLOCK_SCALED_WIDE where it fills a wave, FP8_ROWS_WIDE where its grid fits one wave, else
     TALL_TILING; at one row the plain rule, but FP8_ROWS_WIDE where it would take WIDE_TILING past
-    one wave. BLOCK_K shrinks with more rows to keep the accumulator
-    at ACC_ELEMS (in words of FP8_PER_WORD columns for FP8), and to K for short rows."""
+    one wave. BLOCK_K shrinks with more rows to keep the accumulator at ACC_ELEMS (in words of
+    FP8_PER_WORD columns for FP8), and to K for short rows."""
     fp8 = fp8 or block_scales  # block scales are FP8 weights' only
     t = NARROW_TILING
     fills_wave = wave is not None and n_out >= BLOCK_SCALED_WIDE.block_n * wave
@@ -80,7 +80,7 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
         spills = wave is not None and rows == 1 and triton.cdiv(n_out, WIDE_TILING.block_n) > wave
         if spills and triton.cdiv(n_out, TALL_TILING.block_n) <= wave:
             t = TALL_TILING
-        else:  # FP8 words past two waves either way (8B gate_up): 1,024-column steps, FP8_ROWS_WIDE
+        else:  # neither grid fits a wave (8B gate_up): FP8 words take FP8_ROWS_WIDE's 1,024-column steps
             t = FP8_ROWS_WIDE if spills and fp8 else WIDE_TILING
     acc_k = ACC_ELEMS * (FP8_PER_WORD if fp8 else 1) // (next_pow2(rows) * t.block_n)
     return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, acc_k)))
