@@ -40,11 +40,18 @@ def _plane_dtype(q_dtype):
 
 
 @triton.jit
+def q_to_fp16(q):
+    """A query tile in fp16 for fp16 MMAs over e4m3 keys: clamped to +-FP16_MAX first (a bf16 q may
+    hold larger values), exact otherwise above 2^-14 (bf16's 8 significant bits fit fp16's 11)."""
+    return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+
+
+@triton.jit
 def _q_plane(q_rows, offs_c, g_valid, j: tl.constexpr, DTYPE: tl.constexpr):
     """Dims 4c + j of the group's query rows ([BLOCK_G, 1] pointers) as DTYPE: [BLOCK_G, D / 4]."""
     q = tl.load(q_rows + (offs_c * PER_WORD + j)[None, :], mask=g_valid[:, None], other=0.0).to(tl.float32)
-    if DTYPE == tl.float16:
-        q = tl.clamp(q, -FP16_MAX, FP16_MAX)
+    if DTYPE == tl.float16:  # constexpr: q's type may change
+        q = q_to_fp16(q)
     return q.to(DTYPE)
 
 
