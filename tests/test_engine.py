@@ -123,6 +123,34 @@ def test_stops_at_max_model_len(tied_checkpoint):
     llm.exit()
 
 
+def test_prompt_filling_max_model_len_gets_one_token(tied_checkpoint):
+    """vLLM's rule: a prompt may be max_model_len tokens long (lm-eval cuts its contexts to exactly
+    that); it generates one token, never stored, which ends it by length. The token and the prompt
+    logprobs are transformers' (argmax, log_softmax), whatever max_tokens asks."""
+    prompt = [(7 * i) % 300 + 3 for i in range(40)]
+    reference = load_reference(tied_checkpoint)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0].double()  # [40, vocab]
+    want = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(prompt[1:])]
+    llm = cpu_llm(tied_checkpoint, kvcache_block_size=16, max_model_len=40)
+    try:
+        for max_tokens in (1, 5, None):
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+            assert_greedy_matches_reference(reference, prompt, out.outputs[0].token_ids)
+            got = torch.tensor([next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]], dtype=torch.float64)
+            assert torch.allclose(got, want, atol=1e-4)
+        with pytest.raises(ValueError, match="41 tokens, more than max_model_len"):
+            llm.generate([prompt + [3]], SamplingParams(max_tokens=1), use_tqdm=False)
+        # truncate_prompt_tokens=-1 keeps max_model_len tokens, which now fit
+        kept = llm.generate([[5] * 7 + prompt], SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
+                            use_tqdm=False)[0]
+        assert kept.prompt_token_ids == prompt
+    finally:
+        llm.exit()
+
+
 def test_step_wise_api(tied_checkpoint):
     # The reference run comes first: on CUDA each engine takes most of the card's memory,
     # so two engines cannot be alive at once.

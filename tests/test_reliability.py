@@ -38,7 +38,7 @@ BAD_PROMPTS = [
     ([1, VOCAB], ValueError, str(VOCAB)),
     ([1, 2.5], TypeError, "2.5"),
     ([1, True], TypeError, "True"),
-    ([5] * 128, ValueError, "max_model_len"),
+    ([5] * 129, ValueError, "max_model_len"),  # 128 fills max_model_len, which vLLM accepts
     (12345, TypeError, "int"),
     ({"nope": [1]}, ValueError, "prompt_token_ids"),
 ]
@@ -53,6 +53,13 @@ def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, prompt, exc, words)
         llm.add_request(prompt, GREEDY)
     assert llm.is_finished()
     assert served(llm) == expected
+
+
+def test_numpy_token_ids_are_ids(llm):
+    """Token ids as numpy integers (a tokenizer's or an array's elements) serve like ints."""
+    import numpy as np
+
+    assert llm.generate([[np.int64(1), np.int32(2), 3]], GREEDY, use_tqdm=False)[0]["token_ids"] == served(llm)
 
 
 def test_request_that_can_never_fit_the_cache(ckpt):
@@ -150,7 +157,7 @@ checks = [
 ]
 llm = LLM(sys.argv[1], kvcache_block_size=16, max_model_len=64, device="cpu")
 checks += [(lambda: llm.generate([[-1]], SamplingParams()), ValueError),
-           (lambda: llm.generate([[1] * 64], SamplingParams()), ValueError)]
+           (lambda: llm.generate([[1] * 65], SamplingParams()), ValueError)]
 for fn, exc in checks:
     try:
         fn()

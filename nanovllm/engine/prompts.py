@@ -5,12 +5,14 @@ Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
 the engine could never serve, raises TypeError/ValueError naming the bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
 truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
-left under max_model_len.
+left under max_model_len. As in vLLM, a prompt may fill max_model_len: it then generates one token
+(its KV is never computed), which ends it by length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
 
@@ -62,11 +64,11 @@ class PromptValidator:
         if not prompt:
             raise ValueError("prompt is an empty list of token ids")
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, Integral):  # Integral: numpy's integers too
                 raise TypeError(f"prompt token ids must be ints, got {t!r}")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def validate(self, prompt: object, params: SamplingParams) -> PreparedPrompt:
         """`prompt` checked for a request with (checked) `params`."""
@@ -75,14 +77,12 @@ class PromptValidator:
             keep = (self.max_model_len if params.truncate_prompt_tokens == TRUNCATE_TO_MODEL_LEN
                     else params.truncate_prompt_tokens)
             ids = ids[-keep:]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                "no room for a generated token"
-            )
-        max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+        room = max(1, self.max_model_len - len(ids))  # tokens it can generate: one past a full prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         # The last sampled token's KV is never computed, hence the -1.
-        kv_tokens = min(len(ids) + max_tokens, self.max_model_len) - 1
+        kv_tokens = len(ids) + min(max_tokens, room) - 1
         if kv_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + max_tokens {max_tokens}) "
