@@ -133,6 +133,32 @@ def test_stop_reasons_and_stop_strings_in_the_text(llm):
     assert (eos.outputs[0].token_ids, eos.outputs[0].finish_reason, eos.outputs[0].stop_reason) == ([0], "stop", None)
 
 
+def test_the_stop_token_stays_out_of_the_text(llm):
+    """vLLM's rule: the token that stopped a request (EOS or a stop_token_id) is the last of its
+    token_ids but not in its text, special or not, unless include_stop_str_in_output."""
+    prompt = "the quick brown"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    ids = free.outputs[0].token_ids
+    tok = llm.tokenizer
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    eos_bias = {0: 100.0}  # EOS (<|endoftext|>, special) right after the first token
+    by_id, by_id_kept, eos_raw, eos_kept = llm.generate([prompt] * 4, [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
+                       include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=1, logit_bias=eos_bias, skip_special_tokens=False),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=1, logit_bias=eos_bias, skip_special_tokens=False,
+                       include_stop_str_in_output=True),
+    ], use_tqdm=False)
+    assert by_id.outputs[0].token_ids == by_id_kept.outputs[0].token_ids == ids[:first + 1]
+    assert by_id.outputs[0].text == tok.decode(ids[:first])
+    assert by_id_kept.outputs[0].text == tok.decode(ids[:first + 1]) != by_id.outputs[0].text
+    assert eos_raw.outputs[0].token_ids[-1] == 0 and len(eos_raw.outputs[0].token_ids) == 2
+    assert eos_raw.outputs[0].text == tok.decode(eos_raw.outputs[0].token_ids[:1], skip_special_tokens=False)
+    assert eos_kept.outputs[0].text.endswith("<|endoftext|>")
+
+
 def test_special_tokens_in_the_text_on_request(llm):
     """EOS (<|endoftext|>, a special token) generated past ignore_eos: skipped from the text by
     default, kept with skip_special_tokens=False."""

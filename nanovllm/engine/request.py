@@ -18,7 +18,7 @@ import xxhash
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request_rules import RequestRules
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import FinishReason, Sequence
 from nanovllm.engine.stop_strings import cut_at_stop
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -71,7 +71,11 @@ class Request:
         params = self.params
         completions = []
         for index, seq in enumerate(self.samples):
-            text = detokenizer.text(seq.completion_token_ids, params)
+            shown = seq.completion_token_ids
+            if (seq.finish_reason is FinishReason.STOP and not seq.stopped_by_string
+                    and not params.include_stop_str_in_output):
+                shown = shown[:-1]  # vLLM: the stop token (EOS or a stop_token_id) stays in token_ids only
+            text = detokenizer.text(shown, params)
             stop_reason = seq.stop_token
             if seq.stopped_by_string:
                 # a stop string counts once it ends past the first min_tokens tokens' text
