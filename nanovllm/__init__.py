@@ -6,8 +6,9 @@
     outputs[0].outputs[0].text                          # vLLM's RequestOutput (also outputs[0]["text"])
 """
 
+from nanovllm.engine.prompts import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TokensPrompt", "TextPrompt"]

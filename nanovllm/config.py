@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
@@ -22,8 +23,21 @@ _LOAD_FORMATS = ("auto", "dummy")
 # LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
+# vLLM's other names of DTYPES' dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # LLM(generation_config=...) values that are not a directory (vLLM's): the checkpoint's file, or none.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len): the
+    checkpoint and tokenizer directories, the longest sequence served, the weights' dtype."""
+
+    model: str
+    tokenizer: str
+    max_model_len: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -44,7 +58,10 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
     device: str | None = None
-    dtype: str = "auto"
+    # "auto", a DTYPES name, vLLM's other spellings of them (DTYPE_ALIASES) or a torch.dtype
+    dtype: str | torch.dtype = "auto"
+    # The tokenizer's directory (vLLM's option); None: the model's.
+    tokenizer: str | None = None
     enable_prefix_caching: bool = True
     # The KV cache's element type (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" =
     # float8 e4m3 with per-layer scales (engine/kv_cache.py), about twice the blocks in the same memory.
@@ -73,7 +90,10 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: object, kwargs: dict) -> "Config":
-        """Build a Config, raising TypeError that names an unknown keyword."""
+        """Build a Config, raising TypeError that names an unknown keyword. vLLM's keywords
+        without a setting here are checked and dropped, and its None defaults mean ours
+        (engine_args.py)."""
+        kwargs = strip_vllm_only_args(kwargs)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -106,8 +126,20 @@ class Config:
                      "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.dtype, torch.dtype):  # vLLM takes a torch.dtype too
+            self.dtype = next((name for name, t in DTYPES.items() if t == self.dtype), str(self.dtype))
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)} (or {sorted(DTYPE_ALIASES)}), "
+                             f"got {self.dtype!r}")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise TypeError(f"tokenizer must be a directory, got {self.tokenizer!r}")
+        self.tokenizer = os.fspath(self.tokenizer)
+        if not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer path {self.tokenizer!r} is not a directory")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
@@ -148,6 +180,9 @@ class Config:
         if self.device == "cpu":
             return torch.float32
         return self.model_config.torch_dtype
+
+    def served_model(self) -> ServedModel:
+        return ServedModel(self.model, self.tokenizer, self.max_model_len, self.torch_dtype)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

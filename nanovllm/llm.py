@@ -4,6 +4,7 @@ batch API on top:
     outputs = llm.generate(prompts, sampling_params=None, use_tqdm=True, lora_request=None)
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
     params = llm.get_default_sampling_params()                 # generation_config's defaults
+    llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
 
 Both return one RequestOutput per prompt / conversation, in input order (nanovllm/outputs.py).
 """
@@ -37,6 +38,17 @@ class LLM(LLMEngine):
         except BaseException:
             self.exit()
             raise
+
+    @property
+    def llm_engine(self) -> LLM:
+        """vLLM's `llm.llm_engine` (lm-eval reads `llm_engine.model_config.max_model_len`): the LLM
+        is its own engine here."""
+        return self
+
+    def get_tokenizer(self):
+        """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""
+        self._check_open()
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate() uses when given none: LLM(generation_config=...)'s
@@ -122,5 +134,5 @@ class LLM(LLMEngine):
         _check_no_lora(lora_request)
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
                               {} if chat_template_kwargs is None else chat_template_kwargs)
-        prompts = render_chat(self.tokenizer, self.config.model, messages, options)
+        prompts = render_chat(self.tokenizer, self.config.tokenizer, messages, options)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -173,6 +173,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=8), GREEDY],
         use_tqdm=False)
     assert cut.prompt_token_ids == prompt[-8:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
-    # -1: the last max_model_len tokens, then too long for any generated token: refused clearly
-    with pytest.raises(ValueError, match="prompt has 64 tokens but max_model_len is 64"):
-        llm.generate([list(range(1, 100))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    # -1: the last max_model_len tokens, which fill it: one token, as vLLM serves them
+    [full] = llm.generate([list(range(1, 100))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert full.prompt_token_ids == list(range(36, 100)) and len(full.outputs[0].token_ids) == 1

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import Config, ServedModel
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -48,7 +48,7 @@ class LLMEngine:
         self._exited = False
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         # Ranks 1..N-1 run in spawned processes; this process is rank 0.
         self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
@@ -203,6 +203,18 @@ class LLMEngine:
         parts = [tag for tag in wake_tags(tags) if tag in self.model_runner.sleeping]
         if parts:
             self._on_every_rank("wake_up", parts)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLM.reset_prefix_cache (RL clients call it after a weight sync): later requests
+        find nothing cached; blocks in use stay allocated. Always succeeds here: True."""
+        self._check_open()
+        self.block_manager.clear_prefix_cache()
+        return True
+
+    @property
+    def model_config(self) -> ServedModel:
+        """vLLM's `llm_engine.model_config`: the served model's directories, max_model_len and dtype."""
+        return self.config.served_model()
 
     def is_sleeping(self) -> bool:
         """True while any part sleeps (vLLM's LLM.is_sleeping)."""

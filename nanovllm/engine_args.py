@@ -1,0 +1,90 @@
+"""vLLM's `LLM(...)` keywords that need no setting here, accepted so that code written for vLLM
+(lm-eval's vLLM backend, verl's rollout) can build an engine.
+
+Each one is accepted only with a value that asks for what nanovllm does anyway. Any other value is
+a ValueError that names the keyword and says what nanovllm does instead:
+
+    revision, tokenizer_revision, code_revision   None: the model is a local directory
+    tokenizer_mode                                "auto" / "hf": transformers' AutoTokenizer
+    trust_remote_code                             a bool: no checkpoint code runs (built-in families only)
+    swap_space                                    a number >= 0: preempted requests are recomputed, never swapped
+    enable_lora                                   False: no LoRA (max_lora_rank, max_loras: any int, unused)
+    enable_sleep_mode                             a bool: sleep() / wake_up() always work
+    distributed_executor_backend                  None / "mp": tensor-parallel ranks are this engine's processes
+    disable_custom_all_reduce, disable_log_stats  a bool: torch.distributed's all-reduce; no stats log
+    enable_chunked_prefill                        None / a bool: prompts over the step budget are always chunked
+    skip_tokenizer_init                           False: the tokenizer is loaded when the model has one
+    limit_mm_per_prompt                           None / {} / all counts 0: text models only
+    disable_mm_preprocessor_cache                 a bool: text models only
+
+Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens)
+take the default here too (config.Config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from numbers import Real
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """A vLLM keyword: which values mean what nanovllm does (`ok`), said as `expects`, and why."""
+
+    ok: Callable[[object], bool]
+    expects: str
+    why: str
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _no_media(v: object) -> bool:
+    return v is None or (isinstance(v, dict) and all(n == 0 for n in v.values()))
+
+
+_LOCAL = _Accepted(lambda v: v is None, "None", "the model and tokenizer are read from local directories")
+_UNUSED_INT = _Accepted(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "None or an int",
+                        "no LoRA adapters are served")
+
+VLLM_ONLY_ARGS: dict[str, _Accepted] = {
+    "revision": _LOCAL,
+    "tokenizer_revision": _LOCAL,
+    "code_revision": _LOCAL,
+    "tokenizer_mode": _Accepted(lambda v: v in ("auto", "hf"), "'auto' or 'hf'", "transformers' AutoTokenizer loads it"),
+    "trust_remote_code": _Accepted(_is_bool, "a bool", "no checkpoint code runs: the model families are built in"),
+    "swap_space": _Accepted(lambda v: isinstance(v, Real) and not isinstance(v, bool) and v >= 0, "a number >= 0",
+                            "preempted requests are recomputed, never swapped"),
+    "enable_lora": _Accepted(lambda v: v is False or v is None, "False", "LoRA adapters are not supported"),
+    "max_lora_rank": _UNUSED_INT,
+    "max_loras": _UNUSED_INT,
+    "enable_sleep_mode": _Accepted(_is_bool, "a bool", "sleep() and wake_up() always work"),
+    "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp'",
+                                              "tensor-parallel ranks are processes this engine spawns"),
+    "disable_custom_all_reduce": _Accepted(_is_bool, "a bool", "ranks all-reduce through torch.distributed"),
+    "disable_log_stats": _Accepted(_is_bool, "a bool", "no stats are logged"),
+    "enable_chunked_prefill": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",
+                                        "prompts longer than the step budget are always chunked"),
+    "skip_tokenizer_init": _Accepted(lambda v: v is False, "False", "the model directory's tokenizer is loaded"),
+    "limit_mm_per_prompt": _Accepted(_no_media, "None or zero counts", "only text models are served"),
+    "disable_mm_preprocessor_cache": _Accepted(_is_bool, "a bool", "only text models are served"),
+}
+
+# Keywords whose None means "the engine's default" in vLLM.
+NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+
+
+def strip_vllm_only_args(kwargs: dict) -> dict:
+    """`kwargs` without the VLLM_ONLY_ARGS (each checked: ValueError naming a value that asks for
+    something nanovllm does not do) and without NONE_MEANS_DEFAULT keywords set to None."""
+    kept = {}
+    for name, value in kwargs.items():
+        accepted = VLLM_ONLY_ARGS.get(name)
+        if accepted is None:
+            if not (name in NONE_MEANS_DEFAULT and value is None):
+                kept[name] = value
+        elif not accepted.ok(value):
+            raise ValueError(f"LLM({name}={value!r}): nanovllm takes {accepted.expects} here ({accepted.why})")
+    return kept

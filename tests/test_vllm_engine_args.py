@@ -1,0 +1,145 @@
+"""LLM(...) as vLLM clients construct it: lm-evaluation-harness's vLLM backend and verl's rollout
+pass keywords that have no setting here (engine_args.py); each is accepted with a value that asks
+for what nanovllm does, and refused by name otherwise. The engine surface they read next:
+`llm.llm_engine.model_config.max_model_len`, `get_tokenizer()`, `reset_prefix_cache()`,
+TokensPrompt; vLLM's dtype spellings and a tokenizer from another directory."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from checkpoints import checkpoint_fixture, cpu_llm
+from nanovllm import LLM, SamplingParams, TokensPrompt
+from nanovllm.config import Config
+from nanovllm.engine_args import VLLM_ONLY_ARGS, strip_vllm_only_args
+
+ckpt = checkpoint_fixture("engine-args")
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+# lm-eval's VLLM.__init__ model_args, its defaults (max_model_len / max_num_seqs None: vLLM's defaults)
+LM_EVAL_ARGS = dict(gpu_memory_utilization=0.9, revision=None, dtype="auto", tokenizer_mode="auto",
+                    tokenizer_revision=None, trust_remote_code=False, tensor_parallel_size=1, max_model_len=None,
+                    max_num_seqs=None, swap_space=4, quantization=None, seed=1234, enable_lora=False,
+                    max_lora_rank=16)
+# verl's vLLMRollout LLM(...) keywords for a text model (its SPMD mode adds
+# distributed_executor_backend="external_launcher", refused below)
+VERL_ARGS = dict(enable_sleep_mode=True, tensor_parallel_size=1, dtype="float32", enforce_eager=True,
+                 gpu_memory_utilization=0.5, disable_custom_all_reduce=True, disable_mm_preprocessor_cache=True,
+                 limit_mm_per_prompt=None, skip_tokenizer_init=False, max_model_len=256, load_format="auto",
+                 disable_log_stats=True, max_num_batched_tokens=512, enable_chunked_prefill=True,
+                 enable_prefix_caching=True, trust_remote_code=False, seed=0)
+
+REFUSED = [
+    ("revision", "main"), ("tokenizer_revision", "v2"), ("code_revision", "abc"), ("tokenizer_mode", "slow"),
+    ("trust_remote_code", "yes"), ("swap_space", -1), ("swap_space", True), ("enable_lora", True),
+    ("max_lora_rank", 1.5), ("enable_sleep_mode", None), ("distributed_executor_backend", "external_launcher"),
+    ("distributed_executor_backend", "ray"), ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
+    ("enable_chunked_prefill", "on"), ("skip_tokenizer_init", True), ("limit_mm_per_prompt", {"image": 1}),
+    ("disable_mm_preprocessor_cache", None),
+]
+
+
+def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
+    llm = cpu_llm(ckpt, tokenizer=ckpt, **LM_EVAL_ARGS)
+    try:
+        assert llm.llm_engine is llm
+        # vLLM's None: the engine's default (here min(4096, max_position_embeddings))
+        assert llm.llm_engine.model_config.max_model_len == llm.config.max_model_len == 1024
+        assert llm.llm_engine.model_config.dtype == torch.float32
+        assert llm.config.max_num_seqs == Config.max_num_seqs
+        tok = llm.get_tokenizer()
+        assert tok is llm.tokenizer and tok.decode(tok.encode("the dog")) == "the dog"
+        out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], GREEDY, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        llm.exit()
+
+
+def test_verl_constructs(ckpt):
+    llm = cpu_llm(ckpt, **VERL_ARGS)
+    try:
+        assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
+def test_values_nanovllm_cannot_honour_are_refused_by_name(ckpt, name, value):
+    with pytest.raises(ValueError, match=rf"LLM\({name}="):
+        LLM(ckpt, device="cpu", **{name: value})
+
+
+def test_every_vllm_only_argument_accepts_what_nanovllm_does():
+    accepted = {"revision": None, "tokenizer_revision": None, "code_revision": None, "tokenizer_mode": "hf",
+                "trust_remote_code": True, "swap_space": 0.5, "enable_lora": False, "max_lora_rank": 64,
+                "max_loras": None, "enable_sleep_mode": False, "distributed_executor_backend": "mp",
+                "disable_custom_all_reduce": False, "disable_log_stats": False, "enable_chunked_prefill": None,
+                "skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False}
+    assert set(accepted) == set(VLLM_ONLY_ARGS)
+    assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8}) == {"max_num_seqs": 8}
+
+
+def test_unknown_keywords_stay_type_errors(ckpt):
+    with pytest.raises(TypeError, match="unknown keyword argument.*max_lenn"):
+        LLM(ckpt, device="cpu", max_lenn=5)
+
+
+@pytest.mark.parametrize("given,name", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                        (torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+def test_vllm_dtype_spellings(ckpt, given, name):
+    assert Config(ckpt, dtype=given, device="cpu").dtype == name
+
+
+@pytest.mark.parametrize("bad", ["double", torch.float64, ["float32"]])
+def test_other_dtypes_are_refused(ckpt, bad):
+    with pytest.raises(ValueError, match="dtype must be"):
+        Config(ckpt, dtype=bad, device="cpu")
+
+
+def test_tokenizer_from_another_directory(ckpt, tmp_path):
+    """vLLM's tokenizer=...: prompts are tokenized and outputs decoded with it, the chat template
+    read from it; the model directory's own tokenizer is not consulted."""
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{ckpt}/{name}", tok_dir / name)
+    bare = tmp_path / "model"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json", "vocab.json",
+                                                              "merges.txt"))
+    alone = cpu_llm(str(bare), max_model_len=128)
+    try:
+        assert alone.get_tokenizer() is None
+    finally:
+        alone.exit()
+    llm = cpu_llm(str(bare), tokenizer=str(tok_dir), max_model_len=128)
+    try:
+        assert llm.llm_engine.model_config.tokenizer == str(tok_dir)
+        out = llm.generate(["the dog"], GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("the dog") and out.outputs[0].text
+    finally:
+        llm.exit()
+    with pytest.raises(ValueError, match="tokenizer path"):
+        LLM(ckpt, device="cpu", tokenizer=str(tmp_path / "missing"))
+
+
+def test_reset_prefix_cache(ckpt):
+    """After reset_prefix_cache() (RL clients call it after a weight sync) a repeated prompt finds
+    nothing cached; before, it does; the tokens are the same either way."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        prompt = list(range(1, 50))  # three full blocks of 16
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        hits = llm.block_manager.num_prefix_hit_blocks
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks > hits
+        assert llm.reset_prefix_cache() is True
+        hits = llm.block_manager.num_prefix_hit_blocks
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks == hits
+    finally:
+        llm.exit()
+    with pytest.raises(RuntimeError):
+        llm.reset_prefix_cache()
