@@ -187,7 +187,7 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
             predictor({"prompt": ["a"], "finish_reason": ["x"]})
         with pytest.raises(TypeError, match="row 0 of the batch .*prompt_token_ids must hold lists of token ids, got 'fox'"):
             predictor({"prompt_token_ids": ["fox"]})
-        with pytest.raises(ValueError, match=r"row 1 of the batch \{'prompt': 'fox fox .*\.\.\.\}: prompt has \d+ tokens but max_model_len is 128"):
+        with pytest.raises(ValueError, match=r"row 1 of the batch \{'prompt': 'fox fox .*\.\.\.\}: prompt has \d+ tokens, more than max_model_len \(128\)"):
             predictor({"prompt": ["a lazy dog", "fox " * 200]})
         with pytest.raises(TypeError, match=r"row 0 of the batch .*: prompt must hold text, got \[1, 2\]"):
             predictor({"prompt": [[1, 2]]})
