@@ -29,6 +29,17 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
+def _directory(name: str, value: object, what: str) -> str:
+    """`value`, a str or os.PathLike naming an existing directory, as a str (TypeError / ValueError
+    naming `name` otherwise)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path to {what}, got {value!r}")
+    path = os.fspath(value)
+    if not os.path.isdir(path):
+        raise ValueError(f"{name} path {path!r} is not a directory")
+    return path
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len): the
@@ -101,11 +112,7 @@ class Config:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a checkpoint directory, got {self.model!r}")
-        self.model = os.fspath(self.model)
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model path {self.model!r} is not a directory")
+        self.model = _directory("model", self.model, "a checkpoint directory")
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_model_len", self.max_model_len, 2)
@@ -133,13 +140,8 @@ class Config:
         if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)} (or {sorted(DTYPE_ALIASES)}), "
                              f"got {self.dtype!r}")
-        if self.tokenizer is None:
-            self.tokenizer = self.model
-        if not isinstance(self.tokenizer, (str, os.PathLike)):
-            raise TypeError(f"tokenizer must be a directory, got {self.tokenizer!r}")
-        self.tokenizer = os.fspath(self.tokenizer)
-        if not os.path.isdir(self.tokenizer):
-            raise ValueError(f"tokenizer path {self.tokenizer!r} is not a directory")
+        self.tokenizer = self.model if self.tokenizer is None else _directory("tokenizer", self.tokenizer,
+                                                                             "a tokenizer directory")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
@@ -180,9 +182,6 @@ class Config:
         if self.device == "cpu":
             return torch.float32
         return self.model_config.torch_dtype
-
-    def served_model(self) -> ServedModel:
-        return ServedModel(self.model, self.tokenizer, self.max_model_len, self.torch_dtype)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

@@ -214,7 +214,8 @@ class LLMEngine:
     @property
     def model_config(self) -> ServedModel:
         """vLLM's `llm_engine.model_config`: the served model's directories, max_model_len and dtype."""
-        return self.config.served_model()
+        cfg = self.config
+        return ServedModel(cfg.model, cfg.tokenizer, cfg.max_model_len, cfg.torch_dtype)
 
     def is_sleeping(self) -> bool:
         """True while any part sleeps (vLLM's LLM.is_sleeping)."""

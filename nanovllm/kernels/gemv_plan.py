@@ -51,7 +51,8 @@ BLOCK_SCALED_WIDE = Tiling(block_n=32, block_k=FP8_BLOCK, stages=4, evict="")
 # for WIDE_TILING, down 14.89 against 22.61; at 768+ programs (qkv) TALL_TILING wins (9.37 against
 # 11.27), and where 32-row programs fill a wave (gate_up) BLOCK_SCALED_WIDE (28.21, block scales 29.32).
 # At one row, where neither the 8-row nor the 16-row grid fits a wave (8B gate_up): 27.33 / 27.11 us
-# against WIDE_TILING's 29.19 / 29.08 (twentieth and twenty-first sessions' sweeps).
+# against WIDE_TILING's 29.19 / 29.08 (twentieth and twenty-first sessions' sweeps); end to end,
+# Qwen3-8B --quantization fp8 batch 1 3.050 -> 2.997 ms (-1.7%, two machines: twenty-second session).
 FP8_ROWS_WIDE = Tiling(block_n=8, block_k=1024, stages=3, evict="")
 
 
