@@ -3,6 +3,8 @@ other family (Llama 3 with llama3 RoPE scaling, Qwen2 with q/k/v biases)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -127,6 +129,19 @@ def test_exit_returns_gpu_memory_for_the_next_engine(tmp_path):
     second = LLM(path, kvcache_block_size=256, max_model_len=512, max_num_batched_tokens=32, max_num_seqs=8)
     assert second.num_kvcache_blocks > 1000
     second.exit()
+
+
+def test_a_dropped_engine_returns_gpu_memory(tmp_path):
+    """vLLM users free an engine by dropping it (`del llm; gc.collect()`), not by exit(): its
+    weights, cache and graphs go back to the card all the same."""
+    path = build_checkpoint(str(tmp_path / "fp32"), TinyShape())
+    baseline = torch.cuda.memory_allocated()
+    llm = LLM(path, kvcache_block_size=256, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64)
+    assert llm.generate([[3] * 30], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].token_ids
+    assert torch.cuda.memory_allocated() - baseline > 2**33  # most of the card: the KV cache
+    del llm
+    gc.collect()
+    assert torch.cuda.memory_allocated() - baseline < 2**30
 
 
 def test_mixed_steps_under_graphs_match_transformers(ckpt, reference):

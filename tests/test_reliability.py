@@ -3,10 +3,12 @@ randomized workloads; interrupted runs leave the engine usable."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -149,6 +151,7 @@ def test_bad_checkpoints(tmp_path, ckpt):
 
 _OPTIMIZED_SCRIPT = """
 import sys
+import weakref
 from nanovllm import LLM, SamplingParams
 checks = [
     (lambda: SamplingParams(temperature=-1), ValueError),
@@ -316,3 +319,31 @@ def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
         assert llm.generate(prompts, GREEDY, use_tqdm=False) != before
     finally:
         llm.exit()
+
+
+def test_a_dropped_engine_is_collected(ckpt):
+    """`del llm; gc.collect()` frees the engine (RL loops rebuild engines): nothing global, the
+    interpreter's exit hook included, holds it."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids
+    ref = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_engine_alive_at_interpreter_exit_is_exited(ckpt):
+    """The exit hook still reaches an engine nobody exited: a script that builds one and ends."""
+    script = (
+        "from nanovllm.engine.llm_engine import LLMEngine\n"
+        "exit_ = LLMEngine.exit\n"
+        "class Traced(LLMEngine):\n"
+        "    def exit(self):\n"
+        "        if not self._exited: print('exited', flush=True)\n"
+        "        exit_(self)\n"
+        f"llm = Traced({str(ckpt)!r}, device='cpu', kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["exited"]

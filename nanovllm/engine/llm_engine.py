@@ -8,7 +8,9 @@ RL use: engine.update_weights(state_dict.items()) swaps the weights in place bet
 engine.sleep(level) / engine.wake_up(tags) give the device memory back and take it again (engine/sleep.py).
 Structured outputs: SamplingParams(structured_outputs=StructuredOutputsParams(...)) constrains a
 completion (engine/structured_outputs.py; needs the optional xgrammar package).
-After engine.exit() every call raises RuntimeError (exit() itself stays harmless).
+After engine.exit() every call raises RuntimeError (exit() itself stays harmless). An engine
+dropped without exit() is collectable (`del llm; gc.collect()` frees its device memory, as RL
+loops that rebuild engines expect); one still alive when the interpreter ends is exited then.
 The batch API (generate, chat) is the LLM class's (nanovllm/llm.py).
 
 A request's SamplingParams are checked when it is added and the engine keeps its own checked copy
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -41,6 +44,16 @@ from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 __all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
+
+# Engines not yet exited, held weakly: the interpreter's exit closes them (their tensor-parallel
+# workers above all), while a dropped engine stays collectable (atexit.register(self.exit)
+# would hold every engine until the interpreter ends).
+_LIVE_ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+
+def _exit_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine.exit()
 
 
 class LLMEngine:
@@ -75,7 +88,9 @@ class LLMEngine:
         overlap = cfg.overlap_scheduling and self.workers is None
         self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.workers, self.grammars,
                                      self.detokenizer, overlap)
-        atexit.register(self.exit)
+        _LIVE_ENGINES.add(self)
+        atexit.unregister(_exit_live_engines)  # one registration, however many engines were built
+        atexit.register(_exit_live_engines)
 
     # ----- step-wise API -----
     def _check_open(self) -> None:
@@ -239,7 +254,7 @@ class LLMEngine:
         if self._exited:
             return
         self._exited = True
-        atexit.unregister(self.exit)
+        _LIVE_ENGINES.discard(self)
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
             pipeline.drop()  # queued steps' device tensors
