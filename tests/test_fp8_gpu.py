@@ -16,6 +16,7 @@ from fp8_checkpoints import (LAYOUTS, checkpoint_state, quantize_activations, qu
                              write_state)
 from nanovllm import SamplingParams
 from nanovllm.kernels.fp8_quant import quantize, quantize_rows
+from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
@@ -142,13 +143,14 @@ def test_fp8_linear_against_dequantized_operands(n, k, m, kind):
 
 @pytest.mark.parametrize("m", [3, 256, 1000])
 @pytest.mark.parametrize("kind", ["block", "row", "static"])
-def test_norm_quantizes_its_output(m, kind):
-    """The FP8 layers' inputs quantized inside the RMSNorm kernel (8B width: hidden 4096) are bit
-    for bit the standalone quantization of its 16-bit output, so fp8_linear gives the same output
-    either way."""
+def test_norm_and_activation_quantize_their_outputs(m, kind):
+    """The FP8 layers' inputs quantized inside the RMSNorm and SiLU-and-mul kernels (8B widths:
+    hidden 4096, intermediate 12288) are bit for bit the standalone quantization of those kernels'
+    16-bit outputs, so fp8_linear gives the same output either way."""
     gen = torch.Generator(DEV).manual_seed(m)
     x, res = (torch.randn(m, 4096, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
     w_norm = torch.rand(4096, generator=gen, device=DEV).to(torch.bfloat16)
+    gate_up = (4 * torch.randn(m, 2 * 12288, generator=gen, device=DEV)).to(torch.bfloat16)
     static = torch.tensor([0.01, 0.02], device=DEV) if kind == "static" else None
     q, s, _ = random_fp8(4096, 4096, gen, "block" if kind == "block" else "row")
     w = Fp8Weights(q, s, static)
@@ -159,6 +161,9 @@ def test_norm_quantizes_its_output(m, kind):
     assert torch.equal(summed, ref_sum) and torch.equal(got.q.float(), ref.q.float())
     assert torch.equal(got.scales, ref.scales) and got.scales.stride() == ref.scales.stride()
     assert torch.equal(fp8_linear(got, w, None), fp8_linear(normed, w, None))
+    got = silu_and_mul_fp8(gate_up, how)
+    ref = quantize(silu_and_mul(gate_up), how)
+    assert torch.equal(got.q.float(), ref.q.float()) and torch.equal(got.scales, ref.scales)
     assert got.m == m and got.q.shape[0] == how.rows(m)
 
 

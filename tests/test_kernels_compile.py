@@ -203,6 +203,11 @@ SPECS = [
      [{"HAS_RESIDUAL": r, "BLOCK_H": 4096, "ROWS": 1, "QUANT": mode, "GROUP": group, "PDL": True, "num_warps": 16}
       for r in (True, False) for mode, group in (("token", 1), ("group", 128), ("static", 1))]),
     ("kernels.fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
+    # ... quantizing its output: per token over one step or two passes, per group, static
+    ("kernels.fused_activation", "_silu_and_mul_fp8_kernel", {"q_ptr": FP8, "s_ptr": "*fp32", "static_ptr": "*fp32"},
+     [{"QUANT": mode, "GROUP": group, "BLOCK": block, "ONE_STEP": one, "PDL": True, "num_warps": 4}
+      for mode, group, block, one in (("token", 1, 4096, False), ("token", 1, 4096, True), ("group", 128, 1024, False),
+                                      ("static", 1, 1024, False))]),
     ("kernels.fused_rope", "_qk_norm_rope_kernel", ROPE_TYPES,
      [{"HEAD_DIM": 128, "HEADS": 8, "BLOCK_HALF": 64, "APPLY_NORM": n, "STORE_KV": kv, "BLOCK_SIZE": 256 if kv else 1,
        "PDL": p, **NO_KV_SCALES} for n in (True, False) for kv in (True, False) for p in (True, False)]),

@@ -10,6 +10,11 @@ The `layer` rows add one decoder layer's four calls (2 x add_rms_norm, qk_norm_r
 silu_and_mul); `x28` is the whole 0.6B model's elementwise cost per step.
 
     python -m benchmarks.kernels.bench_fused [--json PATH]
+
+`--fp8-silu`: the FP8 down projection's input instead: SiLU-and-mul then the activation
+quantization (two kernels) against `silu_and_mul_fp8` in one kernel over per-token tiles, per
+token and per 128-column group, at the intermediate widths of Qwen3-0.6B / -8B and Llama-3.1-8B,
+graph-replayed medians (`fused_activation.TOKEN_FUSED_MIN_ROWS` and `TOKEN_TILE` come from it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 import triton
 
 from benchmarks.harness.probes import measure_bandwidth
-from nanovllm.kernels.fused_activation import silu_and_mul
+from nanovllm.kernels.fp8_quant import RowQuant, quantize
+from nanovllm.kernels.fused_activation import TokenTile, silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
 from nanovllm.kernels.fused_rope import qk_norm_rope
 from nanovllm.layers.activation import SiluAndMul
@@ -112,12 +118,48 @@ def print_table(rows, bw):
     print("(/g = replayed in a CUDA graph; x = torch / fused; layer = 2 add_rms_norm + qk_norm_rope + silu_and_mul)")
 
 
+FP8_SILU_WIDTHS = (3072, 12288, 14336)  # Qwen3-0.6B, Qwen3-8B, Llama-3.1-8B intermediate sizes
+FP8_SILU_ROWS = (64, 128, 256, 512, 1024, 2048, 8192)
+FP8_SILU_TILES = (TokenTile(4096, 4), TokenTile(4096, 8), TokenTile(8192, 8), TokenTile(16384, 16))
+
+
+def run_fp8_silu(bw):
+    """us per call, graph-replayed: the two kernels against the fused one (per token: each tile)."""
+    rows = []
+    print(f"\n== SiLU-and-mul + FP8 quantization, bf16 in | HBM copy {bw:.0f} GB/s | us (graph replay median) ==")
+    for mode, how in (("token", RowQuant()), ("group", RowQuant(128))):
+        for inter in FP8_SILU_WIDTHS:
+            for n in FP8_SILU_ROWS:
+                gen = torch.Generator(DEV).manual_seed(n)
+                x = torch.randn(n, 2 * inter, device=DEV, generator=gen).to(DT)
+                r = {"mode": mode, "inter": inter, "n": n,
+                     "two_kernels": bench_graph(lambda: quantize(silu_and_mul(x), how)) * 1e6}
+                tiles = FP8_SILU_TILES if mode == "token" else (None,)
+                for tile in tiles:
+                    name = "fused" if tile is None else f"fused_{tile.block}x{tile.num_warps}"
+                    r[name] = bench_graph(lambda: silu_and_mul_fp8(x, how, tile=tile or FP8_SILU_TILES[0])) * 1e6
+                best = min(v for k, v in r.items() if k.startswith("fused"))
+                r["best_fused_over_two"] = best / r["two_kernels"]
+                r["pct_bw_best"] = 100 * n * inter * (4 + 1) / (best * 1e-6) / 1e9 / bw  # 2 bf16 in, 1 byte out
+                rows.append(r)
+                print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                      flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write results to this path")
+    ap.add_argument("--fp8-silu", action="store_true", help="the FP8 SiLU-and-mul table only")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     bw = measure_bandwidth() / 1e9
+    if args.fp8_silu:
+        rows = run_fp8_silu(bw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"hbm_GBps": bw, "rows": rows}, f, indent=1)
+        return
     rows = [r for n in NS for r in run_n(n, bw)]
     print_table(rows, bw)
     if args.json:

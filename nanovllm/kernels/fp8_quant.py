@@ -63,13 +63,19 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _amax_to_scale(amax):
+def amax_scale(amax):
     """The dynamic scale of a part whose largest magnitude is `amax` (any shape): amax / 448, floored."""
     return tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
 
 
 @triton.jit
-def _store_fp8(q_ptrs, x, scale, mask):
+def _amax_scale(amax):
+    """The scale of a part from its running |x| maxima [BLOCK]."""
+    return amax_scale(tl.max(amax, axis=0))
+
+
+@triton.jit
+def store_fp8(q_ptrs, x, scale, mask):
     """q = e4m3(clamp(x / scale, -448, 448)) stored at q_ptrs where mask."""
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptrs, _to_fp8(q, q_ptrs.dtype.element_ty), mask=mask)
@@ -82,10 +88,10 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
     [R, C] where mask, quantized as quantize_rows does: MODE "token" (a scale per row, stored at
     s_ptr + rows * stride_sm), "group" (per GROUP columns: group g's at + g * stride_sg, groups
     below n_groups) or "static" (the per-tensor scale at static_ptr, stored per row too). Rows not
-    row_valid store no scale. For a kernel that quantizes its own output (fused_norm.rms_norm_fp8)."""
+    row_valid store no scale. For kernels that quantize their own output (fused_norm, fused_activation)."""
     if MODE == "group":
         yg = tl.reshape(y, (R, C // GROUP, GROUP))
-        scale = _amax_to_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
+        scale = amax_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
         q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptrs, _to_fp8(tl.reshape(q, (R, C)), q_ptrs.dtype.element_ty), mask=mask)
         groups = tl.arange(0, C // GROUP)
@@ -95,8 +101,8 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
         if MODE == "static":
             scale = tl.load(static_ptr).to(tl.float32) + tl.zeros((R,), dtype=tl.float32)
         else:
-            scale = _amax_to_scale(tl.max(tl.abs(y), axis=1))  # [R]
-        _store_fp8(q_ptrs, y, scale[:, None], mask)
+            scale = amax_scale(tl.max(tl.abs(y), axis=1))  # [R]
+        store_fp8(q_ptrs, y, scale[:, None], mask)
         tl.store(s_ptr + rows * stride_sm, scale, mask=row_valid)
 
 
@@ -118,9 +124,9 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
     cols = tl.arange(0, BLOCK)
     if ONE_STEP:  # the part fits one step: read once, kept in registers
         x = tl.load(x_row + start + cols, mask=start + cols < filled, other=0.0).to(tl.float32)
-        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_to_scale(tl.max(tl.abs(x), axis=0))
+        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_scale(tl.abs(x))
         tl.store(s_out, scale)
-        _store_fp8(q_row + start + cols, x, scale, start + cols < end)
+        store_fp8(q_row + start + cols, x, scale, start + cols < end)
     else:  # wide rows: the amax pass, then the quantizing pass
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -129,11 +135,11 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
             for c in range(start, end, BLOCK):
                 x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = _amax_to_scale(tl.max(amax, axis=0))
+            scale = _amax_scale(amax)
         tl.store(s_out, scale)
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-            _store_fp8(q_row + c + cols, x, scale, c + cols < end)
+            store_fp8(q_row + c + cols, x, scale, c + cols < end)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class Fp8Weights:
 def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in the compute dtype, through
     torch._scaled_mm on x quantized as `w.row_quant()` says; `x` may come quantized so already
-    (kernels/fused_norm.rms_norm_fp8: the same values)."""
+    (kernels/fused_norm.rms_norm_fp8, fused_activation.silu_and_mul_fp8: the same values)."""
     from nanovllm.kernels.fp8_quant import quantize
 
     xq = quantize(x, w.row_quant()) if isinstance(x, torch.Tensor) else x
