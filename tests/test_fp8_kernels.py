@@ -11,7 +11,7 @@ from fp8_checkpoints import dequantize_blocks, quantize_blocks, quantize_channel
 from linear_refs import DTYPES, REF_TOL, randn, rel_err
 
 from nanovllm.kernels.fp8_quant import RowQuant, quantize_rows
-from nanovllm.kernels.fused_activation import TokenTile, silu_and_mul, silu_and_mul_fp8
+from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import Tiling, tiling
@@ -223,16 +223,14 @@ def test_rms_norm_quantizes_its_output(dtype, mode, h, with_residual):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", QUANTS)
 @pytest.mark.parametrize("inter", [200, 5000])
-@pytest.mark.parametrize("tile", [None, TokenTile(256, 4), TokenTile(8192, 4)])
-def test_silu_and_mul_quantizes_its_output(dtype, mode, inter, tile):
-    """silu_and_mul_fp8 = silu_and_mul quantized: bit for bit, padding rows too. Per token: the
-    two kernels of a few rows (tile None), and the one-row programs forced over one step (8192 >=
-    inter) or an amax pass, then the quantizing pass (256 < inter)."""
+def test_silu_and_mul_quantizes_its_output(dtype, mode, inter):
+    """silu_and_mul_fp8 = silu_and_mul quantized: bit for bit, padding rows too (per token by the
+    two kernels, per group and static in one)."""
     gen = torch.Generator().manual_seed(inter)
     x = randn((3, 2 * inter), gen, dtype, 4.0)
     x[2, :inter] = 0  # silu(0) = 0: a zero row
     how = QUANTS[mode]()
-    check_quantized(silu_and_mul_fp8(x, how, tile=tile), silu_and_mul(x), how, mode)
+    check_quantized(silu_and_mul_fp8(x, how), silu_and_mul(x), how, mode)
 
 
 def test_producers_refuse_other_quant_specs():
@@ -241,7 +239,5 @@ def test_producers_refuse_other_quant_specs():
         rms_norm_fp8(x, None, torch.ones(256), 1e-6, {"group": 128})
     with pytest.raises(TypeError, match="quant must be a RowQuant, got NoneType"):
         silu_and_mul_fp8(x, None)
-    with pytest.raises(TypeError, match="tile must be a TokenTile or None, got tuple"):
-        silu_and_mul_fp8(x, RowQuant(), tile=(4096, 4))
     with pytest.raises(ValueError, match="row_multiple must be"):
         RowQuant(row_multiple=0)

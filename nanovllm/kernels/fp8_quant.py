@@ -7,8 +7,9 @@
     static:                 s[m]    = the given per-tensor scale                      scales [M, 1]
     q = float8_e4m3fn(clamp(x / s, -448, 448))   (correctly rounded division, as torch divides)
 
-Grid (rows, groups): a program reads its row (per token) or group once when it fits one BLOCK
-step (up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax, then quantize).
+Grid (rows, parts): per token or static, a program reads its row once when it fits one BLOCK step
+(up to MAX_BLOCK columns), else walks it twice in BLOCK-column steps (amax, then quantize); per
+group, a program takes GROUP_BLOCK columns of a row (whole groups) and reads them once.
 `rows` may exceed M (padding rows for the GEMM: zeros, scale FP8_MIN_SCALE); `pair_ids` marks an
 aligned MoE activation's padding rows, which are skipped. Shapes only set the launch, so calls are
 CUDA-graph capturable.
@@ -16,7 +17,7 @@ CUDA-graph capturable.
 `RowQuant` is the one description of a layer's choice (mode, padding rows; quantization/fp8.py's
 `Fp8Weights.row_quant` makes it), `quantize` applies it and returns `QuantizedRows`, and
 `quantize_tile` is the same arithmetic for a kernel that quantizes its own output in registers
-(kernels/fused_norm.rms_norm_fp8, whose figures are there).
+(kernels/fused_norm.rms_norm_fp8, whose figures are there; fused_activation.silu_and_mul_fp8).
 
 Measured (H200, fifteenth session, BENCHMARKS.md): the one read and the skipped padding rows took
 the W8A8 MoE call's two quantizations from 15.9 to 8.8 us at T=256; with the align and slot-sum
@@ -49,6 +50,10 @@ SUBNORMAL_SHIFT = tl.constexpr(1.5 * 2.0**14)
 # Columns per step of a per-token program: 4096 bf16 = 8 KB, 32 per thread at 4 warps (an 8B /
 # 30B-A3B attention output, 4096 wide, is read once).
 MAX_BLOCK = 4096
+# Columns per program per group: 1024 = 8 groups of 128, one 16-byte bf16 vector a thread at 4 warps
+# (a program a group left 4 warps on 128 columns: 80.4 against 26.8 us at 1,024 x 12288 with the
+# SiLU-and-mul in front, H200, twenty-third session).
+GROUP_BLOCK = 1024
 NUM_WARPS = 4
 
 
@@ -63,19 +68,13 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def amax_scale(amax):
+def _amax_to_scale(amax):
     """The dynamic scale of a part whose largest magnitude is `amax` (any shape): amax / 448, floored."""
     return tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
 
 
 @triton.jit
-def _amax_scale(amax):
-    """The scale of a part from its running |x| maxima [BLOCK]."""
-    return amax_scale(tl.max(amax, axis=0))
-
-
-@triton.jit
-def store_fp8(q_ptrs, x, scale, mask):
+def _store_fp8(q_ptrs, x, scale, mask):
     """q = e4m3(clamp(x / scale, -448, 448)) stored at q_ptrs where mask."""
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptrs, _to_fp8(q, q_ptrs.dtype.element_ty), mask=mask)
@@ -91,7 +90,7 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
     row_valid store no scale. For kernels that quantize their own output (fused_norm, fused_activation)."""
     if MODE == "group":
         yg = tl.reshape(y, (R, C // GROUP, GROUP))
-        scale = amax_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
+        scale = _amax_to_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
         q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptrs, _to_fp8(tl.reshape(q, (R, C)), q_ptrs.dtype.element_ty), mask=mask)
         groups = tl.arange(0, C // GROUP)
@@ -101,45 +100,54 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
         if MODE == "static":
             scale = tl.load(static_ptr).to(tl.float32) + tl.zeros((R,), dtype=tl.float32)
         else:
-            scale = amax_scale(tl.max(tl.abs(y), axis=1))  # [R]
-        store_fp8(q_ptrs, y, scale[:, None], mask)
+            scale = _amax_to_scale(tl.max(tl.abs(y), axis=1))  # [R]
+        _store_fp8(q_ptrs, y, scale[:, None], mask)
         tl.store(s_ptr + rows * stride_sm, scale, mask=row_valid)
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, group, stride_x, stride_q,
+def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, stride_x, stride_q,
                   stride_sm, stride_sg, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
-                  SKIP_PADDING: tl.constexpr):
-    row = tl.program_id(0)
-    g = tl.program_id(1)
+                  SKIP_PADDING: tl.constexpr, GROUP: tl.constexpr):
+    """Grid (rows, parts): per token or static (GROUP 0) one part, the row; per GROUP-column group,
+    parts of BLOCK columns (BLOCK / GROUP whole groups)."""
+    row = tl.program_id(0).to(tl.int64)
     if SKIP_PADDING:  # a padding row of an aligned MoE layout: never read, so not written
         if tl.load(pairs_ptr + row) >= num_pairs:
             return
-    start = g * group
-    end = tl.minimum(start + group, k_in)
-    filled = tl.where(row < n_rows, end, start)  # padding rows read nothing: zeros
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    q_row = q_ptr + row.to(tl.int64) * stride_q
-    s_out = s_ptr + row.to(tl.int64) * stride_sm + g * stride_sg
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    if GROUP > 0:  # this program's BLOCK columns, quantized as one tile row
+        first = tl.program_id(1) * BLOCK
+        cols = first + tl.arange(0, BLOCK)
+        filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
+        x = tl.load(x_row + cols, mask=cols < filled, other=0.0).to(tl.float32)
+        rows = row + tl.zeros((1,), dtype=tl.int64)
+        g0 = first // GROUP  # the program's first scale column
+        quantize_tile(x[None, :], (q_row + cols)[None, :], (cols < k_in)[None, :], s_ptr + g0 * stride_sg, rows,
+                      rows >= 0, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK, GROUP)
+        return
+    filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
+    s_out = s_ptr + row * stride_sm
     cols = tl.arange(0, BLOCK)
-    if ONE_STEP:  # the part fits one step: read once, kept in registers
-        x = tl.load(x_row + start + cols, mask=start + cols < filled, other=0.0).to(tl.float32)
-        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_scale(tl.abs(x))
+    if ONE_STEP:  # the row fits one step: read once, kept in registers
+        x = tl.load(x_row + cols, mask=cols < filled, other=0.0).to(tl.float32)
+        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_to_scale(tl.max(tl.abs(x), axis=0))
         tl.store(s_out, scale)
-        store_fp8(q_row + start + cols, x, scale, start + cols < end)
+        _store_fp8(q_row + cols, x, scale, cols < k_in)
     else:  # wide rows: the amax pass, then the quantizing pass
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for c in range(start, end, BLOCK):
+            for c in range(0, k_in, BLOCK):
                 x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = _amax_scale(amax)
+            scale = _amax_to_scale(tl.max(amax, axis=0))
         tl.store(s_out, scale)
-        for c in range(start, end, BLOCK):
+        for c in range(0, k_in, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
-            store_fp8(q_row + c + cols, x, scale, c + cols < end)
+            _store_fp8(q_row + c + cols, x, scale, c + cols < k_in)
 
 
 @dataclass(frozen=True)
@@ -234,14 +242,17 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
             raise ValueError(f"pair_ids marks padding rows of x itself: rows must be x's {m}, got {rows}")
         check_int("num_pairs", num_pairs, 0)
     q, scales = _empty_outputs(rows, k, group, x.device)
-    groups, block, size = ((1, min(MAX_BLOCK, next_pow2(k)), k) if group is None
-                           else (triton.cdiv(k, group), group, group))
+    if group is None:
+        parts, block = 1, min(MAX_BLOCK, next_pow2(k))
+    else:  # whole groups, GROUP_BLOCK columns a program
+        block = max(group, min(GROUP_BLOCK, next_pow2(k)))
+        parts = triton.cdiv(k, block)
     if rows == 0 or k == 0:
         return q, scales
-    _quant_kernel[(rows, groups)](
+    _quant_kernel[(rows, parts)](
         x, q, scales, static_scale if static_scale is not None else scales,
-        pair_ids if pair_ids is not None else scales, num_pairs, m, k, size, x.stride(0), q.stride(0),
-        scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, ONE_STEP=block >= size,
-        SKIP_PADDING=pair_ids is not None, num_warps=NUM_WARPS,
+        pair_ids if pair_ids is not None else scales, num_pairs, m, k, x.stride(0), q.stride(0),
+        scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, ONE_STEP=block >= k,
+        SKIP_PADDING=pair_ids is not None, GROUP=group or 0, num_warps=NUM_WARPS,
     )
     return q, scales

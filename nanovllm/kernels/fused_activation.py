@@ -17,14 +17,12 @@ us at 16,384 rows ("Fused elementwise kernels").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .checks import check_matrix, next_pow2
-from .fp8_quant import QuantizedRows, RowQuant, amax_scale, quantize, quantize_tile, store_fp8
+from .fp8_quant import QuantizedRows, RowQuant, quantize, quantize_tile
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -33,25 +31,6 @@ MAX_BLOCK = 1024
 # Column blocks ride grid axis 1, which CUDA caps at 65535.
 MAX_COL_BLOCKS = 65535
 NUM_WARPS = 4
-
-
-@dataclass(frozen=True)
-class TokenTile:
-    """A per-token quantizing program's walk of its row: `block` columns a step (the whole row
-    in registers when it fits one step, else an amax pass, then a quantizing pass re-reading the
-    row) on `num_warps` warps."""
-
-    block: int
-    num_warps: int
-
-
-# Per token, one program a row: 4096 columns (8 KB of each operand, 32 float32 a thread at 4
-# warps) a step. Qwen3-8B's 12288 columns are read twice (the second pass from L2).
-TOKEN_TILE = TokenTile(4096, 4)
-# Per token below this many rows, SiLU-and-mul, then the quantization (two kernels, column-block
-# grids): one-row programs would leave most SMs idle (256 rows of Qwen3-8B's 12288 columns took
-# 12.7 us fused against 10 for the two, H200, eighteenth session).
-TOKEN_FUSED_MIN_ROWS = 512
 
 
 @triton.jit
@@ -87,64 +66,46 @@ def _silu_mul_cols(x_row, inter, cols, filled):
 @triton.jit(do_not_specialize=["n_rows", "out_rows"])
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, out_rows, inter, n_groups, stride_x, stride_q,
                              stride_sm, stride_sg, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                             ONE_STEP: tl.constexpr, PDL: tl.constexpr):
-    """Grid (out_rows, column blocks): silu_and_mul's rows quantized (fp8_quant.quantize_tile's
-    modes); rows past n_rows are zeros. Per token over more than one block ("token", not ONE_STEP):
-    one program a row, its amax pass, then its quantizing pass."""
+                             PDL: tl.constexpr):
+    """Grid (out_rows, column blocks of whole groups): silu_and_mul's rows quantized per group or
+    with the static scale (fp8_quant.quantize_tile); rows past n_rows are zeros."""
     wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     filled = tl.where(row < n_rows, inter, 0)  # padding rows read nothing: zeros
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    if QUANT == "token" and not ONE_STEP:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c in range(0, inter, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_silu_mul_cols(x_row, inter, c + tl.arange(0, BLOCK), filled)))
-        scale = amax_scale(tl.max(amax, axis=0))
-        tl.store(s_ptr + row * stride_sm, scale)
-        for c in range(0, inter, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            store_fp8(q_row + cols, _silu_mul_cols(x_row, inter, cols, filled), scale, cols < inter)
-    else:  # this program's BLOCK columns (whole groups), quantized as one tile row
-        first = tl.program_id(1) * BLOCK
-        cols = first + tl.arange(0, BLOCK)
-        y = _silu_mul_cols(x_row, inter, cols, filled)
-        rows = row + tl.zeros((1,), dtype=tl.int64)
-        g0 = first // GROUP if QUANT == "group" else 0  # the program's first scale column
-        quantize_tile(y[None, :], (q_row + cols)[None, :], (cols < inter)[None, :], s_ptr + g0 * stride_sg,
-                      rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP)
+    first = tl.program_id(1) * BLOCK
+    cols = first + tl.arange(0, BLOCK)
+    y = _silu_mul_cols(x_ptr + row * stride_x, inter, cols, filled)
+    rows = row + tl.zeros((1,), dtype=tl.int64)
+    g0 = first // GROUP if QUANT == "group" else 0  # the program's first scale column
+    quantize_tile(y[None, :], (q_ptr + row * stride_q + cols)[None, :], (cols < inter)[None, :], s_ptr + g0 * stride_sg,
+                  rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP)
 
 
-def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant, *, tile: TokenTile | None = None) -> QuantizedRows:
+def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
     """fp8_quant.quantize(silu_and_mul(x), quant) (the same values): x [N, 2I] (rows may be
-    strided) -> QuantizedRows of [N, I]. One kernel, except per token below TOKEN_FUSED_MIN_ROWS
-    rows (the two kernels). tile: a per-token TokenTile, always fused (benchmarks)."""
+    strided) -> QuantizedRows of [N, I]. Per group or static: one kernel (column blocks, no 16-bit
+    activation written and read back: 7.4 against 21.0 us at Qwen3-8B's 256 x 12288, per group).
+    Per token: the two kernels, since a row's scale needs the whole row first (one-row programs
+    measured no faster: 33.4 against 35.9 us at 1,024 x 12288, slower below 512 rows; H200,
+    twenty-third session)."""
     inter = _check(x)
     if not isinstance(quant, RowQuant):
         raise TypeError(f"quant must be a RowQuant, got {type(quant).__name__}")
-    if tile is not None and not isinstance(tile, TokenTile):
-        raise TypeError(f"tile must be a TokenTile or None, got {type(tile).__name__}")
     quant.check_device(x)
-    n = x.shape[0]
-    if quant.mode == "token" and tile is None and n < TOKEN_FUSED_MIN_ROWS:
+    if quant.mode == "token":
         return quantize(silu_and_mul(x), quant)
-    tile = TOKEN_TILE if tile is None else tile
+    n = x.shape[0]
     result = quant.outputs(n, inter, x.dtype, x.device)
     q, scales = result.q, result.scales
     if q.shape[0] == 0:
         return result
     group = quant.group or 1
-    block = min(tile.block if quant.mode == "token" else MAX_BLOCK, next_pow2(inter))
-    if quant.group is not None:
-        block = max(block, quant.group)  # whole groups in a program
-    one_step = block >= inter
-    col_blocks = 1 if quant.mode == "token" else triton.cdiv(inter, block)
-    warps = tile.num_warps if quant.mode == "token" else NUM_WARPS
+    block = max(min(MAX_BLOCK, next_pow2(inter)), group)  # whole groups in a program
     static = quant.static_scale if quant.static_scale is not None else scales
-    _silu_and_mul_fp8_kernel[(q.shape[0], col_blocks)](
+    _silu_and_mul_fp8_kernel[(q.shape[0], triton.cdiv(inter, block))](
         x, q, scales, static, n, q.shape[0], inter, triton.cdiv(inter, group), x.stride(0), q.stride(0),
-        scales.stride(0), scales.stride(-1), QUANT=quant.mode, GROUP=group, BLOCK=block, ONE_STEP=one_step,
-        num_warps=warps, **pdl_launch_options(x))
+        scales.stride(0), scales.stride(-1), QUANT=quant.mode, GROUP=group, BLOCK=block,
+        num_warps=NUM_WARPS, **pdl_launch_options(x))
     return result
 
 
