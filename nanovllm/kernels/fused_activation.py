@@ -10,6 +10,13 @@ Grid (N, cdiv(I, BLOCK)): one program per (row, column block). Input rows may be
 (last dim contiguous); the output is contiguous. N is only the grid size, so one compiled
 kernel serves every batch size and the launch is CUDA-graph capturable.
 
+`silu_and_mul_fp8` is the FP8 down projection's input: the same values quantized for
+torch._scaled_mm (fp8_quant.RowQuant), per 128-column group or with a static scale in the same
+grid (fp8_quant.quantize_tile on each program's columns). With it and fp8_quant's 8-group programs,
+Qwen3-8B in Qwen's FP8 layout (128 x 128 weight blocks, per-group activations) took 19.43 -> 17.69
+ms to its first token at 1,000 tokens and 37.2% -> 38.7% of its roofline in bench.py with an FP8
+cache (H200, BENCHMARKS.md, twenty-third session).
+
 Measured end to end (H200): part of the fused-kernel change that took the default workload from
 12,112 to 20,773 tok/s (740201d; BENCHMARKS.md, "Throughput and latency history"); alone 265 -> 72.6
 us at 16,384 rows ("Fused elementwise kernels").

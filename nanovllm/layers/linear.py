@@ -23,9 +23,10 @@ name (`weight_scale_inv` / `weight_scale`: float32 [out] per row, per-tensor sca
 their part's rows; or the block grid [out/128, in/128]) and, for static activations,
 `input_scale` [parts]; the scales slice over ranks and parts like the weight, in rows (grids: in
 blocks). Its 1-2 row calls run the GEMV's FP8 variant, larger ones quantization/fp8.fp8_linear
-(torch._scaled_mm); no skinny GEMM. There the RMSNorm in front (forward_normed) and the down
-projection's SiLU-and-mul quantize their own outputs for it (one kernel each, no 16-bit activation
-written and read back). A layer whose weights the loader dequantizes stays as is.
+(torch._scaled_mm); no skinny GEMM. There the RMSNorm in front (forward_normed), and the down
+projection's SiLU-and-mul per group or with a static scale, quantize their own outputs for it (one
+kernel each, no 16-bit activation written and read back). A layer whose weights the loader
+dequantizes stays as is.
 """
 
 from __future__ import annotations
