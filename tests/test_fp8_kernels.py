@@ -164,10 +164,12 @@ def test_moe_padding_rows_are_skipped(group, k):
         quantize_rows(x, pair_ids=pair_ids, num_pairs=9.0)
 
 
-def test_static_activation_scale_and_bad_arguments():
+@pytest.mark.parametrize("parts", [[0.05], [0.02, 0.05], [0.03, 0.05, 0.01]])
+def test_static_activation_scale_and_bad_arguments(parts):
+    """A packed layer's parts' static scales: the largest quantizes the activation (one matmul)."""
     gen = torch.Generator().manual_seed(1)
     x = randn((4, 300), gen, torch.bfloat16, 100.0)
-    scale = torch.tensor([0.05])
+    scale = torch.tensor(parts)
     q, s = quantize_rows(x, static_scale=scale)
     ref_q, _ = ref_quantize(x, None, 0.05)
     assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, torch.full((4, 1), 0.05))
@@ -176,14 +178,16 @@ def test_static_activation_scale_and_bad_arguments():
         quantize_rows(x, group=64)
     with pytest.raises(ValueError, match="takes no group"):
         quantize_rows(x, group=128, static_scale=scale)
-    with pytest.raises(ValueError, match="one-element float32"):
-        quantize_rows(x, static_scale=torch.tensor([0.1, 0.2]))
+    for bad in (torch.ones(5), torch.ones(2, 1), torch.ones(0), torch.ones(2, dtype=torch.float64),
+                torch.ones(4)[::2]):
+        with pytest.raises(ValueError, match="contiguous float32 tensor of 1 to 4 parts' scales"):
+            quantize_rows(x, static_scale=bad)
     with pytest.raises(ValueError, match="rows must be an int >= x's 4 rows"):
         quantize_rows(x, rows=2)
 
 
 QUANTS = {"token": lambda: RowQuant(), "group": lambda: RowQuant(128, row_multiple=4),
-          "static": lambda: RowQuant(static_scale=torch.tensor([0.02]))}
+          "static": lambda: RowQuant(static_scale=torch.tensor([0.01, 0.02, 0.005]))}  # parts: the largest, 0.02
 
 
 def check_quantized(got, out16, how, mode):

@@ -4,7 +4,8 @@
     per group (dynamic):    s[m, g] = max(amax(x[m, g*128 : (g+1)*128]) / 448, FP8_MIN_SCALE)
                                                 scales [M, K/128], column-major (the transpose of a
                                                 contiguous [K/128, M]: _scaled_mm's blockwise layout)
-    static:                 s[m]    = the given per-tensor scale                      scales [M, 1]
+    static:                 s[m]    = the given per-tensor scale (the largest of a packed
+                                      layer's parts' scales, taken in the kernel)   scales [M, 1]
     q = float8_e4m3fn(clamp(x / s, -448, 448))   (correctly rounded division, as torch divides)
 
 Grid (rows, parts): per token or static, a program reads its row once when it fits one BLOCK step
@@ -55,6 +56,9 @@ MAX_BLOCK = 4096
 # SiLU-and-mul in front, H200, twenty-third session).
 GROUP_BLOCK = 1024
 NUM_WARPS = 4
+# Static scales of a packed layer's parts (q | k | v at most): the kernels take their largest,
+# reading this many slots (masked to the real count), so no per-call reduction kernel runs first.
+MAX_STATIC_PARTS = tl.constexpr(4)
 
 
 @triton.jit
@@ -81,12 +85,21 @@ def _store_fp8(q_ptrs, x, scale, mask):
 
 
 @triton.jit
+def static_scale(static_ptr, PARTS: tl.constexpr):
+    """The static activation scale: the largest of the PARTS scales at static_ptr (float32)."""
+    parts = tl.arange(0, MAX_STATIC_PARTS)
+    return tl.max(tl.load(static_ptr + parts, mask=parts < PARTS, other=0.0), axis=0).to(tl.float32)
+
+
+@triton.jit
 def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, stride_sg, static_ptr,
-                  MODE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr):
+                  MODE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
+                  STATIC_PARTS: tl.constexpr):
     """Store y [R, C] (float32 holding activation-dtype values, 0 past the row's end) at q_ptrs
     [R, C] where mask, quantized as quantize_rows does: MODE "token" (a scale per row, stored at
     s_ptr + rows * stride_sm), "group" (per GROUP columns: group g's at + g * stride_sg, groups
-    below n_groups) or "static" (the per-tensor scale at static_ptr, stored per row too). Rows not
+    below n_groups) or "static" (the largest of the STATIC_PARTS scales at static_ptr, stored per
+    row too). Rows not
     row_valid store no scale. For kernels that quantize their own output (fused_norm, fused_activation)."""
     if MODE == "group":
         yg = tl.reshape(y, (R, C // GROUP, GROUP))
@@ -98,7 +111,7 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
                  mask=row_valid[:, None] & (groups < n_groups)[None, :])
     else:
         if MODE == "static":
-            scale = tl.load(static_ptr).to(tl.float32) + tl.zeros((R,), dtype=tl.float32)
+            scale = static_scale(static_ptr, STATIC_PARTS) + tl.zeros((R,), dtype=tl.float32)
         else:
             scale = _amax_to_scale(tl.max(tl.abs(y), axis=1))  # [R]
         _store_fp8(q_ptrs, y, scale[:, None], mask)
@@ -108,7 +121,7 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, stride_x, stride_q,
                   stride_sm, stride_sg, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
-                  SKIP_PADDING: tl.constexpr, GROUP: tl.constexpr):
+                  SKIP_PADDING: tl.constexpr, GROUP: tl.constexpr, STATIC_PARTS: tl.constexpr):
     """Grid (rows, parts): per token or static (GROUP 0) one part, the row; per GROUP-column group,
     parts of BLOCK columns (BLOCK / GROUP whole groups)."""
     row = tl.program_id(0).to(tl.int64)
@@ -125,19 +138,20 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
         rows = row + tl.zeros((1,), dtype=tl.int64)
         g0 = first // GROUP  # the program's first scale column
         quantize_tile(x[None, :], (q_row + cols)[None, :], (cols < k_in)[None, :], s_ptr + g0 * stride_sg, rows,
-                      rows >= 0, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK, GROUP)
+                      rows >= 0, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK, GROUP,
+                      STATIC_PARTS)
         return
     filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
     s_out = s_ptr + row * stride_sm
     cols = tl.arange(0, BLOCK)
     if ONE_STEP:  # the row fits one step: read once, kept in registers
         x = tl.load(x_row + cols, mask=cols < filled, other=0.0).to(tl.float32)
-        scale = tl.load(static_ptr).to(tl.float32) if STATIC else _amax_to_scale(tl.max(tl.abs(x), axis=0))
+        scale = static_scale(static_ptr, STATIC_PARTS) if STATIC else _amax_to_scale(tl.max(tl.abs(x), axis=0))
         tl.store(s_out, scale)
         _store_fp8(q_row + cols, x, scale, cols < k_in)
     else:  # wide rows: the amax pass, then the quantizing pass
         if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
+            scale = static_scale(static_ptr, STATIC_PARTS)
         else:
             amax = tl.zeros((BLOCK,), dtype=tl.float32)
             for c in range(0, k_in, BLOCK):
@@ -153,9 +167,10 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
 @dataclass(frozen=True)
 class RowQuant:
     """How an activation [M, K] becomes e4m3 rows for torch._scaled_mm: per token (`group` None),
-    per FP8_BLOCK-column group, or with a per-tensor `static_scale` (a one-element float32 tensor
-    on the activation's device); rows padded with zero rows to a multiple of `row_multiple`. The
-    one description quantize_rows and the kernels that quantize their own output both follow."""
+    per FP8_BLOCK-column group, or with a per-tensor `static_scale` (a 1-D float32 tensor on the
+    activation's device holding a packed layer's parts' scales, 1 to MAX_STATIC_PARTS: their largest
+    is the scale); rows padded with zero rows to a multiple of `row_multiple`. The one description
+    quantize_rows and the kernels that quantize their own output both follow."""
 
     group: int | None = None
     static_scale: torch.Tensor | None = None
@@ -167,10 +182,17 @@ class RowQuant:
         if self.static_scale is not None:
             if self.group is not None:
                 raise ValueError("a static scale is per tensor: it takes no group")
-            if (not isinstance(self.static_scale, torch.Tensor) or self.static_scale.numel() != 1
-                    or self.static_scale.dtype != torch.float32):
-                raise ValueError(f"static_scale must be a one-element float32 tensor, got {self.static_scale!r}")
+            s = self.static_scale
+            if (not isinstance(s, torch.Tensor) or s.dim() > 1 or not 1 <= s.numel() <= MAX_STATIC_PARTS.value
+                    or s.dtype != torch.float32 or not s.is_contiguous()):
+                raise ValueError(f"static_scale must be a contiguous float32 tensor of 1 to {MAX_STATIC_PARTS.value} "
+                                 f"parts' scales, got {s!r}")
         check_int("row_multiple", self.row_multiple, 1)
+
+    @property
+    def static_parts(self) -> int:
+        """How many parts' scales `static_scale` holds (0 without one): the kernels' STATIC_PARTS."""
+        return 0 if self.static_scale is None else self.static_scale.numel()
 
     @property
     def mode(self) -> str:
@@ -222,7 +244,7 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
                   num_pairs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [rows, K], scales float32): per token (group None), per
     FP8_BLOCK-column group (group=FP8_BLOCK: scales [rows, K/128] column-major) or with the
-    per-tensor `static_scale` (a one-element float32 tensor). `rows` >= M pads with zero rows
+    per-tensor `static_scale` (RowQuant's: parts' scales, the largest taken). `rows` >= M pads with zero rows
     (default M). `pair_ids` (int32 [M] on x's device: moe_align's sorted_pair_ids, the rows of
     an aligned MoE activation) with `num_pairs`: rows whose id is >= num_pairs are padding, and
     their q and scales are left unwritten (nothing reads them)."""
@@ -253,6 +275,6 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
         x, q, scales, static_scale if static_scale is not None else scales,
         pair_ids if pair_ids is not None else scales, num_pairs, m, k, x.stride(0), q.stride(0),
         scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, ONE_STEP=block >= k,
-        SKIP_PADDING=pair_ids is not None, GROUP=group or 0, num_warps=NUM_WARPS,
+        SKIP_PADDING=pair_ids is not None, GROUP=group or 0, STATIC_PARTS=how.static_parts, num_warps=NUM_WARPS,
     )
     return q, scales

@@ -73,7 +73,7 @@ def _silu_mul_cols(x_row, inter, cols, filled):
 @triton.jit(do_not_specialize=["n_rows", "out_rows"])
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, out_rows, inter, n_groups, stride_x, stride_q,
                              stride_sm, stride_sg, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
+                             STATIC_PARTS: tl.constexpr, PDL: tl.constexpr):
     """Grid (out_rows, column blocks of whole groups): silu_and_mul's rows quantized per group or
     with the static scale (fp8_quant.quantize_tile); rows past n_rows are zeros."""
     wait_for_prior(PDL)
@@ -85,7 +85,8 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, out_rows, 
     rows = row + tl.zeros((1,), dtype=tl.int64)
     g0 = first // GROUP if QUANT == "group" else 0  # the program's first scale column
     quantize_tile(y[None, :], (q_ptr + row * stride_q + cols)[None, :], (cols < inter)[None, :], s_ptr + g0 * stride_sg,
-                  rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP)
+                  rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP,
+                  STATIC_PARTS)
 
 
 def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
@@ -112,7 +113,7 @@ def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
     _silu_and_mul_fp8_kernel[(q.shape[0], triton.cdiv(inter, block))](
         x, q, scales, static, n, q.shape[0], inter, triton.cdiv(inter, group), x.stride(0), q.stride(0),
         scales.stride(0), scales.stride(-1), QUANT=quant.mode, GROUP=group, BLOCK=block,
-        num_warps=NUM_WARPS, **pdl_launch_options(x))
+        STATIC_PARTS=quant.static_parts, num_warps=NUM_WARPS, **pdl_launch_options(x))
     return result
 
 

@@ -106,12 +106,12 @@ class Fp8Weights:
     def row_quant(self) -> RowQuant:
         """How fp8_linear quantizes this layer's activations: per 1 x 128 group for block weights
         (rows padded to BLOCKWISE_ROW_MULTIPLE), else per token, or with the static input scale
-        (the largest of the parts' scales, as one packed matmul takes one)."""
+        (the largest of the parts' scales, as one packed matmul takes one: the kernels take it)."""
         from nanovllm.kernels.fp8_quant import RowQuant
 
         if self.blocks:
             return RowQuant(FP8_BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
-        return RowQuant(static_scale=None if self.input_scale is None else self.input_scale.max().reshape(1))
+        return RowQuant(static_scale=self.input_scale)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
