@@ -100,8 +100,8 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
     [R, C] where mask, quantized as quantize_rows does: MODE "token" (a scale per row, stored at
     s_ptr + rows * stride_sm), "group" (per GROUP columns: group g's at + g * stride_sg, groups
     below n_groups) or "static" (the largest of the STATIC_PARTS scales at static_ptr, stored per
-    row too). Rows not
-    row_valid store no scale. For kernels that quantize their own output (fused_norm, fused_activation)."""
+    row too). Rows not row_valid store no scale. For kernels that quantize their own output
+    (fused_norm, fused_activation)."""
     if MODE == "group":
         yg = tl.reshape(y, (R, C // GROUP, GROUP))
         scale = _amax_to_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
@@ -131,18 +131,18 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
             return
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
+    filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
     if GROUP > 0:  # this program's BLOCK columns, quantized as one tile row
         first = tl.program_id(1) * BLOCK
         cols = first + tl.arange(0, BLOCK)
-        filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
         x = tl.load(x_row + cols, mask=cols < filled, other=0.0).to(tl.float32)
         rows = row + tl.zeros((1,), dtype=tl.int64)
         g0 = first // GROUP  # the program's first scale column
+        every_row = rows >= 0  # each grid row is an output row (padding rows get the scale floor)
         quantize_tile(x[None, :], (q_row + cols)[None, :], (cols < k_in)[None, :], s_ptr + g0 * stride_sg, rows,
-                      rows >= 0, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK, GROUP,
-                      STATIC_PARTS)
+                      every_row, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK,
+                      GROUP, STATIC_PARTS)
         return
-    filled = tl.where(row < n_rows, k_in, 0)  # padding rows read nothing: zeros
     s_out = s_ptr + row * stride_sm
     cols = tl.arange(0, BLOCK)
     if ONE_STEP:  # the row fits one step: read once, kept in registers
