@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -142,3 +143,17 @@ def test_interrupted_generate_leaves_the_ranks_in_step(ckpt):
     finally:
         llm.exit()
     assert not mp.active_children()
+
+
+def test_a_dropped_tp_engine_stops_its_workers(ckpt):
+    """`del llm; gc.collect()` on a tensor-parallel engine stops its workers and leaves the process
+    group, so the next tensor-parallel engine starts (no exit() needed)."""
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    pids = [p.pid for p in llm.workers.procs]
+    del llm
+    gc.collect()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    again, _ = generate(ckpt, 2)
+    assert len(again) == len(PROMPTS)

@@ -63,8 +63,11 @@ class LLMEngine:
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
-        # Ranks 1..N-1 run in spawned processes; this process is rank 0.
+        # Ranks 1..N-1 run in spawned processes; this process is rank 0. An engine collected
+        # without exit() still stops them and leaves the process group (close is idempotent).
         self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.close)
         try:
             self.model_runner = ModelRunner(cfg)
         except BaseException:
