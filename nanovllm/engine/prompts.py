@@ -80,12 +80,18 @@ class PromptValidator:
             raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is an empty list of token ids")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, Integral):  # Integral: numpy's integers too
-                raise TypeError(f"prompt token ids must be ints, got {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        return [int(t) for t in prompt]
+        ids = list(prompt)
+        # Plain ints pass at C speed (an isinstance(t, Integral) a token cost ~0.7 ms per 1,000 tokens
+        # on a CI core: time to first token); other integers (numpy's) are checked one by one.
+        if set(map(type, ids)) != {int}:
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, Integral):
+                    raise TypeError(f"prompt token ids must be ints, got {t!r}")
+            ids = [int(t) for t in ids]
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
 
     def validate(self, prompt: object, params: SamplingParams) -> PreparedPrompt:
         """`prompt` checked for a request with (checked) `params`."""
