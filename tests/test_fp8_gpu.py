@@ -19,6 +19,7 @@ from nanovllm.kernels.fp8_quant import quantize, quantize_rows
 from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
+from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 
 pytestmark = pytest.mark.gpu
@@ -272,6 +273,9 @@ def test_fp8_layers_hold_fp8(dense, tmp_path):
         assert layers[0].mlp.down_proj.weight_scale_inv.shape == (SHAPE.hidden_size // B, SHAPE.intermediate_size // B)
         assert layers[3].mlp.down_proj.weight.dtype == torch.bfloat16  # kept in full precision
         assert llm.model_runner.model.lm_head.weight.dtype == torch.bfloat16
+        # decode batches past the GEMV's rows take the W8A16 skinny GEMM (a path zeroed at
+        # construction once sent every FP8 layer to _scaled_mm unseen)
+        assert layers[0].self_attn.qkv_proj.path.skinny_rows == KernelRoutes().fp8_skinny_max_rows
     finally:
         llm.exit()
     moe = build_moe_checkpoint(str(tmp_path / "moe"), MOE)

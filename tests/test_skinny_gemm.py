@@ -133,3 +133,68 @@ def test_narrow_layer_on_cuda_in_graph_replays(rows):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(3, 160, 300), (20, 128, 640)])  # ragged K (300) / rows (20)
+@pytest.mark.parametrize("scales", ["row", "block"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_weights_match_dequantized(device, dtype, m, n, k, scales, split_k):
+    """FP8 weights (W8A16: e4m3 converted to x's dtype in registers, exact) against a float64
+    matmul on the dequantized weights, per-row and 128 x 128 block scales, split K."""
+    from test_fp8_kernels import fp8_weight
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    q, s, wd = fp8_weight(n, k, gen, scales)
+    x = randn((m, k), gen, dtype)
+    bias = randn((n,), gen, dtype)
+    tile = SkinnyTiling(16, 32, 128, 2, 4, pdl=True, split_k=split_k)
+    out = skinny_gemm(x.to(device), q.to(device), bias.to(device), tile=tile, weight_scale=s.to(device))
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out.cpu(), x.double() @ wd.T + bias.double()) < REF_TOL[dtype]
+    if dtype == torch.bfloat16:  # the MMAs in float16 (x fits it here): the same product
+        out16 = skinny_gemm(x.to(device), q.to(device), bias.to(device), tile=tile, weight_scale=s.to(device),
+                            mma_dtype=torch.float16)
+        assert rel_err(out16.cpu(), x.double() @ wd.T + bias.double()) < REF_TOL[dtype]
+
+
+@pytest.mark.interpreter
+def test_fp8_weights_refuse_bad_settings():
+    from test_fp8_kernels import fp8_weight
+
+    gen = torch.Generator().manual_seed(2)
+    q, s, _ = fp8_weight(64, 256, gen, "block")
+    x = randn((4, 256), gen, torch.bfloat16)
+    with pytest.raises(ValueError, match="block-scaled weights need tile.block_k == 128"):
+        skinny_gemm(x, q, tile=SkinnyTiling(16, 32, 64, 2, 4, pdl=False), weight_scale=s)
+    with pytest.raises(ValueError, match="mma_dtype must be x's dtype or torch.float16"):
+        skinny_gemm(x, q, weight_scale=s, mma_dtype=torch.float32)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        skinny_gemm(x, q.to(torch.bfloat16), weight_scale=s)
+
+
+def test_fp8_layers_take_the_skinny_gemm_past_the_gemv():
+    """Every FP8 layer, wide or narrow, sends gemv_max_rows + 1 .. fp8_skinny_max_rows rows to the
+    skinny GEMM; 0 turns it off (torch._scaled_mm beyond the GEMV)."""
+    from nanovllm.layers.kernel_path import KernelRoutes, LinearPath, plan_linear
+
+    routes = KernelRoutes()
+    for n, k in ((4096, 1024), (32, 512)):
+        assert plan_linear(n, k, routes, 132, takes_norm=False, fp8=True) == LinearPath(
+            routes.gemv_max_rows, 0, routes.fp8_skinny_max_rows)
+    assert plan_linear(4096, 1024, KernelRoutes(fp8_skinny_max_rows=0), 132, takes_norm=False,
+                       fp8=True).skinny_rows == 0
+
+
+def test_fp8_tiling_rule():
+    """FP8 tilings (the 8B sweep's best at 4-32 rows): 16-row tiles up to 16 rows, 32 beyond; K
+    split to ~4 programs an SM per 16 rows (at most 4); 6 stages only where K is not split."""
+    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, fp8=True)
+    assert [(t.block_m, t.block_n, t.block_k) for t in (tile(3, 6144, 4096), tile(32, 6144, 4096))] == [
+        (16, 64, 128), (32, 64, 128)]
+    # 8B qkv / o / down: 96 / 64 / 64 column tiles -> 4 slices; gate_up's 384 tiles: none at 16 rows, 2 at 32
+    assert [tile(8, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288), (24576, 4096))] == [4, 4, 4, 1]
+    assert tile(32, 24576, 4096).split_k == 2
+    assert tile(16, 24576, 4096).stages == 6 and tile(16, 4096, 4096).stages == 4
+    assert tile(8, 64, 200).split_k == 1  # slices would be shorter than 256 columns

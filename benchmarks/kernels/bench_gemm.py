@@ -8,6 +8,7 @@ from HBM, not the 50 MB L2, as they do in a real decode step.
     python -m benchmarks.kernels.bench_gemm [--sweep] [--json PATH]
     python -m benchmarks.kernels.bench_gemm --batch-rows 16,64,128,256,512
     python -m benchmarks.kernels.bench_gemm --fp8 [--shapes ...]
+    python -m benchmarks.kernels.bench_gemm --fp8-rows 4,8,16,32,64 [--shapes ...]
 
 --fp8 times the GEMV over FP8 weights (128 x 128 block scales and per-row scales) at 1 and 2 rows,
 at the default tiling and each of FP8_TILINGS, in GB/s of the FP8 bytes, beside the bf16 GEMV.
@@ -94,6 +95,55 @@ def fp8_study(shapes: list[str]) -> list[dict]:
                       " ".join(f"{kk}:{v}" for kk, v in row.items() if kk not in ("layer", "M", "scales")), flush=True)
                 rows.append(row)
             del q8
+        del ws
+    return rows
+
+
+# --fp8-rows: the skinny GEMM over FP8 weights (W8A16) at its default tiling and a sweep, against
+# torch._scaled_mm on quantized activations (FP8 layers' path past KernelRoutes.fp8_skinny_max_rows).
+def fp8_skinny_tilings(m: int) -> list[SkinnyTiling]:
+    """The sweep at m rows: row tiles of 16 (and 32 past 16 rows), 32 / 64 output columns, 4 / 6
+    steps in flight, K split 1 / 2 / 4; 128-column steps (a block scale's width)."""
+    return [SkinnyTiling(bm, bn, 128, st, 4, True, sp) for bm in ((16,) if m <= 16 else (16, 32))
+            for bn in (32, 64) for st in (4, 6) for sp in (1, 2, 4)]
+
+
+def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
+    """At 3-64 rows, us per call: bf16 cuBLAS and skinny GEMM; FP8 (block and row scales) through
+    fp8_linear (quantize + _scaled_mm) and the W8A16 skinny GEMM; GB/s of each side's weight bytes."""
+    from nanovllm.quantization.config import BLOCK, CHANNEL
+    from nanovllm.quantization.fp8 import Fp8Weights, dequantize_weight, fp8_linear, quantize_weight
+
+    bw = measure_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        ws = rotating_weights(n, k)
+        for scales in (BLOCK, CHANNEL):
+            q8 = [quantize_weight(w, scales) for w in ws + ws]  # twice the copies: half the bytes each
+            fp8 = [Fp8Weights(q, s if scales == BLOCK else s.view(-1), None) for q, s in q8]
+            for m in row_counts:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x, dequantize_weight(q8[0][0], q8[0][1], scales).to(torch.bfloat16))
+                row = {"layer": name, "M": m, "scales": scales,
+                       "bf16_cublas": graph_time_us([lambda w=w: F.linear(x, w) for w in ws]),
+                       "bf16_skinny": graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws]),
+                       "fp8_scaled_mm": graph_time_us([lambda f=f: fp8_linear(x, f, None) for f in fp8])}
+                variants = [("fp8_skinny", None, None)]
+                variants += [(f"fp8_{tiling_name(t)}", t, None) for t in fp8_skinny_tilings(m)]
+                for label, tile, mma in variants:
+                    check(skinny_gemm(x, fp8[0].weight, tile=tile, weight_scale=fp8[0].scale, mma_dtype=mma), ref,
+                          f"{name} M={m} {scales} {label}")
+                    row[label] = graph_time_us([lambda f=f: skinny_gemm(x, f.weight, tile=tile, weight_scale=f.scale,
+                                                                        mma_dtype=mma) for f in fp8])
+                best = min((kk for kk in row if kk.startswith("fp8_") and kk != "fp8_scaled_mm"), key=row.get)
+                print(f"{name:<14} M={m:<3} {scales:<8} bf16 cuBLAS {row['bf16_cublas']:.2f} us ({n * k * 2 / row['bf16_cublas'] / 1e3:.0f}"
+                      f" GB/s), fp8 _scaled_mm {row['fp8_scaled_mm']:.2f}, fp8 skinny {row['fp8_skinny']:.2f} "
+                      f"({n * k / row['fp8_skinny'] / 1e3:.0f} GB/s), best {best} {row[best]:.2f}; " +
+                      " ".join(f"{kk}:{v:.2f}" for kk, v in row.items() if isinstance(v, float)), flush=True)
+                rows.append(row)
+            del q8, fp8
         del ws
     return rows
 
@@ -186,9 +236,17 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
     ap.add_argument("--top", type=int, default=4, help="with --sweep-skinny: tilings printed per row")
     ap.add_argument("--fp8", action="store_true", help="the GEMV over FP8 weights instead (FP8_TILINGS)")
+    ap.add_argument("--fp8-rows", help="comma-separated row counts (e.g. 4,8,16,32,64): FP8 weights through "
+                                       "_scaled_mm and the W8A16 skinny GEMM, beside bf16")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.fp8_rows:
+        rows = fp8_rows_study(args.shapes.split(","), [int(m) for m in args.fp8_rows.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.fp8:
         rows = fp8_study(args.shapes.split(","))
         if args.json:

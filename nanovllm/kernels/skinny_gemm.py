@@ -1,4 +1,5 @@
-"""Triton GEMM for decode batches of a few rows (the layers use it for narrow layers at 3-16 rows).
+"""Triton GEMM for decode batches of a few rows (the layers use it for narrow layers at 3-16 rows,
+and for FP8 layers at 3-32 rows: W8A16, the e4m3 weights converted in registers).
 
 A decode step's projections at a few rows are latency-bound: cuBLAS takes 5-8 us for Qwen3-0.6B's
 4 MB o_proj whatever the row count, its few large tiles leaving most SMs idle. This kernel tiles
@@ -26,7 +27,10 @@ kernel), and the product swapped (weight rows on the MMA's M side: no consistent
 
 Measured end to end (H200, bench.py --latency, 0.6B): 1.421 / 1.518 / 1.865 -> 1.326 / 1.443 /
 1.790 ms per token at batch 4 / 8 / 16 (-4 to -7%; throughput unchanged; d59f836, BENCHMARKS.md
-"Session of 2026-12-02 (fifth)"). Kept: >= 3% on mid-batch latency.
+"Session of 2026-12-02 (fifth)"). Kept: >= 3% on mid-batch latency. FP8 weights (`weight_scale`)
+read half the bytes and skip the activation quantization that torch._scaled_mm needs: Qwen3-8B online
+FP8 at batch 3 / 8 / 16 / 32, 3.682 / 3.921 / 4.279 / 5.535 against 5.439 / 5.514 / 6.124 / 6.602 ms
+per token (BENCHMARKS.md, 2026-12-04 twenty-fourth session).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET, check_linear, cuda_sm_count, prev_pow2
+from .checks import FP8_BLOCK, INTERPRET, check_linear, cuda_sm_count, prev_pow2
 from .counters import arrival_counters
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
@@ -80,13 +84,26 @@ SPLIT_BELOW_TILES_PER_SM = 0.5
 # shorter than this many columns.
 MIN_SPLIT_COLUMNS = 256
 MAX_SPLIT_K = 8
+# FP8 weights (W8A16), from bench_gemm.py --fp8-rows (H200, Qwen3-8B's four layers at 4-64 rows, both
+# scale layouts; BENCHMARKS.md 2026-12-04 twenty-fourth session): row tiles of 16, 32 past 16 rows;
+# 64 output columns x 128-column steps (one block scale a step); K split into up to 4 slices until
+# the grid holds ~4 programs an SM per 16 rows; 4 steps in flight, 6 in unsplit (longer) programs.
+FP8_BLOCK_M = 32
+FP8_BLOCK_N = 64
+FP8_BLOCK_K = 128
+FP8_PROGRAMS_PER_SM = 4
+FP8_MAX_SPLIT_K = 4
+FP8_STAGES = 4
+FP8_UNSPLIT_STAGES = 6
 # CPU / interpreter: a small stand-in for the SM count.
 CPU_SM_COUNT = 4
 
 
-def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None) -> SkinnyTiling:
+def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None, fp8: bool = False) -> SkinnyTiling:
     """The default tiling for a rows x K @ K x n_out call on a GPU of `sms` SMs (None: CPU)."""
     sms = CPU_SM_COUNT if sms is None else sms
+    if fp8:
+        return _fp8_tiling(rows, n_out, k_in, sms)
     block_m = MIN_BLOCK if rows <= MIN_BLOCK else 64
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, DEFAULT_BLOCK_N)
     split = 1
@@ -95,6 +112,18 @@ def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None) -> S
         split = max(1, min(MAX_SPLIT_K, prev_pow2(per_sm * sms // tiles), prev_pow2(k_in // MIN_SPLIT_COLUMNS)))
     return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True,
                         split_k=split)
+
+
+def _fp8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
+    """FP8 weights (half the bytes a step): 64 output columns, K split until the grid holds ~4
+    programs an SM per 16 rows, 6 steps in flight where K is not split (fewer, longer programs)."""
+    block_m = MIN_BLOCK if rows <= MIN_BLOCK else FP8_BLOCK_M
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, FP8_BLOCK_N)
+    per_sm = FP8_PROGRAMS_PER_SM * triton.cdiv(rows, MIN_BLOCK)
+    split = max(1, min(FP8_MAX_SPLIT_K, prev_pow2(max(1, per_sm * sms // tiles)),
+                       prev_pow2(max(1, k_in // MIN_SPLIT_COLUMNS))))
+    stages = FP8_UNSPLIT_STAGES if split == 1 else FP8_STAGES
+    return SkinnyTiling(block_m, FP8_BLOCK_N, FP8_BLOCK_K, stages, DEFAULT_WARPS, pdl=True, split_k=split)
 
 
 @triton.jit
@@ -115,7 +144,12 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
     SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
+    scale_ptr, stride_sn, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, MMA_DTYPE: tl.constexpr,
 ):
+    """W_SCALE 0: weight of x's dtype. FP8 weights (e4m3 values x scale, converted to MMA_DTYPE in
+    registers: exact): W_SCALE 1 one scale per weight row, applied to the tile's columns at the
+    end; 2 per SCALE_BLOCK x SCALE_BLOCK block (BLOCK_K == SCALE_BLOCK, BLOCK_N divides it: one
+    scale a step), applied to each step's product."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # this program's K slice [k_lo, k_hi): k_per is a multiple of BLOCK_K, every slice non-empty
     k_lo = tl.program_id(2) * k_per
@@ -129,15 +163,27 @@ def _skinny_gemm_kernel(
     m_ok = rm < n_rows
     x_rows = x_ptr + tl.minimum(rm, n_rows - 1)[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     rk = tl.arange(0, BLOCK_K)
+    if W_SCALE == 2:  # this program's weight rows lie in one row of scale blocks
+        s_row = scale_ptr + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
         # rows past M load row M - 1 (clamped above): their results are stored nowhere
         a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
+        if W_SCALE > 0:  # e4m3 -> the MMA's dtype (exact); x to it too (a no-op when it is x's)
+            # e4m3 -> fp16 is one instruction a pair; to bf16 through float32 (HADD2.F32, then a packed
+            # F2FP) rather than fp16 -> bf16 (a scalar F2F.BF16.F16 a value: sm_90 SASS compiled here)
+            w = w.to(tl.float16).to(tl.float32).to(MMA_DTYPE) if MMA_DTYPE == tl.bfloat16 else w.to(MMA_DTYPE)
+            a = a.to(MMA_DTYPE)
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        if W_SCALE == 2:
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * tl.load(s_row + k0 // SCALE_BLOCK)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    if W_SCALE == 1:
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     tile_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         # partials ws [SPLIT_K, n_rows, n_out] float32; the tile's last arrival sums them
@@ -166,12 +212,20 @@ def _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_B
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tile: SkinnyTiling | None = None) -> torch.Tensor:
+                tile: SkinnyTiling | None = None, *, weight_scale: torch.Tensor | None = None,
+                mma_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
-    `tile` overrides skinny_tiling's choice (benchmarks)."""
-    m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS)
+    `tile` overrides skinny_tiling's choice (benchmarks). With `weight_scale` the weight is FP8
+    (float8_e4m3fn) and the product is F.linear(x, weight * scale, bias), as in gemv: scale [N]
+    per row or [ceil(N/128), ceil(K/128)] per 128 x 128 block; the e4m3 values enter the MMAs as
+    `mma_dtype` (default x's dtype; float16 takes x in float16 too, which must then fit it)."""
+    m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS, weight_scale)
+    w_scale = 0 if weight_scale is None else 1 if weight_scale.dim() == 1 else 2
+    mma_dtype = x.dtype if mma_dtype is None else mma_dtype
+    if mma_dtype not in (x.dtype, torch.float16):
+        raise ValueError(f"mma_dtype must be x's dtype or torch.float16, got {mma_dtype}")
     if tile is None:
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device))
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), fp8=w_scale > 0)
     elif not isinstance(tile, SkinnyTiling):
         raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
     for name in ("block_m", "block_n", "block_k"):
@@ -182,6 +236,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"tile.stages must be >= 1 and tile.num_warps a power of two, got {tile}")
     if tile.split_k < 1:
         raise ValueError(f"tile.split_k must be >= 1, got {tile.split_k}")
+    if w_scale == 2 and (tile.block_k != FP8_BLOCK or FP8_BLOCK % tile.block_n):
+        raise ValueError(f"block-scaled weights need tile.block_k == {FP8_BLOCK} and tile.block_n dividing it, "
+                         f"got {tile}")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     # K slices of whole steps, none empty: split_k shrinks to the slices K fills
     k_per = triton.cdiv(triton.cdiv(k_in, tile.split_k), tile.block_k) * tile.block_k
@@ -191,7 +248,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if counters is None:  # no split (or no counters to fold with): one program walks all of K
         split_k, k_per, grid = 1, k_in, grid[:2] + (1,)
     ws = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
-    line_elems = LINE_BYTES // x.element_size()
+    line_elems = LINE_BYTES // weight.element_size()
     upcast = INTERPRET and x.dtype == torch.bfloat16
     # PDL, as the GEMV takes it, only for a grid resident at once (kernels/pdl.py, pdl_for_grid)
     pdl = pdl_for_grid(x, grid[0] * grid[1] * grid[2]) if tile.pdl else {"PDL": False}
@@ -205,7 +262,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         SPLIT_K=split_k, k_per=k_per,
         ws_ptr=out if ws is None else ws, stride_ws=0 if ws is None else ws.stride(0),
         count_ptr=out if counters is None else counters,
+        scale_ptr=out if weight_scale is None else weight_scale,
+        stride_sn=weight_scale.stride(0) if w_scale == 2 else 0,
+        W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK, MMA_DTYPE=_TL_DTYPES[mma_dtype],
         num_warps=tile.num_warps, **pdl,
     )
     return out
+
+
+# torch dtype -> the Triton dtype the kernel converts FP8 weights to
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

@@ -22,16 +22,15 @@ FP8 (CUDA) keeps `weight` float8 [out, in] beside its scale, registered under th
 name (`weight_scale_inv` / `weight_scale`: float32 [out] per row, per-tensor scales spread over
 their part's rows; or the block grid [out/128, in/128]) and, for static activations,
 `input_scale` [parts]; the scales slice over ranks and parts like the weight, in rows (grids: in
-blocks). Its 1-2 row calls run the GEMV's FP8 variant, larger ones quantization/fp8.fp8_linear
-(torch._scaled_mm); no skinny GEMM. There the RMSNorm in front (forward_normed), and the down
+blocks). Its 1-2 row calls run the GEMV's FP8 variant, 3-32 rows (KernelRoutes.fp8_skinny_max_rows)
+the skinny GEMM's (both W8A16: activations stay 16-bit), larger ones quantization/fp8.fp8_linear
+(torch._scaled_mm, W8A8). There the RMSNorm in front (forward_normed), and the down
 projection's SiLU-and-mul per group or with a static scale, quantize their own outputs for it (one
 kernel each, no 16-bit activation written and read back). A layer whose weights the loader
 dequantizes stays as is.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -96,7 +95,7 @@ class _LinearBase(nn.Module):
         self.fp8 = self._fp8_parameters(in_features) if held else None
         path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm,
                            block_scales=self.fp8 is not None and self.fp8.blocks, fp8=self.fp8 is not None)
-        self.path = replace(path, skinny_rows=0) if held else path
+        self.path = path
 
     def checkpoint_names(self, prefix: str | None) -> tuple[str, ...] | None:
         """The checkpoint modules this layer is built from (None without a prefix)."""
@@ -169,7 +168,7 @@ class _LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): `[*, in] -> [*, out]`, through the GEMV or the skinny GEMM for the
-        batches they serve (FP8 weights: the GEMV, else fp8_linear)."""
+        batches they serve (both take FP8 weights as they are: W8A16), else fp8_linear or cuBLAS."""
         scale = None if self.fp8 is None else self.fp8.scale
         if self.path.gemv_serves(x):
             from nanovllm.kernels.gemv import gemv
@@ -178,7 +177,7 @@ class _LinearBase(nn.Module):
         if self.path.skinny_serves(x):
             from nanovllm.kernels.skinny_gemm import skinny_gemm
 
-            return skinny_gemm(x, self.weight, bias)
+            return skinny_gemm(x, self.weight, bias, weight_scale=scale)
         if self.fp8 is not None:
             return fp8_linear(x, self.fp8, bias)
         return F.linear(x, self.weight, bias)
@@ -214,7 +213,8 @@ class ColumnParallelLinear(_LinearBase):
             y, s = rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                  weight_scale=None if self.fp8 is None else self.fp8.scale)
             return y, x if s is None else s
-        if self.fp8 is not None and not self.path.gemv_serves(x):  # the norm quantizes its output itself
+        if self.fp8 is not None and not self.path.gemv_serves(x) and not self.path.skinny_serves(x):
+            # the norm quantizes its output itself
             from nanovllm.kernels.fused_norm import rms_norm_fp8
 
             xq, s = rms_norm_fp8(x, residual, norm.weight, norm.eps, self.fp8.row_quant())
@@ -303,7 +303,7 @@ class SiluMulRowParallelLinear(RowParallelLinear):
 
             scale = None if self.fp8 is None else self.fp8.scale
             return self._reduce(silu_mul_gemv(gate_up, self.weight, weight_scale=scale))
-        if self.fp8 is not None:  # the activation quantizes its output itself
+        if self.fp8 is not None and not self.path.skinny_serves(gate_up):  # the activation quantizes its output
             from nanovllm.kernels.fused_activation import silu_and_mul_fp8
 
             return self._reduce(fp8_linear(silu_and_mul_fp8(gate_up, self.fp8.row_quant()), self.fp8, None))
