@@ -102,10 +102,14 @@ def fp8_study(shapes: list[str]) -> list[dict]:
 # --fp8-rows: the skinny GEMM over FP8 weights (W8A16) at its default tiling and a sweep, against
 # torch._scaled_mm on quantized activations (FP8 layers' path past KernelRoutes.fp8_skinny_max_rows).
 def fp8_skinny_tilings(m: int) -> list[SkinnyTiling]:
-    """The sweep at m rows: row tiles of 16 (and 32 past 16 rows), 32 / 64 output columns, 4 / 6
-    steps in flight, K split 1 / 2 / 4; 128-column steps (a block scale's width)."""
-    return [SkinnyTiling(bm, bn, 128, st, 4, True, sp) for bm in ((16,) if m <= 16 else (16, 32))
-            for bn in (32, 64) for st in (4, 6) for sp in (1, 2, 4)]
+    """The sweep at m rows, 128-column steps (a block scale's width), K split 1 / 2 / 4: up to 32
+    rows, row tiles of 16 (and 32 past 16 rows), 32 / 64 output columns, 4 / 6 steps in flight;
+    past 32 rows, row tiles of 32 / 64, 64 / 128 columns, 3 / 4 steps, 4 warps (and 8 at 64 x 128)."""
+    if m <= 32:
+        return [SkinnyTiling(bm, bn, 128, st, 4, True, sp) for bm in ((16,) if m <= 16 else (16, 32))
+                for bn in (32, 64) for st in (4, 6) for sp in (1, 2, 4)]
+    return [SkinnyTiling(bm, bn, 128, st, w, True, sp) for bm in (32, 64) for bn in (64, 128) for st in (3, 4)
+            for w in ((4, 8) if (bm, bn) == (64, 128) else (4,)) for sp in (1, 2, 4)]
 
 
 def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
