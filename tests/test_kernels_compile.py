@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_PER_WORD
 from nanovllm.kernels.decode_plan import FP8_BLOCK_N, FP8_STAGES
@@ -247,16 +246,15 @@ SPECS = [
     ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"ws_ptr": "*fp32", "count_ptr": "*i32"},
      [{"HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True, "SPLIT_K": split,
-       "W_SCALE": 0, "SCALE_BLOCK": 128, "MMA_DTYPE": tl.bfloat16}
+       "W_SCALE": 0, "SCALE_BLOCK": 128}
       for bias, bm, split in ((False, 16, 8), (True, 64, 1), (False, 64, 4))]),
-    # ... on FP8 weights (per-row and block scales; MMAs in bf16 or fp16)
+    # ... on FP8 weights (per-row and block scales), the layers' FP8 tilings (_fp8_tiling)
     ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"w_ptr": FP8, "ws_ptr": "*fp32", "count_ptr": "*i32",
                                                     "scale_ptr": "*fp32"},
-     [{"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
+     [{"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "STAGES": stages,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 128, "PDL": True, "SPLIT_K": split,
-       "W_SCALE": w_scale, "SCALE_BLOCK": 128, "MMA_DTYPE": mma}
-      for bm, split, w_scale, mma in ((16, 1, 1, tl.bfloat16), (16, 4, 2, tl.bfloat16), (64, 1, 1, tl.float16),
-                                      (16, 1, 2, tl.float16))]),
+       "W_SCALE": w_scale, "SCALE_BLOCK": 128}
+      for bm, stages, split, w_scale in ((16, 6, 1, 1), (16, 4, 4, 2), (32, 4, 2, 1), (32, 6, 1, 2))]),
     ("sampling.gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",
                                              "best_col_ptr": "*i32"},
      [{"IS_PROBS": False, "SUB": 256, "TILES_PER_CHUNK": 4}]),

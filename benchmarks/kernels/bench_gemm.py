@@ -64,38 +64,26 @@ FP8_TILINGS = [(8, 512, 3, ""), (16, 256, 4, ""), (4, 512, 4, "evict_first"), (8
 def fp8_study(shapes: list[str]) -> list[dict]:
     """The GEMV over FP8 weights (block and row scales) at 1-2 rows, default tiling and FP8_TILINGS,
     beside the bf16 GEMV: us and GB/s of the weight bytes."""
-    from nanovllm.quantization.config import BLOCK, CHANNEL
-    from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
+    from nanovllm.quantization.config import BLOCK
 
-    bw = measure_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
-    for name in shapes:
-        n, k = SHAPES[name]
-        ws = rotating_weights(n, k)
-        for scales in (BLOCK, CHANNEL):
-            q8 = [quantize_weight(w, scales) for w in ws + ws]  # twice the copies: half the bytes each
-            for m in (1, 2):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ref = F.linear(x, dequantize_weight(q8[0][0], q8[0][1], scales).to(torch.bfloat16))
-                s0 = q8[0][1] if scales == BLOCK else q8[0][1].view(-1)
-                row = {"layer": name, "M": m, "scales": scales,
-                       "bf16_us": graph_time_us([lambda w=w: gemv(x, w) for w in ws])}
-                for spec in [None, *FP8_TILINGS]:
-                    tile = None if spec is None else Tiling(*spec)
-                    label = "default" if spec is None else "{}x{}s{}{}".format(*spec[:3], "e" if spec[3] else "")
-                    check(gemv(x, q8[0][0], tile=tile, weight_scale=s0), ref, f"{name} M={m} fp8 {label}")
-                    t = graph_time_us([lambda q=q, s=s: gemv(x, q, tile=tile, weight_scale=s if scales == BLOCK
-                                                               else s.view(-1)) for q, s in q8])
-                    row[label] = round(t, 2)
-                best = min((kk for kk in row if kk not in ("layer", "M", "scales", "bf16_us")), key=row.get)
-                print(f"{name:<14} M={m} {scales:<8} bf16 {row['bf16_us']:.2f} us ({n * k * 2 / row['bf16_us'] / 1e3:.0f}"
-                      f" GB/s); fp8 default {row['default']:.2f} us ({n * k / row['default'] / 1e3:.0f} GB/s); best "
-                      f"{best} {row[best]:.2f} ({n * k / row[best] / 1e3:.0f} GB/s); " +
-                      " ".join(f"{kk}:{v}" for kk, v in row.items() if kk not in ("layer", "M", "scales")), flush=True)
-                rows.append(row)
-            del q8
-        del ws
+    for name, n, k, scales, ws, q8, m, x, ref in fp8_cases(shapes, (1, 2)):
+        s0 = q8[0][1] if scales == BLOCK else q8[0][1].view(-1)
+        row = {"layer": name, "M": m, "scales": scales,
+               "bf16_us": graph_time_us([lambda w=w: gemv(x, w) for w in ws])}
+        for spec in [None, *FP8_TILINGS]:
+            tile = None if spec is None else Tiling(*spec)
+            label = "default" if spec is None else "{}x{}s{}{}".format(*spec[:3], "e" if spec[3] else "")
+            check(gemv(x, q8[0][0], tile=tile, weight_scale=s0), ref, f"{name} M={m} fp8 {label}")
+            t = graph_time_us([lambda q=q, s=s: gemv(x, q, tile=tile, weight_scale=s if scales == BLOCK
+                                                       else s.view(-1)) for q, s in q8])
+            row[label] = round(t, 2)
+        best = min((kk for kk in row if kk not in ("layer", "M", "scales", "bf16_us")), key=row.get)
+        print(f"{name:<14} M={m} {scales:<8} bf16 {row['bf16_us']:.2f} us ({n * k * 2 / row['bf16_us'] / 1e3:.0f}"
+              f" GB/s); fp8 default {row['default']:.2f} us ({n * k / row['default'] / 1e3:.0f} GB/s); best "
+              f"{best} {row[best]:.2f} ({n * k / row[best] / 1e3:.0f} GB/s); " +
+              " ".join(f"{kk}:{v}" for kk, v in row.items() if kk not in ("layer", "M", "scales")), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -115,41 +103,49 @@ def fp8_skinny_tilings(m: int) -> list[SkinnyTiling]:
 def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
     """At 3-64 rows, us per call: bf16 cuBLAS and skinny GEMM; FP8 (block and row scales) through
     fp8_linear (quantize + _scaled_mm) and the W8A16 skinny GEMM; GB/s of each side's weight bytes."""
-    from nanovllm.quantization.config import BLOCK, CHANNEL
-    from nanovllm.quantization.fp8 import Fp8Weights, dequantize_weight, fp8_linear, quantize_weight
+    from nanovllm.quantization.config import BLOCK
+    from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 
-    bw = measure_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
+    for name, n, k, scales, ws, q8, m, x, ref in fp8_cases(shapes, row_counts):
+        fp8 = [Fp8Weights(q, s if scales == BLOCK else s.view(-1), None) for q, s in q8]
+        row = {"layer": name, "M": m, "scales": scales,
+               "bf16_cublas": graph_time_us([lambda w=w: F.linear(x, w) for w in ws]),
+               "bf16_skinny": graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws]),
+               "fp8_scaled_mm": graph_time_us([lambda f=f: fp8_linear(x, f, None) for f in fp8])}
+        for label, tile in [("fp8_skinny", None), *((f"fp8_{tiling_name(t)}", t) for t in fp8_skinny_tilings(m))]:
+            check(skinny_gemm(x, fp8[0].weight, tile=tile, weight_scale=fp8[0].scale), ref,
+                  f"{name} M={m} {scales} {label}")
+            row[label] = graph_time_us([lambda f=f: skinny_gemm(x, f.weight, tile=tile, weight_scale=f.scale)
+                                        for f in fp8])
+        best = min((kk for kk in row if kk.startswith("fp8_") and kk != "fp8_scaled_mm"), key=row.get)
+        print(f"{name:<14} M={m:<3} {scales:<8} bf16 cuBLAS {row['bf16_cublas']:.2f} us ({n * k * 2 / row['bf16_cublas'] / 1e3:.0f}"
+              f" GB/s), fp8 _scaled_mm {row['fp8_scaled_mm']:.2f}, fp8 skinny {row['fp8_skinny']:.2f} "
+              f"({n * k / row['fp8_skinny'] / 1e3:.0f} GB/s), best {best} {row[best]:.2f}; " +
+              " ".join(f"{kk}:{v:.2f}" for kk, v in row.items() if isinstance(v, float)), flush=True)
+        rows.append(row)
+    return rows
+
+
+def fp8_cases(shapes: list[str], row_counts):
+    """(name, N, K, scales, bf16 weights, their FP8 copies [(q, scale)], M, x [M, K], the bf16 product
+    on the dequantized first copy) for each shape, both scale layouts and each row count; the copy
+    bandwidth printed first."""
+    from nanovllm.quantization.config import BLOCK, CHANNEL
+    from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
+
+    print(f"copy bandwidth {measure_bandwidth() / 1e12:.2f} TB/s")
     for name in shapes:
         n, k = SHAPES[name]
         ws = rotating_weights(n, k)
         for scales in (BLOCK, CHANNEL):
             q8 = [quantize_weight(w, scales) for w in ws + ws]  # twice the copies: half the bytes each
-            fp8 = [Fp8Weights(q, s if scales == BLOCK else s.view(-1), None) for q, s in q8]
             for m in row_counts:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x, dequantize_weight(q8[0][0], q8[0][1], scales).to(torch.bfloat16))
-                row = {"layer": name, "M": m, "scales": scales,
-                       "bf16_cublas": graph_time_us([lambda w=w: F.linear(x, w) for w in ws]),
-                       "bf16_skinny": graph_time_us([lambda w=w: skinny_gemm(x, w) for w in ws]),
-                       "fp8_scaled_mm": graph_time_us([lambda f=f: fp8_linear(x, f, None) for f in fp8])}
-                variants = [("fp8_skinny", None, None)]
-                variants += [(f"fp8_{tiling_name(t)}", t, None) for t in fp8_skinny_tilings(m)]
-                for label, tile, mma in variants:
-                    check(skinny_gemm(x, fp8[0].weight, tile=tile, weight_scale=fp8[0].scale, mma_dtype=mma), ref,
-                          f"{name} M={m} {scales} {label}")
-                    row[label] = graph_time_us([lambda f=f: skinny_gemm(x, f.weight, tile=tile, weight_scale=f.scale,
-                                                                        mma_dtype=mma) for f in fp8])
-                best = min((kk for kk in row if kk.startswith("fp8_") and kk != "fp8_scaled_mm"), key=row.get)
-                print(f"{name:<14} M={m:<3} {scales:<8} bf16 cuBLAS {row['bf16_cublas']:.2f} us ({n * k * 2 / row['bf16_cublas'] / 1e3:.0f}"
-                      f" GB/s), fp8 _scaled_mm {row['fp8_scaled_mm']:.2f}, fp8 skinny {row['fp8_skinny']:.2f} "
-                      f"({n * k / row['fp8_skinny'] / 1e3:.0f} GB/s), best {best} {row[best]:.2f}; " +
-                      " ".join(f"{kk}:{v:.2f}" for kk, v in row.items() if isinstance(v, float)), flush=True)
-                rows.append(row)
-            del q8, fp8
+                yield name, n, k, scales, ws, q8, m, x, ref
+            del q8
         del ws
-    return rows
 
 
 def rotating_weights(n: int, k: int) -> list[torch.Tensor]:

@@ -144,9 +144,9 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
     SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
-    scale_ptr, stride_sn, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, MMA_DTYPE: tl.constexpr,
+    scale_ptr, stride_sn, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
-    """W_SCALE 0: weight of x's dtype. FP8 weights (e4m3 values x scale, converted to MMA_DTYPE in
+    """W_SCALE 0: weight of x's dtype. FP8 weights (e4m3 values x scale, converted to x's dtype in
     registers: exact): W_SCALE 1 one scale per weight row, applied to the tile's columns at the
     end; 2 per SCALE_BLOCK x SCALE_BLOCK block (BLOCK_K == SCALE_BLOCK, BLOCK_N divides it: one
     scale a step), applied to each step's product."""
@@ -171,11 +171,11 @@ def _skinny_gemm_kernel(
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
         # rows past M load row M - 1 (clamped above): their results are stored nowhere
         a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
-        if W_SCALE > 0:  # e4m3 -> the MMA's dtype (exact); x to it too (a no-op when it is x's)
+        if W_SCALE > 0:  # e4m3 -> x's dtype (exact)
             # e4m3 -> fp16 is one instruction a pair; to bf16 through float32 (HADD2.F32, then a packed
-            # F2FP) rather than fp16 -> bf16 (a scalar F2F.BF16.F16 a value: sm_90 SASS compiled here)
-            w = w.to(tl.float16).to(tl.float32).to(MMA_DTYPE) if MMA_DTYPE == tl.bfloat16 else w.to(MMA_DTYPE)
-            a = a.to(MMA_DTYPE)
+            # F2FP) rather than fp16 -> bf16 (a scalar F2F.BF16.F16 a value: sm_90 SASS compiled here).
+            # (fp16 MMAs with x converted instead measured no faster: BENCHMARKS.md, twenty-fourth session)
+            w = w.to(tl.float16).to(tl.float32).to(a.dtype) if a.dtype == tl.bfloat16 else w.to(a.dtype)
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
         if W_SCALE == 2:
@@ -212,18 +212,14 @@ def _store_tile(out_ptr, acc, bias_ptr, rm, rn, n_ok, tile_mask, stride_o, HAS_B
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tile: SkinnyTiling | None = None, *, weight_scale: torch.Tensor | None = None,
-                mma_dtype: torch.dtype | None = None) -> torch.Tensor:
+                tile: SkinnyTiling | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) -> [M, N] in x's dtype, like F.linear(x, weight, bias).
     `tile` overrides skinny_tiling's choice (benchmarks). With `weight_scale` the weight is FP8
     (float8_e4m3fn) and the product is F.linear(x, weight * scale, bias), as in gemv: scale [N]
-    per row or [ceil(N/128), ceil(K/128)] per 128 x 128 block; the e4m3 values enter the MMAs as
-    `mma_dtype` (default x's dtype; float16 takes x in float16 too, which must then fit it)."""
+    per row or [ceil(N/128), ceil(K/128)] per 128 x 128 block; the e4m3 values enter the MMAs in
+    x's dtype (W8A16)."""
     m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS, weight_scale)
     w_scale = 0 if weight_scale is None else 1 if weight_scale.dim() == 1 else 2
-    mma_dtype = x.dtype if mma_dtype is None else mma_dtype
-    if mma_dtype not in (x.dtype, torch.float16):
-        raise ValueError(f"mma_dtype must be x's dtype or torch.float16, got {mma_dtype}")
     if tile is None:
         tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), fp8=w_scale > 0)
     elif not isinstance(tile, SkinnyTiling):
@@ -264,12 +260,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         count_ptr=out if counters is None else counters,
         scale_ptr=out if weight_scale is None else weight_scale,
         stride_sn=weight_scale.stride(0) if w_scale == 2 else 0,
-        W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK, MMA_DTYPE=_TL_DTYPES[mma_dtype],
+        W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK,
         num_warps=tile.num_warps, **pdl,
     )
     return out
 
-
-# torch dtype -> the Triton dtype the kernel converts FP8 weights to
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
