@@ -40,6 +40,11 @@ def _directory(name: str, value: object, what: str) -> str:
     return path
 
 
+# max_model_len when none is given (nano-vllm's): the block table's width and the decode graphs'
+# split plan grow with it, and longer contexts are a user's choice (vLLM takes the model's maximum).
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len): the
@@ -58,7 +63,9 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    # The longest sequence (prompt + output) served. None: DEFAULT_MAX_MODEL_LEN, or the model's
+    # max_position_embeddings where that is smaller; a value above it is a ValueError (as in vLLM).
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -115,7 +122,8 @@ class Config:
         self.model = _directory("model", self.model, "a checkpoint directory")
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_model_len", self.max_model_len, 2)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 2)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("kvcache_block_size", self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
         if self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
@@ -166,7 +174,13 @@ class Config:
         self.model_config = ModelConfig.from_pretrained(self.model)
         self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
                                                  os.path.join(self.model, "config.json"))
-        self.max_model_len = min(self.max_model_len, self.model_config.max_position_embeddings)
+        positions = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions)
+        elif self.max_model_len > positions:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{positions} ({os.path.join(self.model, 'config.json')}): pass max_model_len <= "
+                             f"{positions}, or None for min({DEFAULT_MAX_MODEL_LEN}, {positions})")
         self.model_config.check_tensor_parallel(self.tensor_parallel_size)
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(

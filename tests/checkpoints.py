@@ -449,11 +449,20 @@ def assert_bf16_greedy_matches(reference, prompt_ids: list[int], completion: lis
 # decode graphs up to the largest batch a test decodes (48: 6 graph sizes), not 512 (35 sizes).
 GPU_KV_TOKENS = 16384  # the largest workload: 48 prompts of < 200 tokens + 32 generated
 GPU_MAX_NUM_SEQS = 48
+# The GPU engines' longest sequence (gpu_generate; served_len caps it by the checkpoint's positions).
+GPU_MAX_MODEL_LEN = 2048
 # Token budget per step (prefill / mixed graphs are captured up to it): above every prompt there.
 GPU_MAX_STEP_TOKENS = 1024
 # The GPU tests' Qwen3: Qwen3-0.6B's attention geometry (16 q heads, 8 kv heads, head_dim 128) at a small width.
 GPU_SHAPE = TinyShape(hidden_size=256, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                       head_dim=128, intermediate_size=512, max_position_embeddings=4096)
+
+
+def served_len(path: str, at_most: int) -> int:
+    """`at_most`, or the checkpoint's max_position_embeddings where that is smaller (a larger
+    max_model_len is refused)."""
+    with open(os.path.join(path, "config.json")) as f:
+        return min(at_most, json.load(f)["max_position_embeddings"])
 
 
 def gpu_generate(path: str, batches, params, **kwargs):
@@ -462,8 +471,8 @@ def gpu_generate(path: str, batches, params, **kwargs):
     otherwise."""
     from nanovllm import LLM
 
-    kw = {"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16", "max_num_seqs": GPU_MAX_NUM_SEQS,
-          "max_num_batched_tokens": GPU_MAX_STEP_TOKENS, **kwargs}
+    kw = {"kvcache_block_size": 16, "max_model_len": served_len(path, GPU_MAX_MODEL_LEN), "dtype": "bfloat16",
+          "max_num_seqs": GPU_MAX_NUM_SEQS, "max_num_batched_tokens": GPU_MAX_STEP_TOKENS, **kwargs}
     kw.setdefault("num_kvcache_blocks", GPU_KV_TOKENS // kw["kvcache_block_size"])
     llm = LLM(path, **kw)
     try:

@@ -109,6 +109,8 @@ def test_bad_sampling_params(kwargs, exc, words):
 BAD_CONFIG = [
     ({"bogus": 1}, TypeError, "bogus"),
     ({"max_model_len": 1}, ValueError, "max_model_len"),
+    # past the checkpoint's positions (TinyShape: 1,024), as vLLM refuses it
+    ({"max_model_len": 1025}, ValueError, r"max_model_len=1025 exceeds the model's max_position_embeddings=1024"),
     ({"kvcache_block_size": 24}, ValueError, "multiple of 16"),
     ({"kvcache_block_size": 0}, ValueError, "kvcache_block_size"),
     ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
@@ -131,6 +133,17 @@ def test_bad_engine_config(ckpt, kwargs, exc, words):
     # themselves, so this is the one plain LLM() of a CPU test.
     with pytest.raises(exc, match=words):
         LLM(ckpt, **kwargs)
+
+
+def test_max_model_len_defaults_to_4096_or_the_models_positions(tmp_path, ckpt):
+    """None (or not given): 4,096, or max_position_embeddings where smaller; a given value up to
+    max_position_embeddings is kept as it is."""
+    assert cpu_llm(ckpt, max_model_len=None).config.max_model_len == 1024  # TinyShape's positions
+    assert cpu_llm(ckpt, max_model_len=1024).config.max_model_len == 1024
+    assert cpu_llm(ckpt, max_model_len=100).config.max_model_len == 100
+    longer = build_checkpoint(str(tmp_path / "long"), TinyShape(max_position_embeddings=8192))
+    assert cpu_llm(longer).config.max_model_len == 4096
+    assert cpu_llm(longer, max_model_len=8192).config.max_model_len == 8192
 
 
 def test_bad_checkpoints(tmp_path, ckpt):
