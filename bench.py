@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
                     help="each request asks SamplingParams(logprobs=K) (default: none asked), nanovllm only")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the engine's (4096, or the model's positions when fewer)")
     ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
     ap.add_argument("--tp", type=int, default=1)

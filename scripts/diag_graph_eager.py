@@ -25,11 +25,11 @@ TOP_K = 20
 
 def run(model: str, batches, **kw) -> list[list[dict]]:
     """Each batch's outputs from one bf16 engine with the GPU tests' settings (checkpoints.gpu_generate)."""
-    from checkpoints import GPU_KV_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS
+    from checkpoints import GPU_KV_TOKENS, GPU_MAX_MODEL_LEN, GPU_MAX_NUM_SEQS, GPU_MAX_STEP_TOKENS, served_len
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP_K)
-    llm = LLM(model, **{"kvcache_block_size": 16, "max_model_len": 2048, "dtype": "bfloat16",
+    llm = LLM(model, **{"kvcache_block_size": 16, "max_model_len": served_len(model, GPU_MAX_MODEL_LEN), "dtype": "bfloat16",
                         "max_num_seqs": GPU_MAX_NUM_SEQS, "max_num_batched_tokens": GPU_MAX_STEP_TOKENS,
                         "num_kvcache_blocks": GPU_KV_TOKENS // 16, **kw})
     try:

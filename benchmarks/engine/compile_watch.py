@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     log = CompileLog()
     triton.knobs.runtime.jit_post_compile_hook = log
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=4096)
+    llm = LLM(args.model, load_format=args.load_format)
     prompts, max_tokens = make_workload(WORKLOADS[args.workload], llm.config.model_config.vocab_size)
     log.phase = "warm-up"
     warm_up(llm)

@@ -49,7 +49,7 @@ def main() -> None:
 
     load_format, _ = resolve_load_format(args.load_format, args.model)
     for eager in (True, False):
-        llm = LLM(args.model, load_format=load_format, enforce_eager=eager, max_model_len=4096,
+        llm = LLM(args.model, load_format=load_format, enforce_eager=eager,
                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
         fill(llm, args.batch, args.context, args.timed_steps + args.steps, args.repetition_penalty)
         times = []
