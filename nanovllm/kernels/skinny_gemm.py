@@ -86,11 +86,10 @@ MIN_SPLIT_COLUMNS = 256
 MAX_SPLIT_K = 8
 # FP8 weights (W8A16), from bench_gemm.py --fp8-rows (H200, Qwen3-8B's four layers at 4-64 rows, both
 # scale layouts; BENCHMARKS.md 2026-12-04 twenty-fourth session): row tiles of 16, 32 past 16 rows;
-# 64 output columns x 128-column steps (one block scale a step); K split into up to 4 slices until
+# 64 output columns x FP8_BLOCK-column steps (one block scale a step); K split into up to 4 slices until
 # the grid holds ~4 programs an SM per 16 rows; 4 steps in flight, 6 in unsplit (longer) programs.
 FP8_BLOCK_M = 32
 FP8_BLOCK_N = 64
-FP8_BLOCK_K = 128
 FP8_PROGRAMS_PER_SM = 4
 FP8_MAX_SPLIT_K = 4
 FP8_STAGES = 4
@@ -123,7 +122,7 @@ def _fp8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
     split = max(1, min(FP8_MAX_SPLIT_K, prev_pow2(max(1, per_sm * sms // tiles)),
                        prev_pow2(max(1, k_in // MIN_SPLIT_COLUMNS))))
     stages = FP8_UNSPLIT_STAGES if split == 1 else FP8_STAGES
-    return SkinnyTiling(block_m, FP8_BLOCK_N, FP8_BLOCK_K, stages, DEFAULT_WARPS, pdl=True, split_k=split)
+    return SkinnyTiling(block_m, FP8_BLOCK_N, FP8_BLOCK, stages, DEFAULT_WARPS, pdl=True, split_k=split)
 
 
 @triton.jit
@@ -264,5 +263,3 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         num_warps=tile.num_warps, **pdl,
     )
     return out
-
-

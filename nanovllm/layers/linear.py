@@ -93,9 +93,8 @@ class _LinearBase(nn.Module):
         if self.quant is not None:
             self.weight.quant = self.quant  # the loader quantizes / dequantizes by it
         self.fp8 = self._fp8_parameters(in_features) if held else None
-        path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm,
-                           block_scales=self.fp8 is not None and self.fp8.blocks, fp8=self.fp8 is not None)
-        self.path = path
+        self.path = linear_path(out_features, in_features, self.weight.device, takes_norm=self.takes_norm,
+                                block_scales=self.fp8 is not None and self.fp8.blocks, fp8=self.fp8 is not None)
 
     def checkpoint_names(self, prefix: str | None) -> tuple[str, ...] | None:
         """The checkpoint modules this layer is built from (None without a prefix)."""
