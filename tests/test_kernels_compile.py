@@ -60,6 +60,15 @@ FP8_MMA = "f32.e4m3.e4m3"
 # shared memory (the next tile's copies in flight while this one's MMAs run; kernels/paging.py says
 # what once left them single-buffered).
 PIPELINED_KV_KERNELS = ("_decode_split_kernel", "_prefill_kernel")
+# An int parameter that real launches pass as a multiple of 16, which Triton then specializes on
+# (its `tt.divisibility`). Left unmarked, the skinny GEMM's K offsets have no known alignment: its
+# weight loads compile one element at a time and are not pipelined, which a real launch never sees
+# (the twenty-third session read byte-wise FP8 loads from such a compile; the twenty-fourth found why).
+INT_MULTIPLE_OF_16 = "i32 (multiple of 16)"
+# Kernels whose operand tiles must reach shared memory through async copies with some in flight.
+PIPELINED_TILE_KERNELS = ("_skinny_gemm_kernel",)
+# the skinny GEMM's shape ints on engine layers (widths and K slices are multiples of 16)
+SKINNY_INTS = {name: INT_MULTIPLE_OF_16 for name in ("n_out", "k_in", "k_per")}
 ROPE_TYPES = {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
 PREFILL_TYPES = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
                  "tile_block_ptr": "*i32", "num_tiles_ptr": "*i32", "qk_scale": "fp32"}
@@ -243,14 +252,14 @@ SPECS = [
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"ws_ptr": "*fp32", "count_ptr": "*i32"},
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"ws_ptr": "*fp32", "count_ptr": "*i32", **SKINNY_INTS},
      [{"HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True, "SPLIT_K": split,
        "W_SCALE": 0, "SCALE_BLOCK": 128}
       for bias, bm, split in ((False, 16, 8), (True, 64, 1), (False, 64, 4))]),
     # ... on FP8 weights (per-row and block scales), the layers' FP8 tilings (_fp8_tiling)
     ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"w_ptr": FP8, "ws_ptr": "*fp32", "count_ptr": "*i32",
-                                                    "scale_ptr": "*fp32"},
+                                                    "scale_ptr": "*fp32", **SKINNY_INTS},
      [{"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "STAGES": stages,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 128, "PDL": True, "SPLIT_K": split,
        "W_SCALE": w_scale, "SCALE_BLOCK": 128}
@@ -302,6 +311,9 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> tuple[dict[str, s
             continue
         default = "*bf16" if name.endswith("_ptr") else "i64" if name.startswith("stride") else "i32"
         sig[name] = types.get(name, default)
+        if sig[name] == INT_MULTIPLE_OF_16:
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if name.endswith("_ptr") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
@@ -318,6 +330,15 @@ def _check_kv_pipelined(ttgir: str, constexprs: dict, types: dict, name: str) ->
     if not slots or min(slots) < 2 or max(waits, default=0) < 1:
         raise SystemExit(f"{name} {constexprs}: K/V tiles in {slots}-slot shared buffers, waits {waits}: "
                          f"the loads do not overlap the MMAs")
+
+
+def _check_tiles_pipelined(ttgir: str, constexprs: dict, name: str) -> None:
+    """The loop's operand tiles arrive by async copies into shared memory, a wait in the loop leaving
+    copies in flight (`async_wait` num >= 1): the next steps load while this one multiplies."""
+    copies = ttgir.count("async_copy_global_to_local")
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)]
+    if copies == 0 or max(waits, default=0) < 1:
+        raise SystemExit(f"{name} {constexprs}: {copies} async copies, waits {waits}: the tiles are not pipelined")
 
 
 def compile_all() -> None:
@@ -340,6 +361,8 @@ def compile_all() -> None:
                 raise SystemExit(f"{module}.{kernel} {constexprs}: no {FP8_MMA} MMA (the W8A8 point)")
             if kernel in PIPELINED_KV_KERNELS and options["num_stages"] >= 3:
                 _check_kv_pipelined(compiled.asm["ttgir"], constexprs, types, f"{module}.{kernel}")
+            if kernel in PIPELINED_TILE_KERNELS:
+                _check_tiles_pipelined(compiled.asm["ttgir"], constexprs, f"{module}.{kernel}")
             print(f"compiled {module}.{kernel} {constexprs}")
 
 
