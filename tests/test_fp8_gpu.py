@@ -273,8 +273,8 @@ def test_fp8_layers_hold_fp8(dense, tmp_path):
         assert layers[0].mlp.down_proj.weight_scale_inv.shape == (SHAPE.hidden_size // B, SHAPE.intermediate_size // B)
         assert layers[3].mlp.down_proj.weight.dtype == torch.bfloat16  # kept in full precision
         assert llm.model_runner.model.lm_head.weight.dtype == torch.bfloat16
-        # decode batches past the GEMV's rows take the W8A16 skinny GEMM (a path zeroed at
-        # construction once sent every FP8 layer to _scaled_mm unseen)
+        # decode batches past the GEMV's rows take the W8A16 skinny GEMM (its first version zeroed
+        # this path at construction, and an end-to-end A/B ran _scaled_mm on both sides unseen)
         assert layers[0].self_attn.qkv_proj.path.skinny_rows == KernelRoutes().fp8_skinny_max_rows
     finally:
         llm.exit()
