@@ -108,7 +108,7 @@ def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None, fp8:
     split = 1
     if tiles < SPLIT_BELOW_TILES_PER_SM * sms:
         per_sm = 2 if rows <= MIN_BLOCK else 1
-        split = max(1, min(MAX_SPLIT_K, prev_pow2(per_sm * sms // tiles), prev_pow2(k_in // MIN_SPLIT_COLUMNS)))
+        split = _split_k(per_sm * sms, tiles, k_in, MAX_SPLIT_K)
     return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True,
                         split_k=split)
 
@@ -119,10 +119,15 @@ def _fp8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
     block_m = MIN_BLOCK if rows <= MIN_BLOCK else FP8_BLOCK_M
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, FP8_BLOCK_N)
     per_sm = FP8_PROGRAMS_PER_SM * triton.cdiv(rows, MIN_BLOCK)
-    split = max(1, min(FP8_MAX_SPLIT_K, prev_pow2(max(1, per_sm * sms // tiles)),
-                       prev_pow2(max(1, k_in // MIN_SPLIT_COLUMNS))))
+    split = _split_k(per_sm * sms, tiles, k_in, FP8_MAX_SPLIT_K)
     stages = FP8_UNSPLIT_STAGES if split == 1 else FP8_STAGES
     return SkinnyTiling(block_m, FP8_BLOCK_N, FP8_BLOCK, stages, DEFAULT_WARPS, pdl=True, split_k=split)
+
+
+def _split_k(programs: int, tiles: int, k_in: int, most: int) -> int:
+    """K slices per output tile: a power of two that brings `tiles` up to ~`programs` programs, at
+    most `most`, none shorter than MIN_SPLIT_COLUMNS columns; at least 1."""
+    return max(1, min(most, prev_pow2(programs // tiles), prev_pow2(k_in // MIN_SPLIT_COLUMNS)))
 
 
 @triton.jit
