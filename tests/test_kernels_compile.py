@@ -255,15 +255,25 @@ SPECS = [
     ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"ws_ptr": "*fp32", "count_ptr": "*i32", **SKINNY_INTS},
      [{"HAS_BIAS": bias, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 64, "PDL": True, "SPLIT_K": split,
-       "W_SCALE": 0, "SCALE_BLOCK": 128}
+       "W_SCALE": 0, "SCALE_BLOCK": 128, "X_SCALE": 0}
       for bias, bm, split in ((False, 16, 8), (True, 64, 1), (False, 64, 4))]),
     # ... on FP8 weights (per-row and block scales), the layers' FP8 tilings (_fp8_tiling)
     ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"w_ptr": FP8, "ws_ptr": "*fp32", "count_ptr": "*i32",
                                                     "scale_ptr": "*fp32", **SKINNY_INTS},
      [{"HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "STAGES": stages,
        "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 128, "PDL": True, "SPLIT_K": split,
-       "W_SCALE": w_scale, "SCALE_BLOCK": 128}
+       "W_SCALE": w_scale, "SCALE_BLOCK": 128, "X_SCALE": 0}
       for bm, stages, split, w_scale in ((16, 6, 1, 1), (16, 4, 4, 2), (32, 4, 2, 1), (32, 6, 1, 2))]),
+    # ... W8A8: e4m3 activations with per-token / per-group scales
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel", {"x_ptr": FP8, "w_ptr": FP8, "ws_ptr": "*fp32", "count_ptr": "*i32",
+                                                    "scale_ptr": "*fp32", "xs_ptr": "*fp32", **SKINNY_INTS},
+     [{"HAS_BIAS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 4,
+       "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 128, "PDL": True, "SPLIT_K": split,
+       "W_SCALE": mode, "SCALE_BLOCK": 128, "X_SCALE": mode}
+      for split, mode in ((1, 1), (4, 2))]
+     + [{"HAS_BIAS": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "EVEN_K": True, "STAGES": 3,
+         "DOT_PREC": None, "UPCAST": False, "PREFETCH": True, "LINE_ELEMS": 128, "PDL": True, "SPLIT_K": 1,
+         "W_SCALE": 1, "SCALE_BLOCK": 128, "X_SCALE": 1}]),
     ("sampling.gumbel_max", "_gumbel_sample_kernel", {"temperature_ptr": "*fp32", "key_ptr": "*i64", "best_ptr": "*fp32",
                                              "best_col_ptr": "*i32"},
      [{"IS_PROBS": False, "SUB": 256, "TILES_PER_CHUNK": 4}]),

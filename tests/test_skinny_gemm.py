@@ -179,9 +179,14 @@ def test_fp8_layers_take_the_skinny_gemm_past_the_gemv():
     routes = KernelRoutes()
     for n, k in ((4096, 1024), (32, 512)):
         assert plan_linear(n, k, routes, 132, takes_norm=False, fp8=True) == LinearPath(
-            routes.gemv_max_rows, 0, routes.fp8_skinny_max_rows)
+            routes.gemv_max_rows, 0, routes.fp8_skinny_max_rows, routes.fp8_w8a8_skinny_max_rows)
     assert plan_linear(4096, 1024, KernelRoutes(fp8_skinny_max_rows=0), 132, takes_norm=False,
                        fp8=True).skinny_rows == 0
+    off = plan_linear(4096, 1024, KernelRoutes(fp8_w8a8_skinny_max_rows=0), 132, takes_norm=False, fp8=True)
+    x = torch.empty(64, 1024)
+    assert off.w8a8_rows == 0 and not off.w8a8_serves(x)
+    on = plan_linear(4096, 1024, routes, 132, takes_norm=False, fp8=True)
+    assert on.w8a8_serves(x) and not on.w8a8_serves(x[:32]) and not on.skinny_serves(x)
 
 
 def test_fp8_tiling_rule():
@@ -195,3 +200,42 @@ def test_fp8_tiling_rule():
     assert tile(32, 24576, 4096).split_k == 2
     assert tile(16, 24576, 4096).stages == 6 and tile(16, 4096, 4096).stages == 4
     assert tile(8, 64, 200).split_k == 1  # slices would be shorter than 256 columns
+
+
+def test_w8a8_tiling_rule():
+    """W8A8 tilings (the 8B sweep's best at 48-128 rows): 64-row tiles of 64 columns, K split to ~2
+    programs an SM; wide layers past one row tile (8B gate_up at 96-128 rows): 128 columns, 3 stages."""
+    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, w8a8=True)
+    # 8B qkv / o / down at 48 and 128 rows: 96 / 64 / 64 column tiles a row tile
+    assert [tile(48, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [2, 4, 4]
+    assert [tile(128, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [1, 2, 2]
+    assert (tile(48, 24576, 4096).block_n, tile(48, 24576, 4096).split_k) == (64, 1)
+    wide = tile(96, 24576, 4096)
+    assert (wide.block_m, wide.block_n, wide.stages, wide.split_k) == (64, 128, 3, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,n,k", [(40, 160, 300), (70, 128, 640)])  # ragged K (300) / rows (70: two row tiles)
+@pytest.mark.parametrize("scales", ["row", "block"])
+@pytest.mark.parametrize("split_k", [1, 3, None])  # None: skinny_tiling(..., w8a8=True)
+def test_w8a8_matches_dequantized_operands(device, m, n, k, scales, split_k):
+    """e4m3 activations (per token with row-scaled weights, per
+    128-column group with block-scaled ones, as fp8_linear pairs them) times FP8 weights, against a
+    float64 matmul of the dequantized operands; rows past m in xq are padding, never read."""
+    from test_fp8_kernels import fp8_weight
+
+    from nanovllm.kernels.fp8_quant import RowQuant, quantize
+    from nanovllm.kernels.skinny_gemm import skinny_gemm_w8a8
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    q, s, wd = fp8_weight(n, k, gen, scales)
+    x = randn((m, k), gen, torch.bfloat16)
+    bias = randn((n,), gen, torch.bfloat16)
+    xq = quantize(x.to(device), RowQuant(group=128 if scales == "block" else None, row_multiple=16))
+    assert xq.q.shape[0] >= m
+    x_scales = xq.scales[:m].double().cpu()  # [m, 1] or [m, K/128]
+    xd = xq.q[:m].double().cpu() * (x_scales.repeat_interleave(128, dim=1)[:, :k] if scales == "block" else x_scales)
+    tile = None if split_k is None else SkinnyTiling(64, 32, 128, 2, 4, pdl=True, split_k=split_k)
+    out = skinny_gemm_w8a8(xq, q.to(device), s.to(device), bias.to(device), tile=tile)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_err(out.cpu(), xd @ wd.T + bias.double()) < REF_TOL[torch.bfloat16]

@@ -103,6 +103,8 @@ def fp8_skinny_tilings(m: int) -> list[SkinnyTiling]:
 def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
     """At 3-64 rows, us per call: bf16 cuBLAS and skinny GEMM; FP8 (block and row scales) through
     fp8_linear (quantize + _scaled_mm) and the W8A16 skinny GEMM; GB/s of each side's weight bytes."""
+    from nanovllm.kernels.fp8_quant import quantize
+    from nanovllm.kernels.skinny_gemm import skinny_gemm_w8a8
     from nanovllm.quantization.config import BLOCK
     from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 
@@ -118,13 +120,31 @@ def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
                   f"{name} M={m} {scales} {label}")
             row[label] = graph_time_us([lambda f=f: skinny_gemm(x, f.weight, tile=tile, weight_scale=f.scale)
                                         for f in fp8])
+        # W8A8: the activation quantized as fp8_linear does, inside the timing
+        # checked against fp8_linear's _scaled_mm on the same quantized operands (the activation's
+        # e4m3 rounding alone moves the product ~3% off the bf16 reference)
+        ref8 = fp8_linear(x, fp8[0], None)
+        for label, tile in [("w8a8", None), *((f"w8a8_{tiling_name(t)}", t) for t in w8a8_tilings(m))]:
+            check(skinny_gemm_w8a8(quantize(x, fp8[0].row_quant()), fp8[0].weight, fp8[0].scale, tile=tile), ref8,
+                  f"{name} M={m} {scales} {label}")
+            row[label] = graph_time_us([lambda f=f: skinny_gemm_w8a8(quantize(x, f.row_quant()), f.weight, f.scale,
+                                                                     tile=tile) for f in fp8])
         best = min((kk for kk in row if kk.startswith("fp8_") and kk != "fp8_scaled_mm"), key=row.get)
+        best8 = min((kk for kk in row if kk.startswith("w8a8")), key=row.get)
         print(f"{name:<14} M={m:<3} {scales:<8} bf16 cuBLAS {row['bf16_cublas']:.2f} us ({n * k * 2 / row['bf16_cublas'] / 1e3:.0f}"
               f" GB/s), fp8 _scaled_mm {row['fp8_scaled_mm']:.2f}, fp8 skinny {row['fp8_skinny']:.2f} "
-              f"({n * k / row['fp8_skinny'] / 1e3:.0f} GB/s), best {best} {row[best]:.2f}; " +
+              f"({n * k / row['fp8_skinny'] / 1e3:.0f} GB/s), best {best} {row[best]:.2f}, w8a8 {row['w8a8']:.2f}, "
+              f"best {best8} {row[best8]:.2f}; " +
               " ".join(f"{kk}:{v:.2f}" for kk, v in row.items() if isinstance(v, float)), flush=True)
         rows.append(row)
     return rows
+
+
+def w8a8_tilings(m: int) -> list[SkinnyTiling]:
+    """W8A8: row tiles of 64 (and 128 past 64 rows; wgmma takes 64 a
+    warpgroup), 64 / 128 output columns, 3 / 4 stages, 4 warps (8 at 128 rows), K split 1 / 2 / 4."""
+    return [SkinnyTiling(bm, bn, 128, st, 8 if bm == 128 else 4, True, sp) for bm in ((64,) if m <= 64 else (64, 128))
+            for bn in (64, 128) for st in (3, 4) for sp in (1, 2, 4)]
 
 
 def fp8_cases(shapes: list[str], row_counts):

@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, INTERPRET, check_linear, cuda_sm_count, prev_pow2
+from .checks import FP8_BLOCK, INTERPRET, check_fp8_weight, check_linear, check_vector, cuda_sm_count, prev_pow2
 from .counters import arrival_counters
+from .fp8_quant import QuantizedRows
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
@@ -94,13 +95,25 @@ FP8_PROGRAMS_PER_SM = 4
 FP8_MAX_SPLIT_K = 4
 FP8_STAGES = 4
 FP8_UNSPLIT_STAGES = 6
+# FP8 weights x e4m3 activations (W8A8), from bench_gemm.py --fp8-rows (H200, 8B's four layers at
+# 48-256 rows; BENCHMARKS.md 2026-12-04 twenty-fifth session): row tiles of 64 (a wgmma warpgroup's),
+# 64 output columns, K split until the grid holds ~2 programs an SM (4 an SM lost 10-15% at 128
+# rows); a layer whose 64-column tiles alone pass that, past one row tile (8B gate_up at 96-128
+# rows), takes 128 columns 3 steps deep (34-35 against 39-40 us).
+W8A8_BLOCK_M = 64
+W8A8_PROGRAMS_PER_SM = 2
+W8A8_WIDE_BLOCK_N = 128
+W8A8_WIDE_STAGES = 3
 # CPU / interpreter: a small stand-in for the SM count.
 CPU_SM_COUNT = 4
 
 
-def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None, fp8: bool = False) -> SkinnyTiling:
+def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None, fp8: bool = False,
+                  w8a8: bool = False) -> SkinnyTiling:
     """The default tiling for a rows x K @ K x n_out call on a GPU of `sms` SMs (None: CPU)."""
     sms = CPU_SM_COUNT if sms is None else sms
+    if w8a8:
+        return _w8a8_tiling(rows, n_out, k_in, sms)
     if fp8:
         return _fp8_tiling(rows, n_out, k_in, sms)
     block_m = MIN_BLOCK if rows <= MIN_BLOCK else 64
@@ -130,6 +143,17 @@ def _split_k(programs: int, tiles: int, k_in: int, most: int) -> int:
     return max(1, min(most, prev_pow2(programs // tiles), prev_pow2(k_in // MIN_SPLIT_COLUMNS)))
 
 
+def _w8a8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
+    """The W8A8 tiling (W8A8_* constants above)."""
+    row_tiles = triton.cdiv(rows, W8A8_BLOCK_M)
+    programs = W8A8_PROGRAMS_PER_SM * sms
+    tiles = row_tiles * triton.cdiv(n_out, FP8_BLOCK_N)
+    if row_tiles > 1 and tiles > programs:
+        return SkinnyTiling(W8A8_BLOCK_M, W8A8_WIDE_BLOCK_N, FP8_BLOCK, W8A8_WIDE_STAGES, DEFAULT_WARPS, pdl=True)
+    split = _split_k(programs, tiles, k_in, FP8_MAX_SPLIT_K)
+    return SkinnyTiling(W8A8_BLOCK_M, FP8_BLOCK_N, FP8_BLOCK, FP8_STAGES, DEFAULT_WARPS, pdl=True, split_k=split)
+
+
 @triton.jit
 def _load_k(ptrs, kk, k_in, EVEN_K: tl.constexpr):
     """The elements at `ptrs` (reduction columns kk on the last axis): 0 past k_in, where a
@@ -149,11 +173,15 @@ def _skinny_gemm_kernel(
     UPCAST: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
     SPLIT_K: tl.constexpr, k_per, ws_ptr, stride_ws, count_ptr,
     scale_ptr, stride_sn, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    xs_ptr, stride_xsr, stride_xsg, X_SCALE: tl.constexpr,
 ):
-    """W_SCALE 0: weight of x's dtype. FP8 weights (e4m3 values x scale, converted to x's dtype in
-    registers: exact): W_SCALE 1 one scale per weight row, applied to the tile's columns at the
-    end; 2 per SCALE_BLOCK x SCALE_BLOCK block (BLOCK_K == SCALE_BLOCK, BLOCK_N divides it: one
-    scale a step), applied to each step's product."""
+    """W_SCALE 0: weight of x's dtype. FP8 weights (e4m3 values x scale): W_SCALE 1 one scale per
+    weight row, applied to the tile's columns at the end; 2 per SCALE_BLOCK x SCALE_BLOCK block
+    (BLOCK_K == SCALE_BLOCK, BLOCK_N divides it: one scale a step), applied to each step's product.
+    X_SCALE 0: x 16-bit / float32, the e4m3 weights converted to its dtype in registers (exact, W8A16).
+    X_SCALE > 0: x in e4m3 too (W8A8: e4m3 x e4m3 MMAs, nothing converted), with one scale a row
+    (X_SCALE 1, beside W_SCALE 1: at the end) or one a row and SCALE_BLOCK-column group (X_SCALE 2,
+    beside W_SCALE 2: each step), xs[r, g] at xs_ptr + r * stride_xsr + g * stride_xsg."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # this program's K slice [k_lo, k_hi): k_per is a multiple of BLOCK_K, every slice non-empty
     k_lo = tl.program_id(2) * k_per
@@ -165,17 +193,21 @@ def _skinny_gemm_kernel(
     wait_for_prior(PDL)  # x (and out) belong to earlier kernels
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < n_rows
-    x_rows = x_ptr + tl.minimum(rm, n_rows - 1)[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
+    # rows past M wrap around to rows 0.. (distinct lines: clamped to row M - 1, a 96-row call's
+    # 32 padding rows all read one row, and ran slower than 128 rows on the H200)
+    r_in = rm % n_rows
+    x_rows = x_ptr + r_in[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     rk = tl.arange(0, BLOCK_K)
     if W_SCALE == 2:  # this program's weight rows lie in one row of scale blocks
         s_row = scale_ptr + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK).to(tl.int64) * stride_sn
+    xs_rows = xs_ptr + r_in.to(tl.int64) * stride_xsr  # [BLOCK_M] (X_SCALE > 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + rk
         w = _load_k(w_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_N, BLOCK_K]
-        # rows past M load row M - 1 (clamped above): their results are stored nowhere
+        # rows past M load rows 0.. (wrapped above): their results are stored nowhere
         a = _load_k(x_rows + kk[None, :], kk, k_in, EVEN_K)  # [BLOCK_M, BLOCK_K]
-        if W_SCALE > 0:  # e4m3 -> x's dtype (exact)
+        if W_SCALE > 0 and X_SCALE == 0:  # e4m3 -> x's dtype (exact)
             # e4m3 -> fp16 is one instruction a pair; to bf16 through float32 (HADD2.F32, then a packed
             # F2FP) rather than fp16 -> bf16 (a scalar F2F.BF16.F16 a value: sm_90 SASS compiled here).
             # (fp16 MMAs with x converted instead measured no faster: BENCHMARKS.md, twenty-fourth session)
@@ -183,11 +215,16 @@ def _skinny_gemm_kernel(
         if UPCAST:  # the interpreter's dot mishandles bfloat16: exact float32 products instead
             a, w = a.to(tl.float32), w.to(tl.float32)
         if W_SCALE == 2:
-            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * tl.load(s_row + k0 // SCALE_BLOCK)
+            step_scale = tl.load(s_row + k0 // SCALE_BLOCK)
+            if X_SCALE == 2:  # [BLOCK_M, 1]: the rows' scales of this column group, times the block's
+                step_scale = tl.load(xs_rows + (k0 // SCALE_BLOCK) * stride_xsg)[:, None] * step_scale
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * step_scale
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     if W_SCALE == 1:
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if X_SCALE == 1:
+        acc = acc * tl.load(xs_rows)[:, None]
     tile_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         # partials ws [SPLIT_K, n_rows, n_out] float32; the tile's last arrival sums them
@@ -223,10 +260,50 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     per row or [ceil(N/128), ceil(K/128)] per 128 x 128 block; the e4m3 values enter the MMAs in
     x's dtype (W8A16)."""
     m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS, weight_scale)
-    w_scale = 0 if weight_scale is None else 1 if weight_scale.dim() == 1 else 2
     if tile is None:
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), fp8=w_scale > 0)
-    elif not isinstance(tile, SkinnyTiling):
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), fp8=weight_scale is not None)
+    return _launch(x, None, weight, weight_scale, bias, tile, x.dtype)
+
+
+def skinny_gemm_w8a8(xq: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, tile: SkinnyTiling | None = None) -> torch.Tensor:
+    """xq's m rows (e4m3, kernels/fp8_quant.quantize) @ (weight *
+    weight_scale)^T (+ bias) -> [m, N] in xq.dtype, as fp8_linear's torch._scaled_mm computes it:
+    e4m3 x e4m3 MMAs, float32 sums, per-row weight scales with xq's per-token (or static) scales
+    [rows, 1], block weight scales with its per-group scales [rows, K/128]."""
+    if not isinstance(xq, QuantizedRows):
+        raise TypeError(f"xq must be QuantizedRows (kernels/fp8_quant.quantize), got {type(xq).__name__}")
+    q = xq.q
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn or q.stride(1) != 1:
+        raise TypeError(f"xq.q must be a 2-D float8_e4m3fn tensor with a contiguous last dim, got "
+                        f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
+    if not 1 <= xq.m <= min(MAX_ROWS, q.shape[0]):
+        raise ValueError(f"skinny_gemm_w8a8 serves 1..{MAX_ROWS} rows (at most xq.q's {q.shape[0]}), got {xq.m}")
+    x = q[: xq.m]  # [m, K] e4m3; padding rows past m are not read
+    check_fp8_weight(weight, weight_scale, x.device)
+    m, k_in = x.shape
+    n_out = weight.shape[0]
+    if weight.shape[1] != k_in:
+        raise ValueError(f"xq.q {tuple(q.shape)} does not match weight {tuple(weight.shape)}")
+    if bias is not None:
+        check_vector("bias", bias, n_out, "xq.q", x)
+    groups = triton.cdiv(k_in, FP8_BLOCK) if weight_scale.dim() == 2 else 1
+    if xq.scales.dim() != 2 or xq.scales.shape[0] < m or xq.scales.shape[1] != groups:
+        raise ValueError(f"xq.scales must be [rows >= {m}, {groups}] for this weight's scales, got "
+                         f"{tuple(xq.scales.shape)}")
+    if tile is None:
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), w8a8=True)
+    return _launch(x, xq.scales, weight, weight_scale, bias, tile, xq.dtype)
+
+
+def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+            bias: torch.Tensor | None, tile: SkinnyTiling, out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel on checked operands (x [M, K], e4m3 when x_scale is given), `tile` checked here."""
+    m, k_in = x.shape
+    n_out = weight.shape[0]
+    w_scale = 0 if weight_scale is None else 1 if weight_scale.dim() == 1 else 2
+    x_scale_mode = 0 if x_scale is None else w_scale
+    if not isinstance(tile, SkinnyTiling):
         raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
     for name in ("block_m", "block_n", "block_k"):
         v = getattr(tile, name)
@@ -239,7 +316,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if w_scale == 2 and (tile.block_k != FP8_BLOCK or FP8_BLOCK % tile.block_n):
         raise ValueError(f"block-scaled weights need tile.block_k == {FP8_BLOCK} and tile.block_n dividing it, "
                          f"got {tile}")
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     # K slices of whole steps, none empty: split_k shrinks to the slices K fills
     k_per = triton.cdiv(triton.cdiv(k_in, tile.split_k), tile.block_k) * tile.block_k
     split_k = triton.cdiv(k_in, k_per)
@@ -249,11 +326,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         split_k, k_per, grid = 1, k_in, grid[:2] + (1,)
     ws = torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     line_elems = LINE_BYTES // weight.element_size()
-    upcast = INTERPRET and x.dtype == torch.bfloat16
+    # the interpreter's dot mishandles bfloat16 and e4m3: exact float32 products instead
+    upcast = INTERPRET and x.dtype in (torch.bfloat16, torch.float8_e4m3fn)
     # PDL, as the GEMV takes it, only for a grid resident at once (kernels/pdl.py, pdl_for_grid)
     pdl = pdl_for_grid(x, grid[0] * grid[1] * grid[2]) if tile.pdl else {"PDL": False}
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else x, out, m, n_out, k_in, x.stride(0), weight.stride(0),
+        x, weight, bias if bias is not None else out, out, m, n_out, k_in, x.stride(0), weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k_in % tile.block_k == 0, STAGES=tile.stages,
@@ -265,6 +343,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         scale_ptr=out if weight_scale is None else weight_scale,
         stride_sn=weight_scale.stride(0) if w_scale == 2 else 0,
         W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK,
+        xs_ptr=out if x_scale is None else x_scale,
+        stride_xsr=0 if x_scale is None else x_scale.stride(0),
+        stride_xsg=0 if x_scale is None else x_scale.stride(1),
+        X_SCALE=x_scale_mode,
         num_warps=tile.num_warps, **pdl,
     )
     return out

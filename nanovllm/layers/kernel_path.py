@@ -48,6 +48,11 @@ class KernelRoutes:
     # quantized activations through torch._scaled_mm (Qwen3-8B's four layers at 8 / 16 / 32 rows
     # 70.7 / 67.4 / 87.4 us against 123.5 / 124.2 / 120.0; at 64 rows 140 against 121.5). 0: never.
     fp8_skinny_max_rows: int = 32
+    # Past fp8_skinny_max_rows up to this many rows, FP8 layers multiply their quantized activations
+    # with the e4m3 weights in the skinny GEMM (W8A8, e4m3 wgmma) instead of torch._scaled_mm: Qwen3-8B
+    # online FP8 decode at 48 / 64 / 96 / 128 sequences 5.72 / 6.50 / 7.85 / 9.18 ms per token against
+    # 6.99 / 7.63 / 8.34 / 9.51; at 256 rows the two tie (the four layers 129 against 127 us). 0: never.
+    fp8_w8a8_skinny_max_rows: int = 128
     # The norm inside the GEMV: 0.6B batch-1 decode 0.942 vs 0.978 ms per token (-3.7%); at two
     # rows it lost (1.173 vs 1.109: the 2-row grids are larger than one wave). 0: never.
     norm_in_gemv_max_rows: int = 1
@@ -123,11 +128,13 @@ def construction_device() -> torch.device:
 @dataclass(frozen=True)
 class LinearPath:
     """A projection's kernels by rows of x [rows, in]: the GEMV up to `gemv_rows`, with the norm
-    inside up to `norm_rows`, the skinny GEMM up to `skinny_rows`, cuBLAS beyond (0: none)."""
+    inside up to `norm_rows`, the skinny GEMM up to `skinny_rows`, cuBLAS beyond (0: none); FP8
+    layers: the skinny GEMM on quantized activations (W8A8) past skinny_rows up to `w8a8_rows`."""
 
     gemv_rows: int
     norm_rows: int
     skinny_rows: int
+    w8a8_rows: int = 0
 
     def gemv_serves(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows
@@ -137,6 +144,10 @@ class LinearPath:
 
     def skinny_serves(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and self.gemv_rows < x.shape[0] <= self.skinny_rows
+
+    def w8a8_serves(self, x: torch.Tensor) -> bool:
+        """x: the activation before its quantization."""
+        return x.dim() == 2 and max(self.gemv_rows, self.skinny_rows) < x.shape[0] <= self.w8a8_rows
 
 
 def linear_path(out_features: int, in_features: int, device: torch.device, *, takes_norm: bool,
@@ -171,7 +182,10 @@ def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_co
                  <= wave)
     if fp8:  # every FP8 layer (the alternative is quantized activations through _scaled_mm)
         skinny_rows = min(routes.fp8_skinny_max_rows, SKINNY_ROWS_LIMIT)
-        return LinearPath(gemv_rows, norm_rows if norm_fits else 0, skinny_rows if skinny_rows > gemv_rows else 0)
+        skinny_rows = skinny_rows if skinny_rows > gemv_rows else 0
+        w8a8_rows = min(routes.fp8_w8a8_skinny_max_rows, SKINNY_ROWS_LIMIT)
+        return LinearPath(gemv_rows, norm_rows if norm_fits else 0, skinny_rows,
+                          w8a8_rows if w8a8_rows > max(gemv_rows, skinny_rows) else 0)
     skinny_rows = min(routes.skinny_max_rows, SKINNY_ROWS_LIMIT)
     # Narrow: the skinny GEMM's default tiling splits K at skinny_rows (few output tiles).
     narrow = (skinny_rows > gemv_rows

@@ -178,7 +178,7 @@ class _LinearBase(nn.Module):
 
             return skinny_gemm(x, self.weight, bias, weight_scale=scale)
         if self.fp8 is not None:
-            return fp8_linear(x, self.fp8, bias)
+            return fp8_linear(x, self.fp8, bias, skinny=self.path.w8a8_serves(x))
         return F.linear(x, self.weight, bias)
 
 
@@ -217,7 +217,7 @@ class ColumnParallelLinear(_LinearBase):
             from nanovllm.kernels.fused_norm import rms_norm_fp8
 
             xq, s = rms_norm_fp8(x, residual, norm.weight, norm.eps, self.fp8.row_quant())
-            return fp8_linear(xq, self.fp8, self.bias), x if s is None else s
+            return fp8_linear(xq, self.fp8, self.bias, skinny=self.path.w8a8_serves(x)), x if s is None else s
         normed, s = norm.add_and_norm(x, residual)
         return self(normed), s
 
@@ -305,5 +305,6 @@ class SiluMulRowParallelLinear(RowParallelLinear):
         if self.fp8 is not None and not self.path.skinny_serves(gate_up):  # the activation quantizes its output
             from nanovllm.kernels.fused_activation import silu_and_mul_fp8
 
-            return self._reduce(fp8_linear(silu_and_mul_fp8(gate_up, self.fp8.row_quant()), self.fp8, None))
+            return self._reduce(fp8_linear(silu_and_mul_fp8(gate_up, self.fp8.row_quant()), self.fp8, None,
+                                           skinny=self.path.w8a8_serves(gate_up)))
         return super().forward(self.act(gate_up))

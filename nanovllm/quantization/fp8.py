@@ -114,13 +114,19 @@ class Fp8Weights:
         return RowQuant(static_scale=self.input_scale)
 
 
-def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None,
+               skinny: bool = False) -> torch.Tensor:
     """x [M, K] (bf16) @ dequant(w)^T (+ bias) -> [M, N] in the compute dtype, through
     torch._scaled_mm on x quantized as `w.row_quant()` says; `x` may come quantized so already
-    (kernels/fused_norm.rms_norm_fp8, fused_activation.silu_and_mul_fp8: the same values)."""
+    (kernels/fused_norm.rms_norm_fp8, fused_activation.silu_and_mul_fp8: the same values).
+    `skinny`: the skinny GEMM's e4m3 MMAs instead (the layer's LinearPath decides)."""
     from nanovllm.kernels.fp8_quant import quantize
 
     xq = quantize(x, w.row_quant()) if isinstance(x, torch.Tensor) else x
+    if skinny:
+        from nanovllm.kernels.skinny_gemm import skinny_gemm_w8a8
+
+        return skinny_gemm_w8a8(xq, w.weight, w.scale, bias)
     if w.blocks:
         y = torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.t(), out_dtype=xq.dtype)[:xq.m]
         return y if bias is None else y + bias
