@@ -1,5 +1,6 @@
 """Triton GEMM for decode batches of a few rows (the layers use it for narrow layers at 3-16 rows,
-and for FP8 layers at 3-32 rows: W8A16, the e4m3 weights converted in registers).
+for FP8 layers at 3-32 rows as W8A16, the e4m3 weights converted in registers, and at 33-128 rows
+as W8A8, e4m3 activations x e4m3 weights in the MMAs: skinny_gemm_w8a8).
 
 A decode step's projections at a few rows are latency-bound: cuBLAS takes 5-8 us for Qwen3-0.6B's
 4 MB o_proj whatever the row count, its few large tiles leaving most SMs idle. This kernel tiles
@@ -30,7 +31,14 @@ Measured end to end (H200, bench.py --latency, 0.6B): 1.421 / 1.518 / 1.865 -> 1
 "Session of 2026-12-02 (fifth)"). Kept: >= 3% on mid-batch latency. FP8 weights (`weight_scale`)
 read half the bytes and skip the activation quantization that torch._scaled_mm needs: Qwen3-8B online
 FP8 at batch 3 / 8 / 16 / 32, 3.682 / 3.921 / 4.279 / 5.535 against 5.439 / 5.514 / 6.124 / 6.602 ms
-per token (BENCHMARKS.md, 2026-12-04 twenty-fourth session).
+per token (BENCHMARKS.md, 2026-12-04 twenty-fourth session). W8A8 at 48 / 64 / 96 / 128: 5.761 /
+6.556 / 7.759 / 9.087 against 6.999 / 7.652 / 8.417 / 9.619; the default workload with an FP8 cache
+13,313 against 12,843 tok/s (twenty-fifth session).
+
+Rows past M (a row tile's padding) wrap around to rows 0.. and are never stored. Clamped to row
+M - 1 instead, all padding rows read one row and ran slower: a 96-row W8A8 call took 8B gate_up 75.8
+us against 39.6 wrapped, 128 rows 40.1; FP8 decode at batch 4 / 8 (graphs of 8 rows, 16-row tiles)
+3.760 / 3.944 -> 3.581 / 3.761 ms per token (twenty-fifth session).
 """
 
 from __future__ import annotations
