@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from linear_refs import DTYPES, REF_TOL, near_torch, randn, rel_err
 
-from nanovllm.kernels.skinny_gemm import MAX_ROWS, SkinnyTiling, skinny_gemm, skinny_tiling
+from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+from nanovllm.kernels.skinny_plan import SkinnyTiling, skinny_tiling
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]

@@ -35,7 +35,8 @@ from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.gemv import MAX_ROWS, gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import Tiling
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from nanovllm.kernels.skinny_gemm import SkinnyTiling, skinny_gemm, skinny_tiling
+from nanovllm.kernels.skinny_gemm import skinny_gemm
+from nanovllm.kernels.skinny_plan import SkinnyTiling, skinny_tiling
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),

@@ -171,7 +171,8 @@ def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_co
     from nanovllm.kernels.gemv import MAX_NORM_ELEMS, MAX_ROWS
     from nanovllm.kernels.gemv_plan import tiling
     from nanovllm.kernels.pdl import RESIDENT_PER_SM
-    from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS_LIMIT, skinny_tiling
+    from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS_LIMIT
+    from nanovllm.kernels.skinny_plan import skinny_tiling
 
     gemv_rows = min(routes.gemv_max_rows, MAX_ROWS)
     norm_rows, wave = routes.norm_in_gemv_max_rows, sm_count * RESIDENT_PER_SM
