@@ -323,3 +323,27 @@ def test_fp8_update_weights_equals_a_fresh_engine(dense, tmp_path):
         llm.exit()
     assert before != expected
     assert after == expected
+
+
+def test_level2_sleep_keeps_static_input_scales(dense, tmp_path):
+    """sleep(level=2) discards the weights, which update_weights refills from full-precision
+    tensors; a checkpoint's static activation scales (ct-tensor's input_scale) are calibration no
+    weight gives back, so they wait on the host and return as they were (zeros before: every
+    static-scale layer then quantized its activations with a zero scale)."""
+    from nanovllm import LLM
+
+    write_fp8(dense, str(tmp_path / "fp8"), str(tmp_path / "ref"), "ct-tensor")
+    llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", num_kvcache_blocks=512, kvcache_block_size=16,
+              max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048)
+    try:
+        scales = lambda: {n: p.detach().clone() for n, p in llm.model_runner.model.named_parameters()
+                          if n.endswith("input_scale")}
+        before = scales()
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.update_weights(checkpoint_state(str(tmp_path / "ref")).items())
+        after = scales()
+    finally:
+        llm.exit()
+    assert before and all(s.gt(0).all() for s in before.values())
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)

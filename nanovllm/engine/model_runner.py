@@ -46,7 +46,7 @@ from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_k
 from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
-from nanovllm.quantization.config import quantization
+from nanovllm.quantization.config import INPUT_SCALE, quantization
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import tp_rank, tp_size
@@ -355,13 +355,19 @@ class ModelRunner:
 
     def sleep(self, level: SleepLevel) -> None:
         """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to
-        host memory; level 2: discarded, buffers to host memory), the CUDA graphs (they hold the
-        old addresses) and the penalties' counts. The engine checked that nothing is pending and
-        nothing sleeps already. Should the host copies fail (host memory), nothing has changed."""
-        params, buffers = list(self.model.parameters()), list(self.model.buffers())
-        offload = level == SleepLevel.OFFLOAD_WEIGHTS
-        self.sleeping = {WEIGHTS: FreedStorages(params + buffers if offload else buffers,
-                                                [] if offload else params, self.device),
+        host memory; level 2: discarded, buffers and static activation scales to host memory), the
+        CUDA graphs (they hold the old addresses) and the penalties' counts. The engine checked that
+        nothing is pending and nothing sleeps already. Should the host copies fail (host memory),
+        nothing has changed."""
+        named = list(self.model.named_parameters())
+        # a checkpoint's static activation scales are calibration: no weight update_weights takes
+        # gives them back, so level 2 keeps them as it keeps the buffers
+        calibration = [p for name, p in named if name.endswith(INPUT_SCALE)]
+        weights = [p for name, p in named if not name.endswith(INPUT_SCALE)]
+        kept = calibration + list(self.model.buffers())
+        if level == SleepLevel.OFFLOAD_WEIGHTS:
+            kept, weights = kept + weights, []
+        self.sleeping = {WEIGHTS: FreedStorages(kept, weights, self.device),
                          KV_CACHE: FreedStorages([], [self.kv_cache], self.device)}
         self.graphs = self.varlen_graphs = None
         self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot

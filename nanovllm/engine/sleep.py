@@ -11,7 +11,8 @@ on a storage (tied weights, the attention layers' per-layer KV views) stays as i
 storage again after waking, but at a new device address: CUDA graphs, which hold addresses, are
 dropped at sleep and captured again once nothing sleeps (ModelRunner). Woken contents: level 1's
 weights are the bytes they had; level 2's parameters are zeros (its buffers, such as RoPE tables,
-which update_weights does not refill, wait on the host as level 1's weights do); the KV cache's
+and a checkpoint's static activation scales, which update_weights does not refill, wait on the host
+as level 1's weights do); the KV cache's
 contents are undefined (the prefix cache is emptied at sleep).
 """
 
