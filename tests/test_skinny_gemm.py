@@ -240,3 +240,27 @@ def test_w8a8_matches_dequantized_operands(device, m, n, k, scales, split_k):
     out = skinny_gemm_w8a8(xq, q.to(device), s.to(device), bias.to(device), tile=tile)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert rel_err(out.cpu(), xd @ wd.T + bias.double()) < REF_TOL[torch.bfloat16]
+
+
+def test_w8a8_refuses_bad_operands():
+    """skinny_gemm_w8a8 names what is wrong: not QuantizedRows, activations not e4m3, rows past
+    what q holds, a weight of another width, scales of the other layout (all before any launch)."""
+    from test_fp8_kernels import fp8_weight
+
+    from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize
+    from nanovllm.kernels.skinny_gemm import skinny_gemm_w8a8
+
+    gen = torch.Generator().manual_seed(0)
+    q, s, _ = fp8_weight(64, 256, gen, "row")
+    xq = quantize(randn((8, 256), gen, torch.bfloat16), RowQuant())
+    with pytest.raises(TypeError, match="QuantizedRows"):
+        skinny_gemm_w8a8(xq.q, q, s)
+    with pytest.raises(TypeError, match="x must be a 2-D float8_e4m3fn"):
+        skinny_gemm_w8a8(QuantizedRows(xq.q.float(), xq.scales, 8, torch.bfloat16), q, s)
+    with pytest.raises(ValueError, match="xq.m is 9, but xq.q holds 8 rows"):
+        skinny_gemm_w8a8(QuantizedRows(xq.q, xq.scales, 9, torch.bfloat16), q, s)
+    with pytest.raises(ValueError, match="does not match weight"):
+        skinny_gemm_w8a8(xq, q[:, :128].contiguous(), s)
+    qb, sb, _ = fp8_weight(64, 256, gen, "block")
+    with pytest.raises(ValueError, match=r"xq.scales must be \[rows >= 8, 2\]"):
+        skinny_gemm_w8a8(xq, qb, sb)

@@ -109,14 +109,19 @@ def fp8_words(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def check_fp8_matrix(name: str, t) -> None:
+    """t: a 2-D float8_e4m3fn tensor whose last dim is contiguous."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name} must be a 2-D float8_e4m3fn tensor, got {getattr(t, 'dtype', type(t))} "
+                        f"{tuple(getattr(t, 'shape', ()))}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
 def check_fp8_weight(weight, scale, device: torch.device) -> None:
     """An FP8 weight [N, K] (float8_e4m3fn, last dim contiguous) and its float32 scale on
     `device`: [N] (one per row) or the block grid [ceil(N/FP8_BLOCK), ceil(K/FP8_BLOCK)]."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"an FP8 weight must be a 2-D float8_e4m3fn tensor, got {getattr(weight, 'dtype', type(weight))} "
-                        f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.stride(1) != 1 and weight.shape[1] > 1:
-        raise ValueError(f"weight must have a contiguous last dim, got strides {weight.stride()}")
+    check_fp8_matrix("an FP8 weight", weight)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise TypeError(f"weight_scale must be a float32 tensor, got {getattr(scale, 'dtype', type(scale))}")
     n, k = weight.shape
@@ -130,11 +135,15 @@ def check_fp8_weight(weight, scale, device: torch.device) -> None:
 
 
 def check_linear(kernel: str, x, weight, bias, silu_mul: bool, max_rows: int,
-                 weight_scale=None) -> tuple[int, int, int]:
+                 weight_scale=None, x_fp8: bool = False) -> tuple[int, int, int]:
     """The arguments of a linear kernel (gemv.py, skinny_gemm.py): x [M, K] (or [M, 2K] = gate | up
     with silu_mul) with 1 <= M <= max_rows, weight [N, K] of x's dtype and device (with
-    weight_scale: FP8, check_fp8_weight), bias [N] or None. Returns (M, N, K)."""
-    check_matrix("x", x)
+    weight_scale: FP8, check_fp8_weight), bias [N] or None; `x_fp8`: x is e4m3 too (W8A8).
+    Returns (M, N, K)."""
+    if x_fp8:
+        check_fp8_matrix("x", x)
+    else:
+        check_matrix("x", x)
     if weight_scale is None:
         check_matrix("weight", weight, x.dtype)
     else:

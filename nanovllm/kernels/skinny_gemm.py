@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, INTERPRET, check_fp8_weight, check_linear, check_vector, cuda_sm_count
+from .checks import FP8_BLOCK, INTERPRET, check_linear, cuda_sm_count
 from .counters import arrival_counters
 from .fp8_quant import QuantizedRows
 from .fused_norm import round_to
@@ -180,22 +180,12 @@ def skinny_gemm_w8a8(xq: QuantizedRows, weight: torch.Tensor, weight_scale: torc
     weight_scale)^T (+ bias) -> [m, N] in xq.dtype, as fp8_linear's torch._scaled_mm computes it:
     e4m3 x e4m3 MMAs, float32 sums, per-row weight scales with xq's per-token (or static) scales
     [rows, 1], block weight scales with its per-group scales [rows, K/128]."""
-    if not isinstance(xq, QuantizedRows):
+    if not isinstance(xq, QuantizedRows) or not isinstance(xq.q, torch.Tensor):
         raise TypeError(f"xq must be QuantizedRows (kernels/fp8_quant.quantize), got {type(xq).__name__}")
-    q = xq.q
-    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn or q.stride(1) != 1:
-        raise TypeError(f"xq.q must be a 2-D float8_e4m3fn tensor with a contiguous last dim, got "
-                        f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
-    if not 1 <= xq.m <= min(MAX_ROWS, q.shape[0]):
-        raise ValueError(f"skinny_gemm_w8a8 serves 1..{MAX_ROWS} rows (at most xq.q's {q.shape[0]}), got {xq.m}")
-    x = q[: xq.m]  # [m, K] e4m3; padding rows past m are not read
-    check_fp8_weight(weight, weight_scale, x.device)
-    m, k_in = x.shape
-    n_out = weight.shape[0]
-    if weight.shape[1] != k_in:
-        raise ValueError(f"xq.q {tuple(q.shape)} does not match weight {tuple(weight.shape)}")
-    if bias is not None:
-        check_vector("bias", bias, n_out, "xq.q", x)
+    x = xq.q[: xq.m]  # [m, K] e4m3; padding rows past m are not read
+    m, n_out, k_in = check_linear("skinny_gemm_w8a8", x, weight, bias, False, MAX_ROWS, weight_scale, x_fp8=True)
+    if m != xq.m:
+        raise ValueError(f"xq.m is {xq.m}, but xq.q holds {xq.q.shape[0]} rows")
     groups = triton.cdiv(k_in, FP8_BLOCK) if weight_scale.dim() == 2 else 1
     if xq.scales.dim() != 2 or xq.scales.shape[0] < m or xq.scales.shape[1] != groups:
         raise ValueError(f"xq.scales must be [rows >= {m}, {groups}] for this weight's scales, got "
