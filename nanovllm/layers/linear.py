@@ -24,7 +24,8 @@ their part's rows; or the block grid [out/128, in/128]) and, for static activati
 `input_scale` [parts]; the scales slice over ranks and parts like the weight, in rows (grids: in
 blocks). Its 1-2 row calls run the GEMV's FP8 variant, 3-32 rows (KernelRoutes.fp8_skinny_max_rows)
 the skinny GEMM's (both W8A16: activations stay 16-bit), larger ones quantization/fp8.fp8_linear
-(torch._scaled_mm, W8A8). There the RMSNorm in front (forward_normed), and the down
+(W8A8: the skinny GEMM's e4m3 MMAs up to KernelRoutes.fp8_w8a8_skinny_max_rows, torch._scaled_mm
+beyond). There the RMSNorm in front (forward_normed), and the down
 projection's SiLU-and-mul per group or with a static scale, quantize their own outputs for it (one
 kernel each, no 16-bit activation written and read back). A layer whose weights the loader
 dequantizes stays as is.
