@@ -204,9 +204,8 @@ def test_fp8_tiling_rule():
 
 
 def test_w8a8_tiling_rule():
-    """W8A8 tilings (the 8B sweeps' best at 48-512 rows): 64-row tiles of 64 columns, K split to ~2
-    programs an SM; wide layers past one row tile (8B gate_up at 96-128 rows): 128 columns, 3 stages;
-    past 192 rows 128-row tiles."""
+    """W8A8 tilings (the 8B sweep's best at 48-128 rows): 64-row tiles of 64 columns, K split to ~2
+    programs an SM; wide layers past one row tile (8B gate_up at 96-128 rows): 128 columns, 3 stages."""
     tile = lambda m, n, k: skinny_tiling(m, n, k, 132, w8a8=True)
     # 8B qkv / o / down at 48 and 128 rows: 96 / 64 / 64 column tiles a row tile
     assert [tile(48, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [2, 4, 4]
@@ -214,18 +213,10 @@ def test_w8a8_tiling_rule():
     assert (tile(48, 24576, 4096).block_n, tile(48, 24576, 4096).split_k) == (64, 1)
     wide = tile(96, 24576, 4096)
     assert (wide.block_m, wide.block_n, wide.stages, wide.split_k) == (64, 128, 3, 1)
-    # past three 64-row tiles: 128-row tiles of 8 warps, 4 deep; 128 columns for 8B qkv / gate_up at
-    # 208-256 rows, 64 with K split for o / down; 128 columns for all four past two 128-row tiles
-    at = lambda m, n, k: (lambda t: (t.block_m, t.block_n, t.num_warps, t.stages, t.split_k))(tile(m, n, k))
-    assert at(192, 6144, 4096) == (64, 128, 4, 3, 1)
-    assert [at(208, n, k) for n, k in ((6144, 4096), (24576, 4096), (4096, 4096), (4096, 12288))] == [
-        (128, 128, 8, 4, 1), (128, 128, 8, 4, 1), (128, 64, 8, 4, 2), (128, 64, 8, 4, 2)]
-    assert at(320, 4096, 12288) == (128, 128, 8, 4, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-# ragged K (300) / rows (70: two row tiles; 200: 128-row tiles of 8 warps by default)
-@pytest.mark.parametrize("m,n,k", [(40, 160, 300), (70, 128, 640), (200, 96, 256)])
+@pytest.mark.parametrize("m,n,k", [(40, 160, 300), (70, 128, 640)])  # ragged K (300) / rows (70: two row tiles)
 @pytest.mark.parametrize("scales", ["row", "block"])
 @pytest.mark.parametrize("split_k", [1, 3, None])  # None: skinny_tiling(..., w8a8=True)
 def test_w8a8_matches_dequantized_operands(device, m, n, k, scales, split_k):

@@ -61,14 +61,6 @@ W8A8_BLOCK_M = 64
 W8A8_PROGRAMS_PER_SM = 2
 W8A8_WIDE_BLOCK_N = 128
 W8A8_WIDE_STAGES = 3
-# Past this many 64-row tiles (192 rows) each weight tile serves two warpgroups: 128-row tiles, 8
-# warps, 4 steps deep, 128 columns where the grid of those holds >= 1 tile per 2 SMs (8B qkv / gate_up
-# at 208-256 rows), else 64 columns with K split as above (o / down): the four 8B layers at 208-256
-# rows 107-109 us against 118-124 on 64-row tiles (BENCHMARKS.md 2026-12-04 twenty-sixth session).
-W8A8_MAX_SHORT_ROW_TILES = 3
-W8A8_TALL_BLOCK_M = 128
-W8A8_TALL_WARPS = 8
-W8A8_TALL_STAGES = 4
 # CPU / interpreter: a small stand-in for the SM count.
 CPU_SM_COUNT = 4
 
@@ -112,14 +104,6 @@ def _w8a8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
     """The W8A8 tiling (W8A8_* constants above)."""
     row_tiles = triton.cdiv(rows, W8A8_BLOCK_M)
     programs = W8A8_PROGRAMS_PER_SM * sms
-    if row_tiles > W8A8_MAX_SHORT_ROW_TILES:
-        tall_rows = triton.cdiv(rows, W8A8_TALL_BLOCK_M)
-        if 2 * tall_rows * triton.cdiv(n_out, W8A8_WIDE_BLOCK_N) >= sms:
-            return SkinnyTiling(W8A8_TALL_BLOCK_M, W8A8_WIDE_BLOCK_N, FP8_BLOCK, W8A8_TALL_STAGES, W8A8_TALL_WARPS,
-                                pdl=True)
-        split = _split_k(programs, tall_rows * triton.cdiv(n_out, FP8_BLOCK_N), k_in, FP8_MAX_SPLIT_K)
-        return SkinnyTiling(W8A8_TALL_BLOCK_M, FP8_BLOCK_N, FP8_BLOCK, W8A8_TALL_STAGES, W8A8_TALL_WARPS, pdl=True,
-                            split_k=split)
     tiles = row_tiles * triton.cdiv(n_out, FP8_BLOCK_N)
     if row_tiles > 1 and tiles > programs:
         return SkinnyTiling(W8A8_BLOCK_M, W8A8_WIDE_BLOCK_N, FP8_BLOCK, W8A8_WIDE_STAGES, DEFAULT_WARPS, pdl=True)
