@@ -1,5 +1,5 @@
 """Triton GEMM for decode batches of a few rows (the layers use it for narrow layers at 3-16 rows,
-for FP8 layers at 3-32 rows as W8A16, the e4m3 weights converted in registers, and at 33-128 rows
+for FP8 layers at 3-32 rows as W8A16, the e4m3 weights converted in registers, and at 33-192 rows
 as W8A8, e4m3 activations x e4m3 weights in the MMAs: skinny_gemm_w8a8).
 
 A decode step's projections at a few rows are latency-bound: cuBLAS takes 5-8 us for Qwen3-0.6B's

@@ -50,10 +50,11 @@ class KernelRoutes:
     fp8_skinny_max_rows: int = 32
     # Past fp8_skinny_max_rows up to this many rows, FP8 layers multiply their quantized activations
     # with the e4m3 weights in the skinny GEMM (W8A8, e4m3 wgmma) instead of torch._scaled_mm: Qwen3-8B
-    # online FP8 decode at 48 / 64 / 96 / 128 sequences 5.76 / 6.56 / 7.76 / 9.09 ms per token against
-    # 7.00 / 7.65 / 8.42 / 9.62, the default workload 13,313 against 12,843 tok/s; at 256 rows the
-    # four layers tie (129 against 127 us). 0: never.
-    fp8_w8a8_skinny_max_rows: int = 128
+    # online FP8 decode at 48 / 64 / 96 / 128 / 160 sequences 5.76 / 6.56 / 7.76 / 9.09 / 11.43 ms per
+    # token against 7.00 / 7.65 / 8.42 / 9.62 / 12.21 (cuBLAS's FP8 GEMMs at 144-192 rows: 128-150 us
+    # for the four layers against 105 here), the default workload 13,431 against 13,208 tok/s (128
+    # rows); from 208 rows on the two tie end to end (BENCHMARKS.md, twenty-sixth session). 0: never.
+    fp8_w8a8_skinny_max_rows: int = 192
     # The norm inside the GEMV: 0.6B batch-1 decode 0.942 vs 0.978 ms per token (-3.7%); at two
     # rows it lost (1.173 vs 1.109: the 2-row grids are larger than one wave). 0: never.
     norm_in_gemv_max_rows: int = 1

@@ -9,7 +9,7 @@ CUDA matmul of a layer that holds them.
     fp8_linear(x [M, K], Fp8Weights)    -> [M, N]: x quantized per token (per 1 x 128 group for
         block weights, with the static input scale where the checkpoint has one) by
         kernels/fp8_quant.py, then torch._scaled_mm (rowwise or blockwise scales), or the skinny
-        GEMM's e4m3 MMAs where the layer's LinearPath says (33-128 rows: kernels/skinny_gemm.py)
+        GEMM's e4m3 MMAs where the layer's LinearPath says (33-192 rows: kernels/skinny_gemm.py)
 """
 
 from __future__ import annotations
