@@ -46,3 +46,32 @@ def test_graph_sizes_serve_every_batch_with_bounded_padding(max_num_seqs):
         if batch <= gemv_rows:
             assert padded == batch
     assert DecodeGraphs.padded_size(graphs, limit + 1) is None  # larger batches run eagerly
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("routes", [KernelRoutes(), KernelRoutes(skinny_max_rows=24, fp8_skinny_max_rows=40,
+                                                                  fp8_w8a8_skinny_max_rows=200)])
+def test_padded_replays_run_the_kernels_of_their_own_rows(routes, fp8):
+    """A step replayed from a graph (decode: the batch size; prefill / mixed: the token bucket)
+    runs its projections at the padded row count: the kernel each layer picks there must be the
+    one an eager step of its own rows picks (else graphs and eager steps round differently).
+    Steps under the smallest bucket (MIN_BUCKET) may take the GEMV eagerly and the skinny GEMM padded."""
+    import torch
+
+    from nanovllm.engine.varlen_graphs import MIN_BUCKET, token_buckets
+    from nanovllm.layers.kernel_path import plan_linear
+
+    path = plan_linear(4096, 4096, routes, 132, takes_norm=True, fp8=fp8)
+    limits = routes.linear_row_limits(fp8)
+
+    def kernel(rows):
+        x = torch.empty(rows, 1)
+        return (path.norm_serves(x), path.gemv_serves(x), path.skinny_serves(x), path.w8a8_serves(x))
+
+    decode = graph_batch_sizes(512, routes.gemv_max_rows, limits)
+    buckets = token_buckets(16384, limits)
+    assert (fp8 and routes.fp8_w8a8_skinny_max_rows in decode + buckets) or not fp8
+    for t in range(1, 16385):
+        padded = [next(s for s in buckets if s >= t)] if t >= MIN_BUCKET else []
+        padded += [next(s for s in decode if s >= t)] if t <= decode[-1] else []
+        assert all(kernel(p) == kernel(t) for p in padded), (t, padded)

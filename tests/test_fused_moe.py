@@ -310,7 +310,9 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     def padded(sizes, t):
         return next(s for s in sizes if s >= t)
 
-    decode, buckets = graph_batch_sizes(512, KernelRoutes().gemv_max_rows), token_buckets(16384)
+    routes = KernelRoutes()
+    limits = routes.linear_row_limits(fp8=True)  # an FP8 engine's sizes: the 16-bit ones and more
+    decode, buckets = graph_batch_sizes(512, routes.gemv_max_rows, limits), token_buckets(16384, limits)
     for e, k, h, inter in ((128, 8, 2048, 768), (32, 8, 256, 128)):
         for t in range(1, 16385):
             sizes = [padded(buckets, t)] + ([padded(decode, t)] if t <= decode[-1] else [])

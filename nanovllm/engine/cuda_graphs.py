@@ -1,6 +1,7 @@
 """Decode under CUDA graphs: one graph per batch size, sharing one memory pool.
 
-Captured sizes: 1..gemv_max_rows (KernelRoutes: 2), 8, then multiples of 16 up to min(max_num_seqs, 512). A step
+Captured sizes: 1..gemv_max_rows (KernelRoutes: 2), 8, then multiples of 16 up to min(max_num_seqs, 512),
+and the rows at which a layer switches kernels (KernelRoutes.linear_row_limits: 16, 32, 192 by default). A step
 of batch b replays the smallest graph >= b; rows past b are padding (slot -1, so
 nothing is stored; context length 0). The graph's block table is as wide as a
 sequence of max_model_len tokens, and every entry is rewritten on each replay.
@@ -30,13 +31,13 @@ PADDED_GRAPH_BATCH = 8
 GRAPH_BATCH_STEP = 16
 
 
-def graph_batch_sizes(max_num_seqs: int, gemv_max_rows: int) -> list[int]:
+def graph_batch_sizes(max_num_seqs: int, gemv_max_rows: int, row_limits: tuple[int, ...] = ()) -> list[int]:
+    """The decode graphs' batch sizes (the module docstring); `row_limits` among them, so a padded
+    replay runs the kernels of an eager step of its own rows."""
     limit = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = [b for b in range(1, gemv_max_rows + 1) if b < limit] + [min(PADDED_GRAPH_BATCH, limit)]
-    sizes += list(range(GRAPH_BATCH_STEP, limit + 1, GRAPH_BATCH_STEP))
-    if sizes[-1] < limit:
-        sizes.append(limit)
-    return sizes
+    sizes += list(range(GRAPH_BATCH_STEP, limit + 1, GRAPH_BATCH_STEP)) + [n for n in row_limits if n < limit]
+    return sorted(set(sizes + [limit]))
 
 
 class DecodeGraphs:
@@ -45,8 +46,9 @@ class DecodeGraphs:
     input buffers, so a replay costs one host-to-device copy."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, gemv_max_rows: int):
-        self.sizes = graph_batch_sizes(max_num_seqs, gemv_max_rows)
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, gemv_max_rows: int,
+                 row_limits: tuple[int, ...] = ()):
+        self.sizes = graph_batch_sizes(max_num_seqs, gemv_max_rows, row_limits)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
         cols = DECODE_COLUMNS + max_blocks_per_seq

@@ -147,12 +147,14 @@ class ModelRunner:
         if self.device.type != "cuda" or config.enforce_eager:
             return
         torch.cuda.empty_cache()  # the warm-up's activations: the graphs' pool takes their place
+        row_limits = config.kernel_routes.linear_row_limits(fp8=config.quant_config is not None)
         self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
                                    config.model_config.hidden_size, self.dtype, self.device,
-                                   config.kernel_routes.gemv_max_rows)
+                                   config.kernel_routes.gemv_max_rows, row_limits)
         if config.prefill_graphs and self.inputs.query_tile_rows is not None:
             self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
-                                              MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device)
+                                              MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device,
+                                              row_limits)
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:

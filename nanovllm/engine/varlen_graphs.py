@@ -36,16 +36,19 @@ MIN_BUCKET = 16
 COMPUTE_BOUND_TOKENS = 256
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, 128, 256, 320, 384, 448, 512, 640, ... up to max_tokens (always included)."""
+def token_buckets(max_tokens: int, row_limits: tuple[int, ...] = ()) -> list[int]:
+    """16, 32, 64, 128, 256, 320, 384, 448, 512, 640, ... up to max_tokens (always included), and
+    each of `row_limits` (the rows at which a layer switches kernels: KernelRoutes.linear_row_limits)
+    from MIN_BUCKET on, so a step replays a bucket whose layers run the kernels of an eager step of
+    its own tokens (FP8's 192: steps of 129-192 tokens replay 192, W8A8 like their eager run, not 256)."""
     sizes, p = [], MIN_BUCKET
     while p < max_tokens:
         sizes.append(p)
         if p >= COMPUTE_BOUND_TOKENS:
             sizes += [p * 5 // 4, p * 3 // 2, p * 7 // 4]
         p *= 2
-    sizes = [s for s in sizes if s < max_tokens]
-    return sizes + [max_tokens]
+    sizes += [n for n in row_limits if n >= MIN_BUCKET]
+    return sorted({s for s in sizes if s < max_tokens}) + [max_tokens]
 
 
 class VarlenGraphs:
@@ -53,11 +56,11 @@ class VarlenGraphs:
     sharing one memory pool (the graphs never run at once)."""
 
     def __init__(self, model: torch.nn.Module, builder: StepInputBuilder, max_tokens: int, max_num_seqs: int,
-                 device: torch.device):
+                 device: torch.device, row_limits: tuple[int, ...] = ()):
         if builder.query_tile_rows is None:
             raise ValueError("varlen CUDA graphs need an attention backend that takes a query-tile table")
         self.builder = builder
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = token_buckets(max_tokens, row_limits)  # row_limits: KernelRoutes.linear_row_limits
         self.layouts: dict[int, VarlenLayout] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: staging (the layout) + sampling words
         self.staging: dict[int, torch.Tensor] = {}
