@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from linear_refs import DTYPES, REF_TOL, near_torch, randn, rel_err
 
 from nanovllm.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
-from nanovllm.kernels.skinny_plan import SkinnyTiling, skinny_tiling
+from nanovllm.kernels.skinny_plan import Operands, SkinnyTiling, skinny_tiling
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -154,7 +154,7 @@ def test_fp8_weights_match_dequantized(device, dtype, m, n, k, scales, split_k):
     out = skinny_gemm(x.to(device), q.to(device), bias.to(device), tile=tile, weight_scale=s.to(device))
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out.cpu(), x.double() @ wd.T + bias.double()) < REF_TOL[dtype]
-    if split_k == 1:  # the layers' FP8 tiling (skinny_tiling(..., fp8=True): 64 columns, K split)
+    if split_k == 1:  # the layers' FP8 tiling (skinny_tiling(..., Operands.W8A16): 64 columns, K split)
         out = skinny_gemm(x.to(device), q.to(device), bias.to(device), weight_scale=s.to(device))
         assert rel_err(out.cpu(), x.double() @ wd.T + bias.double()) < REF_TOL[dtype]
 
@@ -193,7 +193,7 @@ def test_fp8_layers_take_the_skinny_gemm_past_the_gemv():
 def test_fp8_tiling_rule():
     """FP8 tilings (the 8B sweep's best at 4-32 rows): 16-row tiles up to 16 rows, 32 beyond; K
     split to ~4 programs an SM per 16 rows (at most 4); 6 stages only where K is not split."""
-    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, fp8=True)
+    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, Operands.W8A16)
     assert [(t.block_m, t.block_n, t.block_k) for t in (tile(3, 6144, 4096), tile(32, 6144, 4096))] == [
         (16, 64, 128), (32, 64, 128)]
     # 8B qkv / o / down: 96 / 64 / 64 column tiles -> 4 slices; gate_up's 384 tiles: none at 16 rows, 2 at 32
@@ -206,7 +206,7 @@ def test_fp8_tiling_rule():
 def test_w8a8_tiling_rule():
     """W8A8 tilings (the 8B sweep's best at 48-128 rows): 64-row tiles of 64 columns, K split to ~2
     programs an SM; wide layers past one row tile (8B gate_up at 96-128 rows): 128 columns, 3 stages."""
-    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, w8a8=True)
+    tile = lambda m, n, k: skinny_tiling(m, n, k, 132, Operands.W8A8)
     # 8B qkv / o / down at 48 and 128 rows: 96 / 64 / 64 column tiles a row tile
     assert [tile(48, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [2, 4, 4]
     assert [tile(128, n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [1, 2, 2]
@@ -219,7 +219,7 @@ def test_w8a8_tiling_rule():
 # ragged K (300) / rows (70: two row tiles; 190: three, the most fp8_w8a8_skinny_max_rows sends)
 @pytest.mark.parametrize("m,n,k", [(40, 160, 300), (70, 128, 640), (190, 96, 256)])
 @pytest.mark.parametrize("scales", ["row", "block"])
-@pytest.mark.parametrize("split_k", [1, 3, None])  # None: skinny_tiling(..., w8a8=True)
+@pytest.mark.parametrize("split_k", [1, 3, None])  # None: skinny_tiling(..., Operands.W8A8)
 def test_w8a8_matches_dequantized_operands(device, m, n, k, scales, split_k):
     """e4m3 activations (per token with row-scaled weights, per
     128-column group with block-scaled ones, as fp8_linear pairs them) times FP8 weights, against a

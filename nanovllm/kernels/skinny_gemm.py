@@ -52,7 +52,7 @@ from .counters import arrival_counters
 from .fp8_quant import QuantizedRows
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
-from .skinny_plan import MIN_BLOCK, SkinnyTiling, skinny_tiling
+from .skinny_plan import MIN_BLOCK, Operands, SkinnyTiling, skinny_tiling
 
 # Most rows served: past a few hundred rows cuBLAS's large tiles are efficient.
 MAX_ROWS = 512
@@ -170,7 +170,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x's dtype (W8A16)."""
     m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS, weight_scale)
     if tile is None:
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), fp8=weight_scale is not None)
+        operands = Operands.BF16 if weight_scale is None else Operands.W8A16
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), operands)
     return _launch(x, None, weight, weight_scale, bias, tile, x.dtype)
 
 
@@ -191,7 +192,7 @@ def skinny_gemm_w8a8(xq: QuantizedRows, weight: torch.Tensor, weight_scale: torc
         raise ValueError(f"xq.scales must be [rows >= {m}, {groups}] for this weight's scales, got "
                          f"{tuple(xq.scales.shape)}")
     if tile is None:
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), w8a8=True)
+        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), Operands.W8A8)
     return _launch(x, xq.scales, weight, weight_scale, bias, tile, xq.dtype)
 
 

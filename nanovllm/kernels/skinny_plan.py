@@ -6,6 +6,7 @@ e4m3 activations x FP8 weights (W8A8). Each rule's constants come from an H200 s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import triton
 
@@ -13,6 +14,14 @@ from .checks import FP8_BLOCK, prev_pow2
 
 # tl.dot needs at least 16 rows (and columns) a tile.
 MIN_BLOCK = 16
+
+
+class Operands(Enum):
+    """What the skinny GEMM multiplies: each has its own tiling rule."""
+
+    BF16 = "16-bit activations x 16-bit weights"
+    W8A16 = "16-bit activations x FP8 weights (converted in registers)"
+    W8A8 = "e4m3 activations x FP8 weights (e4m3 MMAs)"
 
 
 @dataclass(frozen=True)
@@ -65,13 +74,13 @@ W8A8_WIDE_STAGES = 3
 CPU_SM_COUNT = 4
 
 
-def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None, fp8: bool = False,
-                  w8a8: bool = False) -> SkinnyTiling:
-    """The default tiling for a rows x K @ K x n_out call on a GPU of `sms` SMs (None: CPU)."""
+def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None,
+                  operands: Operands = Operands.BF16) -> SkinnyTiling:
+    """The default tiling for a rows x K @ K x n_out call of `operands` on a GPU of `sms` SMs (None: CPU)."""
     sms = CPU_SM_COUNT if sms is None else sms
-    if w8a8:
+    if operands is Operands.W8A8:
         return _w8a8_tiling(rows, n_out, k_in, sms)
-    if fp8:
+    if operands is Operands.W8A16:
         return _fp8_tiling(rows, n_out, k_in, sms)
     block_m = MIN_BLOCK if rows <= MIN_BLOCK else 64
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, DEFAULT_BLOCK_N)
