@@ -33,7 +33,9 @@ read half the bytes and skip the activation quantization that torch._scaled_mm n
 FP8 at batch 3 / 8 / 16 / 32, 3.682 / 3.921 / 4.279 / 5.535 against 5.439 / 5.514 / 6.124 / 6.602 ms
 per token (BENCHMARKS.md, 2026-12-04 twenty-fourth session). W8A8 at 48 / 64 / 96 / 128: 5.761 /
 6.556 / 7.759 / 9.087 against 6.999 / 7.652 / 8.417 / 9.619; the default workload with an FP8 cache
-13,313 against 12,843 tok/s (twenty-fifth session).
+13,313 against 12,843 tok/s (twenty-fifth session). At 144 / 160 / 192: 10.583 / 11.425 / 12.830 against
+11.658 / 12.214 / 13.316 (cuBLAS's FP8 GEMMs are slowest there), the default workload 13,431 against
+13,208; from 208 rows on neither wins end to end (twenty-sixth session).
 
 Rows past M (a row tile's padding) wrap around to rows 0.. and are never stored. Clamped to row
 M - 1 instead, all padding rows read one row and ran slower: a 96-row W8A8 call took 8B gate_up 75.8
