@@ -61,12 +61,14 @@ def test_padded_replays_run_the_kernels_of_their_own_rows(routes, fp8):
     from nanovllm.engine.varlen_graphs import MIN_BUCKET, token_buckets
     from nanovllm.layers.kernel_path import plan_linear
 
-    path = plan_linear(4096, 4096, routes, 132, takes_norm=True, fp8=fp8)
+    # an FP8 model's layers, FP8 or left in 16 bits (modules_to_not_convert), narrow (K split) or wide
+    paths = [plan_linear(n, k, routes, 132, takes_norm=True, fp8=f) for n, k in ((4096, 4096), (1024, 2048))
+             for f in {fp8, False}]
     limits = routes.linear_row_limits(fp8)
 
     def kernel(rows):
         x = torch.empty(rows, 1)
-        return (path.norm_serves(x), path.gemv_serves(x), path.skinny_serves(x), path.w8a8_serves(x))
+        return [(p.norm_serves(x), p.gemv_serves(x), p.skinny_serves(x), p.w8a8_serves(x)) for p in paths]
 
     decode = graph_batch_sizes(512, routes.gemv_max_rows, limits)
     buckets = token_buckets(16384, limits)

@@ -1,7 +1,7 @@
 """Decode under CUDA graphs: one graph per batch size, sharing one memory pool.
 
 Captured sizes: 1..gemv_max_rows (KernelRoutes: 2), 8, then multiples of 16 up to min(max_num_seqs, 512),
-and the rows at which a layer switches kernels (KernelRoutes.linear_row_limits: 16, 32, 192 by default). A step
+and the rows at which a layer switches kernels (KernelRoutes.linear_row_limits: 16, and 32 and 192 with FP8 layers). A step
 of batch b replays the smallest graph >= b; rows past b are padding (slot -1, so
 nothing is stored; context length 0). The graph's block table is as wide as a
 sequence of max_model_len tokens, and every entry is rewritten on each replay.

@@ -84,11 +84,11 @@ class KernelRoutes:
 
     def linear_row_limits(self, fp8: bool) -> tuple[int, ...]:
         """The row counts at which a projection's kernel changes (the last row each narrower kernel
-        takes; 0s left out) for 16-bit or FP8 layers. A CUDA graph replayed at a padded row count
-        runs the kernels of its own step only if no such limit lies between the two (engine/varlen_graphs.py
-        makes its token buckets of them)."""
-        limits = (self.gemv_max_rows, self.norm_in_gemv_max_rows)
-        limits += (self.fp8_skinny_max_rows, self.fp8_w8a8_skinny_max_rows) if fp8 else (self.skinny_max_rows,)
+        takes; 0s left out) in a model of 16-bit layers, or (`fp8`) of FP8 layers beside 16-bit ones.
+        A CUDA graph replayed at a padded row count runs the kernels of its own step only if no such
+        limit lies between the two (the decode and prefill graphs' sizes hold them)."""
+        limits = (self.gemv_max_rows, self.norm_in_gemv_max_rows, self.skinny_max_rows)
+        limits += (self.fp8_skinny_max_rows, self.fp8_w8a8_skinny_max_rows) if fp8 else ()
         return tuple(sorted({n for n in limits if n > 0}))
 
     def __post_init__(self) -> None:
