@@ -102,8 +102,9 @@ def fp8_skinny_tilings(m: int) -> list[SkinnyTiling]:
 
 
 def fp8_rows_study(shapes: list[str], row_counts: list[int]) -> list[dict]:
-    """At 3-64 rows, us per call: bf16 cuBLAS and skinny GEMM; FP8 (block and row scales) through
-    fp8_linear (quantize + _scaled_mm) and the W8A16 skinny GEMM; GB/s of each side's weight bytes."""
+    """At each row count, us per call: bf16 cuBLAS and skinny GEMM; FP8 (block and row scales) through
+    fp8_linear (quantize + _scaled_mm), the W8A16 skinny GEMM and the W8A8 one (quantize included);
+    GB/s of each side's weight bytes."""
     from nanovllm.kernels.fp8_quant import quantize
     from nanovllm.kernels.skinny_gemm import skinny_gemm_w8a8
     from nanovllm.quantization.config import BLOCK
