@@ -177,6 +177,8 @@ def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
               max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=False)
     buckets = llm.model_runner.varlen_graphs.buckets
     assert 16 in buckets and 256 in buckets and buckets[-1] == 1024
+    # each bucket: a graph for mixed steps and one for steps without decode rows (these steps')
+    assert set(llm.model_runner.varlen_graphs.graphs) == {(t, mixed) for t in buckets for mixed in (True, False)}
     g = torch.Generator().manual_seed(8)
     for n in (15, 16, 17, 255, 256, 257, 1024):
         p = torch.randint(1, 384, (n,), generator=g).tolist()

@@ -70,7 +70,51 @@ def test_mixed_step_attention_kernels_match_torch_path():
     # Padded as a graph bucket: 64 tokens, 8 sequences; padding rows are never attended.
     layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
     staging = torch.from_numpy(builder.varlen_array(plan, layout))
-    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled))
+    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), decode_rows=True)
     pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
     out = attend(TRITON, padded, pad(q), pad(k), pad(v), caches)
     torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
+
+
+def _no_decode_kernel(*args, **kwargs):
+    raise AssertionError("a step without decode rows launched the decode kernel")
+
+
+def _tiled_prefill(*args, **kwargs):
+    """The prefill kernel, called with the step's query-tile table (the graphs' capturable launch)."""
+    assert kwargs.get("tile_seq") is not None and kwargs.get("out") is not None, "prefill kernel called untiled"
+    return flash_attn_varlen_func(*args, **kwargs)
+
+
+def test_prefill_step_attention_launches_no_decode_kernel():
+    """A step without decode rows (the prefill graphs' steps, engine/varlen_graphs.py) has no
+    decode_rows metadata, eager or padded to a bucket: its attention is the prefill kernel's
+    alone, over the step's query-tile table, and matches the torch path."""
+    g = torch.Generator().manual_seed(1)
+    mixed = mixed_plan(g)
+    d = mixed.num_decode
+    plan = StepPlan(StepKind.PREFILL, mixed.starts[d:], mixed.num_new_tokens[d:], mixed.token_ids[d:],
+                    mixed.block_tables[d:], sampled=mixed.sampled[d:])
+    n = plan.num_tokens
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    caches = [torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for _ in range(2)]
+    plain = StepInputBuilder(BS, CPU, WIDTH)
+    ref = attend(TORCH, plain.varlen(plan, plain.varlen_copy(plan, plain.exact_layout(plan)), None), q, k, v, caches)
+
+    prefill_only = AttentionBackend("triton", _tiled_prefill, _no_decode_kernel)
+    builder = StepInputBuilder(BS, CPU, WIDTH, query_tile_rows(D, torch.float32))
+    exact = builder.varlen(plan, builder.varlen_copy(plan, builder.exact_layout(plan)), None)
+    assert exact.meta.decode_rows is None and exact.meta.query_tiles is not None
+    torch.testing.assert_close(attend(prefill_only, exact, q, k, v, caches), ref, rtol=1e-4, atol=1e-4)
+
+    layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
+    staging = torch.from_numpy(builder.varlen_array(plan, layout))
+    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), decode_rows=False)
+    assert padded.meta.decode_rows is None
+    pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
+    out = attend(prefill_only, padded, pad(q), pad(k), pad(v), caches)
+    torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
+    # the same step padded with decode rows allowed launches the decode kernel (no rows to attend)
+    with pytest.raises(AssertionError, match="launched the decode kernel"):
+        attend(prefill_only, builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled),
+                                                   decode_rows=True), pad(q), pad(k), pad(v), caches)

@@ -153,8 +153,8 @@ class ModelRunner:
                                    config.kernel_routes.gemv_max_rows, row_limits)
         if config.prefill_graphs and self.inputs.query_tile_rows is not None:
             self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
-                                              MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs, self.device,
-                                              row_limits)
+                                              MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs,
+                                              config.model_config.hidden_size, self.dtype, self.device, row_limits)
 
     @property
     def fill_sizes(self) -> tuple[int, ...]:

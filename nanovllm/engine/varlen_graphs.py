@@ -1,8 +1,12 @@
-"""Prefill and mixed steps under CUDA graphs: one graph per token bucket.
+"""Prefill and mixed steps under CUDA graphs: two graphs per token bucket.
 
-A step of T tokens (decode rows and prefill chunks together) replays the graph of the
-smallest bucket >= T. Each bucket has its own staging buffer packed as
-`VarlenLayout(bucket, seq cap, tile cap, width)`:
+A step of T tokens (decode rows and prefill chunks together) replays a graph of the
+smallest bucket >= T: the bucket's mixed graph when the step has decode rows, else its
+prefill graph, which leaves out the decode kernel's launch. That launch is sized by the
+bucket's sequence cap (Hkv x cap programs that exit at once when there are no decode
+rows): 28 such launches cost 0.15 ms of Qwen3-0.6B's 1,000-token first token (4.03 against
+3.88 ms, BENCHMARKS.md, twenty-third session). Each bucket has its own staging buffer, packed
+as `VarlenLayout(bucket, seq cap, tile cap, width)` and read by both of its graphs:
 
     tokens:  | step's T tokens ............ | padding (slot -1, never attended) |
     seqs:    | step's sequences | empty sequences (cu_seqlens repeat their end)   |
@@ -11,7 +15,9 @@ smallest bucket >= T. Each bucket has its own staging buffer packed as
 so the whole forward, attention included, has fixed shapes and grids: the Triton
 prefill kernel walks the step's query tiles from a table (kernels/prefill_attention.py).
 A replay costs one host-to-device copy, the carried-token gather and the graph launch,
-whatever the number of layers. Steps above the largest bucket run eagerly.
+whatever the number of layers. Every graph writes its hidden states into one buffer of the
+largest bucket's rows (as the decode graphs do), so the graphs' pool holds no output per graph.
+Steps above the largest bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class VarlenGraphs:
     sharing one memory pool (the graphs never run at once)."""
 
     def __init__(self, model: torch.nn.Module, builder: StepInputBuilder, max_tokens: int, max_num_seqs: int,
-                 device: torch.device, row_limits: tuple[int, ...] = ()):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, row_limits: tuple[int, ...] = ()):
         if builder.query_tile_rows is None:
             raise ValueError("varlen CUDA graphs need an attention backend that takes a query-tile table")
         self.builder = builder
@@ -64,8 +70,9 @@ class VarlenGraphs:
         self.layouts: dict[int, VarlenLayout] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # per bucket: staging (the layout) + sampling words
         self.staging: dict[int, torch.Tensor] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # every graph's output: [max_tokens, hidden], rows [0, bucket) written by a replay
+        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, has decode rows)
         for t in self.buckets:
             seqs = min(t, max_num_seqs)
             self.layouts[t] = VarlenLayout(t, seqs, builder.tile_capacity(t, seqs), builder.table_width)
@@ -84,16 +91,20 @@ class VarlenGraphs:
                                  dtype=torch.int32, device=device)
             staging = buffer[: layout.size]
             layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
-            inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs)
-            graph = torch.cuda.CUDAGraph()
-            with attention_context(inputs.meta):
-                model(inputs.input_ids, inputs.positions)  # warm-up, also compiles
-                with torch.cuda.graph(graph, pool):
-                    hidden = model(inputs.input_ids, inputs.positions)  # [t, hidden]
-            if pool is None:
-                pool = graph.pool()
-            self.buffers[t], self.staging[t], self.hidden[t], self.graphs[t] = buffer, staging, hidden, graph
-            torch.cuda.synchronize(device)
+            for mixed in (True, False):
+                inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs,
+                                                    decode_rows=mixed)
+                graph = torch.cuda.CUDAGraph()
+                with attention_context(inputs.meta):
+                    if mixed:  # warm-up (also compiles); the prefill graph runs a subset of its kernels
+                        model(inputs.input_ids, inputs.positions)
+                    with torch.cuda.graph(graph, pool):
+                        self.hidden[:t] = model(inputs.input_ids, inputs.positions)  # [t, hidden]
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[t, mixed] = graph
+                torch.cuda.synchronize(device)
+            self.buffers[t], self.staging[t] = buffer, staging
         replay_each_once(self.graphs.values())
 
     @property
@@ -115,11 +126,11 @@ class VarlenGraphs:
         copy_into(buffer[: copy.array.shape[0]], copy.array)
         if plan.carried_rows:  # the input-id section leads the layout
             fill_carried_ids(staging[: len(plan.carried_rows)], carried_from)
-        self.graphs[bucket].replay()
+        self.graphs[bucket, plan.num_decode > 0].replay()
         sample_rows = layout.split(staging).sample_rows[: sum(plan.sampled)]
-        return self.hidden[bucket].index_select(0, sample_rows), copy.device_words(buffer)
+        return self.hidden.index_select(0, sample_rows), copy.device_words(buffer)
 
     def every_hidden(self, bucket: int) -> torch.Tensor:
-        """The last replay of `bucket`'s hidden states of every token [bucket, hidden]: the step's
-        tokens in its order, then padding; overwritten by that graph's next replay."""
-        return self.hidden[bucket]
+        """The last replay's hidden states of every token of `bucket` [bucket, hidden]: the step's
+        tokens in its order, then padding; overwritten by the next replay of any graph."""
+        return self.hidden[:bucket]

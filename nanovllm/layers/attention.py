@@ -99,26 +99,27 @@ class Attention(nn.Module):
 
     def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
-        """A prefill / mixed step. With leading decode rows (Triton backend) those go to the
-        decode kernel and the prefill chunks to the prefill kernel, both writing one output;
-        otherwise every row is a varlen chunk."""
+        """A prefill / mixed step. With a query-tile table (Triton backend) the prefill kernel
+        walks the chunks' tiles, and leading decode rows, if the step may have them, go to the
+        decode kernel, both writing one output; otherwise every row is a varlen chunk."""
         paged = meta.block_tables is not None
         if paged:
             k, v = self.k_cache, self.v_cache
         scales = self.scale_args if paged else {}  # packed k / v are this step's own, in the model's dtype
         extra = {}
-        if meta.decode_rows is not None:
-            rows = meta.decode_rows
-            cap = rows.context_lens.shape[0]
-            out = torch.empty_like(q)  # [N, Hq, D]
-            backend.flash_attn_with_kvcache(
-                q[:cap].unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=rows.context_lens,
-                block_table=meta.block_tables[:cap], softmax_scale=self.scale, causal=True,
-                num_seqs=rows.num_rows, out=out[:cap].unsqueeze(1), **self.scale_args,
-            )
+        if meta.query_tiles is not None:
             tiles = meta.query_tiles
+            out = torch.empty_like(q)  # [N, Hq, D]
             extra = {"tile_seq": tiles.tile_seq, "tile_block": tiles.tile_block, "num_tiles": tiles.num_tiles,
                      "out": out}
+            if meta.decode_rows is not None:
+                rows = meta.decode_rows
+                cap = rows.context_lens.shape[0]
+                backend.flash_attn_with_kvcache(
+                    q[:cap].unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=rows.context_lens,
+                    block_table=meta.block_tables[:cap], softmax_scale=self.scale, causal=True,
+                    num_seqs=rows.num_rows, out=out[:cap].unsqueeze(1), **self.scale_args,
+                )
         return backend.flash_attn_varlen_func(
             q, k, v,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,

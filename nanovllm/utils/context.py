@@ -22,9 +22,10 @@ class AttentionMetadata:
     Prefill / mixed (is_prefill=True): cu_seqlens_q/k `[num_seqs + 1]` int32 (cumulative
     query tokens / key tokens per sequence), max_seqlen_q/k host ints (upper bounds),
     block_tables `[num_seqs, max_blocks]` int32 when keys are read from the cache, else
-    None (keys are exactly this step's tokens). With the Triton backend a mixed step also has
-    decode_rows (its leading one-token rows, for the decode kernel) and query_tiles (the
-    prefill kernel's table of the other rows' query tiles); both None otherwise.
+    None (keys are exactly this step's tokens). With the Triton backend a prefill / mixed step
+    has query_tiles (the prefill kernel's table of its chunks' query tiles) and, when it may
+    hold decode rows, decode_rows (its leading one-token rows, for the decode kernel); other
+    backends get neither.
     Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables.
     Both: slot_mapping `[num_tokens]` (cache slot per new token; < 0 = padding, skipped).
     calibrate_kv_scales: this forward sets an FP8 cache's scales from its K/V before writing
