@@ -70,7 +70,7 @@ def test_mixed_step_attention_kernels_match_torch_path():
     # Padded as a graph bucket: 64 tokens, 8 sequences; padding rows are never attended.
     layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
     staging = torch.from_numpy(builder.varlen_array(plan, layout))
-    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), decode_rows=True)
+    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), with_decode_rows=True)
     pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
     out = attend(TRITON, padded, pad(q), pad(k), pad(v), caches)
     torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
@@ -109,7 +109,7 @@ def test_prefill_step_attention_launches_no_decode_kernel():
 
     layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
     staging = torch.from_numpy(builder.varlen_array(plan, layout))
-    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), decode_rows=False)
+    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), with_decode_rows=False)
     assert padded.meta.decode_rows is None
     pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
     out = attend(prefill_only, padded, pad(q), pad(k), pad(v), caches)
@@ -117,4 +117,4 @@ def test_prefill_step_attention_launches_no_decode_kernel():
     # the same step padded with decode rows allowed launches the decode kernel (no rows to attend)
     with pytest.raises(AssertionError, match="launched the decode kernel"):
         attend(prefill_only, builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled),
-                                                   decode_rows=True), pad(q), pad(k), pad(v), caches)
+                                                   with_decode_rows=True), pad(q), pad(k), pad(v), caches)

@@ -181,14 +181,14 @@ class StepInputBuilder:
         return flat
 
     def varlen_inputs(self, staging: torch.Tensor, layout: VarlenLayout, max_seqlen_q: int, max_seqlen_k: int,
-                      num_sampled: int, decode_rows: bool) -> StepInputs:
-        """Views of a device array packed as `layout` (see varlen_array). decode_rows: whether the
-        step may have leading decode rows; without, the attention layers launch no decode kernel."""
+                      num_sampled: int, with_decode_rows: bool) -> StepInputs:
+        """Views of a device array packed as `layout` (see varlen_array). with_decode_rows: whether
+        the step may have leading decode rows; without, the attention layers launch no decode kernel."""
         v = layout.split(staging)
         tiles = leading = None
         if layout.num_tiles:
             tiles = QueryTiles(v.tile_seq, v.tile_block, v.num_tiles)
-            if decode_rows:
+            if with_decode_rows:
                 leading = LeadingDecodeRows(v.decode_lens, v.num_decode)
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=v.slots, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
@@ -208,7 +208,7 @@ class StepInputBuilder:
         flat = to_device(copy.array, self.device)
         ends = [a + n for a, n in zip(plan.starts, plan.num_new_tokens)]
         inputs = self.varlen_inputs(flat[: layout.size], layout, max(plan.num_new_tokens), max(ends),
-                                    sum(plan.sampled), decode_rows=plan.num_decode > 0)
+                                    sum(plan.sampled), with_decode_rows=plan.num_decode > 0)
         if plan.carried_rows:
             fill_carried_ids(inputs.input_ids[: len(plan.carried_rows)], previous_tokens)
         return replace(inputs, sampling_words=copy.device_words(flat))

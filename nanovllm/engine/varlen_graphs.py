@@ -3,10 +3,10 @@
 A step of T tokens (decode rows and prefill chunks together) replays a graph of the
 smallest bucket >= T: the bucket's mixed graph when the step has decode rows, else its
 prefill graph, which leaves out the decode kernel's launch. That launch is sized by the
-bucket's sequence cap (Hkv x cap programs that exit at once when there are no decode
-rows): 28 such launches cost 0.15 ms of Qwen3-0.6B's 1,000-token first token (4.03 against
-3.88 ms, BENCHMARKS.md, twenty-third session). Each bucket has its own staging buffer, packed
-as `VarlenLayout(bucket, seq cap, tile cap, width)` and read by both of its graphs:
+bucket's sequence cap (Hkv x cap programs that exit at once when there are no decode rows):
+leaving it out took Qwen3-0.6B's 1,000-token first token from 3.65 to 3.53 ms (H200, BENCHMARKS.md,
+twenty-seventh session). Each bucket has its own staging buffer, packed as
+`VarlenLayout(bucket, seq cap, tile cap, width)` and read by both of its graphs:
 
     tokens:  | step's T tokens ............ | padding (slot -1, never attended) |
     seqs:    | step's sequences | empty sequences (cu_seqlens repeat their end)   |
@@ -93,7 +93,7 @@ class VarlenGraphs:
             layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
             for mixed in (True, False):
                 inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs,
-                                                    decode_rows=mixed)
+                                                    with_decode_rows=mixed)
                 graph = torch.cuda.CUDAGraph()
                 with attention_context(inputs.meta):
                     if mixed:  # warm-up (also compiles); the prefill graph runs a subset of its kernels
