@@ -19,8 +19,9 @@ Throughput = output tokens / wall seconds (prefill included), after one warm-up 
 lm_head counted at every prompt position. A model
 directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
 
-Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same run
-(benchmarks/harness/probes.py). What the bytes and FLOPs count, mixture-of-experts models' experts
+Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same process,
+on the idle engine before the run and again after it, each keeping its higher reading (a hot GPU reads
+lower; benchmarks/harness/probes.py, DeviceLimits.best_of). What the bytes and FLOPs count, mixture-of-experts models' experts
 included: benchmarks/harness/roofline.py's docstring. Decode-only steps are also summed by row count
 (1-8, 9-32, ...) next to the memory term's steps of as many rows, which shows the batch sizes that lose
 time. Workloads and presets: benchmarks/harness/workloads.py; the engine and transformers runs:
@@ -137,10 +138,20 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def gemm_peak(llm: LLM) -> float:
-    """The probed GEMM peak of the format the linears compute in: FP8 when the engine holds FP8
-    linears (--quantization fp8, or a checkpoint quantized so: configs/qwen3-8b-fp8)."""
-    return measure_fp8_gemm_peak() if llm.config.quant_config is not None else measure_gemm_peak()
+def probe(llm: LLM) -> tuple[float, float]:
+    """One reading of the device's limits: copy bandwidth (bytes/s) and the GEMM peak (FLOP/s) of
+    the format the linears compute in: FP8 when the engine holds FP8 linears (--quantization fp8,
+    or a checkpoint quantized so: configs/qwen3-8b-fp8). The probes' buffers are freed on return."""
+    peak = measure_fp8_gemm_peak() if llm.config.quant_config is not None else measure_gemm_peak()
+    return measure_bandwidth(), peak
+
+
+def probe_before(llm: LLM) -> tuple[float, float]:
+    """`probe` on the idle engine before a run; the run's peak memory is then counted afresh, so
+    that it holds the engine's memory and not the probes' buffers."""
+    reading = probe(llm)
+    torch.cuda.reset_peak_memory_stats()
+    return reading
 
 
 def weight_width(llm: LLM, decode_weights: int) -> float:
@@ -175,10 +186,11 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     cfg = llm.config.model_config
     w = workload_of(args)
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
+    before = probe_before(llm)
     warm_up(llm, args.sampling, w.prompt_logprobs)
     run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
-    limits = DeviceLimits(measure_bandwidth(), gemm_peak(llm), args.tp)
+    limits = DeviceLimits.best_of([before, probe(llm)], args.tp)
     widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
                         experts=experts_width(llm.model_runner.model, element_bytes(llm.config.torch_dtype)))
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
@@ -227,8 +239,9 @@ def main() -> None:
         res["decode_ms_per_token"] = latency(llm, bss, args.latency_context, args.latency_steps)
         rows += latency_rows(res["decode_ms_per_token"], args.latency_context)
     elif args.ttft:
+        before = probe_before(llm)
         times = measure_ttft(llm, [int(s) for s in args.ttft_sizes.split(",")], args.seed)
-        rows += ttft_rows(times, llm.config.model_config, gemm_peak(llm), args.tp, res)
+        rows += ttft_rows(times, llm.config.model_config, DeviceLimits.best_of([before, probe(llm)], args.tp), res)
     else:
         more, llm = throughput(args, llm, kwargs, res, decode_weights)
         rows += more

@@ -141,6 +141,21 @@ def test_roofline_picks_the_larger_term():
     assert (comp.seconds, comp.binding) == (3.0, "compute")
 
 
+def test_device_limits_keep_the_highest_reading_of_each_and_show_every_probe():
+    # A run heats the GPU: the probe after it reads lower bandwidth here and a higher GEMM peak there;
+    # each limit keeps its own highest reading, and the report's row names every reading.
+    before, after = (4.25e12, 7.93e14), (4.21e12, 8.03e14)
+    limits = DeviceLimits.best_of([before, after], gpus=2)
+    assert (limits.bandwidth, limits.gemm_peak, limits.gpus) == (4.25e12, 8.03e14, 2)
+    name, text = limits.row()
+    assert name == "HBM copy bandwidth / GEMM peak (the weights' format)"
+    assert text == ("4.25 TB/s / 803 TFLOP/s x 2 GPUs "
+                    "(the highest of the probes before and after the run: 4.25 / 793, 4.21 / 803)")
+    assert DeviceLimits(1e12, 1e15).row()[1] == "1.00 TB/s / 1000 TFLOP/s"
+    with pytest.raises(ValueError, match="at least one"):
+        DeviceLimits.best_of([], gpus=1)
+
+
 def test_percentile():
     assert percentile([4, 1, 3, 2], 50) == 2.5  # halfway between 2 and 3
     values = list(range(1, 102))  # 101 values: rank 99 of 0..100 is the value 100

@@ -20,11 +20,31 @@ Rows = list[tuple[str, str]]
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """One GPU's probed limits (benchmarks/harness/probes.py) and how many GPUs the run used."""
+    """One GPU's probed limits (benchmarks/harness/probes.py) and how many GPUs the run used;
+    `readings` holds the probes they were kept from, (bytes/s, FLOP/s) each, in the order taken."""
 
     bandwidth: float  # HBM copy bytes/s
     gemm_peak: float  # dense GEMM FLOP/s of the weights' format (bf16, or FP8 when the linears hold FP8)
     gpus: int = 1
+    readings: tuple[tuple[float, float], ...] = ()
+
+    @classmethod
+    def best_of(cls, readings: Sequence[tuple[float, float]], gpus: int) -> DeviceLimits:
+        """The highest reading of each limit. A run heats the GPU and its clocks drop: a probe taken
+        after it read up to ~5% below one taken idle (BENCHMARKS.md, twenty-seventh session), and the
+        roofline holds the engine to what the device can do, not to its slowest reading."""
+        if not readings:
+            raise ValueError("best_of needs at least one (bandwidth, gemm_peak) reading")
+        return cls(max(b for b, _ in readings), max(p for _, p in readings), gpus, tuple(readings))
+
+    def row(self) -> tuple[str, str]:
+        """The report's row: the limits kept and, when there were several, every probe's reading."""
+        per_gpu = f" x {self.gpus} GPUs" if self.gpus > 1 else ""
+        text = f"{self.bandwidth / 1e12:.2f} TB/s / {self.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"
+        if len(self.readings) > 1:
+            each = ", ".join(f"{b / 1e12:.2f} / {p / 1e12:.0f}" for b, p in self.readings)
+            text += f" (the highest of the probes before and after the run: {each})"
+        return "HBM copy bandwidth / GEMM peak (the weights' format)", text
 
 
 @dataclass(frozen=True)
@@ -92,9 +112,7 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
                matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
                roofline_s=roof.seconds, roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,
                phase_bound_s=phase_s)
-    per_gpu = f" x {limits.gpus} GPUs" if limits.gpus > 1 else ""
-    rows += [("HBM copy bandwidth / GEMM peak (the weights' format)",
-              f"{limits.bandwidth / 1e12:.2f} TB/s / {limits.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"),
+    rows += [limits.row(),
              ("memory term: KV + weights", f"{kv_bytes / 1e12:.2f} + {w_bytes / 1e12:.2f} TB = {roof.memory_s:.2f} s"),
              ("compute term: matmul + attention", f"{mm_flops / 1e15:.2f} + {attn_flops / 1e15:.2f} PFLOP "
                                                   f"= {roof.compute_s:.2f} s"),
@@ -132,7 +150,6 @@ def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
                compute_s=roof.compute_s, roofline_s=roof.seconds, roofline_binds=roof.binding,
                roofline_fraction=roof.seconds / run.wall_s)
     steps = ", ".join(f"{k} {kind}" for kind, k in sorted(run.steps_by_kind.items()))
-    per_gpu = f" x {limits.gpus} GPUs" if limits.gpus > 1 else ""
     return [("workload", f"{t.preset}: {w.num_seqs} prompts of {w.min_input}-{w.max_input} tokens, seed {w.seed}, "
                          f"prompt_logprobs={w.prompt_logprobs}, max_tokens {w.min_output}-{w.max_output}, "
                          f"temperature 0"),
@@ -142,8 +159,7 @@ def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              f"{res['step_ms']:.2f} / {res['step_host_ms']:.2f} / {res['step_wait_ms']:.2f} ms"),
             ("their graph padding", f"{run.prefill_padding:,} tokens = "
                                     f"{100 * run.prefill_padding / max(run.prefill_tokens, 1):.1f}% of their tokens"),
-            ("HBM copy bandwidth / GEMM peak (the weights' format)",
-             f"{limits.bandwidth / 1e12:.2f} TB/s / {limits.gemm_peak / 1e12:.0f} TFLOP/s{per_gpu}"),
+            limits.row(),
             ("compute term: layers + lm_head (every prompt position) + attention",
              f"{(mm_flops - head_flops) / 1e15:.3f} + {head_flops / 1e15:.3f} + {attn_flops / 1e15:.3f} PFLOP "
              f"= {roof.compute_s:.3f} s"),
@@ -198,14 +214,14 @@ def hf_rows(k: int, ours: EngineRun, ours_tokens: int, hf: HFRun, res: dict) -> 
              f"{ours_rate / theirs:.1f}x / {hf.seconds / ours.wall_s:.1f}x")]
 
 
-def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, gemm_peak: float, gpus: int, res: dict) -> Rows:
+def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, limits: DeviceLimits, res: dict) -> Rows:
     """--ttft: each prompt size's median and best time to first token, against its FLOPs at the
-    GEMM peak (of one GPU, times gpus)."""
-    res.update(gemm_peak_flops=gemm_peak, ttft={})
-    rows = [("GEMM peak (the weights' format)", f"{gemm_peak / 1e12:.0f} TFLOP/s")]
+    GEMM peak (of one GPU, times limits.gpus)."""
+    res.update(gemm_peak_flops=limits.gemm_peak, ttft={})
+    rows = [limits.row()]
     for size, ts in times.items():
         med, best = percentile(ts, 50), min(ts)
-        flop_s = prefill_flops(cfg, size) / (gpus * gemm_peak)
+        flop_s = prefill_flops(cfg, size) / (limits.gpus * limits.gemm_peak)
         res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=flop_s, median_over_flop=med / flop_s)
         rows.append((f"TTFT {size} tokens, idle: median / min; FLOP time",
                      f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * flop_s:.3f} ms (median = {med / flop_s:.1f}x)"))
