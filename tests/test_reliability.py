@@ -267,6 +267,74 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
         llm.exit()
 
 
+def samples(outputs) -> list[tuple]:
+    """Every sample of every request as (request index, sample index, token ids, text, finish reason,
+    stop reason): what must not depend on how the engine schedules."""
+    return [(i, c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason)
+            for i, o in enumerate(outputs) for c in o.outputs]
+
+
+def chosen_logprobs(outputs) -> list[float]:
+    """Each sampled token's logprob and each prompt token's, in order (float noise aside, the same
+    under every schedule: CPU float32 sums may be ordered differently in another batch)."""
+    values = []
+    for o in outputs:
+        for entry, token in zip(o.prompt_logprobs or [], o.prompt_token_ids):
+            values += [entry[token].logprob] if entry is not None else []
+        for c in o.outputs:
+            values += [entry[t].logprob for entry, t in zip(c.logprobs or [], c.token_ids)]
+    return values
+
+
+@settings(max_examples=int(os.environ.get("NANOVLLM_SOAK_EXAMPLES", "8")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data(), block_size=st.sampled_from([16, 32]), budget=st.sampled_from([8, 40, 300]),
+       max_num_seqs=st.integers(1, 6), slack_blocks=st.integers(0, 6), overlap=st.booleans(),
+       prefix_caching=st.booleans())
+def test_random_sampling_features_do_not_depend_on_the_schedule(ckpt, baseline_engine, data, block_size, budget,
+                                                                max_num_seqs, slack_blocks, overlap, prefix_caching):
+    # Seeded sampling is per request (vLLM's contract), and every sampling feature reads only its
+    # own request's tokens: chunked prompts, preemption, prefix-cache hits, overlap scheduling and
+    # the batch a request shares change none of its samples. (An FP8 cache is left out: a prompt's
+    # own keys are attended unquantized unless it is chunked or hits the prefix cache, as in vLLM.)
+    n = data.draw(st.integers(1, 6))
+    shared = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=40))
+    prompts = [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
+    params = []
+    for _ in range(n):
+        kw = dict(max_tokens=data.draw(st.integers(1, 20)), ignore_eos=data.draw(st.booleans()))
+        if data.draw(st.booleans()):  # seeded sampling, n samples each
+            kw.update(temperature=data.draw(st.sampled_from([0.7, 1.3])), seed=data.draw(st.integers(0, 10**6)),
+                      n=data.draw(st.integers(1, 3)), top_k=data.draw(st.sampled_from([0, 5])),
+                      top_p=data.draw(st.sampled_from([1.0, 0.8])))
+        else:
+            kw.update(temperature=0)
+        kw.update(repetition_penalty=data.draw(st.sampled_from([1.0, 1.3])),
+                  frequency_penalty=data.draw(st.sampled_from([0.0, 0.7])),
+                  presence_penalty=data.draw(st.sampled_from([0.0, -0.5])),
+                  min_tokens=data.draw(st.integers(0, kw["max_tokens"])),
+                  logprobs=data.draw(st.sampled_from([None, 0, 2])),
+                  prompt_logprobs=data.draw(st.sampled_from([None, 1])),
+                  stop_token_ids=data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=4)),
+                  logit_bias=data.draw(st.dictionaries(st.integers(1, VOCAB - 1), st.sampled_from([-4.0, 4.0]),
+                                                       max_size=3)) or None,
+                  stop=data.draw(st.sampled_from([[], ["e"], ["\n", "a"]])),
+                  include_stop_str_in_output=data.draw(st.booleans()))
+        params.append(SamplingParams(**kw))
+    expected = baseline_engine.generate(prompts, params, use_tqdm=False)
+    need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
+    llm = cpu_llm(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
+                  max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks, overlap_scheduling=overlap,
+                  enable_prefix_caching=prefix_caching)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert samples(got) == samples(expected)
+        assert chosen_logprobs(got) == pytest.approx(chosen_logprobs(expected), abs=1e-4)
+        assert llm.block_manager.num_free_blocks == need + slack_blocks
+    finally:
+        llm.exit()
+
+
 # ---------------------------------------------------------------- engine lifecycle
 def test_every_call_after_exit_raises_one_clear_error(ckpt):
     llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
