@@ -22,9 +22,9 @@ directory without *.safetensors (benchmarks/configs/*) is run with random weight
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same process,
 on the idle engine before the run and again after it, each keeping its higher reading (a hot GPU reads
 lower; benchmarks/harness/probes.py, DeviceLimits.best_of). What the bytes and FLOPs count,
-mixture-of-experts models' experts included: benchmarks/harness/roofline.py's docstring. Decode-only steps are also summed by row count
-(1-8, 9-32, ...) next to the memory term's steps of as many rows, which shows the batch sizes that lose
-time. Workloads and presets: benchmarks/harness/workloads.py; the engine and transformers runs:
+mixture-of-experts models' experts included: benchmarks/harness/roofline.py's docstring. Decode-only
+steps are also summed by row count (1-8, 9-32, ...) next to the memory term's steps of as many rows,
+which shows the batch sizes that lose time. Workloads and presets: benchmarks/harness/workloads.py; the engine and transformers runs:
 runs.py; the report rows: report.py. Here the command line and main. A/B runs of several
 --kernel-routes settings side by side: benchmarks/engine/variants.py (benchmarks/README.md).
 """
