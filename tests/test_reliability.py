@@ -232,6 +232,20 @@ def baseline_engine(ckpt):
 _ENGINES: dict[tuple, LLM] = {}
 
 
+def draw_prompts(data, n: int) -> list[list[int]]:
+    """n random prompts behind one random shared prefix (prefix-cache hits where caching is on)."""
+    shared = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=40))
+    return [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
+
+
+def tight_engine(ckpt, prompts, params, block_size: int, slack_blocks: int, **kwargs) -> tuple[LLM, int]:
+    """An engine whose KV cache holds barely enough blocks for the longest request, plus
+    `slack_blocks` (preemption when requests share it), and that block count."""
+    need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
+    blocks = need + slack_blocks
+    return cpu_llm(ckpt, kvcache_block_size=block_size, max_model_len=256, num_kvcache_blocks=blocks, **kwargs), blocks
+
+
 @settings(max_examples=int(os.environ.get("NANOVLLM_SOAK_EXAMPLES", "12")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
@@ -245,8 +259,7 @@ _ENGINES: dict[tuple, LLM] = {}
 def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, budget, max_num_seqs, slack_blocks,
                                        overlap):
     n = data.draw(st.integers(1, 8))
-    shared = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=40))
-    prompts = [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
+    prompts = draw_prompts(data, n)
     # Stop ids end some requests early: under overlap scheduling their last step is dropped.
     # n > 1: greedy samples that share their prompt's blocks (and lose them to preemption).
     params = [SamplingParams(temperature=0, max_tokens=data.draw(st.integers(1, 24)), ignore_eos=True,
@@ -254,14 +267,12 @@ def test_random_workloads_lose_nothing(ckpt, baseline_engine, data, block_size, 
                              n=data.draw(st.integers(1, 3)))
               for _ in range(n)]
     expected = baseline_engine.generate(prompts, params, use_tqdm=False)
-    # down to barely enough KV for the longest request
-    need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
-    llm = cpu_llm(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
-                  max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks, overlap_scheduling=overlap)
+    llm, blocks = tight_engine(ckpt, prompts, params, block_size, slack_blocks, max_num_batched_tokens=budget,
+                               max_num_seqs=max_num_seqs, overlap_scheduling=overlap)
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         assert got == expected  # every request exactly once, in input order, same tokens
-        assert llm.block_manager.num_free_blocks == need + slack_blocks
+        assert llm.block_manager.num_free_blocks == blocks
         assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
     finally:
         llm.exit()
@@ -297,11 +308,9 @@ def test_random_sampling_features_do_not_depend_on_the_schedule(ckpt, baseline_e
     # own request's tokens: chunked prompts, preemption, prefix-cache hits, overlap scheduling and
     # the batch a request shares change none of its samples. (An FP8 cache is left out: a prompt's
     # own keys are attended unquantized unless it is chunked or hits the prefix cache, as in vLLM.)
-    n = data.draw(st.integers(1, 6))
-    shared = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=40))
-    prompts = [shared + data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=50)) for _ in range(n)]
+    prompts = draw_prompts(data, data.draw(st.integers(1, 6)))
     params = []
-    for _ in range(n):
+    for _ in prompts:
         kw = dict(max_tokens=data.draw(st.integers(1, 20)), ignore_eos=data.draw(st.booleans()))
         if data.draw(st.booleans()):  # seeded sampling, n samples each
             kw.update(temperature=data.draw(st.sampled_from([0.7, 1.3])), seed=data.draw(st.integers(0, 10**6)),
@@ -322,15 +331,14 @@ def test_random_sampling_features_do_not_depend_on_the_schedule(ckpt, baseline_e
                   include_stop_str_in_output=data.draw(st.booleans()))
         params.append(SamplingParams(**kw))
     expected = baseline_engine.generate(prompts, params, use_tqdm=False)
-    need = max(-(-(len(p) + sp.max_tokens - 1) // block_size) for p, sp in zip(prompts, params))
-    llm = cpu_llm(ckpt, kvcache_block_size=block_size, max_model_len=256, max_num_batched_tokens=budget,
-                  max_num_seqs=max_num_seqs, num_kvcache_blocks=need + slack_blocks, overlap_scheduling=overlap,
-                  enable_prefix_caching=prefix_caching)
+    llm, blocks = tight_engine(ckpt, prompts, params, block_size, slack_blocks, max_num_batched_tokens=budget,
+                               max_num_seqs=max_num_seqs, overlap_scheduling=overlap,
+                               enable_prefix_caching=prefix_caching)
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         assert samples(got) == samples(expected)
         assert chosen_logprobs(got) == pytest.approx(chosen_logprobs(expected), abs=1e-4)
-        assert llm.block_manager.num_free_blocks == need + slack_blocks
+        assert llm.block_manager.num_free_blocks == blocks
     finally:
         llm.exit()
 
