@@ -150,7 +150,8 @@ SPECS = [
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
-        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_GATE_UP))])
+        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]),
+                     (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)]))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},

@@ -20,7 +20,9 @@ from test_fused_moe import QWEN3_30B, assert_close, reference_moe
 from test_moe_fp8 import MODES, WIDE_K, fp8_case, quantize_experts
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.moe.grouped_gemm import fused_moe
+from nanovllm.moe.fp8_experts import ScaleMode
 from nanovllm.moe.layer import MoeExperts
+from nanovllm.moe.tiles import DECODE_GATE_UP, plan_tiles
 from nanovllm.quantization.config import quantization, resolve_quantization
 
 FP8 = torch.float8_e4m3fn
@@ -86,6 +88,16 @@ def test_w8a8_grouped_gemm_matches_reference(mode, dtype):
     assert torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
     for row in range(1, hidden.shape[0]):
         assert_close(out[row:row + 1], ref[row:row + 1], dtype)
+
+
+def test_w8a8_decode_steps_read_whole_groups_or_256_bytes():
+    """Decode batches: W8A8 gate_up with per-channel scales steps 256 columns (256 bytes of an e4m3 row);
+    with block scales a step stays inside one 128-column activation group; bf16 / W8A16 keep theirs."""
+    for t in (1, 64, 256):
+        _, channel, _ = plan_tiles(t, 8, 128, 2048, 768, 132, w8a8=ScaleMode.CHANNEL)
+        _, block, _ = plan_tiles(t, 8, 128, 2048, 768, 132, w8a8=ScaleMode.BLOCK)
+        _, plain, _ = plan_tiles(t, 8, 128, 2048, 768, 132)
+        assert channel.block_k == 256 and GROUP % block.block_k == 0 and plain.block_k == DECODE_GATE_UP.block_k
 
 
 def test_bad_w8a8_arguments_are_named():

@@ -45,6 +45,13 @@ class MoeTiles:
 # (benchmarks/kernels/bench_moe.py --sweep; figures in BENCHMARKS.md).
 DECODE_GATE_UP = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
+# W8A8 decode gate_up with per-channel scales: 256-column steps, so each step reads 256 bytes of an e4m3
+# weight row, as DECODE_GATE_UP's 128 columns do of a bf16 one. H200, 30B-A3B experts, the whole
+# W8A8 call: 200.9 / 177.0 / 174.7 us at T = 256 / 128 / 64 against 206.4 / 181.2 / 181.2 with
+# DECODE_GATE_UP (BENCHMARKS.md, twenty-ninth session; down's steps gained under 1% and stay). Block
+# scales keep DECODE_GATE_UP: a W8A8 step must lie in one 128-column activation group.
+DECODE_W8A8_GATE_UP = {ScaleMode.CHANNEL: Tiling(block_n=64, block_k=256, num_warps=4, num_stages=3),
+                       ScaleMode.BLOCK: DECODE_GATE_UP}
 # Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
 PREFILL_GATE_UP = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -92,11 +99,11 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
 
 
 def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
-    """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8 prefill: its own,
-    by the experts' scales; decode tilings already step 128 columns)."""
+    """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8: the gate_up decode
+    tiling and the prefill tilings by the experts' scales)."""
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
-        return MoeTiles(block_m, DECODE_GATE_UP, DECODE_DOWN)
+        return MoeTiles(block_m, DECODE_GATE_UP if w8a8 is None else DECODE_W8A8_GATE_UP[w8a8], DECODE_DOWN)
     if w8a8 is not None:
         return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8])
     return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
