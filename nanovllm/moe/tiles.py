@@ -48,8 +48,9 @@ DECODE_DOWN = Tiling(block_n=64, block_k=128, num_warps=4, num_stages=3)
 # W8A8 decode gate_up with per-channel scales: 256-column steps, so each step reads 256 bytes of an e4m3
 # weight row, as DECODE_GATE_UP's 128 columns do of a bf16 one. H200, 30B-A3B experts, the whole
 # W8A8 call: 200.9 / 177.0 / 174.7 us at T = 256 / 128 / 64 against 206.4 / 181.2 / 181.2 with
-# DECODE_GATE_UP (BENCHMARKS.md, twenty-ninth session; down's steps gained under 1% and stay). Block
-# scales keep DECODE_GATE_UP: a W8A8 step must lie in one 128-column activation group.
+# DECODE_GATE_UP; the 30B-A3B FP8 + FP8 KV decode step at 256 rows 16.108 -> 15.894 ms (BENCHMARKS.md,
+# twenty-ninth session; down's steps gained under 1% and stay). Block scales keep DECODE_GATE_UP: a
+# W8A8 step must lie in one 128-column activation group.
 DECODE_W8A8_GATE_UP = {ScaleMode.CHANNEL: Tiling(block_n=64, block_k=256, num_warps=4, num_stages=3),
                        ScaleMode.BLOCK: DECODE_GATE_UP}
 # Prefill (block_m 64): compute-bound, larger output tiles per weight byte; 3 stages fit shared memory.
