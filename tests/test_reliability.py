@@ -229,9 +229,6 @@ def baseline_engine(ckpt):
     engine.exit()
 
 
-_ENGINES: dict[tuple, LLM] = {}
-
-
 def draw_prompts(data, n: int) -> list[list[int]]:
     """n random prompts behind one random shared prefix (prefix-cache hits where caching is on)."""
     shared = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=40))
