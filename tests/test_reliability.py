@@ -303,8 +303,9 @@ def test_random_sampling_features_do_not_depend_on_the_schedule(ckpt, baseline_e
                                                                 max_num_seqs, slack_blocks, overlap, prefix_caching):
     # Seeded sampling is per request (vLLM's contract), and every sampling feature reads only its
     # own request's tokens: chunked prompts, preemption, prefix-cache hits, overlap scheduling and
-    # the batch a request shares change none of its samples. (An FP8 cache is left out: a prompt's
-    # own keys are attended unquantized unless it is chunked or hits the prefix cache, as in vLLM.)
+    # the batch a request shares change none of its samples. (An FP8 cache is left out: without
+    # checkpoint scales, the first prefill step after start-up sets them from its own K / V, so the
+    # scales, and with them the outputs, depend on which tokens that step holds.)
     prompts = draw_prompts(data, data.draw(st.integers(1, 6)))
     params = []
     for _ in prompts:
