@@ -123,7 +123,8 @@ def test_activation_quantization_bit_for_bit(m, k, group):
 @pytest.mark.parametrize("kind", ["block", "row", "static"])
 def test_fp8_linear_against_dequantized_operands(n, k, m, kind):
     """torch._scaled_mm on x quantized here (per 1 x 128 group, per token, or with a static
-    scale): the float64 product of the dequantized x and weight, within bf16 output rounding."""
+    scale): the float64 product of the dequantized x and weight, within bf16 output rounding
+    (per token and static: plus the MMAs' fast accumulation)."""
     gen = torch.Generator(DEV).manual_seed(n + m)
     q, s, wd = random_fp8(n, k, gen, "block" if kind == "block" else "row")
     x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
@@ -139,7 +140,9 @@ def test_fp8_linear_against_dequantized_operands(n, k, m, kind):
         xq, xs = ref_quantize(x, None)
         xd = xq.double() * xs.double()
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
-    assert rel_err(out, xd @ wd.T + bias.double()) < REF_TOL
+    err = rel_err(out, xd @ wd.T + bias.double())
+    print(f"{kind} {m} x {n} x {k}: relative error {err:.2e}")
+    assert err < REF_TOL
 
 
 @pytest.mark.parametrize("m", [3, 256, 1000])

@@ -2,7 +2,7 @@
 (weights per row or per 128 x 128 block, with the SiLU-and-mul and RMSNorm prologues) against a
 float64 matmul on the dequantized weights, and the activation quantization against the same
 arithmetic written out in torch (bit for bit), standalone and inside the RMSNorm and SiLU-and-mul
-kernels that quantize their own outputs."""
+kernels that quantize their own outputs; fp8_linear's per-token path with a bias."""
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import Tiling, tiling
+from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 
 pytestmark = pytest.mark.interpreter
 FP8 = torch.float8_e4m3fn
@@ -139,6 +140,21 @@ def test_activation_quantization_bit_for_bit(dtype, m, k, group):
     assert not q[m:].float().any()
     if group is not None:  # column-major: torch._scaled_mm's blockwise layout
         assert s.stride() == (1, rows)
+
+
+@pytest.mark.parametrize("m", [3, 16, 40])
+def test_per_token_fp8_linear_with_bias(m):
+    """fp8_linear's per-token path (quantize, then torch._scaled_mm with rowwise scales, bias and
+    fast accumulation; on the H200 cuBLAS refused that at 3-16 rows x 12,288 columns with a bias,
+    and the promoted call serves those): the float64 product of the e4m3 operands plus the bias."""
+    gen = torch.Generator().manual_seed(m)
+    q, s, wd = fp8_weight(96, 640, gen, "row")
+    x = randn((m, 640), gen, torch.bfloat16, 3.0)
+    bias = randn((96,), gen, torch.bfloat16)
+    out = fp8_linear(x, Fp8Weights(q, s, None), bias)
+    xq, xs = ref_quantize(x, None)
+    assert out.shape == (m, 96) and out.dtype == torch.bfloat16
+    assert rel_err(out, (xq.double() * xs.double()) @ wd.T + bias.double()) < REF_TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("group", [None, 128])

@@ -48,13 +48,15 @@ def measure_gemm_peak() -> float:
 
 
 def measure_fp8_gemm_peak() -> float:
-    """Dense float8 e4m3 GEMM FLOP/s (torch._scaled_mm, per-tensor scales, bf16 out), probed like
-    measure_gemm_peak: the peak an FP8-weight engine's matmul FLOPs are held against."""
+    """Dense float8 e4m3 GEMM FLOP/s (torch._scaled_mm, per-tensor scales, bf16 out, fast
+    accumulation as the engine's rowwise FP8 matmuls run), probed like measure_gemm_peak: the peak
+    an FP8-weight engine's matmul FLOPs are held against."""
     n = GEMM_PROBE_N
     one = torch.ones((), device="cuda")
     pairs = [(torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn),
               torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()) for _ in range(GEMM_PROBE_PAIRS)]
-    seconds = _median_seconds(lambda i: torch._scaled_mm(*pairs[i % len(pairs)], one, one, out_dtype=torch.bfloat16))
+    seconds = _median_seconds(lambda i: torch._scaled_mm(*pairs[i % len(pairs)], one, one, out_dtype=torch.bfloat16,
+                                                         use_fast_accum=True))
     del pairs
     torch.cuda.empty_cache()
     return 2 * n**3 / seconds

@@ -131,5 +131,21 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tenso
     if w.blocks:
         y = torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.t(), out_dtype=xq.dtype)[:xq.m]
         return y if bias is None else y + bias
-    return torch._scaled_mm(xq.q, w.weight.t(), scale_a=xq.scales, scale_b=w.scale.view(1, -1), out_dtype=xq.dtype,
-                            bias=bias)
+    return _rowwise_scaled_mm(xq.q, w.weight.t(), xq.scales, w.scale.view(1, -1), xq.dtype, bias)
+
+
+def _rowwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch._scaled_mm with per-row / per-column scales and fast accumulation (the MMAs' own
+    accumulator, no periodic fp32 promotion), as the Triton W8A8 kernels run on sm_90 (Triton's
+    default there) and vLLM's CUTLASS FP8 schedules do: 8B / 30B-A3B layers at 384-16,384 rows take
+    0.82-0.97x the promoted time, the 8B time to first token 0.92x (H200, BENCHMARKS.md, thirtieth
+    session). cuBLAS has no such kernel for some shapes (torch 2.11: 3-16 rows x 12,288 columns,
+    CUBLAS_STATUS_NOT_SUPPORTED from its heuristic, before anything is launched); those take the
+    promoted accumulation, and an error of another cause raises again from that call. Blockwise
+    scales are refused outright, so block-scaled layers (fp8_linear) always promote."""
+    try:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, bias=bias,
+                                use_fast_accum=True)
+    except RuntimeError:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, bias=bias)
