@@ -138,9 +138,9 @@ def _rowwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
                        out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """torch._scaled_mm with per-row / per-column scales and fast accumulation (the MMAs' own
     accumulator, no periodic fp32 promotion), as the Triton W8A8 kernels run on sm_90 (Triton's
-    default there) and vLLM's CUTLASS FP8 schedules do: 8B / 30B-A3B layers at 384-16,384 rows take
-    0.82-0.97x the promoted time, the 8B time to first token 0.92x (H200, BENCHMARKS.md, thirtieth
-    session). cuBLAS has no such kernel for some shapes (torch 2.11: 3-16 rows x 12,288 columns,
+    default there) and vLLM's CUTLASS FP8 schedules do: the 8B / 30B-A3B layers at 384-16,384 rows
+    take 0.83-0.99x the promoted time (36 of 38 cases; 1.00 and 1.04x the others), the 8B time to
+    first token 0.93x (H200, BENCHMARKS.md, thirtieth session). cuBLAS has no such kernel for some shapes (torch 2.11: 3-16 rows x 12,288 columns,
     CUBLAS_STATUS_NOT_SUPPORTED from its heuristic, before anything is launched); those take the
     promoted accumulation, and an error of another cause raises again from that call. Blockwise
     scales are refused outright, so block-scaled layers (fp8_linear) always promote."""
