@@ -50,7 +50,11 @@ def test_graph_sizes_serve_every_batch_with_bounded_padding(max_num_seqs):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("routes", [KernelRoutes(), KernelRoutes(skinny_max_rows=24, fp8_skinny_max_rows=40,
-                                                                  fp8_w8a8_skinny_max_rows=200)])
+                                                                  fp8_w8a8_skinny_max_rows=200),
+                                    # past the kernels' own limits (GEMV 4 rows, skinny 512): plan_linear
+                                    # clamps them, and the clamped rows are graph sizes and buckets anyway
+                                    KernelRoutes(gemv_max_rows=6, skinny_max_rows=600, fp8_skinny_max_rows=520,
+                                                 fp8_w8a8_skinny_max_rows=700)])
 def test_padded_replays_run_the_kernels_of_their_own_rows(routes, fp8):
     """A step replayed from a graph (decode: the batch size; prefill / mixed: the token bucket)
     runs its projections at the padded row count: the kernel each layer picks there must be the
