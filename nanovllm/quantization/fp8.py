@@ -8,8 +8,9 @@ CUDA matmul of a layer that holds them.
 
     fp8_linear(x [M, K], Fp8Weights)    -> [M, N]: x quantized per token (per 1 x 128 group for
         block weights, with the static input scale where the checkpoint has one) by
-        kernels/fp8_quant.py, then torch._scaled_mm (rowwise or blockwise scales), or the skinny
-        GEMM's e4m3 MMAs where the layer's LinearPath says (33-192 rows: kernels/skinny_gemm.py)
+        kernels/fp8_quant.py, then torch._scaled_mm (rowwise scales with fast accumulation, or
+        blockwise scales), or the skinny GEMM's e4m3 MMAs where the layer's LinearPath says
+        (33-192 rows: kernels/skinny_gemm.py)
 """
 
 from __future__ import annotations
@@ -140,10 +141,11 @@ def _rowwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     accumulator, no periodic fp32 promotion), as the Triton W8A8 kernels run on sm_90 (Triton's
     default there) and vLLM's CUTLASS FP8 schedules do: the 8B / 30B-A3B layers at 384-16,384 rows
     take 0.83-0.99x the promoted time (36 of 38 cases; 1.00 and 1.04x the others), the 8B time to
-    first token 0.93x (H200, BENCHMARKS.md, thirtieth session). cuBLAS has no such kernel for some shapes (torch 2.11: 3-16 rows x 12,288 columns,
-    CUBLAS_STATUS_NOT_SUPPORTED from its heuristic, before anything is launched); those take the
-    promoted accumulation, and an error of another cause raises again from that call. Blockwise
-    scales are refused outright, so block-scaled layers (fp8_linear) always promote."""
+    first token 0.93x (H200, BENCHMARKS.md, thirtieth session). cuBLAS has no such kernel for some
+    shapes (torch 2.11: 3-16 rows x 4096 x 12,288 with a bias; CUBLAS_STATUS_NOT_SUPPORTED from its
+    heuristic, before anything is launched): those take the promoted accumulation, and an error of
+    another cause raises again from that call. Blockwise scales are refused outright, so
+    block-scaled layers (fp8_linear) always promote."""
     try:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, bias=bias,
                                 use_fast_accum=True)
