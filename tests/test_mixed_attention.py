@@ -52,28 +52,46 @@ def attend(backend: AttentionBackend, inputs, q, k, v, caches) -> torch.Tensor:
         return layer(q, k, v)
 
 
-def test_mixed_step_attention_kernels_match_torch_path():
-    g = torch.Generator().manual_seed(0)
-    plan = mixed_plan(g)
+def step_case(plan: StepPlan, g: torch.Generator):
+    """Random q, k, v for `plan`'s tokens, random K / V caches, and the torch path's output on them."""
     n = plan.num_tokens
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
     caches = [torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for _ in range(2)]
     plain = StepInputBuilder(BS, CPU, WIDTH)
     ref = attend(TORCH, plain.varlen(plan, plain.varlen_copy(plan, plain.exact_layout(plan)), None), q, k, v, caches)
+    return (q, k, v), caches, ref
+
+
+# A graph bucket: 64 tokens, 8 sequences; padding rows are never attended.
+BUCKET, BUCKET_SEQS = 64, 8
+
+
+def bucket_inputs(builder: StepInputBuilder, plan: StepPlan, with_decode_rows: bool):
+    """`plan`'s inputs padded as the BUCKET's graph reads them."""
+    layout = VarlenLayout(BUCKET, BUCKET_SEQS, builder.tile_capacity(BUCKET, BUCKET_SEQS), WIDTH)
+    staging = torch.from_numpy(builder.varlen_array(plan, layout))
+    return builder.varlen_inputs(staging, layout, BUCKET, WIDTH * BS, sum(plan.sampled),
+                                 with_decode_rows=with_decode_rows)
+
+
+def padded(qkv, g: torch.Generator) -> list[torch.Tensor]:
+    """q, k, v with random rows up to BUCKET."""
+    return [torch.cat([t, torch.randn(BUCKET - t.shape[0], *t.shape[1:], generator=g)]) for t in qkv]
+
+
+def test_mixed_step_attention_kernels_match_torch_path():
+    g = torch.Generator().manual_seed(0)
+    plan = mixed_plan(g)
+    qkv, caches, ref = step_case(plan, g)
 
     builder = StepInputBuilder(BS, CPU, WIDTH, query_tile_rows(D, torch.float32))
     exact = builder.varlen(plan, builder.varlen_copy(plan, builder.exact_layout(plan)), None)
     assert exact.meta.decode_rows is not None and int(exact.meta.decode_rows.num_rows) == 3
-    out = attend(TRITON, exact, q, k, v, caches)
+    out = attend(TRITON, exact, *qkv, caches)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
-    # Padded as a graph bucket: 64 tokens, 8 sequences; padding rows are never attended.
-    layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
-    staging = torch.from_numpy(builder.varlen_array(plan, layout))
-    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), with_decode_rows=True)
-    pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
-    out = attend(TRITON, padded, pad(q), pad(k), pad(v), caches)
-    torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
+    out = attend(TRITON, bucket_inputs(builder, plan, with_decode_rows=True), *padded(qkv, g), caches)
+    torch.testing.assert_close(out[:plan.num_tokens], ref, rtol=1e-4, atol=1e-4)
 
 
 def _no_decode_kernel(*args, **kwargs):
@@ -95,26 +113,18 @@ def test_prefill_step_attention_launches_no_decode_kernel():
     d = mixed.num_decode
     plan = StepPlan(StepKind.PREFILL, mixed.starts[d:], mixed.num_new_tokens[d:], mixed.token_ids[d:],
                     mixed.block_tables[d:], sampled=mixed.sampled[d:])
-    n = plan.num_tokens
-    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
-    caches = [torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g) for _ in range(2)]
-    plain = StepInputBuilder(BS, CPU, WIDTH)
-    ref = attend(TORCH, plain.varlen(plan, plain.varlen_copy(plan, plain.exact_layout(plan)), None), q, k, v, caches)
+    qkv, caches, ref = step_case(plan, g)
 
     prefill_only = AttentionBackend("triton", _tiled_prefill, _no_decode_kernel)
     builder = StepInputBuilder(BS, CPU, WIDTH, query_tile_rows(D, torch.float32))
     exact = builder.varlen(plan, builder.varlen_copy(plan, builder.exact_layout(plan)), None)
     assert exact.meta.decode_rows is None and exact.meta.query_tiles is not None
-    torch.testing.assert_close(attend(prefill_only, exact, q, k, v, caches), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(attend(prefill_only, exact, *qkv, caches), ref, rtol=1e-4, atol=1e-4)
 
-    layout = VarlenLayout(64, 8, builder.tile_capacity(64, 8), WIDTH)
-    staging = torch.from_numpy(builder.varlen_array(plan, layout))
-    padded = builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled), with_decode_rows=False)
-    assert padded.meta.decode_rows is None
-    pad = lambda t: torch.cat([t, torch.randn(64 - n, *t.shape[1:], generator=g)])  # noqa: E731
-    out = attend(prefill_only, padded, pad(q), pad(k), pad(v), caches)
-    torch.testing.assert_close(out[:n], ref, rtol=1e-4, atol=1e-4)
+    inputs = bucket_inputs(builder, plan, with_decode_rows=False)
+    assert inputs.meta.decode_rows is None
+    out = attend(prefill_only, inputs, *padded(qkv, g), caches)
+    torch.testing.assert_close(out[:plan.num_tokens], ref, rtol=1e-4, atol=1e-4)
     # the same step padded with decode rows allowed launches the decode kernel (no rows to attend)
     with pytest.raises(AssertionError, match="launched the decode kernel"):
-        attend(prefill_only, builder.varlen_inputs(staging, layout, 64, WIDTH * BS, sum(plan.sampled),
-                                                   with_decode_rows=True), pad(q), pad(k), pad(v), caches)
+        attend(prefill_only, bucket_inputs(builder, plan, with_decode_rows=True), *padded(qkv, g), caches)
