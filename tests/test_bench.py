@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 import bench  # noqa: E402
 from checkpoints import cpu_llm  # noqa: E402
 from benchmarks.engine import compare  # noqa: E402
+from benchmarks.engine.profile_run import kernel_group  # noqa: E402
 from benchmarks.harness import runs  # noqa: E402
 from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format  # noqa: E402
 from benchmarks.harness.report import (  # noqa: E402
@@ -76,6 +77,16 @@ def test_no_cuda_exits_with_one_line():
     assert len(lines) == 1, proc.stderr
     assert "CUDA" in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("name, group", [
+    ("_decode_split_kernel", "decode attention"), ("_decode_merge_kernel", "decode attention"),
+    ("_prefill_kernel", "prefill attention"), ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT", "GEMMs"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "GEMMs"), ("_skinny_gemm_kernel", "GEMMs"),
+    ("_rms_norm_kernel", "other kernels"), ("_qk_norm_rope_kernel", "other kernels"),
+])
+def test_profile_run_groups_kernels_by_name(name, group):
+    assert kernel_group(name) == group
 
 
 def test_decode_weights_hand_count_and_model():
