@@ -1,13 +1,13 @@
-"""Where a whole bench.py workload's device time goes: torch.profiler (CUDA) over one generate of the
+"""Where a whole bench.py workload's device time goes: torch.profiler (CUDA) over one run of the
 workload, the kernels' time summed by group (decode attention, prefill attention, GEMMs, the rest).
 
     python -m benchmarks.engine.profile_run --kv-cache-dtype fp8
     python -m benchmarks.engine.profile_run --model benchmarks/configs/qwen3-8b --quantization fp8 --kv-cache-dtype fp8
 
-The wall time is read from an unprofiled generate first (after bench.py's warm-up); the profiled one
-after it gives each group's summed kernel durations. A kernel launched early (programmatic dependent
-launch: kernels/pdl.py) counts its wait for the kernel before it in its own duration, so the sums can
-overlap and exceed the wall (H200, Qwen3-8B FP8: 9.8 s of durations in an 8.2 s run): each group's
+The wall time is read from an unprofiled run first (bench.py's prompts, sampling, warm-up and timed
+loop: benchmarks/harness/runs.run_engine); the profiled run after it gives each group's summed kernel
+durations. A kernel launched early (programmatic dependent launch: kernels/pdl.py) counts its wait for
+the kernel before it in its own duration, so the sums can overlap and exceed the wall (H200, Qwen3-8B FP8: 9.8 s of durations in an 8.2 s run): each group's
 sum is an upper bound on its own work. That still bounds what a faster kernel of one group can buy:
 e.g. a run whose decode attention read its cache at copy bandwidth would take at least
 wall - decode attention + KV bytes / bandwidth (bench.py's roofline counts the bytes).
@@ -16,17 +16,15 @@ wall - decode attention + KV bytes / bandwidth (bench.py's roofline counts the b
 from __future__ import annotations
 
 import argparse
-import time
 from collections import defaultdict
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness.engine_options import (add_format_options, add_model_options, require_cuda,
                                                resolve_load_format)
-from benchmarks.harness.runs import warm_up
-from benchmarks.harness.workloads import WORKLOAD_TEMPERATURE, WORKLOADS, workload_prefix
-from nanovllm import LLM, SamplingParams
+from benchmarks.harness.runs import run_engine, warm_up
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
+from nanovllm import LLM
 
 # Kernels listed by name under the group sums.
 TOP_KERNELS = 14
@@ -53,20 +51,13 @@ def main() -> None:
 
     load_format, weights = resolve_load_format(args.load_format, args.model)
     llm = LLM(args.model, load_format=load_format, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
-    prompts, max_tokens = workload_prefix(args.workload)
-    params = [SamplingParams(temperature=WORKLOAD_TEMPERATURE, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    warm_up(llm)
-
-    def run() -> tuple[float, int]:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    wall, tokens = run()
+    # bench.py's run: its prompts, sampling, warm-up and timed loop (run_engine checks every output's length)
+    prompts, max_tokens = make_workload(WORKLOADS[args.workload], llm.config.model_config.vocab_size)
+    warm_up(llm, WorkloadSampling())
+    wall = run_engine(llm, prompts, max_tokens).wall_s
+    tokens = sum(max_tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        profiled_wall, _ = run()
+        profiled_wall = run_engine(llm, prompts, max_tokens).wall_s
     by_kernel: dict[str, float] = defaultdict(float)  # seconds of device time
     for event in prof.key_averages():
         by_kernel[event.key] += max(event.self_device_time_total, 0) / 1e6
