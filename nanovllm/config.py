@@ -17,6 +17,7 @@ from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
+from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
 _LOAD_FORMATS = ("auto", "dummy")
@@ -205,4 +206,4 @@ class Config:
     @property
     def max_blocks_per_seq(self) -> int:
         """Block-table width that covers a sequence of max_model_len tokens."""
-        return -(-self.max_model_len // self.kvcache_block_size)
+        return cdiv(self.max_model_len, self.kvcache_block_size)

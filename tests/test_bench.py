@@ -19,30 +19,29 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import bench  # noqa: E402
-from checkpoints import cpu_llm  # noqa: E402
-from benchmarks.engine import compare  # noqa: E402
-from benchmarks.engine.profile_run import kernel_group  # noqa: E402
-from benchmarks.harness import runs  # noqa: E402
-from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format  # noqa: E402
-from benchmarks.harness.report import (  # noqa: E402
+import bench
+from checkpoints import cpu_llm
+from benchmarks.engine import compare
+from benchmarks.engine.profile_run import kernel_group
+from benchmarks.harness import runs
+from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format
+from benchmarks.harness.report import (
     DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, throughput_rows,
 )
-from benchmarks.harness.roofline import (  # noqa: E402
+from benchmarks.harness.roofline import (
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
     ByteWidths, expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
     workload_flops,
 )
-from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows  # noqa: E402
-from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload  # noqa: E402
-from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from nanovllm.layers.kernel_path import KernelRoutes  # noqa: E402
-from nanovllm.models.model_config import ModelConfig  # noqa: E402
-from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from nanovllm.models.registry import build_model  # noqa: E402
+from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.layers.kernel_path import KernelRoutes
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import build_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 # Toy shape: vocab 100, hidden 8, intermediate 16, 2 layers, 2 query heads, 1 kv head, head_dim 4.
 #   per layer: q 8x8=64, k 8x4=32, v 32, o 8x8=64, gate 8x16=128, up 128, down 128  -> 576
@@ -435,6 +434,7 @@ def test_kernel_routes_flag_builds_the_engines_routes(capsys):
     # (a row count above any batch turns it off)
     assert bench.parse_args(["--kernel-routes", "logprobs_kernel=off"]).routes == KernelRoutes(logprobs_kernel=False)
     assert parse_kernel_routes("logprobs_kernel=True, radix_min_rows=1000000") == KernelRoutes(radix_min_rows=10**6)
+    assert parse_kernel_routes("moe_fp8_mma_min_tokens=None") == KernelRoutes(moe_fp8_mma_min_tokens=None)
     for bad, reason in (("gemv_rows=1", "radix_min_rows"), ("gemv_max_rows=two", "integer"),
                         ("logprobs_kernel=2", "takes one of true"), ("logprobs_kernel=", "takes one of true"),
                         ("skinny_max_rows", "field=value"), ("gemv_max_rows=1,gemv_max_rows=2", "twice"),

@@ -3,22 +3,20 @@ out by hand for test_bench.py's 2-layer toy shape: the lm_head at every prompt p
 that every prompt got its logprobs, and the whole scoring report from a CPU engine's run with
 injected device limits."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import bench
+from benchmarks.harness import runs
+from benchmarks.harness.report import DeviceLimits, ThroughputRun, score_rows
+from benchmarks.harness.roofline import ByteWidths, decode_weight_elements, score_flops, workload_flops
+from benchmarks.harness.workloads import WORKLOADS, make_workload
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from checkpoints import cpu_llm
 
-import bench  # noqa: E402
-from checkpoints import cpu_llm  # noqa: E402
-from benchmarks.harness import runs  # noqa: E402
-from benchmarks.harness.report import DeviceLimits, ThroughputRun, score_rows  # noqa: E402
-from benchmarks.harness.roofline import ByteWidths, decode_weight_elements, score_flops, workload_flops  # noqa: E402
-from benchmarks.harness.workloads import WORKLOADS, make_workload  # noqa: E402
-from nanovllm.models.model_config import ModelConfig  # noqa: E402
-from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def toy_config() -> ModelConfig:

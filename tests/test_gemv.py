@@ -9,15 +9,14 @@ interpreter is slow.
 import pytest
 import torch
 import torch.nn.functional as F
-
 from linear_refs import DTYPES, REF_TOL, near_torch, randn, rel_err
 
-from nanovllm.kernels.checks import next_pow2
 from nanovllm.kernels.gemv import MAX_ROWS, gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import ACC_ELEMS, NARROW_TILING, TALL_TILING, WIDE_N, WIDE_TILING, Tiling, tiling
 from nanovllm.kernels.pdl import RESIDENT_PER_SM
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.utils.ints import next_pow2
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
 pytestmark = pytest.mark.interpreter

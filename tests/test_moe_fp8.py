@@ -34,7 +34,7 @@ BLOCK = 128
 MODES = ("channel", "block")
 # Steps of 256 columns: block scales per element (BLOCK_K does not divide 128).
 WIDE_K = MoeTiles(16, Tiling(64, 256, 4, 3), Tiling(64, 256, 4, 3))
-W8A16_ONLY = KernelRoutes(moe_fp8_mma_min_tokens=0)  # held FP8 experts, activations never quantized
+W8A16_ONLY = KernelRoutes(moe_fp8_mma_min_tokens=None)  # held FP8 experts, activations never quantized
 
 
 def quantize_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from test_fused_moe import QWEN3_30B, assert_close, reference_moe
 from test_moe_fp8 import MODES, WIDE_K, fp8_case, quantize_experts
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.moe.grouped_gemm import fused_moe
-from nanovllm.moe.fp8_experts import ScaleMode
+from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.tiles import DECODE_GATE_UP, plan_tiles
 from nanovllm.quantization.config import quantization, resolve_quantization
@@ -109,7 +109,7 @@ def test_bad_w8a8_arguments_are_named():
     with pytest.raises(ValueError, match="gate_up block_k=256"):
         fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True, tiles=WIDE_K)
     with pytest.raises(ValueError, match="moe_fp8_mma_min_tokens"):
-        KernelRoutes(moe_fp8_mma_min_tokens=-1)
+        KernelRoutes(moe_fp8_mma_min_tokens=0)  # from no tokens on would be always: None is never
 
 
 ONLINE = resolve_quantization("fp8", None, "test")
@@ -132,7 +132,7 @@ def fp8_layer(routes: KernelRoutes, kernels: bool, e: int = 4, h: int = 200, i: 
 @pytest.mark.interpreter
 def test_layer_routes_steps_by_size_class():
     """Steps whose size class reaches moe_fp8_mma_min_tokens run W8A8 (16 tokens: class 16; 17:
-    class 32), the others W8A16; 0 turns it off, as does running off the kernels (CPU: dequantized
+    class 32), the others W8A16; None turns it off, as does running off the kernels (CPU: dequantized
     experts) or full-precision experts."""
     experts = fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=32), kernels=True)
     assert experts.w13.dtype == FP8 and experts.fp8_mma_tokens == 32
@@ -147,7 +147,7 @@ def test_layer_routes_steps_by_size_class():
         want = fused_moe(hidden, experts.w13, experts.w2, weights, ids, act_fp8=w8a8, **scales)
         other = fused_moe(hidden, experts.w13, experts.w2, weights, ids, act_fp8=not w8a8, **scales)
         assert torch.equal(out, want) and not torch.equal(out, other)
-    assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=0), kernels=True).fp8_mma_tokens is None
+    assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=None), kernels=True).fp8_mma_tokens is None
     assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=1), kernels=False).fp8_mma_tokens is None
     with kernel_routes(KernelRoutes(moe_fp8_mma_min_tokens=1)):
         assert MoeExperts(4, 200, 136, kernels=True).fp8_mma_tokens is None  # full precision

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.engine.variants import parse_variant, side_by_side
 
-from benchmarks.engine.variants import parse_variant, side_by_side  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_specs_are_kernel_routes():

@@ -13,7 +13,7 @@ from dataclasses import fields
 import torch
 
 from nanovllm.config import KV_CACHE_DTYPES
-from nanovllm.layers.kernel_path import ON_OFF_ROUTES, KernelRoutes
+from nanovllm.layers.kernel_path import ON_OFF_ROUTES, OPTIONAL_ROUTES, KernelRoutes
 
 # The published model shapes (config.json only), found from this file so any working directory works.
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -60,10 +60,11 @@ def resolve_load_format(requested: str, model_dir: str) -> tuple[str, str]:
 
 
 def parse_kernel_routes(text: str) -> KernelRoutes:
-    """'field=value,...' over KernelRoutes' fields (integers; on / off for the on / off routes) ->
+    """'field=value,...' over KernelRoutes' fields (integers; on / off for the on / off routes; none for
+    the routes None turns off) ->
     KernelRoutes, the defaults for the rest ('' gives the defaults). Raises ValueError naming the bad
     item, or KernelRoutes' own error."""
-    values: dict[str, int | bool] = {}
+    values: dict[str, int | bool | None] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = (s.strip() for s in item.partition("="))
         if not eq or name not in ROUTE_FIELDS:
@@ -75,6 +76,8 @@ def parse_kernel_routes(text: str) -> KernelRoutes:
             if value.lower() not in ON_OFF_WORDS:
                 raise ValueError(f"kernel routes: {name} takes one of {', '.join(ON_OFF_WORDS)}, got {value!r}")
             values[name] = ON_OFF_WORDS[value.lower()]
+        elif name in OPTIONAL_ROUTES and value.lower() == "none":
+            values[name] = None
         else:
             try:
                 values[name] = int(value)

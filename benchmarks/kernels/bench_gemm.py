@@ -30,13 +30,14 @@ import torch.nn.functional as F
 
 from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.harness.timing import graph_us
-from nanovllm.kernels.checks import cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.fused_activation import silu_and_mul
 from nanovllm.kernels.gemv import MAX_ROWS, gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import Tiling
 from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from nanovllm.kernels.skinny_gemm import skinny_gemm
 from nanovllm.kernels.skinny_plan import SkinnyTiling, skinny_tiling
+from nanovllm.utils.ints import next_pow2
 
 SHAPES = {  # name: (N, K)
     "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.ints import cdiv
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
@@ -61,7 +62,7 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _take_free_block(self) -> Block:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -21,6 +21,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.prefill_plan import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
+from nanovllm.utils.ints import cdiv
 
 
 # Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
@@ -137,7 +138,7 @@ class StepInputBuilder:
         """Query tiles that any step of at most this many tokens and sequences can need."""
         if self.query_tile_rows is None:
             return 0
-        return -(-num_tokens // self.query_tile_rows) + num_seqs
+        return cdiv(num_tokens, self.query_tile_rows) + num_seqs
 
     def exact_layout(self, plan: StepPlan) -> VarlenLayout:
         n = len(plan.starts)

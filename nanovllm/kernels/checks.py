@@ -3,8 +3,11 @@ never assert) and constants. Imports torch only, never Triton: nanovllm.config r
 BLOCK_SIZE_MULTIPLE here on machines without Triton."""
 
 import os
+from enum import IntEnum
 
 import torch
+
+from nanovllm.utils.ints import cdiv
 
 # exp(x) = exp2(x * LOG2E): the kernels use exp2, which maps to one hardware instruction.
 LOG2E = 1.4426950408889634
@@ -33,6 +36,29 @@ FP8_BLOCK = 128
 # Scale floor of FP8 quantization: an all-zero row, group or block gets this scale instead of 0
 # (x / 0 would be NaN).
 FP8_MIN_SCALE = 1e-12
+# CUDA's limit on grid dims y and z: the kernels that launch sequences, head blocks, column blocks or
+# vocabulary chunks along them check against it.
+MAX_GRID_YZ = 65535
+# SM count assumed off CUDA (Triton's CPU interpreter): small, so CPU tests run several tiles, splits
+# or K slices per program.
+CPU_SM_COUNT = 2
+
+
+class ScaleMode(IntEnum):
+    """How FP8 weights carry their scales: the kernels' W_SCALE constexpr (and X_SCALE, the
+    activations' matching mode in W8A8 calls)."""
+
+    NONE = 0  # no scales: weights in the activations' dtype
+    CHANNEL = 1  # one scale per output row (per expert and row for stacked experts)
+    BLOCK = 2  # one per FP8_BLOCK x FP8_BLOCK block
+
+
+def linear_scale_mode(weight_scale: torch.Tensor | None) -> ScaleMode:
+    """The mode of a linear weight's scales (checked by check_linear): [N] per row, [N / 128, K / 128]
+    per block."""
+    if weight_scale is None:
+        return ScaleMode.NONE
+    return ScaleMode.CHANNEL if weight_scale.dim() == 1 else ScaleMode.BLOCK
 
 
 _sm_counts: dict[int, int] = {}
@@ -48,18 +74,10 @@ def cuda_sm_count(device: torch.device) -> int | None:
     return _sm_counts[idx]
 
 
-def next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (b > 0): triton.cdiv's arithmetic, for modules that must not import Triton."""
-    return -(-a // b)
-
-
-def prev_pow2(x: int) -> int:
-    """The largest power of two <= x (x >= 1); 0 for x < 1."""
-    return 1 << (x.bit_length() - 1) if x >= 1 else 0
+def sm_count(device: torch.device) -> int:
+    """The device's SM count; CPU_SM_COUNT where no CUDA device is visible (the interpreter)."""
+    sms = cuda_sm_count(device)
+    return CPU_SM_COUNT if sms is None else sms
 
 
 def check_float_dtype(name: str, t: torch.Tensor) -> None:
@@ -125,7 +143,7 @@ def check_fp8_weight(weight, scale, device: torch.device) -> None:
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise TypeError(f"weight_scale must be a float32 tensor, got {getattr(scale, 'dtype', type(scale))}")
     n, k = weight.shape
-    grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    grid = (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
     if tuple(scale.shape) not in ((n,), grid) or not scale.is_contiguous():
         raise ValueError(f"weight_scale must be contiguous, ({n},) per row or {grid} per {FP8_BLOCK}x{FP8_BLOCK} "
                          f"block of weight {tuple(weight.shape)}; got {tuple(scale.shape)} strides {scale.stride()}")

@@ -45,11 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.utils.ints import next_pow2
+
 from .checks import (INTERPRET, LOG2E, MIN_DOT_DIM, check_cache, check_fp8_words, check_gqa, check_int_tensor,
-                     check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, next_pow2)
+                     check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
 from .counters import arrival_counters
 from .decode_fp8 import attend_fp8_planes
-from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile, sm_count
+from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
 from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .checks import cuda_sm_count, next_pow2
+from nanovllm.utils.ints import next_pow2
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
 BLOCK_N = 64
@@ -29,8 +29,6 @@ FOLD_MAX_ELEMS = 8192
 # Arrival counters, one int32 per (sequence, kv head), allocated once per device and left at 0
 # by every call (the merging program resets its own). Batches needing more use the merge kernel.
 NUM_COUNTERS = 4096
-# Used when no CUDA device is visible (interpreter): a few splits to exercise the merge.
-CPU_SM_COUNT = 2
 # Loads in flight: with the block ids fetched a tile ahead (kernels/paging.py), stages - 1 K/V
 # tiles are buffered. The decode kernel's time did not move when they were (sixteenth session): at
 # 16-bit it runs near copy bandwidth.
@@ -77,12 +75,6 @@ def decode_tile(q_dtype: torch.dtype, head_dim: int, unsplit_fixed_rows: bool, p
     if unsplit_fixed_rows and pairs_per_sm < WIDE_TILE_PROGRAMS_PER_SM:
         return DecodeTile(WIDE_BLOCK_N, WIDE_STAGES)
     return DecodeTile(BLOCK_N, NUM_STAGES)
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SM count; CPU_SM_COUNT where no CUDA device is visible (the interpreter)."""
-    sms = cuda_sm_count(device)
-    return CPU_SM_COUNT if sms is None else sms
 
 
 def can_fold_merge(num_splits: int, group: int, head_dim: int, pairs: int) -> bool:

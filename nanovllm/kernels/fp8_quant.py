@@ -34,9 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.utils.ints import next_pow2
 from nanovllm.utils.validation import check_int
+
 from . import checks
-from .checks import FP8_BLOCK, check_matrix, next_pow2
+from .checks import FP8_BLOCK, check_matrix
 
 # The clamp bound and scale floor (kernels/checks.py), as constants compiled kernels can read.
 FP8_MAX = tl.constexpr(checks.FP8_MAX)

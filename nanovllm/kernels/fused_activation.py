@@ -28,15 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_matrix, next_pow2
+from nanovllm.utils.ints import next_pow2
+
+from .checks import MAX_GRID_YZ, check_matrix
 from .fp8_quant import QuantizedRows, RowQuant, quantize, quantize_tile
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
 
 # Columns per program: 1024 bf16 = 2 KB per operand, one 16-byte vector per thread at 4 warps.
 MAX_BLOCK = 1024
-# Column blocks ride grid axis 1, which CUDA caps at 65535.
-MAX_COL_BLOCKS = 65535
 NUM_WARPS = 4
 
 
@@ -124,8 +124,8 @@ def _check(x: torch.Tensor) -> int:
     if two_i < 2 or two_i % 2:
         raise ValueError(f"x last dim must be even and >= 2 (gate | up), got {two_i}")
     inter = two_i // 2
-    if triton.cdiv(inter, min(MAX_BLOCK, next_pow2(inter))) > MAX_COL_BLOCKS:
-        raise ValueError(f"x last dim {two_i} too large: needs more than {MAX_COL_BLOCKS} column blocks")
+    if triton.cdiv(inter, min(MAX_BLOCK, next_pow2(inter))) > MAX_GRID_YZ:
+        raise ValueError(f"x last dim {two_i} too large: needs more than {MAX_GRID_YZ} column blocks")
     return inter
 
 

@@ -30,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.utils.ints import next_pow2
+
 from . import checks
-from .checks import check_eps, check_matrix, check_vector, next_pow2
+from .checks import check_eps, check_matrix, check_vector
 from .fp8_quant import QuantizedRows, RowQuant, quantize_tile
 from .pdl import pdl_launch_options, wait_for_prior
 

@@ -41,8 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_cache, check_eps, check_float_dtype, check_kv_scales, check_on_device, check_vector,
-                     kv_cache_dtype, next_pow2)
+from nanovllm.utils.ints import next_pow2
+
+from .checks import (MAX_GRID_YZ, check_cache, check_eps, check_float_dtype, check_kv_scales, check_on_device,
+                     check_vector, kv_cache_dtype)
 from .fp8_kv import quantize_fp8
 from .fused_norm import round_to
 from .pdl import pdl_launch_options, wait_for_prior
@@ -51,8 +53,6 @@ from .pdl import pdl_launch_options, wait_for_prior
 MAX_HEAD_DIM = 1024
 # Target elements per program (both halves): 8 heads at D=128, ~2 KB of bf16 moved each way.
 TILE_ELEMS = 1024
-# Head blocks ride grid axis 1, which CUDA caps at 65535.
-MAX_HEAD_BLOCKS = 65535
 NUM_WARPS = 4
 
 
@@ -221,8 +221,8 @@ def _launch(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, apply_norm,
     block_half = next_pow2(d // 2)
     heads = max(1, min(next_pow2(max(hq, hkv)), TILE_ELEMS // (2 * block_half)))
     q_blocks, k_blocks = triton.cdiv(hq, heads), triton.cdiv(hkv, heads)
-    if q_blocks + k_blocks > MAX_HEAD_BLOCKS:
-        raise ValueError(f"too many heads ({hq} q + {hkv} k): {q_blocks + k_blocks} > {MAX_HEAD_BLOCKS} head blocks")
+    if q_blocks + k_blocks > MAX_GRID_YZ:
+        raise ValueError(f"too many heads ({hq} q + {hkv} k): {q_blocks + k_blocks} > {MAX_GRID_YZ} head blocks")
     if kv_write is not None:
         v, k_cache, v_cache, slot_mapping = kv_write
         block_size = check_kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

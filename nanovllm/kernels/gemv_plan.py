@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 
 import triton
 
-from .checks import FP8_BLOCK, FP8_PER_WORD, next_pow2
+from nanovllm.utils.ints import next_pow2
+
+from .checks import FP8_BLOCK, FP8_PER_WORD
 
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192

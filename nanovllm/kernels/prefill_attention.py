@@ -61,12 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INTERPRET, LOG2E, check_cache, check_gqa, check_int_tensor, check_kv_scales,
+from .checks import (INTERPRET, LOG2E, MAX_GRID_YZ, check_cache, check_gqa, check_int_tensor, check_kv_scales,
                      check_on_device, check_out, check_query, kv_cache_dtype)
 from .decode_fp8 import q_to_fp16
 from .online_softmax import online_softmax
 from .paging import tile_blocks, tile_rows
-from .prefill_plan import MAX_GRID_YZ, check_tiles, prefill_tile, tile_programs
+from .prefill_plan import check_tiles, prefill_tile, tile_programs
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checks import SUPPORTED_DTYPES, check_head_dim, check_int_tensor, check_on_device, cuda_sm_count
+from .checks import MAX_GRID_YZ, SUPPORTED_DTYPES, check_head_dim, check_int_tensor, check_on_device, sm_count
 
 # Query rows per program: 64 gives 2x more programs (better SM balance for causal tiles).
 BLOCK_M = 64
@@ -29,10 +29,6 @@ NUM_STAGES = 3
 # enough slack for the block scheduler to even out tiles of unequal key counts, while a small
 # step no longer launches cap programs per head that mostly exit at once.
 TILE_PROGRAMS_PER_SM = 4
-# SM count assumed off CUDA (interpreter): small, so CPU tests run several tiles per program.
-CPU_SM_COUNT = 2
-# CUDA limit on grid dims y and z (sequences, query tiles or table entries are launched there).
-MAX_GRID_YZ = 65535
 
 
 @dataclass(frozen=True)
@@ -56,8 +52,7 @@ def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
 def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
     """P, the programs per head of a tile-table launch: min(cap, max(1, TILE_PROGRAMS_PER_SM x SMs // Hq)).
     Shapes and device only (no tensor values), so a captured launch keeps it on every replay."""
-    sms = cuda_sm_count(device)
-    target = TILE_PROGRAMS_PER_SM * (CPU_SM_COUNT if sms is None else sms)
+    target = TILE_PROGRAMS_PER_SM * sm_count(device)
     return min(cap, max(1, target // num_heads))
 
 

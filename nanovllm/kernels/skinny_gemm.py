@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, INTERPRET, check_linear, cuda_sm_count
+from .checks import FP8_BLOCK, INTERPRET, ScaleMode, check_linear, linear_scale_mode, sm_count
 from .counters import arrival_counters
 from .fp8_quant import QuantizedRows
 from .fused_norm import round_to
@@ -173,7 +173,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, n_out, k_in = check_linear("skinny_gemm", x, weight, bias, False, MAX_ROWS, weight_scale)
     if tile is None:
         operands = Operands.BF16 if weight_scale is None else Operands.W8A16
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), operands)
+        tile = skinny_tiling(m, n_out, k_in, sm_count(x.device), operands)
     return _launch(x, None, weight, weight_scale, bias, tile, x.dtype)
 
 
@@ -194,7 +194,7 @@ def skinny_gemm_w8a8(xq: QuantizedRows, weight: torch.Tensor, weight_scale: torc
         raise ValueError(f"xq.scales must be [rows >= {m}, {groups}] for this weight's scales, got "
                          f"{tuple(xq.scales.shape)}")
     if tile is None:
-        tile = skinny_tiling(m, n_out, k_in, cuda_sm_count(x.device), Operands.W8A8)
+        tile = skinny_tiling(m, n_out, k_in, sm_count(x.device), Operands.W8A8)
     return _launch(x, xq.scales, weight, weight_scale, bias, tile, xq.dtype)
 
 
@@ -203,8 +203,8 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     """The kernel on checked operands (x [M, K], e4m3 when x_scale is given), `tile` checked here."""
     m, k_in = x.shape
     n_out = weight.shape[0]
-    w_scale = 0 if weight_scale is None else 1 if weight_scale.dim() == 1 else 2
-    x_scale_mode = 0 if x_scale is None else w_scale
+    w_scale = linear_scale_mode(weight_scale)
+    x_scale_mode = ScaleMode.NONE if x_scale is None else w_scale  # per row beside per-row weights, per group beside blocks
     if not isinstance(tile, SkinnyTiling):
         raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
     for name in ("block_m", "block_n", "block_k"):
@@ -215,7 +215,7 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         raise ValueError(f"tile.stages must be >= 1 and tile.num_warps a power of two, got {tile}")
     if tile.split_k < 1:
         raise ValueError(f"tile.split_k must be >= 1, got {tile.split_k}")
-    if w_scale == 2 and (tile.block_k != FP8_BLOCK or FP8_BLOCK % tile.block_n):
+    if w_scale == ScaleMode.BLOCK and (tile.block_k != FP8_BLOCK or FP8_BLOCK % tile.block_n):
         raise ValueError(f"block-scaled weights need tile.block_k == {FP8_BLOCK} and tile.block_n dividing it, "
                          f"got {tile}")
     out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
@@ -243,12 +243,12 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         ws_ptr=out if ws is None else ws, stride_ws=0 if ws is None else ws.stride(0),
         count_ptr=out if counters is None else counters,
         scale_ptr=out if weight_scale is None else weight_scale,
-        stride_sn=weight_scale.stride(0) if w_scale == 2 else 0,
-        W_SCALE=w_scale, SCALE_BLOCK=FP8_BLOCK,
+        stride_sn=weight_scale.stride(0) if w_scale == ScaleMode.BLOCK else 0,
+        W_SCALE=int(w_scale), SCALE_BLOCK=FP8_BLOCK,
         xs_ptr=out if x_scale is None else x_scale,
         stride_xsr=0 if x_scale is None else x_scale.stride(0),
         stride_xsg=0 if x_scale is None else x_scale.stride(1),
-        X_SCALE=x_scale_mode,
+        X_SCALE=int(x_scale_mode),
         num_warps=tile.num_warps, **pdl,
     )
     return out

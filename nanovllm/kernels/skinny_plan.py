@@ -10,7 +10,9 @@ from enum import Enum
 
 import triton
 
-from .checks import FP8_BLOCK, prev_pow2
+from nanovllm.utils.ints import prev_pow2
+
+from .checks import FP8_BLOCK
 
 # tl.dot needs at least 16 rows (and columns) a tile.
 MIN_BLOCK = 16
@@ -70,14 +72,12 @@ W8A8_BLOCK_M = 64
 W8A8_PROGRAMS_PER_SM = 2
 W8A8_WIDE_BLOCK_N = 128
 W8A8_WIDE_STAGES = 3
-# CPU / interpreter: a small stand-in for the SM count.
-CPU_SM_COUNT = 4
 
 
-def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int | None = None,
+def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int,
                   operands: Operands = Operands.BF16) -> SkinnyTiling:
-    """The default tiling for a rows x K @ K x n_out call of `operands` on a GPU of `sms` SMs (None: CPU)."""
-    sms = CPU_SM_COUNT if sms is None else sms
+    """The default tiling for a rows x K @ K x n_out call of `operands` on a device of `sms` SMs
+    (checks.sm_count: a stand-in count under the interpreter)."""
     if operands is Operands.W8A8:
         return _w8a8_tiling(rows, n_out, k_in, sms)
     if operands is Operands.W8A16:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.utils.ints import cdiv
+
 from .checks import FP8_KV_DTYPE, FP8_MAX
 
 
@@ -44,7 +46,7 @@ def _gather_paged(cache: torch.Tensor, block_row: torch.Tensor, num_tokens: int,
     """First num_tokens tokens of one sequence from a paged cache: [num_tokens, Hkv, D] in `dtype`
     (an FP8 cache's values times its scale)."""
     block_size = cache.shape[1]
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     tokens = cache[block_row[:num_blocks].long()].flatten(0, 1)[:num_tokens].to(dtype)
     return tokens if scale is None else tokens * scale.to(dtype)
 

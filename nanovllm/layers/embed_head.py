@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.ints import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,7 +21,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // self.tp_size)
+        self.shard_size = cdiv(vocab_size, self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_slice = self.weight_slice

@@ -26,9 +26,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
+from typing import get_args, get_type_hints
 
 import torch
 
+from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
 
@@ -64,8 +66,8 @@ class KernelRoutes:
     # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/tiles.size_class,
     # so an eager step and its graph replay agree) run W8A8: activations quantized per token, FP8 x FP8 MMAs.
     # 16 (the smallest class): all of them. H200 (bench_moe.py --fp8, 30B-A3B experts): W8A8 took 0.46-0.90x
-    # W8A16's time at every T measured (1-8,192), channel and block scales alike. 0: never.
-    moe_fp8_mma_min_tokens: int = 16
+    # W8A16's time at every T measured (1-8,192), channel and block scales alike. None: never.
+    moe_fp8_mma_min_tokens: int | None = 16
     # Largest top_k sampled by the Triton top-k kernel (sampling/topk_sample.py, capped at its MAX_K)
     # on batches whose every sampled row uses top-k: two launches where the threshold path's
     # softmax, torch.topk, tie count, mask and sampling passes took ~1.7 ms at 256 rows x 151,936
@@ -97,6 +99,9 @@ class KernelRoutes:
             if f.name in ON_OFF_ROUTES:
                 if not isinstance(value, bool):
                     raise TypeError(f"kernel_routes.{f.name} must be a bool, got {value!r}")
+            elif f.name in OPTIONAL_ROUTES:
+                if value is not None:
+                    check_int(f"kernel_routes.{f.name}", value, 1)
             else:
                 check_int(f"kernel_routes.{f.name}", value, 0)
         if self.norm_in_gemv_max_rows > self.gemv_max_rows:
@@ -106,6 +111,8 @@ class KernelRoutes:
 
 # The fields of KernelRoutes that turn a kernel on or off (bools); the others are row counts.
 ON_OFF_ROUTES = frozenset(f.name for f in fields(KernelRoutes) if isinstance(f.default, bool))
+# The fields of KernelRoutes that a None turns off (their 0 would read as "from no tokens on": always).
+OPTIONAL_ROUTES = frozenset(name for name, hint in get_type_hints(KernelRoutes).items() if type(None) in get_args(hint))
 
 _ROUTES: ContextVar[KernelRoutes] = ContextVar("kernel_routes", default=KernelRoutes())
 
@@ -177,12 +184,12 @@ def linear_path(out_features: int, in_features: int, device: torch.device, *, ta
 def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_count: int, *,
                 takes_norm: bool, block_scales: bool = False, fp8: bool = False) -> LinearPath:
     """`linear_path` on a CUDA device of `sm_count` SMs under `routes` (no device needed)."""
-    from nanovllm.kernels.checks import next_pow2
     from nanovllm.kernels.gemv import MAX_NORM_ELEMS, MAX_ROWS
     from nanovllm.kernels.gemv_plan import tiling
     from nanovllm.kernels.pdl import RESIDENT_PER_SM
     from nanovllm.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS_LIMIT
     from nanovllm.kernels.skinny_plan import skinny_tiling
+    from nanovllm.utils.ints import next_pow2
 
     gemv_rows = min(routes.gemv_max_rows, MAX_ROWS)
     norm_rows, wave = routes.norm_in_gemv_max_rows, sm_count * RESIDENT_PER_SM
@@ -190,7 +197,7 @@ def plan_linear(out_features: int, in_features: int, routes: KernelRoutes, sm_co
     # repeats the row's norm in too many programs) and the rows fit the prologue (MAX_NORM_ELEMS).
     norm_fits = (takes_norm and norm_rows > 0
                  and next_pow2(norm_rows) * next_pow2(in_features) <= MAX_NORM_ELEMS
-                 and -(-out_features // tiling(norm_rows, out_features, in_features, wave, block_scales, fp8).block_n)
+                 and cdiv(out_features, tiling(norm_rows, out_features, in_features, wave, block_scales, fp8).block_n)
                  <= wave)
     if fp8:  # every FP8 layer (the alternative is quantized activations through _scaled_mm)
         skinny_rows = min(routes.fp8_skinny_max_rows, SKINNY_ROWS_LIMIT)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import next_pow2
+from nanovllm.utils.ints import next_pow2
 from nanovllm.utils.validation import check_int
 
 # Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.

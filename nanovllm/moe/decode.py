@@ -52,14 +52,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, fp8_words, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode, fp8_words
 from nanovllm.kernels.fp8_kv import PER_WORD, e4m3_planes, split_planes
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
-from .checks import check_experts, check_routing
-from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
-from .routing import check_router_logits, expert_block, route_row
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
+from nanovllm.utils.ints import next_pow2
+
+from .checks import check_experts, check_routing
+from .fp8_experts import expert_scale_mode, scale_args, scales_per_step
+from .routing import check_router_logits, expert_block, route_row
 
 # Most tokens this path serves: past 2 the grouped GEMMs of moe/grouped_gemm.py read each picked
 # expert once for all its tokens, where this path reads it once per (token, slot).

@@ -16,20 +16,11 @@ A kernel takes the mode as a constexpr (its int value): NONE compiles exactly th
 
 from __future__ import annotations
 
-from enum import IntEnum
-
 import torch
 
-from nanovllm.kernels.checks import FP8_BLOCK, cdiv
+from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode
 from nanovllm.quantization.config import FP8_DTYPE
-
-
-class ScaleMode(IntEnum):
-    """The kernels' W_SCALE constexpr."""
-
-    NONE = 0
-    CHANNEL = 1
-    BLOCK = 2
+from nanovllm.utils.ints import cdiv
 
 
 def scale_shapes(mode: ScaleMode, experts: int, inter: int, hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -49,13 +49,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, cuda_sm_count, next_pow2
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, ScaleMode, cuda_sm_count
 from nanovllm.kernels.fp8_quant import quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
+from nanovllm.utils.ints import next_pow2
+
 from .align import MoeAlignment, moe_align
 from .checks import check_experts, check_routing
-from .fp8_experts import ScaleMode, expert_scale_mode, scale_args, scales_per_step
+from .fp8_experts import expert_scale_mode, scale_args, scales_per_step
 from .tiles import MoeTiles, Tiling, plan_tiles
 
 # Columns a program of the slot sum adds up (K rows of them): 8 x 1024 float32 is 64 registers a

@@ -46,14 +46,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.checks import FP8_BLOCK
+from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode
 from nanovllm.layers.kernel_path import construction_device, current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.moe.checkpoint_names import DOWN_PROJ, FUSED_DOWN, FUSED_GATE_UP, GATE_PROJ, UP_PROJ
-from nanovllm.moe.fp8_experts import ScaleMode, scale_shapes
+from nanovllm.moe.fp8_experts import scale_shapes
 from nanovllm.quantization.config import BLOCK, FP8_DTYPE, expert_quant
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +133,7 @@ class MoeExperts(nn.Module):
 
             self.gemv_tokens = min(current_routes().moe_gemv_max_tokens, MAX_TOKENS)
         # Grouped-GEMM steps whose size class reaches this run W8A8 (held FP8 experts; None: never).
-        self.fp8_mma_tokens = (current_routes().moe_fp8_mma_min_tokens or None) if held and self.use_triton else None
+        self.fp8_mma_tokens = current_routes().moe_fp8_mma_min_tokens if held and self.use_triton else None
 
     def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
@@ -195,7 +196,7 @@ class MoeExperts(nn.Module):
                 return param.data[expert], loaded
             offset = 0 if proj == GATE_PROJ else local
             return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
-        grid_h, grid_i = -(-H // FP8_BLOCK), -(-I // FP8_BLOCK)
+        grid_h, grid_i = cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK)
         if proj == DOWN_PROJ:
             _check_shape(what, (grid_h, grid_i), loaded)
             return param.data[expert], loaded.narrow(1, start, rows)

@@ -19,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
-from .align import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE
+from nanovllm.kernels.checks import check_float_dtype
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
+from nanovllm.utils.ints import next_pow2
+
+from .align import MAX_EXPERTS  # expert rows live in one register tile: past this they crowd out
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)

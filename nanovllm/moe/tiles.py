@@ -8,9 +8,10 @@ from dataclasses import dataclass, replace
 
 import triton
 
-from nanovllm.kernels.checks import next_pow2
+from nanovllm.kernels.checks import ScaleMode
+from nanovllm.utils.ints import next_pow2
+
 from .align import aligned_blocks
-from .fp8_experts import ScaleMode
 
 # Block heights: tl.dot needs >= 16 rows. A block is one expert's pairs, so the smallest height
 # that holds most experts' pairs whole reads each selected expert's weights once per N tile.

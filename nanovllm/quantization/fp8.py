@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE, cdiv
+from nanovllm.kernels.checks import FP8_BLOCK, FP8_MAX, FP8_MIN_SCALE
 from nanovllm.quantization.config import BLOCK, CHANNEL, FP8_DTYPE, TENSOR
+from nanovllm.utils.ints import cdiv
 
 if TYPE_CHECKING:  # the kernels import Triton, which config-only imports must not pull in
     from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant

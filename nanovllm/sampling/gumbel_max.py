@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.checks import MAX_GRID_YZ
 from nanovllm.utils.validation import check_int
 
 from .gumbel_torch import SUB, TILE, UNIFORM_BITS, check_gumbel_args
@@ -40,8 +41,6 @@ from .gumbel_torch import SUB, TILE, UNIFORM_BITS, check_gumbel_args
 # Tiles per program: 4096 columns, ~37 programs per row at Qwen3's 151,936-token vocabulary.
 TILES_PER_CHUNK = 4
 NUM_WARPS = 4
-# Chunks ride grid axis 1, which CUDA caps at 65535.
-MAX_CHUNKS = 65535
 # A uniform keeps a Philox word's top UNIFORM_BITS bits (a float32 mantissa: exact).
 _WORD_SHIFT = tl.constexpr(32 - UNIFORM_BITS)
 _UNIFORM_SCALE = tl.constexpr(1.0 / 2**UNIFORM_BITS)
@@ -141,8 +140,8 @@ def gumbel_sample(x: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tenso
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     num_chunks = triton.cdiv(vocab, TILE * tiles_per_chunk)
-    if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
+    if num_chunks > MAX_GRID_YZ:
+        raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_GRID_YZ})")
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     best_col = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     _gumbel_sample_kernel[(rows, num_chunks)](

@@ -43,8 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype, next_pow2
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE
+from nanovllm.kernels.checks import MAX_GRID_YZ, check_float_dtype
 from nanovllm.sampling.row_logprobs import RowLogprobs
+from nanovllm.utils.ints import next_pow2
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
@@ -60,8 +62,6 @@ NUM_WARPS = 4
 # Columns per group: one 64-byte bf16 run, so a reloaded group is two full 32-byte sectors and
 # the group max is mostly in-thread; G = BLOCK / GROUP = 128 group maxima enter the K rounds.
 GROUP = 32
-# Chunks ride grid axis 1, which CUDA caps at 65535.
-MAX_CHUNKS = 65535
 # 32-bit words of workspace per (row, chunk) for its statistics (m, s, n, one unused: two int64 slots).
 STATS = tl.constexpr(4)
 
@@ -220,8 +220,8 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
         if t is not None and t.device != dev:
             raise ValueError(f"{name} is on {t.device}, logits on {dev}")
     num_chunks = triton.cdiv(vocab, block)
-    if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
+    if num_chunks > MAX_GRID_YZ:
+        raise ValueError(f"vocab {vocab} needs {num_chunks} chunks, more than the grid allows ({MAX_GRID_YZ})")
     r = batch if rows is None else rows.shape[0]
     chosen = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
     ranks = torch.empty(r, dtype=torch.int64, device=dev)  # [R]

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.checks import MAX_GRID_YZ
+
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 16 values a thread.
 BLOCK = 4096
 NUM_WARPS = 8
-# Chunks ride grid axis 1, which CUDA caps at 65535.
-MAX_CHUNKS = 65535
 
 
 @triton.jit
@@ -63,8 +63,8 @@ def penalize_rows(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, slo
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block!r}")
     num_chunks = triton.cdiv(x.shape[1], block)
-    if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"vocab {x.shape[1]} needs {num_chunks} chunks, more than the grid allows ({MAX_CHUNKS})")
+    if num_chunks > MAX_GRID_YZ:
+        raise ValueError(f"vocab {x.shape[1]} needs {num_chunks} chunks, more than the grid allows ({MAX_GRID_YZ})")
     if rows.shape[0] == 0:
         return
     _penalties_kernel[(rows.shape[0], num_chunks)](

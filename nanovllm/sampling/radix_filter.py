@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import check_row_vector, next_pow2
+from nanovllm.kernels.checks import MAX_GRID_YZ, check_row_vector
+from nanovllm.utils.ints import next_pow2
 
 # Bits chosen per pass: a digit's 16 bins cost 16 compares an element; 8 passes cover 32 bits.
 RADIX_BITS = tl.constexpr(4)
@@ -58,8 +59,6 @@ TILE = 256
 NUM_WARPS = 4
 # Counts are float32 histograms: exact up to 2**24 elements a row.
 MAX_VOCAB = 2**24
-# Chunks ride grid axis 1, which CUDA caps at 65535.
-MAX_CHUNKS = 65535
 
 
 @triton.jit
@@ -198,8 +197,8 @@ def top_k_top_p_threshold(probs: torch.Tensor, top_ks: torch.Tensor | None, top_
     batch, vocab = probs.shape
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(f"vocab must be in [1, {MAX_VOCAB}], got {vocab}")
-    if triton.cdiv(vocab, block) > MAX_CHUNKS:
-        raise ValueError(f"vocab {vocab} needs more than {MAX_CHUNKS} chunks of {block}")
+    if triton.cdiv(vocab, block) > MAX_GRID_YZ:
+        raise ValueError(f"vocab {vocab} needs more than {MAX_GRID_YZ} chunks of {block}")
     if probs.stride(1) != 1 and vocab > 1:
         raise ValueError(f"probs must have a contiguous last dim, got strides {probs.stride()}")
     if top_ks is not None:

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nanovllm.utils.ints import cdiv
+
 # Tokens per bitmask word (int32).
 TOKENS_PER_WORD = 32
 
 
 def mask_words(vocab_size: int) -> int:
     """Words of one bitmask row over a vocabulary of `vocab_size` tokens."""
-    return -(-vocab_size // TOKENS_PER_WORD)
+    return cdiv(vocab_size, TOKENS_PER_WORD)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import check_row_vector, next_pow2
+from nanovllm.kernels.checks import check_row_vector
+from nanovllm.utils.ints import next_pow2
+
 from .candidate_walk import load_scaled
 from .gumbel_max import gumbel_noise, keep_best, tile_uniforms
 from .gumbel_torch import SUB, TILE, check_gumbel_args

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nanovllm.utils.ints import cdiv
+
 # Sampling words start 16 bytes (4 int32) into their copy, and each of their parts at a 16-byte
 # boundary (sampling/batch.py): Triton specializes a kernel on whether each pointer is
 # 16-byte aligned, so pointers whose alignment varied from step to step would compile new variants
@@ -20,7 +22,7 @@ ALIGN_BYTES = 16
 def aligned_count(n: int, item_bytes: int) -> int:
     """n items of item_bytes each, rounded up to fill whole ALIGN_BYTES units."""
     per = ALIGN_BYTES // item_bytes
-    return -(-n // per) * per
+    return cdiv(n, per) * per
 
 
 def words_offset(num_ints: int) -> int:
