@@ -251,8 +251,8 @@ def test_bad_arguments_are_named():
             fused_moe(*args)
     with pytest.raises(TypeError, match="tiles"):
         fused_moe(hidden, w13, w2, weights, ids, tiles=(16, 64))
-    for block_m in (8, 24, 16.0, True):
-        with pytest.raises(ValueError, match="block_m"):
+    for block_m, error in ((8, ValueError), (24, ValueError), (16.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="block_m"):
             moe_align(ids, 4, block_m)
     for num_experts in (0, MAX_EXPERTS + 1, 4.0):
         with pytest.raises(ValueError, match="num_experts"):

@@ -117,8 +117,9 @@ def test_bad_tiles_are_refused():
     for bad in ((16, 256, 4, 256, 4), {"gate_up_block_n": 16}, "default"):
         with pytest.raises(TypeError, match="tiles must be a GemvTiles"):
             moe_gemv(*args, tiles=bad)
-    for field, value in (("down_block_n", 6), ("num_warps", 0), ("gate_up_block_k", 256.0), ("down_block_k", True)):
-        with pytest.raises(ValueError, match=field):
+    for field, value, error in (("down_block_n", 6, ValueError), ("num_warps", 0, ValueError),
+                                ("gate_up_block_k", 256.0, TypeError), ("down_block_k", True, TypeError)):
+        with pytest.raises(error, match=field):
             GemvTiles(**{**DEFAULT_TILES.__dict__, field: value})
 
 

@@ -15,6 +15,7 @@ import torch
 from nanovllm.engine.step_inputs import (
     COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, HostCopy, fill_carried_ids,
 )
+from nanovllm.kernels.checks import PAD_SLOT
 from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import AttentionMetadata, attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
@@ -56,10 +57,10 @@ class DecodeGraphs:
         self.buffer = torch.zeros(words_offset(n * cols) + 2 * SamplingPack.max_words(n), dtype=torch.int32,
                                   device=device)
         self.staging = self.buffer[: n * cols].view(n, cols)
-        self.staging[:, COL_SLOT] = -1
+        self.staging[:, COL_SLOT] = PAD_SLOT
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.kernels.checks import PAD_SLOT
 from nanovllm.kernels.prefill_plan import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
@@ -166,7 +167,7 @@ class StepInputBuilder:
         v.input_ids[: len(plan.carried_rows)] = plan.carried_rows
         v.positions[:total] = pos
         v.slots[:total] = v.block_tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        v.slots[total:] = -1
+        v.slots[total:] = PAD_SLOT
         sampled = np.asarray(plan.sampled, dtype=bool)
         v.sample_rows[: int(sampled.sum())] = (q_ends - 1)[sampled]
         if layout.num_tiles:
@@ -230,7 +231,7 @@ class StepInputBuilder:
         out[: len(plan.carried_rows), COL_INPUT] = plan.carried_rows
         out[:n, COL_POSITION] = positions
         out[:n, COL_SLOT] = [bt[p // bs] * bs + p % bs for bt, p in zip(plan.block_tables, plan.starts)]
-        out[n:, COL_SLOT] = -1
+        out[n:, COL_SLOT] = PAD_SLOT
         out[:n, COL_CONTEXT] = positions + 1
         for i, bt in enumerate(plan.block_tables):
             out[i, DECODE_COLUMNS : DECODE_COLUMNS + len(bt)] = bt

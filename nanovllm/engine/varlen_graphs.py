@@ -26,6 +26,7 @@ import torch
 
 from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, VarlenLayout, fill_carried_ids
 from nanovllm.engine.step_plan import StepPlan
+from nanovllm.kernels.checks import PAD_SLOT
 from nanovllm.sampling.batch import SamplingPack
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
@@ -90,7 +91,7 @@ class VarlenGraphs:
             buffer = torch.zeros(words_offset(layout.size) + 2 * SamplingPack.max_words(layout.num_seqs),
                                  dtype=torch.int32, device=device)
             staging = buffer[: layout.size]
-            layout.split(staging).slots.fill_(-1)  # slots: an empty step writes nothing
+            layout.split(staging).slots.fill_(PAD_SLOT)  # slots: an empty step writes nothing
             for mixed in (True, False):
                 inputs = self.builder.varlen_inputs(staging, layout, t, self._max_seqlen_k(), layout.num_seqs,
                                                     with_decode_rows=mixed)

@@ -8,6 +8,7 @@ from enum import IntEnum
 import torch
 
 from nanovllm.utils.ints import cdiv
+from nanovllm.utils.validation import check_pow2
 
 # exp(x) = exp2(x * LOG2E): the kernels use exp2, which maps to one hardware instruction.
 LOG2E = 1.4426950408889634
@@ -23,6 +24,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # tl.dot's least size along each of its dimensions.
 MIN_DOT_DIM = 16
+# The attention kernels' largest head_dim (flash-attn's too): past 128 they take smaller tiles
+# (prefill_plan.prefill_tile, decode_plan.decode_tile) so two stages fit shared memory.
+ATTN_MAX_HEAD_DIM = 256
 # FP8 cache values per int32 word: the decode kernel reads the cache 4 bytes at a time ...
 FP8_PER_WORD = 4
 # ... into FP8_PER_WORD planes of head_dim / 4 dims, each an MMA operand: a smaller head_dim cannot
@@ -36,6 +40,8 @@ FP8_BLOCK = 128
 # Scale floor of FP8 quantization: an all-zero row, group or block gets this scale instead of 0
 # (x / 0 would be NaN).
 FP8_MIN_SCALE = 1e-12
+# slot_mapping's value for a padding row (vLLM's PAD_SLOT_ID): the KV stores skip slots < 0.
+PAD_SLOT = -1
 # CUDA's limit on grid dims y and z: the kernels that launch sequences, head blocks, column blocks or
 # vocabulary chunks along them check against it.
 MAX_GRID_YZ = 65535
@@ -195,8 +201,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_head_dim(d: int) -> None:
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    check_pow2("head_dim", d, MIN_DOT_DIM, ATTN_MAX_HEAD_DIM)
 
 
 def check_query(q: torch.Tensor) -> None:

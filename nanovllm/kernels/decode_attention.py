@@ -52,7 +52,7 @@ from .checks import (INTERPRET, LOG2E, MIN_DOT_DIM, check_cache, check_fp8_words
 from .counters import arrival_counters
 from .decode_fp8 import attend_fp8_planes
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
-from .online_softmax import online_softmax
+from .online_softmax import M_START, online_softmax
 from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior
 
@@ -102,7 +102,7 @@ def _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, strid
     q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], M_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py

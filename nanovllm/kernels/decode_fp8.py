@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .fp8_kv import INTERPRET, PER_WORD, e4m3_planes
-from .online_softmax import online_softmax
+from .online_softmax import M_START, online_softmax
 from .paging import tile_blocks, tile_rows
 
 # Largest finite fp16: q is clamped to it before the cast (a bf16 q may hold larger values).
@@ -79,7 +79,7 @@ def attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, s
     q1 = _q_plane(q_rows, offs_c, g_valid, 1, DTYPE)
     q2 = _q_plane(q_rows, offs_c, g_valid, 2, DTYPE)
     q3 = _q_plane(q_rows, offs_c, g_valid, 3, DTYPE)
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], M_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)

@@ -10,6 +10,9 @@ import torch
 import triton
 
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_pow2
+
+from .checks import MIN_DOT_DIM
 
 # Keys per inner step: 64 x D=128 x 2 bytes = 16 KB per K or V tile, enough bytes in flight.
 BLOCK_N = 64
@@ -56,8 +59,7 @@ class DecodeTile:
     stages: int
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.block_n, int) and self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0):
-            raise ValueError(f"DecodeTile.block_n must be a power of two >= 16, got {self.block_n!r}")
+        check_pow2("DecodeTile.block_n", self.block_n, MIN_DOT_DIM)
         if not (isinstance(self.stages, int) and 1 <= self.stages <= 8):
             raise ValueError(f"DecodeTile.stages must be an int in [1, 8], got {self.stages!r}")
 

@@ -202,13 +202,14 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         _check_norm(norm, x)
     wave = one_wave(x.device)
     w_scale = linear_scale_mode(weight_scale)
+    fp8 = w_scale != ScaleMode.NONE
     if tile is None:
-        tile = tiling(m, n_out, k_in, wave, block_scales=w_scale == ScaleMode.BLOCK, fp8=w_scale != ScaleMode.NONE)
+        tile = tiling(m, n_out, k_in, wave, block_scales=w_scale == ScaleMode.BLOCK, fp8=fp8)
     elif not isinstance(tile, Tiling):
         raise TypeError(f"tile must be a Tiling, got {type(tile).__name__}")
     if w_scale == ScaleMode.BLOCK and FP8_BLOCK % tile.block_n:
         raise ValueError(f"block-scaled weights need tile.block_n dividing {FP8_BLOCK}, got {tile.block_n}")
-    w_arg = fp8_words(weight, "an FP8 weight's values") if w_scale != ScaleMode.NONE else weight  # strides in words for FP8
+    w_arg = fp8_words(weight, "an FP8 weight's values") if fp8 else weight  # strides in words for FP8
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res = norm.residual if norm is not None else None
     s_out = torch.empty((m, k_in), dtype=x.dtype, device=x.device) if res is not None else None
@@ -226,7 +227,8 @@ def _gemv(x, weight, bias, silu_mul: bool, tile: Tiling | None, norm: _Norm | No
         s_out_ptr=x if s_out is None else s_out, stride_r=0 if res is None else res.stride(0),
         eps=0.0 if norm is None else float(norm.eps), NORM=norm is not None, HAS_RES=res is not None,
         BLOCK_KF=next_pow2(k_in) if norm is not None else 16,
-        ws_ptr=x if weight_scale is None else weight_scale, stride_ws=weight_scale.stride(0) if w_scale == ScaleMode.BLOCK else 0,
+        ws_ptr=x if weight_scale is None else weight_scale,
+        stride_ws=weight_scale.stride(0) if w_scale == ScaleMode.BLOCK else 0,
         W_SCALE=int(w_scale), SCALE_BLOCK=FP8_BLOCK, **pdl,
     )
     return out, s_out

@@ -15,7 +15,7 @@ import triton
 
 from nanovllm.utils.ints import next_pow2
 
-from .checks import FP8_BLOCK, FP8_PER_WORD
+from .checks import FP8_BLOCK, FP8_PER_WORD, MIN_DOT_DIM
 
 # Accumulator elements per program (M x BLOCK_N x BLOCK_K fp32): 64 registers per thread at 4 warps.
 ACC_ELEMS = 8192
@@ -86,4 +86,4 @@ def tiling(rows: int, n_out: int, k_in: int, wave: int | None = None, block_scal
         else:  # neither grid fits a wave (8B gate_up): FP8 words take FP8_ROWS_WIDE's 1,024-column steps
             t = FP8_ROWS_WIDE if spills and fp8 else WIDE_TILING
     acc_k = ACC_ELEMS * (FP8_PER_WORD if fp8 else 1) // (next_pow2(rows) * t.block_n)
-    return replace(t, block_k=max(16, min(next_pow2(k_in), t.block_k, acc_k)))
+    return replace(t, block_k=max(MIN_DOT_DIM, min(next_pow2(k_in), t.block_k, acc_k)))

@@ -64,7 +64,7 @@ import triton.language as tl
 from .checks import (INTERPRET, LOG2E, MAX_GRID_YZ, check_cache, check_gqa, check_int_tensor, check_kv_scales,
                      check_on_device, check_out, check_query, kv_cache_dtype)
 from .decode_fp8 import q_to_fp16
-from .online_softmax import online_softmax
+from .online_softmax import M_START, online_softmax
 from .paging import tile_blocks, tile_rows
 from .prefill_plan import check_tiles, prefill_tile, tile_programs
 
@@ -166,7 +166,7 @@ def _prefill_tile(
         bt_row = bt_ptr + seq * stride_bt
         blocks = tile_blocks(bt_row, 0, k_len, BLOCK_SIZE, BLOCK_N) if PAGED else 0
         # Finite start for the running max: fully masked rows then give p = 0, never NaN.
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], M_START, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for start_n in range(0, full_end, BLOCK_N):

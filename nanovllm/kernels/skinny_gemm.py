@@ -49,12 +49,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FP8_BLOCK, INTERPRET, ScaleMode, check_linear, linear_scale_mode, sm_count
+from nanovllm.utils.validation import check_pow2
+
+from .checks import FP8_BLOCK, INTERPRET, MIN_DOT_DIM, ScaleMode, check_linear, linear_scale_mode, sm_count
 from .counters import arrival_counters
 from .fp8_quant import QuantizedRows
 from .fused_norm import round_to
 from .pdl import LINE_BYTES, pdl_for_grid, prefetch_rows_l2, wait_for_prior
-from .skinny_plan import MIN_BLOCK, Operands, SkinnyTiling, skinny_tiling
+from .skinny_plan import Operands, SkinnyTiling, skinny_tiling
 
 # Most rows served: past a few hundred rows cuBLAS's large tiles are efficient.
 MAX_ROWS = 512
@@ -204,13 +206,12 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     m, k_in = x.shape
     n_out = weight.shape[0]
     w_scale = linear_scale_mode(weight_scale)
-    x_scale_mode = ScaleMode.NONE if x_scale is None else w_scale  # per row beside per-row weights, per group beside blocks
+    # the activations' scales: per row beside per-row weights, per 128-column group beside blocks
+    x_scale_mode = ScaleMode.NONE if x_scale is None else w_scale
     if not isinstance(tile, SkinnyTiling):
         raise TypeError(f"tile must be a SkinnyTiling, got {type(tile).__name__}")
     for name in ("block_m", "block_n", "block_k"):
-        v = getattr(tile, name)
-        if v < MIN_BLOCK or v & (v - 1):
-            raise ValueError(f"tile.{name} must be a power of two >= {MIN_BLOCK}, got {v}")
+        check_pow2(f"tile.{name}", getattr(tile, name), MIN_DOT_DIM)
     if tile.stages < 1 or tile.num_warps < 1 or tile.num_warps & (tile.num_warps - 1):
         raise ValueError(f"tile.stages must be >= 1 and tile.num_warps a power of two, got {tile}")
     if tile.split_k < 1:

@@ -12,10 +12,7 @@ import triton
 
 from nanovllm.utils.ints import prev_pow2
 
-from .checks import FP8_BLOCK
-
-# tl.dot needs at least 16 rows (and columns) a tile.
-MIN_BLOCK = 16
+from .checks import FP8_BLOCK, MIN_DOT_DIM
 
 
 class Operands(Enum):
@@ -82,11 +79,11 @@ def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int,
         return _w8a8_tiling(rows, n_out, k_in, sms)
     if operands is Operands.W8A16:
         return _fp8_tiling(rows, n_out, k_in, sms)
-    block_m = MIN_BLOCK if rows <= MIN_BLOCK else 64
+    block_m = MIN_DOT_DIM if rows <= MIN_DOT_DIM else 64
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, DEFAULT_BLOCK_N)
     split = 1
     if tiles < SPLIT_BELOW_TILES_PER_SM * sms:
-        per_sm = 2 if rows <= MIN_BLOCK else 1
+        per_sm = 2 if rows <= MIN_DOT_DIM else 1
         split = _split_k(per_sm * sms, tiles, k_in, MAX_SPLIT_K)
     return SkinnyTiling(block_m, DEFAULT_BLOCK_N, DEFAULT_BLOCK_K, DEFAULT_STAGES, DEFAULT_WARPS, pdl=True,
                         split_k=split)
@@ -95,9 +92,9 @@ def skinny_tiling(rows: int, n_out: int, k_in: int, sms: int,
 def _fp8_tiling(rows: int, n_out: int, k_in: int, sms: int) -> SkinnyTiling:
     """FP8 weights (half the bytes a step): 64 output columns, K split until the grid holds ~4
     programs an SM per 16 rows, 6 steps in flight where K is not split (fewer, longer programs)."""
-    block_m = MIN_BLOCK if rows <= MIN_BLOCK else FP8_BLOCK_M
+    block_m = MIN_DOT_DIM if rows <= MIN_DOT_DIM else FP8_BLOCK_M
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n_out, FP8_BLOCK_N)
-    per_sm = FP8_PROGRAMS_PER_SM * triton.cdiv(rows, MIN_BLOCK)
+    per_sm = FP8_PROGRAMS_PER_SM * triton.cdiv(rows, MIN_DOT_DIM)
     split = _split_k(per_sm * sms, tiles, k_in, FP8_MAX_SPLIT_K)
     stages = FP8_UNSPLIT_STAGES if split == 1 else FP8_STAGES
     return SkinnyTiling(block_m, FP8_BLOCK_N, FP8_BLOCK, stages, DEFAULT_WARPS, pdl=True, split_k=split)

@@ -40,8 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.checks import MIN_DOT_DIM
 from nanovllm.utils.ints import next_pow2
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import check_int, check_pow2
 
 # Expert tables live in registers as [rows >= 16, next_pow2(E)] tiles: past 512 they crowd out.
 MAX_EXPERTS = 512
@@ -164,8 +165,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, max_sli
     block_m rows (a power of two >= 16); see the module docstring for the layout. `max_slices`
     bounds the count / scatter programs (fewer: each slice walks more chunks of pairs)."""
     check_ids(topk_ids, num_experts)
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    check_pow2("block_m", block_m, MIN_DOT_DIM)
     check_int("max_slices", max_slices, 1)
     dev, n_pairs = topk_ids.device, topk_ids.numel()
     n_blocks = aligned_blocks(n_pairs, num_experts, block_m)
@@ -176,7 +176,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, max_sli
         return MoeAlignment(sorted_ids, block_expert, torch.zeros(1, dtype=torch.int32, device=dev))
     num_used = torch.empty(1, dtype=torch.int32, device=dev)  # the scan's store
     block_e = next_pow2(num_experts)
-    rows = max(16, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step, blocks per table step
+    rows = max(MIN_DOT_DIM, ALIGN_TILE_ELEMS // block_e)  # pairs per chunk, slices per scan step, blocks per table step
     chunks = triton.cdiv(triton.cdiv(n_pairs, rows), max_slices)  # per slice
     n_slices = triton.cdiv(n_pairs, rows * chunks)
     share = triton.cdiv(n_blocks, n_slices)  # blocks per program: padded by count, labelled by scatter

@@ -52,12 +52,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode, fp8_words
+from nanovllm.kernels.checks import FP8_BLOCK, MIN_DOT_DIM, ScaleMode, fp8_words
 from nanovllm.kernels.fp8_kv import PER_WORD, e4m3_planes, split_planes
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_pow2
 
 from .checks import check_experts, check_routing
 from .fp8_experts import expert_scale_mode, scale_args, scales_per_step
@@ -81,8 +82,7 @@ class GemvTiles:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if type(v) is not int or v < 1 or v & (v - 1):
-                raise ValueError(f"GemvTiles.{f.name} must be a positive power of two, got {v!r}")
+            check_pow2(f"GemvTiles.{f.name}", v)
 
 
 # Timed by bench_moe.py --sweep-gemv on the H200 (30 candidates at 1 and 2 tokens, BENCHMARKS.md,
@@ -307,12 +307,12 @@ def _launch(hidden: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
         hidden, w13_arg, topk_ids, act, router_logits if route else hidden, topk_weights, h, inter, w13.shape[0],
         hidden.stride(0), w13_arg.stride(0), w13_arg.stride(1), router_logits.stride(0) if route else 0, s13,
         **scales13,
-        TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(16, min(tiles.gate_up_block_k, next_pow2(h))),
+        TOP_K=k, BLOCK_N=gate_up_n, BLOCK_K=max(MIN_DOT_DIM, min(tiles.gate_up_block_k, next_pow2(h))),
         ROUTE=route, K_PAD=next_pow2(k), BLOCK_E=expert_block(w13.shape[0]), RENORMALIZE=renormalize,
         num_warps=tiles.num_warps, **pdl_for_grid(hidden, gate_up_grid[0] * gate_up_grid[1]))
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)  # [T, H]
     down_grid = (t, triton.cdiv(h, tiles.down_block_n))
-    down_k = max(16, min(tiles.down_block_k, next_pow2(inter)))
+    down_k = max(MIN_DOT_DIM, min(tiles.down_block_k, next_pow2(inter)))
     s2, scales2 = scale_args(mode, experts.w2_scale, hidden)
     _down_gemv[down_grid](
         act, w2, topk_ids, topk_weights, out, h, inter, w2.stride(0), w2.stride(1), out.stride(0), s2, **scales2,

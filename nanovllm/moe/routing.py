@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE
-from nanovllm.kernels.checks import check_float_dtype
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, check_float_dtype
 from nanovllm.kernels.pdl import pdl_for_grid, wait_for_prior
 from nanovllm.utils.ints import next_pow2
 

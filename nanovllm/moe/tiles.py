@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import triton
 
-from nanovllm.kernels.checks import ScaleMode
+from nanovllm.kernels.checks import MIN_DOT_DIM, ScaleMode
 from nanovllm.utils.ints import next_pow2
 
 from .align import aligned_blocks
@@ -74,10 +74,11 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
 def _fit(t: Tiling, n_out: int, k_in: int, blocks: int, sms: int | None) -> Tiling:
     """t clamped to the problem (tiles >= 16 for tl.dot) and, on a GPU, block_n halved while the
     grid is under MIN_PROGRAMS_PER_SM programs per SM."""
-    block_n = max(16, min(t.block_n, next_pow2(n_out)))
-    while sms is not None and block_n > 16 and blocks * triton.cdiv(n_out, block_n) < MIN_PROGRAMS_PER_SM * sms:
+    block_n = max(MIN_DOT_DIM, min(t.block_n, next_pow2(n_out)))
+    while (sms is not None and block_n > MIN_DOT_DIM
+           and blocks * triton.cdiv(n_out, block_n) < MIN_PROGRAMS_PER_SM * sms):
         block_n //= 2
-    return replace(t, block_n=block_n, block_k=max(16, min(t.block_k, next_pow2(k_in))))
+    return replace(t, block_n=block_n, block_k=max(MIN_DOT_DIM, min(t.block_k, next_pow2(k_in))))
 
 
 def size_class(num_tokens: int) -> int:

@@ -43,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE
-from nanovllm.kernels.checks import MAX_GRID_YZ, check_float_dtype
+from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, MAX_GRID_YZ, check_float_dtype
 from nanovllm.sampling.row_logprobs import RowLogprobs
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_pow2
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
@@ -201,8 +201,7 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     by calls on one stream (None: allocated for this call)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block!r}")
+    check_pow2("block", block)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be 2-D [rows, vocab] with a contiguous last dim, got "
                          f"{tuple(getattr(logits, 'shape', ()))}")

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import MAX_GRID_YZ
+from nanovllm.utils.validation import check_pow2
 
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 16 values a thread.
 BLOCK = 4096
@@ -60,8 +61,7 @@ def penalize_rows(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, slo
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != x.shape[1] or counts.stride(-1) != 1:
         raise ValueError(f"counts must be [slots, {x.shape[1]}] int32 with a contiguous last dim, got "
                          f"{counts.dtype} {tuple(counts.shape)}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block!r}")
+    check_pow2("block", block)
     num_chunks = triton.cdiv(x.shape[1], block)
     if num_chunks > MAX_GRID_YZ:
         raise ValueError(f"vocab {x.shape[1]} needs {num_chunks} chunks, more than the grid allows ({MAX_GRID_YZ})")

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from nanovllm.kernels.checks import check_row_vector
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_pow2
 
 from .candidate_walk import load_scaled
 from .gumbel_max import gumbel_noise, keep_best, tile_uniforms
@@ -227,8 +228,7 @@ def topk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Te
     if isinstance(max_top_k, bool) or not isinstance(max_top_k, int) or not 1 <= max_top_k <= MAX_K:
         raise ValueError(f"max_top_k must be an int in [1, {MAX_K}], got {max_top_k!r}")
     k = list_length(max_top_k)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < GROUPS_PER_K * k or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two >= {GROUPS_PER_K * k}, got {chunk!r}")
+    check_pow2("chunk", chunk, GROUPS_PER_K * k)
     if not max_top_k < vocab <= MAX_CHUNKS * chunk:
         raise ValueError(f"vocab must be in ({max_top_k}, {MAX_CHUNKS * chunk}] for top_k {max_top_k}, got {vocab}")
     check_row_vector("top_ks", top_ks, rows, torch.int64, logits.device)
