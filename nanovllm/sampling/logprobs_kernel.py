@@ -19,12 +19,8 @@ group ranked above the group of a top-K element holds a key above that element's
 column at its max), and at most K - 1 keys are above a top-K element's. So the K rounds of
 max run over G group maxima and K * S reloaded values, not over the BLOCK values.
 
-A key packs a logit and its column into one int64 that orders like (logit, -column):
-
-    bits 63..32: the float32 logit's bits, negatives' magnitude bits flipped (signed order = float order)
-    bits 31..0 : MAX_COL - column (the lower column wins a tie)
-
-so each round (best key, mask it out) is one reduction, and among equal logits the lower token id
+A key (sampling/sort_keys.py) packs a logit and its column into one int64 that orders like
+(logit, -column), so each round (best key, mask it out) is one reduction, and among equal logits the lower token id
 ranks first. Logits are read in their dtype and computed on in float32; offsets are int64.
 
 Scratch: [R] int32 arrival counters, which must be 0 at launch, and an int64 workspace
@@ -45,15 +41,12 @@ import triton.language as tl
 
 from nanovllm.kernels.checks import LOG2E as _LOG2E_VALUE, MAX_GRID_YZ, check_float_dtype
 from nanovllm.sampling.row_logprobs import RowLogprobs
+from nanovllm.sampling.sort_keys import NO_KEY, key_column, key_value, pack_key
 from nanovllm.utils.ints import next_pow2
 from nanovllm.utils.validation import check_pow2
 
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
-# Column part of a key: columns stay below 2**31 (any vocabulary), so MAX_COL - column >= 0.
-MAX_COL = tl.constexpr(2**31 - 1)
-# A key below every real one (a masked-out or padding candidate).
-NO_KEY = tl.constexpr(-(2**63))
 
 # Columns per program: 38 programs per row at a 151,936-token vocabulary, 32 values a thread at
 # NUM_WARPS = 4 (the whole tile in registers: one read of the logits).
@@ -64,24 +57,6 @@ NUM_WARPS = 4
 GROUP = 32
 # 32-bit words of workspace per (row, chunk) for its statistics (m, s, n, one unused: two int64 slots).
 STATS = tl.constexpr(4)
-
-
-@triton.jit
-def _to_key(x, cols):
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(tl.int64) << 32) | (MAX_COL + -cols.to(tl.int64))
-
-
-@triton.jit
-def _key_value(key):
-    ordered = (key >> 32).to(tl.int32)
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_col(key):
-    return -(key & 0xFFFFFFFF) + MAX_COL
 
 
 @triton.jit
@@ -128,14 +103,14 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_
     s = tl.sum(tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E))
     if K > 0:
         # groups past the vocabulary rank last; picked anyway (under K valid groups), they add NO_KEY
-        group_keys = tl.where(start + group * S < vocab, _to_key(group_max, group), NO_KEY)  # [G]
+        group_keys = tl.where(start + group * S < vocab, pack_key(group_max, group), NO_KEY)  # [G]
         picked = _best_keys(group_keys, K, K_PAD)  # [K_PAD]
         has = picked != NO_KEY
-        firsts = start + tl.where(has, _key_col(picked), 0).to(tl.int32) * S  # [K_PAD] first column of each
+        firsts = start + tl.where(has, key_column(picked), 0).to(tl.int32) * S  # [K_PAD] first column of each
         sub = firsts[:, None] + lane[None, :]  # [K_PAD, S]
         ok = has[:, None] & (sub < vocab)
         xs = tl.load(x_row + sub, mask=ok, other=0.0).to(tl.float32)  # [K_PAD, S] same values as x's
-        cand = tl.where(ok, _to_key(xs, sub), NO_KEY)
+        cand = tl.where(ok, pack_key(xs, sub), NO_KEY)
         tl.store(keys_ptr + chunk * K + slot, _best_keys(cand, K, K_PAD), mask=slot < K)
     tl.store(stats_ptr + STATS * chunk, m)
     tl.store(stats_ptr + STATS * chunk + 1, s)
@@ -161,8 +136,8 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, counter_ptr, work_ptr, chosen_
             j = tl.arange(0, KEYS_PAD)
             keys = tl.load(keys_ptr + j, mask=j < num_chunks * K, other=NO_KEY)  # [KEYS_PAD]
             top = _best_keys(keys, K, K_PAD)  # [K_PAD]: at least K real keys (k <= vocab)
-            tl.store(top_id_ptr + r * K + slot, _key_col(top), mask=slot < K)
-            tl.store(top_lp_ptr + r * K + slot, _key_value(top) - lse, mask=slot < K)
+            tl.store(top_id_ptr + r * K + slot, key_column(top), mask=slot < K)
+            tl.store(top_lp_ptr + r * K + slot, key_value(top) - lse, mask=slot < K)
         tl.store(counter, 0)  # every other program of the row has counted: ready for the next call
 
 

@@ -9,11 +9,10 @@ e^(x - m) (the row normaliser cancels), and the Gumbel-max draw over the kept to
 noise of at most K columns.
 
     launch 1, grid (rows, chunks of CHUNK columns): the chunk's K largest x, as packed keys
-        key = (x's float bits made int-ordered) << 32 | (COL_LIMIT - column)
-      (a key orders by value, then lowest column first). Cheaply: the K-th largest of NG = 4K group
-      maxima bounds the chunk's K-th value from below; the ~1.15 K elements at or above it are
-      compacted into the chunk's slot and their top K taken (tl.topk); a chunk with more than
-      CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the
+      (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the
+      K-th largest of NG = 4K group maxima bounds the chunk's K-th value from below; the ~1.15 K
+      elements at or above it are compacted into the chunk's slot and their top K taken
+      (tl.topk); a chunk with more than CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the
       chunk's elements equal to its K-th value (ties that may lie past its list).
     launch 2, one program per row: the top K of the row's chunk lists (its exact K largest),
       then kth = v[k-1], the ties of kth past the list (from the pool and the chunks' counts),
@@ -45,6 +44,7 @@ from nanovllm.utils.validation import check_pow2
 from .candidate_walk import load_scaled
 from .gumbel_max import gumbel_noise, keep_best, tile_uniforms
 from .gumbel_torch import SUB, TILE, check_gumbel_args
+from .sort_keys import NO_KEY, key_column, key_value, pack_key
 
 # Largest top_k served: the row's pool (chunks x K packed int64 keys, up to 64 x 128) is sorted by
 # one program in registers; 128 covers the common defaults (20, 40, 50, 64, 100).
@@ -61,36 +61,14 @@ GROUPS_PER_K = 4
 # Candidate slot per list entry: 4K holds ~3.5x the expected count (more: the chunk's full top-k).
 CAP_PER_K = 4
 NUM_WARPS = 8
-# Low 32 bits of a key: COL_LIMIT - column, so the lower column of equal values sorts first.
-COL_LIMIT = tl.constexpr(2**31 - 1)
-# A slot entry holding no element: below every key of a value (keys of -inf included).
-EMPTY = tl.constexpr(-(2**63))
 # The noise layout's widths (gumbel_torch.py), as the kernels read them.
 _SUB = tl.constexpr(SUB)
 _TILE = tl.constexpr(TILE)
-# Flips the magnitude bits of negative floats, so their bits order as int32 like the values.
-MAGNITUDE = tl.constexpr(0x7FFFFFFF)
 
 
 def list_length(max_top_k: int) -> int:
     """K, the list length of a batch whose largest top_k is `max_top_k` (1 .. MAX_K)."""
     return SMALL_K if max_top_k <= SMALL_K else MAX_K
-
-
-@triton.jit
-def _pack(x, cols):
-    """int64 keys ordering (x, -column) pairs; x has no -0.0 (equal floats get equal high words)."""
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ MAGNITUDE, bits)
-    return (ordered.to(tl.int64) << 32) | (cols * -1 + COL_LIMIT).to(tl.int64)
-
-
-@triton.jit
-def _unpack(key):
-    """(x float32, column int32) of packed keys (EMPTY decodes to garbage: callers mask it)."""
-    ordered = (key >> 32).to(tl.int32)
-    bits = tl.where(ordered < 0, ordered ^ MAGNITUDE, ordered)
-    return bits.to(tl.float32, bitcast=True), (key & 0xFFFFFFFF).to(tl.int32) * -1 + COL_LIMIT
 
 
 @triton.jit
@@ -106,7 +84,7 @@ def _chunk_top_kernel(x_ptr, temperature_ptr, slot_ptr, eq_ptr, vocab, stride_x,
     inside = cols < vocab
     x = load_scaled(x_row, cols, vocab, t)  # -inf past the vocab
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0: one key for both
-    keys = tl.where(inside, _pack(x, cols), EMPTY)
+    keys = tl.where(inside, pack_key(x, cols), NO_KEY)
     # at least K elements (one a group) reach the K-th largest group max: the chunk's K-th value is above it
     low = tl.min(tl.topk(tl.max(x, axis=1), K), axis=0)
     cand = inside & (x >= low)
@@ -118,15 +96,15 @@ def _chunk_top_kernel(x_ptr, temperature_ptr, slot_ptr, eq_ptr, vocab, stride_x,
         tl.store(slot + pos, tl.reshape(keys, [CHUNK]), mask=flat != 0)
         tl.debug_barrier()  # the slot's candidates, written by every thread, are read by others
         i = tl.arange(0, CAP)
-        top = tl.topk(tl.load(slot + i, mask=i < count, other=EMPTY), K)
+        top = tl.topk(tl.load(slot + i, mask=i < count, other=NO_KEY), K)
     else:
         top = tl.topk(tl.reshape(keys, [CHUNK]), K)
     tl.debug_barrier()  # every thread has read the candidates before the slot's head is rewritten
     tl.store(slot + tl.arange(0, K), top)
     last = tl.min(top, axis=0)
-    last_x, _ = _unpack(last)
+    last_x = key_value(last)
     ties = tl.sum((inside & (x == last_x)).to(tl.int32))
-    tl.store(eq_ptr + row * num_chunks + chunk, tl.where(last == EMPTY, 0, ties))
+    tl.store(eq_ptr + row * num_chunks + chunk, tl.where(last == NO_KEY, 0, ties))
 
 
 @triton.jit
@@ -173,22 +151,22 @@ def _row_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_k_ptr, top_p_ptr, mi
     idx = tl.arange(0, K)
     in_row = c < num_chunks
     pool = tl.load(slot_ptr + (row * num_chunks + c[:, None]).to(tl.int64) * CAP + idx[None, :],
-                   mask=in_row[:, None], other=EMPTY)  # [C_PAD, K] each chunk's list, descending
+                   mask=in_row[:, None], other=NO_KEY)  # [C_PAD, K] each chunk's list, descending
     top = tl.topk(tl.reshape(pool, [C_PAD * K]), K)  # [K] the row's K largest, descending
-    v, col = _unpack(top)
-    valid = top != EMPTY
+    v, col = key_value(top), key_column(top)
+    valid = top != NO_KEY
     m = tl.max(tl.where(valid, v, float("-inf")), axis=0)
     first = tl.sum(tl.where(idx == 0, col, 0), axis=0)  # the argmax (lowest column of the max)
     k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), K).to(tl.int32)
     kth = tl.max(tl.where(idx == k - 1, v, float("-inf")), axis=0)
     # ties of kth past the K list: in the pool but not the list, and past a chunk's list
-    pool_x, _ = _unpack(pool)
-    pool_eq = (pool != EMPTY) & (pool_x == kth)  # [C_PAD, K]
+    pool_x = key_value(pool)
+    pool_eq = (pool != NO_KEY) & (pool_x == kth)  # [C_PAD, K]
     last = tl.min(pool, axis=1)  # [C_PAD] each list's K-th key
-    last_x, _ = _unpack(last)
+    last_x = key_value(last)
     chunk_ties = tl.load(eq_ptr + row * num_chunks + c, mask=in_row, other=0)
     in_list = tl.sum(pool_eq.to(tl.int32), axis=1)
-    spill = tl.sum(tl.where((last != EMPTY) & (last_x == kth), chunk_ties - in_list, 0), axis=0)
+    spill = tl.sum(tl.where((last != NO_KEY) & (last_x == kth), chunk_ties - in_list, 0), axis=0)
     past = tl.sum(in_list, axis=0) - tl.sum((valid & (v == kth)).to(tl.int32), axis=0) + spill
     thr = kth
     if HAS_TOP_P:
