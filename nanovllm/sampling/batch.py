@@ -13,43 +13,18 @@ the sampler skips their work.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from nanovllm.sampling_params import TOP_K_OFF, SamplingParams
-from nanovllm.utils.host_to_device import aligned_count, to_device
+from nanovllm.utils.host_to_device import PackLayout, to_device
 
 # Noise keys are int64 tensor values: non-negative, 63 bits.
 KEY_BITS = 63
-# Pack layouts remembered (a step's part sizes mostly repeat the previous step's).
-LAYOUT_CACHE_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class _PackLayout:
-    """Where a pack's parts lie when every part starts 16-byte aligned (host_to_device.ALIGN_BYTES)."""
-
-    int_starts: tuple[int, ...]  # int64 word index of each int part
-    floats_word: int  # word index where the float32 region starts
-    float_starts: tuple[int, ...]  # float32 index of each float part within that region
-    num_words: int
-
-    @staticmethod
-    @functools.lru_cache(maxsize=LAYOUT_CACHE_SIZE)
-    def of(int_sizes: tuple[int, ...], float_sizes: tuple[int, ...]) -> _PackLayout:
-        int_ends = list(accumulate(aligned_count(n, 8) for n in int_sizes))
-        float_ends = list(accumulate(aligned_count(n, 4) for n in float_sizes))
-        # at least one float word: torch cannot view an empty int64 slice as float32
-        return _PackLayout((0, *int_ends[:-1]), int_ends[-1], (0, *float_ends[:-1]),
-                           int_ends[-1] + max(float_ends[-1] // 2, 1))
-
-
 @dataclass(frozen=True)
 class LogprobRows:
     """The rows of a batch that ask for logprobs.
@@ -126,7 +101,7 @@ class SamplingPack:
     @staticmethod
     def max_words(rows: int) -> int:
         """Words any batch of `rows` rows packs into (3 ints and 3 floats a row, padded)."""
-        return _PackLayout.of((rows,) * 3, (rows,) * 3).num_words
+        return PackLayout.of((rows,) * 3, (rows,) * 3).num_words
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab_size: int) -> SamplingPack:
@@ -149,15 +124,8 @@ class SamplingPack:
                        min_ps if any(m > 0.0 for m in min_ps) else []]
         int_sizes = tuple(len(part) for part in int_parts)
         float_sizes = tuple(len(part) for part in float_parts)
-        layout = _PackLayout.of(int_sizes, float_sizes)
-        words = np.zeros(layout.num_words, dtype=np.int64)
-        floats = words[layout.floats_word :].view(np.float32)
-        for start, part in zip(layout.int_starts, int_parts):
-            words[start : start + len(part)] = part
-        for start, part in zip(layout.float_starts, float_parts):
-            floats[start : start + len(part)] = part
         return cls(
-            words, int_sizes, float_sizes,
+            PackLayout.of(int_sizes, float_sizes).pack(int_parts, float_parts), int_sizes, float_sizes,
             logprobs_k=min(vocab_size, max(params[i].logprobs for i in logprob_rows)) if logprob_rows else 0,
             all_greedy=all(greedy),
             max_top_k=max(k for k in top_ks if k < vocab_size) if use_top_k else 0,
@@ -170,14 +138,10 @@ class SamplingPack:
         """The batch as views of `words` (this pack's words, copied to the device)."""
         if words.dtype != torch.int64 or words.shape[0] != self.words.shape[0]:
             raise ValueError(f"expected {self.words.shape[0]} int64 words, got {words.dtype} {tuple(words.shape)}")
-        layout = _PackLayout.of(self.int_sizes, self.float_sizes)
-        floats = words[layout.floats_word :].view(torch.float32)
-        # only the parts in use become views (each view op costs host time every step)
-        keys, top_ks, rows = (words[a : a + n] if n else None for a, n in zip(layout.int_starts, self.int_sizes))
-        temperatures, top_ps, min_ps = (floats[a : a + n] if n else None
-                                         for a, n in zip(layout.float_starts, self.float_sizes))
+        (keys, top_ks, rows), (temperatures, top_ps, min_ps) = PackLayout.of(self.int_sizes,
+                                                                             self.float_sizes).split(words)
         if keys is None:  # an empty batch
-            keys, temperatures = words[:0], floats[:0]
+            keys, temperatures = words[:0], words[:0].view(torch.float32)
         return SamplingBatch(
             temperatures=temperatures,
             keys=keys,

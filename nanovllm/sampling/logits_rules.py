@@ -19,14 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from nanovllm.sampling.penalties import TokenCounts, penalize_rows
-from nanovllm.utils.host_to_device import aligned_count, to_device
+from nanovllm.utils.host_to_device import PackLayout, to_device
 
 # The integer parts of HostRules, in buffer order, then its float32 parts.
 INT_PARTS = ("penalty_rows", "penalty_slots", "allowed_rows", "allowed_entry_rows", "allowed_tokens",
@@ -91,21 +89,10 @@ class HostRules:
         # alignment every step, so Triton compiles no new variant mid-run
         ints = [(name, part) for name in INT_PARTS if (part := getattr(self, name))]
         floats = [(name, part) for name in FLOAT_PARTS if (part := getattr(self, name))]
-        int_starts = [0, *accumulate(aligned_count(len(part), 8) for _, part in ints)]
-        float_starts = [0, *accumulate(aligned_count(len(part), 4) for _, part in floats)]
-        num_ints = int_starts[-1]
-        words = np.zeros(num_ints + float_starts[-1] // 2, dtype=np.int64)
-        as_floats = words[num_ints:].view(np.float32)
-        for start, (_, part) in zip(int_starts, ints):
-            words[start : start + len(part)] = part
-        for start, (_, part) in zip(float_starts, floats):
-            as_floats[start : start + len(part)] = part
-        device_words = to_device(words, device)
-        views: dict[str, Tensor] = {name: device_words[a : a + len(part)]
-                                    for a, (name, part) in zip(int_starts, ints)}
-        if floats:  # (an empty int64 slice cannot be viewed as float32)
-            device_floats = device_words[num_ints:].view(torch.float32)
-            views.update((name, device_floats[a : a + len(part)]) for a, (name, part) in zip(float_starts, floats))
+        layout = PackLayout.of(tuple(len(part) for _, part in ints), tuple(len(part) for _, part in floats))
+        int_views, float_views = layout.split(to_device(layout.pack([p for _, p in ints], [p for _, p in floats]),
+                                                        device))
+        views: dict[str, Tensor] = {name: view for (name, _), view in zip(ints + floats, int_views + float_views)}
         if self.penalty_rows and counts is None:
             raise ValueError("penalized rows need the TokenCounts slab their slots index")
         if self.cond_rows and previous_tokens is None:

@@ -7,6 +7,11 @@ allocator keeps the host buffer alive until the copy has run.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
 import numpy as np
 import torch
 
@@ -19,10 +24,60 @@ from nanovllm.utils.ints import cdiv
 ALIGN_BYTES = 16
 
 
+# Pack layouts remembered (a step's part sizes mostly repeat the previous step's).
+LAYOUT_CACHE_SIZE = 1024
+
+
 def aligned_count(n: int, item_bytes: int) -> int:
     """n items of item_bytes each, rounded up to fill whole ALIGN_BYTES units."""
     per = ALIGN_BYTES // item_bytes
     return cdiv(n, per) * per
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where the parts of one int64 host array (one host-to-device copy) lie: the int64 parts, then
+    float32 parts two a word, each part starting ALIGN_BYTES aligned (lengths padded), so a kernel
+    reading a part sees the same pointer alignment every step.
+
+        | int part 0 | pad | int part 1 | pad | ... | float part 0 | pad | float part 1 | pad | ... |
+        ^ int_starts (words)                        ^ floats_word; float_starts count float32s from it
+    """
+
+    int_sizes: tuple[int, ...]
+    float_sizes: tuple[int, ...]
+    int_starts: tuple[int, ...]  # int64 word index of each int part
+    floats_word: int  # word index where the float32 region starts
+    float_starts: tuple[int, ...]  # float32 index of each float part within that region
+    num_words: int
+
+    @staticmethod
+    @functools.lru_cache(maxsize=LAYOUT_CACHE_SIZE)
+    def of(int_sizes: tuple[int, ...], float_sizes: tuple[int, ...]) -> PackLayout:
+        int_ends = [0, *accumulate(aligned_count(n, 8) for n in int_sizes)]
+        float_ends = [0, *accumulate(aligned_count(n, 4) for n in float_sizes)]
+        # at least one float word: torch cannot view an empty int64 slice as float32
+        return PackLayout(int_sizes, float_sizes, tuple(int_ends[:-1]), int_ends[-1], tuple(float_ends[:-1]),
+                          int_ends[-1] + max(float_ends[-1] // 2, 1))
+
+    def pack(self, int_parts: Sequence, float_parts: Sequence) -> np.ndarray:
+        """The [num_words] int64 array holding the parts (of this layout's sizes), padding zeroed."""
+        words = np.zeros(self.num_words, dtype=np.int64)
+        floats = words[self.floats_word :].view(np.float32)
+        for start, part in zip(self.int_starts, int_parts):
+            words[start : start + len(part)] = part
+        for start, part in zip(self.float_starts, float_parts):
+            floats[start : start + len(part)] = part
+        return words
+
+    def split(self, words: torch.Tensor) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """(int parts, float parts) as views of `words` (the packed array, copied to any device);
+        None for an empty part (each view costs host time every step: only the parts in use)."""
+        ints = [words[a : a + n] if n else None for a, n in zip(self.int_starts, self.int_sizes)]
+        if not any(self.float_sizes):
+            return ints, [None] * len(self.float_sizes)
+        floats = words[self.floats_word :].view(torch.float32)
+        return ints, [floats[a : a + n] if n else None for a, n in zip(self.float_starts, self.float_sizes)]
 
 
 def words_offset(num_ints: int) -> int:
