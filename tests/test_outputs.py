@@ -171,7 +171,8 @@ def test_special_tokens_in_the_text_on_request(llm):
 
 def test_stop_strings_count_only_past_min_tokens(llm):
     """vLLM's rule: a stop string ending inside the first min_tokens tokens' text does not stop the
-    request, and the text is cut at the first one ending past it."""
+    request, and the text is cut at the first one ending past it; also beside a longer stop string
+    (whose reach back keeps the held occurrence in the matcher's tail)."""
     prompt = "the quick brown"
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     ids, text = free.outputs[0].token_ids, free.outputs[0].text
@@ -182,12 +183,15 @@ def test_stop_strings_count_only_past_min_tokens(llm):
     cut = text.find(stop, after)
     assert cut >= 0, "the test needs a later occurrence"
     n = next(n for n in range(min_tokens + 1, len(ids) + 1) if tok.decode(ids[:n]).find(stop, after) >= 0)
-    early, held = llm.generate([prompt] * 2, [
+    never = "\x01" * 20
+    early, held, beside_long = llm.generate([prompt] * 3, [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=min_tokens)],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=min_tokens),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, never], min_tokens=min_tokens)],
         use_tqdm=False)
     assert len(early.outputs[0].token_ids) <= min_tokens and early.outputs[0].text == text[: text.find(stop)]
-    assert (held.outputs[0].token_ids, held.outputs[0].text, held.outputs[0].finish_reason) == (ids[:n], text[:cut], "stop")
+    for out in (held.outputs[0], beside_long.outputs[0]):
+        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (ids[:n], text[:cut], "stop", stop)
 
 
 def test_flat_prompt_logprobs_read_as_the_list_of_dicts():

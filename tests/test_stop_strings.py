@@ -79,3 +79,15 @@ def test_stop_spanning_many_steps(tokenizer, stop):
 def test_no_stream_decoder_without_a_tokenizers_backend():
     assert stream_decoder(None) is None
     assert isinstance(stream_decoder(AutoTokenizer.from_pretrained(MODEL_DIR)), Tokenizer)
+
+
+def test_a_stop_already_found_is_not_found_again(tokenizer):
+    """A short stop string inside the tail kept for a longer one (a match the first min_tokens tokens
+    held, which did not end the request) is reported at the token that completes it and not at the
+    tokens after it; its next occurrence is reported again."""
+    ids = tokenizer.encode("a fin b c d e fig", add_special_tokens=False)
+    matcher = StopStringMatcher(["fi", "z" * 20], skip_special_tokens=True, decoder=stream_decoder(tokenizer))
+    reported = [k for k, token in enumerate(ids, 1) if matcher.feed(token)]
+    expected = [k for k in range(1, len(ids) + 1)
+                if tokenizer.decode(ids[:k]).count("fi") > tokenizer.decode(ids[: k - 1]).count("fi")]
+    assert len(expected) == 2 and reported == expected

@@ -14,7 +14,9 @@ around punctuation (its `clean_up_tokenization_spaces`: non-BPE tokenizers, or a
 4), the stream does not, and a stop string that holds such a space is judged on the stream's text.
 
 A stop string that spans steps is found because the search covers the last
-len(longest stop) - 1 characters before the new text as well. Output text is cut at the first stop
+len(longest stop) - 1 characters before the new text as well; only a match that ends in the new
+text counts, so an occurrence already seen (one the first min_tokens tokens held, which did not end
+the request) is not found again while it sits in that tail. Output text is cut at the first stop
 string of the full decode once the request ends (before it, or after it with
 include_stop_str_in_output; Request.output).
 """
@@ -46,8 +48,9 @@ class StopStringMatcher:
         if text is None:
             return False  # nothing printable yet
         window = self.tail + text
+        new_from = len(self.tail)  # a match must end past this character, in the new text
         self.tail = window[-self.keep :] if self.keep else ""
-        return any(s in window for s in self.stops)
+        return any(window.find(s, max(0, new_from - len(s) + 1)) >= 0 for s in self.stops)
 
 
 def cut_at_stop(text: str, stops: list[str], include: bool = False, after: int = 0) -> tuple[str, str | None]:
