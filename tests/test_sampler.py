@@ -54,15 +54,20 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor) -> None:
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """float64 distribution after temperature, top-k, top-p, min-p (ties kept together).
+    """float64 distribution after temperature, then vLLM V1's order: min-p, top-k, top-p over the
+    survivors' mass (ties kept together).
 
     Written as plain Python over the sorted probabilities, independent of the sampler.
     Asserts that no top-p decision is within 1e-4 of its boundary, so float32 rounding
     in the sampler cannot flip it.
     """
     probs = torch.softmax(logits.double() / p.temperature, dim=-1)
-    values = sorted(probs.tolist(), reverse=True)
     keep = probs > -1.0
+    if p.min_p > 0.0:
+        floor = p.min_p * probs.max().item()
+        assert (probs - floor).abs().min().item() > 1e-6, "test design: min-p boundary too close"
+        keep &= probs >= floor
+    values = sorted(probs[keep].tolist(), reverse=True)
     if p.top_k not in (0, -1) and p.top_k < len(values):
         keep &= probs >= values[p.top_k - 1]
     if p.top_p < 1.0:
@@ -75,12 +80,22 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
                 keep &= probs > v  # everything from here on (ties of v included) is dropped
                 break
             before += v
-    if p.min_p > 0.0:
-        floor = p.min_p * probs.max().item()
-        assert (probs - floor).abs().min().item() > 1e-6, "test design: min-p boundary too close"
-        keep &= probs >= floor
     out = torch.where(keep, probs, 0.0)
     return out / out.sum()
+
+
+# A row whose kept set depends on the order of min-p and top-p (min_p 0.2, top_p 0.5): min-p keeps
+# tokens 0-4 (p 0.30, 0.12, 0.10, 0.09, 0.08: mass 0.69), and top-p over them keeps 0 and 1 (the mass
+# before token 2, 0.42, reaches 0.5 x 0.69); over the whole row it would keep token 2 too (0.42 < 0.5).
+ORDER_HEAD = (0.30, 0.12, 0.10, 0.09, 0.08)
+ORDER_PARAMS = dict(temperature=1.0, top_p=0.5, min_p=0.2)
+ORDER_KEPT = [0, 1]
+
+
+def order_row(vocab: int) -> torch.Tensor:
+    """[vocab] float32 logits of that row (the rest of the mass spread evenly over the tail)."""
+    tail = (1.0 - sum(ORDER_HEAD)) / (vocab - len(ORDER_HEAD))
+    return torch.tensor(ORDER_HEAD + (tail,) * (vocab - len(ORDER_HEAD)), dtype=torch.float64).log().float()
 
 
 def fresh_keys(n: int) -> list[int]:
@@ -598,3 +613,13 @@ def test_token_logprobs_standalone() -> None:
         token_logprobs(logits, targets.int(), 1)
     with pytest.raises(ValueError, match="2-D float"):
         token_logprobs(logits[0], targets[:1], 1)
+
+
+@pytest.mark.parametrize("top_k", [-1, 20])
+def test_min_p_comes_before_top_p_as_in_vllm(top_k):
+    """vLLM V1 applies min-p (a logits processor) before top-k / top-p: top-p weighs min-p's survivors."""
+    vocab, rows = 100, 400
+    p = SamplingParams(**ORDER_PARAMS, top_k=top_k)
+    row = order_row(vocab)
+    assert (reference(row, p) > 0).nonzero().flatten().tolist() == ORDER_KEPT
+    assert sorted(set(sample(row.repeat(rows, 1), build([p] * rows, vocab)).tolist())) == ORDER_KEPT

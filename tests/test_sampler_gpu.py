@@ -76,22 +76,20 @@ def random_logits(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """float64 mask of tokens the sampler may pick for one row, loosened by SLACK.
 
-    Per row: sorted probabilities, top-k threshold, top-p prefix found with
-    searchsorted on the cumulative mass, min-p floor. Ties are kept together.
+    Per row (vLLM's order): min-p floor, sorted probabilities, top-k threshold, top-p prefix of
+    the survivors found with searchsorted on their cumulative mass. Ties are kept together.
     """
     probs = torch.softmax(row.double() / p.temperature, dim=-1)
     values = probs.sort(descending=True).values
-    floor = 0.0
+    floor = p.min_p * values[0].item() * (1 - SLACK) if p.min_p > 0.0 else 0.0
     if p.top_k not in (0, -1):
-        floor = values[min(p.top_k, V) - 1].item() * (1 - SLACK)
+        floor = max(floor, values[min(p.top_k, V) - 1].item() * (1 - SLACK))
     if p.top_p < 1.0:
         survivors = values[values >= floor]
         cum = survivors.cumsum(0)
         target = torch.tensor([min(p.top_p + SLACK, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
         last = min(int(torch.searchsorted(cum, target).item()), len(survivors) - 1)
         floor = max(floor, survivors[last].item() * (1 - SLACK))
-    if p.min_p > 0.0:
-        floor = max(floor, p.min_p * values[0].item() * (1 - SLACK))
     return probs >= floor
 
 

@@ -18,6 +18,7 @@ from nanovllm.sampling.sampler import Sampler, takes_topk_kernel
 from nanovllm.sampling.topk_sample import GROUPS_PER_K, MAX_K, MAX_VOCAB, SMALL_K, list_length, topk_sample
 from nanovllm.sampling_params import SamplingParams
 from test_gumbel_sample import reference_uniforms
+from test_sampler import ORDER_KEPT, ORDER_PARAMS, order_row
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -31,17 +32,18 @@ def kept_tokens(x64: np.ndarray, top_k: int, top_p: float, min_p: float, slack: 
     top_p raised by that relative amount, the float32 rounding a kernel may differ by)."""
     p = np.exp(x64 - x64.max())
     p /= p.sum()
+    floor = min_p * p.max()  # vLLM's order: min-p, then top-k, then top-p over the survivors
     order = np.argsort(-p, kind="stable")
     kth = p[order[top_k - 1]] if top_k < len(p) else 0.0
     threshold = kth
     if top_p < 1.0:
-        survivors = np.where(p[order] >= kth, p[order], 0.0)
+        survivors = np.where((p[order] >= kth) & (p[order] >= floor), p[order], 0.0)
         inclusive = np.cumsum(survivors)
         num_kept = 1 + int(np.sum(inclusive[:-1] < min(1.0, top_p * (1 + slack)) * inclusive[-1]))
         threshold = max(kth, p[order[num_kept - 1]])
     keep = p >= threshold * (1 - slack)
     if min_p > 0.0:
-        keep &= p >= min_p * (1 - slack) * p.max()
+        keep &= p >= floor * (1 - slack)
     return keep
 
 
@@ -202,3 +204,17 @@ def test_cuda_graph_capture_replays_the_eager_tokens():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_comes_before_top_p(device):
+    """Top-p weighs the survivors of min-p and top-k (vLLM's order), on a row where the order changes
+    the kept set."""
+    rows, vocab = (16, 1200) if device == "cpu" else (256, 151_936)
+    logits = order_row(vocab).repeat(rows, 1)
+    keys = [int(k) for k in torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(9))]
+    params = [SamplingParams(**ORDER_PARAMS, top_k=20)] * rows
+    assert np.flatnonzero(kept_tokens(logits[0].double().numpy(), 20, 0.5, 0.2)).tolist() == ORDER_KEPT
+    tokens = sample(device, logits, params, keys, **chunk_args(device))
+    check_rows(tokens, logits, keys, params, min_exact=1.0)
+    assert sorted(set(tokens.tolist())) == ORDER_KEPT

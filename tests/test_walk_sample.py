@@ -15,23 +15,22 @@ import torch
 
 from nanovllm.sampling.candidate_walk import walk_sample
 from test_gumbel_sample import reference_uniforms
+from test_sampler import ORDER_KEPT, ORDER_PARAMS, order_row
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 
 
 def kept_tokens(x64: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
-    """Boolean [V]: the tokens the sampler's top-p and min-p rules keep, in float64."""
+    """Boolean [V]: the tokens the sampler's min-p, then top-p (over min-p's survivors) keep, in float64."""
     p = np.exp(x64 - x64.max())
     p /= p.sum()
-    keep = np.ones_like(p, dtype=bool)
+    keep = p >= min_p * p.max() if min_p > 0.0 else np.ones_like(p, dtype=bool)
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
-        inclusive = np.cumsum(p[order])
+        inclusive = np.cumsum(np.where(keep, p, 0.0)[order])
         num_kept = 1 + int(np.sum(inclusive[:-1] < top_p * inclusive[-1]))
         keep &= p >= p[order[num_kept - 1]]
-    if min_p > 0.0:
-        keep &= p >= min_p * p.max()
     return keep
 
 
@@ -224,3 +223,16 @@ def test_rows_of_non_finite_logits_end_on_a_token_of_the_row(device, top_p, min_
     assert not torch.isnan(rows["NaN at the max"][tokens["NaN at the max"]]), tokens
     assert tokens["+inf at 90 and 37"] == tokens["greedy, +inf at 90 and 37"] == 37, tokens
     assert tokens["-inf but 400"] == 400, tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_comes_before_top_p(device):
+    """Top-p weighs min-p's survivors (vLLM's order), on a row where the order changes the kept set."""
+    rows, vocab = (16, 2500) if device == "cpu" else (256, 151_936)
+    logits = order_row(vocab).repeat(rows, 1)
+    keys = [int(k) for k in torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(9))]
+    temps, top_ps, min_ps = ([ORDER_PARAMS[name]] * rows for name in ("temperature", "top_p", "min_p"))
+    assert np.flatnonzero(kept_tokens(logits[0].double().numpy(), top_ps[0], min_ps[0])).tolist() == ORDER_KEPT
+    tokens = run(device, logits, keys, temps, top_ps=top_ps, min_ps=min_ps)
+    check_rows(tokens, logits, keys, temps, top_ps, min_ps)
+    assert sorted(set(tokens.tolist())) == ORDER_KEPT

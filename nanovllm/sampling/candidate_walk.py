@@ -14,9 +14,12 @@ The first candidate kept is the filtered argmax, with the same noise: the token 
 path picks (up to float32 rounding of the two routes' sums). Whether c is kept needs only sums
 over the row:
 
-    top-p:  M(c) < top_p * Z,  M(c) = sum_{x[v] > x[c]} e^(x[v] - m),  Z = sum_v e^(x[v] - m)
-            (or nothing lies above c); ties of c are kept with it, as the sorted prefix keeps them
     min-p:  e^(x[c] - m) >= min_p,  m = max_v x[v]
+    top-p:  M(c) < top_p * Z,  M(c) = sum_{x[v] > x[c]} e^(x[v] - m),  Z = sum_{v kept by min-p} e^(x[v] - m)
+            (or nothing lies above c); ties of c are kept with it, as the sorted prefix keeps them.
+            Top-p weighs the min-p survivors only (vLLM's order: min-p first); a c that min-p
+            keeps has only survivors above it, so M(c) needs no min-p test, while Z of a row
+            with both filters is summed over the survivors in the first walk pass.
 
 One program per row: pass 1 finds m, Z and the first candidate (online softmax); each further
 pass sums M of the current candidate and finds the next one (skipping what min-p already
@@ -89,6 +92,13 @@ def _walk_sub(x, cols, g, xc, m, min_p, mass, best, best_col):
 
 
 @triton.jit
+def _survivors_mass(x, m, min_p):
+    """sum of e^(x - m) over the tokens min-p keeps (e^(x - m) >= min_p), per lane."""
+    rel = tl.exp(x - m)
+    return tl.where(rel >= min_p, rel, 0.0)
+
+
+@triton.jit
 def _lowest_best(best, best_col, vocab):
     """The lowest column among the lanes holding the best score."""
     top = _max2(best)
@@ -137,9 +147,12 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
     cand = _lowest_best(best, best_col, vocab)
     # greedy rows and rows without a filter keep their first candidate
     done = greedy | ((top_p >= 1.0) & (min_p <= 0.0))
+    z_top = z  # top-p's total: the min-p survivors' mass where min-p is on (first walk pass)
+    first_pass = tl.full([], 1, tl.int32)  # a tensor: the loop carries it
     while not done:
         xc = tl.math.div_rn(tl.load(x_row + cand).to(tl.float32), t)
         mass = tl.zeros([STEP_TILES, SUB], tl.float32)
+        survivors = tl.zeros([STEP_TILES, SUB], tl.float32)
         best = tl.full([STEP_TILES, SUB], float("-inf"), tl.float32)
         best_col = tl.zeros([STEP_TILES, SUB], tl.int32)
         for s0 in range(0, vocab, STEP_TILES * 4 * SUB):
@@ -149,6 +162,10 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
             x1 = load_scaled(x_row, c + SUB, vocab, t)
             x2 = load_scaled(x_row, c + 2 * SUB, vocab, t)
             x3 = load_scaled(x_row, c + 3 * SUB, vocab, t)
+            if HAS_TOP_P and HAS_MIN_P:  # (constexprs)
+                if first_pass == 1:
+                    survivors += (_survivors_mass(x0, m, min_p) + _survivors_mass(x1, m, min_p)
+                                  + _survivors_mass(x2, m, min_p) + _survivors_mass(x3, m, min_p))
             if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
                 # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
                 u0, u1, u2, u3 = tile_uniforms(key, t0, j)
@@ -159,8 +176,12 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
                                                  best_col)
                 mass, best, best_col = _walk_sub(x3, c + 3 * SUB, gumbel_noise(u3, noise), xc, m, min_p, mass, best,
                                                  best_col)
+        if HAS_TOP_P and HAS_MIN_P:
+            if first_pass == 1:
+                z_top = tl.where(min_p > 0.0, tl.sum(tl.sum(survivors, axis=1), axis=0), z)
+        first_pass = first_pass * 0
         above = tl.sum(tl.sum(mass, axis=1), axis=0)
-        kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z)
+        kept_p = (top_p >= 1.0) | (above == 0.0) | (above < top_p * z_top)
         kept_min_p = tl.exp(xc - m) >= min_p
         # nothing left above c (it is the row's max, or the row holds NaN): keep c, so the walk
         # always ends; otherwise x[c] strictly rises each round

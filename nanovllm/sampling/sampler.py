@@ -10,7 +10,10 @@ Pipeline (vLLM's order), all in float32:
    (sampling/logits_rules.py); greedy rows take the argmax of the result.
 1. ``scaled = logits / T`` (greedy rows use T = 1 and are swapped for the argmax at the end).
 2. ``probs = softmax(scaled)``.
-3. top-k / top-p (only when some row uses them, known on the host): the sorted
+3. min-p: probabilities below ``min_p * max_prob`` get 0, before top-k / top-p, so top-p's mass
+   is the min-p survivors' (vLLM V1's order: min-p is a logits processor ahead of its top-k /
+   top-p sampler).
+4. top-k / top-p (only when some row uses them, known on the host): the sorted
    probabilities (only torch.topk's max_top_k largest when every top-p row also uses
    top-k; on CUDA, for a large batch that would sort, a Triton radix select on the float
    bits instead: sampling/radix_filter.py) give each row a *threshold* value; top-k's is the k-th largest
@@ -18,7 +21,6 @@ Pipeline (vLLM's order), all in float32:
    prefix whose mass (within the top-k survivors) reaches top_p. Tokens with a
    probability strictly below the threshold get probability 0. Tokens tied with
    the threshold are all kept, so equal probabilities are always treated alike.
-4. min-p: probabilities below ``min_p * max_prob`` get 0 (folded into the same threshold).
 5. Gumbel-max: ``argmax(log probs + G)`` with ``G`` i.i.d. standard Gumbel picks token i
    with probability ``probs[i] / sum(probs)``, so no renormalisation is needed. A batch
    with no top-k/top-p/min-p row goes straight from the logits to tokens
@@ -264,14 +266,9 @@ class Sampler(torch.nn.Module):
         # in one pass (the caller's logits, maybe a CUDA graph's buffer, stay as they are).
         probs = torch.softmax(logits / safe_t, dim=-1)
 
-        threshold: Tensor | None = None
+        if batch.min_ps is not None:  # first: top-k / top-p then rank and weigh the survivors only
+            probs.masked_fill_(probs < batch.min_ps.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True), 0.0)
         if batch.top_ks is not None or batch.top_ps is not None:
-            threshold = self.threshold(probs, batch)
-        if batch.min_ps is not None:
-            # The top token survives top-k/top-p, so the max is unchanged by them.
-            min_p_th = batch.min_ps.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
-            threshold = min_p_th if threshold is None else torch.maximum(threshold, min_p_th)
-        if threshold is not None:
-            probs.masked_fill_(probs < threshold, 0.0)
+            probs.masked_fill_(probs < self.threshold(probs, batch), 0.0)
         sampled = self.gumbel_sample(probs, batch.keys, is_probs=True)
         return torch.where(is_greedy, greedy_ids, sampled)

@@ -1,25 +1,24 @@
 """Top-k sampling (with or without top-p / min-p) in two Triton launches, for top_k <= MAX_K.
 
 The sampler's threshold path (sampling/sampler.py) keeps the tokens whose probability reaches a
-per-row threshold (top-k's k-th largest value, ties kept; top-p's over the top-k survivors' mass;
-min-p against the row's max) and takes argmax(log p + g), g the row's Gumbel noise. With a small
+per-row threshold (min-p against the row's max first; top-k's k-th largest value, ties kept;
+top-p's over the mass of the min-p and top-k survivors) and takes argmax(log p + g), g the row's Gumbel noise. With a small
 k every kept token lies among the row's largest values, so neither the softmax nor a pass over the
 filtered row is needed: x = logit / T orders like p, the top-p test is a ratio of masses
 e^(x - m) (the row normaliser cancels), and the Gumbel-max draw over the kept tokens needs the
 noise of at most K columns.
 
     launch 1, grid (rows, chunks of CHUNK columns): the chunk's K largest x, as packed keys
-      (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the
-      K-th largest of NG = 4K group maxima bounds the chunk's K-th value from below; the ~1.15 K
-      elements at or above it are compacted into the chunk's slot and their top K taken
-      (tl.topk); a chunk with more than CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the
-      chunk's elements equal to its K-th value (ties that may lie past its list).
-    launch 2, one program per row: the top K of the row's chunk lists (its exact K largest),
-      then kth = v[k-1], the ties of kth past the list (from the pool and the chunks' counts),
-      top-p's threshold from the cumulative masses over the survivors (as the torch path's
-      _threshold_from_top), min-p's floor, and argmax(x + g) over the kept list entries. Only
-      when kept ties of kth lie past the list (rare: more than K - k ties) does the row's program
-      scan its whole row with the threshold.
+      (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the K-th largest of NG
+      = 4K group maxima bounds the chunk's K-th value from below; the ~1.15 K elements at or above it are
+      compacted into the chunk's slot and their top K taken (tl.topk); a chunk with more than CAP of them (ties,
+      a partial last chunk) takes tl.topk of all its keys. Also the count of the chunk's elements equal to its
+      K-th value (ties that may lie past its list).
+    launch 2, one program per row: the top K of the row's chunk lists (its exact K largest), then kth = v[k-1],
+      the ties of kth past the list (from the pool and the chunks' counts), min-p's floor, top-p's threshold
+      from the cumulative masses over the survivors of both (as the torch path's _threshold_from_top on
+      probabilities min-p zeroed), and argmax(x + g) over the kept list entries. Only when kept ties of kth lie
+      past the list (rare: more than K - k ties) does the row's program scan its whole row with the threshold.
 
 The tokens are the threshold path's with the same noise (gumbel_torch.py's layout) up to float32
 near-ties: the filters compare x = logit / T where the torch path compares probabilities, and the
@@ -168,20 +167,23 @@ def _row_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_k_ptr, top_p_ptr, mi
     in_list = tl.sum(pool_eq.to(tl.int32), axis=1)
     spill = tl.sum(tl.where((last != NO_KEY) & (last_x == kth), chunk_ties - in_list, 0), axis=0)
     past = tl.sum(in_list, axis=0) - tl.sum((valid & (v == kth)).to(tl.int32), axis=0) + spill
-    thr = kth
-    if HAS_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
-        mass = tl.where(valid & (v >= kth), tl.exp(v - m), 0.0)
-        inclusive = tl.cumsum(mass, 0)  # [K], non-decreasing
-        limit = top_p * (tl.max(inclusive, axis=0) + past.to(tl.float32) * tl.exp(kth - m))
-        num_kept = 1 + tl.sum(((idx < K - 1) & (inclusive < limit)).to(tl.int32), axis=0)
-        pth = tl.max(tl.where(idx == num_kept - 1, v, float("-inf")), axis=0)
-        thr = tl.where(top_p < 1.0, tl.maximum(kth, pth), kth)
     min_p = 0.0
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
+    floor_kept = tl.exp(v - m) >= min_p  # [K] min-p's survivors (a suffix of the list fails it)
+    thr = kth
+    if HAS_TOP_P:
+        # top-p weighs the survivors of min-p and top-k (vLLM's order: min-p first)
+        top_p = tl.load(top_p_ptr + row)
+        mass = tl.where(valid & (v >= kth) & floor_kept, tl.exp(v - m), 0.0)
+        inclusive = tl.cumsum(mass, 0)  # [K], non-decreasing
+        ties_mass = tl.where(tl.exp(kth - m) >= min_p, past.to(tl.float32) * tl.exp(kth - m), 0.0)
+        limit = top_p * (tl.max(inclusive, axis=0) + ties_mass)
+        num_kept = 1 + tl.sum(((idx < K - 1) & (inclusive < limit)).to(tl.int32), axis=0)
+        pth = tl.max(tl.where(idx == num_kept - 1, v, float("-inf")), axis=0)
+        thr = tl.where(top_p < 1.0, tl.maximum(kth, pth), kth)
     key = tl.load(key_ptr + row)
-    kept = valid & (v >= thr) & (tl.exp(v - m) >= min_p)
+    kept = valid & (v >= thr) & floor_kept
     score = tl.where(kept, v + _column_noise(key, col), float("-inf"))
     best = tl.max(score, axis=0)
     token = tl.min(tl.where(kept & (score == best), col, vocab), axis=0)
