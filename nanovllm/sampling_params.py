@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from nanovllm.utils.validation import check_int
@@ -25,6 +26,20 @@ GREEDY_TEMPERATURE = 1e-5
 PENALTY_LIMIT = 2.0
 # truncate_prompt_tokens value meaning "keep at most max_model_len tokens" (vLLM's spelling).
 TRUNCATE_TO_MODEL_LEN = -1
+# The seed vLLM reads as None (no seed).
+NO_SEED = -1
+
+
+def _plain_number(value: object) -> object:
+    """A NumPy (or other numbers.Integral / numbers.Real) scalar as a Python int / float, as vLLM takes
+    them (data-synthesis scripts draw max_tokens, seeds and top_p with NumPy); anything else as is."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _check_float(name: str, value: object) -> None:
@@ -40,12 +55,13 @@ def _check_bool(name: str, value: object) -> None:
 
 
 def _token_list(name: str, value: object) -> list[int]:
-    """A list (or tuple) of token ids (ints >= 0), as a new list."""
+    """A list (or tuple) of token ids (ints >= 0), as a new list of Python ints."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"SamplingParams.{name} must be a list of token ids, got {value!r}")
-    for token_id in value:
+    ids = [_plain_number(token_id) for token_id in value]
+    for token_id in ids:
         check_int(f"SamplingParams.{name}", token_id, 0)
-    return list(value)
+    return ids
 
 
 @dataclass
@@ -115,8 +131,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens (0 or -1: off).
     top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0: off).
     min_p: drop tokens with probability < min_p * max probability (0.0: off).
-    seed: None draws from the engine's RNG; an int makes this request's tokens
-        reproducible whatever else is in the batch.
+    seed: None draws from the engine's RNG; an int >= 0 makes this request's tokens
+        reproducible whatever else is in the batch (-1: None, as in vLLM).
     max_tokens: most tokens to generate.
     ignore_eos: keep generating past EOS tokens.
     stop: strings; generation stops once the decoded completion contains one, and
@@ -175,6 +191,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _plain_number(getattr(self, f.name)))
+        if self.seed == NO_SEED:
+            self.seed = None
         _check_float("temperature", self.temperature)
         if self.temperature < 0 or math.isinf(self.temperature):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
@@ -198,8 +218,10 @@ class SamplingParams:
             self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise TypeError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(self.stop):
+            raise ValueError(f"SamplingParams.stop must not hold an empty string, got {self.stop!r}")
         self.stop = list(self.stop)
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True (the text is matched): "
@@ -247,6 +269,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, "
                                 f"got {self.logit_bias!r}")
+            self.logit_bias = {_plain_number(t): _plain_number(b) for t, b in self.logit_bias.items()}
             for token_id, bias in self.logit_bias.items():
                 check_int("SamplingParams.logit_bias token id", token_id, 0)
                 _check_float(f"logit_bias[{token_id}]", bias)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -93,8 +94,12 @@ BAD_SAMPLING = [
     ({"top_k": -2}, ValueError, "top_k"),
     ({"min_p": 1.5}, ValueError, "min_p"),
     ({"min_p": -0.1}, ValueError, "min_p"),
-    ({"seed": -1}, ValueError, "seed"),
-    ({"stop": [""]}, TypeError, "stop"),
+    ({"seed": -2}, ValueError, "seed"),
+    ({"seed": 1.0}, TypeError, "seed"),
+    ({"stop": [""]}, ValueError, "stop"),
+    ({"stop": ["x", 3]}, TypeError, "stop"),
+    ({"max_tokens": np.float64(2.0)}, TypeError, "max_tokens"),
+    ({"ignore_eos": np.bool_(True)}, TypeError, "ignore_eos"),
     ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
     ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
 ]

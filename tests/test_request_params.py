@@ -5,6 +5,7 @@ reading outputs as lm-evaluation-harness's and verl's vLLM backends do."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,3 +177,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     # -1: the last max_model_len tokens, which fill it: one token, as vLLM serves them
     [full] = llm.generate([list(range(1, 100))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
     assert full.prompt_token_ids == list(range(36, 100)) and len(full.outputs[0].token_ids) == 1
+
+
+def test_numpy_scalars_and_seed_minus_one_as_vllm_takes_them():
+    """NumPy scalars (as data-synthesis scripts draw them) become Python ints / floats, also inside the
+    token lists and logit_bias; seed -1 is no seed."""
+    drawn = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(20), top_p=np.float64(0.9), seed=np.int32(3),
+                           max_tokens=np.int64(7), n=np.int16(2), min_tokens=np.uint8(1),
+                           stop_token_ids=[np.int64(5)], allowed_token_ids=np.arange(3).tolist() + [np.int32(9)],
+                           logit_bias={np.int64(4): np.float32(1.5)})
+    plain = SamplingParams(temperature=0.5, top_k=20, top_p=0.9, seed=3, max_tokens=7, n=2, min_tokens=1,
+                           stop_token_ids=[5], allowed_token_ids=[0, 1, 2, 9], logit_bias={4: 1.5})
+    assert drawn == plain
+    assert all(type(getattr(drawn, name)) is type(getattr(plain, name))
+               for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "n", "min_tokens"))
+    assert [type(t) for t in drawn.stop_token_ids + drawn.allowed_token_ids + list(drawn.logit_bias)] == [int] * 6
+    assert SamplingParams(seed=-1).seed is None
