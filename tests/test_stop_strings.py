@@ -1,7 +1,8 @@
 """StopStringMatcher (tokenizers' DecodeStream fed one token at a time) finds a stop string at the
 token that completes it in the full decode, `tokenizer.decode(ids[:k])` being the reference: for
 byte-level BPE (the shipped model's tokenizer, Qwen / Llama 3 style) and byte fallback
-(Llama 2 style), characters split over tokens, special tokens kept or skipped."""
+(Llama 2 style), characters split over tokens, special tokens kept or skipped. Also the completion
+text of tokens that end inside a character (Detokenizer.text)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from nanovllm import SamplingParams
+from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.stop_strings import StopStringMatcher, stream_decoder
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "nanovllm" / "default_model"
@@ -91,3 +94,17 @@ def test_a_stop_already_found_is_not_found_again(tokenizer):
     expected = [k for k in range(1, len(ids) + 1)
                 if tokenizer.decode(ids[:k]).count("fi") > tokenizer.decode(ids[: k - 1]).count("fi")]
     assert len(expected) == 2 and reported == expected
+
+
+def test_text_of_tokens_ending_inside_a_character(tokenizer):
+    """max_tokens may cut a character split over tokens: the text is that of the tokens before it
+    (vLLM's incremental text), never a trailing U+FFFD; whole characters are decoded as always."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detokenizer, params = Detokenizer(tokenizer), SamplingParams()
+    cut = 0
+    for k in range(1, len(ids) + 1):
+        text = [tokenizer.decode(ids[:j], skip_special_tokens=True) for j in range(k + 1)]
+        whole = max(j for j in range(k + 1) if not text[j].endswith("\ufffd"))
+        cut += whole < k
+        assert detokenizer.text(ids[:k], params) == text[whole], k
+    assert cut >= 3  # the text splits characters (2-, 3- and 4-byte ones)

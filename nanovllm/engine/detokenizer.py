@@ -7,8 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenizers.decoders import DecodeStream
+
+from nanovllm.engine.stop_strings import stream_decoder
 from nanovllm.outputs import FlatLogprobs, Logprob
 from nanovllm.sampling_params import SamplingParams
+
+# What decode gives for bytes that do not (yet) form a UTF-8 character.
+REPLACEMENT = "\ufffd"
 
 
 def decode_options(params: SamplingParams) -> dict:
@@ -23,10 +29,26 @@ class Detokenizer:
         self._token_texts: dict[int, str] = {}
 
     def text(self, token_ids: list[int], params: SamplingParams) -> str:
-        """The completion's text ("" with detokenize=False or without a tokenizer)."""
+        """The completion's text ("" with detokenize=False or without a tokenizer). Tokens that end
+        inside a character (max_tokens cut it) add nothing, as in vLLM's incremental text, instead of
+        a trailing U+FFFD."""
         if self.tokenizer is None or not params.detokenize:
             return ""
-        return self.tokenizer.decode(token_ids, **decode_options(params))
+        text = self.tokenizer.decode(token_ids, **decode_options(params))
+        if text.endswith(REPLACEMENT):
+            text = self.tokenizer.decode(token_ids[: len(token_ids) - self._held(token_ids, params)],
+                                         **decode_options(params))
+        return text
+
+    def _held(self, token_ids: list[int], params: SamplingParams) -> int:
+        """How many of the last tokens an incremental decode still holds (they end inside a character)."""
+        decoder = stream_decoder(self.tokenizer)
+        if decoder is None:
+            return 0
+        stream, held = DecodeStream(skip_special_tokens=params.skip_special_tokens), 0
+        for token_id in token_ids:
+            held = 0 if stream.step(decoder, token_id) is not None else held + 1
+        return held
 
     def fill_decoded_tokens(self, entries: Iterable[dict[int, Logprob] | None] | FlatLogprobs) -> None:
         """Set every entry's decoded_token (its id decoded alone, special tokens kept)."""
