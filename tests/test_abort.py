@@ -182,3 +182,33 @@ def test_random_aborts_leak_no_block(ckpt, baseline, data, budget, slack_blocks,
         assert run.outputs == {i: expected[k]["token_ids"] for k, i in enumerate(ids) if i not in run.aborted}
     finally:
         llm.exit()
+
+
+def test_nothing_pending_once_the_last_request_ends_under_overlap(ckpt):
+    """Overlap scheduling queues the next step before this one's tokens are read. Once the last
+    request is aborted, or finished by a stop token, that queued step holds no request: the engine
+    is finished at once, so sleep / update_weights / generate are not refused, and outputs after
+    it are a fresh engine's."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        prompt = make_prompts(3, 1, 20, 30)[0]
+        free = llm.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+        request = llm.add_request(prompt, greedy(6))
+        llm.step()
+        assert llm.pipeline.in_flight_batch is not None  # the next step is queued
+        llm.abort_request(request)
+        assert llm.is_finished() and llm.pipeline.idle
+        llm.sleep(1)
+        llm.wake_up()
+        # a stop token ends the request at its third token while the fourth step is queued
+        stop = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[free[2]])
+        request = llm.add_request(prompt, stop)
+        finished = []
+        while not finished:
+            finished = llm.step().finished
+        assert finished[0].outputs[0].token_ids == free[: free.index(free[2]) + 1] and llm.is_finished()
+        llm.update_weights([])
+        assert llm.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids == free
+        assert_blocks_match_live_sequences(llm)
+    finally:
+        llm.exit()

@@ -149,7 +149,9 @@ class LLMEngine:
         self._check_open()
         if self.is_finished():
             return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
-        return self.pipeline.step()
+        result = self.pipeline.step()
+        self._drop_steps_of_no_request()
+        return result
 
     def is_finished(self) -> bool:
         self._check_open()
@@ -168,6 +170,15 @@ class LLMEngine:
         dropped = [self.scheduler.requests[i] for i in set(ids) if i in self.scheduler.requests]
         self.scheduler.abort(set(ids))
         self.model_runner.rules.release([s for request in dropped for s in request.samples])
+        self._drop_steps_of_no_request()
+
+    def _drop_steps_of_no_request(self) -> None:
+        """With no request left (the last one finished by a stop or was aborted), the steps overlap
+        scheduling queued hold only tokens nobody reads: forget them, so the engine is finished now
+        (generate, sleep and update_weights are not refused for them). Their device work still runs
+        before anything queued later (one stream), as after abort_all."""
+        if self.scheduler.is_finished():
+            self.pipeline.drop()
 
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
