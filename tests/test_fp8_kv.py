@@ -375,6 +375,30 @@ def test_fp8_scales_from_the_first_prefill_step(checkpoint):
     llm.exit()
 
 
+
+def test_a_first_prefill_step_that_raises_calibrates_nothing(checkpoint):
+    """A first prefill step that fails part way (an out-of-memory error, an interrupt: here a forward
+    pre-hook on decoder layer 1 raising, after layer 0 set its scales) leaves the calibration to the next prefill step, which sets every
+    layer's scales as a fresh engine's first step does."""
+    prompt = make_prompts(3, 1, 32, 33)[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    clean = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16)
+    want = clean.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    want_scales = engine_scales(clean)
+    clean.exit()
+
+    def fail(module, args):
+        raise RuntimeError("injected failure in layer 1")
+
+    llm = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16)
+    hook = llm.model_runner.model.model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([prompt], params, use_tqdm=False)
+    hook.remove()
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == want
+    assert engine_scales(llm) == want_scales
+    llm.exit()
+
 @torch.no_grad()
 def test_fp8_engine_close_to_transformers(checkpoint):
     """Teacher-forced on the FP8 engine's own greedy tokens, transformers (float32) picks the same

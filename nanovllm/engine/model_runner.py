@@ -278,8 +278,9 @@ class ModelRunner:
             inputs = self.inputs.varlen(plan, step.copy, carried_from)
             if step.calibrate_kv:  # the first prefill step after start-up sets the FP8 scales
                 inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
-                self._calibrate_kv = False
             every = self._forward(inputs)  # [num_tokens, hidden]
+            if step.calibrate_kv:  # set only once every layer has (a step that raised calibrates nothing)
+                self._calibrate_kv = False
             hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
             if plan.prompt_logprob_rows:
                 prompt_logprobs = self._prompt_logprobs(plan, every)
