@@ -44,6 +44,7 @@ BAD_PROMPTS = [
     ([5] * 129, ValueError, "max_model_len"),  # 128 fills max_model_len, which vLLM accepts
     (12345, TypeError, "int"),
     ({"nope": [1]}, ValueError, "prompt_token_ids"),
+    ({"prompt_token_ids": "hello"}, TypeError, "prompt_token_ids must be a list of token ids, got str"),
 ]
 
 

@@ -68,6 +68,8 @@ class PromptValidator:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):  # vLLM's TokensPrompt: token ids only, never text
+                    raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
