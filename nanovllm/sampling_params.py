@@ -28,6 +28,8 @@ PENALTY_LIMIT = 2.0
 TRUNCATE_TO_MODEL_LEN = -1
 # The seed vLLM reads as None (no seed).
 NO_SEED = -1
+# Seeds are 64-bit (noise keys mix them modulo 2**64: a larger one would alias a smaller one's tokens).
+SEED_LIMIT = 2**64
 
 
 def _plain_number(value: object) -> object:
@@ -209,6 +211,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
             check_int("SamplingParams.seed", self.seed, 0)
+            if self.seed >= SEED_LIMIT:
+                raise ValueError(f"SamplingParams.seed must be < 2**64, got {self.seed!r}")
         if self.max_tokens is not None:
             check_int("SamplingParams.max_tokens", self.max_tokens, 1)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

@@ -97,6 +97,7 @@ BAD_SAMPLING = [
     ({"min_p": -0.1}, ValueError, "min_p"),
     ({"seed": -2}, ValueError, "seed"),
     ({"seed": 1.0}, TypeError, "seed"),
+    ({"seed": 2**64}, ValueError, r"seed must be < 2\*\*64"),
     ({"stop": [""]}, ValueError, "stop"),
     ({"stop": ["x", 3]}, TypeError, "stop"),
     ({"max_tokens": np.float64(2.0)}, TypeError, "max_tokens"),
