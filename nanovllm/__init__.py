@@ -6,7 +6,7 @@
     outputs[0].outputs[0].text                          # vLLM's RequestOutput (also outputs[0]["text"])
 """
 
-from nanovllm.engine.prompts import TextPrompt, TokensPrompt
+from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams

@@ -20,6 +20,7 @@ from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.run_rates import RunRates
+from nanovllm.inputs import PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -59,7 +60,7 @@ class LLM(LLMEngine):
 
     def generate(
         self,
-        prompts: SequenceABC,
+        prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: object = None,

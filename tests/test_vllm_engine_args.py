@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from checkpoints import checkpoint_fixture, cpu_llm
-from nanovllm import LLM, SamplingParams, TokensPrompt
+import nanovllm
+from nanovllm import LLM, SamplingParams, TokensPrompt, inputs
 from nanovllm.config import Config
 from nanovllm.engine_args import VLLM_ONLY_ARGS, strip_vllm_only_args
 
@@ -54,6 +55,10 @@ def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
         assert tok is llm.tokenizer and tok.decode(tok.encode("the dog")) == "the dog"
         out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], GREEDY, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 4
+        # vLLM's import path of the prompt dicts (verl: `from vllm.inputs import TokensPrompt`)
+        assert inputs.TokensPrompt is TokensPrompt and inputs.TextPrompt is nanovllm.TextPrompt
+        by_text = llm.generate([inputs.TextPrompt(prompt="the dog")], GREEDY, use_tqdm=False)[0]
+        assert by_text.prompt == "the dog" and len(by_text.outputs[0].token_ids) == 4
     finally:
         llm.exit()
 

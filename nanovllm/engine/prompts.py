@@ -1,7 +1,7 @@
 """Checks and tokenizes one request before it reaches the scheduler.
 
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
-{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (TokensPrompt / TextPrompt). Anything else, or a request
+{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt). Anything else, or a request
 the engine could never serve, raises TypeError/ValueError naming the bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
 truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
@@ -13,25 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
-from typing import TypedDict
 
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
-
-
-class _TokenIds(TypedDict):
-    prompt_token_ids: list[int]
-
-
-class TokensPrompt(_TokenIds, total=False):
-    """vLLM's prompt given as token ids: {"prompt_token_ids": [...]} (a "prompt" text may ride along)."""
-
-    prompt: str
-
-
-class TextPrompt(TypedDict):
-    """vLLM's prompt given as text: {"prompt": "..."}."""
-
-    prompt: str
 
 
 @dataclass(frozen=True)
