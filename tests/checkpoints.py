@@ -497,3 +497,10 @@ def check_gpu_regimes(path: str, reference, ps, params, regimes: dict[str, dict]
             assert facts["prefix_hits"] > 0
         for p, o in zip(ps, outs):
             assert_bf16_greedy_matches(reference, p, o)
+
+
+def whole_text(tokenizer, ids: list[int], **decode_options) -> str:
+    """The text of completion tokens `ids`: the decode of its longest prefix that does not end inside
+    a character (tokens that do add no text, as in vLLM's incremental text)."""
+    return next(text for j in range(len(ids), -1, -1)
+                if not (text := tokenizer.decode(ids[:j], **decode_options)).endswith("\ufffd"))
