@@ -19,7 +19,8 @@ over the row:
             (or nothing lies above c); ties of c are kept with it, as the sorted prefix keeps them.
             Top-p weighs the min-p survivors only (vLLM's order: min-p first); a c that min-p
             keeps has only survivors above it, so M(c) needs no min-p test, while Z of a row
-            with both filters is summed over the survivors in the first walk pass.
+            with both filters is summed over the survivors in the first walk pass (the steps
+            whose largest value passes min-p: few, on a peaked row).
 
 One program per row: pass 1 finds m, Z and the first candidate (online softmax); each further
 pass sums M of the current candidate and finds the next one (skipping what min-p already
@@ -162,11 +163,12 @@ def _walk_sample_kernel(x_ptr, temperature_ptr, key_ptr, top_p_ptr, min_p_ptr, o
             x1 = load_scaled(x_row, c + SUB, vocab, t)
             x2 = load_scaled(x_row, c + 2 * SUB, vocab, t)
             x3 = load_scaled(x_row, c + 3 * SUB, vocab, t)
-            if HAS_TOP_P and HAS_MIN_P:  # (constexprs)
-                if first_pass == 1:
+            step_max = tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3)))
+            if HAS_TOP_P and HAS_MIN_P:  # (constexprs) the first pass sums min-p's survivors, in steps holding one
+                if (first_pass == 1) & (min_p > 0.0) & (tl.exp(step_max - m) >= min_p):
                     survivors += (_survivors_mass(x0, m, min_p) + _survivors_mass(x1, m, min_p)
                                   + _survivors_mass(x2, m, min_p) + _survivors_mass(x3, m, min_p))
-            if tl.maximum(tl.maximum(_max2(x0), _max2(x1)), tl.maximum(_max2(x2), _max2(x3))) > xc:
+            if step_max > xc:
                 # (a step wholly at or below the candidate adds nothing: its noise is never drawn)
                 u0, u1, u2, u3 = tile_uniforms(key, t0, j)
                 mass, best, best_col = _walk_sub(x0, c, gumbel_noise(u0, noise), xc, m, min_p, mass, best, best_col)
