@@ -9,7 +9,9 @@ import torch
 
 import nanovllm
 import nanovllm.outputs
-from checkpoints import checkpoint_fixture, cpu_llm_fixture, load_reference, make_prompts, whole_text
+from checkpoints import (
+    build_checkpoint, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference, make_prompts, whole_text,
+)
 from nanovllm import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 # fp32 engine against fp32 transformers: different kernels and summation order
@@ -218,3 +220,25 @@ def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
         flat.extend([1, 2], [-1.0, -2.0], [1, 2])
     empty = nanovllm.outputs.FlatLogprobs(0)
     assert empty == [None] and len(empty) == 1 and empty[0] is None
+
+
+def test_a_checkpoints_other_eos_ids_stop_as_stop_token_ids(tmp_path):
+    """vLLM's rule for a checkpoint with several EOS ids (Qwen: <|im_end|> for the tokenizer,
+    <|endoftext|> beside it in generation_config.json): the tokenizer's ends a request with
+    stop_reason None, the others as stop_token_ids do (stop_reason the id); ignore_eos passes them
+    all; the caller's SamplingParams stay as given."""
+    path = build_checkpoint(str(tmp_path / "two_eos"), eos_token_id=[0, 7])
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64)
+    try:
+        assert llm.tokenizer.eos_token_id == 0 and llm.eos_token_ids == {0, 7}
+        params = [SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100.0}, ignore_eos=ignore)
+                  for t, ignore in ((7, False), (0, False), (7, True))]
+        other, primary, ignored = llm.generate(["the dog"] * 3, params, use_tqdm=False)
+        assert (other.outputs[0].token_ids, other.outputs[0].finish_reason, other.outputs[0].stop_reason) == (
+            [7], "stop", 7)
+        assert (primary.outputs[0].token_ids, primary.outputs[0].finish_reason, primary.outputs[0].stop_reason) == (
+            [0], "stop", None)
+        assert ignored.outputs[0].token_ids == [7] * 4 and ignored.outputs[0].finish_reason == "length"
+        assert params[0].stop_token_ids == []
+    finally:
+        llm.exit()

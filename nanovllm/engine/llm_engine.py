@@ -75,9 +75,12 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        self.eos_token_ids = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        self.eos_token_ids = eos.all
+        self._eos_stop_ids = eos.others  # each request's stop_token_ids gain them (vLLM's rule; EosTokens)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.eos_token_ids,
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+            frozenset() if eos.primary is None else frozenset({eos.primary}),
             mixed_steps=cfg.mixed_steps, decoder=stream_decoder(self.tokenizer), fill_sizes=self.model_runner.fill_sizes,
         )
         self.validator = PromptValidator(
@@ -115,6 +118,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         checked = params.validated()
+        if self._eos_stop_ids and not checked.ignore_eos:  # our copy: the caller's params stay as given
+            checked.stop_token_ids = sorted(set(checked.stop_token_ids) | self._eos_stop_ids)
         vocab_size = self.config.model_config.vocab_size
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
         if checked.stop and self.tokenizer is not None and self.scheduler.decoder is None:

@@ -76,6 +76,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # EOS ids that end a request with stop_reason None (the tokenizer's; a checkpoint's other EOS
+        # ids reach the scheduler inside each request's stop_token_ids: utils/tokenizer.EosTokens)
         self.eos_token_ids = eos_token_ids
         # tokenizers.Tokenizer that decodes completions for stop strings (stop_strings.stream_decoder;
         # None: no tokenizer, stop strings are not looked for)

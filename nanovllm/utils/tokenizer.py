@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 # Files whose presence means the directory ships a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -27,13 +28,30 @@ def _as_ids(value) -> set[int]:
     return {int(v) for v in value}
 
 
-def load_eos_token_ids(path: str, tokenizer, config_eos: tuple[int, ...]) -> frozenset[int]:
+@dataclass(frozen=True)
+class EosTokens:
+    """A checkpoint's EOS ids. `primary`, the tokenizer's eos_token_id (None without a tokenizer),
+    ends a request with stop_reason None; the others (config.json's and generation_config.json's,
+    e.g. Qwen's <|endoftext|> beside its tokenizer's <|im_end|>) end it as stop_token_ids do, with
+    stop_reason the id: vLLM adds them to each request's stop_token_ids (unless ignore_eos)."""
+
+    primary: int | None
+    all: frozenset[int]  # primary included
+
+    @property
+    def others(self) -> frozenset[int]:
+        return self.all - {self.primary}
+
+
+def load_eos_token_ids(path: str, tokenizer, config_eos: tuple[int, ...]) -> EosTokens:
     """Every EOS id of the tokenizer, config.json and generation_config.json."""
     ids = set(config_eos)
-    if tokenizer is not None:
-        ids |= _as_ids(tokenizer.eos_token_id)
+    primary = None
+    if tokenizer is not None and isinstance(tokenizer.eos_token_id, int):
+        primary = tokenizer.eos_token_id
+        ids.add(primary)
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             ids |= _as_ids(json.load(f).get("eos_token_id"))
-    return frozenset(ids)
+    return EosTokens(primary, frozenset(ids))
