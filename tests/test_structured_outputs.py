@@ -13,6 +13,7 @@ engine's); unconstrained rows against a run without any constrained row.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -406,7 +407,7 @@ def test_structured_outputs_edited_after_construction_are_checked_when_added(llm
     assert [o.request_id for o in finished] == [request_id] and finished[0].outputs[0].text in CHOICES
 
 
-def test_accept_tokens_advances_each_grammar_and_refuses_a_token_its_mask_forbids(llm):
+def test_accept_tokens_advances_each_grammar_and_marks_a_token_its_mask_forbids(llm):
     compiled = llm.grammars.compile(StructuredOutputsParams(choice=["ab", "cd"]))
     ab, zz = (llm.tokenizer.encode(text, add_special_tokens=False) for text in ("ab", "zz"))
     first, ended, refused = (llm.grammars.sample_grammar(compiled) for _ in range(3))
@@ -415,5 +416,28 @@ def test_accept_tokens_advances_each_grammar_and_refuses_a_token_its_mask_forbid
     for token in ab[1:]:
         accept_tokens([first], [token])
     assert first.matcher.is_completed() and ended.ended and not first.ended
-    with pytest.raises(RuntimeError, match=f"token {zz[0]} was sampled under a grammar mask that does not allow it"):
-        accept_tokens([refused], [zz[0]])
+    assert not (first.rejected or ended.rejected or refused.rejected)
+    accept_tokens([refused, first], [zz[0], llm.tokenizer.eos_token_id])
+    assert refused.rejected and not first.rejected and first.ended
+
+
+def test_a_row_whose_rules_leave_its_grammar_nothing_ends_alone(llm, caplog):
+    """allowed_token_ids disjoint from the grammar's tokens, or min_tokens banning the EOS that is all
+    a finished choice allows: nothing of the row's mask is left, so its sample ends there (with the
+    tokens it has, a warning logged; where the pick from an all-masked row is the EOS, as on this
+    model, the grammar takes it and the row ends as any does); the other rows of the batch are those of
+    a run without it."""
+    alone = llm.generate([PROMPTS[1]], FREE[0], use_tqdm=False)[0].outputs[0].token_ids
+    firsts = {llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in CHOICES}
+    disjoint = [t for t in range(100, 200) if t not in firsts][:3]
+    with caplog.at_level(logging.WARNING, logger="nanovllm.engine.scheduler"):
+        none_left, short, free = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [
+            constrained("choice", False, allowed_token_ids=disjoint),
+            constrained("choice", True, min_tokens=MAX_TOKENS - 1),
+            FREE[0]], use_tqdm=False)
+    assert none_left.outputs[0].token_ids == [] and none_left.outputs[0].finish_reason == "stop"
+    assert short.outputs[0].text in CHOICES and short.outputs[0].finish_reason == "stop"
+    assert free.outputs[0].token_ids == alone
+    assert [r.getMessage().split(":")[0] for r in caplog.records if "leave no token allowed" in r.getMessage()] == [
+        f"request {none_left.request_id}"]
+    assert llm.generate([PROMPTS[1]], FREE[0], use_tqdm=False)[0].outputs[0].token_ids == alone

@@ -40,6 +40,7 @@ are done, and aborts requests (one, some or all). An aborted request is dropped,
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from tokenizers import Tokenizer
@@ -52,6 +53,8 @@ from nanovllm.engine.structured_outputs import SampleGrammar, accept_tokens
 from nanovllm.engine.step_trim import trimmed_prefill_budget
 from nanovllm.engine.stop_strings import StopStringMatcher
 from nanovllm.outputs import Logprob
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -271,6 +274,12 @@ class Scheduler:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
+            if seq.grammar is not None and seq.grammar.rejected:
+                # its rules left nothing of the grammar allowed (SampleGrammar): it ends here, alone
+                logger.warning("request %d: its grammar and its other rules (allowed_token_ids, bad_words, "
+                               "min_tokens) leave no token allowed; its sample ends here", seq.request_id)
+                self._finish_and_collect(seq, FinishReason.STOP, done)
+                continue
             seq.token_ids.append(token)
             if seq.logprobs is not None and logprobs is not None:
                 entry = logprobs[seq.seq_id]
@@ -278,12 +287,16 @@ class Scheduler:
                 seq.cumulative_logprob += entry[token].logprob
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.finish(seq, reason)
-                request = self.requests[seq.request_id]
-                if request.is_finished:
-                    del self.requests[seq.request_id]
-                    done.append(request)
+                self._finish_and_collect(seq, reason, done)
         return done
+
+    def _finish_and_collect(self, seq: Sequence, reason: FinishReason, done: list[Request]) -> None:
+        """End `seq`; its request joins `done` (and leaves this scheduler) once all its samples have ended."""
+        self.finish(seq, reason)
+        request = self.requests[seq.request_id]
+        if request.is_finished:
+            del self.requests[seq.request_id]
+            done.append(request)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `token` (just appended) ends `seq`, if it does: EOS or a stop token id, then a stop

@@ -57,12 +57,16 @@ def choice_grammar(choices: list[str]) -> str:
 class SampleGrammar:
     """Where one sample stands in its grammar (an xgrammar matcher). Once the grammar has ended
     (it accepted an EOS: only a request with ignore_eos goes on) the sample is unconstrained, as
-    in vLLM."""
+    in vLLM. `rejected`: its last token was not one the grammar allows, which happens only where the
+    request's other rules (allowed_token_ids, bad_words, min_tokens' ban of EOS) left no token of
+    the mask allowed: the sample ends before that token (Scheduler.postprocess), the rest of the
+    batch goes on."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "rejected")
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.rejected = False
 
     @property
     def ended(self) -> bool:
@@ -71,15 +75,15 @@ class SampleGrammar:
 
 def accept_tokens(grammars: list[SampleGrammar], tokens: list[int]) -> None:
     """Advance each of `grammars` past its sample's kept token (drawn under its mask), in one call
-    into xgrammar for the batch (half the time of a call per row); grammars that ended stay so."""
-    live = [(g.matcher, t) for g, t in zip(grammars, tokens) if not g.ended]
+    into xgrammar for the batch (half the time of a call per row); grammars that ended stay so. A
+    token the grammar refuses (nothing of its mask was left allowed) marks the grammar `rejected`."""
+    live = [(g, t) for g, t in zip(grammars, tokens) if not g.ended]
     if not live:
         return
-    matchers, kept = zip(*live)
-    accepted = import_xgrammar().BatchGrammarMatcher.batch_accept_token(list(matchers), list(kept))
-    if not all(accepted):
-        token = kept[accepted.index(False)]
-        raise RuntimeError(f"token {token} was sampled under a grammar mask that does not allow it")
+    accepted = import_xgrammar().BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in live],
+                                                                         [t for _, t in live])
+    for (grammar, _), ok in zip(live, accepted):
+        grammar.rejected = not ok
 
 
 class MaskFill:
