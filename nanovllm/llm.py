@@ -125,15 +125,17 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
         or a list of them; each is rendered with the chat template (the tokenizer's, or
-        `chat_template`; `chat_template_kwargs` such as {"enable_thinking": False} reach it),
+        `chat_template`; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
+        it, the latter over the named options),
         tokenized without special tokens, and generated like generate() does. Returns one
         RequestOutput per conversation, in input order."""
         self._check_open()
         _check_no_lora(lora_request)
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
-                              {} if chat_template_kwargs is None else chat_template_kwargs)
+                              {} if chat_template_kwargs is None else chat_template_kwargs, tools)
         prompts = render_chat(self.tokenizer, self.config.tokenizer, messages, options)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -166,6 +166,20 @@ def test_chat_template_options(bos_llm):
         prompt(chat_template_kwargs=["enable_thinking"])
     with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
         prompt(add_generation_prompt="yes")
+    # vLLM's merge: chat_template_kwargs over the named options (checked as merged)
+    assert prompt(chat_template_kwargs={"add_generation_prompt": False}) == prompt(add_generation_prompt=False)
+    assert prompt(chat_template_kwargs={"chat_template": own, "add_generation_prompt": False}) == (
+        "<user>the lazy dog<assistant>jumps over")
+    assert prompt(add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True}).endswith(
+        "assistant: jumps over")
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        prompt(chat_template_kwargs={"continue_final_message": True})
+    with pytest.raises(ValueError, match="must not set 'tokenize'"):
+        prompt(chat_template_kwargs={"tokenize": True})
+    # tools reach the template, as vLLM's chat(tools=...)
+    with_tools = ("{% for t in tools %}[{{ t['name'] }}]{% endfor %}"
+                  "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert prompt(chat_template=with_tools, tools=[{"name": "search"}]) == "[search]the lazy dogjumps over"
     assert bos_llm.is_finished()
 
 

@@ -18,24 +18,37 @@ TEXT_PART = "text"
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How conversations are rendered (vLLM's LLM.chat arguments)."""
+    """How conversations are rendered (vLLM's LLM.chat arguments). As in vLLM, `chat_template_kwargs`
+    (extra template variables: enable_thinking, ...) override the named options they repeat."""
 
     chat_template: str | None = None  # None: the tokenizer's
     add_generation_prompt: bool = True  # open the assistant's turn
     continue_final_message: bool = False  # leave the last message open, to be continued
-    chat_template_kwargs: dict = field(default_factory=dict)  # extra template variables (enable_thinking)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None  # tool schemas the template renders (vLLM's `tools`)
 
     def __post_init__(self) -> None:
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise TypeError(f"chat_template must be a str (a Jinja template) or None, got {self.chat_template!r}")
-        for name in ("add_generation_prompt", "continue_final_message"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
-                             "the last message cannot be continued and a new turn opened at once")
         if not isinstance(self.chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
+        if "tokenize" in self.chat_template_kwargs:
+            raise ValueError("chat_template_kwargs must not set 'tokenize': chat() renders text and tokenizes it "
+                             "itself (without special tokens)")
+        kwargs = self.template_kwargs()
+        if kwargs["chat_template"] is not None and not isinstance(kwargs["chat_template"], str):
+            raise TypeError(f"chat_template must be a str (a Jinja template) or None, got {kwargs['chat_template']!r}")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(kwargs[name], bool):
+                raise TypeError(f"{name} must be a bool, got {kwargs[name]!r}")
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
+                             "the last message cannot be continued and a new turn opened at once")
+
+    def template_kwargs(self) -> dict:
+        """The keywords of tokenizer.apply_chat_template (but tokenize): the named options, then
+        chat_template_kwargs over them."""
+        return {"chat_template": self.chat_template, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "tools": self.tools,
+                **self.chat_template_kwargs}
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -100,14 +113,12 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
     if tokenizer is None:
         raise ValueError(f"model directory {model_dir!r} has no tokenizer, so chat() cannot render "
                          "messages: use generate() with token ids")
-    if options.chat_template is None and not has_chat_template(tokenizer):
+    kwargs = options.template_kwargs()
+    if kwargs["chat_template"] is None and not has_chat_template(tokenizer):
         raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
                          "pass chat_template=..., or use generate() with plain prompts")
     prompts = []
     for conversation in conversations:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, chat_template=options.chat_template,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **options.chat_template_kwargs)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
     return prompts
