@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import pytest
 
 from checkpoints import checkpoint_fixture, cpu_llm, make_prompts
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import StructuredOutputsParams
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 import ray.data  # noqa: E402
@@ -179,8 +181,11 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
         sampling_params_of("greedy")
     predictor = LLMPredictor(**predictor_kwargs(ckpt))  # in this process: the driver holds no GPU
     try:
-        with pytest.raises(ValueError, match=r"exactly one of the columns 'prompt' .* got columns \['prompt', 'prompt_token_ids'\]"):
+        with pytest.raises(ValueError, match=r"row 0 .*: a row needs exactly one of 'prompt' \(text\) and "
+                                             r"'prompt_token_ids', got \['prompt', 'prompt_token_ids'\]"):
             predictor({"prompt": ["a"], "prompt_token_ids": [[1, 2]]})
+        with pytest.raises(ValueError, match=r"row 0 .*got neither"):
+            predictor({"prompt": [None], "prompt_token_ids": [None]})
         with pytest.raises(ValueError, match=r"got columns \['text'\]"):
             predictor({"text": ["a"]})
         with pytest.raises(ValueError, match=r"already has column\(s\) \['finish_reason'\]"):
@@ -201,6 +206,30 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
             predictor([{"prompt": "a"}])
         out = predictor({"prompt": ["a lazy dog"]})  # still serving after the refusals
         assert len(out["generated_token_ids"][0]) >= 1
+        # JSON lines of both prompt kinds, some rows with overrides (Ray fills the others with None),
+        # structured_outputs as a dict: each row as generate takes it alone
+        ids = predictor.llm.tokenizer.encode("a lazy dog")
+        greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+        mixed = predictor({"prompt": ["a lazy dog", None, "a lazy dog"], "prompt_token_ids": [None, ids, None],
+                           "sampling_params": [None, greedy, {"temperature": 0.0, "structured_outputs": {"choice": ["yes"]}}]})
+        alone = [predictor.llm.generate(["a lazy dog"], predictor.params, use_tqdm=False)[0],
+                 predictor.llm.generate([{"prompt_token_ids": ids}], SamplingParams(**greedy), use_tqdm=False)[0]]
+        assert [list(t) for t in mixed["generated_token_ids"][:2]] == [o.outputs[0].token_ids for o in alone]
+        assert mixed["generated_text"][2] == "yes"
+    finally:
+        predictor.llm.exit()
+
+
+def test_without_sampling_params_the_engines_defaults_apply(ckpt, tmp_path):
+    """LLMPredictor(sampling_params=None) and the command with no sampling flag sample with the
+    checkpoint's generation_config, as generate(prompts) does."""
+    path = tmp_path / "with_defaults"
+    shutil.copytree(ckpt, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5}))
+    predictor = LLMPredictor(model=str(path), llm_kwargs=LLM_KWARGS)
+    try:
+        assert predictor.params == predictor.llm.get_default_sampling_params()
+        assert (predictor.params.temperature, predictor.params.top_k, predictor.params.max_tokens) == (0.3, 7, 5)
     finally:
         predictor.llm.exit()
 
@@ -232,6 +261,16 @@ def test_command_refuses_bad_flags_before_ray_starts():
                        "--max-tokens", "9", "--llm-kwargs", '{"max_model_len": 64}'])
     assert args.sampling_params == SamplingParams(stop=["x", "y"], ignore_eos=True, max_tokens=9)
     assert args.llm_kwargs == {"max_model_len": 64}
+    # every field's flag takes its kind: lists, --no-<bool> for a field whose default is True, JSON objects
+    args = parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--bad-words", "foo", "bar",
+                       "--allowed-token-ids", "1", "2", "--no-skip-special-tokens", "--logit-bias", '{"3": 2.5}',
+                       "--structured-outputs", '{"choice": ["yes", "no"]}', "--top-p", "0.5"])
+    assert args.sampling_params == SamplingParams(
+        bad_words=["foo", "bar"], allowed_token_ids=[1, 2], skip_special_tokens=False, logit_bias={3: 2.5},
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), top_p=0.5)
+    assert parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl"]).sampling_params is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--logit-bias", "[1]"])
 
 
 def test_import_nanovllm_never_imports_ray_and_missing_ray_says_how_to_install():

@@ -22,14 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import MISSING, fields
+import types
+import typing
+from dataclasses import fields
 
 import numpy as np
 import ray
 import ray.data
 
 from nanovllm.ray_data.predictor import LLMPredictor, sampling_params_of
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # --output suffixes that mean one JSON-lines file (anything else: Ray Data's directory of files).
 SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
@@ -37,20 +39,34 @@ SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
 DEFAULT_BATCH_SIZE = 256
 
 
+def json_object(text: str) -> dict:
+    """A flag's JSON object (logit_bias, structured_outputs)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
-    """One flag per SamplingParams field (--max-tokens ...), typed by its default; a flag not given
-    leaves the field at SamplingParams' default."""
+    """One flag per SamplingParams field (--max-tokens ...), typed by the field's annotation: bools as
+    --flag / --no-flag, lists as several values, dicts (logit_bias: token ids as JSON keys) and
+    structured_outputs (StructuredOutputsParams fields) as JSON objects. With no flag at all the
+    replicas sample with the engine's defaults (the checkpoint's generation_config); with some, with
+    SamplingParams of those fields (the rest at SamplingParams' defaults, as generate takes them)."""
     group = ap.add_argument_group("sampling (SamplingParams fields)")
-    for f in fields(SamplingParams):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else f.default_factory()
-        if isinstance(default, bool):
-            group.add_argument(flag, dest=f.name, action="store_true", default=None)
-        elif isinstance(default, list):
-            item = str if f.name == "stop" else int
-            group.add_argument(flag, dest=f.name, type=item, nargs="+", default=None)
-        else:  # floats keep float; ints and None-defaulted fields (seed, logprobs) take ints
-            group.add_argument(flag, dest=f.name, type=float if isinstance(default, float) else int, default=None)
+    for name, hint in typing.get_type_hints(SamplingParams).items():
+        flag = "--" + name.replace("_", "-")
+        kind = hint  # X | None: X (every optional field has one other kind)
+        if isinstance(hint, types.UnionType):
+            kind = next(k for k in typing.get_args(hint) if k is not type(None))
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(kind) is list:
+            group.add_argument(flag, dest=name, type=typing.get_args(kind)[0], nargs="+", default=None)
+        elif typing.get_origin(kind) is dict or kind is StructuredOutputsParams:
+            group.add_argument(flag, dest=name, type=json_object, default=None, metavar="JSON")
+        else:  # int or float
+            group.add_argument(flag, dest=name, type=kind, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +89,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     chosen = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if getattr(args, f.name) is not None}
+    if "logit_bias" in chosen:  # JSON keys are strings
+        chosen["logit_bias"] = {int(t) if t.lstrip("-").isdigit() else t: b for t, b in chosen["logit_bias"].items()}
     try:
-        args.sampling_params = sampling_params_of(chosen)
+        args.sampling_params = sampling_params_of(chosen) if chosen else None
         args.llm_kwargs = json.loads(args.llm_kwargs)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))

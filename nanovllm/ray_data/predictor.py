@@ -1,8 +1,10 @@
 """LLMPredictor: one engine replica as a Ray Data callable class (`ds.map_batches(LLMPredictor, ...)`).
 
 A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text)
-or `prompt_token_ids` column, and optionally a `sampling_params` column: per row, a dict of
-SamplingParams fields that override the predictor's own (None values leave a field as it is). The
+or `prompt_token_ids` column, or both (JSON lines of either kind: Ray fills a row's other column
+with None; each row must hold exactly one), and optionally a `sampling_params` column: per row, a
+dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
+them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields). The
 whole batch goes to one `generate` call, so the actor's engine batches it as one engine does; the
 batch comes back with every input column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a
 row asks for logprobs), one row per prompt. A prompt the engine refuses (empty, too long, ids
@@ -23,7 +25,7 @@ import numpy as np
 import ray
 
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The prompt columns a batch may carry (exactly one of them): text, or token ids.
 TEXT_COLUMN = "prompt"
@@ -45,6 +47,15 @@ INT_SAMPLING_FIELDS = frozenset(name for name, hint in typing.get_type_hints(Sam
 ROW_VALUE_CHARS = 80
 
 
+def with_structured(fields: Mapping) -> dict:
+    """SamplingParams keywords, a `structured_outputs` given as a dict (JSON, Arrow rows) made a
+    StructuredOutputsParams."""
+    out = dict(fields)
+    if isinstance(out.get("structured_outputs"), Mapping):
+        out["structured_outputs"] = StructuredOutputsParams(**out["structured_outputs"])
+    return out
+
+
 def sampling_params_of(value: SamplingParams | Mapping | None) -> SamplingParams:
     """SamplingParams from an instance, a dict of its fields, or None (its defaults). One row in,
     one row out: `n` > 1 and `prompt_logprobs` are refused (repeat a row instead of n)."""
@@ -53,7 +64,7 @@ def sampling_params_of(value: SamplingParams | Mapping | None) -> SamplingParams
     elif isinstance(value, SamplingParams):
         params = value
     elif isinstance(value, Mapping):
-        params = SamplingParams(**value)
+        params = SamplingParams(**with_structured(value))
     else:
         raise TypeError(f"sampling_params must be SamplingParams, a dict of its fields or None, got {value!r}")
     if params.n != 1:
@@ -85,32 +96,36 @@ class LLMPredictor:
     llm_kwargs=...), compute=ray.data.ActorPoolStrategy(size=N), batch_size=B, num_gpus=G)`.
 
     model: the checkpoint directory (every node reads it at this path). sampling_params: one
-    SamplingParams (or a dict of its fields) for every row. llm_kwargs: LLM's keywords
+    SamplingParams (or a dict of its fields) for every row; None: the engine's defaults
+    (LLM.get_default_sampling_params: the checkpoint's generation_config). llm_kwargs: LLM's keywords
     (max_model_len, dtype, ...); tensor_parallel_size is the actor's GPU count when G > 1.
     """
 
     def __init__(self, model: str, sampling_params: SamplingParams | Mapping | None = None,
                  llm_kwargs: Mapping | None = None):
-        self.params = sampling_params_of(sampling_params)
+        if sampling_params is not None:  # checked before an engine is built
+            sampling_params_of(sampling_params)
         if llm_kwargs is not None and not isinstance(llm_kwargs, Mapping):
             raise TypeError(f"llm_kwargs must be a dict of LLM keywords, got {llm_kwargs!r}")
         kwargs = dict(llm_kwargs or {})
         num_gpus = len(ray.get_gpu_ids()) if ray.is_initialized() else 0
         kwargs["tensor_parallel_size"] = replica_tensor_parallel_size(num_gpus, kwargs.get("tensor_parallel_size"))
         self.llm = LLM(model, **kwargs)
+        self.params = sampling_params_of(self.llm.get_default_sampling_params() if sampling_params is None
+                                         else sampling_params)
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | list]:
         if not isinstance(batch, Mapping):
             raise TypeError(f"LLMPredictor takes numpy batches (column -> array: map_batches' default "
                             f"batch_format), got {type(batch).__name__}")
-        column = prompt_column(batch)
-        rows = range(len(batch[column]))
+        columns = prompt_columns(batch)
+        rows = range(len(batch[columns[0]]))
         params = [self._row_params(batch, i) for i in rows] if SAMPLING_COLUMN in batch else [self.params] * len(rows)
         with_logprobs = any(p.logprobs is not None for p in params)
         clash = [c for c in OUTPUT_COLUMNS + (LOGPROB_COLUMNS if with_logprobs else ()) if c in batch]
         if clash:
             raise ValueError(f"the batch already has column(s) {clash}, which LLMPredictor writes: rename them")
-        token_lists = [self._row_token_ids(batch, column, i, params[i]) for i in rows]
+        token_lists = [self._row_token_ids(batch, columns, i, params[i]) for i in rows]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
         out: dict[str, np.ndarray | list] = dict(batch)
         out["generated_text"] = [o["text"] for o in outputs]
@@ -126,17 +141,26 @@ class LLMPredictor:
     def _row_params(self, batch: Mapping[str, np.ndarray], i: int) -> SamplingParams:
         """The predictor's SamplingParams with row i's overrides (SamplingParams' own checks)."""
         overrides = batch[SAMPLING_COLUMN][i]
+        if overrides is None:  # a row without overrides (others of the batch have some)
+            return self.params
         with naming_row(batch, i):
             if not isinstance(overrides, Mapping):
                 raise TypeError(f"{SAMPLING_COLUMN} must hold dicts of SamplingParams fields, got {overrides!r}")
             chosen = {name: integral(plain(v)) if name in INT_SAMPLING_FIELDS else plain(v)
                       for name, v in overrides.items() if v is not None}
-            return sampling_params_of(dataclasses.replace(self.params, **chosen))
+            return sampling_params_of(dataclasses.replace(self.params, **with_structured(chosen)))
 
-    def _row_token_ids(self, batch: Mapping[str, np.ndarray], column: str, i: int, params: SamplingParams) -> list[int]:
-        """Row i's prompt as token ids, checked by the engine's own validator."""
-        value = plain(batch[column][i])
+    def _row_token_ids(self, batch: Mapping[str, np.ndarray], columns: list[str], i: int,
+                       params: SamplingParams) -> list[int]:
+        """Row i's prompt (from its one prompt column that is not None) as token ids, checked by the
+        engine's own validator."""
         with naming_row(batch, i):
+            given = [c for c in columns if batch[c][i] is not None]
+            if len(given) != 1:
+                raise ValueError(f"a row needs exactly one of {TEXT_COLUMN!r} (text) and {TOKEN_IDS_COLUMN!r}, "
+                                 f"got {given or 'neither'}")
+            column = given[0]
+            value = plain(batch[column][i])
             if column == TEXT_COLUMN and not isinstance(value, str):
                 raise TypeError(f"{TEXT_COLUMN} must hold text, got {value!r}")
             if column == TOKEN_IDS_COLUMN and not isinstance(value, (list, tuple)):
@@ -166,13 +190,13 @@ def naming_row(batch: Mapping[str, np.ndarray], i: int) -> Iterator[None]:
         raise kind(f"row {i} of the batch {describe_row(batch, i)}: {err}") from err
 
 
-def prompt_column(batch: Mapping[str, np.ndarray]) -> str:
-    """The batch's one prompt column; ValueError naming the columns when it has none or both."""
+def prompt_columns(batch: Mapping[str, np.ndarray]) -> list[str]:
+    """The batch's prompt columns (one or both); ValueError naming the columns when it has neither."""
     present = [c for c in (TEXT_COLUMN, TOKEN_IDS_COLUMN) if c in batch]
-    if len(present) != 1:
-        raise ValueError(f"a batch needs exactly one of the columns {TEXT_COLUMN!r} (text) and "
-                         f"{TOKEN_IDS_COLUMN!r}, got columns {sorted(batch)}")
-    return present[0]
+    if not present:
+        raise ValueError(f"a batch needs a {TEXT_COLUMN!r} (text) or {TOKEN_IDS_COLUMN!r} column, "
+                         f"got columns {sorted(batch)}")
+    return present
 
 
 def describe_row(batch: Mapping[str, np.ndarray], i: int) -> str:
