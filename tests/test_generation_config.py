@@ -5,6 +5,7 @@ given one; explicit SamplingParams are used as given; bad values are clear error
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -88,3 +89,8 @@ def test_bad_generation_configs_are_clear_errors(ckpt, tmp_path):
     write_generation_config(bad, {"top_p": 1.5})
     with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.top_p must be in \(0, 1\], got 1.5"):
         cpu_llm(ckpt, generation_config=str(bad), **ENGINE)
+    # values transformers' GenerationConfig refuses itself are named with the file too
+    for values in ({"max_new_tokens": 0}, []):
+        write_generation_config(bad, values)
+        with pytest.raises((TypeError, ValueError), match=re.escape(str(bad / "generation_config.json")) + ": "):
+            cpu_llm(ckpt, generation_config=str(bad), **ENGINE)

@@ -35,8 +35,7 @@ def default_sampling_params(source: str, model_dir: str) -> SamplingParams:
     if source == "vllm":
         return SamplingParams()
     directory = model_dir if source == "auto" else source
-    overrides = generation_overrides(directory)
-    try:
-        return SamplingParams(**overrides)
+    try:  # transformers' own checks of the file (a bad max_new_tokens, not an object) included
+        return SamplingParams(**generation_overrides(directory))
     except (TypeError, ValueError) as e:
         raise type(e)(f"{os.path.join(directory, GENERATION_FILE)}: {e}") from e
