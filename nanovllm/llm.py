@@ -12,6 +12,7 @@ Both return one RequestOutput per prompt / conversation, in input order (nanovll
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
@@ -62,7 +63,7 @@ class LLM(LLMEngine):
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: object = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
@@ -95,10 +96,12 @@ class LLM(LLMEngine):
         ids = [self._enqueue(*request) for request in requests]
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[int], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until the requests `ids` finish; the bar shows the run's average token rates."""
+    def _run(self, ids: list[int], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        """Step until the requests `ids` finish; the bar shows the run's average token rates.
+        `use_tqdm`: show it, or (vLLM's other form) the tqdm class or factory that makes it."""
         outputs: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         rates = RunRates(time.perf_counter())
         try:
             while not self.is_finished():
@@ -119,7 +122,7 @@ class LLM(LLMEngine):
         self,
         messages: SequenceABC,
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: object = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,

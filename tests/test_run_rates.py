@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+
+from tqdm.auto import tqdm
+
 from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
 from nanovllm import SamplingParams
 from nanovllm.engine.run_rates import RunRates
@@ -30,3 +34,22 @@ def test_steps_count_every_prompt_token_and_kept_token(tmp_path):
         llm.exit()
     assert sum(r.num_prompt_tokens for r in results) == sum(map(len, prompts))
     assert sum(len(r.sampled) for r in results) == 6 * len(prompts)
+
+
+def test_use_tqdm_takes_a_bar_factory_as_vllm(tmp_path):
+    """use_tqdm: True / False, or (vLLM's other form) a callable that makes the bar: its bar counts
+    the prompts as they finish."""
+    path = build_checkpoint(str(tmp_path / "m"), TinyShape())
+    made = []
+
+    def factory(**kwargs):
+        made.append(tqdm(file=io.StringIO(), **kwargs))
+        return made[-1]
+
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128)
+    try:
+        outputs = llm.generate(make_prompts(3, 3, 10, 20), SamplingParams(max_tokens=3), use_tqdm=factory)
+    finally:
+        llm.exit()
+    assert len(outputs) == 3 and len(made) == 1
+    assert (made[0].n, made[0].total, made[0].desc) == (3, 3, "Processed prompts")
