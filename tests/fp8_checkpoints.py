@@ -6,6 +6,8 @@ with quantization written out independently of nanovllm (loops over blocks, rows
     ct-channel      compressed-tensors, `weight_scale` [out, 1] per channel, dynamic per-token activations
     ct-tensor       compressed-tensors, `weight_scale` [1] per tensor, static `input_scale` [1]
                     (calibrated on the dequantized model: `input_scales`)
+    ct-block        compressed-tensors as llm-compressor's FP8_BLOCK preset writes it: `weight_scale` per
+                    [128, 128] block, dynamic activations per 1 x 128 group
 
 `write_fp8(src, dst, ref, layout, skip)` writes the FP8 checkpoint to `dst` and, to `ref`, the
 same model with every quantized weight replaced by its dequantized value (fp8 x scale): the
@@ -50,9 +52,17 @@ LAYOUTS = {
         "targets": ["Linear"],
         "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+    "ct-block": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "dynamic": False, "symmetric": True,
+                    "block_structure": [BLOCK, BLOCK]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": BLOCK,
+                              "dynamic": True}}}},
 }
 SCALE_NAMES = {"qwen-block": "weight_scale_inv", "qwen-tensor": "weight_scale", "ct-channel": "weight_scale",
-               "ct-tensor": "weight_scale"}
+               "ct-tensor": "weight_scale", "ct-block": "weight_scale"}
+# Layouts of [128, 128] block scales (activations then quantized per 1 x 128 group).
+BLOCK_LAYOUTS = ("qwen-block", "ct-block")
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +110,7 @@ def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantized(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 weight, its scale in the layout's shape, the dequantized float32 weight)."""
-    if layout == "qwen-block":
+    if layout in BLOCK_LAYOUTS:
         q, s = quantize_blocks(w)
         return q, s, dequantize_blocks(q, s)
     if layout == "ct-channel":
@@ -216,7 +226,7 @@ def _dynamic_quantize(x: torch.Tensor, group: int | None) -> torch.Tensor:
 
 def quantize_activations(model: torch.nn.Module, fp8_dir: str, layout: str) -> list:
     """Forward pre-hooks on `model`'s projections (not lm_head) that round each input to e4m3 as
-    the FP8 checkpoint at `fp8_dir` (`layout`) prescribes: per 1 x 128 group (qwen-block), per
+    the FP8 checkpoint at `fp8_dir` (`layout`) prescribes: per 1 x 128 group (block layouts), per
     token (ct-channel), or with the static input scale (ct-tensor, packed parts sharing their
     largest). Run in float32 on the dequantized weights, this is exactly what the FP8 engine
     computes, without its bf16 roundings. Returns the hook handles."""
@@ -241,7 +251,7 @@ def quantize_activations(model: torch.nn.Module, fp8_dir: str, layout: str) -> l
         if layout == "ct-tensor":
             hook = (lambda mod, args, s=static_scale(name): (_fake_quantize(args[0], s.to(args[0].device)),))
         else:
-            group = BLOCK if layout == "qwen-block" else None
+            group = BLOCK if layout in BLOCK_LAYOUTS else None
             hook = (lambda mod, args, g=group: (_dynamic_quantize(args[0], g),))
         hooks.append(module.register_forward_pre_hook(hook))
     return hooks

@@ -7,6 +7,8 @@ its logprobs that model's, to float32 rounding; the undequantized weights' logpr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -38,6 +40,7 @@ CASES = [
     ("qwen3", "qwen-tensor", ()),
     ("llama", "ct-channel", ("lm_head", r"re:.*layers\.0\.mlp\.down_proj")),
     ("llama", "ct-tensor", ("lm_head",)),
+    ("qwen3", "ct-block", (r"re:.*layers\.1\.self_attn\.o_proj",)),
     ("moe", "qwen-block", ("mlp.gate",)),
 ]
 
@@ -136,6 +139,24 @@ def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path)
         llm.exit()
 
 
+def test_update_weights_refuses_fused_experts_of_the_wrong_count(full_precision):
+    """A fused expert tensor with too few (or too many) experts is refused whole, naming it, as an
+    unquantized engine refuses it, before any expert changes (it filled the first experts)."""
+    state = load_reference(full_precision("moe")).state_dict()
+    prefix = "model.layers.1.mlp.experts"
+    gate_up, down = state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"]
+    llm = cpu_llm(full_precision("moe"), kvcache_block_size=16, max_model_len=256, quantization="fp8")
+    try:
+        before = llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False)
+        for name, tensor in ((f"{prefix}.gate_up_proj", gate_up[:-1]), (f"{prefix}.down_proj", down[:-3]),
+                             (f"{prefix}.gate_up_proj", torch.cat([gate_up, gate_up[:1]]))):
+            with pytest.raises(ValueError, match=re.escape(f"weight {name!r}: experts ") + ".*expected shape"):
+                llm.update_weights([(name, torch.ones_like(tensor))])
+        assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before
+    finally:
+        llm.exit()
+
+
 def test_fp8_engine_tensor_parallel_matches_one_rank(full_precision, tmp_path):
     write_fp8(full_precision("qwen3"), str(tmp_path / "fp8"), str(tmp_path / "ref"), "qwen-block")
     prompts = make_prompts(5, 3, 20, 50)
@@ -164,6 +185,17 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
         **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
         "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "num_bits=4"),
     ({**LAYOUTS["ct-channel"], "config_groups": {"a": {}, "b": {}}}, "exactly one group"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {  # group activations beside channel weights
+        **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+        "input_activations": LAYOUTS["ct-block"]["config_groups"]["group_0"]["input_activations"]}}},
+     "strategy 'group' is supported with block weights and group_size 128 only, got weights 'channel'"),
+    ({**LAYOUTS["ct-block"], "config_groups": {"g": {
+        **LAYOUTS["ct-block"]["config_groups"]["group_0"],
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 64, "dynamic": True}}}},
+     "group_size 64"),
+    ({**LAYOUTS["ct-block"], "ignore": ["lm_head", "re:(unclosed"]},
+     r"config.json: ignore entry 're:\(unclosed' is not a regular expression"),
+    ({**LAYOUTS["qwen-block"], "modules_to_not_convert": ["re:*"]}, "modules_to_not_convert entry 're:\\*'"),
 ])
 def test_unsupported_quantization_configs_are_refused_naming_them(config, message):
     with pytest.raises(ValueError, match=message):

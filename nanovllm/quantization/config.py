@@ -57,6 +57,8 @@ QUANTIZATION_CHOICES = (None, "fp8")
 SUPPORTED_METHODS = ("fp8", "compressed-tensors")
 # Scale granularities: one per [FP8_BLOCK, FP8_BLOCK] block, per output row, per checkpoint tensor.
 BLOCK, CHANNEL, TENSOR = "block", "channel", "tensor"
+# compressed-tensors' activation strategy of one scale per row and 1 x group_size columns.
+GROUP = "group"
 # Checkpoint names of a weight's scale: Qwen / DeepSeek block FP8, and every other layout.
 SCALE_INV, SCALE = "weight_scale_inv", "weight_scale"
 INPUT_SCALE = "input_scale"
@@ -135,6 +137,12 @@ def _skip_list(cfg: dict, key: str, source: str) -> tuple[str, ...]:
     entries = cfg.get(key) or []
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise ValueError(f"{source}: {key} must be a list of module names, got {entries!r}")
+    for entry in entries:
+        if entry.startswith(_REGEX_PREFIX):
+            try:
+                re.compile(entry[len(_REGEX_PREFIX):])
+            except re.error as e:
+                raise ValueError(f"{source}: {key} entry {entry!r} is not a regular expression: {e}") from e
     return tuple(entries)
 
 
@@ -177,12 +185,17 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
         raise ValueError(f"{where}: weight-only FP8 (no input_activations) is not supported")
     for key, value in (("num_bits", 8), ("type", "float")):
         _field(acts, key, (value,), value, f"{where}.input_activations")
-    strategy = _field(acts, "strategy", ("token", TENSOR), None, f"{where}.input_activations")
-    if acts.get("dynamic") is not (strategy == "token"):
-        raise ValueError(f"{where}.input_activations: strategy {strategy!r} needs dynamic="
-                         f"{strategy == 'token'} (dynamic per token or static per tensor), got {acts.get('dynamic')!r}")
+    strategy = _field(acts, "strategy", ("token", GROUP, TENSOR), None, f"{where}.input_activations")
+    if acts.get("dynamic") is not (strategy != TENSOR):
+        raise ValueError(f"{where}.input_activations: strategy {strategy!r} needs dynamic={strategy != TENSOR} "
+                         f"(dynamic per token or group, static per tensor), got {acts.get('dynamic')!r}")
     if strategy == TENSOR and scales == BLOCK:
         raise ValueError(f"{where}: static activations with block weights are not supported")
+    if strategy == GROUP:  # llm-compressor's FP8_BLOCK: the 1 x 128 groups block weights take anyway
+        if scales != BLOCK or acts.get("group_size") != FP8_BLOCK:
+            raise ValueError(f"{where}.input_activations: strategy 'group' is supported with block weights and "
+                             f"group_size {FP8_BLOCK} only, got weights {scales!r}, group_size "
+                             f"{acts.get('group_size')!r}")
     return QuantConfig(Fp8Format(scales, SCALE, strategy == TENSOR, False), _skip_list(cfg, "ignore", source))
 
 

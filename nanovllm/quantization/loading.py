@@ -33,10 +33,14 @@ _WEIGHT = "weight"
 class QuantizedTensors:
     """Calls map one (checkpoint name, tensor) to the (name, tensor) pairs the loader fills."""
 
-    def __init__(self, quant_of: Callable[[str], LinearQuant | None], update: bool):
+    def __init__(self, quant_of: Callable[[str], LinearQuant | None], update: bool,
+                 check_fused: Callable[[str, torch.Tensor], object]):
         """`quant_of(name)`: the LinearQuant of the parameter checkpoint tensor `name` fills
-        (None: not quantized); `update`: tensors come from update_weights (full precision)."""
+        (None: not quantized); `update`: tensors come from update_weights (full precision);
+        `check_fused(name, tensor)`: raises ValueError unless a fused expert tensor fits its
+        parameter whole (as an unquantized engine checks it), before it is split per expert."""
         self.quant_of = quant_of
+        self.check_fused = check_fused
         self.source = "update_weights" if update else "the checkpoint"
         self.update = update
         self.pending: dict[str, tuple[LinearQuant, dict[str, torch.Tensor]]] = {}  # module -> its half of a pair
@@ -53,7 +57,10 @@ class QuantizedTensors:
             return [(name, tensor)]
         if leaf != _WEIGHT:  # transformers 5's fused experts: quantized per expert and projection
             parts = split_fused_experts(name, tensor)
-            return [(name, tensor)] if parts is None else [out for part in parts for out in self(*part)]
+            if parts is None:
+                return [(name, tensor)]
+            self.check_fused(name, tensor)  # a wrong expert count would fill some experts and leave the rest
+            return [out for part in parts for out in self(*part)]
         fp8 = tensor.dtype == FP8_DTYPE
         if self.update or quant.fmt.online:
             if fp8:

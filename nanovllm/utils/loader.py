@@ -76,7 +76,7 @@ class _WeightMap:
 
     def converter(self, update: bool) -> QuantizedTensors | None:
         """The step named tensors pass through before `fill` (None: no parameter is quantized)."""
-        return QuantizedTensors(self.quant_of, update) if self.quantized else None
+        return QuantizedTensors(self.quant_of, update, self.fill) if self.quantized else None
 
     def fill(self, ckpt_name: str, tensor: torch.Tensor) -> _Fill | None:
         """Where `tensor` goes; None for a name the model ignores; ValueError if unknown or misshapen."""
