@@ -68,15 +68,14 @@ MALFORMED = [
     ({"role": "user", "content": "hi"}, TypeError, "messages must be a list"),
     ([], ValueError, "messages is empty"),
     ([[]], ValueError, "conversation 0 is empty"),
-    ([{"role": "user"}], ValueError, "conversation 0, message 0 has no 'content'"),
     ([{"content": "hi"}], ValueError, "has no 'role'"),
     ([{"role": "user", "content": 5}], TypeError, "'content' must be a str or a list of text parts, got int"),
     ([{"role": None, "content": "hi"}], TypeError, "'role' must be a str, got NoneType"),
     ([{"role": "user", "content": "hi"}, "oops"], TypeError, "conversation 0, message 1 must be a dict"),
     ([FIRST, "oops"], TypeError, "conversation 1 must be a list"),
-    ([FIRST, [{"role": "user", "content": ["part"]}]], TypeError, "conversation 1, message 0: 'content' part 0 must be a dict"),
+    ([FIRST, [{"role": "user", "content": [3]}]], TypeError, "conversation 1, message 0: 'content' part 0 must be a str or a dict"),
     ([[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]], ValueError,
-     "'content' part 0 has type 'image_url'; only 'text' parts"),
+     "'content' part 0 has type 'image_url'; only text parts \\('text', 'input_text'\\)"),
     ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]], TypeError, "part 0 needs a str 'text', got 3"),
 ]
 
@@ -184,7 +183,7 @@ def test_chat_template_options(bos_llm):
 
 
 def test_content_as_text_parts(bos_llm):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "input_text", "text": "brown fox"}]}]
     joined = [{"role": "user", "content": "the quick\nbrown fox"}]
     assert bos_llm.chat(parts, GREEDY, use_tqdm=False) == bos_llm.chat(joined, GREEDY, use_tqdm=False)
     assert bos_llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt == bos_llm.chat(joined, GREEDY, use_tqdm=False)[0].prompt
@@ -199,3 +198,16 @@ def test_a_template_given_serves_a_tokenizer_without_one(tmp_path):
         assert out.prompt == FIRST[0]["content"]
     finally:
         llm.exit()
+
+
+
+def test_tool_call_turns_without_content(bos_llm):
+    """vLLM's message shapes: content None or left out (an assistant turn of tool calls) is "", bare
+    strings are text parts, and other keys (tool_calls) reach the template."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                "{% for c in m.get('tool_calls', []) %}[{{ c['name'] }}]{% endfor %}{% endfor %}")
+    calls = [{"role": "user", "content": ["the quick", "brown fox"]},
+             {"role": "assistant", "content": None, "tool_calls": [{"name": "search"}]},
+             {"role": "tool", "content": "the lazy dog"}, {"role": "assistant", "tool_calls": [{"name": "open"}]}]
+    [out] = bos_llm.chat(calls, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert out.prompt == "<user>the quick\nbrown fox<assistant>[search]<tool>the lazy dog<assistant>[open]"

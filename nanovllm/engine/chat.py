@@ -1,7 +1,9 @@
 """Chat conversations to prompts, for `LLM.chat` (vLLM's meaning).
 
-A conversation is a list of {"role": str, "content": ...} dicts, the content a string or a list of
-{"type": "text", "text": str} parts (joined with newlines, as vLLM does for string templates);
+A conversation is a list of {"role": str, "content": ...} dicts, the content a string, None or left
+out (an assistant turn of tool calls: ""), or a list of {"type": "text" | "input_text", "text": str}
+parts or bare strings (joined with newlines, as vLLM does for string templates); other keys
+(tool_calls, name, ...) reach the template as given;
 `chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
@@ -12,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The one content-part type chat takes (vLLM's OpenAI-style parts).
-TEXT_PART = "text"
+# The content-part types chat takes (vLLM's OpenAI-style text parts; "input_text": the Responses API's).
+TEXT_PARTS = ("text", "input_text")
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,24 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def _content_text(content: object, where: str) -> str:
-    """A message's content as one string (text parts joined with newlines)."""
+    """A message's content as one string (text parts joined with newlines; None: "")."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, (list, tuple)):
         raise TypeError(f"{where}: 'content' must be a str or a list of text parts, got {type(content).__name__}")
     texts = []
     for k, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
         if not isinstance(part, dict):
-            raise TypeError(f"{where}: 'content' part {k} must be a dict {{'type': 'text', 'text': ...}}, "
+            raise TypeError(f"{where}: 'content' part {k} must be a str or a dict {{'type': 'text', 'text': ...}}, "
                             f"got {type(part).__name__}")
-        if part.get("type") != TEXT_PART:
-            raise ValueError(f"{where}: 'content' part {k} has type {part.get('type')!r}; only 'text' parts are "
-                             "supported")
+        if part.get("type") not in TEXT_PARTS:
+            raise ValueError(f"{where}: 'content' part {k} has type {part.get('type')!r}; only text parts "
+                             f"({', '.join(map(repr, TEXT_PARTS))}) are supported")
         if not isinstance(part.get("text"), str):
             raise TypeError(f"{where}: 'content' part {k} needs a str 'text', got {part.get('text')!r}")
         texts.append(part["text"])
@@ -96,12 +103,11 @@ def as_conversations(messages: object) -> list[list[dict]]:
             where = f"conversation {i}, message {j}"
             if not isinstance(message, dict):
                 raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
-            for key in ("role", "content"):
-                if key not in message:
-                    raise ValueError(f"{where} has no {key!r}: keys are {sorted(message)}")
+            if "role" not in message:
+                raise ValueError(f"{where} has no 'role': keys are {sorted(message)}")
             if not isinstance(message["role"], str):
                 raise TypeError(f"{where}: 'role' must be a str, got {type(message['role']).__name__}")
-            checked.append({**message, "content": _content_text(message["content"], where)})
+            checked.append({**message, "content": _content_text(message.get("content"), where)})
         out.append(checked)
     return out
 
