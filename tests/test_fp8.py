@@ -7,7 +7,10 @@ its logprobs that model's, to float32 rounding; the undequantized weights' logpr
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -137,6 +140,21 @@ def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path)
         assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before
     finally:
         llm.exit()
+
+
+def test_compression_config_is_read_as_quantization_config(full_precision, tmp_path):
+    """Older compressed-tensors checkpoints name the key compression_config; vLLM reads it when
+    quantization_config is absent, and so do we (the same tokens as the current spelling)."""
+    path = _fp8_dir(full_precision, tmp_path, "ct-channel")
+    old = str(tmp_path / "old")
+    shutil.copytree(path, old)
+    with open(os.path.join(old, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    prompts = make_prompts(6, 2, 10, 30)
+    assert [o["token_ids"] for o in run(old, prompts)] == [o["token_ids"] for o in run(path, prompts)]
 
 
 def test_update_weights_refuses_fused_experts_of_the_wrong_count(full_precision):

@@ -102,7 +102,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill step.
         self.kv_scales = allocate_kv_scales(cfg.num_hidden_layers, self.device) if fp8_kv else None
-        checkpoint_scales = (load_kv_scales(config.model, cfg.num_hidden_layers)
+        checkpoint_scales = (load_kv_scales(config.model, cfg.num_hidden_layers, cfg.quantization_config)
                              if fp8_kv and config.load_format != "dummy" else None)
         if checkpoint_scales is not None:
             for (k_scale, v_scale), (k_value, v_value) in zip(self.kv_scales, checkpoint_scales):

@@ -173,7 +173,8 @@ class ModelConfig:
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=eos_ids,
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
-                quantization_config=raw.get("quantization_config"),
+                # older compressed-tensors checkpoints spell it compression_config (vLLM reads both)
+                quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None

@@ -16,7 +16,6 @@ the names; only the scale tensors are read.
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
@@ -32,19 +31,13 @@ def is_kv_scale_name(name: str) -> bool:
     return _SCALE_NAME.match(name) is not None
 
 
-def _kv_cache_scheme(path: str) -> dict | None:
-    """config.json's quantization_config.kv_cache_scheme, or None."""
-    with open(os.path.join(path, "config.json")) as f:
-        quant = json.load(f).get("quantization_config") or {}
-    return quant.get("kv_cache_scheme")
-
-
-def load_kv_scales(path: str, num_layers: int) -> list[tuple[float, float]] | None:
-    """Each layer's (k_scale, v_scale) from the checkpoint in `path`; None when it has none (and
-    declares no static kv_cache_scheme): the engine then computes them from the data.
-    ValueError names a kv_cache_scheme other than 8-bit float, scales missing for some layers, or a
-    scale that is not one positive finite number."""
-    scheme = _kv_cache_scheme(path)
+def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None) -> list[tuple[float, float]] | None:
+    """Each layer's (k_scale, v_scale) from the checkpoint in `path` (its config.json's
+    `quantization_config`: ModelConfig's); None when it has none (and declares no static
+    kv_cache_scheme): the engine then computes them from the data. ValueError names a
+    kv_cache_scheme other than 8-bit float, scales missing for some layers, or a scale that is not
+    one positive finite number."""
+    scheme = (quantization_config or {}).get("kv_cache_scheme")
     if scheme is not None and any(scheme.get(k) != v for k, v in _FP8_SCHEME.items()):
         raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
                          f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
