@@ -66,6 +66,15 @@ def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
     assert not mp.active_children()
     again, _ = generate(ckpt, 2)
     assert len(again) == len(PROMPTS)
+    # the exited engine, collected while a new one runs (its finalizer closes its workers once
+    # more), leaves the new engine's process group alone
+    new = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        del llm
+        gc.collect()
+        assert [o["token_ids"] for o in new.generate(PROMPTS, GREEDY, use_tqdm=False)] == again
+    finally:
+        new.exit()
 
 
 def test_killed_worker_raises_instead_of_hanging(ckpt):

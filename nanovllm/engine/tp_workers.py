@@ -88,6 +88,9 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process; exit() it first")
         n = config.tensor_parallel_size
+        # close() ran: a second call (exit(), then the engine's finalizer when it is collected) must
+        # not destroy the process group of an engine built since.
+        self.closed = False
         for key, value in _INHERITED_ENV.items():
             os.environ.setdefault(key, value)
         ctx = mp.get_context("spawn")
@@ -167,7 +170,10 @@ class WorkerGroup:
             self.saved_threads = None
 
     def close(self) -> None:
-        """Stop the workers and leave the process group. Safe to call more than once."""
+        """Stop the workers and leave the process group, once (later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self._stop_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
