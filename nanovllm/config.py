@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
+from nanovllm.sampling_params import SEED_LIMIT
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
@@ -93,7 +95,9 @@ class Config:
     mixed_steps: bool = True
     load_format: str = "auto"
     attention_backend: str = "auto"
-    seed: int = 0
+    # Noise of unseeded requests (and dummy weights); None (vLLM's): drawn from the OS at start-up, once
+    # for every rank.
+    seed: int | None = 0
     # Row counts at which CUDA layers switch kernels (layers/kernel_path.py); the defaults are the
     # measured best, another value is for A/B runs.
     kernel_routes: KernelRoutes = field(default_factory=KernelRoutes)
@@ -133,7 +137,11 @@ class Config:
             )
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.seed is None:
+            self.seed = secrets.randbelow(SEED_LIMIT)
         check_int("seed", self.seed, 0)
+        if self.seed >= SEED_LIMIT:
+            raise ValueError(f"seed must be < 2**64, got {self.seed!r}")
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

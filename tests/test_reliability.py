@@ -131,6 +131,8 @@ BAD_CONFIG = [
     ({"load_format": "gguf"}, ValueError, "load_format"),
     ({"enforce_eager": 1}, TypeError, "enforce_eager"),
     ({"prefill_graphs": "no"}, TypeError, "prefill_graphs"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"seed": 2**64}, ValueError, r"seed must be < 2\*\*64"),
 ]
 
 

@@ -148,3 +148,19 @@ def test_reset_prefix_cache(ckpt):
         llm.exit()
     with pytest.raises(RuntimeError):
         llm.reset_prefix_cache()
+
+
+def test_seed_none_draws_an_engine_seed(ckpt):
+    """vLLM's LLM(seed=None): the noise of unseeded requests follows a seed drawn at start-up (an int
+    in [0, 2**64), the same on every rank), so two such engines sample apart; seed=0 repeats."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    samples, seeds = [], []
+    for seed in (None, None, 0, 0):
+        llm = cpu_llm(ckpt, seed=seed)
+        try:
+            seeds.append(llm.config.seed)
+            samples.append(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            llm.exit()
+    assert all(isinstance(s, int) and 0 <= s < 2**64 for s in seeds) and seeds[0] != seeds[1]
+    assert samples[0] != samples[1] and samples[2] == samples[3]
