@@ -47,9 +47,10 @@ def load_eos_token_ids(path: str, tokenizer, config_eos: tuple[int, ...]) -> Eos
     """Every EOS id of the tokenizer, config.json and generation_config.json."""
     ids = set(config_eos)
     primary = None
-    if tokenizer is not None and isinstance(tokenizer.eos_token_id, int):
-        primary = tokenizer.eos_token_id
-        ids.add(primary)
+    if tokenizer is not None:
+        ids |= _as_ids(tokenizer.eos_token_id)
+        if isinstance(tokenizer.eos_token_id, int):
+            primary = tokenizer.eos_token_id
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
