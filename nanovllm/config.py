@@ -18,7 +18,7 @@ from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
-from nanovllm.sampling_params import SEED_LIMIT
+from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
@@ -139,9 +139,7 @@ class Config:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
         if self.seed is None:
             self.seed = secrets.randbelow(SEED_LIMIT)
-        check_int("seed", self.seed, 0)
-        if self.seed >= SEED_LIMIT:
-            raise ValueError(f"seed must be < 2**64, got {self.seed!r}")
+        check_seed("seed", self.seed)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

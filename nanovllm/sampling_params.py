@@ -32,6 +32,13 @@ NO_SEED = -1
 SEED_LIMIT = 2**64
 
 
+def check_seed(name: str, seed: object) -> None:
+    """A seed (a request's, or the engine's): an int in [0, SEED_LIMIT)."""
+    check_int(name, seed, 0)
+    if seed >= SEED_LIMIT:
+        raise ValueError(f"{name} must be < 2**64, got {seed!r}")
+
+
 def _plain_number(value: object) -> object:
     """A NumPy (or other numbers.Integral / numbers.Real) scalar as a Python int / float, as vLLM takes
     them (data-synthesis scripts draw max_tokens, seeds and top_p with NumPy); anything else as is."""
@@ -210,9 +217,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
-            check_int("SamplingParams.seed", self.seed, 0)
-            if self.seed >= SEED_LIMIT:
-                raise ValueError(f"SamplingParams.seed must be < 2**64, got {self.seed!r}")
+            check_seed("SamplingParams.seed", self.seed)
         if self.max_tokens is not None:
             check_int("SamplingParams.max_tokens", self.max_tokens, 1)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

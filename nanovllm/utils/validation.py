@@ -14,8 +14,7 @@ def check_int(name: str, value: object, minimum: int | None = None) -> None:
 
 def check_pow2(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
     """value must be an int (not a bool) and a power of two >= minimum (and <= maximum when given)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+    check_int(name, value)
     if value < minimum or value & (value - 1) or (maximum is not None and value > maximum):
         bounds = f" in [{minimum}, {maximum}]" if maximum is not None else f" >= {minimum}" if minimum > 1 else ""
         raise ValueError(f"{name} must be a power of two{bounds}, got {value!r}")
