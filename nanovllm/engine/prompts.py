@@ -1,8 +1,9 @@
 """Checks and tokenizes one request before it reaches the scheduler.
 
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
-{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt). Anything else, or a request
-the engine could never serve, raises TypeError/ValueError naming the bad value.
+{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt).
+Anything else, or a request the engine could never serve, raises TypeError/ValueError naming the
+bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
 truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
 left under max_model_len. As in vLLM, a prompt may fill max_model_len: it then generates one token

@@ -103,16 +103,15 @@ class LLMPredictor:
 
     def __init__(self, model: str, sampling_params: SamplingParams | Mapping | None = None,
                  llm_kwargs: Mapping | None = None):
-        if sampling_params is not None:  # checked before an engine is built
-            sampling_params_of(sampling_params)
+        # checked before an engine is built; None: the engine's defaults, once it is
+        params = None if sampling_params is None else sampling_params_of(sampling_params)
         if llm_kwargs is not None and not isinstance(llm_kwargs, Mapping):
             raise TypeError(f"llm_kwargs must be a dict of LLM keywords, got {llm_kwargs!r}")
         kwargs = dict(llm_kwargs or {})
         num_gpus = len(ray.get_gpu_ids()) if ray.is_initialized() else 0
         kwargs["tensor_parallel_size"] = replica_tensor_parallel_size(num_gpus, kwargs.get("tensor_parallel_size"))
         self.llm = LLM(model, **kwargs)
-        self.params = sampling_params_of(self.llm.get_default_sampling_params() if sampling_params is None
-                                         else sampling_params)
+        self.params = params if params is not None else sampling_params_of(self.llm.get_default_sampling_params())
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | list]:
         if not isinstance(batch, Mapping):

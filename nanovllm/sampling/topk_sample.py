@@ -1,12 +1,12 @@
 """Top-k sampling (with or without top-p / min-p) in two Triton launches, for top_k <= MAX_K.
 
 The sampler's threshold path (sampling/sampler.py) keeps the tokens whose probability reaches a
-per-row threshold (min-p against the row's max first; top-k's k-th largest value, ties kept;
-top-p's over the mass of the min-p and top-k survivors) and takes argmax(log p + g), g the row's Gumbel noise. With a small
-k every kept token lies among the row's largest values, so neither the softmax nor a pass over the
-filtered row is needed: x = logit / T orders like p, the top-p test is a ratio of masses
-e^(x - m) (the row normaliser cancels), and the Gumbel-max draw over the kept tokens needs the
-noise of at most K columns.
+per-row threshold (min-p against the row's max first; top-k's k-th largest value, ties kept; top-p's
+over the mass of the min-p and top-k survivors) and takes argmax(log p + g), g the row's Gumbel
+noise. With a small k every kept token lies among the row's largest values, so neither the softmax
+nor a pass over the filtered row is needed: x = logit / T orders like p, the top-p test is a ratio
+of masses e^(x - m) (the row normaliser cancels), and the Gumbel-max draw over the kept tokens needs
+the noise of at most K columns.
 
     launch 1, grid (rows, chunks of CHUNK columns): the chunk's K largest x, as packed keys
       (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the K-th largest of NG
