@@ -196,6 +196,12 @@ class Config:
             )
 
     @property
+    def generation_dir(self) -> str:
+        """The directory whose generation_config.json (if any) gives the EOS ids, and under "auto"
+        the default SamplingParams: the checkpoint's, or the one `generation_config` names (vLLM's rule)."""
+        return self.model if self.generation_config in GENERATION_CONFIG_SOURCES else self.generation_config
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """Weights and activations dtype: the checkpoint's on CUDA, float32 on CPU, unless set."""
         if self.dtype != "auto":

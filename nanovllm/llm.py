@@ -36,7 +36,8 @@ class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
         try:
-            self._default_params = default_sampling_params(self.config.generation_config, self.config.model)
+            self._default_params = default_sampling_params(self.config.generation_config, self.config.generation_dir,
+                                                          self.generation_values)
         except BaseException:
             self.exit()
             raise

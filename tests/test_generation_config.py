@@ -67,6 +67,26 @@ def test_vllm_ignores_the_file_and_a_directory_gives_its_own(ckpt, tmp_path):
         llm.exit()
 
 
+def test_eos_ids_come_from_the_directory_generation_config_names(ckpt, tmp_path):
+    """vLLM reads the EOS ids of generation_config.json where the defaults come from: another
+    directory's file adds its ids (here 7, forced by a logit bias) as stop token ids."""
+    forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={7: 100.0})
+    other = tmp_path / "eos"
+    other.mkdir()
+    write_generation_config(other, {"eos_token_id": [0, 7]})
+    for source, stops in (("auto", False), (str(other), True)):
+        llm = cpu_llm(ckpt, generation_config=source, **ENGINE)
+        try:
+            out = llm.generate([[3, 4, 5]], forced, use_tqdm=False)[0].outputs[0]
+            assert (7 in llm.eos_token_ids) is stops
+            if stops:
+                assert (out.token_ids, out.finish_reason, out.stop_reason) == ([7], "stop", 7)
+            else:
+                assert out.token_ids == [7] * 4 and out.finish_reason == "length"
+        finally:
+            llm.exit()
+
+
 def test_a_checkpoint_without_the_file_gets_sampling_params_defaults(tmp_path):
     path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
     saved = os.path.join(path, "generation_config.json")

@@ -3,7 +3,8 @@ generation_config="auto"), read with transformers' GenerationConfig.
 
 Only the sampling keys the file sets count: temperature, top_k, top_p, min_p, repetition_penalty,
 and max_new_tokens (as max_tokens); every other field keeps SamplingParams' default. They apply
-when generate / chat get no sampling_params; explicit SamplingParams are used as given.
+when generate / chat get no sampling_params; explicit SamplingParams are used as given. The
+file's eos_token_id is among the engine's EOS ids (utils/tokenizer.load_eos_token_ids).
 """
 
 from __future__ import annotations
@@ -18,24 +19,29 @@ GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top
 GENERATION_FILE = "generation_config.json"
 
 
-def generation_overrides(directory: str) -> dict:
-    """The SamplingParams fields that `directory`'s generation_config.json sets ({} without one)."""
-    if not os.path.isfile(os.path.join(directory, GENERATION_FILE)):
+def read_generation_config(directory: str) -> dict:
+    """The keys `directory`'s generation_config.json sets ({} without one), read with transformers'
+    GenerationConfig; a file transformers refuses (a bad max_new_tokens, not an object) raises
+    ValueError / TypeError naming it."""
+    path = os.path.join(directory, GENERATION_FILE)
+    if not os.path.isfile(path):
         return {}
     from transformers import GenerationConfig
 
-    values = GenerationConfig.from_pretrained(directory).to_diff_dict()
-    return {field: values[key] for key, field in GENERATION_KEYS.items() if values.get(key) is not None}
+    try:
+        return GenerationConfig.from_pretrained(directory).to_diff_dict()
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {e}") from e
 
 
-def default_sampling_params(source: str, model_dir: str) -> SamplingParams:
-    """The defaults for LLM(generation_config=source): "vllm" SamplingParams(); "auto" the
-    checkpoint's file; a directory that one's. Values SamplingParams refuses raise ValueError /
-    TypeError naming the file."""
+def default_sampling_params(source: str, directory: str, values: dict) -> SamplingParams:
+    """The defaults for LLM(generation_config=source): "vllm" SamplingParams(); otherwise those
+    `values` (read_generation_config of `directory`, Config.generation_dir) set. Values
+    SamplingParams refuses raise ValueError / TypeError naming the file."""
     if source == "vllm":
         return SamplingParams()
-    directory = model_dir if source == "auto" else source
-    try:  # transformers' own checks of the file (a bad max_new_tokens, not an object) included
-        return SamplingParams(**generation_overrides(directory))
+    overrides = {field: values[key] for key, field in GENERATION_KEYS.items() if values.get(key) is not None}
+    try:
+        return SamplingParams(**overrides)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{os.path.join(directory, GENERATION_FILE)}: {e}") from e

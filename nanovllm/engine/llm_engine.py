@@ -29,6 +29,7 @@ import torch
 from nanovllm.config import Config, ServedModel
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
+from nanovllm.engine.generation_defaults import read_generation_config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.request import Request
@@ -62,6 +63,8 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer)
+        # generation_config.json's keys: the EOS ids below, and generate()'s defaults (nanovllm.llm)
+        self.generation_values = read_generation_config(cfg.generation_dir)
         self.detokenizer = Detokenizer(self.tokenizer)
         # Ranks 1..N-1 run in spawned processes; this process is rank 0. An engine collected
         # without exit() still stops them and leaves the process group (close is idempotent).
@@ -75,7 +78,8 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        eos = load_eos_token_ids(cfg.model, self.tokenizer, cfg.model_config.eos_token_ids)
+        eos = load_eos_token_ids(self.tokenizer, cfg.model_config.eos_token_ids,
+                                 self.generation_values.get("eos_token_id"))
         self.eos_token_ids = eos.all
         self._eos_stop_ids = eos.others  # each request's stop_token_ids gain them (vLLM's rule; EosTokens)
         self.scheduler = Scheduler(

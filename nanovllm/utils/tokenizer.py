@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -43,16 +42,13 @@ class EosTokens:
         return self.all - {self.primary}
 
 
-def load_eos_token_ids(path: str, tokenizer, config_eos: tuple[int, ...]) -> EosTokens:
-    """Every EOS id of the tokenizer, config.json and generation_config.json."""
-    ids = set(config_eos)
+def load_eos_token_ids(tokenizer, config_eos: tuple[int, ...], generation_eos) -> EosTokens:
+    """Every EOS id of the tokenizer, config.json and `generation_eos`, the eos_token_id (an int, a
+    list or None) of the generation_config.json that LLM(generation_config=...) reads (vLLM's rule)."""
+    ids = set(config_eos) | _as_ids(generation_eos)
     primary = None
     if tokenizer is not None:
         ids |= _as_ids(tokenizer.eos_token_id)
         if isinstance(tokenizer.eos_token_id, int):
             primary = tokenizer.eos_token_id
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            ids |= _as_ids(json.load(f).get("eos_token_id"))
     return EosTokens(primary, frozenset(ids))
