@@ -87,7 +87,7 @@ class Config:
     # The KV cache's element type (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" =
     # float8 e4m3 with per-layer scales (engine/kv_cache.py), about twice the blocks in the same memory.
     kv_cache_dtype: str = "auto"
-    # Plan decode step N+1 while step N runs on the device (hides host time). Used when
+    # Plan step N+1 (decode or mixed) while step N runs on the device (hides host time). Used when
     # tensor_parallel_size is 1; tensor-parallel steps run one at a time.
     overlap_scheduling: bool = True
     # One token budget per step shared by decode rows and prefill chunks (vLLM V1). False:

@@ -281,3 +281,11 @@ def test_sampled_lists_only_kept_tokens_under_overlap_and_graphs(ckpt):
     stopped = [(outputs[i], sp) for i, sp in zip(ids, params) if outputs[i].finish_reason == "stop"]
     assert len(stopped) >= 4  # bf16 steps at other batch sizes may pick other tokens, but not in most requests
     assert all(out.token_ids[-1] in sp.stop_token_ids for out, sp in stopped)
+
+
+def test_tensor_parallel_size_above_the_gpu_count_is_refused(ckpt):
+    too_many = torch.cuda.device_count() + 1
+    if GPU_SHAPE.num_key_value_heads % too_many:
+        pytest.skip(f"{too_many} ranks do not divide the test model's heads (refused for that first)")
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={too_many} exceeds the {too_many - 1} visible CUDA"):
+        LLM(ckpt, tensor_parallel_size=too_many)

@@ -219,15 +219,6 @@ class ModelRunner:
                                                             allow_all))
         torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
-    def launch(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None,
-               previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step on the device (forward and sampling) and return without waiting for it.
-
-        `sample_seqs`: the plan's sampled sequences in order (rank 0; None on workers).
-        `previous`: the step launched just before, whose device tokens a carried plan reads."""
-        return self.sample(self.queue(self.prepare(plan, sample_seqs), previous))
-
     def prepare(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> PreparedStep:
         """Build a step's inputs on the host, queuing nothing on the device (`queue` does that), so
         the host can prepare a step while the one before it waits for its token masks. Steps are
@@ -386,9 +377,11 @@ class ModelRunner:
         if not self.sleeping and self.graphs is None:
             self._capture_graphs()
 
-    def run(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> list[int]:
-        """Run one step and wait for it: the new token of each of `sample_seqs` ([] on workers)."""
-        return self.launch(plan, sample_seqs).tokens()
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> list[int]:
+        """A tensor-parallel worker's step (rank 0 sends the plan: engine/tp_workers.py): prepare,
+        queue and sample it as rank 0's StepPipeline does, and wait for it (no sampled rows here: [])."""
+        return self.sample(self.queue(self.prepare(plan))).tokens()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         with attention_context(inputs.meta):

@@ -36,7 +36,7 @@ from nanovllm.utils.deferred_signals import deferred_signals
 @dataclass(frozen=True)
 class StepResult:
     """One completed step. With overlap scheduling the call that returns it has already
-    queued the next decode step, so `launch_s` may belong partly to that one. A step() with
+    queued the next step, so `launch_s` may belong partly to that one. A step() with
     nothing to do returns an empty result (kind None)."""
 
     kind: StepKind | None  # None: nothing was pending, no step ran

@@ -7,8 +7,8 @@ sends the step's `StepPlan` to every worker over a multiprocessing Pipe (a local
 socket: no fixed names, no size limit), then all ranks run the same forward; the
 collectives inside the model keep them in lock-step.
 
-    rank 0:  schedule -> send(plan) -> run(plan) -> sample
-    rank k:            recv(plan)  -> run(plan)
+    rank 0:  schedule -> send(plan) -> prepare, queue, sample (StepPipeline)
+    rank k:            recv(plan)  -> run(plan): prepare, queue, sample
 
 On CPU the N ranks share the cores that rank 0's torch had: each rank gets 1/N of its
 threads (rank 0's own count is restored on close), since OpenMP threads that outnumber the

@@ -12,7 +12,7 @@
 - fused_norm.py, fused_activation.py: add + RMSNorm (for an FP8 layer quantizing its output), SiLU-and-mul.
 - fp8_quant.py: activations quantized for torch._scaled_mm (RowQuant says how, per layer).
 - gemv.py, skinny_gemm.py: projections of 1-2 rows, of narrow layers at 3-16 rows and of FP8 layers
-  at 3-192 rows; skinny_plan.py: the skinny GEMM's tilings.
+  at 3-192 rows; gemv_plan.py, skinny_plan.py: their tilings.
 - paging.py: where a key tile lives in the paged cache (fetched a tile ahead by both attention kernels).
 - pdl.py, counters.py, checks.py: programmatic dependent launch, per-device scratch, argument checks.
 - torch_attention.py: the plain-PyTorch attention contract (the CPU path; no Triton).

@@ -1,4 +1,4 @@
-"""Triton fused mixture-of-experts MLP (Qwen3-MoE): alignment (moe_sort.py) and two grouped GEMMs.
+"""Triton fused mixture-of-experts MLP (Qwen3-MoE): alignment (moe/align.py) and two grouped GEMMs.
 
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u),   [g | u] = w13[e] @ hidden[t],  e = topk_ids[t, k]
 

@@ -8,7 +8,7 @@ the block instead of inside it:
 
     with deferred_signals():
         workers.send("run", plan)      # Ctrl-C here ...
-        runner.launch(plan)            # ... lets this finish on rank 0 too
+        runner.queue(prepared)         # ... lets this finish on rank 0 too
     # ... and is raised here
 
 Handlers not set from Python (SIG_DFL, SIG_IGN) are left alone. Only the main thread runs
