@@ -21,6 +21,7 @@ from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, route
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import build_model
 from nanovllm.utils.loader import checkpoint_tensors, load_model, update_weights
+from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -86,8 +87,8 @@ def test_expert_shards_sum_to_the_whole_layer(checkpoints):
     prefix = "model.layers.0.mlp.experts"
 
     def experts(rank: int, size: int, tensors: dict) -> MoeExperts:
-        layer = MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size, rank=rank,
-                           world_size=size)
+        with tensor_parallel(TensorParallel(rank, size)):
+            layer = MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size)
         params = {"w13": layer.w13, "w2": layer.w2}
         for name, tensor in tensors.items():
             if name.startswith(prefix + "."):
@@ -104,8 +105,8 @@ def test_expert_shards_sum_to_the_whole_layer(checkpoints):
         halves = [experts(rank, 2, tensors) for rank in (0, 1)]
         assert halves[0].w13.shape == (16, 16, 64) and halves[0].w2.shape == (16, 64, 8)
         torch.testing.assert_close(halves[0](hidden, weights, ids) + halves[1](hidden, weights, ids), whole)
-    with pytest.raises(ValueError, match="rank must be below world_size 2"):
-        MoeExperts(shape.num_experts, shape.hidden_size, shape.moe_intermediate_size, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="rank must be below tensor_parallel_size 2"):
+        TensorParallel(2, 2)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -28,6 +28,7 @@ from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.routing import moe_route
 from nanovllm.quantization.config import expert_quant, quantization, resolve_quantization
 from nanovllm.utils.loader import load_model, update_weights
+from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -180,8 +181,8 @@ class ExpertsModel(nn.Module):
     def __init__(self, config, e: int, h: int, i: int, rank: int = 0, world_size: int = 1):
         super().__init__()
         self.mlp = nn.Module()
-        with quantization(config):
-            self.mlp.experts = MoeExperts(e, h, i, "mlp.experts", rank=rank, world_size=world_size, kernels=True)
+        with quantization(config), tensor_parallel(TensorParallel(rank, world_size)):
+            self.mlp.experts = MoeExperts(e, h, i, "mlp.experts", kernels=True)
 
     def map_checkpoint_name(self, name: str):
         return map_expert_name(name) or (name, None)

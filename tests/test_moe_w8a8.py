@@ -119,7 +119,7 @@ def fp8_layer(routes: KernelRoutes, kernels: bool, e: int = 4, h: int = 200, i: 
     """Online-FP8 experts (held per channel where they run the kernels) built under `routes`,
     filled with quantize_experts' values when held."""
     with quantization(ONLINE), kernel_routes(routes):
-        experts = MoeExperts(e, h, i, "mlp.experts", rank=0, world_size=1, kernels=kernels)
+        experts = MoeExperts(e, h, i, "mlp.experts", kernels=kernels)
     if experts.scales is not None:
         g = torch.Generator().manual_seed(4)
         for w, s, shape in ((experts.w13, experts.scales[0], (e, 2 * i, h)), (experts.w2, experts.scales[1], (e, h, i))):

@@ -113,6 +113,65 @@ def test_two_engines_side_by_side(ckpt):
     assert len(here) == len(PROMPTS)
 
 
+_CALLER_GROUP_SCRIPT = """
+import sys
+import torch.distributed as dist
+from nanovllm import LLM, SamplingParams
+path, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+# the caller's own group (torchrun, an RL trainer): two ranks, each building its own one-rank engine
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+llm = LLM(path, kvcache_block_size=16, max_model_len=256, device="cpu")
+out = llm.generate([[5 + rank, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+llm.exit()
+print("TOKENS", out[0].outputs[0].token_ids)
+try:
+    LLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu")
+except RuntimeError as e:
+    print("REFUSED", e)
+print("GROUP", dist.is_initialized(), dist.get_world_size())
+dist.destroy_process_group()
+"""
+
+
+def test_one_rank_engines_inside_a_callers_process_group(ckpt):
+    """A one-rank engine is whole whatever torch.distributed group its process holds (it used to
+    take the caller's group for its own, split its layers over it and fail in a collective); a
+    tensor-parallel one is refused there, naming the caller's group, which stays as it was."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    ranks = [subprocess.Popen([sys.executable, "-c", _CALLER_GROUP_SCRIPT, ckpt, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    single = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        expected = [o.outputs[0].token_ids for o in single.generate(
+            [[5 + r, 6, 7, 8] for r in range(2)], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    finally:
+        single.exit()
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        assert f"TOKENS {expected[rank]}" in out
+        assert "REFUSED this process already has a torch.distributed default process group" in out
+        assert "GROUP True 2" in out
+
+
+def test_a_one_rank_engine_beside_a_tensor_parallel_one(ckpt):
+    """The tensor-parallel engine's process group is its own: a one-rank engine built beside it
+    runs no collectives (it used to join that group's and hang)."""
+    expected, _ = generate(ckpt, 1)
+    tp2 = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        alone, _ = generate(ckpt, 1)
+        assert alone == expected
+        assert [o["token_ids"] for o in tp2.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    finally:
+        tp2.exit()
+
+
 def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         cpu_llm(ckpt, tensor_parallel_size=3)

@@ -49,7 +49,7 @@ from nanovllm.models.registry import build_model
 from nanovllm.quantization.config import INPUT_SCALE, quantization
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanovllm.utils.context import attention_context
-from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 from nanovllm.utils.host_to_device import to_device
 from nanovllm.utils.kv_scales import load_kv_scales
 from nanovllm.utils.loader import init_dummy_weights, load_model, update_weights
@@ -69,11 +69,16 @@ QWEN3_TOP_K = 20
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, rank: int = 0):
+        """`rank`: this process's tensor-parallel rank (0: the scheduling process; workers: theirs)."""
         self.config = config
         cfg = config.model_config
-        self.rank, self.world_size = tp_rank(), tp_size()
-        self.device = torch.device(config.device, self.rank) if config.device == "cuda" else torch.device("cpu")
+        layout = TensorParallel(rank, config.tensor_parallel_size)
+        self.rank, self.world_size = layout.rank, layout.size
+        self.device = torch.device("cpu")
+        if config.device == "cuda":
+            # One rank: the caller's current device (torchrun's cuda.set_device(local_rank)); ranks: theirs.
+            self.device = torch.device("cuda", torch.cuda.current_device() if layout.size == 1 else rank)
         allocated_before = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -86,7 +91,8 @@ class ModelRunner:
         self.backend = select_attention_backend(config.attention_backend, config.device, self.block_size, fp8_kv,
                                                 cfg.head_dim)
 
-        with torch.device(self.device), kernel_routes(config.kernel_routes), quantization(config.quant_config):
+        with (torch.device(self.device), kernel_routes(config.kernel_routes), quantization(config.quant_config),
+              tensor_parallel(layout)):
             previous_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:

@@ -68,7 +68,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
                           timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group(_backend(config), store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, rank)
     try:
         while True:
             try:
@@ -86,7 +86,10 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
 class WorkerGroup:
     def __init__(self, config: Config):
         if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine is already running in this process; exit() it first")
+            raise RuntimeError(
+                "this process already has a torch.distributed default process group (another tensor-parallel "
+                "engine's, or the caller's own, e.g. under torchrun): a tensor-parallel engine sets up that group "
+                "for its ranks alone. exit() the other engine, or build this one with tensor_parallel_size=1")
         n = config.tensor_parallel_size
         # close() ran: a second call (exit(), then the engine's finalizer when it is collected) must
         # not destroy the process group of an engine built since.

@@ -55,7 +55,6 @@ from nanovllm.quantization.config import BLOCK, FP8_DTYPE, expert_quant
 from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.distributed import tp_rank, tp_size
 from nanovllm.utils.ints import cdiv
-from nanovllm.utils.validation import check_int
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64): the top-k of
@@ -88,22 +87,17 @@ def _check_shape(what: str, expected: tuple[int, ...], loaded: torch.Tensor) -> 
 
 class MoeExperts(nn.Module):
     """E SwiGLU experts stacked in w13 [E, 2 I/tp, H] and w2 [E, H, I/tp]: forward(hidden [T, H],
-    weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks).
-    `rank` / `world_size`: the tensor-parallel part this layer holds (None: the process group's)."""
+    weights [T, K], ids [T, K]) -> this rank's partial sum [T, H] (not reduced over ranks); the part
+    it holds is that of the tensor-parallel layout it is built under (utils/distributed.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str | None = None, *,
-                 rank: int | None = None, world_size: int | None = None, kernels: bool | None = None):
+                 kernels: bool | None = None):
         """`prefix`: the checkpoint name of the experts module (`...mlp.experts`), by which
         they ask for their weights' format (quantization/config.py); None: full precision.
         `kernels`: whether the layer runs the Triton kernels (None: layers/kernel_path.uses_triton
         of the construction device; True on CPU: under Triton's interpreter, in tests)."""
         super().__init__()
-        self.tp_rank = tp_rank() if rank is None else rank
-        self.tp_size = tp_size() if world_size is None else world_size
-        check_int("world_size", self.tp_size, 1)
-        check_int("rank", self.tp_rank, 0)
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"rank must be below world_size {self.tp_size}, got {self.tp_rank}")
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.local_size = intermediate_size // self.tp_size  # I / tp
         self.use_triton = uses_triton(construction_device()) if kernels is None else bool(kernels)

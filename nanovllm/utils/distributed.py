@@ -1,13 +1,53 @@
-"""Tensor-parallel rank and size, read from torch.distributed (1 rank when not initialized)."""
+"""An engine's tensor-parallel layout: this process's rank and the engine's rank count.
+
+It is the engine's own (Config.tensor_parallel_size, the rank WorkerGroup gave the process), never
+read from torch.distributed: a process may hold a default process group of its own (torchrun, an RL
+trainer building one engine per rank), and a 1-rank engine there is still a whole engine, with no
+collectives. Layers read it at construction, inside `tensor_parallel(...)` (ModelRunner builds the
+model there); outside the block it is the 1-rank layout. With more than one rank, the collectives
+run on the default process group, which tp_workers.WorkerGroup sets up for the engine alone.
+"""
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from nanovllm.utils.validation import check_int
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int  # 0 .. size - 1; rank 0 is the process that schedules
+    size: int  # the engine's tensor_parallel_size
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.size, 1)
+        check_int("rank", self.rank, 0)
+        if self.rank >= self.size:
+            raise ValueError(f"rank must be below tensor_parallel_size {self.size}, got {self.rank}")
+
+
+_LAYOUT: ContextVar[TensorParallel] = ContextVar("tensor_parallel", default=TensorParallel(0, 1))
+
+
+@contextmanager
+def tensor_parallel(layout: TensorParallel) -> Iterator[None]:
+    """Layers constructed inside this block hold `layout`'s part (reset on exit, also on exceptions)."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """The rank of layers constructed now."""
+    return _LAYOUT.get().rank
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """The rank count of layers constructed now."""
+    return _LAYOUT.get().size
