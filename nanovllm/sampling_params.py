@@ -30,6 +30,11 @@ TRUNCATE_TO_MODEL_LEN = -1
 NO_SEED = -1
 # Seeds are 64-bit (noise keys mix them modulo 2**64: a larger one would alias a smaller one's tokens).
 SEED_LIMIT = 2**64
+# The rules work on float32 logits: a bias beyond float32's largest value would be inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+# repetition_penalty's smallest value, float32's smallest normal one: the rules divide float32 logits by
+# it, and a smaller one is 0 (a division by zero) or subnormal there.
+MIN_REPETITION_PENALTY = 2.0**-126
 
 
 def check_seed(name: str, seed: object) -> None:
@@ -267,9 +272,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], "
                                  f"got {value!r}")
         _check_float("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0, "
-                             f"got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 and within float32's range "
+                             f"[{MIN_REPETITION_PENALTY:.3g}, {FLOAT32_MAX:.3g}], got {self.repetition_penalty!r}")
         check_int("SamplingParams.min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= "
@@ -282,8 +287,9 @@ class SamplingParams:
             for token_id, bias in self.logit_bias.items():
                 check_int("SamplingParams.logit_bias token id", token_id, 0)
                 _check_float(f"logit_bias[{token_id}]", bias)
-                if math.isinf(bias):
-                    raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be finite, got {bias!r}")
+                if not -FLOAT32_MAX <= bias <= FLOAT32_MAX:
+                    raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be finite in float32 (|bias| <= "
+                                     f"{FLOAT32_MAX:.3g}: the logits' type), got {bias!r}")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)

@@ -13,6 +13,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.request_rules import RequestRules
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling.logits_rules import HostRules
 
 VOCAB = 50
 EOS = {0}
@@ -157,3 +158,22 @@ def test_steps_with_integer_parts_only(device):
     out = builder.step_rules(seqs, [2, 1], [], None).apply(logits.to(dev)).cpu()
     assert out[0, 0] == -torch.inf and torch.equal(out[0, 1:], logits[0, 1:])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bans_hold_over_logits_a_rule_made_infinite(device):
+    """A banned logit is -inf whatever it was: adding -inf to a logit a penalty had made +inf gave NaN,
+    which the sampler then picked (the banned token generated). Pairs may repeat; a conditional pair
+    listed twice is banned when either entry's condition holds."""
+    dev = torch.device(device)
+    logits = torch.randn(3, VOCAB)
+    logits[0, 4] = logits[1, 6] = logits[2, 6] = torch.inf
+    host = HostRules(3, ban_rows=[0, 0], ban_tokens=[4, 4],
+                     cond_rows=[1, 1, 2], cond_tokens=[6, 6, 6], cond_sources=[0, 1, 2], cond_required=[9, 5, 7])
+    previous = torch.tensor([1, 5, 3], device=dev)  # row 1's second entry holds, row 2's does not
+    out = host.to_device(dev, None, previous).apply(logits.to(dev)).cpu()
+    assert out[0, 4] == out[1, 6] == -torch.inf and out[2, 6] == torch.inf
+    assert not out.isnan().any()
+    untouched = torch.ones_like(out, dtype=torch.bool)
+    untouched[0, 4] = untouched[1, 6] = False
+    assert torch.equal(out[untouched], logits[untouched])

@@ -106,6 +106,14 @@ class HostRules:
         return rules
 
 
+def _ban(x: Tensor, rows: Tensor, tokens: Tensor, banned: Tensor) -> None:
+    """x[rows[i], tokens[i]] = -inf where banned[i] (pairs may repeat; a pair banned once is banned),
+    without a host sync: a minimum with -inf (banned) or +inf (left as is). Adding -inf instead would
+    turn a logit a bias or penalty made +inf into NaN, which the sampler would then pick."""
+    keep = torch.where(banned, -torch.inf, torch.inf)  # [pairs] float32
+    x.view(-1).scatter_reduce_(0, rows * x.shape[1] + tokens, keep, "amin")
+
+
 class StepRules:
     """A step's rules on the device: `apply` to the sampler's logits, `record` its sampled tokens."""
 
@@ -139,12 +147,10 @@ class StepRules:
             keep[p["allowed_entry_rows"], p["allowed_tokens"]] = True
             x[p["allowed_rows"]] = x[p["allowed_rows"]].masked_fill(~keep, -torch.inf)
         if "ban_rows" in p:
-            masked = torch.full(p["ban_rows"].shape, -torch.inf, device=x.device)
-            x.index_put_((p["ban_rows"], p["ban_tokens"]), masked, accumulate=True)
+            _ban(x, p["ban_rows"], p["ban_tokens"], torch.full(p["ban_rows"].shape, True, device=x.device))
         if "cond_rows" in p:
             hit = self.previous_tokens[p["cond_sources"]] == p["cond_required"]  # [M]
-            masked = torch.where(hit, -torch.inf, 0.0)
-            x.index_put_((p["cond_rows"], p["cond_tokens"]), masked, accumulate=True)
+            _ban(x, p["cond_rows"], p["cond_tokens"], hit)
         return x
 
     def _penalize(self, x: Tensor, source: Tensor | None = None) -> None:
