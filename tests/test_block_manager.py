@@ -74,15 +74,18 @@ def test_hash_collision_is_caught_by_token_comparison():
     assert b.num_computed_tokens == 0 and b.block_table[0] != a.block_table[0]
 
 
-def test_fully_cached_prompt_recomputes_last_token():
+def test_fully_cached_prompt_recomputes_its_last_block_in_a_block_of_its_own():
+    """vLLM's rule: the block holding the last token (recomputed for its logits) is never a hit,
+    so the step never writes K/V into a cached block that another sequence may be reading."""
     bm = BlockManager(4, BS)
     a = seq(0, list(range(32)))
     bm.allocate(a)
     bm.publish_full_blocks(a, 32)
     b = seq(1, list(range(32)))
     bm.allocate(b)
-    assert b.block_table == a.block_table
-    assert b.num_computed_tokens == 31
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
+    assert b.num_computed_tokens == BS
+    assert bm.blocks[a.block_table[1]].ref_count == 1
 
 
 def test_unpublished_blocks_are_not_hit_and_reallocation_drops_hash():

@@ -89,12 +89,18 @@ class BlockManager:
         return hashes
 
     def _prefix_hits(self, seq: Sequence, use_cache: bool = True) -> list[Block]:
-        """Leading full blocks of `seq` whose KV is already cached (none when `use_cache` is off)."""
+        """Leading full blocks of `seq` whose KV is already cached (none when `use_cache` is off),
+        never the block of its last token, which is recomputed for its logits (vLLM's rule): a hit
+        there would have the step write that token's K/V again into a block others may be reading.
+
+            len 512, bs 256:  [ block 0: hit ][ block 1: new, recomputed ]   (last token 511)
+            len 600, bs 256:  [ hit ][ hit ][ new: 512..599 ]
+        """
         hits: list[Block] = []
         if not self.enable_prefix_caching or not use_cache:
             return hits
         bs = self.block_size
-        num_full = len(seq) // bs
+        num_full = (len(seq) - 1) // bs  # full blocks before the one holding the last token
         for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
             block = self._cached_block(h, seq.token_ids[i * bs : (i + 1) * bs])
             if block is None:
@@ -112,8 +118,8 @@ class BlockManager:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks (unless
         `use_cache` is off: all its tokens are then computed, e.g. for their logprobs).
 
-        Sets seq.num_computed_tokens to the cached prefix length, but never to the
-        whole sequence: the last token is always recomputed to produce logits.
+        Sets seq.num_computed_tokens to the cached prefix length, which never reaches the last
+        token (`_prefix_hits`): it is always recomputed to produce logits.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
@@ -127,7 +133,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block().block_id)
         seq.num_hashed_blocks = len(hits)
-        seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
+        seq.num_computed_tokens = len(hits) * self.block_size
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give `child` (a fresh sequence with parent's tokens) parent's blocks: the full ones
