@@ -4,21 +4,28 @@
 Each one is accepted only with a value that asks for what nanovllm does anyway. Any other value is
 a ValueError that names the keyword and says what nanovllm does instead:
 
-    revision, tokenizer_revision, code_revision   None: the model is a local directory
+    revision, tokenizer_revision, code_revision   None / "main": the model is a local directory
+    download_dir                                  None: nothing is downloaded
     tokenizer_mode                                "auto" / "hf": transformers' AutoTokenizer
     trust_remote_code                             a bool: no checkpoint code runs (built-in families only)
+    model_impl                                    "auto" / "vllm": the built-in model classes
     swap_space                                    a number >= 0: preempted requests are recomputed, never swapped
     enable_lora                                   False: no LoRA (max_lora_rank, max_loras: any int, unused)
     enable_sleep_mode                             a bool: sleep() / wake_up() always work
-    distributed_executor_backend                  None / "mp": tensor-parallel ranks are this engine's processes
+    distributed_executor_backend                  None / "mp": tensor-parallel ranks are this engine's processes;
+                                                  "uni" / "external_launcher" at tensor_parallel_size 1 (one
+                                                  engine in this process, as each rank of a torchrun job builds)
+    pipeline_parallel_size, data_parallel_size    1: one pipeline stage, one replica (Ray Data scales out)
+    logprobs_mode                                 "raw_logprobs": logprobs of the model's raw logits
     disable_custom_all_reduce, disable_log_stats  a bool: torch.distributed's all-reduce; no stats log
     enable_chunked_prefill                        None / a bool: prompts over the step budget are always chunked
     skip_tokenizer_init                           False: the tokenizer is loaded when the model has one
     limit_mm_per_prompt                           None / {} / all counts 0: text models only
     disable_mm_preprocessor_cache                 a bool: text models only
 
-Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens)
-take the default here too (config.Config).
+Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
+enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
+`kvcache_block_size`.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ def _no_media(v: object) -> bool:
     return v is None or (isinstance(v, dict) and all(n == 0 for n in v.values()))
 
 
-_LOCAL = _Accepted(lambda v: v is None, "None", "the model and tokenizer are read from local directories")
+_LOCAL = _Accepted(lambda v: v in (None, "main"), "None or 'main'",
+                   "the model and tokenizer are read from local directories")
 _UNUSED_INT = _Accepted(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "None or an int",
                         "no LoRA adapters are served")
 
@@ -61,8 +69,17 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "max_lora_rank": _UNUSED_INT,
     "max_loras": _UNUSED_INT,
     "enable_sleep_mode": _Accepted(_is_bool, "a bool", "sleep() and wake_up() always work"),
-    "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp'",
+    "download_dir": _Accepted(lambda v: v is None, "None", "the model is a local directory: nothing is downloaded"),
+    "model_impl": _Accepted(lambda v: v in ("auto", "vllm"), "'auto' or 'vllm'", "the model families are built in"),
+    "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp' (also 'uni' or "
+                                              "'external_launcher' at tensor_parallel_size=1)",
                                               "tensor-parallel ranks are processes this engine spawns"),
+    "pipeline_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+                                        "no pipeline parallelism: tensor_parallel_size splits the model"),
+    "data_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+                                    "one replica per engine: nanovllm.ray_data runs several"),
+    "logprobs_mode": _Accepted(lambda v: v == "raw_logprobs", "'raw_logprobs'",
+                               "logprobs are those of the model's raw logits, before any sampling rule"),
     "disable_custom_all_reduce": _Accepted(_is_bool, "a bool", "ranks all-reduce through torch.distributed"),
     "disable_log_stats": _Accepted(_is_bool, "a bool", "no stats are logged"),
     "enable_chunked_prefill": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",
@@ -73,18 +90,29 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
 }
 
 # Keywords whose None means "the engine's default" in vLLM.
-NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+# distributed_executor_backend values that mean one engine in this process: right at one rank.
+ONE_RANK_BACKENDS = ("uni", "external_launcher")
+# vLLM's names of settings that have another name here.
+RENAMED = {"block_size": "kvcache_block_size"}
 
 
 def strip_vllm_only_args(kwargs: dict) -> dict:
     """`kwargs` without the VLLM_ONLY_ARGS (each checked: ValueError naming a value that asks for
     something nanovllm does not do) and without NONE_MEANS_DEFAULT keywords set to None."""
     kept = {}
+    one_rank = kwargs.get("tensor_parallel_size", 1) == 1
     for name, value in kwargs.items():
         accepted = VLLM_ONLY_ARGS.get(name)
-        if accepted is None:
+        if name in RENAMED:
+            if RENAMED[name] in kwargs:
+                raise TypeError(f"LLM() got both {name} (vLLM's name) and {RENAMED[name]}: pass one")
+            if value is not None:
+                kept[RENAMED[name]] = value
+        elif accepted is None:
             if not (name in NONE_MEANS_DEFAULT and value is None):
                 kept[name] = value
-        elif not accepted.ok(value):
+        elif not (accepted.ok(value) or (name == "distributed_executor_backend" and one_rank
+                                         and value in ONE_RANK_BACKENDS)):
             raise ValueError(f"LLM({name}={value!r}): nanovllm takes {accepted.expects} here ({accepted.why})")
     return kept

@@ -126,20 +126,26 @@ class LLM(LLMEngine):
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: object = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts)
-        or a list of them; each is rendered with the chat template (the tokenizer's, or
-        `chat_template`; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
-        it, the latter over the named options),
-        tokenized without special tokens, and generated like generate() does. Returns one
-        RequestOutput per conversation, in input order."""
+        """vLLM's LLM.chat, with its arguments in its order: `messages` is one conversation (a list
+        of {"role", "content"} dicts) or a list of them; each is rendered with the chat template (the
+        tokenizer's, or `chat_template`, seeing contents as `chat_template_content_format` says:
+        engine/chat.py; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
+        it, the latter over the named options), tokenized without special tokens, and generated like
+        generate() does. Returns one RequestOutput per conversation, in input order.
+        `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
         _check_no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
-                              {} if chat_template_kwargs is None else chat_template_kwargs, tools)
+                              {} if chat_template_kwargs is None else chat_template_kwargs, tools,
+                              chat_template_content_format)
         prompts = render_chat(self.tokenizer, self.config.tokenizer, messages, options)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

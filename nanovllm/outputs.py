@@ -193,6 +193,9 @@ class RequestOutput(_DictView):
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    metrics: None = None  # vLLM's per-request stats: none are kept (vLLM V1 leaves it None too)
+    lora_request: None = None  # no LoRA adapters
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
 
     # nano-vllm's step-API shortcuts (StepResult.finished): the first completion's.
     @property

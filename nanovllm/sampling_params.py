@@ -8,10 +8,12 @@ bad words that need a tokenizer) are the engine's (LLMEngine._check_params, engi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import numbers
+import typing
 from dataclasses import dataclass, field
 
 from nanovllm.utils.validation import check_int
@@ -203,8 +205,14 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name of structured_outputs (TRL passes guided_decoding=None): None only, not kept.
+    guided_decoding: dataclasses.InitVar[None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: object) -> None:
+        if guided_decoding is not None:
+            raise TypeError(f"SamplingParams.guided_decoding is vLLM's older name of structured_outputs: pass "
+                            f"structured_outputs=StructuredOutputsParams(...) (nanovllm.sampling_params), got "
+                            f"{guided_decoding!r:.200}")
         for f in dataclasses.fields(self):
             setattr(self, f.name, _plain_number(getattr(self, f.name)))
         if self.seed == NO_SEED:
@@ -303,6 +311,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.bad_words must not hold blank strings, got {self.bad_words!r}")
             self.bad_words = list(dict.fromkeys(self.bad_words))
 
+    def clone(self) -> SamplingParams:
+        """vLLM's clone: a deep copy."""
+        return copy.deepcopy(self)
+
     def validated(self) -> SamplingParams:
         """A checked copy of these settings as they are now (the engine keeps one per request, so
         later edits of this object do not change a queued request); raises as construction does."""
@@ -325,3 +337,10 @@ class SamplingParams:
         1). The one place this is decided: SamplingPack stores such rows as greedy (T = 0), so
         every sampling path (PyTorch or Triton) takes their argmax."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def field_types() -> dict[str, object]:
+    """SamplingParams' fields and their annotations, in order (guided_decoding, an InitVar, is not one)."""
+    hints = typing.get_type_hints(SamplingParams)
+    return {f.name: hints[f.name] for f in dataclasses.fields(SamplingParams)}
+

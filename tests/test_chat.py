@@ -189,6 +189,31 @@ def test_content_as_text_parts(bos_llm):
     assert bos_llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt == bos_llm.chat(joined, GREEDY, use_tqdm=False)[0].prompt
 
 
+def test_content_format_follows_the_template(bos_llm):
+    """vLLM's chat_template_content_format: "auto" hands a template that loops over a message's
+    content its text parts, any other template one string; "string" / "openai" force either."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, "brown fox"]},
+             {"role": "assistant", "content": "jumps over"}]
+    loops = "{% for m in messages %}{% for p in m.content %}({{ p['text'] }}){% endfor %}{% endfor %}"
+    plain = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+
+    def prompt(template, content_format="auto"):
+        return bos_llm.chat(parts, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                            chat_template_content_format=content_format)[0].prompt
+
+    assert prompt(loops) == prompt(loops, "openai") == "(the quick)(brown fox)(jumps over)"
+    assert prompt(plain) == prompt(plain, "string") == "<the quick\nbrown fox><jumps over>"
+    assert prompt(plain, "openai").startswith("<[{'type': 'text', 'text': 'the quick'}")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of 'auto', 'string', 'openai'"):
+        prompt(plain, "parts")
+    # vLLM's positional order: ..., chat_template, chat_template_content_format, add_generation_prompt
+    [out] = bos_llm.chat(parts, GREEDY, False, None, loops, "auto", False)
+    assert out.prompt == "(the quick)(brown fox)(jumps over)"
+    with pytest.raises(ValueError, match="mm_processor_kwargs=.*text models only"):
+        bos_llm.chat(parts, GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+    assert bos_llm.is_finished()
+
+
 def test_a_template_given_serves_a_tokenizer_without_one(tmp_path):
     path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
     llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)

@@ -64,6 +64,10 @@ def test_second_run_is_served_from_prefix_cache(tied_checkpoint):
     # every full block before the one of the last token (that one is recomputed: block_manager._prefix_hits)
     assert llm.block_manager.num_prefix_hit_blocks - hits_after_first >= sum((len(p) - 1) // 16 for p in prompts)
     assert first == second
+    # vLLM's RequestOutput.num_cached_tokens: the prompt tokens the cache served
+    assert [o.num_cached_tokens for o in first] == [0] * len(prompts)
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert all(o.metrics is None and o.lora_request is None for o in second)
     # everything is free again, with zero ref counts
     assert llm.block_manager.num_free_blocks == llm.num_kvcache_blocks
     assert all(b.ref_count == 0 for b in llm.block_manager.blocks)

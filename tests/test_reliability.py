@@ -45,6 +45,9 @@ BAD_PROMPTS = [
     (12345, TypeError, "int"),
     ({"nope": [1]}, ValueError, "prompt_token_ids"),
     ({"prompt_token_ids": "hello"}, TypeError, "prompt_token_ids must be a list of token ids, got str"),
+    # vLLM's multimodal keys: text models only (they used to be dropped, the text generated alone)
+    ({"prompt": "the dog", "multi_modal_data": {"image": [0]}}, ValueError, "'multi_modal_data': nanovllm serves text"),
+    ({"prompt_token_ids": [1, 2], "mm_processor_kwargs": {"crops": 2}}, ValueError, "'mm_processor_kwargs'"),
 ]
 
 

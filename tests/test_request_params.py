@@ -196,3 +196,13 @@ def test_numpy_scalars_and_seed_minus_one_as_vllm_takes_them():
                for name in ("temperature", "top_k", "top_p", "seed", "max_tokens", "n", "min_tokens"))
     assert [type(t) for t in drawn.stop_token_ids + drawn.allowed_token_ids + list(drawn.logit_bias)] == [int] * 6
     assert SamplingParams(seed=-1).seed is None
+
+
+def test_vllm_clone_and_guided_decoding_none():
+    """vLLM's SamplingParams.clone() (a deep copy), and TRL's guided_decoding=None (vLLM's older name
+    of structured_outputs): None is accepted and kept nowhere, anything else points to the new name."""
+    params = SamplingParams(temperature=0.5, stop=["x"], guided_decoding=None)
+    copy = params.clone()
+    assert copy == params and copy is not params and copy.stop is not params.stop
+    with pytest.raises(TypeError, match="guided_decoding is vLLM's older name of structured_outputs"):
+        SamplingParams(guided_decoding={"regex": "a+"})

@@ -26,20 +26,32 @@ LM_EVAL_ARGS = dict(gpu_memory_utilization=0.9, revision=None, dtype="auto", tok
                     max_num_seqs=None, swap_space=4, quantization=None, seed=1234, enable_lora=False,
                     max_lora_rank=16)
 # verl's vLLMRollout LLM(...) keywords for a text model (its SPMD mode adds
-# distributed_executor_backend="external_launcher", refused below)
+# distributed_executor_backend="external_launcher": one engine per rank, as TRL's below)
 VERL_ARGS = dict(enable_sleep_mode=True, tensor_parallel_size=1, dtype="float32", enforce_eager=True,
                  gpu_memory_utilization=0.5, disable_custom_all_reduce=True, disable_mm_preprocessor_cache=True,
                  limit_mm_per_prompt=None, skip_tokenizer_init=False, max_model_len=256, load_format="auto",
                  disable_log_stats=True, max_num_batched_tokens=512, enable_chunked_prefill=True,
                  enable_prefix_caching=True, trust_remote_code=False, seed=0)
 
+# lighteval's vLLM backend (revision "main" always; one pipeline stage), OpenRLHF's and open-instruct's
+# rollout engines at one rank ("uni"), TRL's GRPO colocate mode (a torchrun rank's own engine)
+LIGHTEVAL_ARGS = dict(revision="main", dtype="float32", trust_remote_code=False, tensor_parallel_size=1,
+                      data_parallel_size=1, pipeline_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=256,
+                      swap_space=4, seed=1, max_num_seqs=16, max_num_batched_tokens=512, enforce_eager=True)
+OPENRLHF_ARGS = dict(distributed_executor_backend="uni", tensor_parallel_size=1, seed=0, enable_prefix_caching=None,
+                     dtype="float32", max_model_len=256, enable_sleep_mode=True, download_dir=None)
+TRL_ARGS = dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1, gpu_memory_utilization=0.3,
+                max_num_seqs=8, max_model_len=256, model_impl="vllm", logprobs_mode="raw_logprobs", enable_prefix_caching=True,
+                enable_sleep_mode=False, seed=0, max_num_batched_tokens=512)
+
 REFUSED = [
-    ("revision", "main"), ("tokenizer_revision", "v2"), ("code_revision", "abc"), ("tokenizer_mode", "slow"),
+    ("revision", "v1.1"), ("tokenizer_revision", "v2"), ("code_revision", "abc"), ("tokenizer_mode", "slow"),
     ("trust_remote_code", "yes"), ("swap_space", -1), ("swap_space", True), ("enable_lora", True),
-    ("max_lora_rank", 1.5), ("enable_sleep_mode", None), ("distributed_executor_backend", "external_launcher"),
-    ("distributed_executor_backend", "ray"), ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
+    ("max_lora_rank", 1.5), ("enable_sleep_mode", None), ("distributed_executor_backend", "ray"),
+    ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
     ("enable_chunked_prefill", "on"), ("skip_tokenizer_init", True), ("limit_mm_per_prompt", {"image": 1}),
-    ("disable_mm_preprocessor_cache", None),
+    ("disable_mm_preprocessor_cache", None), ("download_dir", "/tmp/hf"), ("model_impl", "transformers"),
+    ("pipeline_parallel_size", 2), ("data_parallel_size", 4), ("logprobs_mode", "processed_logprobs"),
 ]
 
 
@@ -71,6 +83,29 @@ def test_verl_constructs(ckpt):
         llm.exit()
 
 
+@pytest.mark.parametrize("args", [LIGHTEVAL_ARGS, OPENRLHF_ARGS, TRL_ARGS], ids=["lighteval", "openrlhf", "trl"])
+def test_rl_and_eval_frameworks_construct(ckpt, args):
+    llm = cpu_llm(ckpt, **args)
+    try:
+        assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.exit()
+
+
+def test_one_rank_backends_are_refused_across_ranks(ckpt):
+    """"uni" / "external_launcher" mean one engine in this process: a tensor-parallel engine is not that."""
+    for backend in ("uni", "external_launcher"):
+        with pytest.raises(ValueError, match=rf"LLM\(distributed_executor_backend='{backend}'\)"):
+            LLM(ckpt, device="cpu", distributed_executor_backend=backend, tensor_parallel_size=2)
+
+
+def test_vllm_block_size_is_the_kv_cache_block_size(ckpt):
+    assert Config(ckpt, device="cpu", **strip_vllm_only_args({"block_size": 32})).kvcache_block_size == 32
+    assert strip_vllm_only_args({"block_size": None}) == {}
+    with pytest.raises(TypeError, match="both block_size .* and kvcache_block_size"):
+        LLM(ckpt, device="cpu", block_size=16, kvcache_block_size=16)
+
+
 @pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
 def test_values_nanovllm_cannot_honour_are_refused_by_name(ckpt, name, value):
     with pytest.raises(ValueError, match=rf"LLM\({name}="):
@@ -78,13 +113,16 @@ def test_values_nanovllm_cannot_honour_are_refused_by_name(ckpt, name, value):
 
 
 def test_every_vllm_only_argument_accepts_what_nanovllm_does():
-    accepted = {"revision": None, "tokenizer_revision": None, "code_revision": None, "tokenizer_mode": "hf",
+    accepted = {"revision": None, "tokenizer_revision": "main", "code_revision": None, "tokenizer_mode": "hf",
                 "trust_remote_code": True, "swap_space": 0.5, "enable_lora": False, "max_lora_rank": 64,
                 "max_loras": None, "enable_sleep_mode": False, "distributed_executor_backend": "mp",
                 "disable_custom_all_reduce": False, "disable_log_stats": False, "enable_chunked_prefill": None,
-                "skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False}
+                "skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False,
+                "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                "logprobs_mode": "raw_logprobs"}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
-    assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8}) == {"max_num_seqs": 8}
+    assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8,
+                                 "enable_prefix_caching": None}) == {"max_num_seqs": 8}
 
 
 def test_unknown_keywords_stay_type_errors(ckpt):

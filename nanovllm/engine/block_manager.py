@@ -134,6 +134,8 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens is None:  # the first allocation's, not a resumed preemption's
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give `child` (a fresh sequence with parent's tokens) parent's blocks: the full ones

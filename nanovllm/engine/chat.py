@@ -1,9 +1,11 @@
 """Chat conversations to prompts, for `LLM.chat` (vLLM's meaning).
 
 A conversation is a list of {"role": str, "content": ...} dicts, the content a string, None or left
-out (an assistant turn of tool calls: ""), or a list of {"type": "text" | "input_text", "text": str}
-parts or bare strings (joined with newlines, as vLLM does for string templates); other keys
-(tool_calls, name, ...) reach the template as given;
+out (an assistant turn of tool calls), or a list of {"type": "text" | "input_text", "text": str}
+parts or bare strings; other keys (tool_calls, name, ...) reach the template as given. The template
+sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
+newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts), or "auto": "openai"
+for a template that loops over a message's content, else "string" (`detect_content_format`);
 `chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 
 # The content-part types chat takes (vLLM's OpenAI-style text parts; "input_text": the Responses API's).
 TEXT_PARTS = ("text", "input_text")
+# vLLM's chat_template_content_format values.
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,12 @@ class ChatOptions:
     continue_final_message: bool = False  # leave the last message open, to be continued
     chat_template_kwargs: dict = field(default_factory=dict)
     tools: list[dict] | None = None  # tool schemas the template renders (vLLM's `tools`)
+    content_format: str = "auto"  # CONTENT_FORMATS: how the template sees a message's content
 
     def __post_init__(self) -> None:
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(map(repr, CONTENT_FORMATS))}, "
+                             f"got {self.content_format!r}")
         if not isinstance(self.chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         if "tokenize" in self.chat_template_kwargs:
@@ -58,12 +66,12 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def _content_text(content: object, where: str) -> str:
-    """A message's content as one string (text parts joined with newlines; None: "")."""
+def _content_parts(content: object, where: str) -> list[str]:
+    """The texts of a message's content parts (None: none; a string: itself)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, (list, tuple)):
         raise TypeError(f"{where}: 'content' must be a str or a list of text parts, got {type(content).__name__}")
     texts = []
@@ -80,12 +88,39 @@ def _content_text(content: object, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise TypeError(f"{where}: 'content' part {k} needs a str 'text', got {part.get('text')!r}")
         texts.append(part["text"])
+    return texts
+
+
+def _content(content: object, where: str, content_format: str) -> str | list[dict]:
+    """A message's content as the template sees it: one string (parts joined with newlines), or
+    under "openai" a list of text parts."""
+    texts = _content_parts(content, where)
+    if content_format == "openai":
+        return [{"type": "text", "text": t} for t in texts]
     return "\n".join(texts)
 
 
-def as_conversations(messages: object) -> list[list[dict]]:
-    """One conversation or a list of them, as a list of conversations with string contents;
-    malformed input raises TypeError/ValueError naming the conversation, message and key at fault."""
+def detect_content_format(template: str) -> str:
+    """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
+    a message's content (`message['content']` / `message.content`), else "string"."""
+    from jinja2 import Environment, TemplateSyntaxError, nodes
+
+    try:  # loopcontrols: templates use {% break %}; apply_chat_template reports real syntax errors
+        tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError:
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if ((isinstance(it, nodes.Getattr) and it.attr == "content")
+                or (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content")):
+            return "openai"
+    return "string"
+
+
+def as_conversations(messages: object, content_format: str = "string") -> list[list[dict]]:
+    """One conversation or a list of them, as a list of conversations whose contents are in
+    `content_format` ("string" or "openai"); malformed input raises TypeError/ValueError naming the
+    conversation, message and key at fault."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of message dicts or a list of conversations, "
                         f"got {type(messages).__name__}")
@@ -107,7 +142,7 @@ def as_conversations(messages: object) -> list[list[dict]]:
                 raise ValueError(f"{where} has no 'role': keys are {sorted(message)}")
             if not isinstance(message["role"], str):
                 raise TypeError(f"{where}: 'role' must be a str, got {type(message['role']).__name__}")
-            checked.append({**message, "content": _content_text(message.get("content"), where)})
+            checked.append({**message, "content": _content(message.get("content"), where, content_format)})
         out.append(checked)
     return out
 
@@ -115,7 +150,6 @@ def as_conversations(messages: object) -> list[list[dict]]:
 def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOptions) -> list[dict]:
     """One prompt per conversation in `messages`: {"prompt_token_ids": [...], "prompt": text}, the
     text rendered by the chat template and tokenized without special tokens."""
-    conversations = as_conversations(messages)
     if tokenizer is None:
         raise ValueError(f"model directory {model_dir!r} has no tokenizer, so chat() cannot render "
                          "messages: use generate() with token ids")
@@ -123,6 +157,11 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
     if kwargs["chat_template"] is None and not has_chat_template(tokenizer):
         raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
                          "pass chat_template=..., or use generate() with plain prompts")
+    content_format = options.content_format
+    if content_format == "auto":
+        template = kwargs["chat_template"] or tokenizer.chat_template
+        content_format = detect_content_format(template) if isinstance(template, str) else "string"
+    conversations = as_conversations(messages, content_format)
     prompts = []
     for conversation in conversations:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)

@@ -1,7 +1,8 @@
 """Checks and tokenizes one request before it reaches the scheduler.
 
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
-{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt).
+{"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt;
+one that sets multimodal data is refused).
 Anything else, or a request the engine could never serve, raises TypeError/ValueError naming the
 bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
@@ -16,6 +17,10 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
+
+# Keys of vLLM's prompt dicts that carry images, audio and their processing: refused when set (text
+# models only); its other keys (cache_salt, ...) change nothing here and are ignored.
+MEDIA_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,10 @@ class PromptValidator:
 
     def token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, dict):
+            media = [key for key in MEDIA_KEYS if prompt.get(key)]
+            if media:
+                raise ValueError(f"prompt dict sets {', '.join(map(repr, media))}: nanovllm serves text models "
+                                 f"only (give the prompt's text or token ids alone)")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
                 if not isinstance(prompt, (list, tuple)):  # vLLM's TokensPrompt: token ids only, never text

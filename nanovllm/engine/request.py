@@ -92,4 +92,5 @@ class Request:
         if leader.prompt_logprobs is not None and params.detokenize:
             detokenizer.fill_decoded_tokens(leader.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, leader.token_ids[: self.num_prompt_tokens],
-                             leader.prompt_logprobs, completions, finished=True)
+                             leader.prompt_logprobs, completions, finished=True,
+                             num_cached_tokens=leader.num_cached_tokens)

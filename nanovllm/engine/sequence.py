@@ -61,6 +61,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
+        # Prompt tokens the prefix cache held at its first allocation (None before it).
+        self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
         # Full blocks whose chained hash has been published to the prefix cache.
         self.num_hashed_blocks = 0

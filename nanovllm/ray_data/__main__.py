@@ -31,7 +31,7 @@ import ray
 import ray.data
 
 from nanovllm.ray_data.predictor import LLMPredictor, sampling_params_of
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, field_types
 
 # --output suffixes that mean one JSON-lines file (anything else: Ray Data's directory of files).
 SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
@@ -54,7 +54,7 @@ def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
     replicas sample with the engine's defaults (the checkpoint's generation_config); with some, with
     SamplingParams of those fields (the rest at SamplingParams' defaults, as generate takes them)."""
     group = ap.add_argument_group("sampling (SamplingParams fields)")
-    for name, hint in typing.get_type_hints(SamplingParams).items():
+    for name, hint in field_types().items():
         flag = "--" + name.replace("_", "-")
         kind = hint  # X | None: X (every optional field has one other kind)
         if isinstance(hint, types.UnionType):

@@ -25,7 +25,7 @@ import numpy as np
 import ray
 
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, field_types
 
 # The prompt columns a batch may carry (exactly one of them): text, or token ids.
 TEXT_COLUMN = "prompt"
@@ -41,7 +41,7 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason")
 LOGPROB_COLUMNS = ("logprobs", "cumulative_logprob")
 # SamplingParams fields that take ints. Arrow's numpy conversion of a struct column (the
 # sampling_params column) turns an int field with nulls in other rows into floats: 2 -> 2.0.
-INT_SAMPLING_FIELDS = frozenset(name for name, hint in typing.get_type_hints(SamplingParams).items()
+INT_SAMPLING_FIELDS = frozenset(name for name, hint in field_types().items()
                                 if hint is int or (typing.get_origin(hint) is types.UnionType and int in typing.get_args(hint)))
 # Longest repr of one column value quoted in a bad row's error message.
 ROW_VALUE_CHARS = 80
