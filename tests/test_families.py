@@ -201,7 +201,7 @@ BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
 @pytest.mark.parametrize("change,message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
-     "missing factor, original_max_position_embeddings"),
+     "missing factor"),
     ({"rope_scaling": {**BASE["rope_scaling"], "low_freq_factor": 4.0}}, "low_freq_factor=4.0, high_freq_factor=4.0"),
     ({"rope_scaling": {**BASE["rope_scaling"], "factor": 0}}, "factor must be > 0, got 0.0"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
@@ -211,6 +211,41 @@ BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
 def test_config_refusals_name_the_value(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **change})
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("spellings", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}, "rope_theta": 1e6},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}, "rope_scaling": LLAMA3, "rope_theta": 5e5},
+    {"rope_parameters": LLAMA3, "rope_scaling": {"rope_type": "default"}, "rope_theta": 5e5},
+    {"rope_scaling": LLAMA3, "rope_theta": 5e5, "original_max_position_embeddings": 16},
+    {"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}, "rope_theta": 5e5},
+    {"rope_scaling": None, "rope_theta": 2e5},
+], ids=["dict-theta-wins", "scaling-over-parameters", "plain-scaling-over-parameters", "top-level-original-len",
+        "original-len-defaults", "published-null"])
+def test_rope_spellings_read_as_transformers_reads_them(spellings):
+    """Configs carrying both spellings (a transformers-5 save edited by hand, Phi-3's top-level
+    original_max_position_embeddings): theta and scaling are transformers' own reading of them."""
+    from transformers import LlamaConfig
+
+    raw = {**BASE, "max_position_embeddings": 2048, **spellings}
+    for key in ("rope_scaling", "rope_parameters", "rope_theta"):
+        if key not in spellings:
+            raw.pop(key, None)
+    ours = ModelConfig.from_dict(raw)
+    config = LlamaConfig.from_dict(raw)
+    config.standardize_rope_params()  # what the model's rotary embedding reads (the top-level length wins)
+    theirs = config.rope_parameters
+    assert ours.rope_theta == theirs["rope_theta"]
+    if theirs["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        assert ours.rope_scaling == Llama3RopeScaling(
+            theirs["factor"], theirs["low_freq_factor"], theirs["high_freq_factor"],
+            theirs["original_max_position_embeddings"])
 
 
 def test_llama3_scaling_formula_by_hand():

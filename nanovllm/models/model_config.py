@@ -61,6 +61,8 @@ _LLAMA3_ROPE_TYPE = "llama3"
 _HIDDEN_ACT = "silu"
 # transformers' default theta when a config names none.
 _DEFAULT_ROPE_THETA = 10000.0
+# max_position_embeddings where a config names none (the Qwen families' default; published configs set it).
+_DEFAULT_POSITIONS = 32768
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 
@@ -140,10 +142,16 @@ class ModelConfig:
         hidden_act = raw.get("hidden_act", _HIDDEN_ACT)
         if hidden_act != _HIDDEN_ACT:
             raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only {_HIDDEN_ACT!r})")
-        # transformers 5: rope_parameters holds theta and scaling; published: rope_scaling (or null).
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", _DEFAULT_ROPE_THETA))
+        # transformers 5: rope_parameters holds theta and scaling; published: rope_scaling (or null) and
+        # rope_theta. Read as transformers 5 reads them: rope_scaling over rope_parameters, the dict's
+        # theta over the top-level one, and for a scaled type a top-level original_max_position_embeddings
+        # over the dict's (Phi-3's spelling), else max_position_embeddings where neither sets it.
+        rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
         partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if "original_max_position_embeddings" in raw:
+            rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", _DEFAULT_POSITIONS))
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -166,7 +174,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 rope_scaling=_rope_scaling(rope, source),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", _DEFAULT_POSITIONS)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -234,7 +242,7 @@ def _rope_scaling(rope: dict, source: str) -> Llama3RopeScaling | None:
         return None
     if rope_type != _LLAMA3_ROPE_TYPE:
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported (plain RoPE or {_LLAMA3_ROPE_TYPE!r})")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = ("factor", "low_freq_factor", "high_freq_factor")
     missing = [k for k in keys if k not in rope]
     if missing:
         raise ValueError(f"{source}: {_LLAMA3_ROPE_TYPE} rope scaling is missing {', '.join(missing)}")
