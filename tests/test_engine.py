@@ -239,3 +239,26 @@ def test_dummy_load_format_runs_from_config_alone(tmp_path, tied_checkpoint):
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text"], GREEDY)
     llm.exit()
+
+
+def test_a_sharded_checkpoint_loads_the_files_its_index_lists(tmp_path):
+    """As transformers and vLLM: with model.safetensors.index.json, only its files are read; a stale
+    or consolidated copy beside the shards (same tensor names) used to overwrite the real weights."""
+    path = build_checkpoint(str(tmp_path / "sharded"), TinyShape(), max_shard_size="100KB")
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    prompts = make_prompts(5, 3, 5, 20)
+    expected, _ = run(path, prompts)
+    stale = {name: torch.zeros_like(t) for name, t in load_reference(path).state_dict().items()
+             if name != "lm_head.weight"}
+    save_file(stale, os.path.join(path, "model-stale.safetensors"), metadata={"format": "pt"})
+    served, _ = run(path, prompts)
+    assert served == expected
+    with open(index) as f:
+        listed = json.load(f)
+    listed["weight_map"]["model.norm.weight"] = "model-99999-of-99999.safetensors"
+    with open(index, "w") as f:
+        json.dump(listed, f)
+    with pytest.raises(ValueError, match="lists files that are not in .*model-99999-of-99999.safetensors"):
+        cpu_llm(path)

@@ -15,12 +15,12 @@ the names; only the scale tensors are read.
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 import re
 
 from safetensors import safe_open
+
+from nanovllm.utils.loader import checkpoint_files
 
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
@@ -42,7 +42,7 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
         raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
                          f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
     found: dict[tuple[int, str], float] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for file in checkpoint_files(path):
         with safe_open(file, "pt", device="cpu") as f:
             for name in f.keys():
                 m = _SCALE_NAME.match(name)
