@@ -376,6 +376,34 @@ def test_fp8_scales_from_the_first_prefill_step(checkpoint):
 
 
 
+def test_update_weights_sets_the_scales_again(checkpoint, tmp_path):
+    """Scales computed from the data belong to the weights they were computed under: after
+    update_weights the next prefill step sets them again, so an engine started on dummy weights
+    (verl's pattern: a warm-up request, then the real weights) serves as one started on the real
+    ones. A checkpoint's scales stay as they are."""
+    prompt = make_prompts(3, 1, 32, 33)[0]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    weights = list(load_reference(checkpoint).state_dict().items())
+    fresh = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16)
+    want = fresh.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    want_scales = engine_scales(fresh)
+    fresh.exit()
+    llm = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16, load_format="dummy")
+    llm.generate([prompt], params, use_tqdm=False)  # calibrates on the dummy weights
+    assert engine_scales(llm) != want_scales
+    llm.update_weights(weights)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == want
+    assert engine_scales(llm) == want_scales
+    llm.exit()
+    scales = [(0.017, 0.029), (0.019, 0.032)]
+    path = with_kv_scales(checkpoint, str(tmp_path / "scaled"), scale_tensors(scales), FP8_SCHEME)
+    llm = cpu_llm(path, kv_cache_dtype="fp8", kvcache_block_size=16)
+    llm.update_weights(weights)
+    llm.generate([prompt], params, use_tqdm=False)
+    np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+    llm.exit()
+
+
 def test_a_first_prefill_step_that_raises_calibrates_nothing(checkpoint):
     """A first prefill step that fails part way (an out-of-memory error, an interrupt: here a forward
     pre-hook on decoder layer 1 raising, after layer 0 set its scales) leaves the calibration to the next prefill step, which sets every

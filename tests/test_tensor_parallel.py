@@ -172,6 +172,21 @@ def test_a_one_rank_engine_beside_a_tensor_parallel_one(ckpt):
         tp2.exit()
 
 
+def test_a_worker_dying_at_start_up_is_named_at_once(ckpt, tmp_path):
+    """A script without the `if __name__ == "__main__":` guard: the spawned worker imports it, tries
+    to start processes of its own and dies. Rank 0 says so within seconds (it used to wait out the
+    store's 120 s and report a timeout)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from nanovllm import LLM\n"
+                      f"LLM({ckpt!r}, tensor_parallel_size=2, device='cpu', max_model_len=128)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=110)
+    assert done.returncode != 0
+    assert "tensor-parallel worker rank 1 died" in done.stderr and "__main__" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 60
+
+
 def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         cpu_llm(ckpt, tensor_parallel_size=3)

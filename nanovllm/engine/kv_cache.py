@@ -12,7 +12,9 @@ Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once here:
 The scales come from the checkpoint when it has them (utils/kv_scales.py), else from the data: the
 first prefill step after start-up (not the warm-up or graph capture) sets each layer's
 scale = max(amax|x| of that step's K (V) / 448 * KV_SCALE_HEADROOM, KV_MIN_SCALE) on the device
-before writing (layers/attention.py), and they stay fixed for the engine's life, so every entry
+before writing (layers/attention.py), and they stay fixed until update_weights changes the weights
+they were computed under (the next prefill step sets them again: no request is pending then, and
+the prefix cache is emptied, so no entry written under the old scales is read again); every entry
 written stays decodable. Values past 448 * scale saturate.
 
 On CUDA the cache takes what `gpu_memory_utilization` of the card leaves after this

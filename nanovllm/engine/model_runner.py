@@ -11,8 +11,8 @@ run the same class on their own rank (see tp_workers.py). `sleep(level)` gives t
 back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.py).
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
-also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up,
-which then runs eagerly (no graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs
+also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up
+and after each update_weights, which then runs eagerly (no graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs
 the cache's size and dtype at start-up (logger "nanovllm.engine.model_runner", INFO).
 """
 
@@ -114,7 +114,10 @@ class ModelRunner:
             for (k_scale, v_scale), (k_value, v_value) in zip(self.kv_scales, checkpoint_scales):
                 k_scale.fill_(k_value)
                 v_scale.fill_(v_value)
-        self._calibrate_kv = fp8_kv and checkpoint_scales is None
+        # Scales computed from the data (no checkpoint scales): the first prefill step after start-up,
+        # and after each update_weights, sets them (the weights they were computed under are gone).
+        self._scales_from_data = fp8_kv and checkpoint_scales is None
+        self._calibrate_kv = self._scales_from_data
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
         self.rules = RulesBuilder(cfg.vocab_size, self.device)
@@ -273,7 +276,7 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(plan, self.varlen_graphs.every_hidden(step.graph))
         else:
             inputs = self.inputs.varlen(plan, step.copy, carried_from)
-            if step.calibrate_kv:  # the first prefill step after start-up sets the FP8 scales
+            if step.calibrate_kv:  # the first prefill step after start-up (or update_weights) sets the FP8 scales
                 inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
             every = self._forward(inputs)  # [num_tokens, hidden]
             if step.calibrate_kv:  # set only once every layer has (a step that raised calibrates nothing)
@@ -352,6 +355,7 @@ class ModelRunner:
         """Copy checkpoint-named full tensors into this rank's parameters in place (every name
         and shape checked first; see loader.update_weights)."""
         update_weights(self.model, weights)
+        self._calibrate_kv = self._scales_from_data  # the next prefill step sets the FP8 scales anew
 
     def sleep(self, level: SleepLevel) -> None:
         """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to

@@ -43,6 +43,10 @@ from nanovllm.config import Config
 LOCALHOST = "127.0.0.1"
 # How long a collective (and the start-up rendezvous) may wait on a silent peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+# How often rank 0 looks for dead workers while they start (a spawned worker imports torch: seconds).
+STARTUP_POLL = datetime.timedelta(seconds=1)
+# The store key prefix under which each worker says it started.
+STARTED_KEY = "nanovllm/started"
 # How long exit waits for a worker to leave by itself before terminating it.
 EXIT_JOIN_SECONDS = 10.0
 # A failed collective waits this long for the dead worker's exit to become visible.
@@ -66,6 +70,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
 
     store = dist.TCPStore(LOCALHOST, port, config.tensor_parallel_size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)
+    store.set(f"{STARTED_KEY}/{rank}", "1")  # rank 0 waits for every rank's, watching for deaths
     dist.init_process_group(_backend(config), store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
     runner = ModelRunner(config, rank)
@@ -117,11 +122,31 @@ class WorkerGroup:
             self.conns.append(parent)
             self.procs.append(proc)
         try:
+            self._wait_for_workers(n)
             dist.init_process_group(_backend(config), store=self.store, rank=0, world_size=n,
                                     timeout=COLLECTIVE_TIMEOUT)
         except BaseException:
             self._stop_processes()
             raise
+
+    def _wait_for_workers(self, n: int) -> None:
+        """Wait until ranks 1..n-1 have reached the store; a worker that died on the way (an import
+        error, a script without the `if __name__ == "__main__":` guard that spawned processes need)
+        is a RuntimeError within STARTUP_POLL, not a store timeout COLLECTIVE_TIMEOUT later."""
+        keys = [f"{STARTED_KEY}/{rank}" for rank in range(1, n)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, STARTUP_POLL)
+                return
+            except dist.DistStoreError:
+                death = self._death()
+                if death is not None:
+                    raise RuntimeError(f"{death} while starting; a script that builds a tensor-parallel LLM "
+                                       "must do so under `if __name__ == \"__main__\":` (its workers are spawned "
+                                       "processes that import the script)") from None
+                if time.monotonic() > deadline:
+                    raise
 
     def _death(self) -> str | None:
         """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any."""
