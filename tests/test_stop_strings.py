@@ -15,7 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from checkpoints import whole_text
 from nanovllm import SamplingParams
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.stop_strings import StopStringMatcher, stream_decoder
+from nanovllm.engine.stop_strings import StopStringMatcher
+from nanovllm.engine.text_stream import stream_decoder
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "nanovllm" / "default_model"
 # Multi-byte characters (2, 3 and 4 UTF-8 bytes) that the tokenizers split over several tokens.
@@ -62,7 +63,7 @@ def test_stop_found_at_the_token_that_completes_it(tokenizer, skip):
     for stop in stops:
         expected = next((k for k in range(1, len(ids) + 1)
                          if stop in tokenizer.decode(ids[:k], skip_special_tokens=skip)), None)
-        got = first_stop_step(StopStringMatcher([stop, "zzzz"], skip, stream_decoder(tokenizer)), ids)
+        got = first_stop_step(StopStringMatcher([stop, "zzzz"], [], skip, stream_decoder(tokenizer)), ids)
         assert got == expected, (stop, skip)
         found += expected is not None
     # every stop but the one made of a skipped special token's text occurs
@@ -76,7 +77,7 @@ def test_stop_spanning_many_steps(tokenizer, stop):
     token that completes it (the text kept from earlier steps is the stop's length - 1: an earlier
     version cut it shorter, and missed these)."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    assert first_stop_step(StopStringMatcher([stop], False, stream_decoder(tokenizer)), ids) == next(
+    assert first_stop_step(StopStringMatcher([stop], [], False, stream_decoder(tokenizer)), ids) == next(
         k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
 
 
@@ -90,7 +91,8 @@ def test_a_stop_already_found_is_not_found_again(tokenizer):
     held, which did not end the request) is reported at the token that completes it and not at the
     tokens after it; its next occurrence is reported again."""
     ids = tokenizer.encode("a fin b c d e fig", add_special_tokens=False)
-    matcher = StopStringMatcher(["fi", "z" * 20], skip_special_tokens=True, decoder=stream_decoder(tokenizer))
+    matcher = StopStringMatcher(["fi", "z" * 20], [], skip_special_tokens=True,
+                                decoder=stream_decoder(tokenizer))
     reported = [k for k, token in enumerate(ids, 1) if matcher.feed(token)]
     expected = [k for k in range(1, len(ids) + 1)
                 if tokenizer.decode(ids[:k]).count("fi") > tokenizer.decode(ids[: k - 1]).count("fi")]
@@ -106,5 +108,5 @@ def test_text_of_tokens_ending_inside_a_character(tokenizer):
     for k in range(1, len(ids) + 1):
         want = whole_text(tokenizer, ids[:k], skip_special_tokens=True)
         cut += want != tokenizer.decode(ids[:k], skip_special_tokens=True)
-        assert detokenizer.text(ids[:k], params) == want, k
+        assert detokenizer.text([], ids[:k], params) == want, k
     assert cut >= 3  # the text splits characters (2-, 3- and 4-byte ones)

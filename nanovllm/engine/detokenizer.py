@@ -1,54 +1,38 @@
 """Token ids to the text of outputs: completions (with the request's decode options) and the
 `decoded_token` of logprob entries (each id decoded alone, as vLLM does, and remembered: a
-vocabulary's worth of strings at most). The text decoded token by token while a request runs (for
-stop strings) is tokenizers' DecodeStream's (engine/stop_strings.py)."""
+vocabulary's worth of strings at most).
+
+A completion's text is vLLM's incremental text (engine/text_stream.py: decoded after the end of
+the prompt, no clean-up of spaces, nothing for a last token that ends inside a character), the text
+stop strings are matched on while the request runs (engine/stop_strings.py). A tokenizer without
+a tokenizers backend (transformers' Python ones) decodes the completion alone.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenizers.decoders import DecodeStream
-
-from nanovllm.engine.stop_strings import stream_decoder
+from nanovllm.engine.text_stream import completion_text, stream_decoder
 from nanovllm.outputs import FlatLogprobs, Logprob
 from nanovllm.sampling_params import SamplingParams
-
-# What decode gives for bytes that do not (yet) form a UTF-8 character.
-REPLACEMENT = "\ufffd"
-
-
-def decode_options(params: SamplingParams) -> dict:
-    """The tokenizer.decode keywords of a request."""
-    return {"skip_special_tokens": params.skip_special_tokens,
-            "spaces_between_special_tokens": params.spaces_between_special_tokens}
 
 
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer  # None: the model directory has no tokenizer (texts stay empty)
+        self.decoder = stream_decoder(tokenizer)
         self._token_texts: dict[int, str] = {}
 
-    def text(self, token_ids: list[int], params: SamplingParams) -> str:
-        """The completion's text ("" with detokenize=False or without a tokenizer). Tokens that end
-        inside a character (max_tokens cut it) add nothing, as in vLLM's incremental text, instead of
-        a trailing U+FFFD."""
+    def text(self, prompt_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:
+        """The text of completion `token_ids` after `prompt_ids` ("" with detokenize=False or
+        without a tokenizer)."""
         if self.tokenizer is None or not params.detokenize:
             return ""
-        text = self.tokenizer.decode(token_ids, **decode_options(params))
-        if text.endswith(REPLACEMENT):
-            text = self.tokenizer.decode(token_ids[: len(token_ids) - self._held(token_ids, params)],
-                                         **decode_options(params))
-        return text
-
-    def _held(self, token_ids: list[int], params: SamplingParams) -> int:
-        """How many of the last tokens an incremental decode still holds (they end inside a character)."""
-        decoder = stream_decoder(self.tokenizer)
-        if decoder is None:
-            return 0
-        stream, held = DecodeStream(skip_special_tokens=params.skip_special_tokens), 0
-        for token_id in token_ids:
-            held = 0 if stream.step(decoder, token_id) is not None else held + 1
-        return held
+        if self.decoder is None:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens,
+                                         spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+        return completion_text(self.decoder, prompt_ids, token_ids, params.skip_special_tokens)
 
     def fill_decoded_tokens(self, entries: Iterable[dict[int, Logprob] | None] | FlatLogprobs) -> None:
         """Set every entry's decoded_token (its id decoded alone, special tokens kept)."""

@@ -37,7 +37,7 @@ from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_pipeline import StepPipeline, StepResult
-from nanovllm.engine.stop_strings import stream_decoder
+from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup, worker_errors
 from nanovllm.sampling_params import SamplingParams

@@ -75,11 +75,12 @@ class Request:
             if (seq.finish_reason is FinishReason.STOP and not seq.stopped_by_string
                     and not params.include_stop_str_in_output):
                 shown = shown[:-1]  # vLLM: the stop token (EOS or a stop_token_id) stays in token_ids only
-            text = detokenizer.text(shown, params)
+            text = detokenizer.text(seq.prompt_token_ids, shown, params)
             stop_reason = seq.stop_token
             if seq.stopped_by_string:
                 # a stop string counts once it ends past the first min_tokens tokens' text
-                after = len(detokenizer.text(seq.completion_token_ids[: params.min_tokens], params))
+                held = seq.completion_token_ids[: params.min_tokens]
+                after = len(detokenizer.text(seq.prompt_token_ids, held, params))
                 text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output, after)
             if seq.logprobs is not None and params.detokenize:
                 detokenizer.fill_decoded_tokens(seq.logprobs)

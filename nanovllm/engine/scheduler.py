@@ -82,7 +82,7 @@ class Scheduler:
         # EOS ids that end a request with stop_reason None (the tokenizer's; a checkpoint's other EOS
         # ids reach the scheduler inside each request's stop_token_ids: utils/tokenizer.EosTokens)
         self.eos_token_ids = eos_token_ids
-        # tokenizers.Tokenizer that decodes completions for stop strings (stop_strings.stream_decoder;
+        # tokenizers.Tokenizer that decodes completions for stop strings (text_stream.stream_decoder;
         # None: no tokenizer, stop strings are not looked for)
         self.decoder = decoder
         self.waiting: deque[Sequence] = deque()
@@ -99,7 +99,8 @@ class Scheduler:
         when it completes the prompt (forked, see _start_samples)."""
         for seq in request.samples:
             if seq.params.stop and self.decoder is not None:
-                seq.stop_matcher = StopStringMatcher(seq.params.stop, seq.params.skip_special_tokens, self.decoder)
+                seq.stop_matcher = StopStringMatcher(seq.params.stop, seq.prompt_token_ids,
+                                                     seq.params.skip_special_tokens, self.decoder)
         if request.samples[0].grammar is not None:
             self.num_constrained += len(request.samples)
         self.waiting.append(request.samples[0])

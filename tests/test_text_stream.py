@@ -1,0 +1,104 @@
+"""A completion's text as vLLM's incremental detokenizer makes it (engine/text_stream.py): decoded
+after the end of the prompt, and a byte run that is not UTF-8 never an error. The reference is the full decode of prompt + completion less the prompt's, and for the
+invalid-prefix case DecodeStream stepped by hand with vLLM's reset."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers.decoders import DecodeStream
+
+from checkpoints import TinyShape, build_checkpoint, cpu_llm
+from nanovllm import SamplingParams
+from nanovllm.engine.text_stream import PRIME_MAX_TOKENS, TextStream, completion_text, prompt_suffix, stream_decoder
+from test_stop_strings import MODEL_DIR, TOKENIZERS, byte_fallback_tokenizer
+
+PROMPTS = ["the quick brown fox jumps", "def f(x):\n    return 'héllo", "a", "日本語 🎉 done"]
+COMPLETIONS = [" over the lazy dog", "d world' + x", "ll done", " 語 🎉🎉 fin"]
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_completion_text_continues_the_prompt(name):
+    """The text is what the completion adds to the prompt's full decode: a SentencePiece completion
+    keeps the space its first word opens with (decoded alone, the decoder strips it)."""
+    tokenizer = TOKENIZERS[name]()
+    decoder = stream_decoder(tokenizer)
+    for prompt, completion in zip(PROMPTS, COMPLETIONS):
+        p, c = tokenizer.encode(prompt, add_special_tokens=False), tokenizer.encode(completion, add_special_tokens=False)
+        whole, head = tokenizer.decode(p + c), tokenizer.decode(p)
+        assert whole.startswith(head)
+        assert completion_text(decoder, p, c, True) == whole[len(head):], (name, prompt)
+        stream = TextStream(decoder, p, True)
+        assert "".join(t for token in c if (t := stream.step(token)) is not None) == whole[len(head):]
+    if name == "byte_fallback":
+        p, c = tokenizer.encode("hello", add_special_tokens=False), tokenizer.encode(" done", add_special_tokens=False)
+        assert completion_text(decoder, p, c, True).startswith(" ") and not tokenizer.decode(c).startswith("  ")
+
+
+def test_prompt_suffix_is_vllms():
+    """The shortest suffix of 4..23 tokens that decodes without U+FFFD; the whole of a short prompt."""
+    tokenizer = TOKENIZERS["byte_level"]()
+    decoder = stream_decoder(tokenizer)
+    ids = tokenizer.encode("x " * 40, add_special_tokens=False)
+    assert prompt_suffix(decoder, ids, True) == ids[-4:]
+    assert prompt_suffix(decoder, ids[:3], True) == ids[:3]
+    emoji = tokenizer.encode("🎉" * 30, add_special_tokens=False)
+    got = prompt_suffix(decoder, emoji, True)
+    assert "\ufffd" not in tokenizer.decode(got) and 4 <= len(got) < PRIME_MAX_TOKENS
+    assert all("\ufffd" in tokenizer.decode(emoji[-n:]) for n in range(4, len(got)))
+
+
+def reference_text(decoder, prompt: list[int], ids: list[int]) -> str:
+    """vLLM's recovery, by hand: the stream primed with the (all-ASCII) prompt; a step that meets an
+    invalid prefix starts a new, unprimed stream at that token."""
+    stream, pieces = DecodeStream(prompt, skip_special_tokens=True), []
+    for token in ids:
+        try:
+            piece = stream.step(decoder, token)
+        except Exception as e:
+            assert str(e).startswith("Invalid prefix")
+            stream = DecodeStream(skip_special_tokens=True)
+            piece = stream.step(decoder, token)
+        pieces.append(piece or "")
+    return "".join(pieces)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_llm(tmp_path_factory):
+    path = build_checkpoint(str(tmp_path_factory.mktemp("byte-fallback") / "model"), TinyShape())
+    tokenizer = byte_fallback_tokenizer()
+    tokenizer.save_pretrained(path)
+    engine = cpu_llm(path, kvcache_block_size=16, max_model_len=128)
+    yield engine
+    engine.exit()
+
+
+def test_bytes_that_are_not_utf8_never_raise(byte_fallback_llm):
+    """'2' then the byte 0xAF then a word: decoded together the '2' turns into U+FFFD, and
+    DecodeStream raised "Invalid prefix" out of generate() (losing the whole batch), from the stop
+    matcher and from the output's text alike. Now the stream starts again there, as vLLM's does."""
+    llm = byte_fallback_llm
+    vocab = llm.tokenizer.get_vocab()
+    bias = {vocab["<0x32>"]: 30.0, vocab["<0xAF>"]: 30.0, vocab["▁d"]: 30.0, vocab["o"]: 30.0}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True, logit_bias=bias, stop=stop)
+              for s in range(12) for stop in (None, ["zzz"])]
+    outs = llm.generate(["hello world"] * len(params), params, use_tqdm=False)
+    decoder = stream_decoder(llm.tokenizer)
+    prompt = llm.tokenizer.encode("hello world")
+    met = 0
+    for out in outs:
+        ids = out.outputs[0].token_ids
+        assert out.outputs[0].text == completion_text(decoder, prompt, ids, True)
+        assert out.outputs[0].text == reference_text(decoder, prompt, ids)
+        met += "\ufffd" in llm.tokenizer.decode(ids)
+    assert met > 0  # the workload does hold byte runs that are not UTF-8
+
+
+def test_shipped_tokenizer_texts_equal_decode():
+    """Byte-level BPE: the continuation is the completion decoded alone (no priming effect)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    decoder = stream_decoder(tokenizer)
+    p = tokenizer.encode("the quick brown")
+    c = tokenizer.encode(" fox jumps over")
+    assert completion_text(decoder, p, c, True) == tokenizer.decode(c)
