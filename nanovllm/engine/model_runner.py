@@ -12,8 +12,9 @@ back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.p
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
 also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up
-and after each update_weights, which then runs eagerly (no graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs
-the cache's size and dtype at start-up (logger "nanovllm.engine.model_runner", INFO).
+and after each update_weights, which then runs eagerly (no graph replay) with
+`calibrate_kv_scales` in its metadata. Rank 0 logs the cache's size and dtype at start-up
+(logger "nanovllm.engine.model_runner", INFO).
 """
 
 from __future__ import annotations
