@@ -88,7 +88,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_when_added(llm, kwargs, wo
     assert llm.is_finished()
 
 
-def test_bad_words_need_a_tokenizer(tmp_path):
+def test_bad_words_and_stop_strings_need_a_tokenizer(tmp_path):
     import os
     import shutil
 
@@ -100,6 +100,10 @@ def test_bad_words_need_a_tokenizer(tmp_path):
     try:
         with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
             llm.generate([[1, 2]], SamplingParams(bad_words=["x"]), use_tqdm=False)
+        # stop strings too (they were ignored: nothing decodes the text they are matched on)
+        with pytest.raises(ValueError, match=r"SamplingParams.stop \['x'\] needs a tokenizers-backed tokenizer"):
+            llm.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+        assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         llm.exit()
 

@@ -126,9 +126,11 @@ class LLMEngine:
             checked.stop_token_ids = sorted(set(checked.stop_token_ids) | self._eos_stop_ids)
         vocab_size = self.config.model_config.vocab_size
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
-        if checked.stop and self.tokenizer is not None and self.scheduler.decoder is None:
+        if checked.stop and self.scheduler.decoder is None:  # the text they are matched on cannot be made
+            have = ("no tokenizer" if self.tokenizer is None
+                    else f"a {type(self.tokenizer).__name__}, which has no tokenizers backend")
             raise ValueError(f"SamplingParams.stop {checked.stop!r} needs a tokenizers-backed tokenizer (a "
-                             f"tokenizer.json); this model's {type(self.tokenizer).__name__} has none")
+                             f"tokenizer.json); this model directory has {have}")
         rules = RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
         grammar = None
         if checked.structured_outputs is not None:
