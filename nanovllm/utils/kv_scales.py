@@ -20,7 +20,7 @@ import re
 
 from safetensors import safe_open
 
-from nanovllm.utils.loader import checkpoint_files
+from nanovllm.utils.checkpoint_files import checkpoint_files
 
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.

@@ -20,9 +20,6 @@ dequantized, full-precision ones (online FP8, update_weights) are quantized.
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -32,13 +29,12 @@ from torch import nn
 
 from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
 from nanovllm.quantization.loading import QuantizedTensors
+from nanovllm.utils.checkpoint_files import checkpoint_files
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
 # Names listed in an error message before "and N more".
 MAX_NAMES_SHOWN = 8
-# A sharded checkpoint's index (transformers' name): tensor name -> the file holding it.
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 ParamKey = tuple[str, object]  # (parameter name, shard id or None)
 
@@ -107,24 +103,6 @@ class _WeightMap:
 def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) through the quantization step, if any."""
     return [(name, tensor)] if convert is None else convert(name, tensor)
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """The checkpoint's *.safetensors files in `path`: those its model.safetensors.index.json lists
-    when it has one (as transformers and vLLM read it: a repository may also hold a consolidated or
-    stale copy of the weights beside the shards), else every one."""
-    index = os.path.join(path, SAFETENSORS_INDEX)
-    if not os.path.isfile(index):
-        return sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    with open(index) as f:
-        weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has no weight_map of tensor names to files")
-    files = sorted(os.path.join(path, name) for name in set(weight_map.values()))
-    absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
-    if absent:
-        raise ValueError(f"{index} lists files that are not in {path!r}: {', '.join(absent)}")
-    return files
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
