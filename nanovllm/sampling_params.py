@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import numbers
 import typing
@@ -18,12 +19,15 @@ from dataclasses import dataclass, field
 
 from nanovllm.utils.validation import check_int
 
+logger = logging.getLogger(__name__)
+
 # top_k values that switch top-k filtering off (vLLM accepts both spellings).
 TOP_K_OFF = (0, -1)
 # Most alternatives `logprobs` / `prompt_logprobs` may ask for: vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
-# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 near 0.
-GREEDY_TEMPERATURE = 1e-5
+# The smallest temperature that samples (vLLM's _MAX_TEMP): a positive one below it is raised to it, as
+# vLLM does (logits / T overflows float32 near 0); only temperature 0 is greedy.
+MIN_TEMPERATURE = 1e-2
 # presence_penalty and frequency_penalty lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's and OpenAI's range).
 PENALTY_LIMIT = 2.0
 # truncate_prompt_tokens value meaning "keep at most max_model_len tokens" (vLLM's spelling).
@@ -142,8 +146,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick each next token of one request.
 
-    temperature: 0 is greedy (argmax), and so is any value below GREEDY_TEMPERATURE; above it,
-        samples from softmax(logits / temperature).
+    temperature: 0 is greedy (argmax); above it, samples from softmax(logits / temperature), a
+        temperature below MIN_TEMPERATURE being raised to it (with a warning), as vLLM does.
     top_k: keep the k most likely tokens (0 or -1: off).
     top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0: off).
     min_p: drop tokens with probability < min_p * max probability (0.0: off).
@@ -220,6 +224,11 @@ class SamplingParams:
         _check_float("temperature", self.temperature)
         if self.temperature < 0 or math.isinf(self.temperature):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("SamplingParams.temperature %r is below %r, where logits / temperature overflow: "
+                           "raised to %r (vLLM's rule; 0 is greedy)", self.temperature, MIN_TEMPERATURE,
+                           MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         check_int("SamplingParams.top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
@@ -333,10 +342,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature below GREEDY_TEMPERATURE, or top_k
-        1). The one place this is decided: SamplingPack stores such rows as greedy (T = 0), so
+        """True when the next token is the argmax (temperature 0, or top_k 1). The one place this is
+        decided: SamplingPack stores such rows as greedy (T = 0), so
         every sampling path (PyTorch or Triton) takes their argmax."""
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+        return self.temperature == 0 or self.top_k == 1
 
 
 def field_types() -> dict[str, object]:

@@ -19,7 +19,7 @@ from nanovllm.sampling.gumbel_max import gumbel_sample
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, row_key
-from nanovllm.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -270,20 +270,18 @@ def test_after_cuda_graph_replay() -> None:
             assert bool(loose_allowed(static_out[i], params[i])[ids[i]])
 
 
-# Far below GREEDY_TEMPERATURE: logits / T overflows float32 (to inf) unless the row is greedy.
-TINY_TEMPERATURE = 1e-38
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_temperatures_are_greedy_on_every_kernel_path(dtype: torch.dtype) -> None:
-    """Rows with a temperature below GREEDY_TEMPERATURE (filters or not) take the argmax, beside the
-    rows of each path the batch can take: the Gumbel-max kernel (plain rows), the candidate walk
-    (top-p / min-p rows), the radix select (top-k and top-p rows, B >= 32), torch.topk's thresholds
-    (top-k rows), and a batch of tiny rows alone."""
+def test_greedy_rows_take_the_argmax_on_every_kernel_path(dtype: torch.dtype) -> None:
+    """Greedy rows (temperature 0, filters or not, or top_k 1) take the argmax beside the rows of each
+    path the batch can take: the Gumbel-max kernel (plain rows), the candidate walk (top-p / min-p
+    rows), the radix select (top-k and top-p rows, B >= 32), torch.topk's thresholds (top-k rows), and
+    a batch of greedy rows alone. (A tiny positive temperature is raised to MIN_TEMPERATURE when the
+    params are built, so no row divides its logits by one.)"""
     logits = random_logits(dtype, seed=11)
     argmax = logits.argmax(dim=-1)
-    tiny = [SamplingParams(temperature=t, **f) for t in (TINY_TEMPERATURE, 1e-12, 9.9e-6)
-            for f in ({}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 50, "top_p": 0.8}, {"seed": 3})]
+    greedy = [SamplingParams(temperature=0, **f)
+              for f in ({}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 50, "top_p": 0.8}, {"seed": 3})]
+    greedy.append(SamplingParams(temperature=1.0, top_k=1, seed=4))
     others = {
         "gumbel": [SamplingParams(temperature=1.0)],
         "walk": [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, min_p=0.05)],
@@ -292,8 +290,8 @@ def test_tiny_temperatures_are_greedy_on_every_kernel_path(dtype: torch.dtype) -
         "alone": [],
     }
     for path, fill in others.items():
-        params = [tiny[i % len(tiny)] if not fill or i % 2 else fill[i // 2 % len(fill)] for i in range(B)]
-        rows = torch.tensor([p.temperature < GREEDY_TEMPERATURE for p in params], device=device())
+        params = [greedy[i % len(greedy)] if not fill or i % 2 else fill[i // 2 % len(fill)] for i in range(B)]
+        rows = torch.tensor([p.greedy for p in params], device=device())
         for step in range(3):
             ids = tokens(logits, build(params, step))
             assert torch.equal(ids[rows], argmax[rows]), path

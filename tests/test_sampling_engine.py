@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 
 from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import MIN_TEMPERATURE
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.sampling.batch import row_key
 
@@ -164,15 +168,16 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, ckpt):
     assert (out["finish_reason"], out["token_ids"], out["text"]) == ("stop", ids[:k], text[: -len(stop)])
 
 
-@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 9.9e-6])
-def test_tiny_temperatures_are_greedy(llm, temperature):
-    """logits / 1e-38 overflows float32: like vLLM, temperatures below GREEDY_TEMPERATURE are greedy,
-    on every sampling path (alone: the argmax; beside sampled rows, filtered or not: T = 0 rows)."""
-    greedy = tokens(llm, [PROMPT, [3, 4, 5]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    tiny = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=temperature, top_p=0.5, min_p=0.1, seed=7, max_tokens=12, ignore_eos=True)]
-    assert tokens(llm, [PROMPT, [3, 4, 5]], tiny) == greedy
-    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=12, ignore_eos=True)]
-    for other in others:
-        assert tokens(llm, [PROMPT, [9, 9], [3, 4, 5]], [tiny[0], other, tiny[1]])[::2] == greedy
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 5e-3])
+def test_tiny_temperatures_are_raised_to_vllms_floor(llm, temperature, caplog):
+    """vLLM's rule: a positive temperature below MIN_TEMPERATURE (0.01; logits / 1e-38 overflows
+    float32) is raised to it, with a warning; only temperature 0 is greedy. (nanovllm used to take
+    temperatures below 1e-5 as greedy and sample at the tiny value between 1e-5 and 0.01.)"""
+    with caplog.at_level(logging.WARNING, logger="nanovllm.sampling_params"):
+        tiny = [SamplingParams(temperature=temperature, seed=5, max_tokens=12, ignore_eos=True),
+                SamplingParams(temperature=temperature, top_p=0.5, min_p=0.1, seed=7, max_tokens=12, ignore_eos=True)]
+    assert [p.temperature for p in tiny] == [MIN_TEMPERATURE] * 2 and not any(p.greedy for p in tiny)
+    assert "raised to 0.01" in caplog.text
+    floor = [dataclasses.replace(p, temperature=MIN_TEMPERATURE) for p in tiny]
+    assert tokens(llm, [PROMPT, [3, 4, 5]], tiny) == tokens(llm, [PROMPT, [3, 4, 5]], floor)
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0).temperature == 0

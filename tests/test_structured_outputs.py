@@ -27,7 +27,7 @@ import xgrammar
 
 from checkpoints import cpu_llm, load_reference
 from nanovllm import SamplingParams
-from nanovllm.engine.structured_outputs import accept_tokens
+from nanovllm.engine.structured_outputs import GRAMMAR_CACHE_BYTES, accept_tokens
 from nanovllm.sampling_params import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -441,3 +441,20 @@ def test_a_row_whose_rules_leave_its_grammar_nothing_ends_alone(llm, caplog):
     assert [r.getMessage().split(":")[0] for r in caplog.records if "leave no token allowed" in r.getMessage()] == [
         f"request {none_left.request_id}"]
     assert llm.generate([PROMPTS[1]], FREE[0], use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
+def test_the_grammar_cache_is_bounded_and_released_at_exit(tmp_path):
+    """vLLM's xgrammar cache limit (512 MiB): distinct schemas used to stay compiled for the engine's
+    life (~310 KiB each at a 151,936-token vocabulary). exit() drops the compiler with its cache."""
+    engine = cpu_llm(MODEL_DIR, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=16)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(
+            json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}))
+            for i in range(3)]
+        engine.generate(["x"] * 3, params, use_tqdm=False)
+        compiler = engine.grammars.compiler
+        assert compiler.cache_limit_bytes == GRAMMAR_CACHE_BYTES
+        assert 0 < compiler.get_cache_size_bytes() <= GRAMMAR_CACHE_BYTES
+    finally:
+        engine.exit()
+    assert engine.grammars.compiler is None and engine.grammars.filler is None

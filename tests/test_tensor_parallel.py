@@ -57,7 +57,9 @@ def test_workers_exit_cleanly_and_engine_can_restart(ckpt):
     llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
     assert torch.get_num_threads() == max(1, threads // 2)  # rank 0's half of the cores
     pids = [p.pid for p in llm.workers.procs]
+    group = llm.workers
     llm.exit()
+    assert group.store is None  # its listening socket and thread are released, even while `llm` is held
     assert torch.get_num_threads() == threads
     llm.exit()  # harmless twice
     for pid in pids:

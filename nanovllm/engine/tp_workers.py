@@ -43,8 +43,8 @@ from nanovllm.config import Config
 LOCALHOST = "127.0.0.1"
 # How long a collective (and the start-up rendezvous) may wait on a silent peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-# How often rank 0 looks for dead workers while they start (a spawned worker imports torch: seconds).
-STARTUP_POLL = datetime.timedelta(seconds=1)
+# How often rank 0 looks for started or dead workers while they start (a spawned worker imports torch: seconds).
+STARTUP_POLL_SECONDS = 0.05
 # The store key prefix under which each worker says it started.
 STARTED_KEY = "nanovllm/started"
 # How long exit waits for a worker to leave by itself before terminating it.
@@ -109,8 +109,8 @@ class WorkerGroup:
             self.saved_threads = torch.get_num_threads()
             cpu_threads = max(1, self.saved_threads // n)
             torch.set_num_threads(cpu_threads)
-        self.store = dist.TCPStore(LOCALHOST, 0, n, is_master=True, wait_for_workers=False,
-                                   timeout=COLLECTIVE_TIMEOUT)
+        self.store: dist.TCPStore | None = dist.TCPStore(LOCALHOST, 0, n, is_master=True, wait_for_workers=False,
+                                                         timeout=COLLECTIVE_TIMEOUT)
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         for rank in range(1, n):
@@ -132,21 +132,18 @@ class WorkerGroup:
     def _wait_for_workers(self, n: int) -> None:
         """Wait until ranks 1..n-1 have reached the store; a worker that died on the way (an import
         error, a script without the `if __name__ == "__main__":` guard that spawned processes need)
-        is a RuntimeError within STARTUP_POLL, not a store timeout COLLECTIVE_TIMEOUT later."""
+        is a RuntimeError at once, not a store timeout COLLECTIVE_TIMEOUT later."""
         keys = [f"{STARTED_KEY}/{rank}" for rank in range(1, n)]
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
-        while True:
-            try:
-                self.store.wait(keys, STARTUP_POLL)
-                return
-            except dist.DistStoreError:
-                death = self._death()
-                if death is not None:
-                    raise RuntimeError(f"{death} while starting; a script that builds a tensor-parallel LLM "
-                                       "must do so under `if __name__ == \"__main__\":` (its workers are spawned "
-                                       "processes that import the script)") from None
-                if time.monotonic() > deadline:
-                    raise
+        while not self.store.check(keys):  # non-blocking: a timed-out wait would log a warning a poll
+            death = self._death()
+            if death is not None:
+                raise RuntimeError(f"{death} while starting; a script that builds a tensor-parallel LLM "
+                                   "must do so under `if __name__ == \"__main__\":` (its workers are spawned "
+                                   "processes that import the script)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {COLLECTIVE_TIMEOUT}")
+            time.sleep(STARTUP_POLL_SECONDS)
 
     def _death(self) -> str | None:
         """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any."""
@@ -193,6 +190,7 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+        self.store = None  # its listening socket and thread go with it (an exited engine may stay referenced)
         if self.saved_threads is not None:
             torch.set_num_threads(self.saved_threads)
             self.saved_threads = None

@@ -42,8 +42,8 @@ class LogprobRows:
 class SamplingBatch:
     """Per-step sampling tensors for the B rows of a batch.
 
-    temperatures: ``[B]`` float32; 0 marks a greedy row (SamplingParams.greedy: temperature below
-        GREEDY_TEMPERATURE, or top_k 1).
+    temperatures: ``[B]`` float32; 0 marks a greedy row (SamplingParams.greedy: temperature 0, or
+        top_k 1).
     keys: ``[B]`` int64 noise keys in [0, 2**63) (seeded rows: see ``row_key``).
     top_ks: ``[B]`` int64 (off rows hold the vocab size), or None when no row uses top-k.
     top_ps: ``[B]`` float32 (off rows hold 1.0), or None when no row uses top-p.
