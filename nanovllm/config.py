@@ -28,7 +28,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 # vLLM's other names of DTYPES' dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-# LLM(generation_config=...) values that are not a directory (vLLM's): the checkpoint's file, or none.
+# LLM(generation_config=...) values that are not a directory (vLLM's): the checkpoint's file gives the
+# defaults ("auto") or not ("vllm"); its EOS ids count either way.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
@@ -197,8 +198,9 @@ class Config:
 
     @property
     def generation_dir(self) -> str:
-        """The directory whose generation_config.json (if any) gives the EOS ids, and under "auto"
-        the default SamplingParams: the checkpoint's, or the one `generation_config` names (vLLM's rule)."""
+        """The directory whose generation_config.json (if any) gives the EOS ids, and the default
+        SamplingParams unless generation_config is "vllm": the checkpoint's, or the one
+        `generation_config` names (vLLM's rule)."""
         return self.model if self.generation_config in GENERATION_CONFIG_SOURCES else self.generation_config
 
     @property

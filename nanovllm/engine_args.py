@@ -74,9 +74,9 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp' (also 'uni' or "
                                               "'external_launcher' at tensor_parallel_size=1)",
                                               "tensor-parallel ranks are processes this engine spawns"),
-    "pipeline_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+    "pipeline_parallel_size": _Accepted(lambda v: type(v) is int and v == 1, "1",
                                         "no pipeline parallelism: tensor_parallel_size splits the model"),
-    "data_parallel_size": _Accepted(lambda v: v == 1 and not isinstance(v, bool), "1",
+    "data_parallel_size": _Accepted(lambda v: type(v) is int and v == 1, "1",
                                     "one replica per engine: nanovllm.ray_data runs several"),
     "logprobs_mode": _Accepted(lambda v: v == "raw_logprobs", "'raw_logprobs'",
                                "logprobs are those of the model's raw logits, before any sampling rule"),

@@ -176,8 +176,9 @@ class SamplingParams:
     bad_words: words never generated: the last token of each of the word's token sequences (with
         and without a leading space) is masked where the tokens before it were just generated.
     include_stop_str_in_output: keep the stop string that ended the text at its end.
-    skip_special_tokens / spaces_between_special_tokens: how the text is decoded (the tokenizer's
-        decode options; a fast tokenizer ignores the second, as in vLLM).
+    skip_special_tokens: whether the text leaves special tokens out (engine/text_stream.py).
+    spaces_between_special_tokens: accepted and not applied (vLLM applies it between two kept
+        special tokens).
     detokenize: False leaves every text empty (token ids only; stop strings are then refused).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     max_tokens: None generates up to max_model_len.

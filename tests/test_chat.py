@@ -202,6 +202,8 @@ def test_content_format_follows_the_template(bos_llm):
                             chat_template_content_format=content_format)[0].prompt
 
     assert prompt(loops) == prompt(loops, "openai") == "(the quick)(brown fox)(jumps over)"
+    filtered = "{% for m in messages %}{% for p in m['content'] | selectattr('text') %}({{ p.text }}){% endfor %}{% endfor %}"
+    assert prompt(filtered) == "(the quick)(brown fox)(jumps over)"
     assert prompt(plain) == prompt(plain, "string") == "<the quick\nbrown fox><jumps over>"
     assert prompt(plain, "openai").startswith("<[{'type': 'text', 'text': 'the quick'}")
     with pytest.raises(ValueError, match="chat_template_content_format must be one of 'auto', 'string', 'openai'"):

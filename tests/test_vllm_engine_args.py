@@ -51,7 +51,7 @@ REFUSED = [
     ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
     ("enable_chunked_prefill", "on"), ("skip_tokenizer_init", True), ("limit_mm_per_prompt", {"image": 1}),
     ("disable_mm_preprocessor_cache", None), ("download_dir", "/tmp/hf"), ("model_impl", "transformers"),
-    ("pipeline_parallel_size", 2), ("data_parallel_size", 4), ("logprobs_mode", "processed_logprobs"),
+    ("pipeline_parallel_size", 2), ("pipeline_parallel_size", 1.0), ("data_parallel_size", 4), ("logprobs_mode", "processed_logprobs"),
 ]
 
 

@@ -14,12 +14,15 @@ second one. The rendered text is the output's `prompt`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 # The content-part types chat takes (vLLM's OpenAI-style text parts; "input_text": the Responses API's).
 TEXT_PARTS = ("text", "input_text")
 # vLLM's chat_template_content_format values.
 CONTENT_FORMATS = ("auto", "string", "openai")
+# Chat templates whose detected content format is kept (an engine renders with one or two).
+TEMPLATES_CACHED = 8
 
 
 @dataclass(frozen=True)
@@ -100,17 +103,22 @@ def _content(content: object, where: str, content_format: str) -> str | list[dic
     return "\n".join(texts)
 
 
+@functools.lru_cache(maxsize=TEMPLATES_CACHED)
 def detect_content_format(template: str) -> str:
     """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
-    a message's content (`message['content']` / `message.content`), else "string"."""
+    a message's content (`message['content']` / `message.content`, through filters and tests too),
+    else "string"; also "string" for a template this plain parse cannot read (transformers'
+    {% generation %} tag), whose syntax apply_chat_template then judges."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
-    try:  # loopcontrols: templates use {% break %}; apply_chat_template reports real syntax errors
+    try:  # loopcontrols: templates use {% break %}
         tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except TemplateSyntaxError:
         return "string"
     for loop in tree.find_all(nodes.For):
         it = loop.iter
+        while isinstance(it, (nodes.Filter, nodes.Test)):  # `m['content'] | selectattr(...)`
+            it = it.node
         if ((isinstance(it, nodes.Getattr) and it.attr == "content")
                 or (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content")):
             return "openai"

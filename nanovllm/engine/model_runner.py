@@ -3,11 +3,11 @@
 Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
 size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
 decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
-attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). `launch(plan)` queues one
-scheduled step on the device (`prepare`: its inputs built on the host; `queue`: its forward;
-`sample`) and returns a handle whose `tokens()` waits for the sampled token of each sequence
-that completed its scheduled tokens; `run(plan)` does both. Tensor-parallel workers
-run the same class on their own rank (see tp_workers.py). `sleep(level)` gives the device memory
+attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). A scheduled step goes
+through `prepare` (its inputs built on the host), `queue` (its forward) and `sample`, which returns a
+handle whose `tokens()` waits for the sampled token of each sequence that completed its scheduled
+tokens; rank 0's StepPipeline calls the three apart. Tensor-parallel workers run the same class on
+their own rank and take each step whole (`run(plan)`, see tp_workers.py). `sleep(level)` gives the device memory
 back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.py).
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache

@@ -83,7 +83,7 @@ class Scheduler:
         # ids reach the scheduler inside each request's stop_token_ids: utils/tokenizer.EosTokens)
         self.eos_token_ids = eos_token_ids
         # tokenizers.Tokenizer that decodes completions for stop strings (text_stream.stream_decoder;
-        # None: no tokenizer, stop strings are not looked for)
+        # None: no tokenizers backend, where LLMEngine refuses stop strings)
         self.decoder = decoder
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -98,7 +98,7 @@ class Scheduler:
         """Queue a request: its sample 0 computes the prompt; the other samples start from it
         when it completes the prompt (forked, see _start_samples)."""
         for seq in request.samples:
-            if seq.params.stop and self.decoder is not None:
+            if seq.params.stop:
                 seq.stop_matcher = StopStringMatcher(seq.params.stop, seq.prompt_token_ids,
                                                      seq.params.skip_special_tokens, self.decoder)
         if request.samples[0].grammar is not None:

@@ -56,8 +56,11 @@ class TextStream:
     def __init__(self, decoder: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.decoder = decoder
         self.skip_special_tokens = skip_special_tokens
-        self.stream = DecodeStream(prompt_suffix(decoder, prompt_ids, skip_special_tokens),
-                                   skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # primed by stepping, as vLLM primes: DecodeStream's own prefill would hand the text of a
+        # prompt that ends inside a character to the first completion step
+        for token_id in prompt_suffix(decoder, prompt_ids, skip_special_tokens):
+            self.step(token_id)
 
     def step(self, token_id: int) -> str | None:
         """The text `token_id` completes (None while it ends inside a character)."""
@@ -78,9 +81,8 @@ def completion_text(decoder: Tokenizer, prompt_ids: list[int], token_ids: list[i
     if not token_ids:
         return ""
     try:
-        text = DecodeStream(prompt_suffix(decoder, prompt_ids, skip_special_tokens),
-                            skip_special_tokens=skip_special_tokens).step(decoder, token_ids)
-    except Exception as e:
+        text = TextStream(decoder, prompt_ids, skip_special_tokens).stream.step(decoder, token_ids)
+    except Exception as e:  # tokenizers raises a plain Exception
         if not str(e).startswith(INVALID_PREFIX):
             raise
         text = None

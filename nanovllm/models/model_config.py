@@ -14,7 +14,7 @@ both spellings to one (rope_parameters, dtype, num_experts), which would remove 
 it fills a key the file lacks with its family's default (a Qwen3-MoE config.json without
 vocab_size or moe_intermediate_size reads as 151,936 and 768), where this parser names the missing
 key; it needs `model_type` (the raw dicts tests and benchmarks pass have none) and transformers >= 5
-(4.x keeps rope_theta / rope_scaling apart, and pyproject allows 4.51); and it takes 0.80 ms
+(4.x keeps rope_theta / rope_scaling apart, and pyproject allows 4.56); and it takes 0.80 ms
 against 0.02 ms for Llama 3.1 8B's config.
 """
 

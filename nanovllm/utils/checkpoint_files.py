@@ -13,15 +13,15 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def checkpoint_files(path: str) -> list[str]:
     """The checkpoint's *.safetensors files in `path`: those its model.safetensors.index.json lists
-    when it has one (as transformers and vLLM read it: a repository may also hold a consolidated or
-    stale copy of the weights beside the shards), else every one."""
+    when it has one (as vLLM reads it: a repository may also hold a consolidated or stale copy of
+    the weights beside the shards), else every one."""
     index = os.path.join(path, SAFETENSORS_INDEX)
     if not os.path.isfile(index):
         return sorted(glob.glob(os.path.join(path, "*.safetensors")))
     with open(index) as f:
         weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has no weight_map of tensor names to files")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to file names")
     files = sorted(os.path.join(path, name) for name in set(weight_map.values()))
     absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
     if absent:
