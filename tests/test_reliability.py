@@ -446,3 +446,24 @@ def test_an_engine_alive_at_interpreter_exit_is_exited(ckpt):
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["exited"]
+
+
+def test_a_text_prompt_of_no_tokens_is_refused(tmp_path):
+    """Whitespace under a WordPiece tokenizer without a [CLS] template encodes to no ids: refused
+    naming the prompt (it reached the scheduler and failed a step with an internal error)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = build_checkpoint(str(tmp_path / "wordpiece"), TinyShape())
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "the": 1, "dog": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64)
+    try:
+        assert llm.tokenizer.encode("  ") == []
+        with pytest.raises(ValueError, match="prompt '  ' tokenizes to no tokens"):
+            llm.generate(["the dog", "  "], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.generate(["the dog"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.exit()
+

@@ -70,7 +70,10 @@ class PromptValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string")
-            return self._tokenize(prompt)
+            ids = self._tokenize(prompt)
+            if not ids:  # e.g. whitespace under a WordPiece tokenizer without a [CLS] template
+                raise ValueError(f"prompt {prompt[:80]!r} tokenizes to no tokens")
+            return ids
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if not prompt:
