@@ -179,3 +179,26 @@ def test_tiny_temperatures_are_raised_to_vllms_floor(temperature, caplog):
     assert "raised to 0.01" in caplog.text
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0).temperature == 0
     assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+
+
+def test_a_stop_token_that_completes_a_stop_string_kept_in_the_output(llm):
+    """With include_stop_str_in_output the stop token's text is the output's: a stop string it
+    completes ends the request as that string (vLLM: stop_reason the string, the text cut after it;
+    the token stays in token_ids), for EOS and for a stop_token_ids entry alike."""
+    tok = llm.tokenizer
+    eos = tok.eos_token_id
+    [out] = llm.generate([PROMPT], SamplingParams(max_tokens=5, logit_bias={eos: 100.0}, stop=["endoftext"],
+                                                  include_stop_str_in_output=True, skip_special_tokens=False),
+                         use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([eos], "stop", "endoftext")
+    assert c.text == tok.decode([eos])[: tok.decode([eos]).index("endoftext") + len("endoftext")]
+    [the] = tok.encode(" the", add_special_tokens=False)
+    stopped = SamplingParams(max_tokens=5, logit_bias={the: 100.0}, stop_token_ids=[the], stop=["he"],
+                             include_stop_str_in_output=True)
+    c = llm.generate([PROMPT], stopped, use_tqdm=False)[0].outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([the], "stop", "he", " the")
+    # without include_stop_str_in_output the stop token ends it as before: its id the reason, no text
+    plain = SamplingParams(max_tokens=5, logit_bias={the: 100.0}, stop_token_ids=[the], stop=["he"])
+    c = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0]
+    assert (c.token_ids, c.stop_reason, c.text) == ([the], the, "")

@@ -117,3 +117,25 @@ def test_shipped_tokenizer_texts_equal_decode():
     p = tokenizer.encode("the quick brown")
     c = tokenizer.encode(" fox jumps over")
     assert completion_text(decoder, p, c, True) == tokenizer.decode(c)
+
+
+def test_only_a_stop_token_is_left_out_of_the_text():
+    """A sample that ended on EOS or a stop id shows its text without that token; one that ended
+    otherwise with finish "stop" (its grammar and rules left no token allowed: no token appended)
+    keeps its last token's text (it was dropped as if it were a stop token)."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.detokenizer import Detokenizer
+    from nanovllm.engine.request import Request
+    from nanovllm.engine.sequence import FinishReason
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    completion = tokenizer.encode(" the dog", add_special_tokens=False)
+    texts = {}
+    for on_stop_token in (False, True):
+        request = Request.create(0, [0], tokenizer.encode("hello"), SamplingParams(max_tokens=8))
+        seq = request.samples[0]
+        seq.token_ids += completion
+        seq.finish_reason, seq.ended_on_stop_token = FinishReason.STOP, on_stop_token
+        texts[on_stop_token] = request.output(Detokenizer(tokenizer)).outputs[0].text
+    assert texts == {False: tokenizer.decode(completion), True: tokenizer.decode(completion[:-1])}

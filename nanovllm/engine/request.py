@@ -18,7 +18,7 @@ import xxhash
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request_rules import RequestRules
-from nanovllm.engine.sequence import FinishReason, Sequence
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_strings import cut_at_stop
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -72,8 +72,7 @@ class Request:
         completions = []
         for index, seq in enumerate(self.samples):
             shown = seq.completion_token_ids
-            if (seq.finish_reason is FinishReason.STOP and not seq.stopped_by_string
-                    and not params.include_stop_str_in_output):
+            if seq.ended_on_stop_token and not params.include_stop_str_in_output:
                 shown = shown[:-1]  # vLLM: the stop token (EOS or a stop_token_id) stays in token_ids only
             text = detokenizer.text(seq.prompt_token_ids, shown, params)
             stop_reason = seq.stop_token

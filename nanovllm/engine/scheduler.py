@@ -304,20 +304,27 @@ class Scheduler:
         string, then the length limits (vLLM's order: a stop completed by the last allowed token
         is a stop, and the text is cut at it)."""
         params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids:
+            seq.ended_on_stop_token = True
+            seq.stop_token = None if eos else token
+            # with include_stop_str_in_output the stop token's text is the output's too: a stop string
+            # it completes ends the request instead (vLLM's rule: stop_reason the string, text cut)
+            seq.stopped_by_string = params.include_stop_str_in_output and self._stop_string_completes(seq, token)
             return FinishReason.STOP
-        if token in params.stop_token_ids:
-            seq.stop_token = token
-            return FinishReason.STOP
-        # a stop string counts once it ends past the first min_tokens tokens (vLLM's rule); the text
-        # is still fed, so the search stays incremental
-        if (seq.stop_matcher is not None and seq.stop_matcher.feed(token)
-                and len(seq) - seq.num_prompt_tokens > params.min_tokens):
+        if self._stop_string_completes(seq, token):
             seq.stopped_by_string = True
             return FinishReason.STOP
         if self._ends_by_length(seq, len(seq)):
             return FinishReason.LENGTH
         return None
+
+    @staticmethod
+    def _stop_string_completes(seq: Sequence, token: int) -> bool:
+        """Whether `token` completes one of seq's stop strings past the first min_tokens tokens (vLLM's
+        rule; the text is fed whatever min_tokens says, so the search stays incremental)."""
+        return (seq.stop_matcher is not None and seq.stop_matcher.feed(token)
+                and len(seq) - seq.num_prompt_tokens > seq.params.min_tokens)
 
     def abort(self, request_ids: set[int]) -> None:
         """Drop the requests with these ids (ids of no pending request are ignored): every sample

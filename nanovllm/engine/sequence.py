@@ -79,6 +79,7 @@ class Sequence:
         self.stop_matcher: StopStringMatcher | None = None
         self.stopped_by_string = False
         self.stop_token: int | None = None  # the stop_token_ids entry that ended it
+        self.ended_on_stop_token = False  # its last token is EOS or a stop_token_ids entry
         self.rules = rules
         self.counts_slot: int | None = None
         # Where this sample stands in its grammar (set by the engine when params.structured_outputs is set).
