@@ -94,15 +94,27 @@ class LLM(LLMEngine):
                     for p, sp in zip(prompts, params)]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")
-        ids = [self._enqueue(*request) for request in requests]
+        try:  # an interrupt while queueing leaves nothing queued (the engine serves the next call)
+            ids = [self._enqueue(*request) for request in requests]
+        except BaseException:
+            self.abort_all()
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[int], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Step until the requests `ids` finish; the bar shows the run's average token rates.
         `use_tqdm`: show it, or (vLLM's other form) the tqdm class or factory that makes it."""
         outputs: dict[int, RequestOutput] = {}
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            # a factory is called as vLLM calls it (no `disable`: a partial of tqdm may set it); one
+            # that raises leaves nothing queued, as a failed step does
+            if callable(use_tqdm):
+                bar = use_tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            else:
+                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        except BaseException:
+            self.abort_all()
+            raise
         rates = RunRates(time.perf_counter())
         try:
             while not self.is_finished():

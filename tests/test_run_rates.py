@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import io
 
+import pytest
 from tqdm.auto import tqdm
 
 from checkpoints import TinyShape, build_checkpoint, cpu_llm, make_prompts
@@ -46,10 +48,27 @@ def test_use_tqdm_takes_a_bar_factory_as_vllm(tmp_path):
         made.append(tqdm(file=io.StringIO(), **kwargs))
         return made[-1]
 
+    def vllm_style(total, desc, dynamic_ncols):  # vLLM calls its factory without `disable`
+        made.append(tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols, file=io.StringIO()))
+        return made[-1]
+
+    def failing(**kwargs):
+        raise OSError("no terminal")
+
     llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128)
     try:
         outputs = llm.generate(make_prompts(3, 3, 10, 20), SamplingParams(max_tokens=3), use_tqdm=factory)
+        assert len(llm.generate(make_prompts(4, 2, 10, 20), SamplingParams(max_tokens=3), use_tqdm=vllm_style)) == 2
+        # a factory that raises leaves nothing queued: the engine serves the next call
+        with pytest.raises(OSError, match="no terminal"):
+            llm.generate(make_prompts(5, 2, 10, 20), SamplingParams(max_tokens=3), use_tqdm=failing)
+        assert llm.is_finished()
+        assert len(llm.generate(make_prompts(6, 2, 10, 20), SamplingParams(max_tokens=3), use_tqdm=False)) == 2
+        # a partial of tqdm keeps its own `disable`
+        quiet = functools.partial(tqdm, disable=True, file=io.StringIO())
+        assert len(llm.generate(make_prompts(7, 2, 10, 20), SamplingParams(max_tokens=3), use_tqdm=quiet)) == 2
     finally:
         llm.exit()
-    assert len(outputs) == 3 and len(made) == 1
+    assert len(outputs) == 3 and len(made) == 2
     assert (made[0].n, made[0].total, made[0].desc) == (3, 3, "Processed prompts")
+    assert (made[1].n, made[1].total) == (2, 2)
