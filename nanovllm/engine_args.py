@@ -37,11 +37,13 @@ from numbers import Real
 
 @dataclass(frozen=True)
 class _Accepted:
-    """A vLLM keyword: which values mean what nanovllm does (`ok`), said as `expects`, and why."""
+    """A vLLM keyword: which values mean what nanovllm does (`ok`; `one_rank`: also these at
+    tensor_parallel_size 1), said as `expects`, and why."""
 
     ok: Callable[[object], bool]
     expects: str
     why: str
+    one_rank: tuple[object, ...] = ()
 
 
 def _is_bool(v: object) -> bool:
@@ -71,9 +73,11 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "enable_sleep_mode": _Accepted(_is_bool, "a bool", "sleep() and wake_up() always work"),
     "download_dir": _Accepted(lambda v: v is None, "None", "the model is a local directory: nothing is downloaded"),
     "model_impl": _Accepted(lambda v: v in ("auto", "vllm"), "'auto' or 'vllm'", "the model families are built in"),
+    # "uni" / "external_launcher": one engine in this process, as each rank of a torchrun job builds
     "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp' (also 'uni' or "
                                               "'external_launcher' at tensor_parallel_size=1)",
-                                              "tensor-parallel ranks are processes this engine spawns"),
+                                              "tensor-parallel ranks are processes this engine spawns",
+                                              one_rank=("uni", "external_launcher")),
     "pipeline_parallel_size": _Accepted(lambda v: type(v) is int and v == 1, "1",
                                         "no pipeline parallelism: tensor_parallel_size splits the model"),
     "data_parallel_size": _Accepted(lambda v: type(v) is int and v == 1, "1",
@@ -91,8 +95,6 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
 
 # Keywords whose None means "the engine's default" in vLLM.
 NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
-# distributed_executor_backend values that mean one engine in this process: right at one rank.
-ONE_RANK_BACKENDS = ("uni", "external_launcher")
 # vLLM's names of settings that have another name here.
 RENAMED = {"block_size": "kvcache_block_size"}
 
@@ -112,7 +114,6 @@ def strip_vllm_only_args(kwargs: dict) -> dict:
         elif accepted is None:
             if not (name in NONE_MEANS_DEFAULT and value is None):
                 kept[name] = value
-        elif not (accepted.ok(value) or (name == "distributed_executor_backend" and one_rank
-                                         and value in ONE_RANK_BACKENDS)):
+        elif not (accepted.ok(value) or (one_rank and value in accepted.one_rank)):
             raise ValueError(f"LLM({name}={value!r}): nanovllm takes {accepted.expects} here ({accepted.why})")
     return kept

@@ -32,6 +32,14 @@ def _check_no_lora(lora_request: object) -> None:
         raise ValueError(f"LoRA adapters are not supported: lora_request must be None, got {lora_request!r}")
 
 
+def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
+    """generate's bar: tqdm's (hidden with use_tqdm=False), or (vLLM's other form) the one a tqdm
+    class or factory makes, called as vLLM calls it (no `disable`: a partial of tqdm may set it)."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+
+
 class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
@@ -94,41 +102,28 @@ class LLM(LLMEngine):
                     for p, sp in zip(prompts, params)]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")
-        try:  # an interrupt while queueing leaves nothing queued (the engine serves the next call)
+        # made before anything is queued: a bar factory that raises leaves the engine as it was
+        bar = _progress_bar(use_tqdm, len(requests))
+        try:  # an error or interrupt while queueing or stepping leaves nothing queued
             ids = [self._enqueue(*request) for request in requests]
-        except BaseException:
-            self.abort_all()
-            raise
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[int], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
-        """Step until the requests `ids` finish; the bar shows the run's average token rates.
-        `use_tqdm`: show it, or (vLLM's other form) the tqdm class or factory that makes it."""
-        outputs: dict[int, RequestOutput] = {}
-        try:
-            # a factory is called as vLLM calls it (no `disable`: a partial of tqdm may set it); one
-            # that raises leaves nothing queued, as a failed step does
-            if callable(use_tqdm):
-                bar = use_tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-            else:
-                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        except BaseException:
-            self.abort_all()
-            raise
-        rates = RunRates(time.perf_counter())
-        try:
-            while not self.is_finished():
-                result = self.step()
-                rates.add(result.num_prompt_tokens, len(result.sampled))
-                bar.set_postfix(rates.postfix(time.perf_counter()), refresh=False)
-                for out in result.finished:
-                    outputs[out.request_id] = out
-                bar.update(len(result.finished))
+            return self._run(ids, bar)
         except BaseException:
             self.abort_all()
             raise
         finally:
             bar.close()
+
+    def _run(self, ids: list[int], bar: tqdm) -> list[RequestOutput]:
+        """Step until the requests `ids` finish; `bar` counts them and shows the run's average token rates."""
+        outputs: dict[int, RequestOutput] = {}
+        rates = RunRates(time.perf_counter())
+        while not self.is_finished():
+            result = self.step()
+            rates.add(result.num_prompt_tokens, len(result.sampled))
+            bar.set_postfix(rates.postfix(time.perf_counter()), refresh=False)
+            for out in result.finished:
+                outputs[out.request_id] = out
+            bar.update(len(result.finished))
         return [outputs[i] for i in ids]
 
     def chat(

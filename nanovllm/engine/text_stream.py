@@ -32,6 +32,11 @@ REPLACEMENT = "\ufffd"
 INVALID_PREFIX = "Invalid prefix encountered"
 
 
+def _invalid_prefix(error: Exception) -> bool:
+    """Whether DecodeStream raised `error` for an invalid prefix (the one error a stream recovers from)."""
+    return str(error).startswith(INVALID_PREFIX)
+
+
 def stream_decoder(tokenizer) -> Tokenizer | None:
     """The tokenizers.Tokenizer a DecodeStream steps through: the one behind a transformers
     tokenizer (None for a tokenizer without one, e.g. transformers' Python-backend tokenizers,
@@ -67,7 +72,7 @@ class TextStream:
         try:
             return self.stream.step(self.decoder, token_id)
         except Exception as e:  # tokenizers raises a plain Exception
-            if not str(e).startswith(INVALID_PREFIX):
+            if not _invalid_prefix(e):
                 raise
             self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
             return self.stream.step(self.decoder, token_id)
@@ -83,7 +88,7 @@ def completion_text(decoder: Tokenizer, prompt_ids: list[int], token_ids: list[i
     try:
         text = TextStream(decoder, prompt_ids, skip_special_tokens).stream.step(decoder, token_ids)
     except Exception as e:  # tokenizers raises a plain Exception
-        if not str(e).startswith(INVALID_PREFIX):
+        if not _invalid_prefix(e):
             raise
         text = None
     if text is not None and REPLACEMENT not in text:

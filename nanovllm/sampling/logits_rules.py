@@ -106,12 +106,11 @@ class HostRules:
         return rules
 
 
-def _ban(x: Tensor, rows: Tensor, tokens: Tensor, banned: Tensor) -> None:
-    """x[rows[i], tokens[i]] = -inf where banned[i] (pairs may repeat; a pair banned once is banned),
-    without a host sync: a minimum with -inf (banned) or +inf (left as is). Adding -inf instead would
-    turn a logit a bias or penalty made +inf into NaN, which the sampler would then pick."""
-    keep = torch.where(banned, -torch.inf, torch.inf)  # [pairs] float32
-    x.view(-1).scatter_reduce_(0, rows * x.shape[1] + tokens, keep, "amin")
+def _ban(x: Tensor, rows: Tensor, tokens: Tensor, bounds: Tensor) -> None:
+    """x[rows[i], tokens[i]] = min(itself, bounds[i]): -inf bans the pair, +inf leaves it as is (pairs
+    may repeat; a pair banned once is banned), without a host sync. Adding -inf instead would turn a
+    logit a bias or penalty made +inf into NaN, which the sampler would then pick."""
+    x.view(-1).scatter_reduce_(0, rows * x.shape[1] + tokens, bounds, "amin")
 
 
 class StepRules:
@@ -147,10 +146,10 @@ class StepRules:
             keep[p["allowed_entry_rows"], p["allowed_tokens"]] = True
             x[p["allowed_rows"]] = x[p["allowed_rows"]].masked_fill(~keep, -torch.inf)
         if "ban_rows" in p:
-            _ban(x, p["ban_rows"], p["ban_tokens"], torch.full(p["ban_rows"].shape, True, device=x.device))
+            _ban(x, p["ban_rows"], p["ban_tokens"], torch.full(p["ban_rows"].shape, -torch.inf, device=x.device))
         if "cond_rows" in p:
             hit = self.previous_tokens[p["cond_sources"]] == p["cond_required"]  # [M]
-            _ban(x, p["cond_rows"], p["cond_tokens"], hit)
+            _ban(x, p["cond_rows"], p["cond_tokens"], torch.where(hit, -torch.inf, torch.inf))
         return x
 
     def _penalize(self, x: Tensor, source: Tensor | None = None) -> None:
