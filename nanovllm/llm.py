@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.generation_defaults import default_sampling_params
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.inputs import PromptType
 from nanovllm.outputs import RequestOutput
@@ -61,6 +61,7 @@ class LLM(LLMEngine):
         self._check_open()
         return self.tokenizer
 
+    @one_call_at_a_time
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate() uses when given none: LLM(generation_config=...)'s
         (the checkpoint's temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens
@@ -68,6 +69,7 @@ class LLM(LLMEngine):
         self._check_open()
         return self._default_params.validated()
 
+    @one_call_at_a_time
     def generate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
@@ -114,7 +116,7 @@ class LLM(LLMEngine):
             bar.close()
 
     def _run(self, ids: list[int], bar: tqdm) -> list[RequestOutput]:
-        """Step until the requests `ids` finish; `bar` counts them and shows the run's average token rates."""
+        """Step until the requests `ids` finish (or are aborted); `bar` counts them and shows the run's average token rates."""
         outputs: dict[int, RequestOutput] = {}
         rates = RunRates(time.perf_counter())
         while not self.is_finished():
@@ -124,8 +126,9 @@ class LLM(LLMEngine):
             for out in result.finished:
                 outputs[out.request_id] = out
             bar.update(len(result.finished))
-        return [outputs[i] for i in ids]
+        return [outputs[i] for i in ids if i in outputs]  # one aborted meanwhile is left out (as vLLM)
 
+    @one_call_at_a_time
     def chat(
         self,
         messages: SequenceABC,

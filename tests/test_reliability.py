@@ -3,11 +3,13 @@ randomized workloads; interrupted runs leave the engine usable."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
 import subprocess
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -176,6 +178,7 @@ def test_bad_checkpoints(tmp_path, ckpt):
 
 _OPTIMIZED_SCRIPT = """
 import sys
+import threading
 import weakref
 from nanovllm import LLM, SamplingParams
 checks = [
@@ -384,6 +387,75 @@ def refused_as_exited(call) -> bool:
     except RuntimeError as e:
         return "has exited" in str(e)
     return False
+
+
+class _PausingBar:
+    """A use_tqdm factory's bar whose first update (mid-generate: a request finished, others run)
+    signals `mid_run` and waits up to PAUSE_S for `other_done`."""
+    PAUSE_S = 0.5  # long enough for the other thread to reach generate; its call waits for ours
+
+    def __init__(self, mid_run, other_done, **_):
+        self.mid_run, self.other_done = mid_run, other_done
+
+    def update(self, n):
+        if not self.mid_run.is_set():
+            self.mid_run.set()
+            self.other_done.wait(self.PAUSE_S)
+
+    def set_postfix(self, *args, **kwargs): ...
+
+    def close(self): ...
+
+
+def test_calls_from_threads_run_one_at_a_time(llm):
+    """A generate from a second thread, made while the first thread's generate is mid-run, waits
+    for it and then runs; neither sees the other's requests (they interleaved before: "pending"
+    errors, a step's tokens given to the wrong sequences, rarely wrong greedy tokens)."""
+    prompts = [[1, 2, 3 + k] for k in range(6)]
+    staggered = [SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True) for k in range(6)]
+    alone = {k: llm.generate([p], staggered[k], use_tqdm=False)[0]["token_ids"] for k, p in enumerate(prompts)}
+    mid_run, other_done = threading.Event(), threading.Event()
+    got, errors, order = {}, [], []
+
+    def first():
+        bar = functools.partial(_PausingBar, mid_run, other_done)
+        outs = llm.generate(prompts[:3], staggered[:3], use_tqdm=bar)
+        got.update({k: o["token_ids"] for k, o in enumerate(outs)})
+        order.append("first")
+
+    def second():
+        mid_run.wait()
+        outs = llm.generate(prompts[3:], staggered[3:], use_tqdm=False)
+        got.update({3 + k: o["token_ids"] for k, o in enumerate(outs)})
+        order.append("second")
+        other_done.set()
+
+    def run(target):
+        try:
+            target()
+        except Exception as e:  # noqa: BLE001: reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and order == ["first", "second"] and got == alone
+    # Many threads at once: each call's outputs are those a lone call gets
+    results: list[tuple[int, list[int]]] = []
+
+    def many(k):
+        for _ in range(3):
+            results.append((k, llm.generate([prompts[k]], staggered[k], use_tqdm=False)[0]["token_ids"]))
+
+    threads = [threading.Thread(target=run, args=(functools.partial(many, k),)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(results) == 18 and all(ids == alone[k] for k, ids in results)
+    assert llm.is_finished()
 
 
 def test_step_on_an_idle_engine_returns_an_empty_result(llm):

@@ -8,7 +8,10 @@ RL use: engine.update_weights(state_dict.items()) swaps the weights in place bet
 engine.sleep(level) / engine.wake_up(tags) give the device memory back and take it again (engine/sleep.py).
 Structured outputs: SamplingParams(structured_outputs=StructuredOutputsParams(...)) constrains a
 completion (engine/structured_outputs.py; needs the optional xgrammar package).
-After engine.exit() every call raises RuntimeError (exit() itself stays harmless). An engine
+One call at a time: every public method holds the engine's lock (a re-entrant one: generate calls
+step), so calls from several threads are served one after another, each complete (a thread's
+generate waits for another's to end). After engine.exit() every call raises RuntimeError (exit()
+itself stays harmless). An engine
 dropped without exit() is collectable (`del llm; gc.collect()` frees its device memory, as RL
 loops that rebuild engines expect); one still alive when the interpreter ends is exited then.
 The batch API (generate, chat) is the LLM class's (nanovllm/llm.py).
@@ -20,9 +23,12 @@ A request's SamplingParams are checked when it is added and the engine keeps its
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -54,11 +60,31 @@ _LIVE_ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 def _exit_live_engines() -> None:
     for engine in list(_LIVE_ENGINES):
-        engine.exit()
+        if engine._lock.acquire(blocking=False):
+            try:
+                engine.exit()
+            finally:
+                engine._lock.release()
+        else:  # a daemon thread is mid-call (it may never return): released under it
+            engine._release()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_call_at_a_time(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`method` runs holding its engine's lock: calls from other threads wait until it returns."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
+        self._lock = threading.RLock()  # one_call_at_a_time
         self._exited = False
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
@@ -108,6 +134,7 @@ class LLMEngine:
         if self._exited:
             raise RuntimeError("this LLM has exited (exit() was called): create a new LLM to generate again")
 
+    @one_call_at_a_time
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
@@ -153,6 +180,7 @@ class LLMEngine:
         self.model_runner.rules.admit(request.samples)
         return request.request_id
 
+    @one_call_at_a_time
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
         next step is queued on the device before this one's tokens are read. Nothing pending:
@@ -164,10 +192,12 @@ class LLMEngine:
         self._drop_steps_of_no_request()
         return result
 
+    @one_call_at_a_time
     def is_finished(self) -> bool:
         self._check_open()
         return self.scheduler.is_finished() and self.pipeline.idle
 
+    @one_call_at_a_time
     def abort_request(self, request_id: int | Iterable[int]) -> None:
         """Drop one pending request, or each of an iterable of ids (vLLM's LLMEngine.abort_request);
         ids of no pending request (finished, aborted, never given) are ignored. The request's KV
@@ -191,6 +221,7 @@ class LLMEngine:
         if self.scheduler.is_finished():
             self.pipeline.drop()
 
+    @one_call_at_a_time
     def abort_all(self) -> None:
         """Drop every pending request (after an error or interrupt); see Scheduler.abort_all."""
         self._check_open()
@@ -198,6 +229,7 @@ class LLMEngine:
         self.scheduler.abort_all()
         self.model_runner.rules.reset()
 
+    @one_call_at_a_time
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place, between generate() calls (an RL step's policy update).
 
@@ -222,6 +254,7 @@ class LLMEngine:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
             self.block_manager.clear_prefix_cache()
 
+    @one_call_at_a_time
     def sleep(self, level: int = 1) -> None:
         """vLLM's LLM.sleep (engine/sleep.py): frees the KV cache, the CUDA graphs and the prefix
         cache, and the weights: level 1 to host memory, level 2 discarded (zeros after wake_up until
@@ -235,6 +268,7 @@ class LLMEngine:
         self._on_every_rank("sleep", level)
         self.block_manager.clear_prefix_cache()  # the KV it indexes is gone
 
+    @one_call_at_a_time
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's LLM.wake_up: restores the sleeping parts among `tags` ("weights", "kv_cache";
         None: both); awake ones are skipped (waking an awake engine does nothing). Once both are
@@ -244,6 +278,7 @@ class LLMEngine:
         if parts:
             self._on_every_rank("wake_up", parts)
 
+    @one_call_at_a_time
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache (RL clients call it after a weight sync): later requests
         find nothing cached; blocks in use stay allocated. Always succeeds here: True."""
@@ -257,6 +292,7 @@ class LLMEngine:
         cfg = self.config
         return ServedModel(cfg.model, cfg.tokenizer, cfg.max_model_len, cfg.torch_dtype)
 
+    @one_call_at_a_time
     def is_sleeping(self) -> bool:
         """True while any part sleeps (vLLM's LLM.is_sleeping)."""
         self._check_open()
@@ -273,9 +309,13 @@ class LLMEngine:
                 self.workers.send(method, *args)
             getattr(self.model_runner, method)(*args)
 
+    @one_call_at_a_time
     def exit(self) -> None:
         """Release the model, cache and any workers. Safe to call more than once; any other
         call afterwards raises RuntimeError."""
+        self._release()
+
+    def _release(self) -> None:
         if self._exited:
             return
         self._exited = True
