@@ -5,6 +5,7 @@ batch API on top:
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
     params = llm.get_default_sampling_params()                 # generation_config's defaults
     llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
+    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
 Both return one RequestOutput per prompt / conversation, in input order (nanovllm/outputs.py).
 """
@@ -40,6 +41,26 @@ def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
 
 
+class WeightSyncPath:
+    """The path RL code written for vLLM walks to load new weights in place:
+    `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
+    colocate mode; vLLM V1's `driver_worker.worker.model_runner.model` too). Each step of the path
+    is this object and its end's `load_weights` is LLM.update_weights (every tensor checked
+    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's."""
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+
+    @property
+    def driver_worker(self) -> WeightSyncPath:
+        return self
+
+    worker = model_runner = model = driver_worker
+
+    def load_weights(self, weights) -> None:
+        self._llm.update_weights(weights)
+
+
 class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
@@ -55,6 +76,11 @@ class LLM(LLMEngine):
         """vLLM's `llm.llm_engine` (lm-eval reads `llm_engine.model_config.max_model_len`): the LLM
         is its own engine here."""
         return self
+
+    @property
+    def model_executor(self) -> WeightSyncPath:
+        """vLLM's `llm.llm_engine.model_executor`, as far as RL code reaches it to sync weights (WeightSyncPath)."""
+        return WeightSyncPath(self)
 
     def get_tokenizer(self):
         """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""

@@ -193,6 +193,30 @@ def test_update_weights_gives_the_new_checkpoints_tokens(ckpt, other_ckpt):
     assert after == expected_b
 
 
+def test_weights_synced_as_rl_code_written_for_vllm_does(ckpt, other_ckpt):
+    """TRL's colocate mode loads weights one tensor at a time through vLLM's internals, then resets
+    the prefix cache: the path ends in update_weights (V0's and V1's spellings)."""
+    prompts = make_prompts(7, 3, 40, 80)
+    sp = SamplingParams(temperature=0.0, max_tokens=10)
+    llm_b = engine(other_ckpt)
+    expected_b = [o.outputs[0].token_ids for o in llm_b.generate(prompts, sp, use_tqdm=False)]
+    llm_b.exit()
+    llm = engine(ckpt)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert before != expected_b
+    v0_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for name, tensor in hf_state_dict(other_ckpt).items():
+        v0_model.load_weights([(name, tensor)])
+    llm.reset_prefix_cache()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected_b
+    v1_model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    v1_model.load_weights(hf_state_dict(ckpt).items())
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == before
+    with pytest.raises(ValueError, match="nope"):
+        v1_model.load_weights([("model.layers.0.mlp.nope.weight", torch.zeros(2))])
+    llm.exit()
+
+
 def test_tp2_matches_tp1_for_logprobs_n_and_updates(ckpt, other_ckpt):
     prompts = make_prompts(6, 2, 30, 60)
     params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2),
