@@ -230,12 +230,18 @@ def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
         cpu_llm(path)
 
 
-def test_missing_scale_is_named(full_precision, tmp_path):
+def test_missing_scale_or_weight_is_named(full_precision, tmp_path):
+    """By its checkpoint name, alone: the half of a weight / scale pair that came is not listed."""
     path = _fp8_dir(full_precision, tmp_path)
     state = checkpoint_state(path)
-    del state["model.layers.1.self_attn.k_proj.weight_scale_inv"]
+    scale = state.pop("model.layers.1.self_attn.k_proj.weight_scale_inv")
     write_state(path, path, state)
-    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv"):
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv$"):
+        cpu_llm(path)
+    state["model.layers.1.self_attn.k_proj.weight_scale_inv"] = scale
+    del state["model.layers.0.mlp.up_proj.weight"]
+    write_state(path, path, state)
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.0\.mlp\.up_proj\.weight$"):
         cpu_llm(path)
 
 

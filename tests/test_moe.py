@@ -16,7 +16,7 @@ from checkpoints import (
     lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_checkpoint_tensors, rewrite_config,
 )
 from nanovllm import SamplingParams
-from nanovllm.moe.checkpoint_names import map_expert_name
+from nanovllm.moe.checkpoint_names import expert_checkpoint_name, map_expert_name
 from nanovllm.moe.layer import MoeExperts, SparseMoeBlock, experts_native, route
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import build_model
@@ -177,12 +177,21 @@ def test_update_weights_takes_transformers_fused_state_dict(checkpoints, tmp_pat
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
 
 
+def test_expert_parameter_shards_name_their_checkpoint_tensors():
+    """The inverse the loader's missing-tensor error uses, for every stacked expert parameter."""
+    for name in ("model.layers.3.mlp.experts.17.up_proj.weight", "model.layers.3.mlp.experts.2.down_proj.weight",
+                 "model.layers.3.mlp.experts.17.gate_proj.weight_scale_inv",
+                 "model.layers.0.mlp.experts.1.down_proj.weight_scale"):
+        assert expert_checkpoint_name(*map_expert_name(name)) == name
+    assert expert_checkpoint_name("model.layers.3.mlp.experts.w13", "gate_up_proj") is None  # a fused tensor's
+
+
 def test_missing_or_misshapen_expert_tensor_is_named(checkpoints, tmp_path):
     tensors = dict(checkpoint_tensors(checkpoints(MIXED)))
     model = cpu_model(checkpoints(MIXED), load=False)
     missing = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.5.down_proj.weight"}
     rewrite_checkpoint_tensors(str(tmp_path), missing)
-    named = r"missing tensor\(s\): model\.layers\.0\.mlp\.experts\.w2 \(shard \(5, 'down_proj'\)\)"
+    named = r"missing tensor\(s\): model\.layers\.0\.mlp\.experts\.5\.down_proj\.weight$"
     with pytest.raises(ValueError, match=named):
         load_model(model, str(tmp_path))
     bad = {**tensors, "model.layers.0.mlp.experts.3.gate_proj.weight": torch.zeros(31, 64)}

@@ -138,6 +138,14 @@ class DecoderForCausalLM(nn.Module):
                 return name.replace(f".{ckpt_part}.", f".{packed_name}."), shard_id
         return name, None
 
+    def checkpoint_name_of(self, param_name: str, shard_id: object) -> str:
+        """map_checkpoint_name's inverse: the checkpoint tensor that fills shard `shard_id` of
+        `param_name` (`...qkv_proj.weight`, "k" -> `...k_proj.weight`), for error messages."""
+        for ckpt_part, (packed_name, packed_shard) in self.packed_modules_mapping.items():
+            if packed_shard == shard_id and f".{packed_name}." in param_name:
+                return param_name.replace(f".{packed_name}.", f".{ckpt_part}.")
+        return param_name
+
     def ignored_checkpoint_name(self, name: str) -> bool:
         """Names a checkpoint may hold that fill nothing here: the LM head of a tied model (it
         is the embedding), RoPE frequency buffers some older checkpoints saved (computed here) and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from nanovllm.moe.checkpoint_names import map_expert_name
+from nanovllm.moe.checkpoint_names import expert_checkpoint_name, map_expert_name
 from nanovllm.moe.layer import SparseMoeBlock
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderTraits, layer_prefix
 from nanovllm.models.model_config import ModelConfig
@@ -37,3 +37,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         """Expert tensors -> the stacked w13 / w2 (moe/checkpoint_names.map_expert_name); the rest as
         the dense decoder maps them (the router `mlp.gate.weight` onto itself)."""
         return map_expert_name(name) or super().map_checkpoint_name(name)
+
+    def checkpoint_name_of(self, param_name: str, shard_id: object) -> str:
+        return expert_checkpoint_name(param_name, shard_id) or super().checkpoint_name_of(param_name, shard_id)

@@ -21,6 +21,7 @@ GATE_PROJ, UP_PROJ, DOWN_PROJ = "gate_proj", "up_proj", "down_proj"
 FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
 _PER_EXPERT_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                               r"\.(?P<leaf>weight|weight_scale|weight_scale_inv)")
+_STACKED_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?:w13|w2)(?:_(?P<leaf>weight_scale_inv|weight_scale))?")
 _FUSED_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
 
 
@@ -43,6 +44,16 @@ def map_expert_name(name: str) -> tuple[str, tuple[int, str] | str] | None:
         param = "w2" if m["proj"] == FUSED_DOWN else "w13"
         return f"{m['prefix']}.{param}", m["proj"]
     return None
+
+
+def expert_checkpoint_name(param_name: str, shard_id: object) -> str | None:
+    """map_expert_name's inverse for one expert's shard (error messages); None for any other
+    parameter or shard. (model.layers.3.mlp.experts.w13, (17, "up_proj")) -> ...experts.17.up_proj.weight"""
+    m = _STACKED_NAME.fullmatch(param_name)
+    if m is None or not isinstance(shard_id, tuple):
+        return None
+    expert, proj = shard_id
+    return f"{m['prefix']}.{expert}.{proj}.{m['leaf'] or 'weight'}"
 
 
 def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:

@@ -107,7 +107,12 @@ class QuantizedTensors:
             return [(name, q), (f"{module}.{quant.fmt.scale_name}", s)]
         return [(name, dequantize_weight(q, s, quant.fmt.requant_scales))]
 
-    def missing(self) -> list[str]:
+    def missing(self) -> set[str]:
         """The other halves of the pairs still waiting (at the end of a checkpoint: missing)."""
-        return [f"{module}.{quant.fmt.scale_name if _WEIGHT in parts else _WEIGHT}"
-                for module, (quant, parts) in self.pending.items()]
+        return {f"{module}.{quant.fmt.scale_name if _WEIGHT in parts else _WEIGHT}"
+                for module, (quant, parts) in self.pending.items()}
+
+    def waiting(self) -> set[str]:
+        """The halves received whose other half has not come (they filled nothing yet)."""
+        return {f"{module}.{_WEIGHT if _WEIGHT in parts else quant.fmt.scale_name}"
+                for module, (quant, parts) in self.pending.items()}

@@ -128,8 +128,9 @@ def load_model(model: nn.Module, path: str) -> None:
             if fill is not None:
                 fill.destination.copy_(fill.source)
                 loaded.update(fill.keys)
-    missing = [n + (f" (shard {s})" if s is not None else "") for n, s in weights.expected - loaded]
-    missing += convert.missing() if convert is not None else []
+    missing = {model.checkpoint_name_of(name, shard) for name, shard in weights.expected - loaded}
+    if convert is not None:  # a weight waiting for its scale is there: its scale is what is missing
+        missing = (missing - convert.waiting()) | convert.missing()
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
 
