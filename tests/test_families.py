@@ -248,6 +248,20 @@ def test_rope_spellings_read_as_transformers_reads_them(spellings):
             theirs["original_max_position_embeddings"])
 
 
+@pytest.mark.parametrize("architecture,config_class", [
+    ("LlamaForCausalLM", "LlamaConfig"), ("Qwen2ForCausalLM", "Qwen2Config"), ("Qwen3ForCausalLM", "Qwen3Config"),
+])
+def test_positions_a_config_leaves_out_are_its_familys_default(architecture, config_class):
+    """No max_position_embeddings in config.json: transformers' default of the family's config
+    class (Llama's 2048 capped max_model_len at 32768 before)."""
+    import transformers
+
+    raw = {**BASE, "architectures": [architecture]}
+    raw.pop("max_position_embeddings", None)
+    default = getattr(transformers, config_class).from_dict(raw).max_position_embeddings
+    assert ModelConfig.from_dict(raw).max_position_embeddings == default
+
+
 def test_llama3_scaling_formula_by_hand():
     """The three bands on numbers worked out here: L = 64, low 1, high 4 -> wavelengths above 64
     divided by the factor, below 16 kept, at 32 (s = (64/32 - 1) / 3 = 1/3) interpolated."""

@@ -61,8 +61,10 @@ _LLAMA3_ROPE_TYPE = "llama3"
 _HIDDEN_ACT = "silu"
 # transformers' default theta when a config names none.
 _DEFAULT_ROPE_THETA = 10000.0
-# max_position_embeddings where a config names none (the Qwen families' default; published configs set it).
+# max_position_embeddings where a config names none: transformers' default of the family's config
+# class (published configs set it), 32768 for the Qwen families.
 _DEFAULT_POSITIONS = 32768
+_DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048}
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 
@@ -151,7 +153,8 @@ class ModelConfig:
         partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         if "original_max_position_embeddings" in raw:
             rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-        rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", _DEFAULT_POSITIONS))
+        positions = int(raw.get("max_position_embeddings", _DEFAULT_POSITIONS_OF.get(architecture, _DEFAULT_POSITIONS)))
+        rope.setdefault("original_max_position_embeddings", positions)
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -174,7 +177,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 rope_scaling=_rope_scaling(rope, source),
-                max_position_embeddings=int(raw.get("max_position_embeddings", _DEFAULT_POSITIONS)),
+                max_position_embeddings=positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
