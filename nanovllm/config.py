@@ -18,6 +18,7 @@ from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
+from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
@@ -108,6 +109,9 @@ class Config:
     # Where generate()'s default SamplingParams come from (vLLM's option): "auto" the checkpoint's
     # generation_config.json, "vllm" SamplingParams() alone, or a directory holding such a file.
     generation_config: str = "auto"
+    # What sample logprobs report (vLLM's option and names): "raw_logprobs", "raw_logits",
+    # "processed_logprobs" or "processed_logits" (sampling/logprobs_mode.py).
+    logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS
     # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -170,6 +174,7 @@ class Config:
         if self.generation_config not in GENERATION_CONFIG_SOURCES and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r} "
                              "(not a directory)")
+        self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
         if not isinstance(self.kernel_routes, KernelRoutes):
             raise TypeError(f"kernel_routes must be a KernelRoutes, got {self.kernel_routes!r}")
         if self.device is None:

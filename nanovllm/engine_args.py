@@ -16,7 +16,6 @@ a ValueError that names the keyword and says what nanovllm does instead:
                                                   "uni" / "external_launcher" at tensor_parallel_size 1 (one
                                                   engine in this process, as each rank of a torchrun job builds)
     pipeline_parallel_size, data_parallel_size    1: one pipeline stage, one replica (Ray Data scales out)
-    logprobs_mode                                 "raw_logprobs": logprobs of the model's raw logits
     disable_custom_all_reduce, disable_log_stats  a bool: torch.distributed's all-reduce; no stats log
     enable_chunked_prefill                        None / a bool: prompts over the step budget are always chunked
     skip_tokenizer_init                           False: the tokenizer is loaded when the model has one
@@ -82,8 +81,6 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
                                         "no pipeline parallelism: tensor_parallel_size splits the model"),
     "data_parallel_size": _Accepted(lambda v: type(v) is int and v == 1, "1",
                                     "one replica per engine: nanovllm.ray_data runs several"),
-    "logprobs_mode": _Accepted(lambda v: v == "raw_logprobs", "'raw_logprobs'",
-                               "logprobs are those of the model's raw logits, before any sampling rule"),
     "disable_custom_all_reduce": _Accepted(_is_bool, "a bool", "ranks all-reduce through torch.distributed"),
     "disable_log_stats": _Accepted(_is_bool, "a bool", "no stats are logged"),
     "enable_chunked_prefill": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",

@@ -17,6 +17,7 @@ import torch
 
 from nanovllm.sampling.gumbel_max import gumbel_sample
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample, torch_gumbel_uniforms
+from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, row_key
 from nanovllm.sampling_params import SamplingParams
@@ -225,6 +226,57 @@ def test_logprobs_at_serving_size(dtype: torch.dtype) -> None:
         out = SAMPLER(logits, build(params))
         assert_logprobs_match(logits, out.tokens, rows, max(params[i].logprobs for i in rows), out.logprobs)
     assert SAMPLER(logits, build(mixed_params())).logprobs is None
+
+
+def kept(row: torch.Tensor, p: SamplingParams, slack: float) -> torch.Tensor:
+    """float64 mask of the tokens p's filters keep in `row`, every limit moved by `slack` (> 0:
+    looser, < 0: stricter): vLLM's order, as loose_allowed."""
+    probs = torch.softmax(row.double() / p.temperature, dim=-1)
+    values = probs.sort(descending=True).values
+    floor = p.min_p * values[0].item() * (1 - slack) if p.min_p > 0.0 else 0.0
+    if p.top_k not in (0, -1):
+        floor = max(floor, values[min(p.top_k, V) - 1].item() * (1 - slack))
+    if p.top_p < 1.0:
+        survivors = values[values >= floor]
+        cum = survivors.cumsum(0)
+        target = torch.tensor([min(p.top_p + slack, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
+        last = min(int(torch.searchsorted(cum, target).item()), len(survivors) - 1)
+        floor = max(floor, survivors[last].item() * (1 - slack))
+    return probs >= floor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_processed_logprobs_at_serving_size(dtype: torch.dtype) -> None:
+    """logprobs_mode "processed_logprobs": each row's log_softmax over the tokens its filters keep,
+    of logits / T (greedy rows: raw): the sampled token's value lies between the float64 values
+    over the strictly and the loosely kept sets (a float32 threshold may keep or drop a token at
+    the limit), the top list is the largest kept logits with one normaliser, -inf past them."""
+    with torch.device("cuda"):
+        sampler = Sampler(LogprobsMode.PROCESSED_LOGPROBS)
+    logits = random_logits(dtype, seed=9)
+    params = [SamplingParams(**{**p.__dict__, "logprobs": 5}) for p in mixed_params()]
+    out = sampler(logits, build(params))
+    lp = out.logprobs
+    assert lp.rows.tolist() == list(range(B))
+    for i, p in enumerate(params):
+        token = out.tokens[i].item()
+        if p.greedy:
+            x = logits[i].double()
+            strict = loose = torch.ones_like(x, dtype=torch.bool)
+        else:
+            x = logits[i].double() / p.temperature
+            strict, loose = kept(logits[i], p, -SLACK), kept(logits[i], p, SLACK)
+        assert bool(loose[token]), f"row {i}: sampled token {token} outside its filters"
+        strict[token] = True
+        high = (x[token] - torch.logsumexp(x.masked_fill(~strict, -math.inf), 0)).item()
+        low = (x[token] - torch.logsumexp(x.masked_fill(~loose, -math.inf), 0)).item()
+        assert low - 1e-4 <= lp.sampled[i].item() <= high + 1e-4, (i, p, low, lp.sampled[i].item(), high)
+        normaliser = x[token].item() - lp.sampled[i].item()
+        finite = torch.isfinite(lp.top_logprobs[i])
+        ids = lp.top_ids[i][finite]
+        assert bool(loose[ids].all()) and not bool(strict[lp.top_ids[i][~finite]].any())
+        torch.testing.assert_close(lp.top_logprobs[i][finite].double(), x[ids] - normaliser, rtol=0, atol=1e-4)
+        assert x[ids].min().item() >= x.masked_fill(~strict, -math.inf).topk(len(ids)).values.min().item() - 1e-4
 
 
 def test_no_host_sync() -> None:

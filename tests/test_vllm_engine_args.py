@@ -41,7 +41,7 @@ LIGHTEVAL_ARGS = dict(revision="main", dtype="float32", trust_remote_code=False,
 OPENRLHF_ARGS = dict(distributed_executor_backend="uni", tensor_parallel_size=1, seed=0, enable_prefix_caching=None,
                      dtype="float32", max_model_len=256, enable_sleep_mode=True, download_dir=None)
 TRL_ARGS = dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1, gpu_memory_utilization=0.3,
-                max_num_seqs=8, max_model_len=256, model_impl="vllm", logprobs_mode="raw_logprobs", enable_prefix_caching=True,
+                max_num_seqs=8, max_model_len=256, model_impl="vllm", logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 enable_sleep_mode=False, seed=0, max_num_batched_tokens=512)
 
 REFUSED = [
@@ -51,7 +51,7 @@ REFUSED = [
     ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
     ("enable_chunked_prefill", "on"), ("skip_tokenizer_init", True), ("limit_mm_per_prompt", {"image": 1}),
     ("disable_mm_preprocessor_cache", None), ("download_dir", "/tmp/hf"), ("model_impl", "transformers"),
-    ("pipeline_parallel_size", 2), ("pipeline_parallel_size", 1.0), ("data_parallel_size", 4), ("logprobs_mode", "processed_logprobs"),
+    ("pipeline_parallel_size", 2), ("pipeline_parallel_size", 1.0), ("data_parallel_size", 4),
 ]
 
 
@@ -118,8 +118,7 @@ def test_every_vllm_only_argument_accepts_what_nanovllm_does():
                 "max_loras": None, "enable_sleep_mode": False, "distributed_executor_backend": "mp",
                 "disable_custom_all_reduce": False, "disable_log_stats": False, "enable_chunked_prefill": None,
                 "skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False,
-                "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1,
-                "logprobs_mode": "raw_logprobs"}
+                "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
     assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8,
                                  "enable_prefix_caching": None}) == {"max_num_seqs": 8}

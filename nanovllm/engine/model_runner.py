@@ -100,7 +100,7 @@ class ModelRunner:
                 self.model = build_model(cfg)  # layers choose kernels and weight formats here
             finally:
                 torch.set_default_dtype(previous_dtype)
-            self.sampler = Sampler()  # its noise implementation follows the device, as the layers' kernels
+            self.sampler = Sampler(config.logprobs_mode)  # its noise implementation follows the device, as the layers' kernels
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:

@@ -48,7 +48,8 @@ masked logits (vLLM applies the grammar bitmask before its sampler too; the rule
 -inf, so this is the same as masking after them). A batch without one does no mask work.
 
 Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
-``log_softmax`` of their raw logits (before penalties, temperature and filters, as vLLM's default),
+``log_softmax`` of their raw logits (before penalties, temperature and filters, as vLLM's default;
+the engine's logprobs_mode may ask for the processed ones or logits instead: sampling/logprobs_mode.py),
 float32: the sampled token's (and its rank) and the k most likely tokens'. They cost one pass over
 those rows only (on CUDA the Triton kernel sampling/logprobs_kernel.py: row normalisers, rank and
 top k in one read of the logits; elsewhere sampling/row_logprobs.token_logprobs: a log_softmax and
@@ -72,6 +73,7 @@ from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import KernelRoutes, construction_device, current_routes, uses_triton
 from nanovllm.sampling.batch import SamplingBatch
 from nanovllm.sampling.logits_rules import StepRules
+from nanovllm.sampling.logprobs_mode import LogprobsMode, processed_logits
 from nanovllm.sampling.row_logprobs import RowLogprobs, token_logprobs
 from nanovllm.sampling.token_mask import TokenMask, apply_token_mask
 
@@ -80,7 +82,8 @@ _DEFAULT_TOPK_MAX_K = KernelRoutes().topk_max_k
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprobs (log_softmax of the raw logits, float32) of the R batch rows that asked for them."""
+    """Logprobs (log_softmax of the raw logits, float32; or what the LogprobsMode says) of the R
+    batch rows that asked for them."""
 
     rows: Tensor  # [R] int64: which batch rows, ascending
     sampled: Tensor  # [R] float32: logprob of each row's sampled token
@@ -174,8 +177,9 @@ class Sampler(torch.nn.Module):
     """Samples one token id per row of ``logits`` following a :class:`SamplingBatch`, and the
     logprobs of the rows that ask for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS) -> None:
         super().__init__()
+        self.logprobs_mode = logprobs_mode
         # The noise implementation of the device this sampler is built on (kernel_path's rule):
         # the Triton kernel on CUDA, its PyTorch twin elsewhere; both draw the same noise.
         # Likewise the logprobs: one Triton pass on CUDA (unless routes.logprobs_kernel is off), torch's
@@ -238,11 +242,18 @@ class Sampler(torch.nn.Module):
         at -inf, so masking before the rules samples the same tokens as masking after them."""
         if token_mask is not None:
             self.apply_token_mask(logits, token_mask)
-        tokens = self._sample(logits if rules is None else rules.apply(logits), batch)  # [B]
+        ruled = logits if rules is None else rules.apply(logits)
+        tokens = self._sample(ruled, batch)  # [B]
         if batch.logprobs is None:
             return SamplerOutput(tokens, None)
         rows = batch.logprobs.rows  # [R], read in place: the rows that do not ask cost nothing
-        scored: RowLogprobs = self.token_logprobs(logits, tokens, batch.logprobs.k, rows)
+        mode = self.logprobs_mode
+        scored_logits = processed_logits(ruled, batch, tokens, self.threshold) if mode.processed else logits
+        scored: RowLogprobs = self.token_logprobs(scored_logits, tokens, batch.logprobs.k, rows)
+        if mode.logits:  # the same ranks and top tokens, their logits reported
+            values = scored_logits.index_select(0, rows).to(torch.float32)  # [R, V]
+            scored = RowLogprobs(values.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1),
+                                 scored.ranks, scored.top_ids, values.gather(1, scored.top_ids))
         return SamplerOutput(tokens, TokenLogprobs(rows, *scored))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
