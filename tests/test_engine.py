@@ -191,6 +191,14 @@ def test_both_config_formats_give_the_same_tokens(tmp_path):
     assert other != new_format
 
 
+def test_a_directory_name_with_glob_characters_loads(tied_checkpoint, tmp_path):
+    """A checkpoint in "run[1]/" (a sweep's directory) loads: its files are not found by a pattern."""
+    path = str(tmp_path / "run[1]*")
+    shutil.copytree(tied_checkpoint, path)
+    prompts = make_prompts(5, 2, 5, 20)
+    assert generate_tokens(path, prompts, GREEDY)[0] == generate_tokens(tied_checkpoint, prompts, GREEDY)[0]
+
+
 def test_load_errors_name_the_problem(tmp_path):
     path = build_checkpoint(str(tmp_path / "bad"), TinyShape())
     with pytest.raises(TypeError, match="bogus"):

@@ -89,6 +89,22 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(full_precisi
     check_against(load_reference(str(tmp_path / "ref")), prompts, outs, load_reference(str(tmp_path / "spread")))
 
 
+def test_naive_quantized_is_float_quantized_by_its_older_name(full_precision, tmp_path):
+    """compressed-tensors' format "naive-quantized" (neuralmagic's Llama-3.1 FP8 releases) holds
+    the tensors "float-quantized" does: the same engine."""
+    path = str(tmp_path / "fp8")
+    write_fp8(full_precision("llama"), path, str(tmp_path / "ref"), "ct-tensor", ("lm_head",))
+    prompts = make_prompts(3, 3, 20, 40)
+    float_quantized = [o.outputs[0].token_ids for o in run(path, prompts)]
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["format"] = "naive-quantized"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert [o.outputs[0].token_ids for o in run(path, prompts)] == float_quantized
+    check_against(load_reference(str(tmp_path / "ref")), prompts, run(path, prompts))
+
+
 def test_online_fp8_matches_a_reference_quantized_by_hand(full_precision, tmp_path):
     """LLM(quantization="fp8") on a full-precision checkpoint: every projection quantized per
     output channel (amax / 448) at load, as quantize_channels does here."""

@@ -308,7 +308,7 @@ def test_torch_store_fp8_saturates():
 checkpoint = checkpoint_fixture("fp8kv")
 
 
-def with_kv_scales(src: str, dst: str, tensors: dict[str, torch.Tensor], scheme: dict | None) -> str:
+def with_kv_scales(src: str, dst: str, tensors: dict[str, torch.Tensor], scheme: dict | str | None) -> str:
     """A copy of checkpoint `src` at `dst` with `tensors` added and, when given, a compressed-tensors
     quantization_config whose kv_cache_scheme is `scheme`."""
     shutil.copytree(src, dst)
@@ -541,3 +541,18 @@ def test_checkpoint_scales_spellings_and_errors(checkpoint, tmp_path):
         bad = with_kv_scales(checkpoint, str(tmp_path / f"bad{i}"), tensors, scheme)
         with pytest.raises(ValueError, match=message):
             cpu_llm(bad, kv_cache_dtype="fp8")
+
+
+def test_kv_cache_scheme_named_as_a_string(checkpoint, tmp_path):
+    """quant_method "fp8" checkpoints (AMD's *-FP8-KV, AutoFP8's) write kv_cache_scheme "static" with
+    k_proj / v_proj.output_scale tensors; "dynamic" holds none (it raised AttributeError on the str)."""
+    scales = [(0.02, 0.03), (0.04, 0.05)]
+    tensors = scale_tensors(scales, "{kv}_proj.output_scale")
+    llm = cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "static"), tensors, "static"), kv_cache_dtype="fp8")
+    np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+    llm.exit()
+    cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "dynamic"), {}, "dynamic"), kv_cache_dtype="fp8").exit()
+    with pytest.raises(ValueError, match="declares kv_cache_scheme 'static' but holds no"):
+        cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "none"), {}, "static"), kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_scheme 'fp8' is not a compressed-tensors scheme .*'static'"):
+        cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "odd"), tensors, "fp8"), kv_cache_dtype="fp8")

@@ -7,7 +7,8 @@
                                        size, `weight_scale` per tensor; activation_scheme
                                        "dynamic" (or "static": per-tensor `input_scale`);
                                        modules_to_not_convert stay full precision
-    compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized":
+    compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized"
+                                       (or "naive-quantized", older releases' name):
                                        one config group targeting Linear, 8-bit float weights with
                                        `weight_scale` per tensor, per output channel or per
                                        [128, 128] block; activations dynamic per token or static
@@ -62,8 +63,8 @@ GROUP = "group"
 # Checkpoint names of a weight's scale: Qwen / DeepSeek block FP8, and every other layout.
 SCALE_INV, SCALE = "weight_scale_inv", "weight_scale"
 INPUT_SCALE = "input_scale"
-# The one compressed-tensors format that holds FP8 weights.
-FLOAT_QUANTIZED = "float-quantized"
+# The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
+FP8_FORMATS = ("float-quantized", "naive-quantized")
 _REGEX_PREFIX = "re:"
 # torch._scaled_mm wants its operands' widths in multiples of 16 (K: measured on the H200).
 FP8_GEMM_ALIGN = 16
@@ -167,7 +168,7 @@ def _fp8_method(cfg: dict, source: str) -> QuantConfig:
 
 def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     """quant_method "compressed-tensors" with FP8 weights (RedHat's / llm-compressor's FP8)."""
-    _field(cfg, "format", (FLOAT_QUANTIZED,), None, source)
+    _field(cfg, "format", FP8_FORMATS, None, source)
     groups = cfg.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"{source}: config_groups must hold exactly one group, got {groups!r}")

@@ -17,7 +17,7 @@ def checkpoint_files(path: str) -> list[str]:
     the weights beside the shards), else every one."""
     index = os.path.join(path, SAFETENSORS_INDEX)
     if not os.path.isfile(index):
-        return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        return sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))  # "run[1]/" is a name
     with open(index) as f:
         weight_map = json.load(f).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):

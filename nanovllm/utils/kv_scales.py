@@ -2,7 +2,8 @@
 
 compressed-tensors checkpoints (llm-compressor's; vLLM reads the same) declare the cache's
 quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_bits": 8,
-"type": "float", "strategy": "tensor", "dynamic": false}), and hold one scalar per layer:
+"type": "float", "strategy": "tensor", "dynamic": false}; quant_method "fp8" checkpoints write
+"static"), and hold one scalar per layer:
 
     model.layers.N.self_attn.k_scale, model.layers.N.self_attn.v_scale
     (older FP8 checkpoints: model.layers.N.self_attn.k_proj.output_scale, v_proj.output_scale)
@@ -25,6 +26,8 @@ from nanovllm.utils.checkpoint_files import checkpoint_files
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
 _FP8_SCHEME = {"num_bits": 8, "type": "float"}
+# kv_cache_scheme spelled as a name: "static" (the checkpoint holds the scales) or "dynamic" (it does not).
+_SCHEME_NAMES = ("static", "dynamic")
 
 
 def is_kv_scale_name(name: str) -> bool:
@@ -38,9 +41,18 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
     kv_cache_scheme other than 8-bit float, scales missing for some layers, or a scale that is not
     one positive finite number."""
     scheme = (quantization_config or {}).get("kv_cache_scheme")
-    if scheme is not None and any(scheme.get(k) != v for k, v in _FP8_SCHEME.items()):
-        raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
-                         f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
+    if isinstance(scheme, dict):
+        if any(scheme.get(k) != v for k, v in _FP8_SCHEME.items()):
+            raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
+                             f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
+        static = not scheme.get("dynamic", False)
+    elif scheme in _SCHEME_NAMES:  # quant_method "fp8" checkpoints (AMD's, AutoFP8's) name it
+        static = scheme == "static"
+    elif scheme is None:
+        static = False
+    else:
+        raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not a compressed-tensors scheme "
+                         f"(a dict) nor one of {_SCHEME_NAMES}")
     found: dict[tuple[int, str], float] = {}
     for file in checkpoint_files(path):
         with safe_open(file, "pt", device="cpu") as f:
@@ -55,7 +67,7 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
                                      f"got shape {tuple(t.shape)} {t.flatten()[:4].tolist()}")
                 found[(int(m.group(1)), m.group(2) or m.group(3))] = value
     if not found:
-        if scheme is not None and not scheme.get("dynamic", False):
+        if static:
             raise ValueError(f"checkpoint {path!r} declares kv_cache_scheme {scheme!r} but holds no "
                              "model.layers.N.self_attn.k_scale / v_scale tensors")
         return None
