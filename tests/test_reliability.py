@@ -375,6 +375,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "sleep": llm.sleep,
         "wake_up": llm.wake_up,
         "is_sleeping": llm.is_sleeping,
+        "collective_rpc": lambda: llm.collective_rpc("reload_weights"),
     }
     assert [name for name, call in calls.items() if not refused_as_exited(call)] == []
     llm.exit()  # still harmless, twice

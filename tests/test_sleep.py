@@ -105,6 +105,34 @@ def test_level2_then_update_weights_gives_the_checkpoints_tokens(ckpt, awake_tok
         llm.exit()
 
 
+def test_level2_then_reload_weights_gives_the_checkpoints_tokens(ckpt, awake_tokens, hf_state):
+    """vLLM's documented level-2 order: sleep(level=2), wake_up(["weights"]),
+    collective_rpc("reload_weights"), wake_up(["kv_cache"]); reload_weights also undoes an
+    update_weights (the checkpoint's weights again, as in vLLM). Other methods: NotImplementedError."""
+    llm = engine(ckpt)
+    try:
+        first = tokens(llm)
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        assert llm.collective_rpc("reload_weights") == [None]
+        llm.wake_up(tags=["kv_cache"])
+        assert [first, tokens(llm)] == awake_tokens[:2]
+        llm.update_weights((name, torch.randn_like(t)) for name, t in hf_state.items())
+        assert tokens(llm)[:2] != awake_tokens[2][:2]
+        llm.collective_rpc("reload_weights")
+        assert tokens(llm)[:2] == awake_tokens[2][:2]  # greedy and seeded rows (the unseeded one drew more noise)
+        for method in ("init_process_group", lambda worker: None):
+            with pytest.raises(NotImplementedError, match="is not implemented"):
+                llm.collective_rpc(method)
+        with pytest.raises(ValueError, match="takes no arguments"):
+            llm.collective_rpc("reload_weights", args=("/elsewhere",))
+        llm.sleep(level=2)
+        with pytest.raises(RuntimeError, match="weights asleep"):
+            llm.collective_rpc("reload_weights")
+    finally:
+        llm.exit()
+
+
 def test_sleep_empties_the_prefix_cache_and_it_fills_again_after_wake(ckpt):
     prompt = make_prompts(12, 1, 70, 71)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)

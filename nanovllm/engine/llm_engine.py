@@ -69,6 +69,9 @@ def _exit_live_engines() -> None:
             engine._release()
 
 
+# The one worker method collective_rpc runs (vLLM's name).
+RELOAD_WEIGHTS = "reload_weights"
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -253,6 +256,29 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
             self.block_manager.clear_prefix_cache()
+
+    @one_call_at_a_time
+    def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's LLM.collective_rpc for the worker method its sleep-mode docs have callers run,
+        "reload_weights" (the checkpoint's weights again, in place: after sleep(level=2) and
+        wake_up(tags=["weights"])); one result (None) per rank. Any other method, or a callable,
+        raises NotImplementedError, as vLLM does for a method its workers lack (TRL catches it)."""
+        self._check_open()
+        if method != RELOAD_WEIGHTS:
+            raise NotImplementedError(f"Method {method!r} is not implemented: nanovllm's collective_rpc runs "
+                                      f"{RELOAD_WEIGHTS!r} only")
+        if args or kwargs:
+            raise ValueError(f"collective_rpc({RELOAD_WEIGHTS!r}) takes no arguments here (the model directory's "
+                             f"checkpoint is reloaded), got args={args!r}, kwargs={kwargs!r}")
+        if not self.is_finished():
+            raise RuntimeError(f"collective_rpc({RELOAD_WEIGHTS!r}) called while requests are pending")
+        if WEIGHTS in self.model_runner.sleeping:
+            raise RuntimeError(f"collective_rpc({RELOAD_WEIGHTS!r}) called while the weights sleep "
+                               f"({self._sleep_state()}): call wake_up(tags=['weights']) first")
+        self._on_every_rank(RELOAD_WEIGHTS)
+        self.block_manager.clear_prefix_cache()
+        return [None] * self.config.tensor_parallel_size
 
     @one_call_at_a_time
     def sleep(self, level: int = 1) -> None:

@@ -101,10 +101,7 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(previous_dtype)
             self.sampler = Sampler(config.logprobs_mode)  # its noise implementation follows the device, as the layers' kernels
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_model(self.model, config.model)
+        self._load_weights()
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill step.
@@ -357,6 +354,19 @@ class ModelRunner:
         and shape checked first; see loader.update_weights)."""
         update_weights(self.model, weights)
         self._calibrate_kv = self._scales_from_data  # the next prefill step sets the FP8 scales anew
+
+    def reload_weights(self) -> None:
+        """The checkpoint's weights again, in place, as at start-up (vLLM's worker reload_weights,
+        which a level-2 sleep asks for); FP8 KV scales computed from the data are set anew."""
+        self._load_weights()
+        self._calibrate_kv = self._scales_from_data
+
+    def _load_weights(self) -> None:
+        """The checkpoint's weights (load_format "dummy": random ones from the seed) into the model."""
+        if self.config.load_format == "dummy":
+            init_dummy_weights(self.model, self.config.seed)
+        else:
+            load_model(self.model, self.config.model)
 
     def sleep(self, level: SleepLevel) -> None:
         """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to
