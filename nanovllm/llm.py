@@ -28,9 +28,11 @@ from nanovllm.sampling_params import SamplingParams
 
 
 def _check_no_lora(lora_request: object) -> None:
-    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it), refused otherwise."""
-    if lora_request is not None:
-        raise ValueError(f"LoRA adapters are not supported: lora_request must be None, got {lora_request!r}")
+    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it) or a list of Nones
+    (one per prompt), refused otherwise."""
+    none_per_prompt = isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)
+    if lora_request is not None and not none_per_prompt:
+        raise ValueError(f"LoRA adapters are not supported: lora_request must be None (or a list of Nones), got {lora_request!r}")
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -57,8 +59,11 @@ class WeightSyncPath:
 
     worker = model_runner = model = driver_worker
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights) -> set[str]:
+        """update_weights(weights); the names loaded (vLLM returns its loaded names: verl counts them)."""
+        weights = list(weights)
         self._llm.update_weights(weights)
+        return {name for name, _ in weights}
 
 
 class LLM(LLMEngine):

@@ -206,7 +206,7 @@ def test_weights_synced_as_rl_code_written_for_vllm_does(ckpt, other_ckpt):
     assert before != expected_b
     v0_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     for name, tensor in hf_state_dict(other_ckpt).items():
-        v0_model.load_weights([(name, tensor)])
+        assert v0_model.load_weights([(name, tensor)]) == {name}  # verl counts the names loaded
     llm.reset_prefix_cache()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected_b
     v1_model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

@@ -163,8 +163,12 @@ def test_lm_eval_style_loglikelihood(ckpt, llm):
 
 
 def test_lora_request_is_refused(llm):
+    # vLLM's per-prompt list, of no adapters: accepted
+    assert len(llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, lora_request=[None, None])) == 2
     with pytest.raises(ValueError, match="LoRA adapters are not supported: lora_request must be None"):
         llm.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, lora_request=[None, "adapter"])
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request="adapter")
     assert llm.is_finished()
