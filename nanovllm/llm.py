@@ -13,9 +13,10 @@ Both return one RequestOutput per prompt / conversation, in input order (nanovll
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 
+import torch
 from tqdm.auto import tqdm
 
 from nanovllm.engine.chat import ChatOptions, render_chat
@@ -59,11 +60,22 @@ class WeightSyncPath:
 
     worker = model_runner = model = driver_worker
 
-    def load_weights(self, weights) -> set[str]:
-        """update_weights(weights); the names loaded (vLLM returns its loaded names: verl counts them)."""
-        weights = list(weights)
-        self._llm.update_weights(weights)
-        return {name for name, _ in weights}
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """update_weights(weights) (a generator streamed: loader.weight_chunks); the names loaded
+        (vLLM returns its loaded names: verl counts them)."""
+        if isinstance(weights, Collection):
+            self._llm.update_weights(weights)
+            return {pair[0] for pair in weights}
+        names: set[str] = set()
+
+        def noting(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for pair in pairs:
+                if isinstance(pair, tuple) and pair:  # update_weights names anything else
+                    names.add(pair[0])
+                yield pair
+
+        self._llm.update_weights(noting(weights))
+        return names
 
 
 class LLM(LLMEngine):

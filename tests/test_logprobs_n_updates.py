@@ -4,11 +4,13 @@ transformers' logits: log_softmax of its float32 logits is the reference for eve
 from __future__ import annotations
 
 import sys
+import weakref
 
 import pytest
 import torch
 
 from nanovllm import SamplingParams
+from nanovllm.utils.loader import weight_chunks
 from checkpoints import (
     assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference, make_prompts, reference_fixture,
 )
@@ -215,6 +217,46 @@ def test_weights_synced_as_rl_code_written_for_vllm_does(ckpt, other_ckpt):
     with pytest.raises(ValueError, match="nope"):
         v1_model.load_weights([("model.layers.0.mlp.nope.weight", torch.zeros(2))])
     llm.exit()
+
+
+def test_a_generators_weights_are_copied_a_chunk_at_a_time(ckpt, other_ckpt):
+    """A generator (verl's all-gathering sync) is checked and copied in chunks of about max_bytes:
+    at most one chunk of the tensors it makes is alive at a time; held pairs come as one chunk."""
+    state = hf_state_dict(other_ckpt)
+    alive: dict[str, int] = {}  # name -> bytes of the generator's copies not yet freed
+    most_alive = 0
+
+    def fresh_copies():
+        nonlocal most_alive
+        for name, tensor in state.items():
+            copy = tensor.clone()
+            alive[name] = copy.nbytes
+            weakref.finalize(copy, alive.pop, name)
+            most_alive = max(most_alive, sum(alive.values()))
+            yield name, copy
+
+    largest = max(t.nbytes for t in state.values())
+    chunk_bytes = largest * 3
+    seen = []
+    for chunk in weight_chunks(fresh_copies(), chunk_bytes):
+        assert sum(t.nbytes for _, t in chunk[:-1]) < chunk_bytes  # a chunk ends at the tensor that fills it
+        seen += [name for name, _ in chunk]
+        del chunk
+    total = sum(t.nbytes for t in state.values())
+    assert seen == list(state) and most_alive <= chunk_bytes + largest < total
+    assert [len(c) for c in weight_chunks(state.items(), chunk_bytes)] == [len(state)]
+    # through the engine: the same tokens as the held state dict gives
+    prompts = make_prompts(8, 3, 30, 60)
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = engine(ckpt)
+    try:
+        llm.update_weights((name, t.clone()) for name, t in state.items())
+        streamed = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        llm.update_weights(hf_state_dict(ckpt).items())
+        llm.update_weights(state.items())
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == streamed
+    finally:
+        llm.exit()
 
 
 def test_tp2_matches_tp1_for_logprobs_n_and_updates(ckpt, other_ckpt):

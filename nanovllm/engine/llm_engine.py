@@ -48,6 +48,7 @@ from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.tp_workers import WorkerGroup, worker_errors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
+from nanovllm.utils.loader import weight_chunks
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 __all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
@@ -240,7 +241,9 @@ class LLMEngine:
         shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
         lm_head.weight is accepted and ignored); any subset of the weights may be given.
         Unknown names, wrong shapes and tensors without data (meta) raise ValueError, tensors that
-        are not dense floating-point ones TypeError, before any parameter changes. The prefix
+        are not dense floating-point ones TypeError, before any parameter changes; a generator's
+        tensors are checked and copied a chunk (~1 GiB) at a time instead (loader.weight_chunks:
+        the memory of one chunk, not of a model copy), so a refusal leaves earlier chunks in. The prefix
         cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
         keep their storage)."""
         self._check_open()
@@ -249,13 +252,18 @@ class LLMEngine:
         if WEIGHTS in self.model_runner.sleeping:
             raise RuntimeError(f"update_weights() called while the weights sleep ({self._sleep_state()}): "
                                "call wake_up(tags=['weights']) first")
-        weights = list(weights)
         # An interrupt waits for the update to end on every rank: no half-updated model.
         with worker_errors(self.workers), deferred_signals():
-            self.model_runner.update_weights(weights)  # checks everything before changing anything
-            if self.workers is not None:
-                self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in weights])
-            self.block_manager.clear_prefix_cache()
+            copied = False
+            try:
+                for chunk in weight_chunks(weights):
+                    self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
+                    copied = True
+                    if self.workers is not None:
+                        self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in chunk])
+            finally:  # also when a later chunk is refused: the earlier ones changed the weights
+                if copied:
+                    self.block_manager.clear_prefix_cache()
 
     @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),

@@ -20,7 +20,7 @@ dequantized, full-precision ones (online FP8, update_weights) are quantized.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,9 @@ from nanovllm.utils.checkpoint_files import checkpoint_files
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
+# A generator's weights are checked and copied in chunks of about this many bytes (weight_chunks):
+# the memory a sync holds beyond the model, whatever the model's size.
+STREAMED_CHUNK_BYTES = 1 << 30
 # Names listed in an error message before "and N more".
 MAX_NAMES_SHOWN = 8
 
@@ -170,6 +173,28 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     for fill in fills:
         fill.destination.copy_(fill.source)
     return len(fills)
+
+
+def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  max_bytes: int = STREAMED_CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The pairs update_weights is to copy, in the chunks it checks and copies one at a time: all
+    of them at once when they are held already (a list, tuple or dict view: one check before any
+    change), else (a generator, as verl's all-gathering sync yields) chunks of about `max_bytes`,
+    so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too)."""
+    if isinstance(named_tensors, Collection):
+        yield list(named_tensors)
+        return
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for item in named_tensors:
+        chunk.append(item)
+        tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+        size += tensor.nbytes if isinstance(tensor, torch.Tensor) and not tensor.is_meta else 0
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
