@@ -7,9 +7,11 @@ engine decides (budgets, cache size, device, dtype, backend) lives in `Config`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +24,9 @@ from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _LOAD_FORMATS = ("auto", "dummy")
 # LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
@@ -50,15 +55,39 @@ def _directory(name: str, value: object, what: str) -> str:
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
+# vLLM's max_seq_len_to_capture default (releases up to 0.10; lighteval's released builds read it as
+# the context length when given none): CUDA graphs covered sequences up to this length.
+VLLM_MAX_SEQ_LEN_TO_CAPTURE = 8192
+
+
 @dataclass(frozen=True)
 class ServedModel:
-    """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len): the
-    checkpoint and tokenizer directories, the longest sequence served, the weights' dtype."""
+    """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len; RL and
+    analysis scripts: hf_config's layer and expert counts): the checkpoint and tokenizer
+    directories, the longest sequence served, the weights' dtype."""
 
     model: str
     tokenizer: str
     max_model_len: int
     dtype: torch.dtype
+
+    @functools.cached_property
+    def hf_config(self) -> PretrainedConfig:
+        """transformers' reading of the checkpoint's config.json (read on first use)."""
+        from transformers import AutoConfig  # transformers loads on first use, not with nanovllm
+
+        return AutoConfig.from_pretrained(self.model)
+
+    @property
+    def hf_text_config(self) -> PretrainedConfig:
+        return self.hf_config  # text models: the same config
+
+    def get_vocab_size(self) -> int:
+        return self.hf_text_config.vocab_size
+
+    @property
+    def max_seq_len_to_capture(self) -> int:
+        return min(VLLM_MAX_SEQ_LEN_TO_CAPTURE, self.max_model_len)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoints import checkpoint_fixture, cpu_llm
+from checkpoints import TinyShape, checkpoint_fixture, cpu_llm
 import nanovllm
 from nanovllm import LLM, SamplingParams, TokensPrompt, inputs
 from nanovllm.config import Config
@@ -62,6 +62,10 @@ def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
         # vLLM's None: the engine's default (here min(4096, max_position_embeddings))
         assert llm.llm_engine.model_config.max_model_len == llm.config.max_model_len == 1024
         assert llm.llm_engine.model_config.dtype == torch.float32
+        # what older lighteval and RL / analysis scripts read there (vLLM's ModelConfig)
+        served = llm.llm_engine.model_config
+        assert served.hf_config.num_hidden_layers == served.hf_text_config.num_hidden_layers == TinyShape().num_hidden_layers
+        assert served.get_vocab_size() == TinyShape().vocab_size and served.max_seq_len_to_capture == 1024
         assert llm.config.max_num_seqs == Config.max_num_seqs
         tok = llm.get_tokenizer()
         assert tok is llm.tokenizer and tok.decode(tok.encode("the dog")) == "the dog"

@@ -320,7 +320,7 @@ class LLMEngine:
         self.block_manager.clear_prefix_cache()
         return True
 
-    @property
+    @functools.cached_property
     def model_config(self) -> ServedModel:
         """vLLM's `llm_engine.model_config`: the served model's directories, max_model_len and dtype."""
         cfg = self.config
