@@ -13,27 +13,19 @@ Both return one RequestOutput per prompt / conversation, in input order (nanovll
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
-import torch
 from tqdm.auto import tqdm
 
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
+from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
 from nanovllm.inputs import PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-
-
-def _check_no_lora(lora_request: object) -> None:
-    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it) or a list of Nones
-    (one per prompt), refused otherwise."""
-    none_per_prompt = isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)
-    if lora_request is not None and not none_per_prompt:
-        raise ValueError(f"LoRA adapters are not supported: lora_request must be None (or a list of Nones), got {lora_request!r}")
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -44,43 +36,10 @@ def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
 
 
-class WeightSyncPath:
-    """The path RL code written for vLLM walks to load new weights in place:
-    `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
-    colocate mode; vLLM V1's `driver_worker.worker.model_runner.model` too). Each step of the path
-    is this object and its end's `load_weights` is LLM.update_weights (every tensor checked
-    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's."""
-
-    def __init__(self, llm: LLM):
-        self._llm = llm
-
-    @property
-    def driver_worker(self) -> WeightSyncPath:
-        return self
-
-    worker = model_runner = model = driver_worker
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """update_weights(weights) (a generator streamed: loader.weight_chunks); the names loaded
-        (vLLM returns its loaded names: verl counts them)."""
-        if isinstance(weights, Collection):
-            self._llm.update_weights(weights)
-            return {pair[0] for pair in weights}
-        names: set[str] = set()
-
-        def noting(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            for pair in pairs:
-                if isinstance(pair, tuple) and pair:  # update_weights names anything else
-                    names.add(pair[0])
-                yield pair
-
-        self._llm.update_weights(noting(weights))
-        return names
-
-
 class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
+        self._vllm_engine = VllmEngine(self)
         try:
             self._default_params = default_sampling_params(self.config.generation_config, self.config.generation_dir,
                                                           self.generation_values)
@@ -89,15 +48,9 @@ class LLM(LLMEngine):
             raise
 
     @property
-    def llm_engine(self) -> LLM:
-        """vLLM's `llm.llm_engine` (lm-eval reads `llm_engine.model_config.max_model_len`): the LLM
-        is its own engine here."""
-        return self
-
-    @property
-    def model_executor(self) -> WeightSyncPath:
-        """vLLM's `llm.llm_engine.model_executor`, as far as RL code reaches it to sync weights (WeightSyncPath)."""
-        return WeightSyncPath(self)
+    def llm_engine(self) -> VllmEngine:
+        """vLLM's `llm.llm_engine`: its engine API over this LLM (engine/vllm_engine.py)."""
+        return self._vllm_engine
 
     def get_tokenizer(self):
         """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""
@@ -123,7 +76,7 @@ class LLM(LLMEngine):
         """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
         Every request is checked before any is queued (bad input leaves the engine untouched)."""
         self._check_open()
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -194,7 +147,7 @@ class LLM(LLMEngine):
         generate() does. Returns one RequestOutput per conversation, in input order.
         `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,

@@ -58,7 +58,7 @@ REFUSED = [
 def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
     llm = cpu_llm(ckpt, tokenizer=ckpt, **LM_EVAL_ARGS)
     try:
-        assert llm.llm_engine is llm
+        assert llm.llm_engine.model_config is llm.model_config and llm.llm_engine.tokenizer is llm.tokenizer
         # vLLM's None: the engine's default (here min(4096, max_position_embeddings))
         assert llm.llm_engine.model_config.max_model_len == llm.config.max_model_len == 1024
         assert llm.llm_engine.model_config.dtype == torch.float32

@@ -1,0 +1,161 @@
+"""`llm.llm_engine`: vLLM's LLMEngine surface over an LLM, for code written against it.
+
+Scripts drive vLLM's engine by the caller's request ids:
+
+    engine = llm.llm_engine
+    engine.add_request("req-0", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # RequestOutputs, out.request_id == "req-0"
+            if out.finished: ...
+
+and clients read `llm.llm_engine.model_config` (lm-eval), `.model_executor` (TRL's weight sync),
+`.reset_prefix_cache()` (OpenRLHF), `.tokenizer`. Those are the LLM's own; the step API keeps
+each request's output until it finishes: `step()` returns a request once, finished (vLLM's
+RequestOutputKind.FINAL_ONLY, which its LLM.generate uses; its engine's default, CUMULATIVE,
+also returns the unfinished ones' outputs so far, which nanovllm does not build). nano-vllm's
+step API (int ids, StepResult) stays on the LLM itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.config import ServedModel
+
+
+def check_no_lora(lora_request: object) -> None:
+    """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it) or a list of Nones
+    (one per prompt), refused otherwise."""
+    none_per_prompt = isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)
+    if lora_request is not None and not none_per_prompt:
+        raise ValueError(f"LoRA adapters are not supported: lora_request must be None (or a list of Nones), "
+                         f"got {lora_request!r}")
+
+
+class WeightSyncPath:
+    """The path RL code written for vLLM walks to load new weights in place:
+    `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
+    colocate mode; vLLM V1's `driver_worker.worker.model_runner.model` too). Each step of the path
+    is this object and its end's `load_weights` is LLM.update_weights (every tensor checked
+    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's."""
+
+    def __init__(self, llm: LLMEngine):
+        self._llm = llm
+
+    @property
+    def driver_worker(self) -> WeightSyncPath:
+        return self
+
+    worker = model_runner = model = driver_worker
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """update_weights(weights) (a generator streamed: loader.weight_chunks); the names loaded
+        (vLLM returns its loaded names: verl counts them)."""
+        if isinstance(weights, Collection):
+            self._llm.update_weights(weights)
+            return {pair[0] for pair in weights}
+        names: set[str] = set()
+
+        def noting(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for pair in pairs:
+                if isinstance(pair, tuple) and pair:  # update_weights names anything else
+                    names.add(pair[0])
+                yield pair
+
+        self._llm.update_weights(noting(weights))
+        return names
+
+
+class VllmEngine:
+    """vLLM's LLMEngine API of one LLM (module docstring). Invariant: `_ids` maps the engine id of
+    every pending request added here to its caller's id, `_names` the other way."""
+
+    def __init__(self, llm: LLMEngine):
+        self._llm = llm
+        self._lock = llm._lock  # the LLM's: one call at a time across both APIs
+        self._ids: dict[int, str] = {}
+        self._names: dict[str, int] = {}
+
+    # ----- what clients read on vLLM's llm_engine: the LLM's own -----
+    @property
+    def model_config(self) -> ServedModel:
+        return self._llm.model_config
+
+    @property
+    def model_executor(self) -> WeightSyncPath:
+        """As far as RL code reaches it to sync weights (WeightSyncPath)."""
+        return WeightSyncPath(self._llm)
+
+    @property
+    def tokenizer(self):
+        return self._llm.get_tokenizer()
+
+    def get_tokenizer(self):
+        return self._llm.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        return self._llm.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        return self._llm.is_sleeping()
+
+    # ----- vLLM's step API -----
+    @one_call_at_a_time
+    def add_request(self, request_id: str, prompt: object, params: SamplingParams, arrival_time: float | None = None,
+                    lora_request: object = None, tokenization_kwargs: dict | None = None,
+                    trace_headers: object = None, priority: int = 0) -> str:
+        """Queue `prompt` under the caller's `request_id` (a str, not one pending); returns it.
+        `arrival_time` and `trace_headers` are ignored; `priority` must be 0 (no priority
+        scheduling); `tokenization_kwargs` None."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str (vLLM's engine API), got {request_id!r}")
+        if self._names.get(request_id) in self._llm.scheduler.requests:  # (an abort_all may have dropped it)
+            raise ValueError(f"request_id {request_id!r} is already pending")
+        check_no_lora(lora_request)
+        if priority != 0:
+            raise ValueError(f"priority={priority!r}: requests are served in arrival order (priority must be 0)")
+        if tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported")
+        ours = self._llm.add_request(prompt, params)
+        self._ids[ours], self._names[request_id] = request_id, ours
+        return request_id
+
+    @one_call_at_a_time
+    def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of the requests it finished, under their callers' ids (a
+        request added through the LLM's own add_request keeps its int id)."""
+        finished = self._llm.step().finished
+        outputs = []
+        for out in finished:
+            name = self._ids.pop(out.request_id, None)
+            if name is not None:
+                del self._names[name]
+                out = dataclasses.replace(out, request_id=name)
+            outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return not self._llm.is_finished()
+
+    def get_num_unfinished_requests(self) -> int:
+        self._llm.is_finished()  # refuses an exited engine
+        return len(self._llm.scheduler.requests)
+
+    @one_call_at_a_time
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop the pending requests of these caller ids (vLLM's: a list; one str too); ids of no
+        pending request are ignored."""
+        names = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ours = [self._names.pop(n) for n in names if isinstance(n, str) and n in self._names]
+        for i in ours:
+            del self._ids[i]
+        self._llm.abort_request(ours)
