@@ -74,24 +74,30 @@ def random_logits(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return (torch.randn(B, V, device=device(), generator=g) * 3).to(dtype)
 
 
-def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """float64 mask of tokens the sampler may pick for one row, loosened by SLACK.
+def kept(row: torch.Tensor, p: SamplingParams, slack: float) -> torch.Tensor:
+    """float64 mask of the tokens p's filters keep in one row, every limit moved by `slack` (> 0:
+    looser, < 0: stricter).
 
     Per row (vLLM's order): min-p floor, sorted probabilities, top-k threshold, top-p prefix of
     the survivors found with searchsorted on their cumulative mass. Ties are kept together.
     """
     probs = torch.softmax(row.double() / p.temperature, dim=-1)
     values = probs.sort(descending=True).values
-    floor = p.min_p * values[0].item() * (1 - SLACK) if p.min_p > 0.0 else 0.0
+    floor = p.min_p * values[0].item() * (1 - slack) if p.min_p > 0.0 else 0.0
     if p.top_k not in (0, -1):
-        floor = max(floor, values[min(p.top_k, V) - 1].item() * (1 - SLACK))
+        floor = max(floor, values[min(p.top_k, V) - 1].item() * (1 - slack))
     if p.top_p < 1.0:
         survivors = values[values >= floor]
         cum = survivors.cumsum(0)
-        target = torch.tensor([min(p.top_p + SLACK, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
+        target = torch.tensor([min(p.top_p + slack, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
         last = min(int(torch.searchsorted(cum, target).item()), len(survivors) - 1)
-        floor = max(floor, survivors[last].item() * (1 - SLACK))
+        floor = max(floor, survivors[last].item() * (1 - slack))
     return probs >= floor
+
+
+def loose_allowed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float64 mask of tokens the sampler may pick for one row, loosened by SLACK."""
+    return kept(row, p, SLACK)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,23 +232,6 @@ def test_logprobs_at_serving_size(dtype: torch.dtype) -> None:
         out = SAMPLER(logits, build(params))
         assert_logprobs_match(logits, out.tokens, rows, max(params[i].logprobs for i in rows), out.logprobs)
     assert SAMPLER(logits, build(mixed_params())).logprobs is None
-
-
-def kept(row: torch.Tensor, p: SamplingParams, slack: float) -> torch.Tensor:
-    """float64 mask of the tokens p's filters keep in `row`, every limit moved by `slack` (> 0:
-    looser, < 0: stricter): vLLM's order, as loose_allowed."""
-    probs = torch.softmax(row.double() / p.temperature, dim=-1)
-    values = probs.sort(descending=True).values
-    floor = p.min_p * values[0].item() * (1 - slack) if p.min_p > 0.0 else 0.0
-    if p.top_k not in (0, -1):
-        floor = max(floor, values[min(p.top_k, V) - 1].item() * (1 - slack))
-    if p.top_p < 1.0:
-        survivors = values[values >= floor]
-        cum = survivors.cumsum(0)
-        target = torch.tensor([min(p.top_p + slack, 1.0) * cum[-1].item()], dtype=torch.float64, device=row.device)
-        last = min(int(torch.searchsorted(cum, target).item()), len(survivors) - 1)
-        floor = max(floor, survivors[last].item() * (1 - slack))
-    return probs >= floor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
