@@ -112,7 +112,8 @@ class LLM(LLMEngine):
             bar.close()
 
     def _run(self, ids: list[int], bar: tqdm) -> list[RequestOutput]:
-        """Step until the requests `ids` finish (or are aborted); `bar` counts them and shows the run's average token rates."""
+        """Step until the requests `ids` finish (or are aborted); `bar` counts them and shows the
+        run's average token rates."""
         outputs: dict[int, RequestOutput] = {}
         rates = RunRates(time.perf_counter())
         while not self.is_finished():

@@ -23,7 +23,7 @@ from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
-from nanovllm.quantization.config import resolve_quantization
+from nanovllm.quantization.config import Fp8Format, QuantConfig, resolve_quantization
 
 # Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,
 # rows of o / down), intermediate 320 (2.5 blocks), q 256 and k / v 128 rows (whole blocks).
@@ -237,8 +237,16 @@ def test_unsupported_quantization_configs_are_refused_naming_them(config, messag
 
 
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8'\), got 'int8'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors'\), got 'int8'"):
         cpu_llm(full_precision("qwen3"), quantization="int8")
+    # vLLM's name of a compressed-tensors checkpoint's own format: only on such a checkpoint
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' names a checkpoint's own format"):
+        cpu_llm(full_precision("qwen3"), quantization="compressed-tensors")
+    ct = QuantConfig(Fp8Format("channel", "weight_scale", False, False), ())
+    assert resolve_quantization("compressed-tensors", LAYOUTS["ct-channel"], "config.json") == \
+        resolve_quantization(None, LAYOUTS["ct-channel"], "config.json") == ct
+    with pytest.raises(ValueError, match="does not match config.json's quantization_config quant_method='fp8'"):
+        resolve_quantization("compressed-tensors", LAYOUTS["qwen-block"], "config.json")
     path = str(tmp_path / "gptq")
     write_state(full_precision("qwen3"), path, checkpoint_state(full_precision("qwen3")),
                 {"quant_method": "awq", "bits": 4})

@@ -53,7 +53,7 @@ from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The values LLM(quantization=...) takes.
-QUANTIZATION_CHOICES = (None, "fp8")
+QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors")
 # quant_method values of config.json's quantization_config that load.
 SUPPORTED_METHODS = ("fp8", "compressed-tensors")
 # Scale granularities: one per [FP8_BLOCK, FP8_BLOCK] block, per output row, per checkpoint tensor.
@@ -206,10 +206,16 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
     if checkpoint is None:
+        if quantization == "compressed-tensors":
+            raise ValueError(f"quantization='compressed-tensors' names a checkpoint's own format, but {source} has "
+                             "no quantization_config")
         return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
     method = checkpoint.get("quant_method")
+    if quantization == "compressed-tensors" and method != quantization:  # it names the checkpoint's own (vLLM)
+        raise ValueError(f"quantization='compressed-tensors' does not match {source}'s quantization_config "
+                         f"quant_method={method!r}")
     if method == "fp8":
         return _fp8_method(checkpoint, source)
     if method == "compressed-tensors":
