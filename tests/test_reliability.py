@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -179,6 +180,7 @@ def test_bad_checkpoints(tmp_path, ckpt):
 _OPTIMIZED_SCRIPT = """
 import sys
 import threading
+import time
 import weakref
 from nanovllm import LLM, SamplingParams
 checks = [
@@ -233,6 +235,38 @@ def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
     again = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
     assert again.generate(prompts, params, use_tqdm=False) == expected
     again.exit()
+
+
+def test_an_interrupt_reaches_a_slow_weight_generator(ckpt):
+    """update_weights reads a generator (verl's all-gather, a stuck collective) with signals
+    handled: the interrupt lands while it waits for the next tensor (it waited for the whole
+    generator), and the engine keeps serving."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    try:
+        state = list(load_reference(ckpt).state_dict().items())
+        expected = served(llm)
+
+        def slow():
+            for item in state:
+                time.sleep(2.0)
+                yield item
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        start = time.monotonic()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(KeyboardInterrupt):
+                llm.update_weights(slow())
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert time.monotonic() - start < 2.5  # not after the generator's 2 s per tensor
+        assert served(llm) == expected
+    finally:
+        llm.exit()
 
 
 # ---------------------------------------------------------------- randomized workloads

@@ -70,3 +70,11 @@ def test_what_clients_read_on_the_engine_is_the_llms(llm):
     assert engine.model_config is llm.model_config and engine.get_tokenizer() is llm.tokenizer
     assert engine.reset_prefix_cache() is True and engine.is_sleeping() is False
     assert engine.model_executor.driver_worker.model_runner.model.load_weights([]) == set()
+    prompt = make_prompts(6, 1, 10, 20)
+    before = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    engine.sleep(level=2)
+    assert engine.is_sleeping()
+    engine.wake_up(tags=["weights"])
+    assert engine.collective_rpc("reload_weights") == [None]
+    engine.wake_up()
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == before

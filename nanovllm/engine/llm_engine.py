@@ -252,18 +252,24 @@ class LLMEngine:
         if WEIGHTS in self.model_runner.sleeping:
             raise RuntimeError(f"update_weights() called while the weights sleep ({self._sleep_state()}): "
                                "call wake_up(tags=['weights']) first")
-        # An interrupt waits for the update to end on every rank: no half-updated model.
-        with worker_errors(self.workers), deferred_signals():
-            copied = False
-            try:
-                for chunk in weight_chunks(weights):
-                    self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
-                    copied = True
-                    if self.workers is not None:
-                        self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in chunk])
-            finally:  # also when a later chunk is refused: the earlier ones changed the weights
-                if copied:
-                    self.block_manager.clear_prefix_cache()
+        copied = 0  # tensors loaded by earlier chunks
+        try:
+            for chunk in weight_chunks(weights):  # a generator runs here, where an interrupt lands at once
+                # An interrupt waits for the chunk's copy to end on every rank: no half-copied chunk.
+                try:
+                    with worker_errors(self.workers), deferred_signals():
+                        self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
+                        if self.workers is not None:
+                            self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in chunk])
+                except (TypeError, ValueError) as e:
+                    if copied:
+                        raise type(e)(f"{e} (but the {copied} weight(s) of this generator's earlier chunks "
+                                      "were loaded: the model holds part of the new weights)") from None
+                    raise
+                copied += len(chunk)
+        finally:  # also when a later chunk is refused or interrupted: the earlier ones changed the weights
+            if copied:
+                self.block_manager.clear_prefix_cache()
 
     @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),

@@ -9,8 +9,9 @@ Scripts drive vLLM's engine by the caller's request ids:
             if out.finished: ...
 
 and clients read `llm.llm_engine.model_config` (lm-eval), `.model_executor` (TRL's weight sync),
-`.reset_prefix_cache()` (OpenRLHF), `.tokenizer`. Those are the LLM's own; the step API keeps
-each request's output until it finishes: `step()` returns a request once, finished (vLLM's
+`.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.sleep` / `.wake_up` / `.collective_rpc`. Those
+are the LLM's own; the step API keeps each request's output until it finishes: `step()` returns a
+request once, finished (vLLM's
 RequestOutputKind.FINAL_ONLY, which its LLM.generate uses; its engine's default, CUMULATIVE,
 also returns the unfinished ones' outputs so far, which nanovllm does not build). nano-vllm's
 step API (int ids, StepResult) stays on the LLM itself.
@@ -107,6 +108,16 @@ class VllmEngine:
 
     def is_sleeping(self) -> bool:
         return self._llm.is_sleeping()
+
+    def sleep(self, level: int = 1) -> None:
+        self._llm.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._llm.wake_up(tags)
+
+    def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
 
     # ----- vLLM's step API -----
     @one_call_at_a_time

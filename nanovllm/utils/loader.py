@@ -157,7 +157,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         name, tensor = item
         if not tensor.is_floating_point() or tensor.layout is not torch.strided:
             raise TypeError(f"update_weights: weight {name!r} must be a dense floating-point tensor, got "
-                            f"{tensor.dtype} ({tensor.layout}); nothing changed")
+                            f"{tensor.dtype} ({tensor.layout}); none of these weights was loaded")
         if tensor.is_meta:
             errors.append(f"weight {name!r} is on the meta device: it holds no data to copy")
             continue
@@ -169,7 +169,8 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         except ValueError as e:
             errors.append(str(e))
     if errors:
-        raise ValueError(f"update_weights: {len(errors)} bad weight(s), nothing changed: {'; '.join(errors[:MAX_NAMES_SHOWN])}")
+        raise ValueError(f"update_weights: {len(errors)} bad weight(s), none of these weights was loaded: "
+                         f"{'; '.join(errors[:MAX_NAMES_SHOWN])}")
     for fill in fills:
         fill.destination.copy_(fill.source)
     return len(fills)
