@@ -270,6 +270,9 @@ def test_tp2_matches_tp1_for_logprobs_n_and_updates(ckpt, other_ckpt):
         try:
             first = llm.generate(prompts, params, use_tqdm=False)
             llm.update_weights(state_b.items())
+            # the workers get bytes: the caller's CPU tensors stay where they are (a pickled tensor
+            # moved into shared memory, one open file each, and ran past ulimit -n)
+            assert not any(t.is_shared() for t in state_b.values())
             results.append((first, llm.generate(prompts, params, use_tqdm=False)))
         finally:
             llm.exit()

@@ -45,7 +45,7 @@ from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_pipeline import StepPipeline, StepResult
 from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.structured_outputs import GrammarBackend
-from nanovllm.engine.tp_workers import WorkerGroup, worker_errors
+from nanovllm.engine.tp_workers import PackedTensors, WorkerGroup, worker_errors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.loader import weight_chunks
@@ -260,7 +260,7 @@ class LLMEngine:
                     with worker_errors(self.workers), deferred_signals():
                         self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
                         if self.workers is not None:
-                            self.workers.send("update_weights", [(n, t.detach().cpu()) for n, t in chunk])
+                            self.workers.send("update_weights", PackedTensors.pack(chunk))
                 except (TypeError, ValueError) as e:
                     if copied:
                         raise type(e)(f"{e} (but the {copied} weight(s) of this generator's earlier chunks "

@@ -4,8 +4,8 @@ Rank 0 (the caller's process, which owns the scheduler) spawns the workers, and 
 ranks join one torch.distributed group (NCCL on CUDA, gloo on CPU) through a TCPStore
 on a port the OS picks, so two engines on one host never collide. Each step, rank 0
 sends the step's `StepPlan` to every worker over a multiprocessing Pipe (a local
-socket: no fixed names, no size limit), then all ranks run the same forward; the
-collectives inside the model keep them in lock-step.
+socket: no fixed names, no size limit; tensors go as bytes, PackedTensors), then all
+ranks run the same forward; the collectives inside the model keep them in lock-step.
 
     rank 0:  schedule -> send(plan) -> prepare, queue, sample (StepPipeline)
     rank k:            recv(plan)  -> run(plan): prepare, queue, sample
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import multiprocessing as mp
 import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -55,6 +57,25 @@ DEATH_CONFIRM_SECONDS = 2.0
 DEATH_POLL_SECONDS = 0.05
 # Variables that must reach workers: NVLink multicast stays off on shared hosts.
 _INHERITED_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+@dataclass(frozen=True)
+class PackedTensors:
+    """Named tensors as one byte string for the pipe (update_weights' chunks): a tensor pickled
+    onto a multiprocessing pipe is moved into shared memory, the caller's own storage when it is
+    on the CPU already, and passed as an open file descriptor per tensor, which piled up past
+    `ulimit -n` while a worker lagged. Bytes also make rank 0 wait for a worker reading them."""
+
+    data: bytes
+
+    @classmethod
+    def pack(cls, named: list[tuple[str, torch.Tensor]]) -> PackedTensors:
+        buffer = io.BytesIO()
+        torch.save([(name, tensor.detach().cpu()) for name, tensor in named], buffer)
+        return cls(buffer.getvalue())
+
+    def unpack(self) -> list[tuple[str, torch.Tensor]]:
+        return torch.load(io.BytesIO(self.data), weights_only=True)
 
 
 def _backend(config: Config) -> str:
@@ -82,7 +103,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
                 break  # rank 0 went away
             if method == "exit":
                 break
-            getattr(runner, method)(*args)
+            getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
     finally:
         runner.exit()
         dist.destroy_process_group()
