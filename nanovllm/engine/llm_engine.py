@@ -246,12 +246,7 @@ class LLMEngine:
         the memory of one chunk, not of a model copy), so a refusal leaves earlier chunks in. The prefix
         cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
         keep their storage)."""
-        self._check_open()
-        if not self.is_finished():
-            raise RuntimeError("update_weights() called while requests are pending; finish or abort them first")
-        if WEIGHTS in self.model_runner.sleeping:
-            raise RuntimeError(f"update_weights() called while the weights sleep ({self._sleep_state()}): "
-                               "call wake_up(tags=['weights']) first")
+        self._check_weights_can_change("update_weights()")
         copied = 0  # tensors loaded by earlier chunks
         try:
             for chunk in weight_chunks(weights):  # a generator runs here, where an interrupt lands at once
@@ -271,6 +266,16 @@ class LLMEngine:
             if copied:
                 self.block_manager.clear_prefix_cache()
 
+    def _check_weights_can_change(self, call: str) -> None:
+        """RuntimeError naming `call` unless the weights may be written now: the engine open, no
+        request pending (its KV belongs to the old weights), the weights awake."""
+        self._check_open()
+        if not self.is_finished():
+            raise RuntimeError(f"{call} called while requests are pending; finish or abort them first")
+        if WEIGHTS in self.model_runner.sleeping:
+            raise RuntimeError(f"{call} called while the weights sleep ({self._sleep_state()}): "
+                               "call wake_up(tags=['weights']) first")
+
     @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -285,11 +290,7 @@ class LLMEngine:
         if args or kwargs:
             raise ValueError(f"collective_rpc({RELOAD_WEIGHTS!r}) takes no arguments here (the model directory's "
                              f"checkpoint is reloaded), got args={args!r}, kwargs={kwargs!r}")
-        if not self.is_finished():
-            raise RuntimeError(f"collective_rpc({RELOAD_WEIGHTS!r}) called while requests are pending")
-        if WEIGHTS in self.model_runner.sleeping:
-            raise RuntimeError(f"collective_rpc({RELOAD_WEIGHTS!r}) called while the weights sleep "
-                               f"({self._sleep_state()}): call wake_up(tags=['weights']) first")
+        self._check_weights_can_change(f"collective_rpc({RELOAD_WEIGHTS!r})")
         self._on_every_rank(RELOAD_WEIGHTS)
         self.block_manager.clear_prefix_cache()
         return [None] * self.config.tensor_parallel_size

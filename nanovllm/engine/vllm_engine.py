@@ -157,8 +157,9 @@ class VllmEngine:
     def has_unfinished_requests(self) -> bool:
         return not self._llm.is_finished()
 
+    @one_call_at_a_time
     def get_num_unfinished_requests(self) -> int:
-        self._llm.is_finished()  # refuses an exited engine
+        self._llm._check_open()
         return len(self._llm.scheduler.requests)
 
     @one_call_at_a_time

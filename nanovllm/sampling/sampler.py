@@ -250,10 +250,9 @@ class Sampler(torch.nn.Module):
         mode = self.logprobs_mode
         scored_logits = processed_logits(ruled, batch, tokens, self.threshold) if mode.processed else logits
         scored: RowLogprobs = self.token_logprobs(scored_logits, tokens, batch.logprobs.k, rows)
-        if mode.logits:  # the same ranks and top tokens, their logits reported
-            values = scored_logits.index_select(0, rows).to(torch.float32)  # [R, V]
-            scored = RowLogprobs(values.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1),
-                                 scored.ranks, scored.top_ids, values.gather(1, scored.top_ids))
+        if mode.logits:  # the same ranks and top tokens, their logits reported (read where they are)
+            scored = RowLogprobs(scored_logits[rows, tokens[rows]].float(), scored.ranks, scored.top_ids,  # [R]
+                                 scored_logits[rows.unsqueeze(1), scored.top_ids].float())  # [R, k]
         return SamplerOutput(tokens, TokenLogprobs(rows, *scored))
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
