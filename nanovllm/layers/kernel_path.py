@@ -22,8 +22,7 @@ Each threshold's evidence (H200, BENCHMARKS.md) is at its field. An A/B run pass
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import get_args, get_type_hints
@@ -31,6 +30,7 @@ from typing import get_args, get_type_hints
 import torch
 
 from nanovllm.utils.ints import cdiv
+from nanovllm.utils.scoped import scoped
 from nanovllm.utils.validation import check_int
 
 
@@ -117,14 +117,9 @@ OPTIONAL_ROUTES = frozenset(name for name, hint in get_type_hints(KernelRoutes).
 _ROUTES: ContextVar[KernelRoutes] = ContextVar("kernel_routes", default=KernelRoutes())
 
 
-@contextmanager
-def kernel_routes(routes: KernelRoutes) -> Iterator[None]:
+def kernel_routes(routes: KernelRoutes) -> AbstractContextManager[KernelRoutes]:
     """Layers constructed inside this block take `routes` (reset on exit, also on exceptions)."""
-    token = _ROUTES.set(routes)
-    try:
-        yield
-    finally:
-        _ROUTES.reset(token)
+    return scoped(_ROUTES, routes)
 
 
 def current_routes() -> KernelRoutes:

@@ -42,14 +42,14 @@ expressions matched from the name's start (compressed-tensors' rule).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD
+from nanovllm.utils.scoped import scoped
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The values LLM(quantization=...) takes.
@@ -230,14 +230,9 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
 _QUANT: ContextVar[QuantConfig | None] = ContextVar("quantization", default=None)
 
 
-@contextmanager
-def quantization(config: QuantConfig | None) -> Iterator[None]:
+def quantization(config: QuantConfig | None) -> AbstractContextManager[QuantConfig | None]:
     """Layers constructed inside this block take their formats from `config` (reset on exit)."""
-    token = _QUANT.set(config)
-    try:
-        yield
-    finally:
-        _QUANT.reset(token)
+    return scoped(_QUANT, config)
 
 
 def layer_format(names: tuple[str, ...] | None) -> Fp8Format | None:

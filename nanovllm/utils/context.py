@@ -7,12 +7,13 @@ exceptions, so metadata can never leak from one step into the next.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.utils.scoped import scoped
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,9 @@ _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.Context
 )
 
 
-@contextlib.contextmanager
-def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    token = _current.set(meta)
-    try:
-        yield meta
-    finally:
-        _current.reset(token)
+def attention_context(meta: AttentionMetadata) -> AbstractContextManager[AttentionMetadata]:
+    """The forward run inside this block reads `meta` (get_attention_metadata); reset on exit."""
+    return scoped(_current, meta)
 
 
 def get_attention_metadata() -> AttentionMetadata:

@@ -10,11 +10,11 @@ run on the default process group, which tp_workers.WorkerGroup sets up for the e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from nanovllm.utils.scoped import scoped
 from nanovllm.utils.validation import check_int
 
 
@@ -33,14 +33,9 @@ class TensorParallel:
 _LAYOUT: ContextVar[TensorParallel] = ContextVar("tensor_parallel", default=TensorParallel(0, 1))
 
 
-@contextmanager
-def tensor_parallel(layout: TensorParallel) -> Iterator[None]:
+def tensor_parallel(layout: TensorParallel) -> AbstractContextManager[TensorParallel]:
     """Layers constructed inside this block hold `layout`'s part (reset on exit, also on exceptions)."""
-    token = _LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
+    return scoped(_LAYOUT, layout)
 
 
 def tp_rank() -> int:
