@@ -78,3 +78,16 @@ def test_what_clients_read_on_the_engine_is_the_llms(llm):
     assert engine.collective_rpc("reload_weights") == [None]
     engine.wake_up()
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == before
+
+
+def test_requests_ended_through_the_llms_own_api_leave_no_ids_behind(llm):
+    """abort_all (what generate's interrupt handler calls) ends requests the engine API never sees
+    end: their ids are forgotten once nothing is pending, and may be given again."""
+    engine = llm.llm_engine
+    for name in ("x", "y"):
+        engine.add_request(name, [1, 2, 3], GREEDY)
+    llm.abort_all()
+    assert not engine.has_unfinished_requests()
+    engine.add_request("x", [4, 5], GREEDY)
+    assert (engine._ids, engine._names) == ({max(engine._ids): "x"}, {"x": max(engine._ids)})
+    assert list(run_to_completion(engine)) == ["x"] and engine._ids == {} and engine._names == {}

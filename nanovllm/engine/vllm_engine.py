@@ -78,7 +78,8 @@ class WeightSyncPath:
 
 class VllmEngine:
     """vLLM's LLMEngine API of one LLM (module docstring). Invariant: `_ids` maps the engine id of
-    every pending request added here to its caller's id, `_names` the other way."""
+    every pending request added here to its caller's id, `_names` the other way; they may also hold
+    requests ended through the LLM's own API until nothing is pending (_forget_ended)."""
 
     def __init__(self, llm: LLMEngine):
         self._llm = llm
@@ -129,7 +130,8 @@ class VllmEngine:
         scheduling); `tokenization_kwargs` None."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (vLLM's engine API), got {request_id!r}")
-        if self._names.get(request_id) in self._llm.scheduler.requests:  # (an abort_all may have dropped it)
+        self._forget_ended()
+        if self._names.get(request_id) in self._llm.scheduler.requests:  # (its own abort_request may have ended it)
             raise ValueError(f"request_id {request_id!r} is already pending")
         check_no_lora(lora_request)
         if priority != 0:
@@ -153,6 +155,13 @@ class VllmEngine:
                 out = dataclasses.replace(out, request_id=name)
             outputs.append(out)
         return outputs
+
+    def _forget_ended(self) -> None:
+        """With nothing pending, no id is: drop entries of requests that ended through the LLM's own
+        API (abort_all, abort_request by engine id), which this object never saw end."""
+        if not self._llm.scheduler.requests:
+            self._ids.clear()
+            self._names.clear()
 
     def has_unfinished_requests(self) -> bool:
         return not self._llm.is_finished()
