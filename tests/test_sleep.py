@@ -7,6 +7,8 @@ checked against transformers' greedy tokens (tests/checkpoints.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -217,3 +219,24 @@ def test_tp2_sleep_and_wake_up_reach_every_rank(ckpt, awake_tokens, hf_state):
     assert calls[:2] == awake_tokens[:2]
     # the zero model's step drew one key per row from the unseeded RNG: compare the other rows
     assert [row for i, row in enumerate(calls[2]) if i != 2] == [row for i, row in enumerate(awake_tokens[2]) if i != 2]
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; CI runs there)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_waking_the_kv_cache_on_cpu_touches_none_of_it(ckpt, awake_tokens):
+    """The KV cache comes back as start-up allocates it, unfilled: its host pages stay unallocated
+    until blocks are used (a zero-fill made every page resident: ~2 GiB at the default block count)."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=16384)
+    kv_bytes = llm.model_runner.kv_cache.nbytes
+    assert kv_bytes >= 256 * 2**20  # big enough that a fill would show
+    llm.sleep(level=1)
+    before = _resident_bytes()
+    llm.wake_up()
+    assert _resident_bytes() - before < kv_bytes // 4
+    assert tokens(llm)[0] == awake_tokens[0][0]  # the greedy row, as an engine that never slept
+    llm.exit()

@@ -383,7 +383,7 @@ class ModelRunner:
         if level == SleepLevel.OFFLOAD_WEIGHTS:
             kept, weights = kept + weights, []
         self.sleeping = {WEIGHTS: FreedStorages(kept, weights, self.device),
-                         KV_CACHE: FreedStorages([], [self.kv_cache], self.device)}
+                         KV_CACHE: FreedStorages([], [self.kv_cache], self.device, zero_dropped=False)}
         self.graphs = self.varlen_graphs = None
         self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot
         if self.device.type == "cuda":

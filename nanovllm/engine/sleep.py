@@ -80,12 +80,16 @@ class FreedStorages:
 
     Invariants: while asleep each storage holds zero bytes and the device memory is the
     allocator's (the caller empties its cache); after `restore` each holds its former size at
-    a new address, with its former bytes (`kept` tensors) or zeros (`dropped` ones). A storage
+    a new address, with its former bytes (`kept` tensors) or zeros (`dropped` ones; undefined bytes
+    with zero_dropped=False, as a fresh torch.empty has: the KV cache, which nothing reads before it
+    is written, and whose host pages then stay unallocated until used, as at start-up). A storage
     under both a kept and a dropped tensor is kept. `restore` runs once."""
 
     @torch.no_grad()
-    def __init__(self, kept: Iterable[torch.Tensor], dropped: Iterable[torch.Tensor], device: torch.device):
+    def __init__(self, kept: Iterable[torch.Tensor], dropped: Iterable[torch.Tensor], device: torch.device,
+                 zero_dropped: bool = True):
         self.device = device
+        self.zero_dropped = zero_dropped
         pinned = device.type == "cuda"
         keep = _distinct_storages(kept)
         drop = {p: s for p, s in _distinct_storages(dropped).items() if p not in keep}
@@ -108,11 +112,12 @@ class FreedStorages:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Reallocate every storage at its size and fill it (former bytes or zeros)."""
+        """Reallocate every storage at its size and fill it (former bytes, or zeros unless zero_dropped=False)."""
         for s, nbytes, host in self._entries:
             s.resize_(nbytes)
             if host is None:
-                _storage_bytes(s).zero_()
+                if self.zero_dropped:
+                    _storage_bytes(s).zero_()
             else:
                 _storage_bytes(s).copy_(host, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
