@@ -70,13 +70,14 @@ class ServedModel:
     tokenizer: str
     max_model_len: int
     dtype: torch.dtype
+    hf_overrides: dict | None = field(default=None, compare=False)
 
     @functools.cached_property
     def hf_config(self) -> PretrainedConfig:
-        """transformers' reading of the checkpoint's config.json (read on first use)."""
+        """transformers' reading of the checkpoint's config.json, hf_overrides applied (read on first use)."""
         from transformers import AutoConfig  # transformers loads on first use, not with nanovllm
 
-        return AutoConfig.from_pretrained(self.model)
+        return AutoConfig.from_pretrained(self.model, **(self.hf_overrides or {}))
 
     @property
     def hf_text_config(self) -> PretrainedConfig:
@@ -98,7 +99,8 @@ class Config:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     # The longest sequence (prompt + output) served. None: DEFAULT_MAX_MODEL_LEN, or the model's
-    # max_position_embeddings where that is smaller; a value above it is a ValueError (as in vLLM).
+    # positions where fewer (max_position_embeddings, as its RoPE scaling extends it: ModelConfig.max_positions);
+    # a value above them is a ValueError (as in vLLM).
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -141,6 +143,10 @@ class Config:
     # What sample logprobs report (vLLM's option and names): "raw_logprobs", "raw_logits",
     # "processed_logprobs" or "processed_logits" (sampling/logprobs_mode.py).
     logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS
+    # config.json keys replaced before it is read (vLLM's option, a dict; a shallow update), e.g.
+    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    # Qwen3's documented setting for contexts past 32,768 tokens.
+    hf_overrides: dict | None = None
     # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -171,6 +177,10 @@ class Config:
             )
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.hf_overrides is not None and (
+                not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides)):
+            raise TypeError(f"hf_overrides must be a dict of config.json keys (nanovllm reads config.json itself, so "
+                            f"a function over transformers' config is not taken), got {self.hf_overrides!r}")
         if self.seed is None:
             self.seed = secrets.randbelow(SEED_LIMIT)
         check_seed("seed", self.seed)
@@ -213,16 +223,18 @@ class Config:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
 
-        self.model_config = ModelConfig.from_pretrained(self.model)
+        self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
         self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
                                                  os.path.join(self.model, "config.json"))
-        positions = self.model_config.max_position_embeddings
+        positions = self.model_config.max_positions
         if self.max_model_len is None:
             self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions)
         elif self.max_model_len > positions:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{positions} ({os.path.join(self.model, 'config.json')}): pass max_model_len <= "
-                             f"{positions}, or None for min({DEFAULT_MAX_MODEL_LEN}, {positions})")
+            scaled = "" if self.model_config.rope_scaling is None else " with its RoPE scaling"
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the {positions} positions the model serves"
+                             f"{scaled} ({os.path.join(self.model, 'config.json')}'s max_position_embeddings="
+                             f"{self.model_config.max_position_embeddings}): pass max_model_len <= {positions}, or "
+                             f"None for min({DEFAULT_MAX_MODEL_LEN}, {positions})")
         self.model_config.check_tensor_parallel(self.tensor_parallel_size)
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(

@@ -17,7 +17,8 @@ from checkpoints import (
     rewrite_config, rewrite_config_published,
 )
 from nanovllm import SamplingParams
-from nanovllm.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
+from nanovllm.layers.rope_scaling import Llama3RopeScaling
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.models.registry import SUPPORTED_ARCHITECTURES, build_model, model_class
 
@@ -199,7 +200,7 @@ BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
      "missing factor"),
     ({"rope_scaling": {**BASE["rope_scaling"], "low_freq_factor": 4.0}}, "low_freq_factor=4.0, high_freq_factor=4.0"),
@@ -277,4 +278,4 @@ def test_llama3_scaling_formula_by_hand():
         inv_freq[3] / 8,  # at L / low (s = 0): divided
         inv_freq[4] / 8,  # long: divided
     ])
-    torch.testing.assert_close(scaling.scale(inv_freq), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(scaling.scale(inv_freq, 500000.0), expected, rtol=1e-12, atol=0)

@@ -331,7 +331,7 @@ class LLMEngine:
     def model_config(self) -> ServedModel:
         """vLLM's `llm_engine.model_config`: the served model's directories, max_model_len and dtype."""
         cfg = self.config
-        return ServedModel(cfg.model, cfg.tokenizer, cfg.max_model_len, cfg.torch_dtype)
+        return ServedModel(cfg.model, cfg.tokenizer, cfg.max_model_len, cfg.torch_dtype, cfg.hf_overrides)
 
     @one_call_at_a_time
     def is_sleeping(self) -> bool:

@@ -89,7 +89,7 @@ class DecoderModel(nn.Module):
         """build_mlp(layer index) -> that layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList([DecoderLayer(cfg, traits, rotary_emb, build_mlp(i), layer_prefix(i))
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.layers.rotary_embedding import Llama3RopeScaling
+from nanovllm.layers.rope_scaling import RopeScaling, parse_rope_scaling
 
 # architecture name (= class name) -> module defining it
 MODEL_MODULES = {
@@ -54,9 +54,6 @@ def resolve_architecture(architectures: object, source: str) -> str:
 
 # config.json dtype names -> torch dtypes (also the names LLM(dtype=...) accepts).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Rope variants that are plain neox RoPE with a theta (no scaling of positions).
-_PLAIN_ROPE_TYPES = (None, "default")
-_LLAMA3_ROPE_TYPE = "llama3"
 # The MLP activation every supported family uses (SwiGLU's gate).
 _HIDDEN_ACT = "silu"
 # transformers' default theta when a config names none.
@@ -109,8 +106,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None  # None: plain RoPE
-    max_position_embeddings: int
+    rope_scaling: RopeScaling | None  # None: plain RoPE
+    max_position_embeddings: int  # config.json's (max_positions: with the scaling's)
     tie_word_embeddings: bool
     attention_bias: bool  # config.json's key (a family may fix its biases regardless: models/qwen2.py)
     mlp_bias: bool
@@ -121,6 +118,14 @@ class ModelConfig:
     # quantization/config.resolve_quantization at LLM(...).
     quantization_config: dict | None = field(default=None, compare=False)
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the model serves: max_position_embeddings, or what its RoPE scaling extends it to
+        (vLLM's derived maximum length: layers/rope_scaling.py)."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return self.rope_scaling.max_positions(self.max_position_embeddings)
+
     def sparse_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose MLP routes to experts (none for a dense model)."""
         if self.moe is None:
@@ -128,12 +133,17 @@ class ModelConfig:
         return tuple(i for i in range(self.num_hidden_layers) if self.moe.is_sparse(i))
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "ModelConfig":
+        """The model directory's config.json, its keys replaced by `overrides` where given (vLLM's
+        hf_overrides)."""
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {path!r} has no config.json")
         with open(config_path) as f:
             raw = json.load(f)
+        if overrides:
+            raw.update(overrides)
+            config_path += f" with hf_overrides {sorted(overrides)}"
         return cls.from_dict(raw, source=config_path)
 
     @classmethod
@@ -154,7 +164,6 @@ class ModelConfig:
         if "original_max_position_embeddings" in raw:
             rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         positions = int(raw.get("max_position_embeddings", _DEFAULT_POSITIONS_OF.get(architecture, _DEFAULT_POSITIONS)))
-        rope.setdefault("original_max_position_embeddings", positions)
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -176,7 +185,7 @@ class ModelConfig:
                 head_dim=_head_dim(raw, hidden, heads, source),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
-                rope_scaling=_rope_scaling(rope, source),
+                rope_scaling=parse_rope_scaling(rope, positions, source),
                 max_position_embeddings=positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
@@ -236,24 +245,3 @@ def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:
         raise ValueError(f"{source}: no head_dim, and hidden_size={hidden} is not a multiple of "
                          f"num_attention_heads={heads}")
     return hidden // heads
-
-
-def _rope_scaling(rope: dict, source: str) -> Llama3RopeScaling | None:
-    """The RoPE scaling of a rope_parameters / rope_scaling dict: None for plain RoPE."""
-    rope_type = rope.get("rope_type", rope.get("type"))  # "type": configs before transformers 4.45
-    if rope_type in _PLAIN_ROPE_TYPES:
-        return None
-    if rope_type != _LLAMA3_ROPE_TYPE:
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (plain RoPE or {_LLAMA3_ROPE_TYPE!r})")
-    keys = ("factor", "low_freq_factor", "high_freq_factor")
-    missing = [k for k in keys if k not in rope]
-    if missing:
-        raise ValueError(f"{source}: {_LLAMA3_ROPE_TYPE} rope scaling is missing {', '.join(missing)}")
-    try:
-        return Llama3RopeScaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
