@@ -237,6 +237,42 @@ def test_keyboard_interrupt_mid_run_then_generate_again(ckpt):
     again.exit()
 
 
+def test_an_interrupt_inside_a_step_api_step_drops_the_pending_requests(ckpt):
+    """Ctrl-C landing inside llm_engine.step() (vLLM's step loop): the pending requests are dropped
+    and the engine serves the next ones. Before, the step's sequences stayed booked for tokens that
+    never came: every later step raised a ValueError from its inputs until each request was aborted."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = llm.generate([[5] * 12], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def interrupt_inside_a_step(signum, frame):
+        while frame is not None:
+            if frame.f_code.co_filename.endswith("step_pipeline.py"):
+                raise KeyboardInterrupt
+            frame = frame.f_back
+        signal.setitimer(signal.ITIMER_REAL, 0.001)  # between steps: try again in a moment
+
+    for i in range(8):
+        engine.add_request(f"r{i}", [i + 1] * (10 + i), params)
+    previous = signal.signal(signal.SIGALRM, interrupt_inside_a_step)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == 64
+    engine.add_request("r0", [5] * 12, params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert [(o.request_id, o.outputs[0].token_ids) for o in done] == [("r0", expected)]
+    llm.exit()
+
+
 def test_an_interrupt_reaches_a_slow_weight_generator(ckpt):
     """update_weights reads a generator (verl's all-gather, a stuck collective) with signals
     handled: the interrupt lands while it waits for the next tensor (it waited for the whole

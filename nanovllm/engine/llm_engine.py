@@ -188,11 +188,18 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Complete one step and return what it finished. With overlap scheduling, the
         next step is queued on the device before this one's tokens are read. Nothing pending:
-        an empty result, no work. The steps themselves: engine/step_pipeline.py."""
+        an empty result, no work. An exception or interrupt inside the step drops every pending
+        request (abort_all) and is raised. The steps themselves: engine/step_pipeline.py."""
         self._check_open()
         if self.is_finished():
             return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
-        result = self.pipeline.step()
+        try:
+            result = self.pipeline.step()
+        except BaseException:
+            # A step cut short (Ctrl-C, an error) leaves its sequences booked for tokens that never
+            # come: every pending request is dropped, so the engine serves the next ones.
+            self.abort_all()
+            raise
         self._drop_steps_of_no_request()
         return result
 
