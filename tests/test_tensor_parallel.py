@@ -90,6 +90,44 @@ def test_killed_worker_raises_instead_of_hanging(ckpt):
     assert not mp.active_children()
 
 
+def test_killed_worker_is_named_once(ckpt):
+    """The error of a call after a worker died names it once (it was wrapped twice: 'died ...: died ...')."""
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    os.kill(llm.workers.procs[0].pid, signal.SIGKILL)
+    llm.workers.procs[0].join()
+    with pytest.raises(RuntimeError) as caught:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert str(caught.value).count("died") == 1, str(caught.value)
+    llm.exit()
+
+
+def test_an_error_on_rank_0_after_the_workers_were_sent_a_call_is_never_served_past(ckpt):
+    """rank 0 failing inside its part of a call the workers were sent (an out-of-memory error in
+    its forward, say) leaves the workers inside that call's collectives: the next call's would pair
+    with them and give wrong tokens without an error. The group is marked out of step instead:
+    every later call refuses, naming the error, and exit() does not wait for the stuck workers."""
+    from nanovllm.engine.tp_workers import PackedTensors, worker_errors
+
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    with pytest.raises(ValueError, match="rank 0's part failed"), worker_errors(llm.workers):
+        llm.workers.send("update_weights", PackedTensors.pack([]))  # a real call, then rank 0 fails
+        raise ValueError("rank 0's part failed")
+    message = r"ranks are out of step \(rank 0 failed after the workers were sent their part: ValueError: rank 0"
+    with pytest.raises(RuntimeError, match=message):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match=message):
+        llm.sleep()
+    start = time.monotonic()
+    llm.exit()
+    assert time.monotonic() - start < 5 and not mp.active_children()
+    # an error raised before anything was sent leaves the group in step
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    with pytest.raises(ValueError), worker_errors(llm.workers):
+        raise ValueError("refused before the send")
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.exit()
+
+
 _SIDE_SCRIPT = """
 import sys
 from nanovllm import LLM, SamplingParams

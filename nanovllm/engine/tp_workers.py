@@ -20,7 +20,10 @@ decides what an interrupt does, and finishes the step it has sent before raising
 
 A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
-collective makes gloo fail on rank 0 (NCCL: after the group's timeout).
+collective makes gloo fail on rank 0 (NCCL: after the group's timeout). An error on rank 0
+after the workers were sent a call (worker_errors) leaves them inside its collectives, which
+the next call's would be paired with (wrong tokens, no error): the group is marked out of step
+and every later call refuses, naming the error; exit() stops the workers without waiting.
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
         dist.destroy_process_group()
 
 
+class WorkerDied(RuntimeError):
+    """A worker process is gone, or the group is out of step (WorkerGroup.check_alive)."""
+
+
 class WorkerGroup:
     def __init__(self, config: Config):
         if dist.is_initialized():
@@ -120,6 +127,9 @@ class WorkerGroup:
         # close() ran: a second call (exit(), then the engine's finalizer when it is collected) must
         # not destroy the process group of an engine built since.
         self.closed = False
+        self.sends = 0  # calls sent to the workers (worker_errors: did a failed block send one?)
+        # Why the ranks no longer run the same call (set by worker_errors); None while they do.
+        self.out_of_step: str | None = None
         for key, value in _INHERITED_ENV.items():
             os.environ.setdefault(key, value)
         ctx = mp.get_context("spawn")
@@ -174,9 +184,13 @@ class WorkerGroup:
         return None
 
     def check_alive(self) -> None:
+        """WorkerDied unless every worker is alive and in step with rank 0."""
+        if self.out_of_step is not None:
+            raise WorkerDied(f"the tensor-parallel ranks are out of step ({self.out_of_step}): exit() this LLM and "
+                             "create a new one")
         death = self._death()
         if death is not None:
-            raise RuntimeError(death)
+            raise WorkerDied(death)
 
     def dead_worker_error(self, cause: BaseException) -> RuntimeError | None:
         """After a failed collective: a clear error naming a worker that died, if one did."""
@@ -184,18 +198,19 @@ class WorkerGroup:
         while time.monotonic() < deadline:
             death = self._death()
             if death is not None:
-                return RuntimeError(f"{death}: {cause}")
+                return WorkerDied(f"{death}: {cause}")
             time.sleep(DEATH_POLL_SECONDS)
         return None
 
     def send(self, method: str, *args) -> None:
         """Ask every worker to call ModelRunner.<method>(*args)."""
         self.check_alive()
+        self.sends += 1
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
-                raise RuntimeError(f"tensor-parallel worker rank {rank} is gone: {e}") from None
+                raise WorkerDied(f"tensor-parallel worker rank {rank} is gone: {e}") from None
 
     def _stop_processes(self) -> None:
         for conn in self.conns:
@@ -204,7 +219,7 @@ class WorkerGroup:
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 pass
         for proc in self.procs:
-            proc.join(EXIT_JOIN_SECONDS)
+            proc.join(0 if self.out_of_step is not None else EXIT_JOIN_SECONDS)  # out of step: stuck in a collective
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
@@ -228,10 +243,22 @@ class WorkerGroup:
 
 @contextlib.contextmanager
 def worker_errors(workers: WorkerGroup | None) -> Iterator[None]:
-    """A collective that fails because a tensor-parallel worker died names that worker."""
+    """Around a block that sends the workers a call and runs rank 0's part of it: a collective
+    that fails because a worker died names that worker; any other error after the send (rank 0's
+    part cut short) marks the group out of step. An interrupt is no such error: the blocks hold
+    signals back until rank 0's part is done (deferred_signals)."""
+    if workers is None:
+        yield
+        return
+    sends = workers.sends
     try:
         yield
-    except RuntimeError as e:
-        if workers is None:
-            raise
-        raise (workers.dead_worker_error(e) or e) from e
+    except WorkerDied:
+        raise
+    except BaseException as e:
+        death = workers.dead_worker_error(e) if isinstance(e, RuntimeError) else None
+        if death is not None:
+            raise death from e
+        if workers.sends != sends and not isinstance(e, KeyboardInterrupt):
+            workers.out_of_step = f"rank 0 failed after the workers were sent their part: {type(e).__name__}: {e}"
+        raise
