@@ -12,6 +12,9 @@ gave them, the forward whose metadata says `calibrate_kv_scales` (the first pref
 start-up) sets them from its own K/V before they are written (`calibrate`):
 
     scale = max(amax(|x|) / FP8_MAX * KV_SCALE_HEADROOM, KV_MIN_SCALE)     x: the step's K (V), all heads
+
+(all of this rank's KV heads: under tensor parallelism each rank calibrates its own, as vLLM does,
+so the tokens of a tp=2 engine may differ from one rank's; scales from the checkpoint are shared.)
 """
 
 from __future__ import annotations
