@@ -56,14 +56,57 @@ from nanovllm.models.model_config import ModelConfig
 from nanovllm.moe.layer import MoeExperts
 
 # ----- command line -----
+# The flags only some runs read (the model's, the engine's and --json serve every run), by run:
+# parse_args refuses a flag the chosen run would ignore. --ttft's prompts are random ids from --seed.
+THROUGHPUT_FLAGS = ("workload", *Workload.__dataclass_fields__, "top_k", "top_p", "repetition_penalty",
+                    "frequency_penalty", "presence_penalty", "logprobs", "compare_hf")
+THROUGHPUT_RUN = "the throughput run (no --latency, --ttft or --compare-hf)"
+RUN_FLAGS = {
+    THROUGHPUT_RUN: THROUGHPUT_FLAGS,
+    "--compare-hf": (*THROUGHPUT_FLAGS, "hf_num_seqs", "hf_batch_size"),
+    "--latency": ("latency_batch_sizes", "latency_context", "latency_steps"),
+    "--ttft": ("ttft_sizes", "seed"),
+}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: one or more positive integers, comma-separated ('1,8,32')."""
+    try:
+        return tuple(positive_int(part) for part in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive integers, comma-separated (as 1,8,32)") from None
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def run_of(args: argparse.Namespace) -> str:
+    """The RUN_FLAGS key of the run `args` ask for."""
+    if args.latency or args.ttft:
+        return "--latency" if args.latency else "--ttft"
+    return "--compare-hf" if args.compare_hf else THROUGHPUT_RUN
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(ap)
     ap.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
                     help="preset for the workload flags below (an explicit flag wins)")
     for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
-        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(WORKLOADS["default"], name),
-                        help="default: from --workload")
+        ap.add_argument(flag(name), dest=name, type=int if name == "seed" else positive_int,
+                        default=getattr(WORKLOADS["default"], name), help="default: from --workload")
     ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                     help="score the prompts: every request asks prompt_logprobs=K, greedy (default: from --workload; "
                          "score: 0)")
@@ -74,38 +117,45 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="the workload's (0: off), nanovllm only")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
                     help="each request asks SamplingParams(logprobs=K) (default: none asked), nanovllm only")
-    ap.add_argument("--max-model-len", type=int, default=None,
+    ap.add_argument("--max-model-len", type=positive_int, default=None,
                     help="default: the engine's (4096, or the model's positions when fewer)")
-    ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=Config.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=Config.max_num_batched_tokens)
+    ap.add_argument("--tp", type=positive_int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     add_format_options(ap)
     ap.add_argument("--kernel-routes", default="", metavar="FIELD=N,...",
                     help=f"LLM(kernel_routes=KernelRoutes(...)): the row counts at which layers switch kernels; "
                          f"fields {', '.join(ROUTE_FIELDS)}; the rest at their defaults")
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (fresh engines both)")
-    ap.add_argument("--hf-num-seqs", type=int, default=64, help="prompts given to both sides (a prefix of the workload)")
-    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-num-seqs", type=positive_int, default=64,
+                    help="prompts given to both sides (a prefix of the workload)")
+    ap.add_argument("--hf-batch-size", type=positive_int, default=64)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--latency", action="store_true", help="decode ms/token instead of throughput")
     mode.add_argument("--ttft", action="store_true", help="time to first token of one request on an idle engine")
-    ap.add_argument("--latency-batch-sizes", default="1,8,32")
-    ap.add_argument("--latency-context", type=int, default=1024)
-    ap.add_argument("--latency-steps", type=int, default=128)
-    ap.add_argument("--ttft-sizes", default="128,1000", help="prompt lengths, comma-separated")
+    ap.add_argument("--latency-batch-sizes", type=positive_ints, default=(1, 8, 32), help="default: 1,8,32")
+    ap.add_argument("--latency-context", type=positive_int, default=1024)
+    ap.add_argument("--latency-steps", type=positive_int, default=128)
+    ap.add_argument("--ttft-sizes", type=positive_ints, default=(128, 1000),
+                    help="prompt lengths, comma-separated (default: 128,1000)")
     ap.add_argument("--json", help="write the results here (the report's rows under \"report\")")
     return ap
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse twice: first to learn --workload, then with that preset as the defaults. Sampling and
-    kernel routes are checked here, before any engine starts."""
+    """Parse twice: first to learn --workload, then with that preset as the defaults. Every value (counts
+    positive, min <= max, sampling, kernel routes) and every combination of flags is checked here, before
+    any engine starts: a flag the chosen run would ignore (RUN_FLAGS) is refused."""
     ap = build_parser()
     known, _ = ap.parse_known_args(argv)
     preset = WORKLOADS[known.workload]
     ap.set_defaults(**{name: getattr(preset, name) for name in Workload.__dataclass_fields__})
     args = ap.parse_args(argv)
+    for name in ("input", "output"):
+        low, high = getattr(args, "min_" + name), getattr(args, "max_" + name)
+        if low > high:
+            ap.error(f"--min-{name} {low} is above --max-{name} {high}")
     try:
         args.sampling = WorkloadSampling(args.top_k, args.top_p, args.repetition_penalty, args.frequency_penalty,
                                          args.presence_penalty, args.logprobs)
@@ -120,6 +170,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.compare_hf and not args.sampling.transformers_can_run:
         ap.error("--compare-hf cannot run --frequency-penalty / --presence-penalty (transformers' generate has "
                  "neither) or --logprobs (its run asks none)")
+    run = run_of(args)
+    ignored = [flag(d) for d in sorted(set().union(*RUN_FLAGS.values()) - set(RUN_FLAGS[run]))
+               if getattr(args, d) != ap.get_default(d)]
+    if ignored:
+        ap.error(f"{run} ignores {', '.join(ignored)} (it reads {', '.join(map(flag, RUN_FLAGS[run]))} besides the "
+                 f"model's and the engine's flags)")
     return args
 
 
@@ -235,12 +291,12 @@ def main() -> None:
             ("KV cache", f"{args.kv_cache_dtype}: {llm.config.kv_cache_torch_dtype}, {llm.num_kvcache_blocks} blocks"),
             ("startup (load, warm-up, graphs)", f"{startup_s:.1f} s")]
     if args.latency:
-        bss = [int(b) for b in args.latency_batch_sizes.split(",")]
-        res["decode_ms_per_token"] = latency(llm, bss, args.latency_context, args.latency_steps)
+        res["decode_ms_per_token"] = latency(llm, list(args.latency_batch_sizes), args.latency_context,
+                                             args.latency_steps)
         rows += latency_rows(res["decode_ms_per_token"], args.latency_context)
     elif args.ttft:
         before = probe_before(llm)
-        times = measure_ttft(llm, [int(s) for s in args.ttft_sizes.split(",")], args.seed)
+        times = measure_ttft(llm, list(args.ttft_sizes), args.seed)
         rows += ttft_rows(times, llm.config.model_config, DeviceLimits.best_of([before, probe(llm)], args.tp), res)
     else:
         more, llm = throughput(args, llm, kwargs, res, decode_weights)

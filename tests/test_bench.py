@@ -11,6 +11,7 @@ model module built on the meta device.
 import ast
 import os
 import random
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -558,3 +559,78 @@ def test_sampling_flags_are_checked_when_parsed(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, words", [
+    # counts below 1: an empty workload, empty prompts, no output token, no step to time
+    ("--num-seqs 0", "argument --num-seqs: '0' is not a positive integer"),
+    ("--min-input 0 --max-input 0", "argument --min-input: '0' is not a positive integer"),
+    ("--min-output -3", "argument --min-output: '-3' is not a positive integer"),
+    ("--max-output 0", "argument --max-output: '0' is not a positive integer"),
+    ("--compare-hf --hf-num-seqs 0", "argument --hf-num-seqs: '0' is not a positive integer"),
+    ("--compare-hf --hf-batch-size 0", "argument --hf-batch-size: '0' is not a positive integer"),
+    ("--latency --latency-steps 0", "argument --latency-steps: '0' is not a positive integer"),
+    ("--latency --latency-context 0", "argument --latency-context: '0' is not a positive integer"),
+    ("--tp 0", "argument --tp: '0' is not a positive integer"),
+    ("--max-num-seqs 0", "argument --max-num-seqs: '0' is not a positive integer"),
+    ("--max-num-batched-tokens x", "argument --max-num-batched-tokens: 'x' is not a positive integer"),
+    ("--max-model-len -1", "argument --max-model-len: '-1' is not a positive integer"),
+    # lists of sizes
+    ("--latency --latency-batch-sizes 1,x", "argument --latency-batch-sizes: '1,x' is not positive integers"),
+    ("--latency --latency-batch-sizes 1,0", "argument --latency-batch-sizes: '1,0' is not positive integers"),
+    ("--ttft --ttft-sizes ''", "argument --ttft-sizes: '' is not positive integers"),
+    ("--ttft --ttft-sizes 128,,1000", "argument --ttft-sizes: '128,,1000' is not positive integers"),
+    # empty ranges, the preset's bound included
+    ("--min-input 500 --max-input 100", "--min-input 500 is above --max-input 100"),
+    ("--min-output 9 --max-output 8", "--min-output 9 is above --max-output 8"),
+    ("--workload score --min-output 2", "--min-output 2 is above --max-output 1"),
+    # flags the chosen run would ignore
+    ("--latency --compare-hf", "--latency ignores --compare-hf"),
+    ("--latency --top-k 5 --logprobs 3", "--latency ignores --logprobs, --top-k"),
+    ("--latency --repetition-penalty 1.1 --frequency-penalty 0.5 --presence-penalty 0.5 --top-p 0.9",
+     "--latency ignores --frequency-penalty, --presence-penalty, --repetition-penalty, --top-p"),
+    ("--latency --workload long", "--latency ignores --workload"),
+    ("--latency --prompt-logprobs 0", "--latency ignores --prompt-logprobs"),
+    ("--latency --seed 3 --num-seqs 4", "--latency ignores --num-seqs, --seed"),
+    ("--latency --ttft-sizes 5", "--latency ignores --ttft-sizes"),
+    ("--ttft --workload score", "--ttft ignores --workload"),
+    ("--ttft --compare-hf --hf-num-seqs 8", "--ttft ignores --compare-hf, --hf-num-seqs"),
+    ("--ttft --max-input 200 --top-k 5", "--ttft ignores --max-input, --top-k"),
+    ("--ttft --latency-steps 3", "--ttft ignores --latency-steps"),
+    ("--hf-num-seqs 8", "the throughput run (no --latency, --ttft or --compare-hf) ignores --hf-num-seqs"),
+    ("--hf-batch-size 8 --latency-batch-sizes 1", "ignores --hf-batch-size, --latency-batch-sizes"),
+    ("--compare-hf --latency-context 64 --ttft-sizes 5", "--compare-hf ignores --latency-context, --ttft-sizes"),
+])
+def test_impossible_or_ignored_flags_stop_the_parse(bad, words, capsys):
+    """Values no run can take, and flags the chosen run would not read, end the parse (argparse's
+    usage line and a message naming the flag), before any engine starts."""
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(shlex.split(bad))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("usage: ") and words in err, err
+
+
+def test_each_run_takes_its_own_flags():
+    """What each run reads is accepted with it; a flag at its default value changes nothing, so any run
+    takes it."""
+    args = bench.parse_args([])
+    assert (args.latency_batch_sizes, args.latency_context, args.latency_steps, args.ttft_sizes) == (
+        (1, 8, 32), 1024, 128, (128, 1000))
+    latency = bench.parse_args(["--latency", "--latency-batch-sizes", "1,2", "--latency-context=64",
+                                "--latency-steps=1", "--max-num-seqs=8", "--tp=2", "--max-model-len=256",
+                                "--kernel-routes=gemv_max_rows=1", "--json=x.json"])
+    assert (latency.latency_batch_sizes, latency.latency_context, latency.latency_steps) == ((1, 2), 64, 1)
+    ttft = bench.parse_args(["--ttft", "--ttft-sizes", "5, 6", "--seed", "-3", "--enforce-eager"])
+    assert (ttft.ttft_sizes, ttft.seed) == ((5, 6), -3)
+    hf = bench.parse_args(["--compare-hf", "--hf-num-seqs=8", "--hf-batch-size=4", "--workload=long", "--top-k=3",
+                           "--top-p=0.9", "--repetition-penalty=1.1", "--num-seqs=1", "--min-input=1",
+                           "--max-input=1", "--min-output=1", "--max-output=1"])
+    assert (hf.hf_num_seqs, hf.hf_batch_size, hf.num_seqs, hf.min_input, hf.max_output) == (8, 4, 1, 1, 1)
+    scored = bench.parse_args(["--workload=score", "--num-seqs=5", "--prompt-logprobs=2", "--min-input=1024"])
+    assert (scored.num_seqs, scored.min_input, scored.max_input, scored.prompt_logprobs) == (5, 1024, 1024, 2)
+    plain = bench.parse_args(["--logprobs=2", "--frequency-penalty=0.5", "--presence-penalty=0.5"])
+    assert plain.sampling == WorkloadSampling(0, 1.0, 1.0, 0.5, 0.5, 2)
+    for same in (["--latency", "--workload=default", "--top-k=0", "--seed=0", "--latency-batch-sizes=1,8,32"],
+                 ["--ttft", "--hf-num-seqs=64", "--num-seqs=256"],
+                 ["--latency-steps=128", "--ttft-sizes=128,1000", "--hf-batch-size=64"]):
+        bench.parse_args(same)
