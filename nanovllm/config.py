@@ -99,8 +99,8 @@ class Config:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     # The longest sequence (prompt + output) served. None: DEFAULT_MAX_MODEL_LEN, or the model's
-    # positions where fewer (max_position_embeddings, as its RoPE scaling extends it: ModelConfig.max_positions);
-    # a value above them is a ValueError (as in vLLM).
+    # positions where fewer (max_position_embeddings, as its RoPE scaling extends it: ModelConfig.max_positions)
+    # or its attention window (sliding_window) where shorter; a value above them is a ValueError.
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -227,8 +227,14 @@ class Config:
         self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
                                                  os.path.join(self.model, "config.json"))
         positions = self.model_config.max_positions
+        window = self.model_config.sliding_window
         if self.max_model_len is None:
-            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions)
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions, window or positions)
+        elif window is not None and self.max_model_len > window:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's attention window (sliding_window="
+                             f"{window} in {os.path.join(self.model, 'config.json')}): sliding-window attention is "
+                             f"not implemented, so sequences are served up to max_model_len <= {window}, where "
+                             f"the window masks nothing")
         elif self.max_model_len > positions:
             scaled = "" if self.model_config.rope_scaling is None else " with its RoPE scaling"
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the {positions} positions the model serves"

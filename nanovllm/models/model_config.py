@@ -32,6 +32,7 @@ from nanovllm.layers.rope_scaling import RopeScaling, parse_rope_scaling
 MODEL_MODULES = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3",
     "LlamaForCausalLM": "nanovllm.models.llama",
+    "MistralForCausalLM": "nanovllm.models.llama",
     "Qwen2ForCausalLM": "nanovllm.models.qwen2",
     "Qwen3MoeForCausalLM": "nanovllm.models.qwen3_moe",
 }
@@ -61,7 +62,7 @@ _DEFAULT_ROPE_THETA = 10000.0
 # max_position_embeddings where a config names none: transformers' default of the family's config
 # class (published configs set it), 32768 for the Qwen families.
 _DEFAULT_POSITIONS = 32768
-_DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048}
+_DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072}
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 
@@ -114,6 +115,10 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # Keys more than this many positions back are masked (Mistral's sliding_window; Qwen2's and
+    # Qwen3's when use_sliding_window): served only where max_model_len <= it, where it masks
+    # nothing (config.Config). None: full attention.
+    sliding_window: int | None = None
     # config.json's quantization_config as written (None: full precision); read by
     # quantization/config.resolve_quantization at LLM(...).
     quantization_config: dict | None = field(default=None, compare=False)
@@ -149,8 +154,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         architecture = resolve_architecture(raw.get("architectures"), source)
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: sliding-window attention is not supported")
         hidden_act = raw.get("hidden_act", _HIDDEN_ACT)
         if hidden_act != _HIDDEN_ACT:
             raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only {_HIDDEN_ACT!r})")
@@ -193,6 +196,7 @@ class ModelConfig:
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=eos_ids,
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
+                sliding_window=_sliding_window(raw, source),
                 # older compressed-tensors checkpoints spell it compression_config (vLLM reads both)
                 quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
             )
@@ -235,6 +239,17 @@ def _moe(raw: dict, source: str) -> MoeConfig:
         )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _sliding_window(raw: dict, source: str) -> int | None:
+    """config.json's attention window: `sliding_window` where it applies (Qwen2 / Qwen3 write one
+    beside `use_sliding_window: false`), None for full attention."""
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{source}: sliding_window must be a positive int or null, got {window!r}")
+    return window
 
 
 def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:

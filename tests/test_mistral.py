@@ -1,0 +1,57 @@
+"""Mistral (MistralForCausalLM): Llama's decoder under its own name, against transformers' own
+Mistral class; its sliding window served where it masks nothing (max_model_len <= window), and
+refused past it, as Qwen2's and Qwen3's use_sliding_window is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import _save_checkpoint, check_greedy_tokens, cpu_llm, make_prompts, rewrite_config
+from nanovllm import SamplingParams
+from nanovllm.models.model_config import ModelConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def build_mistral_checkpoint(path: str, sliding_window: int | None, seed: int = 0) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, sliding_window=sliding_window,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, eos_token_id=0, bos_token_id=None, pad_token_id=None,
+        initializer_range=0.2,  # spread logits: argmax ties are rare
+    )
+    return _save_checkpoint(path, MistralForCausalLM(config), None)
+
+
+@pytest.mark.parametrize("window", [None, 512])  # Mistral 7B v0.3 (none) / v0.1's kind (4,096 there)
+def test_mistral_matches_transformers(tmp_path, window):
+    path = build_mistral_checkpoint(str(tmp_path / "mistral"), window)
+    assert ModelConfig.from_pretrained(path).architecture == "MistralForCausalLM"
+    check_greedy_tokens(path, make_prompts(0, 4, 100, 200), GREEDY)  # max_model_len 512: the window masks nothing
+
+
+def test_a_window_that_would_mask_is_refused_and_bounds_the_default_length(tmp_path):
+    path = build_mistral_checkpoint(str(tmp_path / "mistral"), 300)
+    with pytest.raises(ValueError, match=r"max_model_len=512 exceeds the model's attention window \(sliding_window=300"):
+        cpu_llm(path, max_model_len=512)
+    llm = cpu_llm(path, kvcache_block_size=16)
+    try:
+        assert llm.llm_engine.model_config.max_model_len == 300
+    finally:
+        llm.exit()
+
+
+def test_qwen_use_sliding_window_is_read_as_a_window(tmp_path):
+    """Qwen2 / Qwen3 write sliding_window beside use_sliding_window: only a true flag makes it one."""
+    path = build_mistral_checkpoint(str(tmp_path / "m"), None)
+    rewrite_config(path, sliding_window=256, use_sliding_window=False)
+    assert ModelConfig.from_pretrained(path).sliding_window is None
+    rewrite_config(path, use_sliding_window=True)
+    assert ModelConfig.from_pretrained(path).sliding_window == 256
+    rewrite_config(path, sliding_window=-4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int or null, got -4"):
+        ModelConfig.from_pretrained(path)
