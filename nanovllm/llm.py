@@ -3,6 +3,7 @@ batch API on top:
 
     outputs = llm.generate(prompts, sampling_params=None, use_tqdm=True, lora_request=None)
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
+    beams = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))  # nanovllm/beam_search.py
     params = llm.get_default_sampling_params()                 # generation_config's defaults
     llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
@@ -18,6 +19,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
@@ -25,7 +27,7 @@ from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
 from nanovllm.inputs import PromptType
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -124,6 +126,17 @@ class LLM(LLMEngine):
                 outputs[out.request_id] = out
             bar.update(len(result.finished))
         return [outputs[i] for i in ids if i in outputs]  # one aborted meanwhile is left out (as vLLM)
+
+    @one_call_at_a_time
+    def beam_search(self, prompts: SequenceABC[PromptType], params: BeamSearchParams, lora_request: object = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the params.beam_width most likely continuations of each prompt
+        (a TokensPrompt / TextPrompt dict, a string or token ids), best first (nanovllm/beam_search.py)."""
+        self._check_open()
+        check_no_lora(lora_request)
+        if not self.is_finished():
+            raise RuntimeError("beam_search() called while step-wise requests are still pending")
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     @one_call_at_a_time
     def chat(

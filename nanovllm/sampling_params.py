@@ -354,3 +354,36 @@ def field_types() -> dict[str, object]:
     hints = typing.get_type_hints(SamplingParams)
     return {f.name: hints[f.name] for f in dataclasses.fields(SamplingParams)}
 
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's LLM.beam_search settings (nanovllm/beam_search.py): `beam_width` beams kept per prompt,
+    each step extending each by its 2 x beam_width most likely tokens (beam_width <= MAX_LOGPROBS / 2);
+    `max_tokens` steps at most; EOS ends a beam unless `ignore_eos`; beams ranked by cumulative
+    logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
+    `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
+    raw ones), as in vLLM; `include_stop_str_in_output` keeps a final EOS in the text."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("BeamSearchParams.beam_width", self.beam_width, 1)
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"BeamSearchParams.beam_width must be at most {MAX_LOGPROBS // 2} (each step reads the "
+                             f"2 x beam_width most likely tokens, at most {MAX_LOGPROBS}), got {self.beam_width!r}")
+        check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"BeamSearchParams.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise TypeError(f"BeamSearchParams.{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}")

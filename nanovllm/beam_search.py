@@ -1,0 +1,132 @@
+"""vLLM's `LLM.beam_search`: the `beam_width` most likely continuations of each prompt, found by
+one-token generate() steps over every live beam (their prompts share KV blocks through the
+prefix cache).
+
+    step:  each live beam b  --generate(max_tokens=1, logprobs=2W)-->  its 2W most likely tokens t
+           candidates b + t, cumulative logprob b.cum + logprob(t)
+             t an EOS (unless ignore_eos)  -> a finished beam, kept aside
+             otherwise                     -> a live candidate
+           the W best live candidates go on (W = beam_width)
+    end:   after max_tokens steps (or no live beam): the W best of finished + live beams
+
+Beams are ranked by cum_logprob / len ** length_penalty, len counting the prompt's tokens and not a
+final EOS (vLLM's score). A beam that reaches max_model_len stops growing (it stays a candidate).
+EOS is any of the engine's EOS ids (the tokenizer's and generation_config.json's, which generate()
+stops at too). The logprobs are the raw ones (log_softmax of the model's logits), as vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from nanovllm.outputs import Logprob
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.utils.validation import check_int
+
+if TYPE_CHECKING:
+    from nanovllm.llm import LLM
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: `tokens` (the prompt's, then the completion's), one logprobs dict per completion
+    token (the candidates its step read, the chosen token among them), the cumulative logprob of
+    the completion, and its text once returned (the completion's tokens decoded alone, as vLLM does,
+    without a final EOS unless include_stop_str_in_output). finish_reason: "stop" (EOS) or "length"."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the EOS id that ended it
+    lora_request: None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class _Instance:
+    prompt_len: int
+    beams: list[BeamSearchSequence]  # live, best first
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
+    """vLLM's ranking: cumulative logprob over the length (prompt included, a final EOS not) ** penalty."""
+    length = len(beam.tokens) - (beam.tokens[-1] in eos)
+    return beam.cum_logprob / length**length_penalty
+
+
+def beam_search(llm: LLM, prompts: Sequence[object], params: BeamSearchParams, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """The W best beams of each prompt (module docstring), in input order; prompts are checked
+    before any step runs. `concurrency_limit`: at most this many prompts searched at a time."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    if concurrency_limit is not None:
+        check_int("concurrency_limit", concurrency_limit, 1)
+    step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+    token_ids = [llm.validator.validate(p, step_params).token_ids for p in prompts]
+    chunk = concurrency_limit or max(1, len(token_ids))
+    outputs = []
+    for start in range(0, len(token_ids), chunk):
+        outputs += _search(llm, token_ids[start:start + chunk], params, step_params, use_tqdm)
+    return outputs
+
+
+def _search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams, step_params: SamplingParams,
+            use_tqdm: bool) -> list[BeamSearchOutput]:
+    eos = frozenset(llm.eos_token_ids)
+    stops = frozenset() if params.ignore_eos else eos  # the tokens that finish a beam
+    max_len = llm.config.max_model_len
+
+    def score(beam: BeamSearchSequence) -> float:
+        return beam_score(beam, eos, params.length_penalty)
+
+    instances = [_Instance(len(p), [BeamSearchSequence(list(p))]) for p in prompts]
+    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+        for instance in instances:  # a beam at max_model_len cannot grow: it waits for the end
+            instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
+            instance.beams = [b for b in instance.beams if len(b.tokens) < max_len]
+        live = [(instance, beam) for instance in instances for beam in instance.beams]
+        if not live:
+            break
+        results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params, use_tqdm=False)
+        candidates: dict[int, list[BeamSearchSequence]] = {id(instance): [] for instance in instances}
+        for (instance, beam), result in zip(live, results):
+            step_logprobs = result.outputs[0].logprobs[0]
+            for token, logprob in step_logprobs.items():
+                grown = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step_logprobs],
+                                           beam.cum_logprob + logprob.logprob)
+                if token in stops:
+                    grown.finish_reason, grown.stop_reason = "stop", token
+                    instance.completed.append(grown)
+                else:
+                    candidates[id(instance)].append(grown)
+        for instance in instances:
+            instance.beams = sorted(candidates[id(instance)], key=score, reverse=True)[: params.beam_width]
+    outputs = []
+    for instance in instances:
+        best = sorted(instance.completed + instance.beams, key=score, reverse=True)[: params.beam_width]
+        for beam in best:
+            beam.finish_reason = beam.finish_reason or "length"
+            shown = beam.tokens[instance.prompt_len:]
+            if beam.stop_reason is not None and not params.include_stop_str_in_output:
+                shown = shown[:-1]
+            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(shown)  # vLLM's: special tokens kept
+        outputs.append(BeamSearchOutput(best))
+    return outputs
