@@ -1,8 +1,9 @@
 """nanovllm.ray_data on a local Ray cluster of CPU actors: LLMPredictor's rows against one in-process
 engine's greedy tokens (text and token-id prompts, per-row sampling params, logprobs, other columns
-kept, any order), the same actors serving a second round, a two-GPU actor running its engine
-tensor-parallel, a bad row failing the dataset with the engine's message and the row, and
-`python -m nanovllm.ray_data` end to end.
+kept, any order), per-row overrides as Ray's read_json hands them over, the same actors serving a
+second round, a two-GPU actor running its engine tensor-parallel, a bad row failing the dataset with
+the engine's message and the row, and `python -m nanovllm.ray_data` end to end (its output file
+replaced only by a whole run; replicas the cluster's GPUs cannot hold refused at once).
 
 Ray's start-up is slow (seconds), so one cluster serves the whole module (and one xdist worker runs
 it). It declares two GPUs that no engine uses (every engine here runs on the CPU): Ray assigns them
@@ -28,8 +29,8 @@ import ray.data  # noqa: E402
 import ray.util  # noqa: E402
 
 from nanovllm.ray_data import LLMPredictor  # noqa: E402
-from nanovllm.ray_data.__main__ import parse_args  # noqa: E402
-from nanovllm.ray_data.predictor import replica_tensor_parallel_size, sampling_params_of  # noqa: E402
+from nanovllm.ray_data.__main__ import check_gpus, parse_args, write_jsonl  # noqa: E402
+from nanovllm.ray_data.predictor import replica_tensor_parallel_size, row_overrides, sampling_params_of  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")
 
@@ -49,6 +50,17 @@ CLUSTER_GPUS = 2
 # Object store of the test cluster: the rows are tiny (Ray's minimum is 75 MiB).
 OBJECT_STORE_BYTES = 100 * 2**20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Per-row overrides as JSON lines write them: lists, nested dicts whose keys differ from row to row
+# (Arrow gives each row all of them), ints that other rows lack (Arrow makes them floats),
+# logit_bias keyed by JSON's strings; a row without overrides.
+SCHEMA = {"type": "object", "required": ["a"], "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 3}}}
+JSON_ROWS = [
+    {"prompt": "a lazy dog", "sampling_params": {"structured_outputs": {"choice": ["yes", "no"]}}},
+    {"prompt": "a lazy dog", "sampling_params": {"structured_outputs": {"json": SCHEMA}, "max_tokens": 3}},
+    {"prompt": "a lazy dog", "sampling_params": {"logit_bias": {"42": 100.0}, "stop": ["x"]}},
+    {"prompt": "blocks", "sampling_params": {"logit_bias": {"7": 1.5}, "allowed_token_ids": [7, 8]}},
+    {"prompt": "blocks"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +232,30 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
         predictor.llm.exit()
 
 
+def test_row_overrides_from_json_lines_through_arrow(cluster, ckpt, tmp_path):
+    """The sampling_params column as read_json (Arrow) hands it to map_batches: numpy arrays at any
+    depth, other rows' keys as None, ints as floats. Each row's overrides come back as its JSON
+    line wrote them, and generate honours them."""
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for row in JSON_ROWS))
+    batch = next(iter(ray.data.read_json(str(src)).iter_batches(batch_size=len(JSON_ROWS), batch_format="numpy")))
+    assert batch["sampling_params"][4] is None and batch["sampling_params"][2]["logit_bias"]["7"] is None
+    for row, arrow_row in zip(JSON_ROWS[:4], batch["sampling_params"]):
+        overrides = row_overrides(arrow_row)
+        assert json.dumps(overrides, sort_keys=True) == json.dumps(row["sampling_params"], sort_keys=True)  # ints stay ints
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))
+    try:
+        out = predictor(batch)
+        assert out["generated_text"][0] in ("yes", "no")
+        assert len(out["generated_token_ids"][1]) <= 3
+        assert list(out["generated_token_ids"][2]) == [42] * SAMPLING["max_tokens"]  # the bias of token 42 applies
+        assert set(out["generated_token_ids"][3]) <= {7, 8}
+        alone = predictor.llm.generate(["blocks"], predictor.params, use_tqdm=False)[0]
+        assert list(out["generated_token_ids"][4]) == alone.outputs[0].token_ids
+    finally:
+        predictor.llm.exit()
+
+
 def test_without_sampling_params_the_engines_defaults_apply(ckpt, tmp_path):
     """LLMPredictor(sampling_params=None) and the command with no sampling flag sample with the
     checkpoint's generation_config, as generate(prompts) does."""
@@ -239,6 +275,7 @@ def test_jsonl_command_end_to_end(cluster, ckpt, reference, tmp_path):
     one output file, its lines in the input's order, other fields kept."""
     src, dst = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(TEXTS)))
+    dst.write_text('{"an": "earlier run"}\n')  # replaced whole
     cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src), "--output", str(dst),
            "--replicas", "2", "--gpus-per-replica", "0", "--batch-size", "3", "--temperature", "0",
            "--max-tokens", str(SAMPLING["max_tokens"]), "--llm-kwargs", json.dumps(LLM_KWARGS)]
@@ -247,9 +284,49 @@ def test_jsonl_command_end_to_end(cluster, ckpt, reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["id"] for r in rows] == list(range(len(TEXTS)))
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]  # no temporary file left
     for row, ref in zip(rows, reference["text"]):
         assert row["generated_token_ids"] == ref["token_ids"]
         assert (row["generated_text"], row["finish_reason"]) == (ref["text"], ref["finish_reason"])
+
+
+def test_failed_jsonl_run_leaves_an_earlier_file_as_it_was(cluster, tmp_path):
+    def fail_at_id_2(batch: dict) -> dict:  # local: Ray ships it by value (workers cannot import this module)
+        if 2 in batch["id"]:
+            raise ValueError("row id 2 fails")
+        return batch
+
+    dst = tmp_path / "out.jsonl"
+    dst.write_text('{"an": "earlier run"}\n')
+    failing = ray.data.from_items([{"id": i} for i in range(4)]).map_batches(fail_at_id_2, batch_size=1)
+    with pytest.raises(Exception, match="row id 2 fails"):
+        write_jsonl(failing, str(dst))
+    assert dst.read_text() == '{"an": "earlier run"}\n' and os.listdir(tmp_path) == ["out.jsonl"]
+    assert write_jsonl(ray.data.from_items([{"id": i} for i in range(2)]), str(dst)) == 2
+    assert dst.read_text() == '{"id": 0}\n{"id": 1}\n' and os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_path):
+    """check_gpus against each node's GPUs (a replica's GPUs are on one node); the command, on this
+    cluster of 2 GPUs, stops at once (instead of Ray waiting forever) and names --gpus-per-replica 0."""
+    check_gpus(2, 1, [1.0, 1.0])
+    check_gpus(4, 0.5, [2.0])
+    check_gpus(3, 0, [])  # CPU engines
+    check_gpus(3, 0, [0.0])
+    for replicas, gpus, nodes in [(1, 1, [0.0]), (1, 1, []), (2, 2, [1.0, 1.0]), (3, 1, [2.0])]:
+        with pytest.raises(ValueError, match=rf"--replicas {replicas} --gpus-per-replica {gpus:g} .*"
+                                             r"pass --gpus-per-replica 0 to run the engines on CPUs"):
+            check_gpus(replicas, gpus, nodes)
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "a"}) + "\n")
+    cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src),
+           "--output", str(tmp_path / "out.jsonl"), "--replicas", "3", "--llm-kwargs", json.dumps(LLM_KWARGS)]
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env={**os.environ, "RAY_ADDRESS": cluster},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ValueError: --replicas 3 --gpus-per-replica 1 needs 3 replica(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "GPU(s) (2), room for 2" in proc.stderr
+    assert os.listdir(tmp_path) == ["prompts.jsonl"]
 
 
 def test_command_refuses_bad_flags_before_ray_starts():

@@ -9,18 +9,23 @@ are copied to the output line, which adds generated_text, generated_token_ids an
 --llm-kwargs takes LLM's keywords as JSON. Ray's progress is shown while it runs.
 
 Output layout: an --output path ending in .jsonl or .json is one file, its lines in the input's
-order (the driver writes the rows as they arrive); any other path (a directory, a cloud URI) gets
-Ray Data's write_json layout: a directory of JSON-lines files, one per block, in no set order.
+order (the driver writes the rows as they arrive, to a temporary file beside it that replaces it
+once all are written: a failed run leaves an earlier file as it was); any other path (a
+directory, a cloud URI) gets Ray Data's write_json layout: a directory of JSON-lines files, one
+per block, in no set order.
 Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
-starts one on this machine; run the same command on a multi-node cluster's head node, with an
---input (and a directory --output) that every node sees: Ray Data reads and writes them from
-whichever node runs the task.
+starts one on this machine; replicas that its nodes' GPUs cannot hold are refused at once
+(--gpus-per-replica 0: CPU engines). Run the same command on a multi-node cluster's head node,
+with an --input (and a directory --output) that every node sees: Ray Data reads and writes them
+from whichever node runs the task.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import types
 import typing
@@ -89,9 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     chosen = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if getattr(args, f.name) is not None}
-    if "logit_bias" in chosen:  # JSON keys are strings
-        chosen["logit_bias"] = {int(t) if t.lstrip("-").isdigit() else t: b for t, b in chosen["logit_bias"].items()}
-    try:
+    try:  # sampling_params_of takes logit_bias' JSON keys ("42") as token ids
         args.sampling_params = sampling_params_of(chosen) if chosen else None
         args.llm_kwargs = json.loads(args.llm_kwargs)
     except (TypeError, ValueError) as exc:
@@ -112,18 +115,48 @@ def json_value(value):
 
 
 def write_jsonl(ds: ray.data.Dataset, path: str) -> int:
-    """Every row of `ds` as one JSON line of `path`, in the dataset's order; returns the row count."""
+    """Every row of `ds` as one JSON line of `path`, in the dataset's order; returns the row count.
+    The lines go to a temporary file beside `path`, which replaces it once the last row is written:
+    a run that fails (a bad row, Ctrl-C) leaves an existing `path` as it was and no partial file."""
+    partial = f"{path}.{os.getpid()}.partial"
     rows = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for row in ds.iter_rows():
-            f.write(json.dumps(dict(row), ensure_ascii=False, default=json_value) + "\n")
-            rows += 1
+    try:
+        with open(partial, "x", encoding="utf-8") as f:
+            for row in ds.iter_rows():
+                f.write(json.dumps(dict(row), ensure_ascii=False, default=json_value) + "\n")
+                rows += 1
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
     return rows
+
+
+def check_gpus(replicas: int, gpus_per_replica: float, node_gpus: list[float]) -> None:
+    """ValueError, naming the flags and the cluster's GPUs, when `replicas` actors of
+    `gpus_per_replica` GPUs each (all on one node) do not fit the nodes' GPUs (`node_gpus`, one entry
+    per node): Ray would wait for them forever. CPU engines (0 GPUs) always fit."""
+    if gpus_per_replica == 0:
+        return
+    fit = sum(math.floor(gpus / gpus_per_replica + 1e-9) for gpus in node_gpus)
+    if fit < replicas:
+        raise ValueError(
+            f"--replicas {replicas} --gpus-per-replica {gpus_per_replica:g} needs {replicas} replica(s) of "
+            f"{gpus_per_replica:g} GPU(s) on one node each, but the Ray cluster's nodes have {sum(node_gpus):g} "
+            f"GPU(s) ({', '.join(f'{g:g}' for g in node_gpus) or 'no nodes'}), room for {fit}: lower --replicas "
+            f"or --gpus-per-replica, or pass --gpus-per-replica 0 to run the engines on CPUs")
+
+
+def cluster_node_gpus() -> list[float]:
+    """The GPUs of each live node of the Ray cluster this process joined."""
+    return [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     ray.init()
+    check_gpus(args.replicas, args.gpus_per_replica, cluster_node_gpus())
     single_file = args.output.endswith(SINGLE_FILE_SUFFIXES)
     if single_file:
         ray.data.DataContext.get_current().execution_options.preserve_order = True

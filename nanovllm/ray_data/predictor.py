@@ -4,18 +4,22 @@ A batch (map_batches' default numpy format: column -> array) holds prompts in a 
 or `prompt_token_ids` column, or both (JSON lines of either kind: Ray fills a row's other column
 with None; each row must hold exactly one), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
-them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields). The
-whole batch goes to one `generate` call, so the actor's engine batches it as one engine does; the
-batch comes back with every input column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a
-row asks for logprobs), one row per prompt. A prompt the engine refuses (empty, too long, ids
-outside the vocabulary) or a bad override raises the engine's own ValueError / TypeError, prefixed
-with the row it came from, before anything of the batch is queued: Ray Data then fails the dataset
-with that message instead of hanging.
+them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
+may be JSON's strings). What Arrow made of such rows is undone first (row_overrides): numpy arrays
+and scalars at any depth, None entries of nested dicts (Arrow gives every row the keys of all the
+rows), integral floats (an int beside rows without it). The whole batch goes to one `generate`
+call, so the actor's engine batches it as one engine does; the batch comes back with every input
+column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a row asks for logprobs), one row
+per prompt. A prompt the engine refuses (empty, too long, ids outside the vocabulary) or a bad
+override raises the engine's own ValueError / TypeError, prefixed with the row it came from, before
+anything of the batch is queued: Ray Data then fails the dataset with that message instead of
+hanging.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -45,14 +49,24 @@ INT_SAMPLING_FIELDS = frozenset(name for name, hint in field_types().items()
                                 if hint is int or (typing.get_origin(hint) is types.UnionType and int in typing.get_args(hint)))
 # Longest repr of one column value quoted in a bad row's error message.
 ROW_VALUE_CHARS = 80
+# A logit_bias key that JSON (or Arrow's struct field names) turned into text: "42", "-1".
+TOKEN_ID_TEXT = re.compile(r"-?[0-9]+")
 
 
-def with_structured(fields: Mapping) -> dict:
-    """SamplingParams keywords, a `structured_outputs` given as a dict (JSON, Arrow rows) made a
-    StructuredOutputsParams."""
+def token_id_keys(bias: Mapping) -> dict:
+    """A logit_bias with its integer-text keys ("42": JSON's object keys) made ints; any other key as
+    is, for SamplingParams to refuse by name."""
+    return {int(t) if isinstance(t, str) and TOKEN_ID_TEXT.fullmatch(t) else t: b for t, b in bias.items()}
+
+
+def sampling_keywords(fields: Mapping) -> dict:
+    """SamplingParams keywords from a dict of its fields (JSON, the command's flags, Arrow rows): a
+    `structured_outputs` dict made a StructuredOutputsParams, a `logit_bias` dict keyed by token ids."""
     out = dict(fields)
     if isinstance(out.get("structured_outputs"), Mapping):
         out["structured_outputs"] = StructuredOutputsParams(**out["structured_outputs"])
+    if isinstance(out.get("logit_bias"), Mapping):
+        out["logit_bias"] = token_id_keys(out["logit_bias"])
     return out
 
 
@@ -64,7 +78,7 @@ def sampling_params_of(value: SamplingParams | Mapping | None) -> SamplingParams
     elif isinstance(value, SamplingParams):
         params = value
     elif isinstance(value, Mapping):
-        params = SamplingParams(**with_structured(value))
+        params = SamplingParams(**sampling_keywords(value))
     else:
         raise TypeError(f"sampling_params must be SamplingParams, a dict of its fields or None, got {value!r}")
     if params.n != 1:
@@ -144,10 +158,9 @@ class LLMPredictor:
             return self.params
         with naming_row(batch, i):
             if not isinstance(overrides, Mapping):
-                raise TypeError(f"{SAMPLING_COLUMN} must hold dicts of SamplingParams fields, got {overrides!r}")
-            chosen = {name: integral(plain(v)) if name in INT_SAMPLING_FIELDS else plain(v)
-                      for name, v in overrides.items() if v is not None}
-            return sampling_params_of(dataclasses.replace(self.params, **with_structured(chosen)))
+                raise TypeError(f"{SAMPLING_COLUMN} must hold dicts of SamplingParams fields, got {plain(overrides)!r}")
+            chosen = sampling_keywords(row_overrides(overrides))
+            return sampling_params_of(dataclasses.replace(self.params, **chosen))
 
     def _row_token_ids(self, batch: Mapping[str, np.ndarray], columns: list[str], i: int,
                        params: SamplingParams) -> list[int]:
@@ -168,14 +181,64 @@ class LLMPredictor:
 
 
 def plain(value):
-    """A column value as plain Python: numpy arrays as lists, numpy scalars as Python ones."""
-    return value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
+    """A column value as plain Python all the way down: numpy arrays (of numbers, or of objects such
+    as Arrow's lists of strings) as lists, numpy scalars as Python ones, inside dicts and lists too."""
+    if isinstance(value, np.ndarray):
+        if value.dtype != object:
+            return value.tolist()
+        value = value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def integral(value):
     """A float with an integral value as an int (an Arrow-converted int field); anything else as is,
     for SamplingParams to check."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def without_nulls(value):
+    """Plain dicts (and lists of them) without their None entries, at any depth: a struct column
+    gives each row every key of the batch's rows, None where the row had none. List items stay."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def integral_numbers(value):
+    """Every integral float of plain dicts and lists made an int (JSON schema keywords such as
+    minLength need ints; JSON Schema holds 1.0 and 1 equal)."""
+    if isinstance(value, dict):
+        return {k: integral_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral_numbers(v) for v in value]
+    return integral(value)
+
+
+def row_overrides(overrides: Mapping) -> dict:
+    """A row's `sampling_params` dict, as Arrow's numpy batches hold it, back to its JSON form:
+    numpy values as plain Python, fields that are None (the row does not override them) left out,
+    nested dicts without the None entries of other rows' keys, integral floats of int fields (and
+    of structured_outputs' schemas) as ints. A JSON null inside a nested dict reads as absent (Arrow
+    cannot tell it apart): a schema that needs one goes as JSON text (`"json": "{...}"`)."""
+    chosen = {}
+    for name, value in plain(overrides).items():
+        value = without_nulls(value)
+        if value is None:
+            continue
+        if name in INT_SAMPLING_FIELDS:
+            value = integral(value)
+        elif name == "structured_outputs":
+            value = integral_numbers(value)
+        chosen[name] = value
+    return chosen
 
 
 @contextmanager
