@@ -46,11 +46,20 @@ def test_a_window_that_would_mask_is_refused_and_bounds_the_default_length(tmp_p
 
 
 def test_qwen_use_sliding_window_is_read_as_a_window(tmp_path):
-    """Qwen2 / Qwen3 write sliding_window beside use_sliding_window: only a true flag makes it one."""
+    """Qwen2 / Qwen3 write sliding_window beside use_sliding_window: a true flag makes it one for the
+    layers from max_window_layers on; transformers 5's layer_types say per layer."""
     path = build_mistral_checkpoint(str(tmp_path / "m"), None)
     rewrite_config(path, sliding_window=256, use_sliding_window=False)
     assert ModelConfig.from_pretrained(path).sliding_window is None
     rewrite_config(path, use_sliding_window=True)
+    assert ModelConfig.from_pretrained(path).sliding_window == 256
+    rewrite_config(path, max_window_layers=2)  # Qwen2: layers from max_window_layers on slide; it has 2 layers
+    assert ModelConfig.from_pretrained(path).sliding_window is None
+    rewrite_config(path, max_window_layers=1)
+    assert ModelConfig.from_pretrained(path).sliding_window == 256
+    rewrite_config(path, layer_types=["full_attention", "full_attention"])  # transformers 5 writes them out
+    assert ModelConfig.from_pretrained(path).sliding_window is None
+    rewrite_config(path, layer_types=["full_attention", "sliding_attention"])
     assert ModelConfig.from_pretrained(path).sliding_window == 256
     rewrite_config(path, sliding_window=-4)
     with pytest.raises(ValueError, match="sliding_window must be a positive int or null, got -4"):

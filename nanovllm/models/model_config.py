@@ -242,10 +242,20 @@ def _moe(raw: dict, source: str) -> MoeConfig:
 
 
 def _sliding_window(raw: dict, source: str) -> int | None:
-    """config.json's attention window: `sliding_window` where it applies (Qwen2 / Qwen3 write one
-    beside `use_sliding_window: false`), None for full attention."""
+    """config.json's attention window where some layer uses it, None for full attention everywhere.
+    Which layers slide: transformers 5's `layer_types` ("sliding_attention") where written, else
+    Qwen2 / Qwen3's `use_sliding_window` for the layers from `max_window_layers` on (both write a
+    window beside `use_sliding_window: false`), else every layer when a window is given (Mistral)."""
     window = raw.get("sliding_window")
-    if window is None or not raw.get("use_sliding_window", True):
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list):
+        sliding = "sliding_attention" in layer_types
+    elif "use_sliding_window" in raw:
+        first = raw.get("max_window_layers", 0)
+        sliding = bool(raw["use_sliding_window"]) and (first is None or first < int(raw["num_hidden_layers"]))
+    else:
+        sliding = True
+    if window is None or not sliding:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{source}: sliding_window must be a positive int or null, got {window!r}")
