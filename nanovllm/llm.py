@@ -74,11 +74,16 @@ class LLM(LLMEngine):
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: object = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
-        Every request is checked before any is queued (bad input leaves the engine untouched)."""
+        Every request is checked before any is queued (bad input leaves the engine untouched).
+        `priority`: vLLM's per-prompt priorities, None or all 0 (requests are served in arrival order)."""
         self._check_open()
         check_no_lora(lora_request)
+        if priority is not None and (not isinstance(priority, SequenceABC) or any(p != 0 for p in priority)):
+            raise ValueError(f"priority={priority!r}: requests are served in arrival order (no priority scheduling); "
+                             "pass None or zeros")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):

@@ -174,6 +174,13 @@ def test_lora_request_is_refused(llm):
     assert llm.is_finished()
 
 
+def test_priority_is_vllms_argument_of_zeros(llm):
+    assert len(llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0, 0])) == 2
+    with pytest.raises(ValueError, match=r"priority=\[0, 3\]: requests are served in arrival order"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0, 3])
+    assert llm.is_finished()
+
+
 def test_max_tokens_none_fills_max_model_len(llm):
     [out] = llm.generate([[1] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 64 - 10 and out.outputs[0].finish_reason == "length"
