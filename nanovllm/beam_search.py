@@ -17,7 +17,7 @@ stops at too). The logprobs are the raw ones (log_softmax of the model's logits)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,15 +28,19 @@ from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.validation import check_int
 
 if TYPE_CHECKING:
-    from nanovllm.llm import LLM
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.outputs import RequestOutput
+
+# LLM.generate as beam search calls it: (prompts, params) -> one output per prompt.
+Generate = Callable[[list[dict], SamplingParams], list["RequestOutput"]]
 
 
 @dataclass
 class BeamSearchSequence:
     """One beam: `tokens` (the prompt's, then the completion's), one logprobs dict per completion
     token (the candidates its step read, the chosen token among them), the cumulative logprob of
-    the completion, and its text once returned (the completion's tokens decoded alone, as vLLM does,
-    without a final EOS unless include_stop_str_in_output). finish_reason: "stop" (EOS) or "length"."""
+    the completion, and its text once returned: all its tokens decoded, prompt and a final EOS
+    included, as vLLM's LLM.beam_search returns it. finish_reason: "stop" (EOS) or "length"."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -67,10 +71,11 @@ def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: fl
     return beam.cum_logprob / length**length_penalty
 
 
-def beam_search(llm: LLM, prompts: Sequence[object], params: BeamSearchParams, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """The W best beams of each prompt (module docstring), in input order; prompts are checked
-    before any step runs. `concurrency_limit`: at most this many prompts searched at a time."""
+def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], params: BeamSearchParams,
+                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """The W best beams of each prompt (module docstring), in input order, each step a `generate`
+    call (LLM.generate) on `llm`; prompts are checked before any step runs. `concurrency_limit`: at
+    most this many prompts searched at a time."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)):
@@ -84,12 +89,12 @@ def beam_search(llm: LLM, prompts: Sequence[object], params: BeamSearchParams, u
     chunk = concurrency_limit or max(1, len(token_ids))
     outputs = []
     for start in range(0, len(token_ids), chunk):
-        outputs += _search(llm, token_ids[start:start + chunk], params, step_params, use_tqdm)
+        outputs += _search(llm, generate, token_ids[start:start + chunk], params, step_params, use_tqdm)
     return outputs
 
 
-def _search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams, step_params: SamplingParams,
-            use_tqdm: bool) -> list[BeamSearchOutput]:
+def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
+            step_params: SamplingParams, use_tqdm: bool) -> list[BeamSearchOutput]:
     eos = frozenset(llm.eos_token_ids)
     stops = frozenset() if params.ignore_eos else eos  # the tokens that finish a beam
     max_len = llm.config.max_model_len
@@ -105,7 +110,7 @@ def _search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams, step_p
         live = [(instance, beam) for instance in instances for beam in instance.beams]
         if not live:
             break
-        results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params, use_tqdm=False)
+        results = generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params)
         candidates: dict[int, list[BeamSearchSequence]] = {id(instance): [] for instance in instances}
         for (instance, beam), result in zip(live, results):
             step_logprobs = result.outputs[0].logprobs[0]
@@ -124,9 +129,6 @@ def _search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams, step_p
         best = sorted(instance.completed + instance.beams, key=score, reverse=True)[: params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"
-            shown = beam.tokens[instance.prompt_len:]
-            if beam.stop_reason is not None and not params.include_stop_str_in_output:
-                shown = shown[:-1]
-            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(shown)  # vLLM's: special tokens kept
+            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(beam.tokens)  # vLLM's LLM.beam_search
         outputs.append(BeamSearchOutput(best))
     return outputs

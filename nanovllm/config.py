@@ -6,6 +6,7 @@ engine decides (budgets, cache size, device, dtype, backend) lives in `Config`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -77,7 +78,7 @@ class ServedModel:
         """transformers' reading of the checkpoint's config.json, hf_overrides applied (read on first use)."""
         from transformers import AutoConfig  # transformers loads on first use, not with nanovllm
 
-        return AutoConfig.from_pretrained(self.model, **(self.hf_overrides or {}))
+        return AutoConfig.from_pretrained(self.model, **copy.deepcopy(self.hf_overrides or {}))  # it edits them
 
     @property
     def hf_text_config(self) -> PretrainedConfig:
@@ -177,10 +178,11 @@ class Config:
             )
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
-        if self.hf_overrides is not None and (
-                not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides)):
-            raise TypeError(f"hf_overrides must be a dict of config.json keys (nanovllm reads config.json itself, so "
-                            f"a function over transformers' config is not taken), got {self.hf_overrides!r}")
+        if self.hf_overrides is not None:
+            if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
+                raise TypeError(f"hf_overrides must be a dict of config.json keys (nanovllm reads config.json itself, "
+                                f"so a function over transformers' config is not taken), got {self.hf_overrides!r}")
+            self.hf_overrides = copy.deepcopy(self.hf_overrides)  # ours: the caller's dict stays as given
         if self.seed is None:
             self.seed = secrets.randbelow(SEED_LIMIT)
         check_seed("seed", self.seed)

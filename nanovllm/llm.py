@@ -81,9 +81,6 @@ class LLM(LLMEngine):
         `priority`: vLLM's per-prompt priorities, None or all 0 (requests are served in arrival order)."""
         self._check_open()
         check_no_lora(lora_request)
-        if priority is not None and (not isinstance(priority, SequenceABC) or any(p != 0 for p in priority)):
-            raise ValueError(f"priority={priority!r}: requests are served in arrival order (no priority scheduling); "
-                             "pass None or zeros")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):
@@ -99,6 +96,12 @@ class LLM(LLMEngine):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         else:
             raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
+        if priority is not None:
+            if not isinstance(priority, SequenceABC) or len(priority) != len(prompts):
+                raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)}), got {priority!r}")
+            if any(p != 0 for p in priority):
+                raise ValueError(f"priority={priority!r}: requests are served in arrival order (no priority "
+                                 "scheduling); pass None or zeros")
         checked = {}  # one checked copy per distinct SamplingParams object
         for sp in params:
             if id(sp) not in checked:
@@ -141,7 +144,10 @@ class LLM(LLMEngine):
         check_no_lora(lora_request)
         if not self.is_finished():
             raise RuntimeError("beam_search() called while step-wise requests are still pending")
-        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
+        def one_step(batch: list[dict], step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate(batch, step_params, use_tqdm=False)
+
+        return beam_search(self, one_step, prompts, params, use_tqdm, concurrency_limit)
 
     @one_call_at_a_time
     def chat(

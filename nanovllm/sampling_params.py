@@ -363,7 +363,7 @@ class BeamSearchParams:
     `max_tokens` steps at most; EOS ends a beam unless `ignore_eos`; beams ranked by cumulative
     logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
     `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
-    raw ones), as in vLLM; `include_stop_str_in_output` keeps a final EOS in the text."""
+    raw ones), and `include_stop_str_in_output` is accepted, as in vLLM, where neither changes the beams."""
 
     beam_width: int
     max_tokens: int

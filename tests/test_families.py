@@ -145,20 +145,20 @@ def test_llama3_rope_table_matches_transformers(head_dim, theta, scaling, max_po
 
 def test_unsupported_architecture_is_refused_naming_it(tmp_path):
     path = build_qwen2_checkpoint(str(tmp_path / "q"), Qwen2Shape())
-    rewrite_config(path, architectures=["MistralForCausalLM"], model_type="mistral")
+    rewrite_config(path, architectures=["GemmaForCausalLM"], model_type="gemma")
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    with pytest.raises(ValueError, match=rf"unsupported architecture \['MistralForCausalLM'\]; supported: {supported}"):
+    with pytest.raises(ValueError, match=rf"unsupported architecture \['GemmaForCausalLM'\]; supported: {supported}"):
         cpu_llm(path)
     rewrite_config(path, architectures=None)
     with pytest.raises(ValueError, match="unsupported architecture None; supported: Qwen3ForCausalLM"):
         cpu_llm(path)
-    with pytest.raises(ValueError, match="unsupported architecture 'Mistral'"):
-        model_class("Mistral")
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma'"):
+        model_class("Gemma")
 
 
 def test_registry_classes_carry_their_architecture_names():
-    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                            "Qwen3MoeForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                            "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"}
     for name in SUPPORTED_ARCHITECTURES:
         assert model_class(name).__name__ == name
     # the first supported entry of a list wins

@@ -169,8 +169,8 @@ def test_bad_checkpoints(tmp_path, ckpt):
     with pytest.raises(TypeError, match="model"):
         cpu_llm(42)
     bad = build_checkpoint(str(tmp_path / "arch"), TinyShape())
-    rewrite_config(bad, architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="MistralForCausalLM"):
+    rewrite_config(bad, architectures=["GemmaForCausalLM"])
+    with pytest.raises(ValueError, match="GemmaForCausalLM"):
         cpu_llm(bad)
     rewrite_config(bad, architectures=["Qwen3ForCausalLM"], num_attention_heads=None)
     with pytest.raises(ValueError, match="num_attention_heads"):

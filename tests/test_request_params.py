@@ -178,6 +178,8 @@ def test_priority_is_vllms_argument_of_zeros(llm):
     assert len(llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0, 0])) == 2
     with pytest.raises(ValueError, match=r"priority=\[0, 3\]: requests are served in arrival order"):
         llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0, 3])
+    with pytest.raises(ValueError, match=r"priority must be a list of one int per prompt \(2\), got \[0\]"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0])
     assert llm.is_finished()
 
 

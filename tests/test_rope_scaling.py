@@ -124,6 +124,29 @@ def test_yarn_in_the_published_spelling_and_through_hf_overrides(yarn_qwen3, tmp
         assert json.load(f)["rope_scaling"] is None  # the file itself is untouched
 
 
+def test_an_hf_overrides_scaling_keeps_a_transformers_5_configs_theta(tmp_path):
+    """transformers 5 writes theta inside rope_parameters only: a rope_scaling given by hf_overrides
+    (which names no theta) keeps it, as the published spelling's top-level rope_theta is kept; and the
+    caller's overrides dict is not edited by anything that reads it (transformers' AutoConfig does)."""
+    path = build_checkpoint(str(tmp_path / "theta"), TinyShape(), seed=3)
+    rewrite_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    overrides = {"rope_scaling": dict(YARN)}
+    assert ModelConfig.from_pretrained(path, overrides).rope_theta == 1e6
+    prompts = make_prompts(6, 2, 120, 200)
+    published = build_checkpoint(str(tmp_path / "published"), TinyShape(), seed=3)
+    rewrite_config(published, rope_parameters={**YARN, "rope_theta": 1e6})
+    rewrite_config_published(published)
+    expected, _ = generate_tokens(published, prompts, GREEDY, max_model_len=YARN_POSITIONS)
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=YARN_POSITIONS, hf_overrides=overrides)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.llm_engine.model_config.hf_config.rope_parameters["rope_type"] == "yarn"
+        assert overrides == {"rope_scaling": YARN}  # as given, after transformers read its copy
+    finally:
+        llm.exit()
+    assert generate_tokens(path, prompts, GREEDY, max_model_len=YARN_POSITIONS, hf_overrides=overrides)[0] == expected
+
+
 def test_linear_scaling_engine_matches_transformers(tmp_path):
     path = build_llama_checkpoint(str(tmp_path / "linear"), LlamaShape(), seed=4)
     rewrite_config(path, rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 10000.0})
