@@ -60,9 +60,11 @@ class BeamSearchOutput:
 
 @dataclass
 class _Instance:
-    prompt_len: int
-    beams: list[BeamSearchSequence]  # live, best first
+    """One prompt's search: its live beams (best first), the finished ones, this step's candidates."""
+
+    beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
+    candidates: list[BeamSearchSequence] = field(default_factory=list)
 
 
 def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
@@ -102,7 +104,7 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params
     def score(beam: BeamSearchSequence) -> float:
         return beam_score(beam, eos, params.length_penalty)
 
-    instances = [_Instance(len(p), [BeamSearchSequence(list(p))]) for p in prompts]
+    instances = [_Instance([BeamSearchSequence(list(p))]) for p in prompts]
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
         for instance in instances:  # a beam at max_model_len cannot grow: it waits for the end
             instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
@@ -111,7 +113,6 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params
         if not live:
             break
         results = generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params)
-        candidates: dict[int, list[BeamSearchSequence]] = {id(instance): [] for instance in instances}
         for (instance, beam), result in zip(live, results):
             step_logprobs = result.outputs[0].logprobs[0]
             for token, logprob in step_logprobs.items():
@@ -121,9 +122,10 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params
                     grown.finish_reason, grown.stop_reason = "stop", token
                     instance.completed.append(grown)
                 else:
-                    candidates[id(instance)].append(grown)
+                    instance.candidates.append(grown)
         for instance in instances:
-            instance.beams = sorted(candidates[id(instance)], key=score, reverse=True)[: params.beam_width]
+            instance.beams = sorted(instance.candidates, key=score, reverse=True)[: params.beam_width]
+            instance.candidates = []
     outputs = []
     for instance in instances:
         best = sorted(instance.completed + instance.beams, key=score, reverse=True)[: params.beam_width]
