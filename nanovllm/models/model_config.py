@@ -158,13 +158,14 @@ class ModelConfig:
         if hidden_act != _HIDDEN_ACT:
             raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only {_HIDDEN_ACT!r})")
         # transformers 5: rope_parameters holds theta and scaling; published: rope_scaling (or null) and
-        # rope_theta. Read as transformers 5 reads them: rope_scaling over rope_parameters, the theta of
-        # the dict read (else of rope_parameters, where an hf_overrides rope_scaling left it) over the
-        # top-level one, and for a scaled type a top-level original_max_position_embeddings over the
-        # dict's (Phi-3's spelling), else max_position_embeddings where neither sets it.
+        # rope_theta. Read as transformers 5 reads them: rope_scaling over rope_parameters, the dict's
+        # theta over the top-level one (and where neither has one, rope_parameters': an hf_overrides
+        # rope_scaling over a transformers-5 save), and for a scaled type a top-level
+        # original_max_position_embeddings over the dict's (Phi-3's spelling), else
+        # max_position_embeddings where neither sets it.
         parameters = raw.get("rope_parameters") or {}
         rope = dict(raw.get("rope_scaling") or parameters)
-        rope_theta = rope.get("rope_theta", parameters.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", parameters.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
             raise ValueError(f"{source}: rope_theta must be a positive number, got {rope_theta!r}")
         partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
