@@ -144,6 +144,7 @@ class LLM(LLMEngine):
         check_no_lora(lora_request)
         if not self.is_finished():
             raise RuntimeError("beam_search() called while step-wise requests are still pending")
+
         def one_step(batch: list[dict], step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step_params, use_tqdm=False)
 
