@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import json
 import logging
 import math
@@ -142,6 +143,16 @@ class StructuredOutputsParams:
                             f"got {self.disable_any_whitespace!r}")
 
 
+class RequestOutputKind(enum.Enum):
+    """What `llm.llm_engine.step()` returns for a request while it runs (vLLM's names; LLM.generate
+    returns finished requests whatever the kind): CUMULATIVE each step its outputs so far, DELTA only
+    what is new since the last, FINAL_ONLY nothing until it finishes (engine/output_streams.py)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token of one request.
@@ -183,6 +194,7 @@ class SamplingParams:
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     max_tokens: None generates up to max_model_len.
     structured_outputs: None, or a StructuredOutputsParams the completion must follow.
+    output_kind: a RequestOutputKind, what llm.llm_engine.step() returns while the request runs.
     """
 
     temperature: float = 1.0
@@ -210,6 +222,7 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's older name of structured_outputs (TRL passes guided_decoding=None): None only, not kept.
     guided_decoding: dataclasses.InitVar[None] = None
 
@@ -274,6 +287,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, "
                             f"got {self.structured_outputs!r:.200}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.truncate_prompt_tokens is not None:
             check_int("SamplingParams.truncate_prompt_tokens", self.truncate_prompt_tokens)
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != TRUNCATE_TO_MODEL_LEN:

@@ -4,10 +4,13 @@ same prompts; and what clients read on it being the LLM's own."""
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
 from checkpoints import checkpoint_fixture, cpu_llm_fixture, make_prompts
+
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -16,13 +19,25 @@ llm = cpu_llm_fixture(kvcache_block_size=16, max_model_len=128)
 
 
 def run_to_completion(engine) -> dict:
-    """vLLM's script loop: outputs by request id, each seen once and finished."""
+    """vLLM's script loop: final outputs by request id, each seen once (after its running ones)."""
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert out.finished and out.request_id not in done
-            done[out.request_id] = out
+            assert out.request_id not in done
+            if out.finished:
+                done[out.request_id] = out
     return done
+
+
+def run_streaming(engine) -> dict[str, list]:
+    """Every output of each request, in order; the last one (only) finished."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert not seen.get(out.request_id) or not seen[out.request_id][-1].finished
+            seen.setdefault(out.request_id, []).append(out)
+    assert all(outs[-1].finished for outs in seen.values())
+    return seen
 
 
 def test_a_vllm_engine_script_gets_generates_outputs_under_its_ids(llm):
@@ -91,3 +106,86 @@ def test_requests_ended_through_the_llms_own_api_leave_no_ids_behind(llm):
     engine.add_request("x", [4, 5], GREEDY)
     assert (engine._ids, engine._names) == ({max(engine._ids): "x"}, {"x": max(engine._ids)})
     assert list(run_to_completion(engine)) == ["x"] and engine._ids == {} and engine._names == {}
+
+
+STREAMED = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=9, n=2, ignore_eos=True)]
+
+
+def final_outputs(llm, prompts, params) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_cumulative_outputs_grow_to_the_final_one(llm):
+    """vLLM's default kind: each step a running request advanced gives all of it so far."""
+    prompts = make_prompts(6, 2, 10, 30)
+    expected = final_outputs(llm, prompts, STREAMED)
+    engine = llm.llm_engine
+    for i, (prompt, sp) in enumerate(zip(prompts, STREAMED)):
+        assert sp.output_kind is RequestOutputKind.CUMULATIVE
+        engine.add_request(f"c{i}", {"prompt_token_ids": prompt}, sp)
+    seen = run_streaming(engine)
+    for i, want in enumerate(expected):
+        outs = seen[f"c{i}"]
+        assert len(outs) > 2 and outs[-1] == want  # the dict views: tokens, texts, logprobs
+        for earlier, later in itertools.pairwise(outs):
+            for a, b in zip(earlier.outputs, later.outputs):
+                assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+        assert all(o.prompt_logprobs == want.prompt_logprobs for o in outs)
+
+
+def test_delta_outputs_join_into_the_final_one(llm):
+    prompts = make_prompts(7, 2, 10, 30)
+    expected = final_outputs(llm, prompts, STREAMED)
+    engine = llm.llm_engine
+    for i, (prompt, sp) in enumerate(zip(prompts, STREAMED)):
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt}, SamplingParams(**{
+            **{f: getattr(sp, f) for f in ("temperature", "seed", "max_tokens", "n", "ignore_eos", "logprobs",
+                                           "prompt_logprobs")}, "output_kind": RequestOutputKind.DELTA}))
+    seen = run_streaming(engine)
+    for i, want in enumerate(expected):
+        outs = seen[f"d{i}"]
+        assert len(outs) > 2
+        assert outs[0].prompt_logprobs == want.prompt_logprobs and all(o.prompt_logprobs is None for o in outs[1:])
+        for index, completion in enumerate(want.outputs):
+            parts = [c for o in outs for c in o.outputs if c.index == index]
+            assert [t for c in parts for t in c.token_ids] == completion.token_ids
+            assert "".join(c.text for c in parts) == completion.text
+            if completion.logprobs is not None:
+                assert [e for c in parts for e in c.logprobs] == completion.logprobs
+            assert parts[-1].finish_reason == completion.finish_reason
+            assert all(c.finish_reason is None for c in parts[:-1])
+
+
+def test_a_stop_string_is_never_shown_and_taken_back(llm):
+    """The running text holds back len(stop) - 1 characters: joined deltas are the final text, cut
+    before the stop string, and no running text passes it."""
+    prompt = make_prompts(8, 1, 12, 13)[0]
+    free = final_outputs(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    pieces = [llm.get_tokenizer().decode([t]) for t in free.token_ids]
+    # a stop string across two tokens (the last 2 characters of one, the first of the next), seen once:
+    # its start is in the running text a step before it completes, unless held back
+    stop = next(a[-2:] + b[0] for a, b in itertools.pairwise(pieces[2:])
+                if len(a) >= 2 and b and (a + b).isascii() and free.text.count(a[-2:] + b[0]) == 1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = final_outputs(llm, [prompt], params)[0].outputs[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+    engine = llm.llm_engine
+    engine.add_request("s", {"prompt_token_ids": prompt},
+                       SamplingParams(**{**vars(params), "output_kind": RequestOutputKind.DELTA}))
+    outs = run_streaming(engine)["s"]
+    assert "".join(o.outputs[0].text for o in outs) == want.text
+    engine.add_request("s", {"prompt_token_ids": prompt}, params)  # cumulative
+    outs = run_streaming(engine)["s"]
+    assert all(want.text.startswith(o.outputs[0].text) for o in outs) and outs[-1].outputs[0].text == want.text
+
+
+def test_final_only_and_the_llms_own_requests_give_the_final_output_alone(llm):
+    engine = llm.llm_engine
+    engine.add_request("f", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                      output_kind=RequestOutputKind.FINAL_ONLY))
+    ours = llm.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    seen = run_streaming(engine)
+    assert sorted(map(str, seen)) == sorted(["f", str(ours)]) and all(len(v) == 1 for v in seen.values())
+    with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind, got 2"):
+        SamplingParams(output_kind=2)

@@ -68,29 +68,34 @@ class Request:
 
     def output(self, detokenizer: Detokenizer) -> RequestOutput:
         """The finished request's output (vLLM's RequestOutput), texts decoded by `detokenizer`."""
-        params = self.params
-        completions = []
-        for index, seq in enumerate(self.samples):
-            shown = seq.completion_token_ids
-            if seq.ended_on_stop_token and not params.include_stop_str_in_output:
-                shown = shown[:-1]  # vLLM: the stop token (EOS or a stop_token_id) stays in token_ids only
-            text = detokenizer.text(seq.prompt_token_ids, shown, params)
-            stop_reason = seq.stop_token
-            if seq.stopped_by_string:
-                # a stop string counts once it ends past the first min_tokens tokens' text
-                held = seq.completion_token_ids[: params.min_tokens]
-                after = len(detokenizer.text(seq.prompt_token_ids, held, params))
-                text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output, after)
-            if seq.logprobs is not None and params.detokenize:
-                detokenizer.fill_decoded_tokens(seq.logprobs)
-            completions.append(CompletionOutput(
-                index, text, seq.completion_token_ids,
-                seq.cumulative_logprob if seq.logprobs is not None else None, seq.logprobs,
-                seq.finish_reason.value if seq.finish_reason is not None else None, stop_reason,
-            ))
+        completions = [self.final_completion(index, detokenizer) for index in range(len(self.samples))]
+        return self.with_completions(completions, detokenizer, finished=True)
+
+    def final_completion(self, index: int, detokenizer: Detokenizer) -> CompletionOutput:
+        """Finished sample `index`'s completion: its text without a stop token's, cut at a stop string."""
+        params, seq = self.params, self.samples[index]
+        shown = seq.completion_token_ids
+        if seq.ended_on_stop_token and not params.include_stop_str_in_output:
+            shown = shown[:-1]  # vLLM: the stop token (EOS or a stop_token_id) stays in token_ids only
+        text = detokenizer.text(seq.prompt_token_ids, shown, params)
+        stop_reason = seq.stop_token
+        if seq.stopped_by_string:
+            # a stop string counts once it ends past the first min_tokens tokens' text
+            held = seq.completion_token_ids[: params.min_tokens]
+            after = len(detokenizer.text(seq.prompt_token_ids, held, params))
+            text, stop_reason = cut_at_stop(text, params.stop, params.include_stop_str_in_output, after)
+        if seq.logprobs is not None and params.detokenize:
+            detokenizer.fill_decoded_tokens(seq.logprobs)
+        return CompletionOutput(index, text, seq.completion_token_ids,
+                                seq.cumulative_logprob if seq.logprobs is not None else None, seq.logprobs,
+                                seq.finish_reason.value if seq.finish_reason is not None else None, stop_reason)
+
+    def with_completions(self, completions: list[CompletionOutput], detokenizer: Detokenizer, finished: bool,
+                         prompt_logprobs: bool = True) -> RequestOutput:
+        """The request's output holding `completions` (the prompt's logprobs unless prompt_logprobs=False)."""
         leader = self.samples[0]
-        if leader.prompt_logprobs is not None and params.detokenize:
-            detokenizer.fill_decoded_tokens(leader.prompt_logprobs)
-        return RequestOutput(self.request_id, self.prompt, leader.token_ids[: self.num_prompt_tokens],
-                             leader.prompt_logprobs, completions, finished=True,
-                             num_cached_tokens=leader.num_cached_tokens)
+        logprobs = leader.prompt_logprobs if prompt_logprobs else None
+        if logprobs is not None and self.params.detokenize:
+            detokenizer.fill_decoded_tokens(logprobs)
+        return RequestOutput(self.request_id, self.prompt, leader.token_ids[: self.num_prompt_tokens], logprobs,
+                             completions, finished=finished, num_cached_tokens=leader.num_cached_tokens)

@@ -10,11 +10,10 @@ Scripts drive vLLM's engine by the caller's request ids:
 
 and clients read `llm.llm_engine.model_config` (lm-eval), `.model_executor` (TRL's weight sync),
 `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.sleep` / `.wake_up` / `.collective_rpc`. Those
-are the LLM's own; the step API keeps each request's output until it finishes: `step()` returns a
-request once, finished (vLLM's
-RequestOutputKind.FINAL_ONLY, which its LLM.generate uses; its engine's default, CUMULATIVE,
-also returns the unfinished ones' outputs so far, which nanovllm does not build). nano-vllm's
-step API (int ids, StepResult) stays on the LLM itself.
+are the LLM's own. `step()` returns each request's outputs as its SamplingParams.output_kind asks
+(vLLM's RequestOutputKind: CUMULATIVE, its default, and DELTA while it runs, then the final one;
+FINAL_ONLY the final one alone; engine/output_streams.py). nano-vllm's step API (int ids,
+StepResult: finished requests only) stays on the LLM itself.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
+from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -86,6 +86,9 @@ class VllmEngine:
         self._lock = llm._lock  # the LLM's: one call at a time across both APIs
         self._ids: dict[int, str] = {}
         self._names: dict[str, int] = {}
+        # The output kinds of the pending requests added here that are not FINAL_ONLY (output_streams.py).
+        self._kinds: dict[int, RequestOutputKind] = {}
+        self._streams = OutputStreams(llm.detokenizer)
 
     # ----- what clients read on vLLM's llm_engine: the LLM's own -----
     @property
@@ -140,20 +143,29 @@ class VllmEngine:
             raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported")
         ours = self._llm.add_request(prompt, params)
         self._ids[ours], self._names[request_id] = request_id, ours
+        if params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self._kinds[ours] = params.output_kind
         return request_id
 
     @one_call_at_a_time
     def step(self) -> list[RequestOutput]:
-        """One engine step: the outputs of the requests it finished, under their callers' ids (a
-        request added through the LLM's own add_request keeps its int id)."""
+        """One engine step: the outputs of the requests it finished and, as their output_kind asks,
+        of those it advanced (engine/output_streams.py), under their callers' ids (a request added
+        through the LLM's own add_request keeps its int id and gives its final output only)."""
         finished = self._llm.step().finished
         outputs = []
         for out in finished:
             name = self._ids.pop(out.request_id, None)
             if name is not None:
                 del self._names[name]
-                out = dataclasses.replace(out, request_id=name)
+                kind = self._kinds.pop(out.request_id, RequestOutputKind.FINAL_ONLY)
+                out = dataclasses.replace(self._streams.final(out, kind), request_id=name)
             outputs.append(out)
+        for ours in self._kinds:
+            request = self._llm.scheduler.requests.get(ours)
+            running = None if request is None else self._streams.running(request)
+            if running is not None:
+                outputs.append(dataclasses.replace(running, request_id=self._ids[ours]))
         return outputs
 
     def _forget_ended(self) -> None:
@@ -162,6 +174,8 @@ class VllmEngine:
         if not self._llm.scheduler.requests:
             self._ids.clear()
             self._names.clear()
+            self._kinds.clear()
+            self._streams = OutputStreams(self._llm.detokenizer)
 
     def has_unfinished_requests(self) -> bool:
         return not self._llm.is_finished()
@@ -179,4 +193,6 @@ class VllmEngine:
         ours = [self._names.pop(n) for n in names if isinstance(n, str) and n in self._names]
         for i in ours:
             del self._ids[i]
+            self._kinds.pop(i, None)
+            self._streams.forget(i)
         self._llm.abort_request(ours)

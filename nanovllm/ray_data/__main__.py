@@ -42,6 +42,8 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, fi
 SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
 # Rows per generate call of a replica: enough to fill an engine's batch (bench's default workload).
 DEFAULT_BATCH_SIZE = 256
+# SamplingParams fields without a flag: output_kind is what llm_engine.step() streams (replicas generate).
+NO_FLAG_FIELDS = frozenset({"output_kind"})
 
 
 def json_object(text: str) -> dict:
@@ -60,6 +62,8 @@ def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
     SamplingParams of those fields (the rest at SamplingParams' defaults, as generate takes them)."""
     group = ap.add_argument_group("sampling (SamplingParams fields)")
     for name, hint in field_types().items():
+        if name in NO_FLAG_FIELDS:
+            continue
         flag = "--" + name.replace("_", "-")
         kind = hint  # X | None: X (every optional field has one other kind)
         if isinstance(hint, types.UnionType):
@@ -93,7 +97,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Flags checked here, before Ray starts: bad sampling values, counts and JSON exit with usage."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    chosen = {f.name: getattr(args, f.name) for f in fields(SamplingParams) if getattr(args, f.name) is not None}
+    chosen = {f.name: getattr(args, f.name) for f in fields(SamplingParams)
+              if f.name not in NO_FLAG_FIELDS and getattr(args, f.name) is not None}
     try:  # sampling_params_of takes logit_bias' JSON keys ("42") as token ids
         args.sampling_params = sampling_params_of(chosen) if chosen else None
         args.llm_kwargs = json.loads(args.llm_kwargs)

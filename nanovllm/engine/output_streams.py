@@ -1,0 +1,122 @@
+"""The outputs `llm.llm_engine.step()` returns while a request runs, as its SamplingParams.output_kind
+asks (vLLM's RequestOutputKind):
+
+    CUMULATIVE   each step that adds to a request: every completion so far (token ids, text,
+                 logprobs), finished=False; then the final output
+    DELTA        the same steps, each completion only with what is new since the last output (and
+                 only the completions with something new; the prompt's logprobs in the first)
+    FINAL_ONLY   nothing until the final output
+
+Texts grow as the final one will read: each sample's text is decoded incrementally (TextStream, as
+stop strings are matched), and the last len(longest stop string) - 1 characters are held back while
+it runs, unless include_stop_str_in_output (vLLM's rule): a stop string is never shown and then
+taken back, so a DELTA's texts joined are the final text.
+
+    text so far:  "The answer is 4# "          stop "###": hold back 2 characters
+    shown:        "The answer is 4"            then finished: "The answer is 4" (cut at "###")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.engine.detokenizer import Detokenizer
+from nanovllm.engine.request import Request
+from nanovllm.engine.text_stream import REPLACEMENT, TextStream
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _Sent:
+    """One sample's output so far: its text stream and what the caller was given."""
+
+    stream: TextStream | None
+    pieces: list[str] = field(default_factory=list)  # the text decoded so far, in pieces
+    fed: int = 0  # completion tokens decoded into `pieces`
+    tokens: int = 0  # completion tokens given
+    chars: int = 0  # text characters given
+    logprobs: int = 0  # logprobs entries given
+    finished: bool = False  # its final completion was given
+
+
+class OutputStreams:
+    """Per running request (by engine id) that is not FINAL_ONLY: what its outputs gave so far."""
+
+    def __init__(self, detokenizer: Detokenizer):
+        self.detokenizer = detokenizer
+        self._sent: dict[int, list[_Sent]] = {}
+
+    def running(self, request: Request) -> RequestOutput | None:
+        """The output of a running request whose samples have new tokens (or a newly finished
+        sample) since its last output; None when nothing is new or it has no token yet."""
+        sent = self._sent.get(request.request_id)
+        if sent is None:
+            if not any(seq.completion_token_ids for seq in request.samples):
+                return None  # vLLM's first output comes with the first token
+            sent = self._sent[request.request_id] = [self._new_sent(request, i) for i in range(len(request.samples))]
+        news = [not s.finished if seq.is_finished else len(seq.completion_token_ids) > s.tokens
+                for seq, s in zip(request.samples, sent)]
+        if not any(news):
+            return None
+        delta = request.params.output_kind is RequestOutputKind.DELTA
+        first = not any(s.tokens for s in sent)
+        completions = []
+        for index, (seq, s) in enumerate(zip(request.samples, sent)):
+            if delta and not news[index]:
+                continue
+            if seq.is_finished:
+                completion = request.final_completion(index, self.detokenizer)
+                s.finished = True
+            else:
+                completion = self._running_completion(request, index, s)
+            completions.append(_rest(completion, s) if delta else completion)
+            s.tokens, s.chars = len(completion.token_ids), len(completion.text)
+            s.logprobs = 0 if completion.logprobs is None else len(completion.logprobs)
+        return request.with_completions(completions, self.detokenizer, finished=False,
+                                        prompt_logprobs=first or not delta)
+
+    def final(self, request_output: RequestOutput, kind: RequestOutputKind) -> RequestOutput:
+        """A finished request's output as its kind gives it (DELTA: what its earlier outputs did not
+        give); forgets the request."""
+        sent = self._sent.pop(request_output.request_id, None)
+        if sent is None or kind is not RequestOutputKind.DELTA:
+            return request_output
+        rest = [_rest(completion, s) for completion, s in zip(request_output.outputs, sent) if not s.finished]
+        return RequestOutput(request_output.request_id, request_output.prompt, request_output.prompt_token_ids,
+                             None, rest, finished=True, num_cached_tokens=request_output.num_cached_tokens)
+
+    def forget(self, request_id: int) -> None:
+        self._sent.pop(request_id, None)
+
+    def _new_sent(self, request: Request, index: int) -> _Sent:
+        decoder = self.detokenizer.decoder
+        params = request.params
+        usable = decoder is not None and self.detokenizer.tokenizer is not None and params.detokenize
+        seq = request.samples[index]
+        return _Sent(TextStream(decoder, seq.prompt_token_ids, params.skip_special_tokens) if usable else None)
+
+    def _running_completion(self, request: Request, index: int, s: _Sent) -> CompletionOutput:
+        """Sample `index`'s completion so far, its text held back before any stop string's start."""
+        params, seq = request.params, request.samples[index]
+        ids = seq.completion_token_ids
+        if s.stream is not None:
+            s.pieces += [p for p in map(s.stream.step, ids[s.fed:]) if p is not None]
+            s.fed = len(ids)
+            text = "".join(s.pieces)
+        else:  # no tokenizers backend (or no text asked): decoded whole, a character cut short left out
+            text = self.detokenizer.text(seq.prompt_token_ids, ids, params).rstrip(REPLACEMENT)
+        if params.stop and not params.include_stop_str_in_output:
+            text = text[: max(s.chars, len(text) - (max(map(len, params.stop)) - 1))]
+        if seq.logprobs is not None and params.detokenize:
+            self.detokenizer.fill_decoded_tokens(seq.logprobs[s.logprobs:])
+        return CompletionOutput(index, text, list(ids), seq.cumulative_logprob if seq.logprobs is not None else None,
+                                None if seq.logprobs is None else list(seq.logprobs))
+
+
+def _rest(completion: CompletionOutput, s: _Sent) -> CompletionOutput:
+    """`completion` without what `s` says its earlier outputs gave."""
+    return CompletionOutput(completion.index, completion.text[s.chars:], completion.token_ids[s.tokens:],
+                            completion.cumulative_logprob,
+                            None if completion.logprobs is None else completion.logprobs[s.logprobs:],
+                            completion.finish_reason, completion.stop_reason)
