@@ -29,7 +29,7 @@ import ray.data  # noqa: E402
 import ray.util  # noqa: E402
 
 from nanovllm.ray_data import LLMPredictor  # noqa: E402
-from nanovllm.ray_data.__main__ import check_gpus, parse_args, write_jsonl  # noqa: E402
+from nanovllm.ray_data.__main__ import NodeResources, check_resources, parse_args, write_jsonl  # noqa: E402
 from nanovllm.ray_data.predictor import replica_tensor_parallel_size, row_overrides, sampling_params_of  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")
@@ -243,6 +243,15 @@ def test_row_overrides_from_json_lines_through_arrow(cluster, ckpt, tmp_path):
     for row, arrow_row in zip(JSON_ROWS[:4], batch["sampling_params"]):
         overrides = row_overrides(arrow_row)
         assert json.dumps(overrides, sort_keys=True) == json.dumps(row["sampling_params"], sort_keys=True)  # ints stay ints
+    # a directory of two files: a batch spanning them gives a row without overrides every other
+    # row's dict fields, all None (not None itself)
+    folder = tmp_path / "split"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in JSON_ROWS[:3]))
+    (folder / "b.jsonl").write_text("".join(json.dumps(row) + "\n" for row in JSON_ROWS[3:]))
+    spanning = next(iter(ray.data.read_json(str(folder)).iter_batches(batch_size=len(JSON_ROWS), batch_format="numpy")))
+    got = sorted(json.dumps({} if r is None else row_overrides(r), sort_keys=True) for r in spanning["sampling_params"])
+    assert got == sorted(json.dumps(row.get("sampling_params", {}), sort_keys=True) for row in JSON_ROWS)
     predictor = LLMPredictor(**predictor_kwargs(ckpt))
     try:
         out = predictor(batch)
@@ -307,16 +316,21 @@ def test_failed_jsonl_run_leaves_an_earlier_file_as_it_was(cluster, tmp_path):
 
 
 def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_path):
-    """check_gpus against each node's GPUs (a replica's GPUs are on one node); the command, on this
-    cluster of 2 GPUs, stops at once (instead of Ray waiting forever) and names --gpus-per-replica 0."""
-    check_gpus(2, 1, [1.0, 1.0])
-    check_gpus(4, 0.5, [2.0])
-    check_gpus(3, 0, [])  # CPU engines
-    check_gpus(3, 0, [0.0])
-    for replicas, gpus, nodes in [(1, 1, [0.0]), (1, 1, []), (2, 2, [1.0, 1.0]), (3, 1, [2.0])]:
+    """check_resources against each node's CPUs and GPUs (a replica's are on one node; one CPU more
+    for reading and writing); the command, on this cluster of 3 CPUs and 2 GPUs, stops at once
+    (instead of Ray waiting forever) and names --gpus-per-replica 0."""
+    check_resources(2, 1, [NodeResources(2, 1), NodeResources(2, 1)])
+    check_resources(4, 0.5, [NodeResources(5, 2)])
+    check_resources(2, 0, [NodeResources(3, 0)])  # CPU engines
+    for replicas, gpus, nodes in [(1, 1, [NodeResources(4, 0)]), (1, 1, []), (2, 2, [NodeResources(4, 1)] * 2),
+                                  (3, 1, [NodeResources(8, 2)])]:
         with pytest.raises(ValueError, match=rf"--replicas {replicas} --gpus-per-replica {gpus:g} .*"
                                              r"pass --gpus-per-replica 0 to run the engines on CPUs"):
-            check_gpus(replicas, gpus, nodes)
+            check_resources(replicas, gpus, nodes)
+    # CPU engines: one CPU each and one for Ray Data's reads (the README's 2-replica example on 2 CPUs waited forever)
+    for replicas, gpus, nodes in [(2, 0, [NodeResources(2, 0)]), (2, 1, [NodeResources(2, 2)]), (1, 0, [])]:
+        with pytest.raises(ValueError, match=r"1 CPU each, one more for reading and writing|room for"):
+            check_resources(replicas, gpus, nodes)
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"prompt": "a"}) + "\n")
     cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src),
@@ -325,7 +339,7 @@ def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_p
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "ValueError: --replicas 3 --gpus-per-replica 1 needs 3 replica(s)" in proc.stderr, proc.stderr[-3000:]
-    assert "GPU(s) (2), room for 2" in proc.stderr
+    assert "have 3 CPU(s) and 2 GPU(s): room for 2 replica(s)" in proc.stderr
     assert os.listdir(tmp_path) == ["prompts.jsonl"]
 
 
@@ -334,6 +348,8 @@ def test_command_refuses_bad_flags_before_ray_starts():
         parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--temperature", "-1"])
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--replicas", "0"])
+    with pytest.raises(SystemExit):  # a single-file output whose folder does not exist
+        parse_args(["--model", "m", "--input", "i", "--output", "no/such/folder/o.jsonl"])
     args = parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--stop", "x", "y", "--ignore-eos",
                        "--max-tokens", "9", "--llm-kwargs", '{"max_model_len": 64}'])
     assert args.sampling_params == SamplingParams(stop=["x", "y"], ignore_eos=True, max_tokens=9)

@@ -14,7 +14,7 @@ once all are written: a failed run leaves an earlier file as it was); any other 
 directory, a cloud URI) gets Ray Data's write_json layout: a directory of JSON-lines files, one
 per block, in no set order.
 Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
-starts one on this machine; replicas that its nodes' GPUs cannot hold are refused at once
+starts one on this machine; replicas that its live nodes' CPUs and GPUs cannot hold are refused at once
 (--gpus-per-replica 0: CPU engines). Run the same command on a multi-node cluster's head node,
 with an --input (and a directory --output) that every node sees: Ray Data reads and writes them
 from whichever node runs the task.
@@ -27,9 +27,10 @@ import json
 import math
 import os
 import sys
+import tempfile
 import types
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import ray
@@ -42,6 +43,8 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, fi
 SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
 # Rows per generate call of a replica: enough to fill an engine's batch (bench's default workload).
 DEFAULT_BATCH_SIZE = 256
+# CPUs each replica's actor holds (Ray Data's default for an actor, set explicitly: check_resources counts it).
+REPLICA_CPUS = 1
 # SamplingParams fields without a flag: output_kind is what llm_engine.step() streams (replicas generate).
 NO_FLAG_FIELDS = frozenset({"output_kind"})
 
@@ -106,6 +109,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(str(exc))
     if not isinstance(args.llm_kwargs, dict):
         ap.error(f"--llm-kwargs must be a JSON object, got {args.llm_kwargs!r}")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if args.output.endswith(SINGLE_FILE_SUFFIXES) and not os.path.isdir(folder):
+        ap.error(f"--output {args.output!r}: its folder {folder!r} does not exist")
     if args.replicas < 1 or args.batch_size < 1 or args.gpus_per_replica < 0:
         ap.error(f"--replicas and --batch-size must be >= 1 and --gpus-per-replica >= 0, got "
                  f"{args.replicas}, {args.batch_size}, {args.gpus_per_replica}")
@@ -121,47 +127,66 @@ def json_value(value):
 
 def write_jsonl(ds: ray.data.Dataset, path: str) -> int:
     """Every row of `ds` as one JSON line of `path`, in the dataset's order; returns the row count.
-    The lines go to a temporary file beside `path`, which replaces it once the last row is written:
-    a run that fails (a bad row, Ctrl-C) leaves an existing `path` as it was and no partial file."""
-    partial = f"{path}.{os.getpid()}.partial"
+    The lines go to a new temporary file beside `path`, which replaces it once the last row is
+    written: a run that fails (a bad row, Ctrl-C) leaves an existing `path` as it was and no partial file."""
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".",
+                                   suffix=".partial")
     rows = 0
     try:
-        with open(partial, "x", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             for row in ds.iter_rows():
                 f.write(json.dumps(dict(row), ensure_ascii=False, default=json_value) + "\n")
                 rows += 1
+        os.chmod(partial, 0o666 & ~current_umask())  # mkstemp's file is private: the output is as open() makes it
         os.replace(partial, path)
     except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
+        os.remove(partial)
         raise
     return rows
 
 
-def check_gpus(replicas: int, gpus_per_replica: float, node_gpus: list[float]) -> None:
-    """ValueError, naming the flags and the cluster's GPUs, when `replicas` actors of
-    `gpus_per_replica` GPUs each (all on one node) do not fit the nodes' GPUs (`node_gpus`, one entry
-    per node): Ray would wait for them forever. CPU engines (0 GPUs) always fit."""
-    if gpus_per_replica == 0:
-        return
-    fit = sum(math.floor(gpus / gpus_per_replica + 1e-9) for gpus in node_gpus)
-    if fit < replicas:
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    cpus: float
+    gpus: float
+
+
+def check_resources(replicas: int, gpus_per_replica: float, nodes: list[NodeResources]) -> None:
+    """ValueError, naming the flags and the cluster's CPUs and GPUs, when `replicas` actors of
+    REPLICA_CPUS CPU and `gpus_per_replica` GPUs each (all on one node), and one CPU more for Ray
+    Data's read and write tasks, do not fit the live nodes: Ray would wait for them forever."""
+    def room(node: NodeResources) -> int:
+        by_cpus = math.floor(node.cpus / REPLICA_CPUS + 1e-9)
+        return by_cpus if gpus_per_replica == 0 else min(by_cpus, math.floor(node.gpus / gpus_per_replica + 1e-9))
+
+    fit = sum(map(room, nodes))
+    cpus, gpus = sum(n.cpus for n in nodes), sum(n.gpus for n in nodes)
+    if fit < replicas or cpus < replicas * REPLICA_CPUS + 1:
+        cpu_hint = "" if gpus_per_replica else f" ({REPLICA_CPUS} CPU each, one more for reading and writing)"
+        gpu_hint = ", or pass --gpus-per-replica 0 to run the engines on CPUs" if gpus_per_replica else ""
         raise ValueError(
             f"--replicas {replicas} --gpus-per-replica {gpus_per_replica:g} needs {replicas} replica(s) of "
-            f"{gpus_per_replica:g} GPU(s) on one node each, but the Ray cluster's nodes have {sum(node_gpus):g} "
-            f"GPU(s) ({', '.join(f'{g:g}' for g in node_gpus) or 'no nodes'}), room for {fit}: lower --replicas "
-            f"or --gpus-per-replica, or pass --gpus-per-replica 0 to run the engines on CPUs")
+            f"{REPLICA_CPUS} CPU and {gpus_per_replica:g} GPU(s) on one node each{cpu_hint}, but the Ray cluster's "
+            f"{len(nodes)} live node(s) have {cpus:g} CPU(s) and {gpus:g} GPU(s): room for {min(fit, int(cpus) - 1)} "
+            f"replica(s). Lower --replicas or --gpus-per-replica{gpu_hint}")
 
 
-def cluster_node_gpus() -> list[float]:
-    """The GPUs of each live node of the Ray cluster this process joined."""
-    return [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
+def cluster_nodes() -> list[NodeResources]:
+    """The CPUs and GPUs of each live node of the Ray cluster this process joined."""
+    return [NodeResources(node["Resources"].get("CPU", 0.0), node["Resources"].get("GPU", 0.0))
+            for node in ray.nodes() if node["Alive"]]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     ray.init()
-    check_gpus(args.replicas, args.gpus_per_replica, cluster_node_gpus())
+    check_resources(args.replicas, args.gpus_per_replica, cluster_nodes())
     single_file = args.output.endswith(SINGLE_FILE_SUFFIXES)
     if single_file:
         ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -170,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         fn_constructor_kwargs=dict(model=args.model, sampling_params=args.sampling_params, llm_kwargs=args.llm_kwargs),
         compute=ray.data.ActorPoolStrategy(size=args.replicas),
         batch_size=args.batch_size,
+        num_cpus=REPLICA_CPUS,
         num_gpus=args.gpus_per_replica,
     )
     if single_file:

@@ -224,14 +224,15 @@ def integral_numbers(value):
 
 def row_overrides(overrides: Mapping) -> dict:
     """A row's `sampling_params` dict, as Arrow's numpy batches hold it, back to its JSON form:
-    numpy values as plain Python, fields that are None (the row does not override them) left out,
+    numpy values as plain Python, fields that are None or {} (the row does not override them: Arrow
+    gives a row without a dict field the other rows' keys, all None, when the batch spans files) left out,
     nested dicts without the None entries of other rows' keys, integral floats of int fields (and
     of structured_outputs' schemas) as ints. A JSON null inside a nested dict reads as absent (Arrow
     cannot tell it apart): a schema that needs one goes as JSON text (`"json": "{...}"`)."""
     chosen = {}
     for name, value in plain(overrides).items():
         value = without_nulls(value)
-        if value is None:
+        if value is None or value == {}:  # a row without the field, in a batch of rows (or files) with it
             continue
         if name in INT_SAMPLING_FIELDS:
             value = integral(value)
