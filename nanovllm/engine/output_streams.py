@@ -18,10 +18,11 @@ taken back, so a DELTA's texts joined are the final text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.text_stream import REPLACEMENT, TextStream
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind
@@ -32,16 +33,22 @@ class _Sent:
     """One sample's output so far: its text stream and what the caller was given."""
 
     stream: TextStream | None
-    pieces: list[str] = field(default_factory=list)  # the text decoded so far, in pieces
-    fed: int = 0  # completion tokens decoded into `pieces`
+    text: str = ""  # the text decoded so far (by `stream`)
+    fed: int = 0  # completion tokens decoded into `text`
     tokens: int = 0  # completion tokens given
     chars: int = 0  # text characters given
     logprobs: int = 0  # logprobs entries given
-    finished: bool = False  # its final completion was given
+    final: CompletionOutput | None = None  # its final completion, once finished (built once)
+    finished: bool = False  # the final completion was given
+
+
+def _completion_len(seq: Sequence) -> int:
+    return len(seq) - seq.num_prompt_tokens
 
 
 class OutputStreams:
-    """Per running request (by engine id) that is not FINAL_ONLY: what its outputs gave so far."""
+    """Per running request (by engine id) that is not FINAL_ONLY: what its outputs gave so far.
+    A step costs each request the work of its new tokens (and, CUMULATIVE, the copy of what it holds)."""
 
     def __init__(self, detokenizer: Detokenizer):
         self.detokenizer = detokenizer
@@ -52,10 +59,10 @@ class OutputStreams:
         sample) since its last output; None when nothing is new or it has no token yet."""
         sent = self._sent.get(request.request_id)
         if sent is None:
-            if not any(seq.completion_token_ids for seq in request.samples):
+            if not any(_completion_len(seq) for seq in request.samples):
                 return None  # vLLM's first output comes with the first token
             sent = self._sent[request.request_id] = [self._new_sent(request, i) for i in range(len(request.samples))]
-        news = [not s.finished if seq.is_finished else len(seq.completion_token_ids) > s.tokens
+        news = [not s.finished if seq.is_finished else _completion_len(seq) > s.tokens
                 for seq, s in zip(request.samples, sent)]
         if not any(news):
             return None
@@ -66,13 +73,13 @@ class OutputStreams:
             if delta and not news[index]:
                 continue
             if seq.is_finished:
-                completion = request.final_completion(index, self.detokenizer)
-                s.finished = True
+                if s.final is None:
+                    s.final = request.final_completion(index, self.detokenizer)
+                completions.append(_rest(s.final, s) if delta else s.final)
+                s.tokens, s.chars, s.finished = len(s.final.token_ids), len(s.final.text), True
+                s.logprobs = 0 if s.final.logprobs is None else len(s.final.logprobs)
             else:
-                completion = self._running_completion(request, index, s)
-            completions.append(_rest(completion, s) if delta else completion)
-            s.tokens, s.chars = len(completion.token_ids), len(completion.text)
-            s.logprobs = 0 if completion.logprobs is None else len(completion.logprobs)
+                completions.append(self._running_completion(request, index, s, delta))
         return request.with_completions(completions, self.detokenizer, finished=False,
                                         prompt_logprobs=first or not delta)
 
@@ -96,22 +103,32 @@ class OutputStreams:
         seq = request.samples[index]
         return _Sent(TextStream(decoder, seq.prompt_token_ids, params.skip_special_tokens) if usable else None)
 
-    def _running_completion(self, request: Request, index: int, s: _Sent) -> CompletionOutput:
-        """Sample `index`'s completion so far, its text held back before any stop string's start."""
+    def _running_completion(self, request: Request, index: int, s: _Sent, delta: bool) -> CompletionOutput:
+        """Sample `index`'s completion so far (DELTA: past what `s` says was given), its text held
+        back before any stop string's start; `s` updated."""
         params, seq = request.params, request.samples[index]
-        ids = seq.completion_token_ids
+        start, length = seq.num_prompt_tokens, _completion_len(seq)
         if s.stream is not None:
-            s.pieces += [p for p in map(s.stream.step, ids[s.fed:]) if p is not None]
-            s.fed = len(ids)
-            text = "".join(s.pieces)
+            s.text += "".join(p for p in map(s.stream.step, seq.token_ids[start + s.fed:]) if p is not None)
+            s.fed = length
+            text = s.text
         else:  # no tokenizers backend (or no text asked): decoded whole, a character cut short left out
-            text = self.detokenizer.text(seq.prompt_token_ids, ids, params).rstrip(REPLACEMENT)
+            text = self.detokenizer.text(seq.prompt_token_ids, seq.token_ids[start:], params).rstrip(REPLACEMENT)
+        shown = len(text)
         if params.stop and not params.include_stop_str_in_output:
-            text = text[: max(s.chars, len(text) - (max(map(len, params.stop)) - 1))]
-        if seq.logprobs is not None and params.detokenize:
-            self.detokenizer.fill_decoded_tokens(seq.logprobs[s.logprobs:])
-        return CompletionOutput(index, text, list(ids), seq.cumulative_logprob if seq.logprobs is not None else None,
-                                None if seq.logprobs is None else list(seq.logprobs))
+            shown = max(s.chars, shown - (max(map(len, params.stop)) - 1))
+        logprobs = seq.logprobs
+        if logprobs is not None and params.detokenize:
+            self.detokenizer.fill_decoded_tokens(logprobs[s.logprobs:])
+        cumulative = seq.cumulative_logprob if logprobs is not None else None
+        if delta:
+            completion = CompletionOutput(index, text[s.chars:shown], seq.token_ids[start + s.tokens:], cumulative,
+                                          None if logprobs is None else logprobs[s.logprobs:])
+        else:
+            completion = CompletionOutput(index, text[:shown], seq.token_ids[start:], cumulative,
+                                          None if logprobs is None else list(logprobs))
+        s.tokens, s.chars, s.logprobs = length, shown, 0 if logprobs is None else len(logprobs)
+        return completion
 
 
 def _rest(completion: CompletionOutput, s: _Sent) -> CompletionOutput:
