@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -75,10 +76,17 @@ class ServedModel:
 
     @functools.cached_property
     def hf_config(self) -> PretrainedConfig:
-        """transformers' reading of the checkpoint's config.json, hf_overrides applied (read on first use)."""
+        """transformers' reading of the checkpoint's config.json as hf_overrides edit it (read on first
+        use; as the file's own keys: from_pretrained's keyword overrides lose a published rope_theta
+        beside an overriding rope_scaling)."""
         from transformers import AutoConfig  # transformers loads on first use, not with nanovllm
 
-        return AutoConfig.from_pretrained(self.model, **copy.deepcopy(self.hf_overrides or {}))  # it edits them
+        if not self.hf_overrides:
+            return AutoConfig.from_pretrained(self.model)
+        with open(os.path.join(self.model, "config.json")) as f:
+            raw = json.load(f)
+        raw.update(copy.deepcopy(self.hf_overrides))  # transformers edits what it is given
+        return AutoConfig.for_model(**raw)
 
     @property
     def hf_text_config(self) -> PretrainedConfig:

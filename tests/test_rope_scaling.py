@@ -115,9 +115,10 @@ def test_yarn_in_the_published_spelling_and_through_hf_overrides(yarn_qwen3, tmp
     assert generate_tokens(plain, prompts, GREEDY, max_model_len=YARN_POSITIONS, hf_overrides=overrides)[0] == expected
     assert generate_tokens(plain, prompts, GREEDY, max_model_len=YARN_POSITIONS)[0] != expected  # it did something
     llm = cpu_llm(plain, kvcache_block_size=16, hf_overrides=overrides)
-    try:  # the derived length is the served one, and vLLM clients see the overridden config
+    try:  # the derived length is the served one, and vLLM clients see the overridden config (the published theta kept)
         assert llm.llm_engine.model_config.max_model_len == YARN_POSITIONS
-        assert llm.llm_engine.model_config.hf_config.rope_parameters["rope_type"] == "yarn"
+        hf_rope = llm.llm_engine.model_config.hf_config.rope_parameters
+        assert (hf_rope["rope_type"], hf_rope["rope_theta"]) == ("yarn", llm.config.model_config.rope_theta)
     finally:
         llm.exit()
     with open(os.path.join(plain, "config.json")) as f:
@@ -140,7 +141,8 @@ def test_an_hf_overrides_scaling_keeps_a_transformers_5_configs_theta(tmp_path):
     llm = cpu_llm(path, kvcache_block_size=16, max_model_len=YARN_POSITIONS, hf_overrides=overrides)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-        assert llm.llm_engine.model_config.hf_config.rope_parameters["rope_type"] == "yarn"
+        hf_rope = llm.llm_engine.model_config.hf_config.rope_parameters  # transformers', as if the file said so
+        assert (hf_rope["rope_type"], hf_rope["rope_theta"]) == ("yarn", 1e6)
         assert overrides == {"rope_scaling": YARN}  # as given, after transformers read its copy
     finally:
         llm.exit()
