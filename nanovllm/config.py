@@ -234,6 +234,10 @@ class Config:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
 
         self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
+        for key in ("rope_scaling", "rope_parameters"):  # an overriding RoPE dict without a theta: the one served,
+            rope = (self.hf_overrides or {}).get(key)  # for hf_config (transformers reads it from that dict alone)
+            if isinstance(rope, dict):
+                rope.setdefault("rope_theta", self.model_config.rope_theta)
         self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
                                                  os.path.join(self.model, "config.json"))
         positions = self.model_config.max_positions
