@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request
-from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.text_stream import REPLACEMENT, TextStream
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind
@@ -42,8 +41,12 @@ class _Sent:
     finished: bool = False  # the final completion was given
 
 
-def _completion_len(seq: Sequence) -> int:
-    return len(seq) - seq.num_prompt_tokens
+@dataclass
+class _Stream:
+    """A request's outputs so far: whether they are deltas, and each sample's."""
+
+    delta: bool
+    samples: list[_Sent]
 
 
 class OutputStreams:
@@ -52,21 +55,24 @@ class OutputStreams:
 
     def __init__(self, detokenizer: Detokenizer):
         self.detokenizer = detokenizer
-        self._sent: dict[int, list[_Sent]] = {}
+        self._streams: dict[int, _Stream] = {}
 
     def running(self, request: Request) -> RequestOutput | None:
         """The output of a running request whose samples have new tokens (or a newly finished
-        sample) since its last output; None when nothing is new or it has no token yet."""
-        sent = self._sent.get(request.request_id)
-        if sent is None:
-            if not any(_completion_len(seq) for seq in request.samples):
+        sample) since its last output; None when nothing is new, it has no token yet, or it is
+        FINAL_ONLY."""
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            kind = request.params.output_kind
+            if kind is RequestOutputKind.FINAL_ONLY or not any(s.num_completion_tokens for s in request.samples):
                 return None  # vLLM's first output comes with the first token
-            sent = self._sent[request.request_id] = [self._new_sent(request, i) for i in range(len(request.samples))]
-        news = [not s.finished if seq.is_finished else _completion_len(seq) > s.tokens
+            stream = self._streams[request.request_id] = _Stream(
+                kind is RequestOutputKind.DELTA, [self._new_sent(request, i) for i in range(len(request.samples))])
+        sent, delta = stream.samples, stream.delta
+        news = [not s.finished if seq.is_finished else seq.num_completion_tokens > s.tokens
                 for seq, s in zip(request.samples, sent)]
         if not any(news):
             return None
-        delta = request.params.output_kind is RequestOutputKind.DELTA
         first = not any(s.tokens for s in sent)
         completions = []
         for index, (seq, s) in enumerate(zip(request.samples, sent)):
@@ -83,18 +89,19 @@ class OutputStreams:
         return request.with_completions(completions, self.detokenizer, finished=False,
                                         prompt_logprobs=first or not delta)
 
-    def final(self, request_output: RequestOutput, kind: RequestOutputKind) -> RequestOutput:
+    def final(self, request_output: RequestOutput) -> RequestOutput:
         """A finished request's output as its kind gives it (DELTA: what its earlier outputs did not
         give); forgets the request."""
-        sent = self._sent.pop(request_output.request_id, None)
-        if sent is None or kind is not RequestOutputKind.DELTA:
+        stream = self._streams.pop(request_output.request_id, None)
+        if stream is None or not stream.delta:
             return request_output
-        rest = [_rest(completion, s) for completion, s in zip(request_output.outputs, sent) if not s.finished]
+        rest = [_rest(completion, s) for completion, s in zip(request_output.outputs, stream.samples)
+                if not s.finished]
         return RequestOutput(request_output.request_id, request_output.prompt, request_output.prompt_token_ids,
                              None, rest, finished=True, num_cached_tokens=request_output.num_cached_tokens)
 
     def forget(self, request_id: int) -> None:
-        self._sent.pop(request_id, None)
+        self._streams.pop(request_id, None)
 
     def _new_sent(self, request: Request, index: int) -> _Sent:
         decoder = self.detokenizer.decoder
@@ -107,7 +114,7 @@ class OutputStreams:
         """Sample `index`'s completion so far (DELTA: past what `s` says was given), its text held
         back before any stop string's start; `s` updated."""
         params, seq = request.params, request.samples[index]
-        start, length = seq.num_prompt_tokens, _completion_len(seq)
+        start, length = seq.num_prompt_tokens, seq.num_completion_tokens
         if s.stream is not None:
             s.text += "".join(p for p in map(s.stream.step, seq.token_ids[start + s.fed:]) if p is not None)
             s.fed = length

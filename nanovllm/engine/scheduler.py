@@ -324,7 +324,7 @@ class Scheduler:
         """Whether `token` completes one of seq's stop strings past the first min_tokens tokens (vLLM's
         rule; the text is fed whatever min_tokens says, so the search stays incremental)."""
         return (seq.stop_matcher is not None and seq.stop_matcher.feed(token)
-                and len(seq) - seq.num_prompt_tokens > seq.params.min_tokens)
+                and seq.num_completion_tokens > seq.params.min_tokens)
 
     def abort(self, request_ids: set[int]) -> None:
         """Drop the requests with these ids (ids of no pending request are ignored): every sample

@@ -27,7 +27,7 @@ import torch
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -86,8 +86,6 @@ class VllmEngine:
         self._lock = llm._lock  # the LLM's: one call at a time across both APIs
         self._ids: dict[int, str] = {}
         self._names: dict[str, int] = {}
-        # The output kinds of the pending requests added here that are not FINAL_ONLY (output_streams.py).
-        self._kinds: dict[int, RequestOutputKind] = {}
         self._streams = OutputStreams(llm.detokenizer)
 
     # ----- what clients read on vLLM's llm_engine: the LLM's own -----
@@ -143,8 +141,6 @@ class VllmEngine:
             raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported")
         ours = self._llm.add_request(prompt, params)
         self._ids[ours], self._names[request_id] = request_id, ours
-        if params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            self._kinds[ours] = params.output_kind
         return request_id
 
     @one_call_at_a_time
@@ -158,14 +154,13 @@ class VllmEngine:
             name = self._ids.pop(out.request_id, None)
             if name is not None:
                 del self._names[name]
-                kind = self._kinds.pop(out.request_id, RequestOutputKind.FINAL_ONLY)
-                out = dataclasses.replace(self._streams.final(out, kind), request_id=name)
+                out = dataclasses.replace(self._streams.final(out), request_id=name)
             outputs.append(out)
-        for ours in self._kinds:
+        for ours, name in self._ids.items():
             request = self._llm.scheduler.requests.get(ours)
             running = None if request is None else self._streams.running(request)
             if running is not None:
-                outputs.append(dataclasses.replace(running, request_id=self._ids[ours]))
+                outputs.append(dataclasses.replace(running, request_id=name))
         return outputs
 
     def _forget_ended(self) -> None:
@@ -174,7 +169,6 @@ class VllmEngine:
         if not self._llm.scheduler.requests:
             self._ids.clear()
             self._names.clear()
-            self._kinds.clear()
             self._streams = OutputStreams(self._llm.detokenizer)
 
     def has_unfinished_requests(self) -> bool:
@@ -193,6 +187,5 @@ class VllmEngine:
         ours = [self._names.pop(n) for n in names if isinstance(n, str) and n in self._names]
         for i in ours:
             del self._ids[i]
-            self._kinds.pop(i, None)
             self._streams.forget(i)
         self._llm.abort_request(ours)
