@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
-from nanovllm.models.model_config import DTYPES, ModelConfig
+from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
@@ -83,10 +82,7 @@ class ServedModel:
 
         if not self.hf_overrides:
             return AutoConfig.from_pretrained(self.model)
-        with open(os.path.join(self.model, "config.json")) as f:
-            raw = json.load(f)
-        raw.update(copy.deepcopy(self.hf_overrides))  # transformers edits what it is given
-        return AutoConfig.for_model(**raw)
+        return AutoConfig.for_model(**read_config_json(self.model, self.hf_overrides))
 
     @property
     def hf_text_config(self) -> PretrainedConfig:

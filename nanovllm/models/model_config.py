@@ -20,6 +20,7 @@ against 0.02 ms for Llama 3.1 8B's config.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -141,15 +142,8 @@ class ModelConfig:
     def from_pretrained(cls, path: str, overrides: dict | None = None) -> "ModelConfig":
         """The model directory's config.json, its keys replaced by `overrides` where given (vLLM's
         hf_overrides)."""
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model directory {path!r} has no config.json")
-        with open(config_path) as f:
-            raw = json.load(f)
-        if overrides:
-            raw.update(overrides)
-            config_path += f" with hf_overrides {sorted(overrides)}"
-        return cls.from_dict(raw, source=config_path)
+        source = os.path.join(path, "config.json") + (f" with hf_overrides {sorted(overrides)}" if overrides else "")
+        return cls.from_dict(read_config_json(path, overrides), source=source)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -223,6 +217,17 @@ class ModelConfig:
         for name, value in splits:
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
+
+
+def read_config_json(path: str, overrides: dict | None = None) -> dict:
+    """Model directory `path`'s config.json as a dict, its keys replaced by (copies of) `overrides`."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model directory {path!r} has no config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    raw.update(copy.deepcopy(overrides or {}))  # readers may edit what they are given (transformers does)
+    return raw
 
 
 def _moe(raw: dict, source: str) -> MoeConfig:
