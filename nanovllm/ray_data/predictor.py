@@ -202,24 +202,16 @@ def integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def without_nulls(value):
-    """Plain dicts (and lists of them) without their None entries, at any depth: a struct column
-    gives each row every key of the batch's rows, None where the row had none. List items stay."""
+def json_form(value, integral_floats: bool = False):
+    """Plain dicts and lists at any depth without their dicts' None entries (a struct column gives
+    each row every key of the batch's rows, None where the row had none; list items stay), and with
+    `integral_floats` every integral float made an int (JSON schema keywords such as minLength need
+    ints; JSON Schema holds 1.0 and 1 equal)."""
     if isinstance(value, dict):
-        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+        return {k: json_form(v, integral_floats) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [without_nulls(v) for v in value]
-    return value
-
-
-def integral_numbers(value):
-    """Every integral float of plain dicts and lists made an int (JSON schema keywords such as
-    minLength need ints; JSON Schema holds 1.0 and 1 equal)."""
-    if isinstance(value, dict):
-        return {k: integral_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [integral_numbers(v) for v in value]
-    return integral(value)
+        return [json_form(v, integral_floats) for v in value]
+    return integral(value) if integral_floats else value
 
 
 def row_overrides(overrides: Mapping) -> dict:
@@ -231,14 +223,10 @@ def row_overrides(overrides: Mapping) -> dict:
     cannot tell it apart): a schema that needs one goes as JSON text (`"json": "{...}"`)."""
     chosen = {}
     for name, value in plain(overrides).items():
-        value = without_nulls(value)
+        value = json_form(value, integral_floats=name == "structured_outputs")
         if value is None or value == {}:  # a row without the field, in a batch of rows (or files) with it
             continue
-        if name in INT_SAMPLING_FIELDS:
-            value = integral(value)
-        elif name == "structured_outputs":
-            value = integral_numbers(value)
-        chosen[name] = value
+        chosen[name] = integral(value) if name in INT_SAMPLING_FIELDS else value
     return chosen
 
 
