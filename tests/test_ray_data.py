@@ -3,7 +3,8 @@ engine's greedy tokens (text and token-id prompts, per-row sampling params, logp
 kept, any order), per-row overrides as Ray's read_json hands them over, the same actors serving a
 second round, a two-GPU actor running its engine tensor-parallel, a bad row failing the dataset with
 the engine's message and the row, and `python -m nanovllm.ray_data` end to end (its output file
-replaced only by a whole run; replicas the cluster's GPUs cannot hold refused at once).
+replaced only by a whole run; replicas the cluster's GPUs cannot hold refused at once, or with
+--wait-for-nodes waiting for a node that joins later).
 
 Ray's start-up is slow (seconds), so one cluster serves the whole module (and one xdist worker runs
 it). It declares two GPUs that no engine uses (every engine here runs on the CPU): Ray assigns them
@@ -26,6 +27,7 @@ from nanovllm.sampling_params import StructuredOutputsParams
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 import ray.data  # noqa: E402
+import ray.cluster_utils  # noqa: E402
 import ray.util  # noqa: E402
 
 from nanovllm.ray_data import LLMPredictor  # noqa: E402
@@ -341,6 +343,34 @@ def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_p
     assert "ValueError: --replicas 3 --gpus-per-replica 1 needs 3 replica(s)" in proc.stderr, proc.stderr[-3000:]
     assert "have 3 CPU(s) and 2 GPU(s): room for 2 replica(s)" in proc.stderr
     assert os.listdir(tmp_path) == ["prompts.jsonl"]
+
+
+def test_wait_for_nodes_lets_replicas_wait_for_a_node_an_autoscaler_adds(ckpt, reference, tmp_path):
+    """--wait-for-nodes on a cluster of its own: the command asks for a GPU replica that the head
+    node (no GPUs) cannot hold, waits instead of refusing, and finishes once a GPU node joins, as an
+    autoscaler would add it."""
+    head = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "num_gpus": 0, "object_store_memory": OBJECT_STORE_BYTES})
+    try:
+        src = tmp_path / "prompts.jsonl"
+        src.write_text(json.dumps({"prompt": TEXTS[0]}) + "\n")
+        cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src),
+               "--output", str(tmp_path / "out.jsonl"), "--replicas", "1", "--wait-for-nodes", "--temperature", "0",
+               "--max-tokens", str(SAMPLING["max_tokens"]), "--llm-kwargs", json.dumps(LLM_KWARGS)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "RAY_ADDRESS": head.address},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            waiting = next((line for line in proc.stdout if "(pending: 1 CPU, 1 GPU)" in line), None)
+            assert waiting is not None, "the command ended without waiting for the GPU replica"
+            head.add_node(num_cpus=2, num_gpus=1, object_store_memory=OBJECT_STORE_BYTES)
+            log = proc.communicate(timeout=300)[0]
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, log[-3000:]
+    finally:
+        head.shutdown()
+    (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert row["generated_token_ids"] == reference["text"][0]["token_ids"]
 
 
 def test_command_refuses_bad_flags_before_ray_starts():

@@ -15,7 +15,8 @@ directory, a cloud URI) gets Ray Data's write_json layout: a directory of JSON-l
 per block, in no set order.
 Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
 starts one on this machine; replicas that its live nodes' CPUs and GPUs cannot hold are refused at once
-(--gpus-per-replica 0: CPU engines). Run the same command on a multi-node cluster's head node,
+(--gpus-per-replica 0: CPU engines), unless --wait-for-nodes says an autoscaler will add the nodes.
+Run the same command on a multi-node cluster's head node,
 with an --input (and a directory --output) that every node sees: Ray Data reads and writes them
 from whichever node runs the task.
 """
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-replica", type=float, default=1,
                     help="GPUs of each replica (tensor-parallel over them when > 1); 0: CPU engines")
     ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="rows per generate call")
+    ap.add_argument("--wait-for-nodes", action="store_true",
+                    help="an autoscaling cluster: let the replicas wait for nodes its live ones cannot hold")
     ap.add_argument("--llm-kwargs", default="{}", metavar="JSON", help='LLM keywords, e.g. \'{"max_model_len": 2048}\'')
     add_sampling_flags(ap)
     return ap
@@ -174,7 +177,8 @@ def check_resources(replicas: int, gpus_per_replica: float, nodes: list[NodeReso
             f"--replicas {replicas} --gpus-per-replica {gpus_per_replica:g} needs {replicas} replica(s) of "
             f"{REPLICA_CPUS} CPU and {gpus_per_replica:g} GPU(s) on one node each{cpu_hint}, but the Ray cluster's "
             f"{len(nodes)} live node(s) have {cpus:g} CPU(s) and {gpus:g} GPU(s): room for {min(fit, int(cpus) - 1)} "
-            f"replica(s). Lower --replicas or --gpus-per-replica{gpu_hint}")
+            f"replica(s). Lower --replicas or --gpus-per-replica{gpu_hint} (on an autoscaling cluster that adds the "
+            f"nodes on demand: --wait-for-nodes)")
 
 
 def cluster_nodes() -> list[NodeResources]:
@@ -186,7 +190,8 @@ def cluster_nodes() -> list[NodeResources]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     ray.init()
-    check_resources(args.replicas, args.gpus_per_replica, cluster_nodes())
+    if not args.wait_for_nodes:
+        check_resources(args.replicas, args.gpus_per_replica, cluster_nodes())
     single_file = args.output.endswith(SINGLE_FILE_SUFFIXES)
     if single_file:
         ray.data.DataContext.get_current().execution_options.preserve_order = True
