@@ -86,6 +86,10 @@ def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], p
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, 1)
+    if 2 * params.beam_width > llm.config.logprobs_limit:
+        raise ValueError(f"BeamSearchParams.beam_width={params.beam_width}: each step reads the 2 x beam_width most "
+                         f"likely tokens, more than the {llm.config.logprobs_limit} logprobs this engine allows: "
+                         f"raise LLM(max_logprobs=...) to at least {2 * params.beam_width}")
     step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
     token_ids = [llm.validator.validate(p, step_params).token_ids for p in prompts]
     chunk = concurrency_limit or max(1, len(token_ids))

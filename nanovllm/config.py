@@ -54,6 +54,11 @@ def _directory(name: str, value: object, what: str) -> str:
 # max_model_len when none is given (nano-vllm's): the block table's width and the decode graphs'
 # split plan grow with it, and longer contexts are a user's choice (vLLM takes the model's maximum).
 DEFAULT_MAX_MODEL_LEN = 4096
+# Most logprobs a request may ask for per token unless LLM(max_logprobs=...) says otherwise: vLLM's default
+# (OpenAI's top_logprobs cap).
+DEFAULT_MAX_LOGPROBS = 20
+# LLM(max_logprobs=...) value for no cap: a request may ask for the whole vocabulary (vLLM's spelling).
+NO_LOGPROBS_CAP = -1
 
 
 # vLLM's max_seq_len_to_capture default (releases up to 0.10; lighteval's released builds read it as
@@ -152,6 +157,9 @@ class Config:
     # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
     # Qwen3's documented setting for contexts past 32,768 tokens.
     hf_overrides: dict | None = None
+    # Most logprobs (and prompt logprobs) a request may ask for per token (vLLM's option); -1: no cap,
+    # up to the whole vocabulary. A request over it is a ValueError when it is added.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -182,6 +190,7 @@ class Config:
             )
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        check_int("max_logprobs", self.max_logprobs, NO_LOGPROBS_CAP)
         if self.hf_overrides is not None:
             if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
                 raise TypeError(f"hf_overrides must be a dict of config.json keys (nanovllm reads config.json itself, "
@@ -264,6 +273,12 @@ class Config:
         SamplingParams unless generation_config is "vllm": the checkpoint's, or the one
         `generation_config` names (vLLM's rule)."""
         return self.model if self.generation_config in GENERATION_CONFIG_SOURCES else self.generation_config
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs a request may ask for per token: max_logprobs, or the vocabulary's size
+        without a cap."""
+        return self.model_config.vocab_size if self.max_logprobs == NO_LOGPROBS_CAP else self.max_logprobs
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 # top_k values that switch top-k filtering off (vLLM accepts both spellings).
 TOP_K_OFF = (0, -1)
-# Most alternatives `logprobs` / `prompt_logprobs` may ask for: vLLM's default max_logprobs.
-MAX_LOGPROBS = 20
+# `logprobs` / `prompt_logprobs` value asking for every token of the vocabulary (vLLM's spelling; the engine
+# resolves it to the vocabulary's size and checks it against LLM(max_logprobs=...), as any other count).
+ALL_LOGPROBS = -1
 # The smallest temperature that samples (vLLM's _MAX_TEMP): a positive one below it is raised to it, as
 # vLLM does (logits / T overflows float32 near 0); only temperature 0 is greedy.
 MIN_TEMPERATURE = 1e-2
@@ -169,11 +170,12 @@ class SamplingParams:
     stop: strings; generation stops once the decoded completion contains one, and
         the returned text ends before it (after it with include_stop_str_in_output).
     stop_token_ids: extra token ids that end generation like EOS (kept in token_ids).
-    logprobs: None, or k in [0, MAX_LOGPROBS]: each generated token gets a dict
+    logprobs: None, k >= 0 or -1 (the whole vocabulary): each generated token gets a dict
         {token_id: Logprob} with the sampled token and the k most likely ones; logprobs are
         log_softmax of the raw logits (before penalties, temperature and top-k/top-p/min-p), as
-        vLLM's, with ranks over the whole vocabulary (nanovllm/outputs.py).
-    prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: the same for every prompt token
+        vLLM's, with ranks over the whole vocabulary (nanovllm/outputs.py). The engine refuses a k
+        above LLM(max_logprobs=...) (20 unless set; -1: no cap), as vLLM's does.
+    prompt_logprobs: None, k >= 0 or -1: the same for every prompt token
         (given the tokens before it; the first prompt token has None).
     n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
     presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token
@@ -279,9 +281,10 @@ class SamplingParams:
                 setattr(self, name, 1)
             value = getattr(self, name)
             if value is not None:
-                check_int(f"SamplingParams.{name}", value, 0)
-                if value > MAX_LOGPROBS:
-                    raise ValueError(f"SamplingParams.{name} must be at most {MAX_LOGPROBS}, got {value!r}")
+                check_int(f"SamplingParams.{name}", value)
+                if value < 0 and value != ALL_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name} must be >= 0, or {ALL_LOGPROBS} for the whole vocabulary, "
+                                     f"got {value!r}")
         check_int("SamplingParams.n", self.n, 1)
         self._check_logits_settings()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -374,7 +377,7 @@ def field_types() -> dict[str, object]:
 @dataclass
 class BeamSearchParams:
     """vLLM's LLM.beam_search settings (nanovllm/beam_search.py): `beam_width` beams kept per prompt,
-    each step extending each by its 2 x beam_width most likely tokens (beam_width <= MAX_LOGPROBS / 2);
+    each step extending each by its 2 x beam_width most likely tokens (at most LLM(max_logprobs=...));
     `max_tokens` steps at most; EOS ends a beam unless `ignore_eos`; beams ranked by cumulative
     logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
     `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
@@ -389,9 +392,6 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         check_int("BeamSearchParams.beam_width", self.beam_width, 1)
-        if 2 * self.beam_width > MAX_LOGPROBS:
-            raise ValueError(f"BeamSearchParams.beam_width must be at most {MAX_LOGPROBS // 2} (each step reads the "
-                             f"2 x beam_width most likely tokens, at most {MAX_LOGPROBS}), got {self.beam_width!r}")
         check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

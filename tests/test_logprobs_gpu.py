@@ -86,6 +86,40 @@ def test_prompt_logprobs_in_mixed_graph_steps_match_transformers(ckpt):
                 assert abs(lp.logprob - ref[i - 1, t].item()) <= BF16_TOLERANCE * span[i - 1].item(), (i, t)
 
 
+def test_counts_past_the_kernels_k_and_the_whole_vocabulary_match_transformers(ckpt):
+    """LLM(max_logprobs=-1): logprobs 40 / prompt_logprobs 30 (past the Triton pass's MAX_K: torch's
+    path on CUDA) and -1 (every token) beside a k = 5 request (the Triton pass) in one batch, with
+    graphs; each entry within bf16 tolerance of transformers' float32 log_softmax."""
+    from nanovllm.sampling.logprobs_kernel import MAX_K
+
+    prompt = make_prompts(11, 1, 40, 41)[0]
+    ks = [(5, 5), (MAX_K + 20, MAX_K + 10), (-1, -1)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=k, prompt_logprobs=p)
+              for k, p in ks]
+    llm = LLM(ckpt, dtype="bfloat16", max_logprobs=-1, **ENGINE)
+    try:
+        assert llm.model_runner.sampler.token_logprobs_max_k == MAX_K
+        vocab = llm.config.model_config.vocab_size
+        outs = llm.generate([prompt] * 3, params, use_tqdm=False)
+    finally:
+        llm.exit()
+    tokens = outs[0]["token_ids"]
+    ref, span = reference_logprobs(ckpt, prompt + tokens)
+    for out, (k, p) in zip(outs, ks):
+        assert out["token_ids"] == tokens
+        k, p = (vocab, vocab) if k == -1 else (k, p)
+        for i, (token, entry) in enumerate(zip(tokens, out["logprobs"])):
+            row = len(prompt) - 1 + i
+            assert token in entry and len(entry) in (k, k + 1)
+            for t, lp in entry.items():
+                assert abs(lp - ref[row, t].item()) <= BF16_TOLERANCE * span[row].item(), (i, t)
+        for i in range(1, len(prompt)):
+            entry = out["prompt_logprobs"][i]
+            assert prompt[i] in entry and len(entry) in (p, p + 1)
+            for t, lp in entry.items():
+                assert abs(lp - ref[i - 1, t].item()) <= BF16_TOLERANCE * span[i - 1].item(), (i, t)
+
+
 def test_seeded_request_gives_the_same_tokens_on_cuda_float32_as_on_cpu(ckpt):
     prompts = make_prompts(9, 4, 20, 80)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(3)]

@@ -156,13 +156,60 @@ def test_n_greedy_gives_identical_samples_and_n1_keeps_its_shape(ckpt):
 
 
 @pytest.mark.parametrize("bad, error", [
-    (dict(logprobs=-1), ValueError), (dict(logprobs=21), ValueError), (dict(logprobs=1.5), TypeError),
+    (dict(logprobs=-2), ValueError), (dict(logprobs=-1.0), TypeError), (dict(logprobs=1.5), TypeError),
     (dict(prompt_logprobs=-2), ValueError), (dict(n=0), ValueError), (dict(n=2.0), TypeError),
     (dict(n=True), TypeError),
 ])
 def test_bad_values_are_refused_at_the_call(bad, error):
     with pytest.raises(error, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_as_vllms_does(ckpt, reference):
+    """LLM(max_logprobs=...): 20 by default (a request over it, or edited over it after construction,
+    is refused when added, and the engine keeps serving); -1 lifts the cap, and logprobs=-1 /
+    prompt_logprobs=-1 give every token of the vocabulary, each transformers' log_softmax; counts
+    past the Triton pass's largest k (20) take torch's path on every device."""
+    prompt = make_prompts(5, 1, 12, 13)[0]
+    llm = engine(ckpt)
+    try:
+        vocab = llm.config.model_config.vocab_size
+        edited = SamplingParams(temperature=0.0, max_tokens=2, logprobs=20)
+        edited.prompt_logprobs = 21
+        for params, message in [
+            (SamplingParams(logprobs=21), r"SamplingParams.logprobs=21 asks for 21 logprobs a token, more than the 20 "
+                                          r"this engine allows: raise LLM\(max_logprobs=...\) \(-1: no cap\)"),
+            (SamplingParams(logprobs=-1), rf"SamplingParams.logprobs=-1 asks for {vocab} logprobs a token"),
+            (edited, r"SamplingParams.prompt_logprobs=21 asks for 21"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate([prompt], params, use_tqdm=False)
+        assert llm.is_finished()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=20), use_tqdm=False)[0]
+        assert [len(entry) for entry in out["logprobs"]] == [20, 20]  # greedy: the token is among the 20 best
+    finally:
+        llm.exit()
+    for kwargs, error in [({"max_logprobs": -2}, ValueError), ({"max_logprobs": 2.0}, TypeError)]:
+        with pytest.raises(error, match="max_logprobs"):
+            engine(ckpt, **kwargs)
+
+    llm = engine(ckpt, max_logprobs=-1)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=3, logprobs=-1, prompt_logprobs=-1),
+                  SamplingParams(temperature=0.0, max_tokens=3, logprobs=37, prompt_logprobs=25)]
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    finally:
+        llm.exit()
+    for out, k in zip(outs, [vocab, 37]):
+        tokens = out["token_ids"]
+        rows = ref_logprobs(reference, prompt + tokens)
+        assert len(out["logprobs"]) == len(tokens) and out["prompt_logprobs"][0] is None
+        for i, (token, entry) in enumerate(zip(tokens, out["logprobs"])):
+            check_entry(entry, rows[len(prompt) - 1 + i], token, k)
+        for i, entry in enumerate(out["prompt_logprobs"][1:], start=1):
+            check_entry(entry, rows[i - 1], prompt[i], k if k == vocab else 25)
+    assert all(len(entry) == vocab for entry in outs[0]["logprobs"] + outs[0]["prompt_logprobs"][1:])
+    assert_greedy_matches_reference(reference, prompt, outs[0]["token_ids"])
 
 
 def hf_state_dict(path):

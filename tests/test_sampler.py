@@ -14,12 +14,13 @@ import math
 import pytest
 import torch
 
+from nanovllm.config import DEFAULT_MAX_LOGPROBS
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.sampling.row_logprobs import token_logprobs
 from nanovllm.sampling.sampler import Sampler, takes_topk_path, top_k_top_p_threshold
-from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
-from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 SAMPLER = Sampler()
@@ -478,8 +479,8 @@ def test_the_triton_kernel_samples_the_same_tokens() -> None:
     """A sampler running the Triton kernels (Triton's interpreter here) gives the tokens of the
     CPU sampler, through every path: logits -> tokens, filtered probabilities -> tokens, and the
     candidate walk of batches filtered by top-p / min-p alone."""
-    from nanovllm.sampling.gumbel_max import gumbel_sample
     from nanovllm.sampling.candidate_walk import walk_sample
+    from nanovllm.sampling.gumbel_max import gumbel_sample
 
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(6, 2_100, generator=g) * 3
@@ -528,13 +529,13 @@ def test_logprobs_of_the_rows_that_ask(dtype: torch.dtype) -> None:
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.9),
               SamplingParams(top_k=20, top_p=0.9, logprobs=2), SamplingParams(min_p=0.1),
               SamplingParams(temperature=1.3, seed=2, logprobs=0), SamplingParams(temperature=0.0),
-              SamplingParams(top_k=1, logprobs=MAX_LOGPROBS), SamplingParams(top_p=0.5, logprobs=1),
+              SamplingParams(top_k=1, logprobs=DEFAULT_MAX_LOGPROBS), SamplingParams(top_p=0.5, logprobs=1),
               SamplingParams(temperature=0.7)]
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     out = SAMPLER(logits, build(params, 3_000))
     lp = out.logprobs
     assert lp.rows.tolist() == rows
-    assert_logprobs_match(logits.float() if dtype != torch.float64 else logits, out.tokens, rows, MAX_LOGPROBS,
+    assert_logprobs_match(logits.float() if dtype != torch.float64 else logits, out.tokens, rows, DEFAULT_MAX_LOGPROBS,
                           lp.sampled, lp.top_ids, lp.top_logprobs)
     # greedy rows sampled the argmax: their sampled logprob is the largest
     for i, row in enumerate(rows):
@@ -555,7 +556,7 @@ def test_logprobs_every_row_and_k_zero() -> None:
 
 def test_logprobs_k_is_capped_at_the_vocabulary() -> None:
     logits = small_logits(12).unsqueeze(0)
-    batch = build([SamplingParams(logprobs=MAX_LOGPROBS)], 12)
+    batch = build([SamplingParams(logprobs=DEFAULT_MAX_LOGPROBS)], 12)
     assert batch.logprobs.k == 12
     lp = SAMPLER(logits, batch).logprobs
     assert sorted(lp.top_ids[0].tolist()) == list(range(12))

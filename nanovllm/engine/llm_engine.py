@@ -43,10 +43,10 @@ from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_pipeline import StepPipeline, StepResult
-from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.structured_outputs import GrammarBackend
+from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.tp_workers import PackedTensors, WorkerGroup, worker_errors
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.loader import weight_chunks
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
@@ -157,6 +157,14 @@ class LLMEngine:
             checked.stop_token_ids = sorted(set(checked.stop_token_ids) | self._eos_stop_ids)
         vocab_size = self.config.model_config.vocab_size
         check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's rule: -1 is the vocabulary, capped by max_logprobs
+            asked = getattr(checked, name)
+            count = vocab_size if asked == ALL_LOGPROBS else asked
+            if count is not None and count > self.config.logprobs_limit:
+                raise ValueError(f"SamplingParams.{name}={asked} asks for {count} logprobs a token, more than the "
+                                 f"{self.config.logprobs_limit} this engine allows: raise LLM(max_logprobs=...) "
+                                 f"(-1: no cap)")
+            setattr(checked, name, count)
         if checked.stop and self.scheduler.decoder is None:  # the text they are matched on cannot be made
             have = ("no tokenizer" if self.tokenizer is None
                     else f"a {type(self.tokenizer).__name__}, which has no tokenizers backend")

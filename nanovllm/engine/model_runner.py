@@ -48,7 +48,7 @@ from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
 from nanovllm.quantization.config import INPUT_SCALE, quantization
-from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 from nanovllm.utils.host_to_device import to_device
@@ -206,13 +206,16 @@ class ModelRunner:
         if logits is not None:
             # Each threshold path the sampler can take, at full batch, so its kernels compile here
             # and its peak memory is what the KV cache leaves room for: top-p alone (on the CPU a
-            # full sort), top-k with top-p and every row's logprobs, plain sampling, and where the
-            # sampler has the radix select (CUDA), a top-k too large for torch.topk, which takes it;
-            # with the Triton top-k kernel (CUDA), its two list lengths (top_k 50 and 20).
+            # full sort), top-k with top-p and every row's logprobs (as many as max_logprobs allows,
+            # and where the Triton logprobs pass serves fewer, its largest k too), plain sampling, and
+            # where the sampler has the radix select (CUDA), a top-k too large for torch.topk, which
+            # takes it; with the Triton top-k kernel (CUDA), its two list lengths (top_k 50 and 20).
             keys = [0] * cfg.max_num_seqs
-            passes = [SamplingParams(temperature=1.0, top_p=0.9),
-                      SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS),
-                      SamplingParams(temperature=1.0)]
+            logprob_ks = {cfg.logprobs_limit}
+            if self.sampler.token_logprobs_max_k is not None:
+                logprob_ks.add(min(cfg.logprobs_limit, self.sampler.token_logprobs_max_k))
+            passes = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0),
+                      *(SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=k) for k in sorted(logprob_ks))]
             if self.sampler.topk_kernel_max_k >= QWEN3_TOP_K:  # the top-k kernel's small list (Qwen3's defaults)
                 passes.append(SamplingParams(temperature=0.6, top_k=QWEN3_TOP_K, top_p=0.95))
             if self.sampler.radix_min_rows is not None:
@@ -336,8 +339,8 @@ class ModelRunner:
         for a in range(0, rows.shape[0], PROMPT_LOGPROB_CHUNK_ROWS):
             logits = self.model.compute_logits(hidden[rows[a : a + PROMPT_LOGPROB_CHUNK_ROWS]])  # [r, vocab]
             if logits is not None:
-                parts.append(self.sampler.token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_CHUNK_ROWS],
-                                                          plan.prompt_logprobs_k))
+                parts.append(self.sampler.logprobs_of(logits, targets[a : a + PROMPT_LOGPROB_CHUNK_ROWS],
+                                                      plan.prompt_logprobs_k))
         if not parts:
             return None
         return tuple(torch.cat(p) for p in zip(*parts))

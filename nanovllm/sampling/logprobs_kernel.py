@@ -55,6 +55,9 @@ NUM_WARPS = 4
 # Columns per group: one 64-byte bf16 run, so a reloaded group is two full 32-byte sectors and
 # the group max is mostly in-thread; G = BLOCK / GROUP = 128 group maxima enter the K rounds.
 GROUP = 32
+# The largest k the sampler sends here (LLM(max_logprobs=...) may allow more): vLLM's default cap, the k
+# measured and tested at serving size; each of the K rounds is a reduction, so a larger k takes torch's top-k.
+MAX_K = 20
 # 32-bit words of workspace per (row, chunk) for its statistics (m, s, n, one unused: two int64 slots).
 STATS = tl.constexpr(4)
 

@@ -52,8 +52,9 @@ Logprobs: rows whose request asks for them (``SamplingParams.logprobs``) get
 the engine's logprobs_mode may ask for the processed ones or logits instead: sampling/logprobs_mode.py),
 float32: the sampled token's (and its rank) and the k most likely tokens'. They cost one pass over
 those rows only (on CUDA the Triton kernel sampling/logprobs_kernel.py: row normalisers, rank and
-top k in one read of the logits; elsewhere sampling/row_logprobs.token_logprobs: a log_softmax and
-a top-k); a batch where no row asks does no logprob work at all.
+top k in one read of the logits, for k up to its MAX_K; elsewhere, and for larger k,
+sampling/row_logprobs.token_logprobs: a log_softmax and a top-k); a batch where no row asks does no
+logprob work at all.
 
 No op reads a device value back to the host: every branch is decided by the
 Python-side flags of :class:`SamplingBatch`, whose tensors are views of :class:`SamplingPack`'s
@@ -192,6 +193,8 @@ class Sampler(torch.nn.Module):
         self.radix_min_rows: int | None = routes.radix_min_rows if triton_path else None
         self.gumbel_sample = torch_gumbel_sample
         self.token_logprobs = token_logprobs
+        # The largest k token_logprobs serves (None: every k); past it, torch's path (logprobs_of).
+        self.token_logprobs_max_k: int | None = None
         self.walk_sample = None
         self.topk_sample = None
         # Batches the Triton top-k kernel samples (takes_topk_kernel): none off CUDA.
@@ -201,7 +204,7 @@ class Sampler(torch.nn.Module):
         if triton_path:  # Triton is present on this path
             from nanovllm.sampling.candidate_walk import walk_sample
             from nanovllm.sampling.gumbel_max import gumbel_sample
-            from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, row_logprobs
+            from nanovllm.sampling.logprobs_kernel import MAX_K, LogprobsWorkspace, row_logprobs
             from nanovllm.sampling.token_mask_kernel import triton_apply_token_mask
 
             self.gumbel_sample = gumbel_sample
@@ -209,6 +212,7 @@ class Sampler(torch.nn.Module):
             if routes.logprobs_kernel:
                 # one scratch for this sampler's launches (one stream): a call allocates only its outputs
                 self.token_logprobs = partial(row_logprobs, workspace=LogprobsWorkspace())
+                self.token_logprobs_max_k = MAX_K
             # Batches filtered by top-p / min-p alone: one kernel walks Gumbel-max candidates
             # (sampling/candidate_walk.py), the same tokens as the threshold path without its passes.
             self.walk_sample = walk_sample
@@ -219,6 +223,13 @@ class Sampler(torch.nn.Module):
             self.topk_sample = topk_sample.topk_sample
             self.topk_kernel_max_k = min(routes.topk_kernel_max_k, topk_sample.MAX_K)
             self.topk_kernel_max_vocab = topk_sample.MAX_VOCAB
+
+    def logprobs_of(self, logits: Tensor, tokens: Tensor, k: int, rows: Tensor | None = None) -> RowLogprobs:
+        """The RowLogprobs of `rows` of `logits` at `tokens` with each row's k most likely tokens
+        (row_logprobs.token_logprobs' contract): token_logprobs where it serves k, torch's path past it."""
+        if self.token_logprobs_max_k is not None and k > self.token_logprobs_max_k:
+            return token_logprobs(logits, tokens, k, rows)
+        return self.token_logprobs(logits, tokens, k, rows)
 
     def threshold(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
         """Each row's top-k/top-p threshold [B, 1]: the radix select (sampling/radix_filter.py)
@@ -249,7 +260,7 @@ class Sampler(torch.nn.Module):
         rows = batch.logprobs.rows  # [R], read in place: the rows that do not ask cost nothing
         mode = self.logprobs_mode
         scored_logits = processed_logits(ruled, batch, tokens, self.threshold) if mode.processed else logits
-        scored: RowLogprobs = self.token_logprobs(scored_logits, tokens, batch.logprobs.k, rows)
+        scored = self.logprobs_of(scored_logits, tokens, batch.logprobs.k, rows)
         if mode.logits:  # the same ranks and top tokens, their logits reported (read where they are)
             scored = RowLogprobs(scored_logits[rows, tokens[rows]].float(), scored.ranks, scored.top_ids,  # [R]
                                  scored_logits[rows.unsqueeze(1), scored.top_ids].float())  # [R, k]
