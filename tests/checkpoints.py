@@ -357,12 +357,28 @@ def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = TEST_VOCAB_SI
     return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
 
 
+def complete_tokens(llm, prompts, params) -> list[list[int]]:
+    """The token ids of each prompt's completion from `llm`, checked to be whole: one output per
+    prompt, and the completion of a request nothing but its length can end (ignore_eos, no stop
+    strings, stop ids or grammar) as long as max_tokens (less only where max_model_len ends it: one
+    token past a full prompt), so a check of its tokens cannot pass on a truncated or empty one."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == len(prompts)
+    for i, out in enumerate(outs):
+        sp = params[i] if isinstance(params, (list, tuple)) else params
+        if (sp.ignore_eos and sp.max_tokens is not None and not sp.stop and not sp.stop_token_ids
+                and sp.structured_outputs is None):
+            room = max(1, llm.config.max_model_len - len(out.prompt_token_ids))
+            assert len(out.outputs[0].token_ids) == min(sp.max_tokens, room), (i, len(out.outputs[0].token_ids))
+    return [o["token_ids"] for o in outs]
+
+
 def generate_tokens(path: str, prompts, params, **kwargs):
-    """(token ids of each prompt, the exited engine) from a CPU engine with 16-token blocks and
-    max_model_len 512 unless kwargs say otherwise."""
+    """(token ids of each prompt, whole: complete_tokens; the exited engine) from a CPU engine with
+    16-token blocks and max_model_len 512 unless kwargs say otherwise."""
     llm = cpu_llm(path, **{"kvcache_block_size": 16, "max_model_len": 512, **kwargs})
     try:
-        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)], llm
+        return complete_tokens(llm, prompts, params), llm
     finally:
         llm.exit()
 
@@ -418,7 +434,9 @@ def rewrite_config(path: str, **changes) -> None:
 
 @torch.no_grad()
 def assert_greedy_matches_reference(reference, prompt_ids: list[int], completion: list[int], atol: float = 1e-4) -> None:
-    """Every generated token must be an argmax (up to float ties) of the reference's logits."""
+    """Every generated token must be an argmax (up to float ties) of the reference's logits; an
+    empty completion fails (nothing was checked)."""
+    assert completion, "empty completion"
     ids = torch.tensor([prompt_ids + completion])
     logits = reference(ids).logits[0].float()  # [len, vocab]
     for i, token in enumerate(completion):
@@ -436,7 +454,9 @@ BF16_TOLERANCE = 0.02
 
 @torch.no_grad()
 def assert_bf16_greedy_matches(reference, prompt_ids: list[int], completion: list[int]) -> None:
-    """Every generated token is an argmax of the reference's logits within BF16_TOLERANCE."""
+    """Every generated token is an argmax of the reference's logits within BF16_TOLERANCE; an empty
+    completion fails (nothing was checked)."""
+    assert completion, "empty completion"
     device = next(reference.parameters()).device
     logits = reference(torch.tensor([prompt_ids + completion], device=device)).logits[0].float()
     for i, tok in enumerate(completion):
@@ -476,7 +496,7 @@ def gpu_generate(path: str, batches, params, **kwargs):
     kw.setdefault("num_kvcache_blocks", GPU_KV_TOKENS // kw["kvcache_block_size"])
     llm = LLM(path, **kw)
     try:
-        outs = [[o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)] for ps in batches]
+        outs = [complete_tokens(llm, ps, params) for ps in batches]
         facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
                  "prefill_graphs": llm.model_runner.varlen_graphs is not None,
                  "preemptions": llm.scheduler.num_preemptions,

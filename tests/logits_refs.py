@@ -65,6 +65,7 @@ def assert_rules_argmax(reference, prompt: list[int], completion: list[int], par
     """Every token of `completion` is an argmax (up to float ties) of transformers' logits at its
     position after the rules (`reference`: the checkpoint's transformers model, on any device).
     Tolerance: `atol`, plus `range_fraction` of the row's finite logit range (a bf16 engine)."""
+    assert completion, "empty completion"
     device = next(reference.parameters()).device
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + completion], device=device)).logits[0].double().cpu()  # [len, V]
@@ -72,6 +73,6 @@ def assert_rules_argmax(reference, prompt: list[int], completion: list[int], par
         row = reference_row(logits[len(prompt) - 1 + i], prompt, completion[:i], params, stop_ids, bad_sequences)
         finite = row[torch.isfinite(row)]
         best = row.max().item()
-        atol = atol + range_fraction * (best - finite.min().item())
-        assert row[token].item() >= best - atol, (
+        tol = atol + range_fraction * (best - finite.min().item())  # this row's: never carried to the next
+        assert row[token].item() >= best - tol, (
             f"token {i} ({token}): processed logit {row[token].item():.6f}, argmax {row.argmax().item()} {best:.6f}")

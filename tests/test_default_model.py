@@ -150,6 +150,7 @@ def test_nanovllm_greedy_matches_transformers_on_shipped_model(tok):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     llm.exit()
     for prompt, out in zip(prompts, outs):
+        assert len(out["token_ids"]) == 40  # ignore_eos: every one of max_tokens
         assert_greedy_matches_reference(reference, tok.encode(prompt), out["token_ids"])
         assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 

@@ -138,13 +138,22 @@ def test_block_matches_transformers_sparse_block(norm_topk_prob):
 
 
 def test_native_experts_skip_experts_nobody_picked():
-    """An expert no token picked contributes nothing, even with non-finite weights."""
-    w13, w2 = torch.randn(4, 2 * 8, 16), torch.randn(4, 16, 8)
+    """experts_native is the MoE sum, token by token in float64, over the picked experts only: an
+    expert no token picked contributes nothing, even with non-finite weights."""
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(4, 2 * 8, 16, generator=g), torch.randn(4, 16, 8, generator=g)
     w13[2] = float("nan")
-    hidden = torch.randn(5, 16)
+    hidden = torch.randn(5, 16, generator=g)
     ids = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 1], [1, 0]])
-    out = experts_native(hidden, w13, w2, torch.full((5, 2), 0.5), ids)
-    assert out.isfinite().all()
+    weights = torch.rand(5, 2, generator=g)
+    out = experts_native(hidden, w13, w2, weights, ids)
+    want = torch.zeros(5, 16, dtype=torch.float64)
+    for t in range(5):
+        for k in range(2):
+            e = ids[t, k].item()
+            gate, up = (w13[e].double() @ hidden[t].double()).chunk(2)
+            want[t] += weights[t, k].item() * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_both_checkpoint_spellings_give_identical_tokens(checkpoints, tmp_path):

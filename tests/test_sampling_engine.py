@@ -7,7 +7,9 @@ import logging
 import pytest
 import torch
 
-from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference
+from checkpoints import (
+    assert_greedy_matches_reference, checkpoint_fixture, complete_tokens, cpu_llm, cpu_llm_fixture, load_reference,
+)
 from nanovllm import SamplingParams
 from nanovllm.sampling_params import MIN_TEMPERATURE
 from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
@@ -22,7 +24,7 @@ PROMPT = [11, 12, 13, 14, 15, 16]
 
 
 def tokens(llm, prompts, params):
-    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return complete_tokens(llm, prompts, params)
 
 
 def test_temperature_zero_and_top_k_one_are_greedy(llm, ckpt):
