@@ -155,7 +155,7 @@ def test_steps_with_integer_parts_only(device):
     builder = RulesBuilder(VOCAB, dev)
     builder.admit(seqs)
     logits = torch.randn(2, VOCAB)
-    out = builder.step_rules(seqs, [2, 1], [], None).apply(logits.to(dev)).cpu()
+    out = builder.upload(builder.build(seqs, [2, 1], []), None).apply(logits.to(dev)).cpu()
     assert out[0, 0] == -torch.inf and torch.equal(out[0, 1:], logits[0, 1:])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [4, 5]
 
@@ -168,7 +168,7 @@ def test_bans_hold_over_logits_a_rule_made_infinite(device):
     dev = torch.device(device)
     logits = torch.randn(3, VOCAB)
     logits[0, 4] = logits[1, 6] = logits[2, 6] = torch.inf
-    host = HostRules(3, ban_rows=[0, 0], ban_tokens=[4, 4],
+    host = HostRules(ban_rows=[0, 0], ban_tokens=[4, 4],
                      cond_rows=[1, 1, 2], cond_tokens=[6, 6, 6], cond_sources=[0, 1, 2], cond_required=[9, 5, 7])
     previous = torch.tensor([1, 5, 3], device=dev)  # row 1's second entry holds, row 2's does not
     out = host.to_device(dev, None, previous).apply(logits.to(dev)).cpu()

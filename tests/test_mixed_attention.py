@@ -46,7 +46,7 @@ def mixed_plan(g: torch.Generator) -> StepPlan:
 
 
 def attend(backend: AttentionBackend, inputs, q, k, v, caches) -> torch.Tensor:
-    layer = Attention(HQ, HKV, D, D**-0.5)
+    layer = Attention(D**-0.5)
     layer.k_cache, layer.v_cache, layer.backend = caches[0].clone(), caches[1].clone(), backend
     with attention_context(inputs.meta):
         return layer(q, k, v)

@@ -24,6 +24,7 @@ is not ours to count). On CPU it takes a bounded share of available RAM.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -38,16 +39,17 @@ CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
 OTHER_HOLDER_HINT_BYTES = 2**30
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_cache_shape(config: Config, world_size: int, num_blocks: int) -> tuple[int, ...]:
+    """[2, layers, num_blocks, block_size, this rank's KV heads, head_dim] (the module docstring)."""
+    mc = config.model_config
+    return (2, mc.num_hidden_layers, num_blocks, config.kvcache_block_size, mc.num_key_value_heads // world_size,
+            mc.head_dim)
 
 
 def kv_block_bytes(config: Config, world_size: int = 1) -> int:
     """Bytes of one cache block on one of `world_size` tensor-parallel ranks: K and V of every
     layer, this rank's KV heads, in the cache's element type."""
-    mc = config.model_config
-    return kv_bytes_per_block(mc.num_hidden_layers, config.kvcache_block_size, mc.num_key_value_heads // world_size,
-                              mc.head_dim, config.kv_cache_torch_dtype)
+    return math.prod(kv_cache_shape(config, world_size, 1)) * config.kv_cache_torch_dtype.itemsize
 
 
 def blocks_in_budget(budget_bytes: float, block_bytes: int) -> int:
@@ -84,13 +86,10 @@ def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes
     return num_blocks
 
 
-def allocate_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
-) -> torch.Tensor:
-    shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+def allocate_kv_cache(config: Config, world_size: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    shape = kv_cache_shape(config, world_size, num_blocks)
     try:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=config.kv_cache_torch_dtype, device=device)
     except torch.OutOfMemoryError as e:
         raise ValueError(
             f"could not allocate a KV cache of {num_blocks} blocks ({shape}): {e}; "

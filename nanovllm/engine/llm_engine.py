@@ -200,7 +200,7 @@ class LLMEngine:
         request (abort_all) and is raised. The steps themselves: engine/step_pipeline.py."""
         self._check_open()
         if self.is_finished():
-            return StepResult(None, 0, 0, [], [], launch_s=0.0, prepare_s=0.0, wait_s=0.0, postprocess_s=0.0)
+            return StepResult(None, 0, 0, [], [])
         try:
             result = self.pipeline.step()
         except BaseException:

@@ -122,18 +122,14 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
                                        self._query_tile_rows(cfg.head_dim))
 
-        self.num_kv_heads = cfg.num_key_value_heads // self.world_size
         block_bytes = kv_block_bytes(config, self.world_size)
         if self.device.type == "cuda":
-            self._attach_kv_cache(allocate_kv_cache(
-                cfg.num_hidden_layers, 1, self.block_size, self.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device))
+            self._attach_kv_cache(allocate_kv_cache(config, self.world_size, 1, self.device))
             self._warmup()
         num_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
             self.device, config.gpu_memory_utilization, block_bytes, allocated_before)
         self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
-        self.kv_cache = allocate_kv_cache(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
-            self.kv_dtype, self.device)
+        self.kv_cache = allocate_kv_cache(config, self.world_size, self.num_blocks, self.device)
         self._attach_kv_cache(self.kv_cache)
         if self.rank == 0:
             scales = ("" if not fp8_kv else ", scales from the checkpoint" if checkpoint_scales
@@ -235,11 +231,13 @@ class ModelRunner:
         prepared and queued in turn: prepare(N), queue(N), prepare(N + 1), queue(N + 1)."""
         start = time.perf_counter()
         # The step's sampling values travel in its input copy (rank 0; workers sample nothing).
-        positions = sampled_positions(plan) if sample_seqs else []
-        pack = self._sampling_pack(sample_seqs, positions) if sample_seqs else None
-        words = pack.words if pack is not None else None
-        # penalties, biases, masks of the rows that ask (none: no work)
-        rules = self.rules.build(sample_seqs, positions, plan.carried_rows) if sample_seqs else None
+        pack = rules = words = None
+        if sample_seqs:
+            positions = sampled_positions(plan)
+            pack = self._sampling_pack(sample_seqs, positions)
+            words = pack.words
+            # penalties, biases, masks of the rows that ask (none: no work)
+            rules = self.rules.build(sample_seqs, positions, plan.carried_rows)
         if plan.kind is StepKind.DECODE:
             batch_size = len(plan.starts)
             graph = self.graphs.padded_size(batch_size) if self.graphs is not None else None
@@ -287,9 +285,8 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(plan, every)
         if plan.block_copies:  # forked samples' copies of their parents' partial blocks, now written
             self._copy_blocks(plan.block_copies)
-        if not any(plan.sampled):
-            return StepLogits(step.prepare_s, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] on rank 0, None elsewhere
+        # [num_sampled, vocab] on rank 0, None elsewhere (every rank takes part in the LM head)
+        logits = self.model.compute_logits(hidden) if any(plan.sampled) else None
         if logits is None or step.sampling is None:
             return StepLogits(step.prepare_s, None, None, prompt_logprobs)
         if plan.fork_rows:  # forked samples draw from their parents' rows: [num_sampled + forks, vocab]

@@ -38,12 +38,6 @@ class RulesBuilder:
         """Count the queued `seqs` that have rules (a request's samples, when it is added)."""
         self._num_live += sum(seq.rules is not None for seq in seqs)
 
-    def step_rules(self, seqs: list[Sequence], positions: list[int], carried_rows: list[int],
-                   previous_tokens: torch.Tensor | None) -> StepRules | None:
-        """The step's rules on the device (`build`, then `upload`), or None when no row has any."""
-        host = self.build(seqs, positions, carried_rows)
-        return None if host is None else self.upload(host, previous_tokens)
-
     def upload(self, host: HostRules, previous_tokens: torch.Tensor | None) -> StepRules:
         """A step's rules (`build`) on the device, in one copy; `previous_tokens`: the previous step's
         samples on the device (the carried rows' inputs)."""
@@ -58,17 +52,12 @@ class RulesBuilder:
         rows = [i for i, seq in enumerate(seqs) if seq.rules is not None]
         if not rows:
             return None
-        host = HostRules(len(seqs))
+        host = HostRules()
         for i in rows:
             seq = seqs[i]
             rules = seq.rules
             if rules.penalties_only and seq.counts_slot is not None:  # the steady state: a slot and values
-                repetition, frequency, presence = rules.penalties
-                host.penalty_rows.append(i)
-                host.penalty_slots.append(seq.counts_slot)
-                host.repetition.append(repetition)
-                host.frequency.append(frequency)
-                host.presence.append(presence)
+                self._penalize(host, seq, i, False)
                 continue
             generated = positions[i] - seq.num_prompt_tokens  # tokens generated before this one
             source = carried_rows[i] if i < len(carried_rows) else None

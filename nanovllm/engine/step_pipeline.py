@@ -46,10 +46,10 @@ class StepResult:
     # ids of the sequences (the requests, when n = 1) whose token of this step was kept: not one
     # that an earlier step ended (overlap scheduling computed it once more) or that was aborted
     sampled: list[int]
-    launch_s: float  # host: scheduling, input preparation, queuing work on the device
-    prepare_s: float  # the input-preparation part of launch_s
-    wait_s: float  # host blocked until the step's tokens arrived (device time not hidden)
-    postprocess_s: float  # host: appending tokens, finishing, stop strings; the next step's token masks
+    launch_s: float = 0.0  # host: scheduling, input preparation, queuing work on the device
+    prepare_s: float = 0.0  # the input-preparation part of launch_s
+    wait_s: float = 0.0  # host blocked until the step's tokens arrived (device time not hidden)
+    postprocess_s: float = 0.0  # host: appending tokens, finishing, stop strings; the next step's token masks
     num_prompt_tokens: int = 0  # of num_tokens, those of prefill chunks (prompts, or recomputed ones)
     # of postprocess_s, the host blocked until the next step's token masks were filled (overlap
     # scheduling fills them beside the host's other work: the part of the fill not hidden)

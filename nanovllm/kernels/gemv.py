@@ -243,19 +243,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _gemv(x, weight, bias, False, tile, weight_scale=weight_scale)[0]
 
 
-def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tile: Tiling | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, 2K] = gate | up -> F.linear(silu(gate) * up, weight, bias): the MLP's down projection
     (`weight_scale`: an FP8 weight, as in gemv)."""
-    return _gemv(x, weight, bias, True, tile, weight_scale=weight_scale)[0]
+    return _gemv(x, weight, None, True, None, weight_scale=weight_scale)[0]
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tile: Tiling | None = None, *,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual rounded to x's dtype, the
     residual stream after the add (None without a residual: s = x): the add + RMSNorm kernel and
     the projection in one launch. x [M, K] (next_pow2(M) x next_pow2(K) <= MAX_NORM_ELEMS),
     norm_weight [K] (`weight_scale`: an FP8 weight, as in gemv)."""
-    return _gemv(x, weight, bias, False, tile, _Norm(norm_weight, eps, residual), weight_scale)
+    return _gemv(x, weight, bias, False, None, _Norm(norm_weight, eps, residual), weight_scale)

@@ -36,11 +36,8 @@ KV_MIN_SCALE = 1e-8
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, scale: float):
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.scale = scale
         # Set by the model runner once the cache is allocated (`attach`): [num_blocks, block_size, Hkv, D].
         self.k_cache: torch.Tensor | None = None

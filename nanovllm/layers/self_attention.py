@@ -51,7 +51,7 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.attn = Attention(head_dim**-0.5)
         self.use_triton = uses_triton(self.qkv_proj.weight.device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

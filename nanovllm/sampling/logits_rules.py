@@ -18,24 +18,13 @@ without such rows builds nothing and the sampler does no work for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
 from nanovllm.sampling.penalties import TokenCounts, penalize_rows
 from nanovllm.utils.host_to_device import PackLayout, to_device
-
-# The integer parts of HostRules, in buffer order, then its float32 parts.
-INT_PARTS = ("penalty_rows", "penalty_slots", "allowed_rows", "allowed_entry_rows", "allowed_tokens",
-             "ban_rows", "ban_tokens", "cond_rows", "cond_tokens", "cond_sources", "cond_required",
-             "bias_rows", "bias_tokens", "reset_slots", "reset_prompt_slots", "reset_prompt_tokens",
-             "reset_output_slots", "reset_output_tokens")
-FLOAT_PARTS = ("repetition", "frequency", "presence", "bias_values")
-
-
-def _ints() -> list[int]:
-    return []
 
 
 @dataclass
@@ -54,29 +43,28 @@ class HostRules:
         token) of their prompt tokens and of their generated tokens.
     """
 
-    num_rows: int
-    penalty_rows: list[int] = field(default_factory=_ints)
-    penalty_slots: list[int] = field(default_factory=_ints)
+    penalty_rows: list[int] = field(default_factory=list)
+    penalty_slots: list[int] = field(default_factory=list)
     repetition: list[float] = field(default_factory=list)
     frequency: list[float] = field(default_factory=list)
     presence: list[float] = field(default_factory=list)
-    allowed_rows: list[int] = field(default_factory=_ints)
-    allowed_entry_rows: list[int] = field(default_factory=_ints)
-    allowed_tokens: list[int] = field(default_factory=_ints)
-    ban_rows: list[int] = field(default_factory=_ints)
-    ban_tokens: list[int] = field(default_factory=_ints)
-    cond_rows: list[int] = field(default_factory=_ints)
-    cond_tokens: list[int] = field(default_factory=_ints)
-    cond_sources: list[int] = field(default_factory=_ints)
-    cond_required: list[int] = field(default_factory=_ints)
-    bias_rows: list[int] = field(default_factory=_ints)
-    bias_tokens: list[int] = field(default_factory=_ints)
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_entry_rows: list[int] = field(default_factory=list)
+    allowed_tokens: list[int] = field(default_factory=list)
+    ban_rows: list[int] = field(default_factory=list)
+    ban_tokens: list[int] = field(default_factory=list)
+    cond_rows: list[int] = field(default_factory=list)
+    cond_tokens: list[int] = field(default_factory=list)
+    cond_sources: list[int] = field(default_factory=list)
+    cond_required: list[int] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_tokens: list[int] = field(default_factory=list)
     bias_values: list[float] = field(default_factory=list)
-    reset_slots: list[int] = field(default_factory=_ints)
-    reset_prompt_slots: list[int] = field(default_factory=_ints)
-    reset_prompt_tokens: list[int] = field(default_factory=_ints)
-    reset_output_slots: list[int] = field(default_factory=_ints)
-    reset_output_tokens: list[int] = field(default_factory=_ints)
+    reset_slots: list[int] = field(default_factory=list)
+    reset_prompt_slots: list[int] = field(default_factory=list)
+    reset_prompt_tokens: list[int] = field(default_factory=list)
+    reset_output_slots: list[int] = field(default_factory=list)
+    reset_output_tokens: list[int] = field(default_factory=list)
 
     def to_device(self, device: torch.device, counts: TokenCounts | None, previous_tokens: Tensor | None,
                   penalize: Callable[..., None] = penalize_rows) -> StepRules:
@@ -111,6 +99,11 @@ def _ban(x: Tensor, rows: Tensor, tokens: Tensor, bounds: Tensor) -> None:
     may repeat; a pair banned once is banned), without a host sync. Adding -inf instead would turn a
     logit a bias or penalty made +inf into NaN, which the sampler would then pick."""
     x.view(-1).scatter_reduce_(0, rows * x.shape[1] + tokens, bounds, "amin")
+
+
+# HostRules' parts by element type, in field order (the buffer's: ints, then float32s).
+INT_PARTS = tuple(f.name for f in fields(HostRules) if f.type == "list[int]")
+FLOAT_PARTS = tuple(f.name for f in fields(HostRules) if f.type == "list[float]")
 
 
 class StepRules:

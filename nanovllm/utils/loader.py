@@ -139,13 +139,12 @@ def load_model(model: nn.Module, path: str) -> None:
 
 
 @torch.inference_mode()
-def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
     model's `state_dict().items()`) into the parameters in place; any subset of the weights
     may be given. Every tensor is checked before any parameter changes: a tensor that is not a
     dense floating-point one is a TypeError naming it; unknown names, wrong shapes and tensors
-    without data (the meta device) one ValueError naming all of them. Returns the number of
-    tensors copied."""
+    without data (the meta device) one ValueError naming all of them."""
     weights = _WeightMap(model)
     convert = weights.converter(update=True)
     fills: list[_Fill] = []
@@ -173,7 +172,6 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                          f"{'; '.join(errors[:MAX_NAMES_SHOWN])}")
     for fill in fills:
         fill.destination.copy_(fill.source)
-    return len(fills)
 
 
 def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
