@@ -51,7 +51,7 @@ from benchmarks.harness.roofline import ByteWidths, decode_weight_elements
 from benchmarks.harness.runs import latency, measure_ttft, run_engine, run_hf, warm_up
 from benchmarks.harness.workloads import WORKLOADS, Workload, WorkloadSampling, make_workload
 from nanovllm import LLM
-from nanovllm.config import Config
+from nanovllm.config import DEFAULT_MAX_LOGPROBS, Config
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.moe.layer import MoeExperts
 
@@ -163,6 +163,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.sampling.params(1, args.prompt_logprobs)  # a bad K fails here
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    for name in ("logprobs", "prompt_logprobs"):  # the engines run at the default cap
+        k = getattr(args, name)
+        if k is not None and not 0 <= k <= DEFAULT_MAX_LOGPROBS:
+            ap.error(f"{name} must be in [0, {DEFAULT_MAX_LOGPROBS}] (the engines' max_logprobs, vLLM's default), "
+                     f"got {k}")
     if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf):
         ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --compare-hf")
     if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
