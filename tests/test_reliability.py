@@ -446,6 +446,8 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "wake_up": llm.wake_up,
         "is_sleeping": llm.is_sleeping,
         "collective_rpc": lambda: llm.collective_rpc("reload_weights"),
+        "collective_rpc(callable)": lambda: llm.collective_rpc(len),
+        "apply_model": lambda: llm.apply_model(len),
         "llm_engine.add_request": lambda: llm.llm_engine.add_request("x", [1, 2, 3], GREEDY),
         "llm_engine.step": llm.llm_engine.step,
     }

@@ -38,6 +38,7 @@ from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.generation_defaults import read_generation_config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
+from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, check_picklable, results, run_call
 from nanovllm.engine.request import Request
 from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
 from nanovllm.engine.step_pipeline import StepPipeline, StepResult
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.text_stream import stream_decoder
-from nanovllm.engine.tp_workers import PackedTensors, WorkerGroup, worker_errors
+from nanovllm.engine.tp_workers import CALL, PackedTensors, WorkerGroup, worker_errors
 from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.loader import weight_chunks
@@ -292,16 +293,33 @@ class LLMEngine:
                                "call wake_up(tags=['weights']) first")
 
     @one_call_at_a_time
+    def apply_model(self, func: Callable[[torch.nn.Module], object]) -> list:
+        """vLLM's LLM.apply_model: func(model) on every rank (its nn.Module, with that rank's shard
+        of the weights), their results in rank order (engine/rank_calls.py). A func that changes
+        the weights leaves the prefix cache's KV stale: call reset_prefix_cache() after it."""
+        if not callable(func):
+            raise TypeError(f"apply_model takes a function of the model, got {func!r}")
+        return self._call_on_every_rank(functools.partial(apply_to_model, func), "apply_model()")
+
+    @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
-        """vLLM's LLM.collective_rpc for the worker method its sleep-mode docs have callers run,
-        "reload_weights" (the checkpoint's weights again, in place: after sleep(level=2) and
-        wake_up(tags=["weights"])); one result (None) per rank. Any other method, or a callable,
-        raises NotImplementedError, as vLLM does for a method its workers lack (TRL catches it)."""
+        """vLLM's LLM.collective_rpc: a callable runs as method(worker, *args, **kwargs) on every
+        rank (engine/rank_calls.Worker), its results in rank order; of the worker methods named by
+        a string, the one vLLM's sleep-mode docs have callers run, "reload_weights" (the
+        checkpoint's weights again, in place: after sleep(level=2) and wake_up(tags=["weights"]));
+        one result (None) per rank. Any other name raises NotImplementedError, as vLLM does for a
+        method its workers lack (TRL catches it). `timeout` is accepted and not applied."""
         self._check_open()
+        if callable(method):
+            if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
+                raise TypeError(f"collective_rpc args must be a tuple and kwargs a dict or None, got {args!r}, "
+                                f"{kwargs!r}")
+            return self._call_on_every_rank(functools.partial(call_with_worker, method, args, kwargs or {}),
+                                            "collective_rpc()")
         if method != RELOAD_WEIGHTS:
             raise NotImplementedError(f"Method {method!r} is not implemented: nanovllm's collective_rpc runs "
-                                      f"{RELOAD_WEIGHTS!r} only")
+                                      f"{RELOAD_WEIGHTS!r} or a function of the worker only")
         if args or kwargs:
             raise ValueError(f"collective_rpc({RELOAD_WEIGHTS!r}) takes no arguments here (the model directory's "
                              f"checkpoint is reloaded), got args={args!r}, kwargs={kwargs!r}")
@@ -356,6 +374,21 @@ class LLMEngine:
 
     def _sleep_state(self) -> str:
         return ", ".join(f"{tag} asleep" for tag in self.model_runner.sleeping)
+
+    def _call_on_every_rank(self, call: RankCall, name: str) -> list:
+        """`call(model_runner)` on every rank (engine/rank_calls.py), the workers' first; each rank's
+        result, rank 0 first. Refused while the weights sleep (their storage is gone)."""
+        self._check_open()
+        if WEIGHTS in self.model_runner.sleeping:
+            raise RuntimeError(f"{name} called while the weights sleep ({self._sleep_state()}): "
+                               "call wake_up(tags=['weights']) first")
+        if self.workers is None:
+            return results([run_call(call, self.model_runner)])
+        check_picklable(call, name)
+        with worker_errors(self.workers), deferred_signals():  # a rank's own error is an outcome, raised after
+            self.workers.send(CALL, call)
+            outcomes = [run_call(call, self.model_runner), *self.workers.collect()]
+        return results(outcomes)
 
     def _on_every_rank(self, method: str, *args) -> None:
         """ModelRunner.<method>(*args) on the workers, then here (on CUDA, capturing graphs runs

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.rank_calls import RankOutcome, run_call, sendable
 
 # Address of the rendezvous store: every rank is on this host.
 LOCALHOST = "127.0.0.1"
@@ -58,6 +59,8 @@ EXIT_JOIN_SECONDS = 10.0
 DEATH_CONFIRM_SECONDS = 2.0
 # ...polling at this interval (short next to the confirm window, cheap for the host).
 DEATH_POLL_SECONDS = 0.05
+# The message that runs a function on a worker and sends its RankOutcome back (WorkerGroup.collect).
+CALL = "call"
 # Variables that must reach workers: NVLink multicast stays off on shared hosts.
 _INHERITED_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -106,6 +109,9 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
                 break  # rank 0 went away
             if method == "exit":
                 break
+            if method == CALL:  # a function with a result (engine/rank_calls.py): rank 0 waits for the reply
+                conn.send(sendable(run_call(args[0], runner), rank))
+                continue
             getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
     finally:
         runner.exit()
@@ -211,6 +217,16 @@ class WorkerGroup:
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
                 raise WorkerDied(f"tensor-parallel worker rank {rank} is gone: {e}") from None
+
+    def collect(self) -> list[RankOutcome]:
+        """Each worker's reply to the CALL sent last (ranks 1..N-1, in order)."""
+        outcomes = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                outcomes.append(conn.recv())
+            except (EOFError, ConnectionResetError, OSError) as e:
+                raise WorkerDied(self._death() or f"tensor-parallel worker rank {rank} is gone: {e}") from None
+        return outcomes
 
     def _stop_processes(self) -> None:
         for conn in self.conns:

@@ -117,6 +117,9 @@ class VllmEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._llm.wake_up(tags)
 
+    def apply_model(self, func) -> list:
+        return self._llm.apply_model(func)
+
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         return self._llm.collective_rpc(method, timeout, args, kwargs)

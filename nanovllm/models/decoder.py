@@ -15,7 +15,7 @@ and in each layer's MLP: the dense SwiGLU unless a family's `build_mlp` says oth
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.self_attention import SelfAttention
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.utils.kv_scales import is_kv_scale_name
+from nanovllm.utils.loader import update_weights
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,15 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N] -> hidden [N, hidden]."""
         return self.model(input_ids, positions)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's model.load_weights, for code that reaches this module (LLM.apply_model):
+        checkpoint-named full tensors copied into this rank's parameters, every one checked first
+        (utils/loader.update_weights); the names loaded. The engine is not told: the prefix cache's
+        KV stays the old weights' (LLM.update_weights empties it; else call llm.reset_prefix_cache())."""
+        pairs = list(weights)
+        update_weights(self, pairs)
+        return {name for name, _ in pairs}
 
     def build_mlp(self, cfg: ModelConfig, traits: DecoderTraits, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP: the dense SwiGLU (a family with other MLPs overrides this)."""
