@@ -350,6 +350,15 @@ def cpu_llm_fixture(**kwargs):
     return engine
 
 
+def make_sequence(seq_id: int, prompt: list[int], params, **kwargs):
+    """A Sequence as the engine builds a request's sample 0: the request's id its own, the params'
+    seed and max_tokens (set), `kwargs` the rest (rules, wants_prompt_logprobs)."""
+    from nanovllm.engine.sequence import Sequence
+
+    return Sequence(seq_id, prompt, params, request_id=seq_id, seed=params.seed, max_tokens=params.max_tokens,
+                    **kwargs)
+
+
 def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = TEST_VOCAB_SIZE) -> list[list[int]]:
     """n prompts of random ids in [1, vocab) with lengths in [lo, hi), the same for the same seed."""
     g = torch.Generator().manual_seed(seed)

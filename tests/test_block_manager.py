@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from checkpoints import make_sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ BS = 16
 
 
 def seq(seq_id: int, tokens: list[int], max_tokens: int = 8) -> Sequence:
-    return Sequence(seq_id, tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return make_sequence(seq_id, tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 def test_allocate_takes_lowest_free_ids_and_free_returns_them():

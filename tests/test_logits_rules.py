@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints import make_sequence
 from logits_refs import reference_row
 from nanovllm import SamplingParams
 from nanovllm.engine.request_rules import RequestRules
@@ -72,7 +73,7 @@ def test_rules_over_steps_match_the_reference(device, dtype, params):
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 5, 9, 4)]
-    seqs = [Sequence(i, p, sp, rules=rules_of(sp, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+    seqs = [make_sequence(i, p, sp, rules=rules_of(sp, i)) for i, (p, sp) in enumerate(zip(prompts, params))]
     builder = RulesBuilder(VOCAB, dev)
     builder.admit(seqs)
     generated: list[list[int]] = [[] for _ in seqs]  # the truth: every sampled token, as the device has them
@@ -108,7 +109,7 @@ def test_rules_over_steps_match_the_reference(device, dtype, params):
     _append(*previous)
     old_slot = seqs[0].counts_slot
     builder.release([seqs[0]])
-    fresh = Sequence(0, [1, 2, 2], params[0], rules=rules_of(params[0], 0))
+    fresh = make_sequence(0, [1, 2, 2], params[0], rules=rules_of(params[0], 0))
     builder.admit([fresh])
     prompts[0], generated[0] = [1, 2, 2], []
     host = builder.build([fresh], [3], [])
@@ -124,10 +125,10 @@ def _append(seqs: list[Sequence], tokens: torch.Tensor) -> None:
 
 def test_rows_without_rules_build_nothing():
     builder = RulesBuilder(VOCAB, torch.device("cpu"))
-    plain = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9)) for i in range(3)]
+    plain = [make_sequence(i, [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9)) for i in range(3)]
     builder.admit(plain)
     assert builder.build(plain, [3, 3, 3], []) is None  # no live sequence has rules: rows not even read
-    ruled = Sequence(3, [1, 2, 3], MIXED[2], rules=rules_of(MIXED[2], 2))
+    ruled = make_sequence(3, [1, 2, 3], MIXED[2], rules=rules_of(MIXED[2], 2))
     builder.admit([ruled])
     assert builder.build(plain, [3, 3, 3], []) is None  # one has, but not in this step
     host = builder.build(plain + [ruled], [3, 3, 3, 3], [])
@@ -137,7 +138,7 @@ def test_rows_without_rules_build_nothing():
 
 
 def test_a_penalized_row_first_seen_in_flight_is_refused():
-    seq = Sequence(0, [1, 2], MIXED[0], rules=rules_of(MIXED[0], 0))
+    seq = make_sequence(0, [1, 2], MIXED[0], rules=rules_of(MIXED[0], 0))
     builder = RulesBuilder(VOCAB, torch.device("cpu"))
     builder.admit([seq])
     with pytest.raises(RuntimeError, match="in flight"):
@@ -149,7 +150,7 @@ def test_steps_with_integer_parts_only(device):
     """A step whose only rules are bans (min_tokens, one-token bad words) or allowed ids packs no
     floats: its rules still reach the device."""
     dev = torch.device(device)
-    seqs = [Sequence(0, [1, 2], SamplingParams(min_tokens=2)), Sequence(1, [3], SamplingParams(allowed_token_ids=[4, 5]))]
+    seqs = [make_sequence(0, [1, 2], SamplingParams(min_tokens=2)), make_sequence(1, [3], SamplingParams(allowed_token_ids=[4, 5]))]
     for i, seq in enumerate(seqs):
         seq.rules = RequestRules.of(seq.params, frozenset(EOS), None, VOCAB)
     builder = RulesBuilder(VOCAB, dev)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference
+from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference, make_sequence
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
@@ -118,7 +118,7 @@ def running_rows(num_rows: int, budget: int = 1024) -> Scheduler:
     sched = Scheduler(BlockManager(1024, 16), max_num_seqs=512, max_num_batched_tokens=budget, max_model_len=4096,
                       eos_token_ids=frozenset(), fill_sizes=FILL_SIZES)
     for i in range(num_rows):
-        sched.add(Request(i, [Sequence(i, [7], SamplingParams(max_tokens=100))]))
+        sched.add(Request(i, [make_sequence(i, [7], SamplingParams(max_tokens=100))]))
     first = sched.schedule()
     assert first.kind is StepKind.PREFILL and first.num_tokens == num_rows  # no decode rows: never trimmed
     sched.postprocess(first, sampled_by(first))
@@ -132,7 +132,7 @@ def sampled_by(step) -> dict[int, int]:
 
 def add_prompt(sched: Scheduler, seq_id: int, length: int) -> Sequence:
     """A prompt of `length` tokens no other prompt shares (no prefix-cache hits)."""
-    seq = Sequence(seq_id, [seq_id * 10_000 + j for j in range(length)], SamplingParams(max_tokens=100))
+    seq = make_sequence(seq_id, [seq_id * 10_000 + j for j in range(length)], SamplingParams(max_tokens=100))
     sched.add(Request(seq.request_id, [seq]))
     return seq
 
@@ -168,8 +168,8 @@ def test_trim_spans_prompts_prompt_logprob_steps_included():
     assert a.num_computed_tokens == 100 and b.num_computed_tokens == 116
 
     sched = running_rows(40)
-    seq = Sequence(1000, list(range(1, 241)), SamplingParams(max_tokens=100, prompt_logprobs=1),
-                   wants_prompt_logprobs=True)
+    seq = make_sequence(1000, list(range(1, 241)), SamplingParams(max_tokens=100, prompt_logprobs=1),
+                        wants_prompt_logprobs=True)
     sched.add(Request(seq.request_id, [seq]))  # a prompt-logprob step replays a graph too: trimmed alike
     step = sched.schedule()
     assert step.num_new_tokens[40:] == [216] and step.prompt_logprob_spans == {40: range(0, 216)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from checkpoints import checkpoint_fixture, cpu_llm, make_prompts
+from checkpoints import checkpoint_fixture, cpu_llm, make_prompts, make_sequence
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import Request
@@ -24,7 +24,7 @@ def make_scheduler(num_blocks: int = 8, max_model_len: int = 64) -> Scheduler:
 
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
-    s = Sequence(seq_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
+    s = make_sequence(seq_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
     sched.add(Request(s.request_id, [s]))
     return s
 

@@ -24,7 +24,7 @@ def test_samples_fork_from_sample_0_and_the_request_ends_with_its_last_sample():
     sched = make_scheduler()
     prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + 2 tokens
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=3, stop_token_ids=[8], n=3)
-    request = Request.create(0, [0, 1, 2], prompt, params)
+    request = Request.create(0, [0, 1, 2], prompt, params, rules=None, prompt=None, max_tokens=params.max_tokens)
     sched.add(request)
     assert [s.seq_id for s in sched.waiting] == [0]  # sample 0 computes the prompt
     assert [s.seed for s in request.samples] == [5, sample_seed(5, 1), sample_seed(5, 2)]
@@ -58,7 +58,8 @@ def test_samples_fork_from_sample_0_and_the_request_ends_with_its_last_sample():
 def test_samples_queue_behind_sample_0_when_they_cannot_fork():
     sched = Scheduler(BlockManager(32, BS), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
                       eos_token_ids=frozenset())
-    request = Request.create(0, [0, 1, 2], list(range(1, 11)), SamplingParams(n=3))
+    request = Request.create(0, [0, 1, 2], list(range(1, 11)), SamplingParams(n=3), rules=None, prompt=None,
+                             max_tokens=64)
     sched.add(request)
     batch = sched.schedule()  # 1 running + 2 forks > max_num_seqs 2: sample 1 queues and joins via the cache
     assert batch.forks == [] and [s.seq_id for s in batch.seqs] == [0, 1]
@@ -69,7 +70,8 @@ def test_samples_queue_behind_sample_0_when_they_cannot_fork():
 def test_abort_all_drops_every_request_and_frees_every_block():
     sched = make_scheduler(budget=6)
     for rid in (0, 3):
-        sched.add(Request.create(rid, [rid, rid + 1, rid + 2], list(range(1, 15)), SamplingParams(n=3)))
+        sched.add(Request.create(rid, [rid, rid + 1, rid + 2], list(range(1, 15)), SamplingParams(n=3), rules=None,
+                                 prompt=None, max_tokens=64))
     sched.schedule()  # a partial prefill holds blocks
     assert sched.block_manager.num_free_blocks < 32
     sched.abort_all()
@@ -80,7 +82,8 @@ def test_abort_all_drops_every_request_and_frees_every_block():
 
 def test_prompt_logprob_positions_are_booked_once_across_chunks():
     sched = make_scheduler(budget=4)
-    request = Request.create(0, [0, 1], list(range(1, 11)), SamplingParams(max_tokens=1, prompt_logprobs=1, n=2))
+    request = Request.create(0, [0, 1], list(range(1, 11)), SamplingParams(max_tokens=1, prompt_logprobs=1, n=2),
+                             rules=None, prompt=None, max_tokens=1)
     sched.add(request)
     leader, other = request.samples
     assert leader.prompt_logprobs == [None] and other.prompt_logprobs is None  # sample 0 alone scores

@@ -133,7 +133,8 @@ def test_only_a_stop_token_is_left_out_of_the_text():
     completion = tokenizer.encode(" the dog", add_special_tokens=False)
     texts = {}
     for on_stop_token in (False, True):
-        request = Request.create(0, [0], tokenizer.encode("hello"), SamplingParams(max_tokens=8))
+        request = Request.create(0, [0], tokenizer.encode("hello"), SamplingParams(max_tokens=8), rules=None,
+                                 prompt=None, max_tokens=8)
         seq = request.samples[0]
         seq.token_ids += completion
         seq.finish_reason, seq.ended_on_stop_token = FinishReason.STOP, on_stop_token

@@ -113,11 +113,11 @@ def case_rules(name: str, batch: int, vocab: int, device: torch.device) -> StepR
     params = SamplingParams(**PENALTIES[penalty])
     rules = RequestRules.of(params, frozenset(), None, vocab)
     g = torch.Generator().manual_seed(1)
-    seqs = [Sequence(i, torch.randint(0, vocab, (PENALTY_PROMPT,), generator=g).tolist(), params, rules=rules)
-            for i in range(batch)]
+    seqs = [Sequence(i, torch.randint(0, vocab, (PENALTY_PROMPT,), generator=g).tolist(), params, request_id=i,
+                     seed=None, max_tokens=params.max_tokens, rules=rules) for i in range(batch)]
     builder = RulesBuilder(vocab, device)
     builder.admit(seqs)
-    return builder.step_rules(seqs, [PENALTY_PROMPT] * batch, [], None)
+    return builder.upload(builder.build(seqs, [PENALTY_PROMPT] * batch, []), None)
 
 
 def main() -> None:

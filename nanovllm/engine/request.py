@@ -50,10 +50,10 @@ class Request:
         self.num_finished = 0
 
     @classmethod
-    def create(cls, request_id: int, seq_ids: list[int], prompt_token_ids: list[int],
-               params: SamplingParams, rules: RequestRules | None = None, prompt: str | None = None,
-               max_tokens: int | None = None) -> Request:
-        """A request of params.n fresh samples with the ids `seq_ids`."""
+    def create(cls, request_id: int, seq_ids: list[int], prompt_token_ids: list[int], params: SamplingParams,
+               rules: RequestRules | None, prompt: str | None, max_tokens: int) -> Request:
+        """A request of params.n fresh samples with the ids `seq_ids`, each generating at most
+        `max_tokens` (params.max_tokens, or what max_model_len leaves: engine/prompts.py)."""
         if len(seq_ids) != params.n:
             raise ValueError(f"request {request_id}: {len(seq_ids)} sequence ids for n={params.n}")
         return cls(request_id, [

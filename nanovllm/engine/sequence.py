@@ -46,18 +46,16 @@ class Sequence:
     rules: what its request changes in its logits (None: nothing); counts_slot: its row of the
     penalties' token counts while it holds one (engine/rules_builder.py)."""
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: int | None = None, seed: int | None = None, wants_prompt_logprobs: bool = False,
-                 rules: RequestRules | None = None, max_tokens: int | None = None):
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, request_id: int,
+                 seed: int | None, max_tokens: int, wants_prompt_logprobs: bool = False,
+                 rules: RequestRules | None = None):
         self.seq_id = seq_id
-        self.request_id = seq_id if request_id is None else request_id
-        self.seed = params.seed if seed is None else seed
+        self.request_id = request_id
+        self.seed = seed
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
-        if self.max_tokens is None:
-            raise ValueError(f"sequence {seq_id}: max_tokens=None must be resolved against max_model_len first")
+        self.max_tokens = max_tokens
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
