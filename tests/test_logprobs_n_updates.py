@@ -192,6 +192,13 @@ def test_max_logprobs_caps_what_a_request_may_ask_as_vllms_does(ckpt, reference)
     for kwargs, error in [({"max_logprobs": -2}, ValueError), ({"max_logprobs": 2.0}, TypeError)]:
         with pytest.raises(error, match="max_logprobs"):
             engine(ckpt, **kwargs)
+    llm = engine(ckpt, max_logprobs=10 * vocab)  # a cap past the vocabulary: counts past it get all of it
+    try:
+        many = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5 * vocab, prompt_logprobs=5 * vocab)
+        out = llm.generate([prompt], many, use_tqdm=False)[0]
+    finally:
+        llm.exit()
+    assert all(len(entry) == vocab for entry in out["logprobs"] + out["prompt_logprobs"][1:])
 
     llm = engine(ckpt, max_logprobs=-1)
     try:

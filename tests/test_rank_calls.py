@@ -6,6 +6,11 @@ raised after every rank answered with the engine still serving."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -38,6 +43,28 @@ def fail_on_rank(model: torch.nn.Module, rank: int) -> int:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == rank:
         raise ValueError(f"rank {rank} refuses")
     return 0
+
+
+class TwoArgError(Exception):
+    """An exception that pickles but cannot be rebuilt from its args (its __init__ takes two)."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__(f"{a} and {b}")
+
+
+def raise_two_arg_error_on_rank_1(model: torch.nn.Module) -> None:
+    if torch.distributed.get_rank() == 1:
+        raise TwoArgError(1, 2)
+
+
+def many_tensors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t + torch.distributed.get_rank() for t in tensors]
+
+
+def sleep_on_rank_1(worker: Worker, seconds: float) -> int:
+    if worker.rank == 1:
+        time.sleep(seconds)
+    return worker.rank
 
 
 def load_state(model: torch.nn.Module, path: str) -> int:
@@ -121,3 +148,117 @@ def test_two_ranks_answer_in_rank_order_with_their_own_shards(ckpt, other_ckpt):
     reference = load_reference(other_ckpt)
     for prompt, out in zip(PROMPTS, outs):
         assert_greedy_matches_reference(reference, prompt, out)
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_two_ranks_survive_what_a_worker_cannot_send_or_rank_0_cannot_read(ckpt):
+    """A worker exception that pickles but cannot be rebuilt, a worker result that does not pickle,
+    and thousands of tensors each way: answers (or clear errors), the engine serving after, and no
+    file descriptor per tensor (plain pickle, not shared memory)."""
+    llm = engine(ckpt, tensor_parallel_size=2)
+    try:
+        want = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        with pytest.raises(TypeError, match="rank 1's answer cannot be read on rank 0"):
+            llm.apply_model(raise_two_arg_error_on_rank_1)
+        with pytest.raises(TypeError, match="rank 1's result cannot be sent to rank 0"):
+            llm.apply_model(return_a_generator)
+        tensors = [torch.full((4,), float(i)) for i in range(3000)]
+        files = open_files()
+        got = llm.apply_model(functools.partial(many_tensors, tensors=tensors))
+        assert open_files() - files < 100
+        assert [len(r) for r in got] == [3000, 3000]
+        assert all(torch.equal(got[rank][i], tensors[i] + rank) for rank in (0, 1) for i in (0, 1234, 2999))
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.exit()
+
+
+def return_a_generator(model: torch.nn.Module):
+    return (x for x in range(3))  # a generator does not pickle
+
+
+@pytest.mark.parametrize("cut", ["interrupt", "timeout"])
+def test_a_call_cut_short_on_rank_0_leaves_the_group_out_of_step(ckpt, cut):
+    """Ctrl-C (or collective_rpc's timeout) while a worker still runs the function: raised at once,
+    not when the function returns; the late answer would be read by the next call, so every
+    later call refuses, naming why, and exit() does not wait for the worker."""
+    llm = engine(ckpt, tensor_parallel_size=2)
+    try:
+        start = time.monotonic()
+        if cut == "timeout":
+            with pytest.raises(TimeoutError, match="rank 1 did not answer within 1.0 s"):
+                llm.collective_rpc(sleep_on_rank_1, timeout=1.0, args=(30.0,))
+        else:
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+                with pytest.raises(KeyboardInterrupt):
+                    llm.collective_rpc(sleep_on_rank_1, args=(30.0,))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+        assert time.monotonic() - start < 10
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        start = time.monotonic()
+        llm.exit()
+        assert time.monotonic() - start < 10
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+_COMMAND_LINE_SCRIPT = """
+import sys
+sys.path[:0] = {paths!r}
+from checkpoints import cpu_llm
+from nanovllm import SamplingParams
+
+def rows(model):  # defined in `python -c`: the workers cannot import it
+    return 1
+
+llm = cpu_llm({ckpt!r}, kvcache_block_size=16, max_model_len=128, tensor_parallel_size=2)
+try:
+    try:
+        llm.apply_model(rows)
+    except Exception as e:
+        print("raised", type(e).__name__, e)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    print("served", len(out[0]["token_ids"]))
+finally:
+    llm.exit()
+"""
+
+
+def test_a_function_the_workers_cannot_import_is_a_clear_error(ckpt):
+    """A function from `python -c` (or a notebook) pickles by name on rank 0 but cannot be found on
+    the workers: the error says so and the engine serves on (the workers live)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = _COMMAND_LINE_SCRIPT.format(paths=[os.path.dirname(tests), tests], ckpt=ckpt)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised AttributeError Can't get attribute 'rows'" in proc.stdout, proc.stdout
+    assert "served 3" in proc.stdout
+
+
+def test_load_weights_sets_fp8_kv_scales_anew(ckpt, other_ckpt):
+    """model.load_weights through apply_model on an FP8-KV engine: its scales are computed again
+    from the next prefill's data, as after update_weights: a fresh engine's tokens."""
+    llm = engine(ckpt, kv_cache_dtype="fp8")
+    try:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # scales calibrated on ckpt's weights
+        llm.apply_model(functools.partial(load_state, path=other_ckpt))
+        llm.reset_prefix_cache()
+        loaded = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.exit()
+    fresh = engine(other_ckpt, kv_cache_dtype="fp8")
+    try:
+        assert loaded == [o["token_ids"] for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        fresh.exit()

@@ -38,7 +38,7 @@ from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.generation_defaults import read_generation_config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
-from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, check_picklable, results, run_call
+from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, pickled_call, results, run_call
 from nanovllm.engine.request import Request
 from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.scheduler import Scheduler
@@ -165,7 +165,7 @@ class LLMEngine:
                 raise ValueError(f"SamplingParams.{name}={asked} asks for {count} logprobs a token, more than the "
                                  f"{self.config.logprobs_limit} this engine allows: raise LLM(max_logprobs=...) "
                                  f"(-1: no cap)")
-            setattr(checked, name, count)
+            setattr(checked, name, None if count is None else min(count, vocab_size))  # a cap past it: all
         if checked.stop and self.scheduler.decoder is None:  # the text they are matched on cannot be made
             have = ("no tokenizer" if self.tokenizer is None
                     else f"a {type(self.tokenizer).__name__}, which has no tokenizers backend")
@@ -299,7 +299,7 @@ class LLMEngine:
         the weights leaves the prefix cache's KV stale: call reset_prefix_cache() after it."""
         if not callable(func):
             raise TypeError(f"apply_model takes a function of the model, got {func!r}")
-        return self._call_on_every_rank(functools.partial(apply_to_model, func), "apply_model()")
+        return self._call_on_every_rank(functools.partial(apply_to_model, func), "apply_model()", None)
 
     @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
@@ -309,14 +309,19 @@ class LLMEngine:
         a string, the one vLLM's sleep-mode docs have callers run, "reload_weights" (the
         checkpoint's weights again, in place: after sleep(level=2) and wake_up(tags=["weights"]));
         one result (None) per rank. Any other name raises NotImplementedError, as vLLM does for a
-        method its workers lack (TRL catches it). `timeout` is accepted and not applied."""
+        method its workers lack (TRL catches it). `timeout` (seconds) bounds the wait for the
+        tensor-parallel workers' answers to a callable (TimeoutError; the workers are then out of
+        step, as after an interrupt: exit() and build a new LLM); rank 0's own part is not timed."""
         self._check_open()
         if callable(method):
             if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
                 raise TypeError(f"collective_rpc args must be a tuple and kwargs a dict or None, got {args!r}, "
                                 f"{kwargs!r}")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not timeout > 0):
+                raise ValueError(f"collective_rpc timeout must be None or a number of seconds > 0, got {timeout!r}")
             return self._call_on_every_rank(functools.partial(call_with_worker, method, args, kwargs or {}),
-                                            "collective_rpc()")
+                                            "collective_rpc()", timeout)
         if method != RELOAD_WEIGHTS:
             raise NotImplementedError(f"Method {method!r} is not implemented: nanovllm's collective_rpc runs "
                                       f"{RELOAD_WEIGHTS!r} or a function of the worker only")
@@ -375,19 +380,26 @@ class LLMEngine:
     def _sleep_state(self) -> str:
         return ", ".join(f"{tag} asleep" for tag in self.model_runner.sleeping)
 
-    def _call_on_every_rank(self, call: RankCall, name: str) -> list:
+    def _call_on_every_rank(self, call: RankCall, name: str, timeout: float | None) -> list:
         """`call(model_runner)` on every rank (engine/rank_calls.py), the workers' first; each rank's
-        result, rank 0 first. Refused while the weights sleep (their storage is gone)."""
+        result, rank 0 first. Refused while the weights sleep (their storage is gone). An
+        interrupt (or the workers' `timeout`) while the ranks run it is raised at once and leaves
+        the group out of step: their answers would come after it."""
         self._check_open()
         if WEIGHTS in self.model_runner.sleeping:
             raise RuntimeError(f"{name} called while the weights sleep ({self._sleep_state()}): "
                                "call wake_up(tags=['weights']) first")
         if self.workers is None:
             return results([run_call(call, self.model_runner)])
-        check_picklable(call, name)
-        with worker_errors(self.workers), deferred_signals():  # a rank's own error is an outcome, raised after
-            self.workers.send(CALL, call)
-            outcomes = [run_call(call, self.model_runner), *self.workers.collect()]
+        payload = pickled_call(call, name)
+        with worker_errors(self.workers):  # a rank's own error is an outcome, raised once all answered
+            with deferred_signals():
+                self.workers.send(CALL, payload)
+            try:
+                outcomes = [run_call(call, self.model_runner), *self.workers.collect(timeout)]
+            except KeyboardInterrupt:
+                self.workers.out_of_step = f"{name} was interrupted while the workers ran it"
+                raise
         return results(outcomes)
 
     def _on_every_rank(self, method: str, *args) -> None:

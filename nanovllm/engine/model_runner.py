@@ -42,18 +42,18 @@ from nanovllm.kernels.checks import FP8_KV_DTYPE
 from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
-from nanovllm.sampling.sampler import Sampler
-from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
-from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
 from nanovllm.quantization.config import INPUT_SCALE, quantization
+from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 from nanovllm.utils.host_to_device import to_device
 from nanovllm.utils.kv_scales import load_kv_scales
-from nanovllm.utils.loader import init_dummy_weights, load_model, update_weights
+from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class ModelRunner:
         # and after each update_weights, sets them (the weights they were computed under are gone).
         self._scales_from_data = fp8_kv and checkpoint_scales is None
         self._calibrate_kv = self._scales_from_data
+        self.model.on_weights_loaded = self._weights_changed  # load_weights through apply_model too
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
         self.rules = RulesBuilder(cfg.vocab_size, self.device)
@@ -352,14 +353,16 @@ class ModelRunner:
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named full tensors into this rank's parameters in place (every name
         and shape checked first; see loader.update_weights)."""
-        update_weights(self.model, weights)
+        self.model.load_weights(weights)
+
+    def _weights_changed(self) -> None:
         self._calibrate_kv = self._scales_from_data  # the next prefill step sets the FP8 scales anew
 
     def reload_weights(self) -> None:
         """The checkpoint's weights again, in place, as at start-up (vLLM's worker reload_weights,
         which a level-2 sleep asks for); FP8 KV scales computed from the data are set anew."""
         self._load_weights()
-        self._calibrate_kv = self._scales_from_data
+        self._weights_changed()
 
     def _load_weights(self) -> None:
         """The checkpoint's weights (load_format "dummy": random ones from the seed) into the model."""

@@ -6,11 +6,18 @@
 
 `model` is the rank's nn.Module (its shard of the weights under tensor parallelism); `worker` a
 Worker: the rank's `model_runner` (whose `.model` is that module), `rank` and `device`, the
-parts of vLLM's worker such functions read. Rank 0 sends the call to the workers, runs its own
-part, then collects every worker's RankOutcome, so the pipes never hold a stale reply, even when
-a rank's function raises (the first rank's error is raised, after all have answered). Functions
-travel to the workers pickled: a lambda or a function defined in a notebook cannot, at
-tensor_parallel_size > 1 (vLLM asks the same of them: it pickles callables too).
+parts of vLLM's worker such functions read.
+
+Under tensor parallelism rank 0 sends the call to the workers as pickled bytes, runs its own
+part, then reads every worker's RankOutcome, also as bytes (plain pickle: tensors travel as
+data, not as one shared-memory file each, which thousands of tensors would run out of). Every
+failure a worker meets (the call cannot be unpickled there, the function raises, its result
+does not pickle) comes back as an outcome, so the pipes never hold a stale reply, and the
+first rank's error is raised once all have answered: the engine keeps serving. The function
+must pickle by plain pickle, which names a function by its module: a top-level function of an
+importable module, or of the script being run, not a lambda, a local function or one from
+`python -c` / a notebook (vLLM sends callables with cloudpickle, behind its
+VLLM_ALLOW_INSECURE_SERIALIZATION setting).
 """
 
 from __future__ import annotations
@@ -59,31 +66,46 @@ def call_with_worker(func: Callable, args: tuple, kwargs: dict, runner: ModelRun
 
 
 def run_call(call: RankCall, runner: ModelRunner) -> RankOutcome:
-    """`call(runner)`, its exception caught (an interrupt is not: the caller holds signals back)."""
+    """Rank 0's part: `call(runner)`, its exception caught (an interrupt is not)."""
     try:
         return RankOutcome(call(runner))
-    except Exception as e:  # noqa: BLE001 - handed to rank 0, which raises it
+    except Exception as e:  # noqa: BLE001 - raised once every rank answered
         return RankOutcome(error=e)
 
 
-def sendable(outcome: RankOutcome, rank: int) -> RankOutcome:
-    """`outcome` if it pickles (a worker's reply crosses a pipe); else an error saying why."""
+def pickled_call(call: RankCall, name: str) -> bytes:
+    """`call` as the bytes the workers get; a TypeError naming `name` if it does not pickle."""
     try:
-        pickle.dumps(outcome)
-        return outcome
+        return pickle.dumps(call)
+    except Exception as e:  # noqa: BLE001 - any pickling failure
+        raise TypeError(f"{name}: the function runs on the tensor-parallel workers too, so it must pickle (a "
+                        f"top-level function of a module, not a lambda or a local one): {e}") from None
+
+
+def answer(payload: bytes, runner: ModelRunner) -> bytes:
+    """A worker's part: the call in `payload` run on `runner`, its RankOutcome as bytes. Whatever
+    fails (unpickling the call, the function, pickling its result) is the outcome's error; a
+    worker ignores SIGINT, so no interrupt is taken for the function's own."""
+    rank = runner.rank
+    try:
+        outcome = RankOutcome(pickle.loads(payload)(runner))
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: the worker must live on to answer
+        outcome = RankOutcome(error=e)
+    try:
+        return pickle.dumps(outcome)
     except Exception as e:  # noqa: BLE001 - any pickling failure
         what = "result" if outcome.error is None else f"error ({type(outcome.error).__name__}: {outcome.error})"
-        return RankOutcome(error=TypeError(f"tensor-parallel rank {rank}'s {what} cannot be sent to rank 0: {e}"))
+        return pickle.dumps(RankOutcome(error=TypeError(
+            f"tensor-parallel rank {rank}'s {what} cannot be sent to rank 0: {e}")))
 
 
-def check_picklable(func: Callable, call: str) -> None:
-    """TypeError naming `call` unless `func` pickles (it must reach the tensor-parallel workers)."""
+def outcome_of(data: bytes, rank: int) -> RankOutcome:
+    """A worker's answer read back on rank 0 (an exception that pickles but cannot be rebuilt
+    here, such as one whose __init__ takes other arguments, becomes a TypeError saying so)."""
     try:
-        pickle.dumps(func)
-    except Exception as e:  # noqa: BLE001 - any pickling failure
-        raise TypeError(f"{call}: the function runs on the tensor-parallel workers too, so it must pickle (a "
-                        f"function defined at a module's top level, not a lambda or a local one), got {func!r}: "
-                        f"{e}") from None
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure
+        return RankOutcome(error=TypeError(f"tensor-parallel rank {rank}'s answer cannot be read on rank 0: {e}"))
 
 
 def results(outcomes: list[RankOutcome]) -> list:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.rank_calls import RankOutcome, run_call, sendable
+from nanovllm.engine.rank_calls import RankOutcome, answer, outcome_of
 
 # Address of the rendezvous store: every rank is on this host.
 LOCALHOST = "127.0.0.1"
@@ -110,7 +110,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
             if method == "exit":
                 break
             if method == CALL:  # a function with a result (engine/rank_calls.py): rank 0 waits for the reply
-                conn.send(sendable(run_call(args[0], runner), rank))
+                conn.send_bytes(answer(args[0], runner))
                 continue
             getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
     finally:
@@ -218,14 +218,19 @@ class WorkerGroup:
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
                 raise WorkerDied(f"tensor-parallel worker rank {rank} is gone: {e}") from None
 
-    def collect(self) -> list[RankOutcome]:
-        """Each worker's reply to the CALL sent last (ranks 1..N-1, in order)."""
+    def collect(self, timeout: float | None = None) -> list[RankOutcome]:
+        """Each worker's answer to the CALL sent last (ranks 1..N-1, in order); TimeoutError if
+        they have not all answered `timeout` seconds from now (None: wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         outcomes = []
         for rank, conn in enumerate(self.conns, start=1):
+            if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"tensor-parallel worker rank {rank} did not answer within {timeout} s")
             try:
-                outcomes.append(conn.recv())
+                data = conn.recv_bytes()
             except (EOFError, ConnectionResetError, OSError) as e:
                 raise WorkerDied(self._death() or f"tensor-parallel worker rank {rank} is gone: {e}") from None
+            outcomes.append(outcome_of(data, rank))
         return outcomes
 
     def _stop_processes(self) -> None:

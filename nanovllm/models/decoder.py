@@ -104,6 +104,10 @@ class DecoderModel(nn.Module):
         return hidden
 
 
+def _nothing() -> None:
+    pass
+
+
 class DecoderForCausalLM(nn.Module):
     """Base of the model classes: a model file subclasses it, stating its family's traits."""
 
@@ -118,6 +122,9 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
         super().__init__()
+        # Called after load_weights changed the weights: the model runner's (FP8 KV scales computed
+        # from the data are set anew), nothing for a model without one.
+        self.on_weights_loaded: Callable[[], None] = _nothing
         self.model = DecoderModel(cfg, traits, lambda layer_idx: self.build_mlp(cfg, traits, layer_idx))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -134,6 +141,7 @@ class DecoderForCausalLM(nn.Module):
         KV stays the old weights' (LLM.update_weights empties it; else call llm.reset_prefix_cache())."""
         pairs = list(weights)
         update_weights(self, pairs)
+        self.on_weights_loaded()
         return {name for name, _ in pairs}
 
     def build_mlp(self, cfg: ModelConfig, traits: DecoderTraits, layer_idx: int) -> nn.Module:
