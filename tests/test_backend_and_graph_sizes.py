@@ -13,22 +13,22 @@ from nanovllm.layers.attention_backend import select_attention_backend
 
 
 def test_auto_backend_is_torch_on_cpu_and_ours_on_cuda_without_flash_attn():
-    assert select_attention_backend("auto", "cpu", 256).name == "torch"
+    assert select_attention_backend("auto", "cpu", 256, False, 128).name == "torch"
     expected = "flash_attn" if importlib.util.find_spec("flash_attn") else "triton"
-    assert select_attention_backend("auto", "cuda", 256).name == expected
+    assert select_attention_backend("auto", "cuda", 256, False, 128).name == expected
     # flash-attn's paged KV needs block_size % 256 == 0: other sizes always get ours
-    assert select_attention_backend("auto", "cuda", 16).name == "triton"
+    assert select_attention_backend("auto", "cuda", 16, False, 128).name == "triton"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
 def test_forcing_missing_flash_attn_is_a_clear_error():
     with pytest.raises(ValueError, match="flash-attn package is not installed"):
-        select_attention_backend("flash_attn", "cuda", 256)
+        select_attention_backend("flash_attn", "cuda", 256, False, 128)
 
 
 def test_forcing_a_gpu_backend_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="needs CUDA"):
-        select_attention_backend("triton", "cpu", 16)
+        select_attention_backend("triton", "cpu", 16, False, 128)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 7, 8, 9, 16, 40, 100, 255, 512, 513, 1000])

@@ -505,8 +505,8 @@ def test_bad_kv_cache_dtype_is_refused(checkpoint, bad):
 def test_flash_attn_cannot_read_an_fp8_cache():
     """flash-attn 2 has no FP8 KV: asked for explicitly it is refused; "auto" takes our kernels."""
     with pytest.raises(ValueError, match="flash_attn.*FP8 KV cache"):
-        select_attention_backend("flash_attn", "cuda", 256, fp8_kv=True)
-    assert select_attention_backend("auto", "cuda", 256, fp8_kv=True).name == "triton"
+        select_attention_backend("flash_attn", "cuda", 256, fp8_kv=True, head_dim=128)
+    assert select_attention_backend("auto", "cuda", 256, fp8_kv=True, head_dim=128).name == "triton"
 
 
 def test_fp8_cache_head_dim_floor_on_the_triton_kernels():

@@ -349,7 +349,7 @@ def test_self_attention_rope_steps_agree(qk_norm, dtype):
     pos = torch.randint(0, MAX_POS, (n,), generator=gen)
     slots = torch.tensor([0, 17, -1, 40, 3, 63, 20])
     meta = AttentionMetadata(is_prefill=True, slot_mapping=slots)
-    layer.attn.backend = select_attention_backend("torch", "cpu", block)
+    layer.attn.backend = select_attention_backend("torch", "cpu", block, False, layer.head_dim)
     results = []
     for step in (layer.rope_and_store_triton, layer.rope_and_store_native):
         layer.attn.k_cache, layer.attn.v_cache = torch.zeros(2, 4, block, hkv, d, dtype=dtype)

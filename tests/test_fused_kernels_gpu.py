@@ -149,7 +149,7 @@ def test_self_attention_rope_and_cache_write_wiring(config_dir, qk_norm, qkv_bia
         p.data = randn(p.shape, gen, scale=1.0 if "norm" in name else 0.02)  # bf16
     k_cache, v_cache = torch.zeros(2, 4, block, hkv, d, dtype=DT, device=DEV)
     attn.attn.k_cache, attn.attn.v_cache = k_cache, v_cache
-    attn.attn.backend = select_attention_backend("triton", "cuda", block)
+    attn.attn.backend = select_attention_backend("triton", "cuda", block, False, attn.head_dim)
     hidden = randn((n, cfg.hidden_size), gen)
     pos = torch.randint(0, max_pos, (n,), generator=gen, device=DEV)
     slots = torch.arange(n, device=DEV)

@@ -181,12 +181,11 @@ def _decode_row(
                 tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
-# The block-table width and the row capacity vary with the batch: specializing on them would
-# recompile mid-run.
-@triton.jit(do_not_specialize=["stride_bt", "batch"])
+# The block-table width varies with the batch: specializing on it would recompile mid-run.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, num_seqs_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, batch,
+    k_scale_ptr, v_scale_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -324,7 +323,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         counters if counters is not None else dummy, num_seqs if num_seqs is not None else dummy,
-        k_scale, v_scale, scale * LOG2E, batch,  # scales None (16-bit cache): constexpr, no code
+        k_scale, v_scale, scale * LOG2E,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -36,10 +36,10 @@ def _flash_attn_usable(block_size: int) -> bool:
     return importlib.util.find_spec("flash_attn") is not None and block_size % FLASH_ATTN_PAGED_BLOCK_MULTIPLE == 0
 
 
-def select_attention_backend(requested: str, device: str, block_size: int, fp8_kv: bool = False,
-                             head_dim: int | None = None) -> AttentionBackend:
+def select_attention_backend(requested: str, device: str, block_size: int, fp8_kv: bool,
+                             head_dim: int) -> AttentionBackend:
     """The backend for `requested` on `device`; fp8_kv: the KV cache is FP8 (flash-attn cannot read it);
-    head_dim: the model's, checked against the Triton kernels' FP8 floor (None: not checked)."""
+    head_dim: the model's, checked against the Triton kernels' FP8 floor."""
     if requested == "flash_attn" and fp8_kv:
         raise ValueError("attention_backend='flash_attn' cannot read an FP8 KV cache (flash-attn 2 has no FP8 KV): "
                          "use attention_backend='auto' or 'triton', or kv_cache_dtype='auto'")
@@ -54,7 +54,7 @@ def select_attention_backend(requested: str, device: str, block_size: int, fp8_k
         mod = importlib.import_module("nanovllm.kernels.torch_attention")
         return AttentionBackend("torch", mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache)
     if requested == "triton":
-        if fp8_kv and head_dim is not None:
+        if fp8_kv:
             check_fp8_head_dim(head_dim)
         prefill = importlib.import_module("nanovllm.kernels.prefill_attention")
         decode = importlib.import_module("nanovllm.kernels.decode_attention")
