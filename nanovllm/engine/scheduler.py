@@ -293,8 +293,11 @@ class Scheduler:
 
     def _finish_and_collect(self, seq: Sequence, reason: FinishReason, done: list[Request]) -> None:
         """End `seq`; its request joins `done` (and leaves this scheduler) once all its samples have ended."""
-        self.finish(seq, reason)
+        self._end(seq, reason)
+        if seq in self.running:
+            self.running.remove(seq)
         request = self.requests[seq.request_id]
+        request.num_finished += 1
         if request.is_finished:
             del self.requests[seq.request_id]
             done.append(request)
@@ -343,10 +346,7 @@ class Scheduler:
             self._unstarted.pop(request.request_id, None)
             for seq in request.samples:
                 if not seq.is_finished:
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = FinishReason.ABORT
-                    self.block_manager.free(seq)
-                    self.num_constrained -= seq.grammar is not None
+                    self._end(seq, FinishReason.ABORT)
 
     def abort_all(self) -> None:
         """Drop every request (after an error or interrupt) and reset the KV bookkeeping.
@@ -365,12 +365,9 @@ class Scheduler:
         self.num_constrained = 0
         self.block_manager.reset()
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End `seq` now (its request counts it among its finished samples)."""
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` finished for `reason`, its blocks freed (the queues are the caller's)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.num_constrained -= seq.grammar is not None
-        if seq in self.running:
-            self.running.remove(seq)
-        self.requests[seq.request_id].num_finished += 1
