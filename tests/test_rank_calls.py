@@ -14,7 +14,15 @@ import time
 
 import pytest
 import torch
-from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference, make_prompts
+from checkpoints import (
+    GPU_SHAPE,
+    assert_bf16_greedy_matches,
+    assert_greedy_matches_reference,
+    checkpoint_fixture,
+    cpu_llm,
+    load_reference,
+    make_prompts,
+)
 
 from nanovllm import SamplingParams
 from nanovllm.engine.rank_calls import Worker
@@ -24,6 +32,8 @@ PROMPTS = make_prompts(21, 3, 10, 30)
 
 ckpt = checkpoint_fixture("rank-calls-a", seed=5)
 other_ckpt = checkpoint_fixture("rank-calls-b", seed=6)
+gpu_ckpt = checkpoint_fixture("rank-calls-gpu-a", GPU_SHAPE, seed=7)
+gpu_other_ckpt = checkpoint_fixture("rank-calls-gpu-b", GPU_SHAPE, seed=8)
 
 
 # Module-level functions: they pickle, so they reach tensor-parallel workers.
@@ -262,3 +272,27 @@ def test_load_weights_sets_fp8_kv_scales_anew(ckpt, other_ckpt):
         assert loaded == [o["token_ids"] for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         fresh.exit()
+
+
+@pytest.mark.gpu
+def test_load_weights_through_apply_model_on_the_gpu_with_graphs(gpu_ckpt, gpu_other_ckpt):
+    """A bf16 CUDA engine with its graphs captured: model.load_weights through apply_model copies in
+    place, so the graphs replay the loaded weights: transformers' tokens of the other checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm import LLM
+
+    llm = LLM(gpu_ckpt, dtype="bfloat16", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=256,
+              max_num_seqs=8, max_num_batched_tokens=256)
+    try:
+        assert llm.model_runner.graphs is not None
+        before = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        llm.apply_model(functools.partial(load_state, path=gpu_other_ckpt))
+        llm.reset_prefix_cache()
+        after = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.exit()
+    assert after != before
+    reference = AutoModelForCausalLM.from_pretrained(gpu_other_ckpt, dtype=torch.float32).cuda().eval()
+    for prompt, out in zip(PROMPTS, after):
+        assert_bf16_greedy_matches(reference, prompt, out)
