@@ -157,6 +157,9 @@ class Config:
     # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
     # Qwen3's documented setting for contexts past 32,768 tokens.
     hf_overrides: dict | None = None
+    # No tokenizer is loaded (vLLM's option, for callers that tokenize themselves): prompts must be token
+    # ids and texts stay empty, as for a model directory without one.
+    skip_tokenizer_init: bool = False
     # Most logprobs (and prompt logprobs) a request may ask for per token (vLLM's option); -1: no cap,
     # up to the whole vocabulary. A request over it is a ValueError when it is added.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -204,7 +207,7 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enforce_eager", "prefill_graphs", "enable_prefix_caching", "overlap_scheduling",
-                     "mixed_steps"):
+                     "mixed_steps", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.dtype, torch.dtype):  # vLLM takes a torch.dtype too

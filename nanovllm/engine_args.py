@@ -5,7 +5,7 @@ Each one is accepted only with a value that asks for what nanovllm does anyway. 
 a ValueError that names the keyword and says what nanovllm does instead:
 
     revision, tokenizer_revision, code_revision   None / "main": the model is a local directory
-    download_dir                                  None: nothing is downloaded
+    download_dir                                  None or a path: nothing is downloaded
     tokenizer_mode                                "auto" / "hf": transformers' AutoTokenizer
     trust_remote_code                             a bool: no checkpoint code runs (built-in families only)
     model_impl                                    "auto" / "vllm": the built-in model classes
@@ -18,9 +18,15 @@ a ValueError that names the keyword and says what nanovllm does instead:
     pipeline_parallel_size, data_parallel_size    1: one pipeline stage, one replica (Ray Data scales out)
     disable_custom_all_reduce, disable_log_stats  a bool: torch.distributed's all-reduce; no stats log
     enable_chunked_prefill                        None / a bool: prompts over the step budget are always chunked
-    skip_tokenizer_init                           False: the tokenizer is loaded when the model has one
     limit_mm_per_prompt                           None / {} / all counts 0: text models only
     disable_mm_preprocessor_cache                 a bool: text models only
+    compilation_config, max_seq_len_to_capture,   vLLM's own machinery's tuning (graphs, torch.compile,
+    cpu_offload_gb (0), served_model_name, task,  scheduler and output processing): nanovllm's does the
+    runner ("generate"), enable_expert_parallel,  same job (each value accepted is one that asks for what
+    async_scheduling, disable_async_output_proc,  it does: VLLM_ONLY_ARGS says why)
+    calculate_kv_scales, disable_sliding_window,
+    num_scheduler_steps (1), use_v2_block_manager,
+    preemption_mode ("recompute")
 
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
@@ -70,7 +76,8 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "max_lora_rank": _UNUSED_INT,
     "max_loras": _UNUSED_INT,
     "enable_sleep_mode": _Accepted(_is_bool, "a bool", "sleep() and wake_up() always work"),
-    "download_dir": _Accepted(lambda v: v is None, "None", "the model is a local directory: nothing is downloaded"),
+    "download_dir": _Accepted(lambda v: v is None or isinstance(v, str), "None or a path",
+                              "the model is a local directory: nothing is downloaded"),
     "model_impl": _Accepted(lambda v: v in ("auto", "vllm"), "'auto' or 'vllm'", "the model families are built in"),
     # "uni" / "external_launcher": one engine in this process, as each rank of a torchrun job builds
     "distributed_executor_backend": _Accepted(lambda v: v in (None, "mp"), "None or 'mp' (also 'uni' or "
@@ -85,9 +92,34 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "disable_log_stats": _Accepted(_is_bool, "a bool", "no stats are logged"),
     "enable_chunked_prefill": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",
                                         "prompts longer than the step budget are always chunked"),
-    "skip_tokenizer_init": _Accepted(lambda v: v is False, "False", "the model directory's tokenizer is loaded"),
     "limit_mm_per_prompt": _Accepted(_no_media, "None or zero counts", "only text models are served"),
     "disable_mm_preprocessor_cache": _Accepted(_is_bool, "a bool", "only text models are served"),
+    # Tuning of vLLM's own machinery (verl, NeMo-RL and scripts pass them): nanovllm's does the same job.
+    "compilation_config": _Accepted(lambda v: v is None or isinstance(v, (int, dict)), "None, an int or a dict",
+                                    "no torch.compile: CUDA graphs are nanovllm's own (enforce_eager, prefill_graphs)"),
+    "max_seq_len_to_capture": _Accepted(lambda v: type(v) is int and v >= 1, "an int >= 1",
+                                        "decode graphs serve every length up to max_model_len"),
+    "cpu_offload_gb": _Accepted(lambda v: isinstance(v, Real) and not isinstance(v, bool) and v == 0, "0",
+                                "the weights stay on the device"),
+    "served_model_name": _Accepted(lambda v: v is None or isinstance(v, (str, list)), "None, a str or a list",
+                                   "a server's display name: nothing is served"),
+    "task": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'", "only text generation is served"),
+    "runner": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
+                        "only text generation is served"),
+    "enable_expert_parallel": _Accepted(lambda v: v is False, "False",
+                                        "a MoE's experts are split by tensor parallelism"),
+    "async_scheduling": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",
+                                  "overlap scheduling queues each step before the last one's tokens are read"),
+    "disable_async_output_proc": _Accepted(_is_bool, "a bool",
+                                           "outputs are processed while the device runs the next step"),
+    "calculate_kv_scales": _Accepted(_is_bool, "a bool", "an FP8 KV cache computes its scales from the first "
+                                     "prefill's data unless the checkpoint gives them (vLLM's False: scale 1.0)"),
+    "disable_sliding_window": _Accepted(_is_bool, "a bool", "sequences are served up to a model's attention "
+                                        "window, which is what True asks (sliding-window attention is not implemented)"),
+    "num_scheduler_steps": _Accepted(lambda v: type(v) is int and v == 1, "1", "one scheduling step per forward"),
+    "use_v2_block_manager": _Accepted(_is_bool, "a bool", "the paged block manager is nanovllm's"),
+    "preemption_mode": _Accepted(lambda v: v in (None, "recompute"), "None or 'recompute'",
+                                 "preempted requests are recomputed, never swapped"),
 }
 
 # Keywords whose None means "the engine's default" in vLLM.

@@ -4,6 +4,8 @@ engine/prompts.py checks and tokenizes them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from numbers import Integral
 from typing import TypedDict
 
 
@@ -25,3 +27,23 @@ class TextPrompt(TypedDict):
 
 # What one prompt may be (vLLM's PromptType, less its multimodal and encoder-decoder forms).
 PromptType = str | list[int] | TokensPrompt | TextPrompt
+
+
+def legacy_token_prompts(prompts: object, prompt_token_ids: object) -> list:
+    """vLLM's older `generate(prompt_token_ids=...)` (deprecated there in 0.4, gone in 0.11; lm-eval,
+    lighteval and OpenRLHF still pass it): a list of token ids is one prompt, a list of such lists
+    one each; with `prompts` (texts) too, the two must be as many and the texts are what is
+    generated, as vLLM did. Returns the prompts to generate."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+        raise TypeError(f"prompt_token_ids must be a list of token ids or a list of such lists, got "
+                        f"{type(prompt_token_ids).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    one = isinstance(prompt_token_ids[0], Integral)
+    batch = [prompt_token_ids] if one else list(prompt_token_ids)
+    if prompts is None:
+        return [TokensPrompt(prompt_token_ids=list(ids)) if isinstance(ids, Sequence) else ids for ids in batch]
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if len(texts) != len(batch):
+        raise ValueError(f"got {len(texts)} prompts and {len(batch)} prompt_token_ids lists: they must be as many")
+    return texts

@@ -25,7 +25,7 @@ from nanovllm.engine.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
-from nanovllm.inputs import PromptType
+from nanovllm.inputs import PromptType, legacy_token_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -70,17 +70,29 @@ class LLM(LLMEngine):
     @one_call_at_a_time
     def generate(
         self,
-        prompts: PromptType | SequenceABC[PromptType],
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: object = None,
         priority: list[int] | None = None,
+        *,
+        prompt_token_ids: SequenceABC | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; returns one RequestOutput per prompt, in input order.
         Every request is checked before any is queued (bad input leaves the engine untouched).
-        `priority`: vLLM's per-prompt priorities, None or all 0 (requests are served in arrival order)."""
+        `priority`: vLLM's per-prompt priorities, None or all 0 (requests are served in arrival order).
+        `prompt_token_ids`: vLLM's older spelling of token-id prompts (inputs.legacy_token_prompts);
+        `tokenization_kwargs`: None (prompts are tokenized as the tokenizer does by default)."""
         self._check_open()
         check_no_lora(lora_request)
+        if tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported: prompts are tokenized "
+                             "as the tokenizer does by default (pass token ids to tokenize otherwise)")
+        if prompt_token_ids is not None:
+            prompts = legacy_token_prompts(prompts, prompt_token_ids)
+        elif prompts is None:
+            raise TypeError("generate() needs prompts (or vLLM's older prompt_token_ids=)")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC):

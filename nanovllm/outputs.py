@@ -170,6 +170,7 @@ class CompletionOutput(_DictView):
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: None = None  # no LoRA adapters
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -196,6 +197,10 @@ class RequestOutput(_DictView):
     metrics: None = None  # vLLM's per-request stats: none are kept (vLLM V1 leaves it None too)
     lora_request: None = None  # no LoRA adapters
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    # vLLM's encoder-decoder and disaggregated-serving fields: decoder-only models, one process.
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
     # nano-vllm's step-API shortcuts (StepResult.finished): the first completion's.
     @property

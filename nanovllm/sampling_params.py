@@ -225,14 +225,29 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Anything for custom samplers and plugins (vLLM's; its own samplers read none either): kept, not read.
+    extra_args: dict[str, object] | None = None
     # vLLM's older name of structured_outputs (TRL passes guided_decoding=None): None only, not kept.
     guided_decoding: dataclasses.InitVar[None] = None
+    # vLLM's per-request logits callbacks (distilabel passes []): None or empty only (vLLM V1 refuses others too).
+    logits_processors: dataclasses.InitVar[list | None] = None
+    # vLLM's older best_of (lighteval passes it): None or n only (V1 dropped sampling more to keep the best).
+    best_of: dataclasses.InitVar[int | None] = None
 
-    def __post_init__(self, guided_decoding: object) -> None:
+    def __post_init__(self, guided_decoding: object, logits_processors: object, best_of: object) -> None:
         if guided_decoding is not None:
             raise TypeError(f"SamplingParams.guided_decoding is vLLM's older name of structured_outputs: pass "
                             f"structured_outputs=StructuredOutputsParams(...) (nanovllm.sampling_params), got "
                             f"{guided_decoding!r:.200}")
+        if logits_processors:
+            raise ValueError(f"SamplingParams.logits_processors={logits_processors!r:.200}: per-request logits "
+                             "processors are not supported (vLLM V1 refuses them too); logit_bias, allowed_token_ids, "
+                             "bad_words, min_tokens and structured_outputs cover the usual ones")
+        if best_of is not None and best_of != self.n:
+            raise ValueError(f"SamplingParams.best_of={best_of!r}: only best_of=None or n (={self.n}) is supported "
+                             "(vLLM V1 dropped sampling more than n to return the best)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"SamplingParams.extra_args must be a dict or None, got {self.extra_args!r:.200}")
         for f in dataclasses.fields(self):
             setattr(self, f.name, _plain_number(getattr(self, f.name)))
         if self.seed == NO_SEED:

@@ -223,3 +223,26 @@ def test_vllm_clone_and_guided_decoding_none():
     assert copy == params and copy is not params and copy.stop is not params.stop
     with pytest.raises(TypeError, match="guided_decoding is vLLM's older name of structured_outputs"):
         SamplingParams(guided_decoding={"regex": "a+"})
+
+
+def test_older_and_plugin_fields_as_vllm_clients_pass_them(llm):
+    """distilabel's logits_processors=[] and lighteval's best_of (None or n) are accepted, anything
+    else refused naming what covers it; extra_args is kept with the request and changes nothing."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logits_processors=[], best_of=1,
+                            extra_args={"plugin": {"k": 1}})
+    assert params.extra_args == {"plugin": {"k": 1}} and SamplingParams(n=3, best_of=3, seed=0).n == 3
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [[5, 6, 7]]
+    assert llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"] == \
+        llm.generate(prompt, plain, use_tqdm=False)[0]["token_ids"]
+    for kwargs, error, words in [
+        (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "per-request logits processors"),
+        (dict(best_of=2), ValueError, r"best_of=2: only best_of=None or n \(=1\)"),
+        (dict(extra_args=["a"]), TypeError, "extra_args must be a dict or None"),
+    ]:
+        with pytest.raises(error, match=words):
+            SamplingParams(**kwargs)
+    edited = SamplingParams()
+    edited.extra_args = "x"  # checked again when a request is added
+    with pytest.raises(TypeError, match="extra_args must be a dict"):
+        llm.generate(prompt, edited, use_tqdm=False)

@@ -49,10 +49,20 @@ REFUSED = [
     ("trust_remote_code", "yes"), ("swap_space", -1), ("swap_space", True), ("enable_lora", True),
     ("max_lora_rank", 1.5), ("enable_sleep_mode", None), ("distributed_executor_backend", "ray"),
     ("disable_custom_all_reduce", 0), ("disable_log_stats", "no"),
-    ("enable_chunked_prefill", "on"), ("skip_tokenizer_init", True), ("limit_mm_per_prompt", {"image": 1}),
-    ("disable_mm_preprocessor_cache", None), ("download_dir", "/tmp/hf"), ("model_impl", "transformers"),
+    ("enable_chunked_prefill", "on"), ("limit_mm_per_prompt", {"image": 1}),
+    ("disable_mm_preprocessor_cache", None), ("download_dir", 3), ("model_impl", "transformers"),
     ("pipeline_parallel_size", 2), ("pipeline_parallel_size", 1.0), ("data_parallel_size", 4),
+    ("compilation_config", "max"), ("max_seq_len_to_capture", 0), ("cpu_offload_gb", 4), ("served_model_name", 3),
+    ("task", "embed"), ("runner", "pooling"), ("enable_expert_parallel", True), ("async_scheduling", "yes"),
+    ("disable_async_output_proc", None), ("calculate_kv_scales", 1), ("disable_sliding_window", None),
+    ("num_scheduler_steps", 8), ("use_v2_block_manager", "v2"), ("preemption_mode", "swap"),
 ]
+# Keywords verl, NeMo-RL and scripts pass to tune vLLM's own machinery, with values they use.
+TUNING_ARGS = dict(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, max_seq_len_to_capture=8192,
+                   cpu_offload_gb=0, served_model_name="policy", task="generate", runner="generate",
+                   enable_expert_parallel=False, async_scheduling=True, disable_async_output_proc=False,
+                   calculate_kv_scales=True, disable_sliding_window=False, num_scheduler_steps=1,
+                   use_v2_block_manager=True, preemption_mode="recompute", download_dir="/tmp/hf-cache")
 
 
 def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
@@ -87,7 +97,8 @@ def test_verl_constructs(ckpt):
         llm.exit()
 
 
-@pytest.mark.parametrize("args", [LIGHTEVAL_ARGS, OPENRLHF_ARGS, TRL_ARGS], ids=["lighteval", "openrlhf", "trl"])
+@pytest.mark.parametrize("args", [LIGHTEVAL_ARGS, OPENRLHF_ARGS, TRL_ARGS, TUNING_ARGS],
+                         ids=["lighteval", "openrlhf", "trl", "tuning"])
 def test_rl_and_eval_frameworks_construct(ckpt, args):
     llm = cpu_llm(ckpt, **args)
     try:
@@ -121,11 +132,75 @@ def test_every_vllm_only_argument_accepts_what_nanovllm_does():
                 "trust_remote_code": True, "swap_space": 0.5, "enable_lora": False, "max_lora_rank": 64,
                 "max_loras": None, "enable_sleep_mode": False, "distributed_executor_backend": "mp",
                 "disable_custom_all_reduce": False, "disable_log_stats": False, "enable_chunked_prefill": None,
-                "skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False,
-                "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1}
+                "limit_mm_per_prompt": {"image": 0}, "disable_mm_preprocessor_cache": False,
+                "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                "compilation_config": 3, "max_seq_len_to_capture": 1, "cpu_offload_gb": 0.0,
+                "served_model_name": ["a", "b"], "task": "auto", "runner": "auto", "enable_expert_parallel": False,
+                "async_scheduling": None, "disable_async_output_proc": True, "calculate_kv_scales": False,
+                "disable_sliding_window": True, "num_scheduler_steps": 1, "use_v2_block_manager": False,
+                "preemption_mode": None}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
     assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8,
                                  "enable_prefix_caching": None}) == {"max_num_seqs": 8}
+
+
+def test_skip_tokenizer_init_loads_none(ckpt):
+    """vLLM's skip_tokenizer_init=True (NeMo-RL's token-id path): token-id prompts give the tokens
+    of an engine with its tokenizer, texts stay empty, and a text prompt or chat() says why not."""
+    with_tokenizer = cpu_llm(ckpt)
+    try:
+        want = [o.outputs[0].token_ids for o in with_tokenizer.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)]
+    finally:
+        with_tokenizer.exit()
+    llm = cpu_llm(ckpt, skip_tokenizer_init=True)
+    try:
+        assert llm.get_tokenizer() is None
+        outs = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want and [o.outputs[0].text for o in outs] == ["", ""]
+        with pytest.raises(ValueError, match=r"no tokenizer is loaded .*skip_tokenizer_init=True.*token ids"):
+            llm.generate(["the dog"], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"skip_tokenizer_init=True\), so chat\(\) cannot render"):
+            llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+    with pytest.raises(TypeError, match="skip_tokenizer_init must be a bool"):
+        cpu_llm(ckpt, skip_tokenizer_init="yes")
+
+
+def test_older_generate_spellings_as_lm_eval_and_openrlhf_pass_them(ckpt):
+    """generate(prompt_token_ids=...) (vLLM before 0.11: lm-eval, lighteval, OpenRLHF): a list of ids
+    is one prompt, a list of lists one each; with text prompts too, the texts are generated (and the
+    two must be as many). tokenization_kwargs=None; del llm_engine.model_executor (distilabel)."""
+    llm = cpu_llm(ckpt)
+    try:
+        ids = [[1, 2, 3], [7, 8, 9, 10]]
+        want = [o.outputs[0].token_ids for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], GREEDY,
+                                                              use_tqdm=False)]
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False, lora_request=None)
+        assert [o.outputs[0].token_ids for o in outs] == want and [o.prompt_token_ids for o in outs] == ids
+        (one,) = llm.generate(sampling_params=GREEDY, prompt_token_ids=ids[1], use_tqdm=False)
+        assert one.outputs[0].token_ids == want[1]
+        texts = llm.generate(["the dog", "a cat"], GREEDY, prompt_token_ids=ids, use_tqdm=False)
+        assert [o.prompt for o in texts] == ["the dog", "a cat"]
+        assert texts[0].prompt_token_ids == llm.get_tokenizer().encode("the dog")
+        assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False, tokenization_kwargs=None)
+        for kwargs, error, message in [
+            (dict(prompts=["a"], prompt_token_ids=ids), ValueError, "got 1 prompts and 2 prompt_token_ids lists"),
+            (dict(prompt_token_ids=[]), ValueError, "prompt_token_ids is empty"),
+            (dict(prompt_token_ids="1 2 3"), TypeError, "prompt_token_ids must be a list of token ids"),
+            (dict(), TypeError, r"generate\(\) needs prompts"),
+            (dict(prompts=["a"], tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
+        ]:
+            with pytest.raises(error, match=message):
+                llm.generate(sampling_params=GREEDY, use_tqdm=False, **kwargs)
+        assert llm.is_finished()
+        del llm.llm_engine.model_executor  # distilabel's unload: harmless, the path still there
+        assert llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
+        out = outs[0]
+        assert (out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None, None, None)
+        assert out.outputs[0].lora_request is None
+    finally:
+        llm.exit()
 
 
 def test_unknown_keywords_stay_type_errors(ckpt):

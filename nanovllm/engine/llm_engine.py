@@ -93,7 +93,7 @@ class LLMEngine:
         self._exited = False
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(cfg.tokenizer)
         # generation_config.json's keys: the EOS ids below, and generate()'s defaults (nanovllm.llm)
         self.generation_values = read_generation_config(cfg.generation_dir)
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -50,7 +50,8 @@ class PromptValidator:
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model directory has no tokenizer: pass prompts as lists of token ids")
+            raise ValueError("no tokenizer is loaded (the model directory has none, or skip_tokenizer_init=True): "
+                             "pass prompts as lists of token ids")
         return self.tokenizer.encode(text)
 
     def token_ids(self, prompt: object) -> list[int]:

@@ -98,6 +98,11 @@ class VllmEngine:
         """As far as RL code reaches it to sync weights (WeightSyncPath)."""
         return WeightSyncPath(self._llm)
 
+    @model_executor.deleter
+    def model_executor(self) -> None:
+        """`del llm.llm_engine.model_executor` (distilabel's unload, to free vLLM's workers): nothing to
+        drop here, each access makes a fresh WeightSyncPath; llm.exit() frees the engine."""
+
     @property
     def tokenizer(self):
         return self._llm.get_tokenizer()
