@@ -27,6 +27,7 @@ a ValueError that names the keyword and says what nanovllm does instead:
     calculate_kv_scales, disable_sliding_window,
     num_scheduler_steps (1), use_v2_block_manager,
     preemption_mode ("recompute")
+    worker_extension_cls, worker_cls              None: no worker classes of the caller's (collective_rpc(func))
 
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
@@ -120,6 +121,12 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "use_v2_block_manager": _Accepted(_is_bool, "a bool", "the paged block manager is nanovllm's"),
     "preemption_mode": _Accepted(lambda v: v in (None, "recompute"), "None or 'recompute'",
                                  "preempted requests are recomputed, never swapped"),
+    # Classes vLLM mixes into its workers (NeMo-RL, SkyRL, open-instruct: collective_rpc("method") weight syncs).
+    "worker_extension_cls": _Accepted(lambda v: v in (None, ""), "None", "no worker extensions: "
+                                      "collective_rpc(func) runs a top-level function of each rank's worker, and "
+                                      "update_weights / model.load_weights take the new weights"),
+    "worker_cls": _Accepted(lambda v: v in (None, "auto"), "None or 'auto'", "the workers are nanovllm's: "
+                            "collective_rpc(func) runs a top-level function of each rank's worker"),
 }
 
 # Keywords whose None means "the engine's default" in vLLM.

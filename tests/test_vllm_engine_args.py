@@ -56,6 +56,8 @@ REFUSED = [
     ("task", "embed"), ("runner", "pooling"), ("enable_expert_parallel", True), ("async_scheduling", "yes"),
     ("disable_async_output_proc", None), ("calculate_kv_scales", 1), ("disable_sliding_window", None),
     ("num_scheduler_steps", 8), ("use_v2_block_manager", "v2"), ("preemption_mode", "swap"),
+    ("worker_extension_cls", "nemo_rl.models.generation.vllm.VllmInternalWorkerExtension"),
+    ("worker_cls", "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"),
 ]
 # Keywords verl, NeMo-RL and scripts pass to tune vLLM's own machinery, with values they use.
 TUNING_ARGS = dict(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, max_seq_len_to_capture=8192,
@@ -138,7 +140,7 @@ def test_every_vllm_only_argument_accepts_what_nanovllm_does():
                 "served_model_name": ["a", "b"], "task": "auto", "runner": "auto", "enable_expert_parallel": False,
                 "async_scheduling": None, "disable_async_output_proc": True, "calculate_kv_scales": False,
                 "disable_sliding_window": True, "num_scheduler_steps": 1, "use_v2_block_manager": False,
-                "preemption_mode": None}
+                "preemption_mode": None, "worker_extension_cls": None, "worker_cls": "auto"}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
     assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8,
                                  "enable_prefix_caching": None}) == {"max_num_seqs": 8}
@@ -194,6 +196,12 @@ def test_older_generate_spellings_as_lm_eval_and_openrlhf_pass_them(ckpt):
             with pytest.raises(error, match=message):
                 llm.generate(sampling_params=GREEDY, use_tqdm=False, **kwargs)
         assert llm.is_finished()
+        vllm_config = llm.llm_engine.vllm_config  # TRL's vllm_serve reads the tensor-parallel size there
+        assert vllm_config.parallel_config.tensor_parallel_size == vllm_config.parallel_config.world_size == 1
+        assert vllm_config.model_config is llm.model_config
+        assert vllm_config.scheduler_config.max_model_len == llm.config.max_model_len
+        assert (vllm_config.cache_config.block_size, vllm_config.cache_config.num_gpu_blocks) == (
+            llm.config.kvcache_block_size, llm.num_kvcache_blocks)
         del llm.llm_engine.model_executor  # distilabel's unload: harmless, the path still there
         assert llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
         out = outs[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +77,43 @@ class WeightSyncPath:
         return names
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_gpu_blocks: int
+    enable_prefix_caching: bool
+    cache_dtype: str
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """What clients read from vLLM's `llm_engine.vllm_config` (TRL's vllm_serve: the tensor-parallel
+    size), a read-only view of this engine's settings under vLLM's names."""
+
+    model_config: ServedModel
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+
+
 class VllmEngine:
     """vLLM's LLMEngine API of one LLM (module docstring). Invariant: `_ids` maps the engine id of
     every pending request added here to its caller's id, `_names` the other way; they may also hold
@@ -92,6 +130,15 @@ class VllmEngine:
     @property
     def model_config(self) -> ServedModel:
         return self._llm.model_config
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's engine settings, as far as clients read them (VllmConfig)."""
+        llm, cfg = self._llm, self._llm.config
+        return VllmConfig(llm.model_config, ParallelConfig(cfg.tensor_parallel_size),
+                          SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
+                          CacheConfig(cfg.kvcache_block_size, llm.num_kvcache_blocks, cfg.enable_prefix_caching,
+                                      cfg.kv_cache_dtype))
 
     @property
     def model_executor(self) -> WeightSyncPath:
