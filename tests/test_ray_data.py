@@ -216,6 +216,11 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
             predictor({"prompt": ["a"], "sampling_params": [{"top_p": 2.0}]})
         with pytest.raises(ValueError, match=r"row 0 .*: LLMPredictor makes one completion per row: SamplingParams.n=2"):
             predictor({"prompt": ["a"], "sampling_params": [{"n": 2}]})
+        # the engine's own checks of a row's overrides (max_logprobs, ids within the vocabulary) name the row too
+        with pytest.raises(ValueError, match=r"row 1 .*: SamplingParams.logprobs=21 asks for 21 logprobs a token"):
+            predictor({"prompt": ["a", "b"], "sampling_params": [{}, {"logprobs": 21}]})
+        with pytest.raises(ValueError, match=r"row 0 .*stop_token_ids"):
+            predictor({"prompt": ["a"], "sampling_params": [{"stop_token_ids": [10**6]}]})
         with pytest.raises(TypeError, match="LLMPredictor takes numpy batches"):
             predictor([{"prompt": "a"}])
         out = predictor({"prompt": ["a lazy dog"]})  # still serving after the refusals

@@ -146,6 +146,13 @@ class LLMEngine:
         params, rules, grammar = self._check_params(sampling_params)
         return self._enqueue(self.validator.validate(prompt, params), params, rules, grammar)
 
+    @one_call_at_a_time
+    def check_params(self, params: object) -> None:
+        """Raise as add_request would for `params` (TypeError / ValueError naming the bad value: the
+        model's checks too, such as max_logprobs and token ids within the vocabulary); queues nothing."""
+        self._check_open()
+        self._check_params(params)
+
     def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None, object | None]:
         """A checked copy of `params` as they are now (every SamplingParams check again, then the
         model's: token ids within the vocabulary, bad words tokenized, the structured-outputs

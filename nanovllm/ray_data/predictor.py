@@ -139,7 +139,14 @@ class LLMPredictor:
         if clash:
             raise ValueError(f"the batch already has column(s) {clash}, which LLMPredictor writes: rename them")
         token_lists = [self._row_token_ids(batch, columns, i, params[i]) for i in rows]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+        except (TypeError, ValueError):
+            if SAMPLING_COLUMN in batch:  # the engine's own checks of a row's overrides: name the row
+                for i in rows:
+                    with naming_row(batch, i):
+                        self.llm.check_params(params[i])
+            raise
         out: dict[str, np.ndarray | list] = dict(batch)
         out["generated_text"] = [o["text"] for o in outputs]
         out["generated_token_ids"] = [list(o["token_ids"]) for o in outputs]
