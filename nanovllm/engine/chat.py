@@ -159,7 +159,7 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
     """One prompt per conversation in `messages`: {"prompt_token_ids": [...], "prompt": text}, the
     text rendered by the chat template and tokenized without special tokens."""
     if tokenizer is None:
-        raise ValueError(f"no tokenizer is loaded for {model_dir!r} (the directory has none, or "
+        raise ValueError(f"model directory {model_dir!r}: no tokenizer is loaded (the directory has none, or "
                          "skip_tokenizer_init=True), so chat() cannot render messages: use generate() with token ids")
     kwargs = options.template_kwargs()
     if kwargs["chat_template"] is None and not has_chat_template(tokenizer):
