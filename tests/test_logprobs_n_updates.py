@@ -177,8 +177,8 @@ def test_max_logprobs_caps_what_a_request_may_ask_as_vllms_does(ckpt, reference)
         edited = SamplingParams(temperature=0.0, max_tokens=2, logprobs=20)
         edited.prompt_logprobs = 21
         for params, message in [
-            (SamplingParams(logprobs=21), r"SamplingParams.logprobs=21 asks for 21 logprobs a token, more than the 20 "
-                                          r"this engine allows: raise LLM\(max_logprobs=...\) \(-1: no cap\)"),
+            (SamplingParams(logprobs=21), (r"SamplingParams.logprobs=21 asks for 21 logprobs a token, more than the 20 "
+                                           r"this engine allows: raise LLM\(max_logprobs=...\) \(-1: no cap\)")),
             (SamplingParams(logprobs=-1), rf"SamplingParams.logprobs=-1 asks for {vocab} logprobs a token"),
             (edited, r"SamplingParams.prompt_logprobs=21 asks for 21"),
         ]:

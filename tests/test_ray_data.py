@@ -26,8 +26,8 @@ from nanovllm import SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
-import ray.data  # noqa: E402
 import ray.cluster_utils  # noqa: E402
+import ray.data  # noqa: E402
 import ray.util  # noqa: E402
 
 from nanovllm.ray_data import LLMPredictor  # noqa: E402
