@@ -130,6 +130,9 @@ class Config:
     # The KV cache's element type (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" =
     # float8 e4m3 with per-layer scales (engine/kv_cache.py), about twice the blocks in the same memory.
     kv_cache_dtype: str = "auto"
+    # An FP8 cache's per-layer scales (vLLM's option): None, the checkpoint's, else computed from the first
+    # prefill step's data; True: computed from the data always; False (vLLM's default): the checkpoint's, else 1.0.
+    calculate_kv_scales: bool | None = None
     # Plan step N+1 (decode or mixed) while step N runs on the device (hides host time). Used when
     # tensor_parallel_size is 1; tensor-parallel steps run one at a time.
     overlap_scheduling: bool = True
@@ -219,6 +222,8 @@ class Config:
                              f"got {self.dtype!r}")
         self.tokenizer = self.model if self.tokenizer is None else _directory("tokenizer", self.tokenizer,
                                                                              "a tokenizer directory")
+        if self.calculate_kv_scales is not None and not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(f"calculate_kv_scales must be None or a bool, got {self.calculate_kv_scales!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:

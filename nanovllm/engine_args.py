@@ -24,7 +24,7 @@ a ValueError that names the keyword and says what nanovllm does instead:
     cpu_offload_gb (0), served_model_name, task,  scheduler and output processing): nanovllm's does the
     runner ("generate"), enable_expert_parallel,  same job (each value accepted is one that asks for what
     async_scheduling, disable_async_output_proc,  it does: VLLM_ONLY_ARGS says why)
-    calculate_kv_scales, disable_sliding_window,
+    disable_sliding_window,
     num_scheduler_steps (1), use_v2_block_manager,
     preemption_mode ("recompute")
     worker_extension_cls, worker_cls              None: no worker classes of the caller's (collective_rpc(func))
@@ -36,6 +36,7 @@ enable_prefix_caching) take the default here too (config.Config); vLLM's `block_
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
@@ -77,7 +78,7 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "max_lora_rank": _UNUSED_INT,
     "max_loras": _UNUSED_INT,
     "enable_sleep_mode": _Accepted(_is_bool, "a bool", "sleep() and wake_up() always work"),
-    "download_dir": _Accepted(lambda v: v is None or isinstance(v, str), "None or a path",
+    "download_dir": _Accepted(lambda v: v is None or isinstance(v, (str, os.PathLike)), "None or a path",
                               "the model is a local directory: nothing is downloaded"),
     "model_impl": _Accepted(lambda v: v in ("auto", "vllm"), "'auto' or 'vllm'", "the model families are built in"),
     # "uni" / "external_launcher": one engine in this process, as each rank of a torchrun job builds
@@ -107,14 +108,12 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "task": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'", "only text generation is served"),
     "runner": _Accepted(lambda v: v in ("auto", "generate"), "'auto' or 'generate'",
                         "only text generation is served"),
-    "enable_expert_parallel": _Accepted(lambda v: v is False, "False",
-                                        "a MoE's experts are split by tensor parallelism"),
+    "enable_expert_parallel": _Accepted(lambda v: v is False, "False (also True at tensor_parallel_size=1)",
+                                        "a MoE's experts are split by tensor parallelism", one_rank=(True,)),
     "async_scheduling": _Accepted(lambda v: v is None or _is_bool(v), "None or a bool",
                                   "overlap scheduling queues each step before the last one's tokens are read"),
     "disable_async_output_proc": _Accepted(_is_bool, "a bool",
                                            "outputs are processed while the device runs the next step"),
-    "calculate_kv_scales": _Accepted(_is_bool, "a bool", "an FP8 KV cache computes its scales from the first "
-                                     "prefill's data unless the checkpoint gives them (vLLM's False: scale 1.0)"),
     "disable_sliding_window": _Accepted(_is_bool, "a bool", "sequences are served up to a model's attention "
                                         "window, which is what True asks (sliding-window attention is not implemented)"),
     "num_scheduler_steps": _Accepted(lambda v: type(v) is int and v == 1, "1", "one scheduling step per forward"),

@@ -376,6 +376,30 @@ def test_fp8_scales_from_the_first_prefill_step(checkpoint):
 
 
 
+def test_calculate_kv_scales_as_vllm_takes_it(checkpoint, tmp_path):
+    """LLM(calculate_kv_scales=...): None (nanovllm's default) the checkpoint's scales, else the
+    first prefill's; True (vLLM's) the first prefill's over the checkpoint's; False (vLLM's default)
+    the checkpoint's, else 1.0 and never calibrated. A non-bool is a TypeError."""
+    prompt = make_prompts(3, 1, 32, 33)[0]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    scales = [(0.017, 0.029), (0.019, 0.032)]
+    scaled = with_kv_scales(checkpoint, str(tmp_path / "scaled"), scale_tensors(scales), FP8_SCHEME)
+    seen = {}
+    for name, path, calculate in [("data", checkpoint, None), ("data", checkpoint, True), ("ones", checkpoint, False),
+                                  ("ckpt", scaled, None), ("ckpt", scaled, False), ("recomputed", scaled, True)]:
+        llm = cpu_llm(path, kv_cache_dtype="fp8", kvcache_block_size=16, calculate_kv_scales=calculate)
+        try:
+            llm.generate([prompt], params, use_tqdm=False)
+            seen.setdefault(name, []).append(engine_scales(llm))
+        finally:
+            llm.exit()
+    assert seen["ones"] == [[(1.0, 1.0)] * 2]
+    np.testing.assert_allclose(seen["ckpt"], [scales, scales], rtol=1e-6)
+    assert seen["data"][0] == seen["data"][1] == seen["recomputed"][0] != [(1.0, 1.0)] * 2
+    with pytest.raises(TypeError, match="calculate_kv_scales must be None or a bool"):
+        cpu_llm(checkpoint, kv_cache_dtype="fp8", calculate_kv_scales=1)
+
+
 def test_update_weights_sets_the_scales_again(checkpoint, tmp_path):
     """Scales computed from the data belong to the weights they were computed under: after
     update_weights the next prefill step sets them again, so an engine started on dummy weights

@@ -6,6 +6,7 @@ TokensPrompt; vLLM's dtype spellings and a tokenizer from another directory."""
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 
 import pytest
@@ -53,8 +54,8 @@ REFUSED = [
     ("disable_mm_preprocessor_cache", None), ("download_dir", 3), ("model_impl", "transformers"),
     ("pipeline_parallel_size", 2), ("pipeline_parallel_size", 1.0), ("data_parallel_size", 4),
     ("compilation_config", "max"), ("max_seq_len_to_capture", 0), ("cpu_offload_gb", 4), ("served_model_name", 3),
-    ("task", "embed"), ("runner", "pooling"), ("enable_expert_parallel", True), ("async_scheduling", "yes"),
-    ("disable_async_output_proc", None), ("calculate_kv_scales", 1), ("disable_sliding_window", None),
+    ("task", "embed"), ("runner", "pooling"), ("async_scheduling", "yes"),
+    ("disable_async_output_proc", None), ("disable_sliding_window", None),
     ("num_scheduler_steps", 8), ("use_v2_block_manager", "v2"), ("preemption_mode", "swap"),
     ("worker_extension_cls", "nemo_rl.models.generation.vllm.VllmInternalWorkerExtension"),
     ("worker_cls", "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"),
@@ -64,7 +65,7 @@ TUNING_ARGS = dict(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, ma
                    cpu_offload_gb=0, served_model_name="policy", task="generate", runner="generate",
                    enable_expert_parallel=False, async_scheduling=True, disable_async_output_proc=False,
                    calculate_kv_scales=True, disable_sliding_window=False, num_scheduler_steps=1,
-                   use_v2_block_manager=True, preemption_mode="recompute", download_dir="/tmp/hf-cache")
+                   use_v2_block_manager=True, preemption_mode="recompute", download_dir=pathlib.Path("/tmp/hf"))
 
 
 def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
@@ -110,7 +111,11 @@ def test_rl_and_eval_frameworks_construct(ckpt, args):
 
 
 def test_one_rank_backends_are_refused_across_ranks(ckpt):
-    """"uni" / "external_launcher" mean one engine in this process: a tensor-parallel engine is not that."""
+    """"uni" / "external_launcher" mean one engine in this process: a tensor-parallel engine is not that;
+    enable_expert_parallel=True means the experts split over ranks, which one rank is anyway."""
+    assert strip_vllm_only_args({"enable_expert_parallel": True}) == {}
+    with pytest.raises(ValueError, match=r"LLM\(enable_expert_parallel=True\)"):
+        strip_vllm_only_args({"enable_expert_parallel": True, "tensor_parallel_size": 2})
     for backend in ("uni", "external_launcher"):
         with pytest.raises(ValueError, match=rf"LLM\(distributed_executor_backend='{backend}'\)"):
             LLM(ckpt, device="cpu", distributed_executor_backend=backend, tensor_parallel_size=2)
@@ -138,7 +143,7 @@ def test_every_vllm_only_argument_accepts_what_nanovllm_does():
                 "download_dir": None, "model_impl": "auto", "pipeline_parallel_size": 1, "data_parallel_size": 1,
                 "compilation_config": 3, "max_seq_len_to_capture": 1, "cpu_offload_gb": 0.0,
                 "served_model_name": ["a", "b"], "task": "auto", "runner": "auto", "enable_expert_parallel": False,
-                "async_scheduling": None, "disable_async_output_proc": True, "calculate_kv_scales": False,
+                "async_scheduling": None, "disable_async_output_proc": True,
                 "disable_sliding_window": True, "num_scheduler_steps": 1, "use_v2_block_manager": False,
                 "preemption_mode": None, "worker_extension_cls": None, "worker_cls": "auto"}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
@@ -163,6 +168,9 @@ def test_skip_tokenizer_init_loads_none(ckpt):
             llm.generate(["the dog"], GREEDY, use_tqdm=False)
         with pytest.raises(ValueError, match=r"skip_tokenizer_init=True\), so chat\(\) cannot render"):
             llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+        for params in (SamplingParams(stop=["x"]), SamplingParams(bad_words=["x"])):
+            with pytest.raises(ValueError, match=r"the model directory has none, or skip_tokenizer_init=True"):
+                llm.generate([[1, 2, 3]], params, use_tqdm=False)
     finally:
         llm.exit()
     with pytest.raises(TypeError, match="skip_tokenizer_init must be a bool"):
@@ -190,6 +198,8 @@ def test_older_generate_spellings_as_lm_eval_and_openrlhf_pass_them(ckpt):
             (dict(prompts=["a"], prompt_token_ids=ids), ValueError, "got 1 prompts and 2 prompt_token_ids lists"),
             (dict(prompt_token_ids=[]), ValueError, "prompt_token_ids is empty"),
             (dict(prompt_token_ids="1 2 3"), TypeError, "prompt_token_ids must be a list of token ids"),
+            (dict(prompts=["a"], prompt_token_ids=[["x"]]), TypeError, "prompt_token_ids must be a list of token ids"),
+            (dict(prompts={"prompt": "a"}, prompt_token_ids=[1, 2]), TypeError, "prompts must be text"),
             (dict(), TypeError, r"generate\(\) needs prompts"),
             (dict(prompts=["a"], tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
         ]:

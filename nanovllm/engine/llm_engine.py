@@ -174,10 +174,11 @@ class LLMEngine:
                                  f"(-1: no cap)")
             setattr(checked, name, None if count is None else min(count, vocab_size))  # a cap past it: all
         if checked.stop and self.scheduler.decoder is None:  # the text they are matched on cannot be made
-            have = ("no tokenizer" if self.tokenizer is None
-                    else f"a {type(self.tokenizer).__name__}, which has no tokenizers backend")
+            have = ("no tokenizer is loaded (the model directory has none, or skip_tokenizer_init=True)"
+                    if self.tokenizer is None
+                    else f"the model's is a {type(self.tokenizer).__name__}, which has no tokenizers backend")
             raise ValueError(f"SamplingParams.stop {checked.stop!r} needs a tokenizers-backed tokenizer (a "
-                             f"tokenizer.json); this model directory has {have}")
+                             f"tokenizer.json): {have}")
         rules = RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
         grammar = None
         if checked.structured_outputs is not None:

@@ -104,17 +104,19 @@ class ModelRunner:
         self._load_weights()
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill step.
+        # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill
+        # step (config.calculate_kv_scales: True always calibrates, False never: 1.0 without the checkpoint's).
         self.kv_scales = allocate_kv_scales(cfg.num_hidden_layers, self.device) if fp8_kv else None
         checkpoint_scales = (load_kv_scales(config.model, cfg.num_hidden_layers, cfg.quantization_config)
-                             if fp8_kv and config.load_format != "dummy" else None)
+                             if fp8_kv and config.load_format != "dummy" and config.calculate_kv_scales is not True
+                             else None)
         if checkpoint_scales is not None:
             for (k_scale, v_scale), (k_value, v_value) in zip(self.kv_scales, checkpoint_scales):
                 k_scale.fill_(k_value)
                 v_scale.fill_(v_value)
         # Scales computed from the data (no checkpoint scales): the first prefill step after start-up,
         # and after each update_weights, sets them (the weights they were computed under are gone).
-        self._scales_from_data = fp8_kv and checkpoint_scales is None
+        self._scales_from_data = fp8_kv and checkpoint_scales is None and config.calculate_kv_scales is not False
         self._calibrate_kv = self._scales_from_data
         self.model.on_weights_loaded = self._weights_changed  # load_weights through apply_model too
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests

@@ -70,7 +70,8 @@ def bad_word_sequences(words: list[str], tokenizer, vocab_size: int) -> list[tup
     if not words:
         return []
     if tokenizer is None:
-        raise ValueError("SamplingParams.bad_words needs a tokenizer, and this model directory has none")
+        raise ValueError("SamplingParams.bad_words needs a tokenizer, and none is loaded (the model directory has "
+                         "none, or skip_tokenizer_init=True)")
     sequences: list[tuple[int, ...]] = []
     for word in words:
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))

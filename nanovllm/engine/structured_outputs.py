@@ -133,7 +133,8 @@ class GrammarBackend:
 
     def _start(self) -> None:
         if self.tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer, and this model directory has none")
+            raise ValueError("structured outputs need the model's tokenizer, and none is loaded (the model directory "
+                             "has none, or skip_tokenizer_init=True)")
         xgr = import_xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=sorted(self.eos_token_ids))
