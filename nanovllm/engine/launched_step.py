@@ -17,6 +17,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.sampling.batch import SamplingBatch, SamplingPack
 from nanovllm.sampling.logits_rules import HostRules, StepRules
 from nanovllm.sampling.row_logprobs import RowLogprobs
+from nanovllm.sampling.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class StepLogits:
     prepare_s: float  # host time spent building the step's inputs
     logits: torch.Tensor | None  # [num_sampled, vocab] on the device (None: nothing sampled on this rank)
     sampling: SamplingBatch | None  # the sampled rows' settings (None with logits None)
-    prompt_logprobs: tuple[torch.Tensor, ...] | None  # (chosen, ranks, top_ids, top_logprobs) on the device
+    prompt_logprobs: RowLogprobs | None  # the plan's prompt-logprob rows, on the device
     rules: StepRules | None = None  # the sampled rows' logits rules (None: no row uses any)
 
 
@@ -52,10 +53,10 @@ class LaunchedStep:
     device_tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device (None: nothing sampled here)
     host_tokens: torch.Tensor | None = None  # the same, copied to (pinned) host memory once `ready`
     ready: torch.cuda.Event | None = None  # recorded after the copies (None on CPU: already done)
-    # on the host once `ready`: (rows, chosen, ranks, top_ids, top_logprobs) of the sampled rows that
-    # asked, and (chosen, ranks, top_ids, top_logprobs) of the prompt-logprob rows in the plan's order
-    host_logprobs: tuple[torch.Tensor, ...] | None = None
-    host_prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+    # on the host once `ready`: the logprobs of the sampled rows that asked, and of the prompt-logprob
+    # rows in the plan's order
+    host_logprobs: TokenLogprobs | None = None
+    host_prompt_logprobs: RowLogprobs | None = None
 
     def _wait(self) -> None:
         if self.ready is not None:
@@ -79,4 +80,4 @@ class LaunchedStep:
         if self.host_prompt_logprobs is None:
             return None
         self._wait()
-        return RowLogprobs(*self.host_prompt_logprobs)
+        return self.host_prompt_logprobs

@@ -46,7 +46,8 @@ from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
 from nanovllm.quantization.config import INPUT_SCALE, quantization
 from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
-from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.row_logprobs import RowLogprobs
+from nanovllm.sampling.sampler import Sampler, TokenLogprobs
 from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import attention_context
@@ -258,7 +259,7 @@ class ModelRunner:
         """Queue a prepared step's forward and LM head on the device (its input copy first).
         `previous`: the step launched just before, whose device tokens a carried plan reads."""
         plan = step.plan
-        prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+        prompt_logprobs: RowLogprobs | None = None
         carried_from = None
         if plan.carried_rows:
             if previous is None or previous.device_tokens is None:
@@ -306,13 +307,10 @@ class ModelRunner:
         out = self.sampler(step.logits, step.sampling, step.rules, token_mask)  # tokens [num_sampled] int64, logprobs
         if step.rules is not None:
             step.rules.record(out.tokens)  # the penalties' counts include this step's tokens from now on
-        lp = out.logprobs
-        sample_logprobs = None if lp is None else (lp.rows, lp.sampled, lp.ranks, lp.top_ids, lp.top_logprobs)
-        return self._finish_launch(step.prepare_s, out.tokens, sample_logprobs, step.prompt_logprobs)
+        return self._finish_launch(step.prepare_s, out.tokens, out.logprobs, step.prompt_logprobs)
 
-    def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None,
-                       sample_logprobs: tuple[torch.Tensor, ...] | None,
-                       prompt_logprobs: tuple[torch.Tensor, ...] | None) -> LaunchedStep:
+    def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None, sample_logprobs: TokenLogprobs | None,
+                       prompt_logprobs: RowLogprobs | None) -> LaunchedStep:
         """The handle of a queued step: its device results copied to pinned host memory
         (CUDA: asynchronously, one event after the copies; CPU: as they are)."""
         if self.device.type != "cuda":
@@ -323,14 +321,14 @@ class ModelRunner:
             return host.copy_(t, non_blocking=True)
 
         host_tokens = to_host(tokens) if tokens is not None else None
-        host_lp = tuple(map(to_host, sample_logprobs)) if sample_logprobs is not None else None
-        host_plp = tuple(map(to_host, prompt_logprobs)) if prompt_logprobs is not None else None
+        host_lp = None if sample_logprobs is None else TokenLogprobs._make(map(to_host, sample_logprobs))
+        host_plp = None if prompt_logprobs is None else RowLogprobs._make(map(to_host, prompt_logprobs))
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)
 
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(chosen, ranks, top_ids, top_logprobs) of the plan's prompt-logprob rows, scored from
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> RowLogprobs | None:
+        """The RowLogprobs of the plan's prompt-logprob rows, scored from
         `hidden` [num_tokens, hidden] in chunks of PROMPT_LOGPROB_CHUNK_ROWS (every rank takes
         part in the LM head; rank 0 gets the result, the others None)."""
         rows = to_device(plan.prompt_logprob_rows, self.device, torch.int64)  # [R]
@@ -343,7 +341,7 @@ class ModelRunner:
                                                       plan.prompt_logprobs_k))
         if not parts:
             return None
-        return tuple(torch.cat(p) for p in zip(*parts))
+        return RowLogprobs._make(torch.cat(p) for p in zip(*parts))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV-cache block `source` -> block `destination` for each pair, every layer, K and V."""

@@ -66,13 +66,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.layers.kernel_path import KernelRoutes, construction_device, current_routes, uses_triton
 from nanovllm.sampling.batch import SamplingBatch
+from nanovllm.sampling.gumbel_torch import torch_gumbel_sample
 from nanovllm.sampling.logits_rules import StepRules
 from nanovllm.sampling.logprobs_mode import LogprobsMode, processed_logits
 from nanovllm.sampling.row_logprobs import RowLogprobs, token_logprobs
@@ -81,8 +82,7 @@ from nanovllm.sampling.token_mask import TokenMask, apply_token_mask
 _DEFAULT_TOPK_MAX_K = KernelRoutes().topk_max_k
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
     """Logprobs (log_softmax of the raw logits, float32; or what the LogprobsMode says) of the R
     batch rows that asked for them."""
 
