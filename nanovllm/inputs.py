@@ -32,8 +32,9 @@ PromptType = str | list[int] | TokensPrompt | TextPrompt
 def legacy_token_prompts(prompts: object, prompt_token_ids: object) -> list:
     """vLLM's older `generate(prompt_token_ids=...)` (deprecated there in 0.4, gone in 0.11; lm-eval,
     lighteval and OpenRLHF still pass it): a list of token ids is one prompt, a list of such lists
-    one each (their ids are checked as any prompt's); with `prompts` (texts) too, the two must be
-    as many and the texts are what is generated, as vLLM did. Returns the prompts to generate."""
+    one each (their ids checked as any prompt's, by the engine); with `prompts` (texts) too, the two
+    must be as many and the texts are what is generated, as vLLM did (the ids then checked here, as
+    it parsed them). Returns the prompts to generate."""
     if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
         raise TypeError(f"prompt_token_ids must be a list of token ids or a list of such lists, got "
                         f"{type(prompt_token_ids).__name__}")
@@ -41,12 +42,14 @@ def legacy_token_prompts(prompts: object, prompt_token_ids: object) -> list:
         raise ValueError("prompt_token_ids is empty")
     one = isinstance(prompt_token_ids[0], Integral)
     batch = [prompt_token_ids] if one else list(prompt_token_ids)
-    if not all(isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) and ids
-               and all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids) for ids in batch):
+    if not all(isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) for ids in batch):
+        raise TypeError(f"prompt_token_ids must be a list of token ids or a list of such lists, got "
+                        f"{prompt_token_ids!r:.200}")
+    if prompts is None:  # the engine's prompt checks take the ids from here (one pass, fast for plain ints)
+        return [TokensPrompt(prompt_token_ids=list(ids)) for ids in batch]
+    if not all(ids and all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids) for ids in batch):
         raise TypeError(f"prompt_token_ids must be a list of token ids or a list of such (non-empty) lists, got "
                         f"{prompt_token_ids!r:.200}")
-    if prompts is None:
-        return [TokensPrompt(prompt_token_ids=list(ids)) for ids in batch]
     texts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
         raise TypeError(f"with prompt_token_ids, prompts must be text (a str or a list of them), got {prompts!r:.200}")
