@@ -388,7 +388,6 @@ def field_types() -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(SamplingParams)}
 
 
-
 @dataclass
 class BeamSearchParams:
     """vLLM's LLM.beam_search settings (nanovllm/beam_search.py): `beam_width` beams kept per prompt,

@@ -296,6 +296,10 @@ class LLMEngine:
         self._check_open()
         if not self.is_finished():
             raise RuntimeError(f"{call} called while requests are pending; finish or abort them first")
+        self._check_weights_awake(call)
+
+    def _check_weights_awake(self, call: str) -> None:
+        """RuntimeError naming `call` while the weights sleep (their storage is gone)."""
         if WEIGHTS in self.model_runner.sleeping:
             raise RuntimeError(f"{call} called while the weights sleep ({self._sleep_state()}): "
                                "call wake_up(tags=['weights']) first")
@@ -394,9 +398,7 @@ class LLMEngine:
         interrupt (or the workers' `timeout`) while the ranks run it is raised at once and leaves
         the group out of step: their answers would come after it."""
         self._check_open()
-        if WEIGHTS in self.model_runner.sleeping:
-            raise RuntimeError(f"{name} called while the weights sleep ({self._sleep_state()}): "
-                               "call wake_up(tags=['weights']) first")
+        self._check_weights_awake(name)
         if self.workers is None:
             return results([run_call(call, self.model_runner)])
         payload = pickled_call(call, name)
