@@ -2,7 +2,7 @@
 # One device call: bench.py runs, kernel micro-benchmarks, GPU tests. Run from the repository root:
 #   bash scripts/gpu_run.sh [parts...]        (default: bench latency kernels sampler); logs go to $OUT (or ./gpu-logs)
 #   BEFORE_DIR=DIR bash scripts/gpu_run.sh compare1, then compare2 in a second call: DIR's tree against this one
-#   (compare: both sets in one call, as many runs as fit in 520 s)
+#   (compare: both sets in one call, as many runs as fit in 520 s; comparescore: the 0.6B scoring workload, two pairs)
 # `gputests` (359 s on 2026-12-02) and `readme` (<= 590 s) each want a call of their own.
 set -u
 export PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ for part in $parts; do
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
                bench "latency-$m" 200 --model $CONFIGS/$m --latency --latency-batch-sizes 1,2,8,32; done ;;
-    compare|compare1|compare2) # the same bench.py runs in $BEFORE_DIR's tree and this one (benchmarks/engine/compare.py)
+    compare|compare1|compare2|comparescore) # the same bench.py runs in $BEFORE_DIR's tree and this one (benchmarks/engine/compare.py)
       if [ -z "${BEFORE_DIR:-}" ]; then echo "$part: set BEFORE_DIR to the source tree to compare against"; continue; fi
       which=${part#compare}
       python3 -m benchmarks.engine.compare --before "$BEFORE_DIR" --set "${which:-all}" --out "$OUT" 2>&1 | tee "$OUT/$part.log" ;;

@@ -454,13 +454,18 @@ def test_compare_table_orders_and_figures():
         "qwen3-0.6b decode ms/token, batch 1": 0.94, "qwen3-0.6b decode ms/token, batch 8": 1.5,
         "qwen3-0.6b decode ms/token, batch 32": 2.3}
     assert compare.figures(default, None) == {"qwen3-0.6b default tok/s": None}
+    score = compare.SETS["score"][0]
+    assert compare.figures(score, {"throughput": 360000.0, "roofline_fraction": 0.583}) == {
+        "qwen3-0.6b score, pair 1 tok/s": 360000.0, "qwen3-0.6b score, pair 1 % of roofline": pytest.approx(58.3)}
+    assert compare.figures(score, None) == {"qwen3-0.6b score, pair 1 tok/s": None,
+                                            "qwen3-0.6b score, pair 1 % of roofline": None}
     before = {"qwen3-0.6b default tok/s": 26000.0, "qwen3-0.6b decode ms/token, batch 1": 0.94, "x": 1.0}
     after = {"qwen3-0.6b default tok/s": 26520.0, "qwen3-0.6b decode ms/token, batch 1": 0.893}
     lines = compare.table(before, after).splitlines()
     assert lines[1].split() == ["qwen3-0.6b", "default", "tok/s", "26,000", "26,520", "1.020"]
     assert lines[2].split()[-3:] == ["0.940", "0.893", "0.950"] and lines[3].split() == ["x", "1.000", "-", "-"]
-    every = compare.SETS["all"]
-    assert set(every) == set(compare.SETS["1"]) | set(compare.SETS["2"])
+    every = compare.SETS["all"] + compare.SETS["score"]
+    assert set(compare.SETS["all"]) == set(compare.SETS["1"]) | set(compare.SETS["2"])
     assert all((REPO / "benchmarks" / "configs" / b.model / "config.json").is_file() for b in every)
     assert len({b.label for b in every}) == len(every)
 

@@ -1,14 +1,15 @@
 """Before / after: the same bench.py runs in two source trees, each run in a fresh process, and one
 table at the end: output tok/s and decode ms/token of each tree, and after / before.
 
-    python -m benchmarks.engine.compare --before DIR --set 1|2|all [--after DIR] [--out DIR]
+    python -m benchmarks.engine.compare --before DIR --set 1|2|all|score [--after DIR] [--out DIR]
     BEFORE_DIR=DIR bash scripts/gpu_run.sh compare1          # then compare2, in a second device call
 
 --before / --after are source trees (checkouts; --after: this one) whose bench.py has --workload
 and --json (any since 15d4e14). Both run the model shapes of this tree's benchmarks/configs, with
 random weights. For each bench of the set the two trees run one after the other, which goes first
 alternating from bench to bench. Set 1: Qwen3-0.6B default and long workloads, decode latency of
-Qwen3-0.6B and Qwen3-8B; set 2: Qwen3-8B default workload, Qwen3-30B-A3B decode latency; all: both.
+Qwen3-0.6B and Qwen3-8B; set 2: Qwen3-8B default workload, Qwen3-30B-A3B decode latency; all: both;
+score: Qwen3-0.6B's scoring workload twice (prompt tok/s and each run's fraction of its roofline).
 A run ends at its own timeout or at --deadline-s after the start, whichever comes first, so a set's
 table comes within one device call (10 minutes); a run that did not finish shows as '-'. Sets 1 and
 2 each fit with room to spare; all may, on a warm Triton cache.
@@ -52,6 +53,10 @@ SETS = {
           Bench("qwen3-30b-a3b latency", "qwen3-30b-a3b", LATENCY, 220)),
 }
 SETS["all"] = SETS["1"] + SETS["2"]  # one call if it fits: the deadline leaves out what does not
+# #33's scoring target at the shape it is missed on; two pairs, as a run's roofline reading spreads ~1 point
+SCORE = ("--workload", "score")
+SETS["score"] = (Bench("qwen3-0.6b score, pair 1", "qwen3-0.6b", SCORE, 120),
+                 Bench("qwen3-0.6b score, pair 2", "qwen3-0.6b", SCORE, 120))
 
 
 def figures(bench: Bench, results: dict | None) -> dict[str, float | None]:
@@ -59,7 +64,11 @@ def figures(bench: Bench, results: dict | None) -> dict[str, float | None]:
     if "--latency" in bench.args:
         per_batch = (results or {}).get("decode_ms_per_token", {})
         return {f"{bench.model} decode ms/token, batch {b}": per_batch.get(str(b)) for b in LATENCY_BATCHES}
-    return {f"{bench.label} tok/s": (results or {}).get("throughput")}
+    rows = {f"{bench.label} tok/s": (results or {}).get("throughput")}
+    if bench.args == SCORE:
+        fraction = (results or {}).get("roofline_fraction")
+        rows[f"{bench.label} % of roofline"] = None if fraction is None else 100 * fraction
+    return rows
 
 
 def table(before: dict[str, float | None], after: dict[str, float | None]) -> str:
