@@ -116,26 +116,28 @@ def _qk_norm_rope_kernel(
         k1, k2, mask = _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, head0, n_k_heads,
                                         stride_kt, stride_kh, eps, HEAD_DIM, HEADS, BLOCK_HALF, APPLY_NORM)
         if STORE_KV:  # the rotated k and the untouched v of these heads go to cache slot slot_ptr[tok]
+            # slot < 0 (a padding row) masks every store instead of branching: without the branch the
+            # v loads need not wait for the slot's
             slot = tl.load(slot_ptr + tok).to(tl.int64)
-            if slot >= 0:  # slot < 0: padding row, nothing stored
-                heads = (head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None]
-                row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch
-                dst = row + cols[None, :]
-                if k_scale_ptr is None:  # a cache of q's dtype: the values as they are
-                    tl.store(k_cache_ptr + dst, k1, mask=mask)
-                    tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
-                    src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
-                    tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
-                    tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
-                else:  # FP8 cache: k (rounded to q's dtype above) and v quantized with the layer's scales
-                    k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
-                    fp8 = k_cache_ptr.dtype.element_ty
-                    src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
-                    tl.store(k_cache_ptr + dst, quantize_fp8(k1, k_scale, fp8), mask=mask)
-                    tl.store(k_cache_ptr + dst + HALF, quantize_fp8(k2, k_scale, fp8), mask=mask)
-                    tl.store(v_cache_ptr + dst, quantize_fp8(tl.load(src, mask=mask), v_scale, fp8), mask=mask)
-                    tl.store(v_cache_ptr + dst + HALF, quantize_fp8(tl.load(src + HALF, mask=mask), v_scale, fp8),
-                             mask=mask)
+            heads = (head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None]
+            mask = mask & ((tl.zeros_like(heads) + slot) >= 0)  # [HEADS, 1] (the interpreter wants a tensor)
+            row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch
+            dst = row + cols[None, :]
+            src = v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :]
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + HALF, mask=mask)
+            if k_scale_ptr is None:  # a cache of q's dtype: the values as they are
+                tl.store(k_cache_ptr + dst, k1, mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
+                tl.store(v_cache_ptr + dst, v1, mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, v2, mask=mask)
+            else:  # FP8 cache: k (rounded to q's dtype above) and v quantized with the layer's scales
+                k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+                fp8 = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + dst, quantize_fp8(k1, k_scale, fp8), mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, quantize_fp8(k2, k_scale, fp8), mask=mask)
+                tl.store(v_cache_ptr + dst, quantize_fp8(v1, v_scale, fp8), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, quantize_fp8(v2, v_scale, fp8), mask=mask)
 
 
 def _check_heads(name: str, t) -> None:
