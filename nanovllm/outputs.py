@@ -36,25 +36,32 @@ class Logprob:
 
 
 class FlatLogprobs(Sequence):
-    """A prompt's logprobs: to its reader a `list[dict[int, Logprob] | None]` (entry 0 None, then one
-    {token_id: Logprob} per later prompt token), stored as flat lists of plain numbers. A dict and
-    a Logprob per token would be two objects the garbage collector tracks: a scoring run's
-    ~600,000 prompt tokens made its full passes the larger part of the host's time per step. An
+    """Logprobs read as a list of {token_id: Logprob}, stored as flat lists of plain numbers: a
+    prompt's (`none_first`: entry 0 None, then one entry per later prompt token) or a completion's
+    (one entry per generated token). A dict and a Logprob per item would be objects the garbage
+    collector tracks: a scoring run's ~600,000 prompt tokens made its full passes the larger part of
+    the host's time per step, and a completion asking logprobs=20 makes 21 Logprobs a token. An
     entry's dict is built when it is read (so editing it changes nothing stored), as vLLM's
     FlatLogprobs does.
 
-    Every entry has 1 + k items (k: the request's prompt_logprobs): entry i >= 1 holds items
-    [(i - 1)(1 + k), i (1 + k)), the scored token first, then the k most likely ranked 1..k; a
-    scored token among them takes its place there, once (its dict key keeps the first slot)."""
+    Every entry has 1 + k items (k: the request's prompt_logprobs or logprobs), the scored token
+    first, then the k most likely ranked 1..k; a scored token among them takes its place there,
+    once (its dict key keeps the first slot):
 
-    __slots__ = ("k", "token_ids", "logprobs", "ranks", "decoded_tokens")
+        none_first:  [None, items[0 : 1+k], items[1+k : 2(1+k)], ...]
+        else:        [items[0 : 1+k], items[1+k : 2(1+k)], ...]
+    """
 
-    def __init__(self, k: int):
+    __slots__ = ("k", "none_first", "token_ids", "logprobs", "ranks", "decoded_tokens")
+
+    def __init__(self, k: int, *, none_first: bool):
         self.k = k
+        self.none_first = none_first
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.ranks: list[int] = []
-        self.decoded_tokens: list[str] | None = None  # one per item, set when the output is built
+        # one per item from the start (decoded_tokens[i] is token_ids[i]'s), set when outputs are built
+        self.decoded_tokens: list[str] | None = None
 
     def extend(self, token_ids: list[int], logprobs: list[float], ranks: list[int]) -> None:
         """Append whole entries: 1 + k items each, in the order the class docstring gives."""
@@ -65,8 +72,27 @@ class FlatLogprobs(Sequence):
         self.logprobs += logprobs
         self.ranks += ranks
 
+    def append(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> None:
+        """Append one entry: the scored token, then its row's k most likely (top_ids / top_logprobs, k long)."""
+        if len(top_ids) != self.k or len(top_logprobs) != self.k:
+            raise ValueError(f"an entry holds the {self.k} most likely tokens, got {len(top_ids)} ids and "
+                             f"{len(top_logprobs)} logprobs")
+        self.token_ids.append(token_id)
+        self.token_ids += top_ids
+        self.logprobs.append(logprob)
+        self.logprobs += top_logprobs
+        self.ranks.append(rank)
+        self.ranks += range(1, self.k + 1)
+
+    def copy(self) -> FlatLogprobs:
+        """A snapshot: later appends to this one do not change it."""
+        other = FlatLogprobs(self.k, none_first=self.none_first)
+        other.token_ids, other.logprobs, other.ranks = list(self.token_ids), list(self.logprobs), list(self.ranks)
+        other.decoded_tokens = None if self.decoded_tokens is None else self.decoded_tokens[: len(self.token_ids)]
+        return other
+
     def __len__(self) -> int:
-        return 1 + len(self.token_ids) // (1 + self.k)
+        return self.none_first + len(self.token_ids) // (1 + self.k)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -74,23 +100,28 @@ class FlatLogprobs(Sequence):
         n = len(self)
         i = index + n if index < 0 else index
         if not 0 <= i < n:
-            raise IndexError(f"prompt logprobs index {index} out of range for {n} entries")
-        if i == 0:
-            return None
+            raise IndexError(f"logprobs index {index} out of range for {n} entries")
+        if self.none_first:
+            if i == 0:
+                return None
+            i -= 1
         width = 1 + self.k
-        a = (i - 1) * width
+        a = i * width
         texts = self.decoded_tokens
         entry = {}
         for j in range(a, a + width):
-            entry[self.token_ids[j]] = Logprob(self.logprobs[j], self.ranks[j], texts[j] if texts else None)
+            text = texts[j] if texts is not None and j < len(texts) else None
+            entry[self.token_ids[j]] = Logprob(self.logprobs[j], self.ranks[j], text)
         return entry
 
     def floats(self) -> list[dict[int, float] | None]:
         """The entries with plain float values (nano-vllm's dict view), without Logprob objects."""
         width, ids, lps = 1 + self.k, self.token_ids, self.logprobs
         if width == 1:
-            return [None] + [{t: lp} for t, lp in zip(ids, lps)]
-        return [None] + [dict(zip(ids[a : a + width], lps[a : a + width])) for a in range(0, len(ids), width)]
+            entries = [{t: lp} for t, lp in zip(ids, lps)]
+        else:
+            entries = [dict(zip(ids[a : a + width], lps[a : a + width])) for a in range(0, len(ids), width)]
+        return [None] + entries if self.none_first else entries
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
@@ -104,7 +135,7 @@ class FlatLogprobs(Sequence):
 
 
 # One {token_id: Logprob} per generated token: the sampled token first, then the k most likely.
-SampleLogprobs = list[dict[int, Logprob]]
+SampleLogprobs = list[dict[int, Logprob]] | FlatLogprobs
 # One entry per prompt token; entry 0 is None (nothing precedes the first token).
 PromptLogprobs = list[dict[int, Logprob] | None] | FlatLogprobs
 

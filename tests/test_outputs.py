@@ -202,7 +202,7 @@ def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
     """FlatLogprobs: entry 0 None, one dict per scored prompt token (scored token first, then the k
     most likely at places 1..k, the scored token once), indexing, slices, equality with the list it
     stands for, the float view, and entries of the wrong width refused."""
-    flat = nanovllm.outputs.FlatLogprobs(2)
+    flat = nanovllm.outputs.FlatLogprobs(2, none_first=True)
     # position 1 scores token 7 (rank 3) with top 2 = 4, 5; position 2 scores 9, itself the most likely
     flat.extend([7, 4, 5, 9, 9, 2], [-2.5, -0.5, -1.0, -0.25, -0.25, -2.0], [3, 1, 2, 1, 1, 2])
     expected = [None,
@@ -218,8 +218,34 @@ def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
     assert [lp.decoded_token for lp in flat[1].values()] == ["a", "b", "c"]
     with pytest.raises(ValueError, match="3 items each"):
         flat.extend([1, 2], [-1.0, -2.0], [1, 2])
-    empty = nanovllm.outputs.FlatLogprobs(0)
+    empty = nanovllm.outputs.FlatLogprobs(0, none_first=True)
     assert empty == [None] and len(empty) == 1 and empty[0] is None
+
+
+def test_flat_sample_logprobs_append_copy_and_decoded_tokens():
+    """A completion's FlatLogprobs (no leading None): entries appended a sampled token at a time
+    (the sampled token first, then the k most likely at places 1..k; a sampled token among them
+    takes its place once), a copy that later appends leave alone, decoded tokens set for fewer
+    items than it holds (a stream's entries appended after its last fill read None), and entries
+    of the wrong width refused."""
+    flat = nanovllm.outputs.FlatLogprobs(2, none_first=False)
+    assert flat == [] and len(flat) == 0 and flat.floats() == []
+    flat.append(7, -2.5, 3, [4, 5], [-0.5, -1.0])
+    snapshot = flat.copy()
+    flat.append(9, -0.25, 1, [9, 2], [-0.25, -2.0])
+    expected = [{7: Logprob(-2.5, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},
+                {9: Logprob(-0.25, 1), 2: Logprob(-2.0, 2)}]
+    assert len(flat) == 2 and flat == expected and flat[-1] == expected[1] and flat[1:] == expected[1:]
+    assert snapshot == expected[:1] and len(snapshot) == 1
+    assert flat.floats() == [{7: -2.5, 4: -0.5, 5: -1.0}, {9: -0.25, 2: -2.0}]
+    with pytest.raises(IndexError):
+        flat[2]
+    flat.decoded_tokens = ["a", "b", "c"]  # the first entry's items only
+    assert [lp.decoded_token for lp in flat[0].values()] == ["a", "b", "c"]
+    assert [lp.decoded_token for lp in flat[1].values()] == [None, None]
+    with pytest.raises(ValueError, match="2 most likely"):
+        flat.append(1, -1.0, 1, [2], [-2.0])
+    assert len(flat) == 2
 
 
 def test_a_checkpoints_other_eos_ids_stop_as_stop_token_ids(tmp_path):

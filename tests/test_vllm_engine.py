@@ -131,6 +131,10 @@ def test_cumulative_outputs_grow_to_the_final_one(llm):
         for earlier, later in itertools.pairwise(outs):
             for a, b in zip(earlier.outputs, later.outputs):
                 assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+        for out in outs:  # each output's logprobs as they were when given (Logprobs: values, ranks, texts)
+            for c, final in zip(out.outputs, want.outputs):
+                if final.logprobs is not None:
+                    assert len(c.logprobs) == len(c.token_ids) and list(c.logprobs) == final.logprobs[: len(c.token_ids)]
         assert all(o.prompt_logprobs == want.prompt_logprobs for o in outs)
 
 

@@ -10,10 +10,8 @@ a tokenizers backend (transformers' Python ones) decodes the completion alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from nanovllm.engine.text_stream import completion_text, stream_decoder
-from nanovllm.outputs import FlatLogprobs, Logprob
+from nanovllm.outputs import FlatLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -34,19 +32,16 @@ class Detokenizer:
                                          clean_up_tokenization_spaces=False)
         return completion_text(self.decoder, prompt_ids, token_ids, params.skip_special_tokens)
 
-    def fill_decoded_tokens(self, entries: Iterable[dict[int, Logprob] | None] | FlatLogprobs) -> None:
-        """Set every entry's decoded_token (its id decoded alone, special tokens kept)."""
+    def fill_decoded_tokens(self, entries: FlatLogprobs) -> None:
+        """Give every item of `entries` its decoded_token (its id decoded alone, special tokens kept):
+        those appended since the last call only, so a stream's outputs decode each token once."""
         if self.tokenizer is None:
             return
-        if isinstance(entries, FlatLogprobs):
-            known = self._token_texts.get  # a lookup per token (an empty text takes the slow way, also right)
-            entries.decoded_tokens = [known(t) or self._token_text(t) for t in entries.token_ids]
-            return
-        for entry in entries:
-            if entry is None:
-                continue
-            for token_id, logprob in entry.items():
-                logprob.decoded_token = self._token_text(token_id)
+        if entries.decoded_tokens is None:
+            entries.decoded_tokens = []
+        known = self._token_texts.get  # a lookup per token (an empty text takes the slow way, also right)
+        entries.decoded_tokens += [known(t) or self._token_text(t)
+                                   for t in entries.token_ids[len(entries.decoded_tokens):]]
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -8,18 +8,20 @@ the scored token's is counted over the vocabulary (sampling/row_logprobs.py), th
 are ranked 1..k, and a scored token among them takes its place there (as vLLM's dict does).
 Decoded tokens are filled in when the output is built (engine/detokenizer.py).
 
-Sampled rows' entries are built as dicts here (`logprob_entries`); prompt logprobs, a whole
-prompt's worth each, go to the sequence's outputs.FlatLogprobs as flat lists of the same items
-(`record_prompt_logprobs`): no Python object per prompt token.
+Both kinds are kept in the sequence's outputs.FlatLogprobs as flat lists of the same items: no
+Python object per token. A step's sampled rows come out as `SampledRow`s (`sampled_rows`), which the
+scheduler appends to their sequences with the tokens sampled; prompt logprobs, a whole prompt's
+worth each, are appended here (`record_prompt_logprobs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from nanovllm.outputs import FlatLogprobs, Logprob
+from nanovllm.outputs import FlatLogprobs
 from nanovllm.sampling.row_logprobs import RowLogprobs
 
 
@@ -42,15 +44,19 @@ class HostLogprobs:
                    top_logprobs.tolist())
 
 
-def logprob_entries(host: HostLogprobs, tokens: list[int], ks: list[int]) -> list[dict[int, Logprob]]:
-    """One {token_id: Logprob} per row: `tokens[i]` (the scored token) and the top `ks[i]`."""
-    entries = []
-    for token, chosen, rank, ids, lps, k in zip(tokens, host.chosen, host.ranks, host.top_ids, host.top_logprobs, ks):
-        entry = {token: Logprob(chosen, rank)}
-        for place, (token_id, lp) in enumerate(zip(ids[:k], lps[:k]), start=1):
-            entry[token_id] = Logprob(lp, place)
-        entries.append(entry)
-    return entries
+class SampledRow(NamedTuple):
+    """One sampled row's logprobs: the sampled token's and its rank, and the row's k most likely."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]  # [k]
+    top_logprobs: list[float]  # [k]
+
+
+def sampled_rows(host: HostLogprobs, ks: list[int]) -> list[SampledRow]:
+    """Each row's SampledRow, holding its request's `ks[i]` most likely of the step's largest k."""
+    return [SampledRow(chosen, rank, ids[:k], lps[:k])
+            for chosen, rank, ids, lps, k in zip(host.chosen, host.ranks, host.top_ids, host.top_logprobs, ks)]
 
 
 def record_prompt_logprobs(spans: list[tuple[FlatLogprobs, int]], scored: RowLogprobs, targets: list[int]) -> None:

@@ -126,14 +126,14 @@ class OutputStreams:
             shown = max(s.chars, shown - (max(map(len, params.stop)) - 1))
         logprobs = seq.logprobs
         if logprobs is not None and params.detokenize:
-            self.detokenizer.fill_decoded_tokens(logprobs[s.logprobs:])
+            self.detokenizer.fill_decoded_tokens(logprobs)
         cumulative = seq.cumulative_logprob if logprobs is not None else None
         if delta:
             completion = CompletionOutput(index, text[s.chars:shown], seq.token_ids[start + s.tokens:], cumulative,
                                           None if logprobs is None else logprobs[s.logprobs:])
         else:
             completion = CompletionOutput(index, text[:shown], seq.token_ids[start:], cumulative,
-                                          None if logprobs is None else list(logprobs))
+                                          None if logprobs is None else logprobs.copy())
         s.tokens, s.chars, s.logprobs = length, shown, 0 if logprobs is None else len(logprobs)
         return completion
 

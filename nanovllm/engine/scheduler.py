@@ -46,13 +46,13 @@ from collections import deque
 from tokenizers import Tokenizer
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.logprobs import SampledRow
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.structured_outputs import SampleGrammar, accept_tokens
 from nanovllm.engine.step_trim import trimmed_prefill_budget
 from nanovllm.engine.stop_strings import StopStringMatcher
-from nanovllm.outputs import Logprob
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +265,9 @@ class Scheduler:
             accept_tokens(grammars, tokens)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
-                    logprobs: dict[int, dict[int, Logprob]] | None = None) -> list[Request]:
+                    logprobs: dict[int, SampledRow] | None = None) -> list[Request]:
         """Record a step's results: `sampled` maps seq_id to its new token, `logprobs` seq_id
-        to that token's {token_id: Logprob} (sequences that ask). Returns the requests that
+        to its row's logprobs (sequences that ask). Returns the requests that
         finished (all their samples done), no longer tracked here. Grammars are advanced apart
         (`advance_grammars`)."""
         done: list[Request] = []
@@ -283,9 +283,9 @@ class Scheduler:
                 continue
             seq.token_ids.append(token)
             if seq.logprobs is not None and logprobs is not None:
-                entry = logprobs[seq.seq_id]
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token].logprob
+                row = logprobs[seq.seq_id]
+                seq.logprobs.append(token, row.logprob, row.rank, row.top_ids, row.top_logprobs)
+                seq.cumulative_logprob += row.logprob
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish_and_collect(seq, reason, done)

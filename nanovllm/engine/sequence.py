@@ -17,7 +17,7 @@ import enum
 from nanovllm.engine.request_rules import RequestRules
 from nanovllm.engine.stop_strings import StopStringMatcher
 from nanovllm.engine.structured_outputs import SampleGrammar
-from nanovllm.outputs import FlatLogprobs, Logprob
+from nanovllm.outputs import FlatLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -38,7 +38,8 @@ class Sequence:
 
     seed: the sampling seed of this sample (None: unseeded); sample 0 of a request uses
     params.seed, the others seeds derived from it (engine/request.py).
-    logprobs: one {token_id: Logprob} per completion token when params.logprobs is set.
+    logprobs: one {token_id: Logprob} per completion token (stored flat: outputs.FlatLogprobs) when
+    params.logprobs is set.
     prompt_logprobs: [None, {...}, ...] (stored flat: outputs.FlatLogprobs) filled up to len ==
     num_prompt_tokens while the prompt is first computed, when params.prompt_logprobs is set (sample 0 only).
     max_tokens: most tokens it may generate (params.max_tokens, or the room under max_model_len
@@ -66,10 +67,11 @@ class Sequence:
         self.num_hashed_blocks = 0
         # Chained hash of each leading full block computed so far (see BlockManager._block_hashes).
         self.block_hashes: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.logprobs: FlatLogprobs | None = (
+            FlatLogprobs(params.logprobs, none_first=False) if params.logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: FlatLogprobs | None = (
-            FlatLogprobs(params.prompt_logprobs) if wants_prompt_logprobs and params.prompt_logprobs is not None
+            FlatLogprobs(params.prompt_logprobs, none_first=True) if wants_prompt_logprobs and params.prompt_logprobs is not None
             else None)
         # Prompt positions p whose next-token logprobs are booked in a step (p < this).
         self.num_prompt_logprobs_booked = 0

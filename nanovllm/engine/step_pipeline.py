@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits
-from nanovllm.engine.logprobs import logprob_entries, record_prompt_logprobs
+from nanovllm.engine.logprobs import SampledRow, record_prompt_logprobs, sampled_rows
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduled_batch import ScheduledBatch, StepKind
 from nanovllm.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.engine.structured_outputs import GrammarBackend, SampleGrammar
 from nanovllm.engine.tp_workers import WorkerGroup, worker_errors
-from nanovllm.outputs import Logprob, RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling.token_mask import TokenMask
 from nanovllm.utils.deferred_signals import deferred_signals
 
@@ -145,12 +145,12 @@ class StepPipeline:
         self.scheduler.advance_grammars(batch, sampled)
         mask_wait_s = 0.0
         if following is None:
-            outputs = self._postprocess(current, tokens, sampled)
+            outputs = self._postprocess(current, sampled)
         else:  # its masks follow this step's tokens: filled while this thread does the rest
             rows, grammars = self._live_grammars(following)
             fill = self.grammars.filling(rows, grammars) if rows else contextlib.nullcontext()
             with fill as masks:
-                outputs = self._postprocess(current, tokens, sampled)
+                outputs = self._postprocess(current, sampled)
                 after = self._prepare_ahead(following)
                 t3 = time.perf_counter()
                 mask = masks.mask() if masks is not None else None
@@ -163,10 +163,10 @@ class StepPipeline:
                           postprocess_s=time.perf_counter() - t2,
                           num_prompt_tokens=batch.num_tokens - batch.num_decode, mask_wait_s=mask_wait_s)
 
-    def _postprocess(self, step: _InFlight, tokens: list[int], sampled: dict[int, int]) -> list[RequestOutput]:
+    def _postprocess(self, step: _InFlight, sampled: dict[int, int]) -> list[RequestOutput]:
         """Record a step's results (its grammars advanced already) and return its finished requests' outputs."""
         self._record_prompt_logprobs(step)
-        done = self.scheduler.postprocess(step.batch, sampled, self._sample_logprobs(step, tokens))
+        done = self.scheduler.postprocess(step.batch, sampled, self._sample_logprobs(step))
         outputs = [request.output(self.detokenizer) for request in done]
         self.model_runner.rules.release([s for request in done for s in request.samples])
         return outputs
@@ -222,14 +222,13 @@ class StepPipeline:
             mask = self.grammars.token_mask(rows, grammars) if rows else None
         return self._sample(step, mask)
 
-    def _sample_logprobs(self, step: _InFlight, tokens: list[int]) -> dict[int, dict[int, Logprob]] | None:
-        """{seq_id: {token_id: Logprob}} for the sampled rows that ask for logprobs."""
+    def _sample_logprobs(self, step: _InFlight) -> dict[int, SampledRow] | None:
+        """{seq_id: its row's logprobs} for the sampled rows that ask for logprobs."""
         host = step.launched.logprobs()
         if host is None:
             return None
         seqs = [step.sample_seqs[r] for r in host.rows]
-        entries = logprob_entries(host, [tokens[r] for r in host.rows], [s.params.logprobs for s in seqs])
-        return {s.seq_id: e for s, e in zip(seqs, entries)}
+        return {s.seq_id: row for s, row in zip(seqs, sampled_rows(host, [s.params.logprobs for s in seqs]))}
 
     def _record_prompt_logprobs(self, step: _InFlight) -> None:
         """Append the step's prompt logprobs to the sequences that asked, in position order."""
