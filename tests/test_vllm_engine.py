@@ -134,7 +134,8 @@ def test_cumulative_outputs_grow_to_the_final_one(llm):
         for out in outs:  # each output's logprobs as they were when given (Logprobs: values, ranks, texts)
             for c, final in zip(out.outputs, want.outputs):
                 if final.logprobs is not None:
-                    assert len(c.logprobs) == len(c.token_ids) and list(c.logprobs) == final.logprobs[: len(c.token_ids)]
+                    n = len(c.token_ids)
+                    assert len(c.logprobs) == n and list(c.logprobs) == final.logprobs[:n]
         assert all(o.prompt_logprobs == want.prompt_logprobs for o in outs)
 
 

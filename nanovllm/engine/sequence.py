@@ -70,9 +70,9 @@ class Sequence:
         self.logprobs: FlatLogprobs | None = (
             FlatLogprobs(params.logprobs, none_first=False) if params.logprobs is not None else None)
         self.cumulative_logprob = 0.0
+        wants = wants_prompt_logprobs and params.prompt_logprobs is not None
         self.prompt_logprobs: FlatLogprobs | None = (
-            FlatLogprobs(params.prompt_logprobs, none_first=True) if wants_prompt_logprobs and params.prompt_logprobs is not None
-            else None)
+            FlatLogprobs(params.prompt_logprobs, none_first=True) if wants else None)
         # Prompt positions p whose next-token logprobs are booked in a step (p < this).
         self.num_prompt_logprobs_booked = 0
         # Incremental stop-string search (set by the engine when params.stop is not empty).
