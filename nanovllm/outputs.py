@@ -130,6 +130,17 @@ class FlatLogprobs(Sequence):
 
     __hash__ = None  # mutable, as the list it stands for
 
+    def __add__(self, other: object) -> list:
+        """Concatenated with a list (or another FlatLogprobs) as the list it stands for would be."""
+        if not isinstance(other, (list, FlatLogprobs)):
+            return NotImplemented
+        return list(self) + list(other)
+
+    def __radd__(self, other: object) -> list:
+        if not isinstance(other, list):
+            return NotImplemented
+        return other + list(self)
+
     def __repr__(self) -> str:
         return f"FlatLogprobs({list(self)!r})"
 

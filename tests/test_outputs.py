@@ -237,6 +237,7 @@ def test_flat_sample_logprobs_append_copy_and_decoded_tokens():
                 {9: Logprob(-0.25, 1), 2: Logprob(-2.0, 2)}]
     assert len(flat) == 2 and flat == expected and flat[-1] == expected[1] and flat[1:] == expected[1:]
     assert snapshot == expected[:1] and len(snapshot) == 1
+    assert snapshot + flat == expected[:1] + expected and [None] + snapshot == [None] + expected[:1]
     assert flat.floats() == [{7: -2.5, 4: -0.5, 5: -1.0}, {9: -0.25, 2: -2.0}]
     with pytest.raises(IndexError):
         flat[2]
