@@ -88,7 +88,7 @@ class FlatLogprobs(Sequence):
         """A snapshot: later appends to this one do not change it."""
         other = FlatLogprobs(self.k, none_first=self.none_first)
         other.token_ids, other.logprobs, other.ranks = list(self.token_ids), list(self.logprobs), list(self.ranks)
-        other.decoded_tokens = None if self.decoded_tokens is None else self.decoded_tokens[: len(self.token_ids)]
+        other.decoded_tokens = None if self.decoded_tokens is None else list(self.decoded_tokens)
         return other
 
     def __len__(self) -> int:
