@@ -162,6 +162,24 @@ def test_step_wise_api_reports_each_step_once(ckpt):
     llm.exit()
 
 
+def test_each_steps_preparation_is_reported_once(ckpt):
+    """Under overlap a step is prepared (and its time counted) in the call that queues it ahead; the call
+    that completes it reports only what it prepared itself: the next step's preparation."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    queued_ahead = []
+    results = []
+    while not llm.is_finished():
+        results.append(llm.step())
+        ahead = llm.pipeline._in_flight  # the step this call queued ahead (white-box: its own prepare_s)
+        queued_ahead.append(ahead.launched.prepare_s if ahead is not None else 0.0)
+    llm.exit()
+    assert len(results) == 6 and all(r.prepare_s <= r.launch_s for r in results)
+    for i, r in enumerate(results[1:], start=1):  # calls 2.. only complete steps queued by the call before
+        assert r.prepare_s == queued_ahead[i], i
+    assert results[0].prepare_s > queued_ahead[0] > 0.0  # the first call prepares its own step too
+
+
 def test_sampled_lists_only_the_tokens_that_were_kept(ckpt):
     """A request ended by a stop token at step k was queued for step k + 1 already (overlap): that
     step's token is dropped, and the request is not among its `sampled`."""

@@ -123,9 +123,11 @@ class StepPipeline:
         read; with constrained rows, the next step's masks are filled beside this step's
         recording (the step order: the module docstring)."""
         t0 = time.perf_counter()
-        current = self._in_flight or self._sample_now(self._launch(self.scheduler.schedule(), previous=None))
-        prepare_s = current.launched.prepare_s
-        self._in_flight = None
+        current, self._in_flight = self._in_flight, None
+        prepare_s = 0.0  # preparation done inside this call's launch window only
+        if current is None:  # (a step queued by the call before was prepared and counted there)
+            current = self._sample_now(self._launch(self.scheduler.schedule(), previous=None))
+            prepare_s = current.launched.prepare_s
         following, self._forwarded = self._forwarded, None  # queued by the previous call, if any
         if following is None and self.overlap:
             ahead = self.scheduler.schedule(ahead=True)
