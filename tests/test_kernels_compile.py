@@ -30,6 +30,7 @@ from nanovllm.moe import tiles as moe_tiles
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.fp8_experts import scales_per_step
 from nanovllm.moe.decode import DEFAULT_TILES as DECODE_TILES
+from nanovllm.sampling.topk_sample import LIST_SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
 # Hopper: the GPU the project is measured on (H200); PDL needs compute capability 9.0.
@@ -288,17 +289,17 @@ SPECS = [
        [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "SUB": 256, "STEP_TILES": 8, "num_warps": 8}
         for p, mp in ((True, False), (False, True), (True, True))])
       for x in ("*bf16", "*fp32")],
-    # top-k sampling (sampling/topk_sample.py) at the serving vocabulary (38 chunks): both list lengths,
+    # top-k sampling (sampling/topk_sample.py) at the serving vocabulary (38 chunks): every list shape,
     # bfloat16 and float32 logits, with and without top-p / min-p
     *[("sampling.topk_sample", "_chunk_top_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "slot_ptr": "*i64",
                                                     "eq_ptr": "*i32"},
-       [{"K": k, "NG": 4 * k, "CAP": 4 * k, "CHUNK": 4096, "num_warps": 8} for k in (32, 128)])
+       [{"K": sh.k, "NG": sh.groups, "CAP": sh.cap, "CHUNK": 4096, "num_warps": 8} for sh in LIST_SHAPES])
       for x in ("*bf16", "*fp32")],
     *[("sampling.topk_sample", "_row_sample_kernel", {"x_ptr": x, "temperature_ptr": "*fp32", "key_ptr": "*i64",
                                                      "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
                                                      "slot_ptr": "*i64", "eq_ptr": "*i32", "out_ptr": "*i64"},
-       [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "K": k, "CAP": 4 * k, "C_PAD": 64, "SUB": 256, "num_warps": 8}
-        for k in (32, 128) for p, mp in ((False, False), (True, False), (True, True))])
+       [{"HAS_TOP_P": p, "HAS_MIN_P": mp, "K": sh.k, "CAP": sh.cap, "C_PAD": 64, "SUB": 256, "num_warps": 8}
+        for sh in LIST_SHAPES for p, mp in ((False, False), (True, False), (True, True))])
       for x in ("*bf16", "*fp32")],
     # structured outputs' token masks: bfloat16 and float32 logits
     *[("sampling.token_mask_kernel", "_token_mask_kernel", {"logits_ptr": x, "rows_ptr": "*i64", "bitmask_ptr": "*i32"},

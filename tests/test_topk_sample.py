@@ -15,16 +15,13 @@ import torch
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.sampling.batch import SamplingBatch, row_key
 from nanovllm.sampling.sampler import Sampler, takes_topk_kernel
-from nanovllm.sampling.topk_sample import GROUPS_PER_K, MAX_K, MAX_VOCAB, SMALL_K, list_length, topk_sample
+from nanovllm.sampling.topk_sample import LIST_SHAPES, MAX_K, MAX_VOCAB, list_shape, topk_sample
 from nanovllm.sampling_params import SamplingParams
 from test_gumbel_sample import reference_uniforms
 from test_sampler import ORDER_KEPT, ORDER_PARAMS, order_row
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-# Columns per program of the first launch in interpreter runs: many chunks on a small vocabulary
-# (the smallest chunk each list length allows: GROUPS_PER_K * K).
-TEST_CHUNK = {SMALL_K: GROUPS_PER_K * SMALL_K, MAX_K: GROUPS_PER_K * MAX_K}
 
 
 def kept_tokens(x64: np.ndarray, top_k: int, top_p: float, min_p: float, slack: float = 0.0) -> np.ndarray:
@@ -87,11 +84,12 @@ def sample(device, logits, params, keys, **kwargs):
 
 
 def chunk_args(device, max_k: int = 20) -> dict:
-    return {"chunk": TEST_CHUNK[list_length(max_k)]} if device == "cpu" else {}
+    """Interpreter runs: many chunks on a small vocabulary (the smallest chunk the list allows)."""
+    return {"chunk": list_shape(max_k).groups} if device == "cpu" else {}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scale, max_k", [(3.0, 20), (0.3, 20), (3.0, 100)])  # peaked / flat rows; both lists
+@pytest.mark.parametrize("scale, max_k", [(3.0, 20), (0.3, 20), (3.0, 50), (0.3, 64), (3.0, 100)])  # peaked / flat rows
 def test_matches_the_float64_filtered_argmax(device, scale, max_k):
     rows, vocab = (7, 1200) if device == "cpu" else (256, 151_936)
     g = torch.Generator().manual_seed(1)
@@ -104,7 +102,8 @@ def test_matches_the_float64_filtered_argmax(device, scale, max_k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ties_past_the_lists(device):
+@pytest.mark.parametrize("top_ks", [(20, 5, 30), (50, 5, 64)])  # the 32- and 64-entry lists
+def test_ties_past_the_lists(device, top_ks):
     """Integer logits (many exact ties): ties of the k-th value past a chunk's list, past the row's
     list (the whole-row scan), and a chunk whose candidates overflow their slot (a run of ties)."""
     rows, vocab = (5, 1100) if device == "cpu" else (64, 151_936)
@@ -114,9 +113,9 @@ def test_ties_past_the_lists(device):
     logits[1, 7:1000:20] = 9.0  # 50 tied maxima spread over the chunks
     logits[2, :] = 0.0  # a flat row
     keys = [int(k) for k in torch.randint(0, 2**62, (rows,), generator=g)]
-    params = [SamplingParams(temperature=(1.0, 0.7)[r % 2], top_k=(20, 5, 30)[r % 3], top_p=(1.0, 0.5, 0.9)[r % 3],
+    params = [SamplingParams(temperature=(1.0, 0.7)[r % 2], top_k=top_ks[r % 3], top_p=(1.0, 0.5, 0.9)[r % 3],
                              min_p=(0.0, 0.0, 0.0, 0.1)[r % 4]) for r in range(rows)]
-    tokens = sample(device, logits.to(torch.bfloat16), params, keys, **chunk_args(device))
+    tokens = sample(device, logits.to(torch.bfloat16), params, keys, **chunk_args(device, max(top_ks)))
     check_rows(tokens, logits, keys, params, min_exact=1.0)  # the bf16 values are the integers exactly
 
 
@@ -138,6 +137,12 @@ def test_agrees_with_the_torch_threshold_path(device):
     assert (kernel == reference).float().mean().item() >= 0.95
     check_rows(reference, logits, keys, params)
     check_rows(kernel, logits, keys, params)
+
+
+def test_a_batch_takes_the_shortest_list_that_holds_its_top_k():
+    assert [list_shape(k).k for k in (1, 20, 32, 33, 50, 64, 65, MAX_K)] == [32, 32, 32, 64, 64, 64, 128, 128]
+    for shape in LIST_SHAPES:  # launch 1's bound needs k group maxima, its slot k candidates
+        assert shape.groups >= shape.k and shape.cap >= shape.k
 
 
 def test_routing_follows_the_batch_and_the_routes():

@@ -10,9 +10,9 @@ the noise of at most K columns.
 
     launch 1, grid (rows, chunks of CHUNK columns): the chunk's K largest x, as packed keys
       (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the K-th largest of NG
-      = 4K group maxima bounds the chunk's K-th value from below; the ~1.15 K elements at or above it are
-      compacted into the chunk's slot and their top K taken (tl.topk); a chunk with more than CAP of them (ties,
-      a partial last chunk) takes tl.topk of all its keys. Also the count of the chunk's elements equal to its
+      (2K or 4K: ListShape) group maxima bounds the chunk's K-th value from below; the elements at or above it
+      (about 1.15 K of them at 4K groups) are compacted into the chunk's slot and their top K taken (tl.topk); a
+      chunk with more than CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the chunk's elements equal to its
       K-th value (ties that may lie past its list).
     launch 2, one program per row: the top K of the row's chunk lists (its exact K largest), then kth = v[k-1],
       the ties of kth past the list (from the pool and the chunks' counts), min-p's floor, top-p's threshold
@@ -32,6 +32,8 @@ Measured end to end (H200, 2026-12-03, 6dcadc1, BENCHMARKS.md "tenth"): `bench.p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -48,26 +50,38 @@ from .sort_keys import NO_KEY, key_column, key_value, pack_key
 # Largest top_k served: the row's pool (chunks x K packed int64 keys, up to 64 x 128) is sorted by
 # one program in registers; 128 covers the common defaults (20, 40, 50, 64, 100).
 MAX_K = 128
-# The list length for max_top_k <= SMALL_K (Qwen3's 20): each K is one compiled variant, so two.
-SMALL_K = 32
 # Columns per program of launch 1: 38 programs a row at Qwen3's 151,936-token vocabulary.
 CHUNK = 4096
 # Chunks a row may have (the pool's sort holds next_pow2(chunks) x K keys): vocabularies up to 262,144.
 MAX_CHUNKS = 64
 MAX_VOCAB = CHUNK * MAX_CHUNKS
-# Group maxima per list entry: the K-th largest of 4K maxima leaves ~1.15 K candidates a chunk.
-GROUPS_PER_K = 4
-# Candidate slot per list entry: 4K holds ~3.5x the expected count (more: the chunk's full top-k).
-CAP_PER_K = 4
+
+
+@dataclass(frozen=True)
+class ListShape:
+    """Launch 1's shape for one list length: `k` list entries, the K-th largest of `groups` group maxima
+    bounds the chunk's k-th value (groups >= k), and a slot of `cap` candidates (more: the chunk's whole
+    top-k). Each shape is one compiled variant of each kernel."""
+
+    k: int
+    groups: int
+    cap: int
+
+
+# The list lengths, each the shortest holding a batch's max_top_k. At 256 rows of a 151,936 vocabulary
+# (H100, 2026-12-05, BENCHMARKS.md "forty-second"), both launches: max_top_k 20 in the 32-list 304-311 us
+# (4K groups / 4K slot: 311); 50 in a 128-list 737 us, in a 64-list 364 us with 2K groups and an 8K slot
+# (4K / 4K: 541; 1K / 8K: 377).
+LIST_SHAPES = (ListShape(32, 4 * 32, 4 * 32), ListShape(64, 2 * 64, 8 * 64), ListShape(MAX_K, 4 * MAX_K, 4 * MAX_K))
 NUM_WARPS = 8
 # The noise layout's widths (gumbel_torch.py), as the kernels read them.
 _SUB = tl.constexpr(SUB)
 _TILE = tl.constexpr(TILE)
 
 
-def list_length(max_top_k: int) -> int:
-    """K, the list length of a batch whose largest top_k is `max_top_k` (1 .. MAX_K)."""
-    return SMALL_K if max_top_k <= SMALL_K else MAX_K
+def list_shape(max_top_k: int) -> ListShape:
+    """The list of a batch whose largest top_k is `max_top_k` (1 .. MAX_K): the shortest that holds it."""
+    return next(shape for shape in LIST_SHAPES if max_top_k <= shape.k)
 
 
 @triton.jit
@@ -202,13 +216,13 @@ def topk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Te
     every non-greedy row's <= `max_top_k` <= MAX_K, the host's bound), within it the top-p set
     (`top_ps` [B] float32, 1.0: off) and the min-p floor (`min_ps` [B] float32, 0.0: off), each
     None when no row uses it. `temperatures` [B] float32 (0: greedy argmax). Returns [B] int64.
-    `chunk`: columns a program of launch 1 reads (a power of two >= 4K; tests shrink it)."""
+    `chunk`: columns a program of launch 1 reads (a power of two >= the list's groups; tests shrink it)."""
     check_gumbel_args(logits, keys, temperatures, is_probs=False)
     rows, vocab = logits.shape
     if isinstance(max_top_k, bool) or not isinstance(max_top_k, int) or not 1 <= max_top_k <= MAX_K:
         raise ValueError(f"max_top_k must be an int in [1, {MAX_K}], got {max_top_k!r}")
-    k = list_length(max_top_k)
-    check_pow2("chunk", chunk, GROUPS_PER_K * k)
+    shape = list_shape(max_top_k)
+    check_pow2("chunk", chunk, shape.groups)
     if not max_top_k < vocab <= MAX_CHUNKS * chunk:
         raise ValueError(f"vocab must be in ({max_top_k}, {MAX_CHUNKS * chunk}] for top_k {max_top_k}, got {vocab}")
     check_row_vector("top_ks", top_ks, rows, torch.int64, logits.device)
@@ -218,12 +232,12 @@ def topk_sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Te
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
-    cap = CAP_PER_K * k
+    k, cap = shape.k, shape.cap
     num_chunks = triton.cdiv(vocab, chunk)
     slots = torch.empty(rows, num_chunks, cap, dtype=torch.int64, device=logits.device)
     ties = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_top_kernel[(rows, num_chunks)](logits, temperatures, slots, ties, vocab, logits.stride(0), num_chunks,
-                                          K=k, NG=GROUPS_PER_K * k, CAP=cap, CHUNK=chunk, num_warps=NUM_WARPS)
+                                          K=k, NG=shape.groups, CAP=cap, CHUNK=chunk, num_warps=NUM_WARPS)
     _row_sample_kernel[(rows,)](
         logits, temperatures, keys, top_ks, top_ps if top_ps is not None else temperatures,
         min_ps if min_ps is not None else temperatures, slots, ties, out, vocab, logits.stride(0), num_chunks,
