@@ -15,7 +15,7 @@ import torch
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.sampling.batch import SamplingBatch, row_key
 from nanovllm.sampling.sampler import Sampler, takes_topk_kernel
-from nanovllm.sampling.topk_sample import LIST_SHAPES, MAX_K, MAX_VOCAB, list_shape, topk_sample
+from nanovllm.sampling.topk_sample import LIST_SHAPES, MAX_K, MAX_VOCAB, list_shape, top_k_per_list, topk_sample
 from nanovllm.sampling_params import SamplingParams
 from test_gumbel_sample import reference_uniforms
 from test_sampler import ORDER_KEPT, ORDER_PARAMS, order_row
@@ -143,6 +143,9 @@ def test_a_batch_takes_the_shortest_list_that_holds_its_top_k():
     assert [list_shape(k).k for k in (1, 20, 32, 33, 50, 64, 65, MAX_K)] == [32, 32, 32, 64, 64, 64, 128, 128]
     for shape in LIST_SHAPES:  # launch 1's bound needs k group maxima, its slot k candidates
         assert shape.groups >= shape.k and shape.cap >= shape.k
+    # the engine's warm-up samples with one top_k per list the routes let the kernel serve
+    assert top_k_per_list(MAX_K) == (32, 64, 128)
+    assert top_k_per_list(40) == (32, 40) and top_k_per_list(20) == (20,) and top_k_per_list(0) == ()
 
 
 def test_routing_follows_the_batch_and_the_routes():

@@ -66,8 +66,6 @@ MAX_KV_SLOTS = 2**31 - 1
 # Prompt-logprob rows scored per LM-head call: bounds the [rows, vocab] float32 logits
 # (1,024 x 151,936 x 4 B = 0.6 GB) whatever the step's token budget.
 PROMPT_LOGPROB_CHUNK_ROWS = 1024
-# Qwen3's generation_config top_k: the warm-up samples with it, so the top-k kernel's small list compiles there.
-QWEN3_TOP_K = 20
 
 
 class ModelRunner:
@@ -209,15 +207,14 @@ class ModelRunner:
             # full sort), top-k with top-p and every row's logprobs (as many as max_logprobs allows,
             # and where the Triton logprobs pass serves fewer, its largest k too), plain sampling, and
             # where the sampler has the radix select (CUDA), a top-k too large for torch.topk, which
-            # takes it; with the Triton top-k kernel (CUDA), its two list lengths (top_k 50 and 20).
+            # takes it; with the Triton top-k kernel (CUDA), each of its list lengths.
             keys = [0] * cfg.max_num_seqs
             logprob_ks = {cfg.logprobs_limit}
             if self.sampler.token_logprobs_max_k is not None:
                 logprob_ks.add(min(cfg.logprobs_limit, self.sampler.token_logprobs_max_k))
             passes = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0),
                       *(SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=k) for k in sorted(logprob_ks))]
-            if self.sampler.topk_kernel_max_k >= QWEN3_TOP_K:  # the top-k kernel's small list (Qwen3's defaults)
-                passes.append(SamplingParams(temperature=0.6, top_k=QWEN3_TOP_K, top_p=0.95))
+            passes += [SamplingParams(temperature=0.6, top_k=k, top_p=0.95) for k in self.sampler.topk_list_ks]
             if self.sampler.radix_min_rows is not None:
                 passes.append(SamplingParams(temperature=1.0, top_k=self.sampler.topk_max_k + 1, top_p=0.9))
             for sp in passes:

@@ -200,6 +200,9 @@ class Sampler(torch.nn.Module):
         # Batches the Triton top-k kernel samples (takes_topk_kernel): none off CUDA.
         self.topk_kernel_max_k = 0
         self.topk_kernel_max_vocab = 0
+        # One top_k per list length the kernel serves (topk_sample.top_k_per_list): the engine's warm-up
+        # samples with each, so every compiled variant is built there.
+        self.topk_list_ks: tuple[int, ...] = ()
         self.apply_token_mask = apply_token_mask
         if triton_path:  # Triton is present on this path
             from nanovllm.sampling.candidate_walk import walk_sample
@@ -223,6 +226,7 @@ class Sampler(torch.nn.Module):
             self.topk_sample = topk_sample.topk_sample
             self.topk_kernel_max_k = min(routes.topk_kernel_max_k, topk_sample.MAX_K)
             self.topk_kernel_max_vocab = topk_sample.MAX_VOCAB
+            self.topk_list_ks = topk_sample.top_k_per_list(self.topk_kernel_max_k)
 
     def logprobs_of(self, logits: Tensor, tokens: Tensor, k: int, rows: Tensor | None = None) -> RowLogprobs:
         """The RowLogprobs of `rows` of `logits` at `tokens` with each row's k most likely tokens

@@ -84,6 +84,13 @@ def list_shape(max_top_k: int) -> ListShape:
     return next(shape for shape in LIST_SHAPES if max_top_k <= shape.k)
 
 
+def top_k_per_list(max_k: int) -> tuple[int, ...]:
+    """For each list that a top_k of at most `max_k` takes, the largest such top_k (ascending): a batch
+    sampled with each compiles every variant the kernel runs up to `max_k` (the engine's warm-up)."""
+    largest = {list_shape(k).k: k for k in range(1, min(max_k, MAX_K) + 1)}
+    return tuple(largest.values())
+
+
 @triton.jit
 def _chunk_top_kernel(x_ptr, temperature_ptr, slot_ptr, eq_ptr, vocab, stride_x, num_chunks,
                       K: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
