@@ -12,8 +12,8 @@ the noise of at most K columns.
       (sampling/sort_keys.py: a key orders by value, then lowest column first). Cheaply: the K-th largest of NG
       (2K or 4K: ListShape) group maxima bounds the chunk's K-th value from below; the elements at or above it
       (about 1.15 K of them at 4K groups) are compacted into the chunk's slot and their top K taken (tl.topk); a
-      chunk with more than CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count of the chunk's elements equal to its
-      K-th value (ties that may lie past its list).
+      chunk with more than CAP of them (ties, a partial last chunk) takes tl.topk of all its keys. Also the count
+      of the chunk's elements equal to its K-th value (ties that may lie past its list).
     launch 2, one program per row: the top K of the row's chunk lists (its exact K largest), then kth = v[k-1],
       the ties of kth past the list (from the pool and the chunks' counts), min-p's floor, top-p's threshold
       from the cumulative masses over the survivors of both (as the torch path's _threshold_from_top on
@@ -71,7 +71,9 @@ class ListShape:
 # The list lengths, each the shortest holding a batch's max_top_k. At 256 rows of a 151,936 vocabulary
 # (H100, 2026-12-05, BENCHMARKS.md "forty-second"), both launches: max_top_k 20 in the 32-list 304-311 us
 # (4K groups / 4K slot: 311); 50 in a 128-list 737 us, in a 64-list 364 us with 2K groups and an 8K slot
-# (4K / 4K: 541; 1K / 8K: 377).
+# (4K / 4K: 541; 1K / 8K: 377). A top_k equal to its list's length leaves no room for ties of the k-th value, so
+# bf16 logits send rows to the whole-row scan more often: `bench.py --top-k 64 --top-p 0.95` read 0.947x of plain
+# against 0.980x for top-k 50 (random weights); the 128-list would cost more than those scans.
 LIST_SHAPES = (ListShape(32, 4 * 32, 4 * 32), ListShape(64, 2 * 64, 8 * 64), ListShape(MAX_K, 4 * MAX_K, 4 * MAX_K))
 NUM_WARPS = 8
 # The noise layout's widths (gumbel_torch.py), as the kernels read them.
