@@ -3,6 +3,7 @@
     python bench.py                                    # Qwen3-0.6B shape, random weights, default workload
     python bench.py --workload long                    # or: many; explicit flags override a preset
     python bench.py --workload score                   # prompt scoring: prompt_logprobs=0, max_tokens=1 (lm-eval)
+    python bench.py --workload rollout                 # RL group sampling: 64 prompts x n=8 samples (--n N)
     python bench.py --model DIR --compare-hf           # + transformers on a prefix of the same prompts
     python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("num_seqs", "min_input", "max_input", "min_output", "max_output", "seed"):
         ap.add_argument(flag(name), dest=name, type=int if name == "seed" else positive_int,
                         default=getattr(WORKLOADS["default"], name), help="default: from --workload")
+    ap.add_argument("--n", type=positive_int, default=WORKLOADS["default"].n,
+                    help="samples per prompt, SamplingParams(n=...), each making the request's max_tokens "
+                         "(default: from --workload; rollout: 8)")
     ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                     help="score the prompts: every request asks prompt_logprobs=K, greedy (default: from --workload; "
                          "score: 0)")
@@ -168,8 +172,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if k is not None and not 0 <= k <= DEFAULT_MAX_LOGPROBS:
             ap.error(f"{name} must be in [0, {DEFAULT_MAX_LOGPROBS}] (the engines' max_logprobs, vLLM's default), "
                      f"got {k}")
-    if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf):
-        ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --compare-hf")
+    if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf or args.n > 1):
+        ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --n, no --compare-hf")
     if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
         ap.error("--quantization with --tp > 1: the roofline's stored weight widths are read from rank 0's shard")
     if args.compare_hf and not args.sampling.transformers_can_run:
@@ -248,8 +252,8 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     w = workload_of(args)
     prompts, max_tokens = make_workload(w, cfg.vocab_size)
     before = probe_before(llm)
-    warm_up(llm, args.sampling, w.prompt_logprobs)
-    run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs)
+    warm_up(llm, args.sampling, w.prompt_logprobs, w.n)
+    run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs, w.n)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits.best_of([before, probe(llm)], args.tp)
     widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
@@ -263,11 +267,11 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
         k = min(args.hf_num_seqs, len(prompts))
         llm.exit()
         llm = LLM(args.model, **kwargs)  # fresh: no prefix cache from the run above
-        warm_up(llm, args.sampling)
-        ours = run_engine(llm, prompts[:k], max_tokens[:k], args.sampling)
+        warm_up(llm, args.sampling, n=w.n)
+        ours = run_engine(llm, prompts[:k], max_tokens[:k], args.sampling, n=w.n)
         llm.exit()
-        hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size, args.sampling)
-        rows += hf_rows(k, ours, sum(max_tokens[:k]), hf, res)
+        hf = run_hf(args.model, prompts[:k], max_tokens[:k], args.hf_batch_size, args.sampling, w.n)
+        rows += hf_rows(k, ours, w.n * sum(max_tokens[:k]), hf, res)
     return rows, llm
 
 

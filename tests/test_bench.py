@@ -31,7 +31,7 @@ from benchmarks.harness.report import (
 )
 from benchmarks.harness.roofline import (
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
-    ByteWidths, expert_elements, layer_linear_elements, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
+    ByteWidths, expert_elements, layer_linear_elements, per_sample, phase_bound_s, prefill_flops, roofline, token_linear_elements, workload_bytes,
     workload_flops,
 )
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -143,6 +143,14 @@ def test_workload_flops_by_hand():
     assert workload_flops(cfg, [3, 5], [2, 4]) == (27648 + 9600, 2944)
     # Prefill of 3 tokens sampling one: 2 x 1152 x 3 + 2 x 800 + 6 pairs x 64 = 6912 + 1600 + 384.
     assert prefill_flops(cfg, 3) == 8896
+    # Two samples a request: each prompt once, each sample its own decode tokens.
+    # Layers: (3 + 2 x 1) + (5 + 2 x 3) = 16 tokens x 2304 = 36,864; lm_head (1 + 2) + (1 + 6) = 10 rows x 1600 =
+    # 16,000. Pairs: 6 + 2 x 4 = 14 and 15 + 2 x 21 = 57 -> 71 x 64 = 4,544.
+    assert workload_flops(cfg, [3, 5], [2, 4], n=2) == (36864 + 16000, 4544)
+    # Bytes: each sample a sequence (per_sample) reading its prompt's KV and its own.
+    assert per_sample([3, 5], 2) == [3, 3, 5, 5]
+    assert workload_bytes(cfg, ByteWidths.uniform(2), per_sample([3, 5], 2), per_sample([2, 4], 2),
+                          decode_weight_elements(cfg)) == (1600, 12048)
 
 
 def test_roofline_picks_the_larger_term():
@@ -186,8 +194,12 @@ def test_workload_presets_and_overrides():
     args = bench.parse_args(["--workload", "many"])
     assert (args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, args.seed) == (
         2048, 50, 1024, 50, 512, 11)
+    args = bench.parse_args(["--workload", "rollout"])
+    assert (args.num_seqs, args.min_input, args.max_input, args.min_output, args.max_output, args.seed, args.n) == (
+        64, 100, 1024, 100, 1024, 17, 8)
+    assert bench.workload_of(bench.parse_args(["--workload", "rollout", "--n", "4"])).n == 4
     args = bench.parse_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "8192"])
-    assert (args.num_seqs, args.max_input, args.seed) == (256, 1024, 0)
+    assert (args.num_seqs, args.max_input, args.seed, args.n) == (256, 1024, 0, 1)
     kwargs = bench.engine_kwargs(args, "dummy")
     assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (64, 8192)
 
@@ -219,6 +231,17 @@ def test_check_outputs_rejects_uncounted_tokens():
         runs.check_outputs({0: 3, 1: 2}, {0: out(0, 3)}, Counter({0: 3}))
     with pytest.raises(RuntimeError, match="sampled"):
         runs.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 2}))
+    # n samples a request: each sample's length, the samples' count, and every token named by a step
+    two = RequestOutput(0, None, [1], None, [CompletionOutput(i, "", [5] * 3, None, None, "length") for i in (0, 1)])
+    runs.check_outputs({0: 3}, {0: two}, Counter({0: 3, 1: 3}), n=2)
+    with pytest.raises(RuntimeError, match="returned 1 samples, 2 asked"):
+        runs.check_outputs({0: 3}, {0: out(0, 3)}, Counter({0: 3, 1: 3}), n=2)
+    with pytest.raises(RuntimeError, match="named 5 tokens for the 6 counted"):
+        runs.check_outputs({0: 3}, {0: two}, Counter({0: 3, 1: 2}), n=2)
+    short = RequestOutput(0, None, [1], None, [CompletionOutput(i, "", [5] * (3 - i), None, None, "length")
+                                               for i in (0, 1)])
+    with pytest.raises(RuntimeError, match="returned 2 tokens, 3 counted"):
+        runs.check_outputs({0: 3}, {0: short}, Counter({0: 3, 1: 2}), n=2)
 
 
 # ----- mixture-of-experts counting -----
@@ -424,6 +447,34 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
     assert sum(b["floor_s"] for b in buckets) == pytest.approx(res["memory_s"])
 
 
+def test_rollout_report_counts_every_sample_and_each_prompt_once():
+    """A run of n = 2 samples a request on the CPU: every sample's tokens are made and counted, the
+    memory term reads each sample's context (per_sample), the FLOPs prefill each prompt once."""
+    model = str(REPO / "nanovllm" / "default_model")
+    args = bench.parse_args([f"--model={model}", "--workload=rollout", "--num-seqs=3", "--n=2", "--min-input=5",
+                             "--max-input=20", "--min-output=2", "--max-output=9"])
+    w = bench.workload_of(args)
+    llm = cpu_llm(model, enforce_eager=True)
+    try:
+        cfg = llm.config.model_config
+        prompts, max_tokens = make_workload(w, cfg.vocab_size)
+        run = runs.run_engine(llm, prompts, max_tokens, args.sampling, n=w.n)
+    finally:
+        llm.exit()
+    assert run.decode_tokens + run.prefill_tokens >= sum(map(len, prompts)) + 2 * sum(m - 1 for m in max_tokens)
+    res = {}
+    lens = [len(p) for p in prompts]
+    t = ThroughputRun(args.workload, w, args.sampling, cfg, ByteWidths.uniform(4), decode_weight_elements(cfg), lens,
+                      max_tokens, run, peak_mem_bytes=0)
+    rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
+    assert rows["workload"].startswith("rollout: 3 requests x 2 samples") and res["output_tokens"] == 2 * sum(max_tokens)
+    kv, weights = workload_bytes(cfg, ByteWidths.uniform(4), per_sample(lens, 2), per_sample(max_tokens, 2),
+                                 t.decode_weights)
+    assert res["memory_s"] == pytest.approx((kv + weights) / 1e12) and res["kv_bytes"] == kv
+    assert (res["matmul_flops"], res["attention_flops"]) == workload_flops(cfg, lens, max_tokens, n=2)
+    assert sum(b["floor_s"] for b in res["decode_by_rows"]) == pytest.approx(res["memory_s"])
+
+
 def test_kernel_routes_flag_builds_the_engines_routes(capsys):
     """--kernel-routes: KernelRoutes' fields by name, the rest at their defaults, passed to LLM;
     an unknown field, a non-integer or a value KernelRoutes refuses stops the parse with its reason."""
@@ -589,6 +640,9 @@ def test_sampling_flags_are_checked_when_parsed(capsys):
     ("--min-input 500 --max-input 100", "--min-input 500 is above --max-input 100"),
     ("--min-output 9 --max-output 8", "--min-output 9 is above --max-output 8"),
     ("--workload score --min-output 2", "--min-output 2 is above --max-output 1"),
+    ("--n 0", "argument --n: '0' is not a positive integer"),
+    ("--workload score --n 2", "--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --n"),
+    ("--latency --n 2", "--latency ignores --n"),
     # flags the chosen run would ignore
     ("--latency --compare-hf", "--latency ignores --compare-hf"),
     ("--latency --top-k 5 --logprobs 3", "--latency ignores --logprobs, --top-k"),

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.harness.roofline import (
-    DecodeStep, decode_rows, decode_steps, expected_experts_hit, lm_head_elements, phase_bound_s, prefill_flops,
-    roofline, score_flops, ByteWidths, workload_bytes, workload_flops,
+    DecodeStep, decode_rows, decode_steps, expected_experts_hit, lm_head_elements, per_sample, phase_bound_s,
+    prefill_flops, roofline, score_flops, ByteWidths, workload_bytes, workload_flops,
 )
 from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -80,12 +80,13 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
     `limits` (per GPU, times limits.gpus), experts counted and decode steps by row count. Adds the
     figures to `res` (bench.py's --json)."""
     w, run, cfg = t.workload, t.run, t.cfg
-    out_tokens, in_tokens = sum(t.max_tokens), sum(t.prompt_lens)
+    out_tokens, in_tokens = w.n * sum(t.max_tokens), sum(t.prompt_lens)
     tput = out_tokens / run.wall_s
     res.update(run.summary(), workload=vars(w), sampling=vars(t.sampling), output_tokens=out_tokens,
                input_tokens=in_tokens, throughput=tput, peak_mem_bytes=t.peak_mem_bytes)
     steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
-    rows = [("workload", f"{t.preset}: {w.num_seqs} requests, prompts {w.min_input}-{w.max_input}, "
+    samples = f" x {w.n} samples" if w.n > 1 else ""
+    rows = [("workload", f"{t.preset}: {w.num_seqs} requests{samples}, prompts {w.min_input}-{w.max_input}, "
                          f"outputs {w.min_output}-{w.max_output}, seed {w.seed}, {t.sampling.describe()}"),
             ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
             ("steps", steps),
@@ -103,10 +104,12 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
 
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
-    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights)
-    mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens)
+    # the sequences that decode: each request's n samples (roofline.per_sample)
+    seq_prompts, seq_tokens = per_sample(t.prompt_lens, w.n), per_sample(t.max_tokens, w.n)
+    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, seq_prompts, seq_tokens, t.decode_weights)
+    mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens, w.n)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
-    floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights)
+    floor_steps = decode_steps(cfg, t.widths, seq_prompts, seq_tokens, t.decode_weights)
     phase_s = phase_bound_s(cfg, t.widths, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, kv_bytes=kv_bytes, weight_bytes=w_bytes,
                matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
@@ -121,7 +124,7 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("phase bound: prefill, then each step's projections and attention in turn",
               f"{phase_s:.2f} s (the roofline is {100 * roof.seconds / phase_s:.1f}% of it); "
               f"reached {100 * phase_s / run.wall_s:.1f}%"),
-             *expert_rows(cfg, t.max_tokens),
+             *expert_rows(cfg, seq_tokens),
              *decode_bucket_rows(run, floor_steps, bw, res),
              ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]
     return rows
@@ -206,9 +209,9 @@ def hf_rows(k: int, ours: EngineRun, ours_tokens: int, hf: HFRun, res: dict) -> 
                nano_sub_s=ours.wall_s, nano_sub_tokens=ours_tokens, hf_tok_s_ratio=ours_rate / theirs,
                hf_time_ratio=hf.seconds / ours.wall_s)
     return [("transformers settings", hf.settings),
-            (f"first {k}: nanovllm, fresh engine, sum(max_tokens)",
+            (f"first {k}: nanovllm, fresh engine, n x sum(max_tokens)",
              f"{ours_tokens} / {ours.wall_s:.2f} s = {ours_rate:,.0f} tok/s"),
-            (f"first {k}: transformers, rows x batch max_new",
+            (f"first {k}: transformers, rows x n x batch max_new",
              f"{hf.generated_tokens} / {hf.seconds:.2f} s = {theirs:,.0f} tok/s"),
             ("speed-up over transformers: tok/s / time",
              f"{ours_rate / theirs:.1f}x / {hf.seconds / ours.wall_s:.1f}x")]

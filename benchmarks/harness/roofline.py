@@ -23,6 +23,10 @@ Scoring (--workload score, score_flops): prompts with prompt_logprobs and one ou
 lm_head runs at every prompt position (its logits give each prompt token's logprob): 2 x vocab x
 hidden FLOPs per prompt token, not per output token. Bytes: the weights, read at least once.
 
+Samples (bench.py --n, the rollout preset): a request of n samples is prefilled once and decodes n
+sequences, each reading the prompt's KV (shared blocks are still read by each) and its own tokens': the
+bytes count n sequences of (prompt, max_tokens) (per_sample), the FLOPs one prefill and n decodes.
+
 Phase bound (phase_bound_s): the same schedule with the phases that wait on each other in turn
 (every prefill, then each decode step's projections, then its attention), each at the roofline of
 its own bytes and FLOPs; the roofline / this is the most of the roofline that schedule can reach.
@@ -200,6 +204,11 @@ def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int
     return steps
 
 
+def per_sample(values: Sequence[int], n: int) -> list[int]:
+    """`values` (one per request) repeated for each of the requests' n samples: the sequences that decode."""
+    return [v for v in values for _ in range(n)]
+
+
 def attention_flops(cfg: ModelConfig, pairs: int) -> int:
     """FLOPs of `pairs` query-key pairs: q.k and p.v, 2 x 2 x head_dim a head and layer."""
     return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
@@ -210,11 +219,22 @@ def projection_flops(cfg: ModelConfig, tokens: int, logit_rows: int) -> int:
     return 2 * (token_linear_elements(cfg) * tokens + lm_head_elements(cfg) * logit_rows)
 
 
-def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int]) -> tuple[int, int]:
-    """(matmul FLOPs, attention FLOPs) of the workload's forwards."""
-    forwarded = sum(p + n - 1 for p, n in zip(prompt_lens, max_tokens, strict=True))
-    pairs = sum(causal_pairs(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
-    return projection_flops(cfg, forwarded, sum(max_tokens)), attention_flops(cfg, pairs)
+def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                   n: int = 1) -> tuple[int, int]:
+    """(matmul FLOPs, attention FLOPs) of the workload's forwards, each request making `n` samples of its
+    max_tokens: its prompt is forwarded once (its last position's logits give every sample's first
+    token), then each sample forwards its other tokens::
+
+        request (prompt p, max_tokens m):  p prompt tokens  ->  n samples x (m - 1) decode tokens
+        lm_head rows                        1                   n x (m - 1)
+        query-key pairs                     p (p + 1) / 2       n x (pairs of positions p + 1 .. p + m - 1)"""
+    forwarded = logit_rows = pairs = 0
+    for p, m in zip(prompt_lens, max_tokens, strict=True):
+        prefill = causal_pairs(p, 1)
+        forwarded += p + n * (m - 1)
+        logit_rows += 1 + n * (m - 1)
+        pairs += prefill + n * (causal_pairs(p, m) - prefill)
+    return projection_flops(cfg, forwarded, logit_rows), attention_flops(cfg, pairs)
 
 
 def score_flops(cfg: ModelConfig, prompt_lens: Sequence[int]) -> tuple[int, int]:

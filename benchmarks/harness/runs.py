@@ -59,10 +59,12 @@ class EngineRun:
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
-               sampling: WorkloadSampling = WorkloadSampling(), prompt_logprobs: int | None = None) -> EngineRun:
-    """Queue every request, step to completion, and check each returned the tokens counted (and
-    with `prompt_logprobs`, which every request then asks, an entry per prompt token)."""
-    ids = [llm.add_request(p, sampling.params(n, prompt_logprobs)) for p, n in zip(prompts, max_tokens, strict=True)]
+               sampling: WorkloadSampling = WorkloadSampling(), prompt_logprobs: int | None = None,
+               n: int = 1) -> EngineRun:
+    """Queue every request (`n` samples each), step to completion, and check each returned the tokens
+    counted (and with `prompt_logprobs`, which every request then asks, an entry per prompt token).
+    Latencies are per sequence: StepResult.sampled names each sample."""
+    ids = [llm.add_request(p, sampling.params(m, prompt_logprobs, n)) for p, m in zip(prompts, max_tokens, strict=True)]
     wanted = dict(zip(ids, max_tokens))
     run = EngineRun()
     outputs: dict[int, RequestOutput] = {}
@@ -100,23 +102,33 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
             sampled[rid] += 1
         outputs.update((out.request_id, out) for out in r.finished)
     run.wall_s = time.perf_counter() - start
-    check_outputs(wanted, outputs, sampled)
+    check_outputs(wanted, outputs, sampled, n)
     if prompt_logprobs is not None:
         check_prompt_logprobs(dict(zip(ids, map(len, prompts))), outputs)
     return run
 
 
-def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter) -> None:
-    """Raise unless every request finished holding exactly max_tokens tokens, each seen in `sampled`."""
+def check_outputs(max_tokens: dict[int, int], outputs: dict[int, RequestOutput], sampled: Counter,
+                  n: int = 1) -> None:
+    """Raise unless every request finished holding `n` samples of exactly max_tokens tokens each, every
+    token seen in `sampled` (counts by sequence id: a request's when n = 1, its samples' otherwise, which
+    are checked in total)."""
     missing = sorted(set(max_tokens) - set(outputs))
     if missing:
         raise RuntimeError(f"{len(missing)} request(s) never finished, e.g. id {missing[0]}")
-    for rid, n in max_tokens.items():
-        got = len(outputs[rid].token_ids)
-        if got != n:
-            raise RuntimeError(f"request {rid} returned {got} tokens, {n} counted (ignore_eos: all must be made)")
-        if sampled[rid] != n:
-            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {n} tokens")
+    for rid, m in max_tokens.items():
+        samples = outputs[rid].outputs
+        if len(samples) != n:
+            raise RuntimeError(f"request {rid} returned {len(samples)} samples, {n} asked")
+        for sample in samples:
+            if len(sample.token_ids) != m:
+                raise RuntimeError(f"request {rid} returned {len(sample.token_ids)} tokens, {m} counted (ignore_eos: "
+                                   f"all must be made)")
+        if n == 1 and sampled[rid] != m:
+            raise RuntimeError(f"request {rid}: StepResult.sampled named it {sampled[rid]} times for {m} tokens")
+    counted = n * sum(max_tokens.values())
+    if sum(sampled.values()) != counted:
+        raise RuntimeError(f"StepResult.sampled named {sum(sampled.values())} tokens for the {counted} counted")
 
 
 def check_prompt_logprobs(prompt_lens: dict[int, int], outputs: dict[int, RequestOutput]) -> None:
@@ -128,12 +140,13 @@ def check_prompt_logprobs(prompt_lens: dict[int, int], outputs: dict[int, Reques
                                f"for {n} prompt tokens")
 
 
-def warm_up(llm: LLM, sampling: WorkloadSampling | None = None, prompt_logprobs: int | None = None) -> None:
+def warm_up(llm: LLM, sampling: WorkloadSampling | None = None, prompt_logprobs: int | None = None,
+            n: int = 1) -> None:
     """One short generate unrelated to the workload (compiles, fills allocator pools); sampled as the
     workload is when given (a kernel specialised on its settings, e.g. the logprobs count or the
-    prompt-logprobs k, compiles here)."""
-    params = (SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs) if sampling is None
-              else sampling.params(8, prompt_logprobs))
+    prompt-logprobs k, compiles here; with n samples, their forks)."""
+    params = (SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs, n=n) if sampling is None
+              else sampling.params(8, prompt_logprobs, n))
     llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], params, use_tqdm=False)
 
 
@@ -145,9 +158,10 @@ class HFRun:
 
 
 def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-           sampling: WorkloadSampling = WorkloadSampling()) -> HFRun:
-    """transformers' generate on the same prompts. Batches group prompts of similar max_tokens (sorted)
-    and every row runs to the batch's maximum; all those tokens are counted."""
+           sampling: WorkloadSampling = WorkloadSampling(), n: int = 1) -> HFRun:
+    """transformers' generate on the same prompts, `n` samples each (num_return_sequences: a batch of
+    prompts becomes n x as many rows). Batches group prompts of similar max_tokens (sorted) and every row
+    runs to the batch's maximum; all those tokens are counted."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -170,16 +184,18 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=sampling.top_k,
                                  top_p=sampling.top_p, repetition_penalty=sampling.repetition_penalty,
-                                 pad_token_id=pad)
-        if out.shape[1] != width + new:
-            raise RuntimeError(f"transformers made {out.shape[1] - width} tokens per row, {new} counted")
-        generated += len(idx) * new
+                                 num_return_sequences=n, pad_token_id=pad)
+        if out.shape != (n * len(idx), width + new):
+            raise RuntimeError(f"transformers made {tuple(out.shape)} rows x positions, {n * len(idx)} x "
+                               f"{width + new} counted")
+        generated += n * len(idx) * new
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del model
     torch.cuda.empty_cache()
     settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
-                f"batches of {batch_size} sorted by max_tokens, left padding, do_sample {sampling.describe()}, "
+                f"batches of {batch_size} prompts sorted by max_tokens, num_return_sequences={n}, left padding, "
+                f"do_sample {sampling.describe()}, "
                 f"min_new_tokens=max_new_tokens, cache {cache}")
     return HFRun(seconds, generated, settings)
 

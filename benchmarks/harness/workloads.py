@@ -1,5 +1,6 @@
 """bench.py's workloads: nano-vllm's random prompts and output lengths, and the --workload presets (score:
-prompt logprobs of random prompts, one output token each)."""
+prompt logprobs of random prompts, one output token each; rollout: n samples of each prompt, as RL
+frameworks' group sampling asks them)."""
 
 from __future__ import annotations
 
@@ -33,16 +34,17 @@ class WorkloadSampling:
     def __post_init__(self):
         self.params(1)  # SamplingParams' own checks: a bad value fails here, before any engine starts
 
-    def params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
-        """The run's parameters; with `prompt_logprobs` a scoring request as lm-evaluation-harness's
-        loglikelihood sends it (greedy; no filter or penalty: parse_args refuses them with it)."""
+    def params(self, max_tokens: int, prompt_logprobs: int | None = None, n: int = 1) -> SamplingParams:
+        """The run's parameters for a request of `n` samples; with `prompt_logprobs` a scoring request as
+        lm-evaluation-harness's loglikelihood sends it (greedy, one sample; no filter or penalty: parse_args
+        refuses them with it)."""
         if prompt_logprobs is not None:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, n=n)
         return SamplingParams(temperature=WORKLOAD_TEMPERATURE, top_k=self.top_k, top_p=self.top_p,
                               ignore_eos=True, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              logprobs=self.logprobs)
+                              logprobs=self.logprobs, n=n)
 
     @property
     def transformers_can_run(self) -> bool:
@@ -69,6 +71,9 @@ class Workload:
     # None: a throughput run; k: each request asks prompt_logprobs=k (the score preset: 0, scoring
     # prompts as lm-evaluation-harness's loglikelihood does, reported in prompt tokens per second)
     prompt_logprobs: int | None = None
+    # samples per prompt (SamplingParams.n), each making its request's max_tokens: the prompt is
+    # prefilled once and its samples decode side by side (the rollout preset: RL's group sampling)
+    n: int = 1
 
 
 # --workload presets; an explicit flag overrides the preset's value.
@@ -78,6 +83,8 @@ WORKLOADS = {
     "many": Workload(num_seqs=2048, min_input=50, max_input=1024, min_output=50, max_output=512, seed=11),
     "score": Workload(num_seqs=1024, min_input=256, max_input=1024, min_output=1, max_output=1, seed=13,
                       prompt_logprobs=0),
+    # 64 prompts x 8 samples: 512 sequences, the engine's default max_num_seqs (GRPO-style groups of 8)
+    "rollout": Workload(num_seqs=64, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=17, n=8),
 }
 
 
