@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (fresh engines both)")
     ap.add_argument("--hf-num-seqs", type=positive_int, default=64,
                     help="prompts given to both sides (a prefix of the workload)")
-    ap.add_argument("--hf-batch-size", type=positive_int, default=64)
+    ap.add_argument("--hf-batch-size", type=positive_int, default=64,
+                    help="prompts a transformers generate call takes (n rows each with --n)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--latency", action="store_true", help="decode ms/token instead of throughput")
     mode.add_argument("--ttft", action="store_true", help="time to first token of one request on an idle engine")
