@@ -147,10 +147,26 @@ def test_workload_flops_by_hand():
     # Layers: (3 + 2 x 1) + (5 + 2 x 3) = 16 tokens x 2304 = 36,864; lm_head (1 + 2) + (1 + 6) = 10 rows x 1600 =
     # 16,000. Pairs: 6 + 2 x 4 = 14 and 15 + 2 x 21 = 57 -> 71 x 64 = 4,544.
     assert workload_flops(cfg, [3, 5], [2, 4], n=2) == (36864 + 16000, 4544)
-    # Bytes: each sample a sequence (per_sample) reading its prompt's KV and its own.
     assert per_sample([3, 5], 2) == [3, 3, 5, 5]
-    assert workload_bytes(cfg, ByteWidths.uniform(2), per_sample([3, 5], 2), per_sample([2, 4], 2),
-                          decode_weight_elements(cfg)) == (1600, 12048)
+
+
+def test_samples_share_their_prompts_kv_in_the_memory_term():
+    """Two samples a request: a decode step reads each prompt's KV once and each sample's own tokens.
+    Request (3, 2): step 1 reads 3 + 2 x 1 = 5 tokens; request (5, 4): steps 1-3 read 3 x 5 + 2 x (1 + 2 + 3)
+    = 27; 32 tokens x 32 bytes = 1,024 (one sample each: 800, test_workload_bytes_by_hand). Weights unchanged."""
+    cfg = toy_config(tied=False)
+    weights = decode_weight_elements(cfg)
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2) == (1024, 12048)
+    steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2)
+    # step 1: prompts 3 + 5, 4 samples x 1 token; steps 2, 3: prompt 5, 2 samples x 2 / 3 tokens
+    assert steps == [DecodeStep(4, 4016, 32 * 12), DecodeStep(2, 4016, 32 * 9), DecodeStep(2, 4016, 32 * 11)]
+    # an MoE model's experts: the samples' rows pick them
+    moe = toy_moe_config()
+    assert workload_bytes(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)[1] == round(
+        2 * (3 * TOY_MOE_DECODE_WEIGHTS + decode_expert_elements(moe, [2, 2, 4, 4])))
+    per_step = decode_steps(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)
+    assert sum(step.bytes for step in per_step) == pytest.approx(
+        sum(workload_bytes(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)), abs=1.0)
 
 
 def test_roofline_picks_the_larger_term():
@@ -449,7 +465,7 @@ def test_throughput_report_from_a_cpu_engine_and_injected_limits():
 
 def test_rollout_report_counts_every_sample_and_each_prompt_once():
     """A run of n = 2 samples a request on the CPU: every sample's tokens are made and counted, the
-    memory term reads each sample's context (per_sample), the FLOPs prefill each prompt once."""
+    memory term reads each prompt's KV once a step, the FLOPs prefill each prompt once."""
     model = str(REPO / "nanovllm" / "default_model")
     args = bench.parse_args([f"--model={model}", "--workload=rollout", "--num-seqs=3", "--n=2", "--min-input=5",
                              "--max-input=20", "--min-output=2", "--max-output=9"])
@@ -468,8 +484,7 @@ def test_rollout_report_counts_every_sample_and_each_prompt_once():
                       max_tokens, run, peak_mem_bytes=0)
     rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
     assert rows["workload"].startswith("rollout: 3 requests x 2 samples") and res["output_tokens"] == 2 * sum(max_tokens)
-    kv, weights = workload_bytes(cfg, ByteWidths.uniform(4), per_sample(lens, 2), per_sample(max_tokens, 2),
-                                 t.decode_weights)
+    kv, weights = workload_bytes(cfg, ByteWidths.uniform(4), lens, max_tokens, t.decode_weights, n=2)
     assert res["memory_s"] == pytest.approx((kv + weights) / 1e12) and res["kv_bytes"] == kv
     assert (res["matmul_flops"], res["attention_flops"]) == workload_flops(cfg, lens, max_tokens, n=2)
     assert sum(b["floor_s"] for b in res["decode_by_rows"]) == pytest.approx(res["memory_s"])

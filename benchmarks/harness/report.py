@@ -104,12 +104,10 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
 
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
-    # the sequences that decode: each request's n samples (roofline.per_sample)
-    seq_prompts, seq_tokens = per_sample(t.prompt_lens, w.n), per_sample(t.max_tokens, w.n)
-    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, seq_prompts, seq_tokens, t.decode_weights)
+    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n)
     mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens, w.n)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
-    floor_steps = decode_steps(cfg, t.widths, seq_prompts, seq_tokens, t.decode_weights)
+    floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n)
     phase_s = phase_bound_s(cfg, t.widths, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, kv_bytes=kv_bytes, weight_bytes=w_bytes,
                matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
@@ -124,7 +122,7 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("phase bound: prefill, then each step's projections and attention in turn",
               f"{phase_s:.2f} s (the roofline is {100 * roof.seconds / phase_s:.1f}% of it); "
               f"reached {100 * phase_s / run.wall_s:.1f}%"),
-             *expert_rows(cfg, seq_tokens),
+             *expert_rows(cfg, per_sample(t.max_tokens, w.n)),
              *decode_bucket_rows(run, floor_steps, bw, res),
              ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]
     return rows

@@ -24,8 +24,10 @@ lm_head runs at every prompt position (its logits give each prompt token's logpr
 hidden FLOPs per prompt token, not per output token. Bytes: the weights, read at least once.
 
 Samples (bench.py --n, the rollout preset): a request of n samples is prefilled once and decodes n
-sequences, each reading the prompt's KV (shared blocks are still read by each) and its own tokens': the
-bytes count n sequences of (prompt, max_tokens) (per_sample), the FLOPs one prefill and n decodes.
+sequences side by side (the same max_tokens) that share its prompt's KV blocks: a decode step must read
+the prompt's KV once (an engine whose kernel reads it once for the n rows, as cascade attention does)
+and each sample's own tokens; the weight term's expected experts count the samples' rows. FLOPs: one
+prefill and n decodes (workload_flops).
 
 Phase bound (phase_bound_s): the same schedule with the phases that wait on each other in turn
 (every prefill, then each decode step's projections, then its attention), each at the roofline of
@@ -101,6 +103,11 @@ def expected_experts_hit(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
+def per_sample(values: Sequence[int], n: int) -> list[int]:
+    """`values` (one per request) repeated for each of the requests' n samples: the sequences that decode."""
+    return [v for v in values for _ in range(n)]
+
+
 def decode_rows(max_tokens: Sequence[int]) -> list[int]:
     """Rows of decode steps t = 1 .. max(max_tokens) - 1 when every request runs from the start:
     a request of n output tokens decodes at steps 1 .. n - 1."""
@@ -148,10 +155,11 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_elem_bytes: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem_bytes
 
 
-def decode_kv_tokens(prompt_len: int, max_tokens: int) -> int:
-    """Context tokens read by one request's decode steps: step t = 1 .. n-1 reads prompt + t."""
-    n = max_tokens
-    return (n - 1) * prompt_len + n * (n - 1) // 2
+def decode_kv_tokens(prompt_len: int, max_tokens: int, n: int = 1) -> int:
+    """Context tokens one request's decode steps must read: step t = 1 .. m-1 reads its prompt once and
+    each of its n samples' t tokens (m = max_tokens)."""
+    m = max_tokens
+    return (m - 1) * prompt_len + n * m * (m - 1) // 2
 
 
 def causal_pairs(prompt_len: int, max_tokens: int) -> int:
@@ -162,13 +170,14 @@ def causal_pairs(prompt_len: int, max_tokens: int) -> int:
 
 
 def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int],
-                   max_tokens: Sequence[int], weight_elements: int) -> tuple[int, int]:
-    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps;
-    weight_elements: what one decode step reads in full (decode_weight_elements); an MoE model's
-    experts are added as decode_expert_elements counts them (rounded to whole bytes)."""
-    kv_tokens = sum(decode_kv_tokens(p, n) for p, n in zip(prompt_lens, max_tokens, strict=True))
+                   max_tokens: Sequence[int], weight_elements: int, n: int = 1) -> tuple[int, int]:
+    """(KV bytes, weight bytes) that any engine must read for the workload's decode steps, each request
+    decoding `n` samples (decode_kv_tokens); weight_elements: what one decode step reads in full
+    (decode_weight_elements); an MoE model's experts are added as decode_expert_elements counts them
+    for the samples' rows (rounded to whole bytes)."""
+    kv_tokens = sum(decode_kv_tokens(p, m, n) for p, m in zip(prompt_lens, max_tokens, strict=True))
     steps = max(max_tokens) - 1
-    experts = round(decode_expert_elements(cfg, max_tokens) * widths.experts)
+    experts = round(decode_expert_elements(cfg, per_sample(max_tokens, n)) * widths.experts)
     return kv_tokens * kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights * steps + experts
 
 
@@ -186,27 +195,23 @@ class DecodeStep:
 
 
 def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], max_tokens: Sequence[int],
-                 weight_elements: int) -> list[DecodeStep]:
+                 weight_elements: int, n: int = 1) -> list[DecodeStep]:
     """Decode steps t = 1 .. max(max_tokens) - 1 as workload_bytes counts them (every request
-    running from the start): the weights read in full, an MoE model's expected experts of its
-    rows, and each running request's context, prompt + t tokens. Their bytes sum to
-    workload_bytes' two terms (experts up to its rounding)."""
+    running from the start, its n samples as n rows): the weights read in full, an MoE model's
+    expected experts of its rows, and each running request's context, its prompt once and t tokens
+    a sample. Their bytes sum to workload_bytes' two terms (experts up to its rounding)."""
     ends_prompt = Counter()  # last decode step -> prompt tokens of the requests ending there
-    for p, n in zip(prompt_lens, max_tokens, strict=True):
-        ends_prompt[n - 1] += p
+    for p, m in zip(prompt_lens, max_tokens, strict=True):
+        ends_prompt[m - 1] += p
     prompt_sum = sum(prompt_lens) - ends_prompt[0]  # prompts of the requests decoding at step t
     per_token, weights = kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
-        experts = step_expert_elements(cfg, running) * widths.experts
-        steps.append(DecodeStep(running, weights + experts, per_token * (prompt_sum + running * t)))
+        rows = n * running
+        experts = step_expert_elements(cfg, rows) * widths.experts
+        steps.append(DecodeStep(rows, weights + experts, per_token * (prompt_sum + rows * t)))
         prompt_sum -= ends_prompt[t]
     return steps
-
-
-def per_sample(values: Sequence[int], n: int) -> list[int]:
-    """`values` (one per request) repeated for each of the requests' n samples: the sequences that decode."""
-    return [v for v in values for _ in range(n)]
 
 
 def attention_flops(cfg: ModelConfig, pairs: int) -> int:
