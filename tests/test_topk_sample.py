@@ -120,6 +120,22 @@ def test_ties_past_the_lists(device, top_ks):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_chunk_overflowing_the_64_list_slot(device):
+    """More candidates than the 64-entry list's slot holds (its 8K = 512) in one chunk: 700 tied maxima in
+    the first of 1,024-column chunks, so that chunk takes the top-k of all its keys."""
+    rows, vocab = 3, 2100
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=g).mul(2).round()
+    logits[0, :700] = 9.0
+    logits[1, 300:1000] = 9.0
+    keys = [int(k) for k in torch.randint(0, 2**62, (rows,), generator=g)]
+    params = [SamplingParams(temperature=1.0, top_k=(50, 64, 40)[r], top_p=(1.0, 0.9, 0.5)[r]) for r in range(rows)]
+    assert list_shape(64).cap < 700
+    tokens = sample(device, logits.to(torch.bfloat16), params, keys, chunk=1024)
+    check_rows(tokens, logits, keys, params, min_exact=1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_agrees_with_the_torch_threshold_path(device):
     """The same batch through a Sampler that takes the threshold path (softmax, thresholds, Gumbel-max
     on probabilities, with the same noise) gives the same tokens but at float32 near-ties."""
