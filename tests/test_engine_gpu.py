@@ -144,6 +144,26 @@ def test_a_dropped_engine_returns_gpu_memory(tmp_path):
     assert torch.cuda.memory_allocated() - baseline < 2**30
 
 
+def test_samples_of_a_prompt_decode_as_groups(ckpt, reference):
+    """n = 8 greedy samples of 50 prompts: 400 decode rows, in groups of 8 reading their prompt's shared
+    blocks once (kernels/decode_groups.py). Every sample of a prompt is the same and transformers' argmax,
+    under graphs and eager alike."""
+    ps = make_prompts(12, 50, 40, 150)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=8)
+    for eager in (False, True):
+        llm = LLM(ckpt, kvcache_block_size=16, max_model_len=256, dtype="bfloat16", max_num_seqs=400,
+                  num_kvcache_blocks=6000, max_num_batched_tokens=GPU_MAX_STEP_TOKENS, enforce_eager=eager)
+        try:
+            assert llm.model_runner.inputs.group_limits.cap(400) == 8
+            outs = llm.generate(ps, params, use_tqdm=False)
+        finally:
+            llm.exit()
+        for p, o in zip(ps, outs):
+            samples = [c.token_ids for c in o.outputs]
+            assert len(samples) == 8 and all(s == samples[0] for s in samples)
+            assert_bf16_greedy_matches(reference, p, samples[0])
+
+
 def test_mixed_steps_under_graphs_match_transformers(ckpt, reference):
     """Requests arrive while others decode: mixed steps (decode rows + prefill chunks) replay
     the token-bucket graphs, chunked by a small budget; eager gives transformers' tokens too."""

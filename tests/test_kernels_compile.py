@@ -75,11 +75,15 @@ ROPE_TYPES = {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "eps"
 PREFILL_TYPES = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
                  "tile_block_ptr": "*i32", "num_tiles_ptr": "*i32", "qk_scale": "fp32"}
 DECODE_TYPES = {"seqlens_ptr": "*i32", "bt_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                "count_ptr": "*i32", "num_seqs_ptr": "*i32", "qk_scale": "fp32"}
-# The decode kernel's launches: (splits, fold, rows on device, keys per tile); the last is the
-# 128-key tiles of unsplit grids with few programs per SM.
-DECODE_LAUNCHES = ((1, False, False, 64), (8, True, False, 64), (8, False, False, 64), (1, False, True, 64),
-                   (1, False, False, 128))
+                "count_ptr": "*i32", "num_seqs_ptr": "*i32", "members_ptr": "*i32", "shared_ptr": "*i32",
+                "qk_scale": "fp32"}
+# A decode launch without rows in groups (kernels/decode_groups.py): its group pointers are None.
+NO_GROUPS = {"members_ptr": None, "shared_ptr": None}
+# The decode kernel's launches: (splits, fold, rows on device, keys per tile, rows in groups); 128-key
+# tiles are those of unsplit grids with few programs per SM.
+DECODE_LAUNCHES = ((1, False, False, 64, False), (8, True, False, 64, False), (8, False, False, 64, False),
+                   (1, False, True, 64, False), (1, False, False, 64, True), (1, False, False, 128, False),
+                   (1, False, False, 128, True))
 
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
 # scalars to i32), each variant's constexpr values and launch options)
@@ -240,18 +244,20 @@ SPECS = [
     *[("kernels.decode_attention", "_decode_split_kernel", types,
        [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
          "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
-         "ROWS_ON_DEVICE": rows, "PDL": True, **extra} for splits, fold, rows, n in launches])
+         "ROWS_ON_DEVICE": rows, "PDL": True, **extra, **({} if grouped else NO_GROUPS)}
+        for splits, fold, rows, n, grouped in launches])
       # 16-bit caches, then FP8 ones: int32 words of four values, at their own tile (decode_plan)
       for types, extra, launches in (
           (DECODE_TYPES, NO_KV_SCALES, DECODE_LAUNCHES),
           ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES}, {"num_stages": FP8_STAGES},
-           [(splits, fold, rows, FP8_BLOCK_N) for splits, fold, rows, _ in DECODE_LAUNCHES[:-1]]))],
+           [(splits, fold, rows, FP8_BLOCK_N, grouped) for splits, fold, rows, n, grouped in DECODE_LAUNCHES
+            if n == 64]))],
     # a float32 q over an FP8 cache: fp32 planes, IEEE dots
     ("kernels.decode_attention", "_decode_split_kernel",
      {**DECODE_TYPES, "q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
      [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
        "DOT_PREC": "ieee", "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1,
-       "ROWS_ON_DEVICE": False, "PDL": True, "num_stages": FP8_STAGES}]),
+       "ROWS_ON_DEVICE": False, "PDL": True, "num_stages": FP8_STAGES, **NO_GROUPS}]),
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
      [{"NUM_SPLITS": 8, "BLOCK_S": 8, "HEAD_DIM": 128, "PDL": True}]),
     # the skinny GEMM: the default tiles of a narrow layer at 16 rows (split-K 8), 64-row tiles with a bias

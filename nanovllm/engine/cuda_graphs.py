@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from nanovllm.engine.step_inputs import (
-    COL_CONTEXT, COL_INPUT, COL_POSITION, COL_SLOT, DECODE_COLUMNS, HostCopy, fill_carried_ids,
+    COL_CONTEXT, COL_INPUT, COL_MEMBERS, COL_POSITION, COL_SHARED, COL_SLOT, DECODE_COLUMNS, HostCopy,
+    fill_carried_ids,
 )
 from nanovllm.kernels.checks import PAD_SLOT
 from nanovllm.sampling.batch import SamplingPack
-from nanovllm.utils.context import AttentionMetadata, attention_context
+from nanovllm.utils.context import AttentionMetadata, RowGroups, attention_context
 from nanovllm.utils.graph_warmup import replay_each_once
 from nanovllm.utils.host_to_device import copy_into, words_offset
 
@@ -48,7 +49,8 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, gemv_max_rows: int,
-                 row_limits: tuple[int, ...] = ()):
+                 row_limits: tuple[int, ...] = (), grouped: bool = False):
+        """grouped: decode attention takes the rows' groups (StepInputBuilder.group_limits is set)."""
         self.sizes = graph_batch_sizes(max_num_seqs, gemv_max_rows, row_limits)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
@@ -63,6 +65,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.groups = (RowGroups(torch.zeros(n, dtype=torch.int32, device=device),
+                                 torch.zeros(n, dtype=torch.int32, device=device)) if grouped else None)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture(model)
@@ -71,6 +75,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             is_prefill=False, slot_mapping=self.slot_mapping[:b],
             context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
+            decode_groups=None if self.groups is None else RowGroups(self.groups.members[:b], self.groups.shared[:b]),
         )
 
     def _forward(self, model: torch.nn.Module, b: int) -> None:
@@ -80,6 +85,9 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(rows[:, COL_SLOT])
         self.context_lens[:b].copy_(rows[:, COL_CONTEXT])
         self.block_tables[:b].copy_(rows[:, DECODE_COLUMNS:])
+        if self.groups is not None:
+            self.groups.members[:b].copy_(rows[:, COL_MEMBERS])
+            self.groups.shared[:b].copy_(rows[:, COL_SHARED])
         self.hidden[:b] = model(self.input_ids[:b], self.positions[:b])
 
     @torch.inference_mode()

@@ -29,7 +29,8 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_block_bytes, num_blocks_from_memory
+from nanovllm.engine.kv_cache import (allocate_kv_cache, allocate_kv_scales, kv_block_bytes, kv_cache_shape,
+                                      num_blocks_from_memory)
 from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
@@ -38,7 +39,8 @@ from nanovllm.engine.sleep import KV_CACHE, WAKE_TAGS, WEIGHTS, FreedStorages, S
 from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
-from nanovllm.kernels.checks import FP8_KV_DTYPE
+from nanovllm.kernels.checks import FP8_KV_DTYPE, sm_count
+from nanovllm.kernels.decode_groups import GroupLimits
 from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
@@ -122,7 +124,7 @@ class ModelRunner:
         # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
         self.rules = RulesBuilder(cfg.vocab_size, self.device)
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
-                                       self._query_tile_rows(cfg.head_dim))
+                                       self._query_tile_rows(cfg.head_dim), self._group_limits())
 
         block_bytes = kv_block_bytes(config, self.world_size)
         if self.device.type == "cuda":
@@ -155,7 +157,8 @@ class ModelRunner:
         row_limits = config.kernel_routes.linear_row_limits(fp8=config.quant_config is not None)
         self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq,
                                    config.model_config.hidden_size, self.dtype, self.device,
-                                   config.kernel_routes.gemv_max_rows, row_limits)
+                                   config.kernel_routes.gemv_max_rows, row_limits,
+                                   grouped=self.inputs.group_limits is not None)
         if config.prefill_graphs and self.inputs.query_tile_rows is not None:
             self.varlen_graphs = VarlenGraphs(self.model, self.inputs, min(config.max_num_batched_tokens,
                                               MAX_VARLEN_GRAPH_TOKENS), config.max_num_seqs,
@@ -166,6 +169,15 @@ class ModelRunner:
         """The compute-bound token buckets of the prefill / mixed-step graphs, where padding a
         step costs real FLOPs (the scheduler's `fill_sizes`); () without prefill graphs."""
         return self.varlen_graphs.fill_sizes if self.varlen_graphs is not None else ()
+
+    def _group_limits(self) -> GroupLimits | None:
+        """What bounds decode steps' groups of rows sharing a prefix (our decode kernel reads a group's
+        prefix once: kernels/decode_groups.py); None for other backends."""
+        if self.backend.name != "triton":
+            return None
+        cfg = self.config.model_config
+        return GroupLimits(cfg.num_attention_heads // cfg.num_key_value_heads,
+                           kv_cache_shape(self.config, self.world_size, 1)[-2], sm_count(self.device))
 
     def _query_tile_rows(self, head_dim: int) -> int | None:
         """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""

@@ -19,15 +19,16 @@ import torch
 
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.checks import PAD_SLOT
+from nanovllm.kernels.decode_groups import GroupLimits, group_rows
 from nanovllm.kernels.prefill_plan import build_query_tiles
-from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles
+from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles, RowGroups
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
 from nanovllm.utils.ints import cdiv
 
 
 # Columns of a packed decode row (see StepInputBuilder.decode_rows); the block table follows.
-COL_INPUT, COL_POSITION, COL_SLOT, COL_CONTEXT = range(4)
-DECODE_COLUMNS = 4
+COL_INPUT, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_MEMBERS, COL_SHARED = range(6)
+DECODE_COLUMNS = 6
 
 
 class VarlenSections(NamedTuple):
@@ -121,11 +122,12 @@ class StepInputs:
 
 class StepInputBuilder:
     def __init__(self, block_size: int, device: torch.device, decode_table_width: int,
-                 query_tile_rows: int | None = None):
+                 query_tile_rows: int | None = None, group_limits: GroupLimits | None = None):
         """query_tile_rows: the Triton prefill kernel's query tile height when the attention
         backend is ours (then a mixed step's decode rows go to the decode kernel and its
         prefill chunks to the prefill kernel's tile table), else None (every row is a
-        varlen chunk, decode rows of length 1)."""
+        varlen chunk, decode rows of length 1). group_limits: with the Triton decode kernel, what
+        bounds a decode step's groups of rows sharing a prefix (kernels/decode_groups.py); None: no groups."""
         self.block_size = block_size
         self.device = device
         # Block tables always span max_model_len, as the CUDA graphs' do: the split-K decode
@@ -133,6 +135,7 @@ class StepInputBuilder:
         # same order and give identical tokens.
         self.table_width = decode_table_width
         self.query_tile_rows = query_tile_rows
+        self.group_limits = group_limits
 
     # ----- prefill and mixed steps -----
     def tile_capacity(self, num_tokens: int, num_seqs: int) -> int:
@@ -220,8 +223,9 @@ class StepInputBuilder:
         """A decode step packed for one host-to-device copy: [num_rows, DECODE_COLUMNS + width]
         int32, one row per sequence (rows past the batch are padding: slot -1, context 0):
 
-            | input id | position | slot | context len | block table (width entries, 0-padded) |
+            | input id | position | slot | context len | members | shared | block table (width entries, 0-padded) |
 
+        members / shared: the rows' groups (kernels/decode_groups.py), 0 without group_limits and past the batch.
         Carried rows hold in the input-id column the row of their input among the previous
         step's samples (see `fill_carried_ids`)."""
         bs, n = self.block_size, len(plan.starts)
@@ -235,7 +239,16 @@ class StepInputBuilder:
         out[:n, COL_CONTEXT] = positions + 1
         for i, bt in enumerate(plan.block_tables):
             out[i, DECODE_COLUMNS : DECODE_COLUMNS + len(bt)] = bt
+        if self.group_limits is not None:
+            out[:n, COL_MEMBERS], out[:n, COL_SHARED] = group_rows(
+                out[:n, DECODE_COLUMNS:], positions + 1, bs, self.group_limits.cap(n))
         return out
+
+    def decode_groups(self, rows: torch.Tensor) -> RowGroups | None:
+        """The groups of device rows packed as decode_rows ([batch, DECODE_COLUMNS + width]), or None."""
+        if self.group_limits is None:
+            return None
+        return RowGroups(rows[:, COL_MEMBERS].contiguous(), rows[:, COL_SHARED].contiguous())
 
     def decode(self, plan: StepPlan, copy: HostCopy, previous_tokens: torch.Tensor | None) -> StepInputs:
         """Eager decode inputs from the step's `copy` (`HostCopy.of(decode_rows(plan, n), words)`, n
@@ -252,6 +265,7 @@ class StepInputBuilder:
             slot_mapping=rows[:, COL_SLOT].contiguous(),
             context_lens=rows[:, COL_CONTEXT].contiguous(),
             block_tables=rows[:, DECODE_COLUMNS:].contiguous(),
+            decode_groups=self.decode_groups(rows),
         )
         return StepInputs(
             input_ids=input_ids.contiguous(),

@@ -21,6 +21,9 @@ merge), so the launch is CUDA-graph capturable; per_split
 is computed in the kernel from the device length, balancing splits for every L.
 Splits past the end (and sequences of length 0) write lse = -inf and give 0 output.
 
+With `groups` (kernels/decode_groups.py), an unsplit call gives a group of rows sharing a prompt
+prefix one program per kv head, reading the prefix once for all of them.
+
 With `num_seqs` (an int32 [1] device tensor: rows in use of a CUDA graph captured at a
 fixed capacity `batch`), the kernel runs unsplit over a grid as wide as the capacity
 (Hkv x batch): the programs of rows below num_seqs[0] write their final output, the others
@@ -45,15 +48,15 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.utils.context import RowGroups
 from nanovllm.utils.ints import next_pow2
 
 from .checks import (INTERPRET, LOG2E, MIN_DOT_DIM, check_cache, check_fp8_words, check_gqa, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
 from .counters import arrival_counters
-from .decode_fp8 import attend_fp8_planes
+from .decode_attend import attend
+from .decode_groups import decode_group
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
-from .online_softmax import M_START, online_softmax
-from .paging import tile_blocks, tile_rows
 from .pdl import pdl_launch_options, wait_for_prior
 
 # tl.dot needs >= MIN_DOT_DIM rows: the GQA group is padded to this (Qwen3 groups are 2..8).
@@ -93,38 +96,6 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
 
 
 @triton.jit
-def _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
-                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Keys [lo, hi) of one kv head for its GQA group over a cache of q's dtype (the arguments and
-    the result as decode_fp8.attend_fp8_planes's): (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM])."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], M_START, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
-        blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
-        ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-        qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _decode_row(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, kv_head, b, split,
@@ -152,12 +123,9 @@ def _decode_row(
     k_ptr += kv_head * stride_kh
     v_ptr += kv_head * stride_kh
     bt_row = bt_ptr + b * stride_bt
-    if k_scale_ptr is not None:  # FP8: int32 words of the cache, in fp16 planes (kernels/decode_fp8.py)
-        m_i, l_i, acc = attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale,
-                                          stride_kb, stride_kt, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC)
-    else:
-        m_i, l_i, acc = _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
-                                      BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
+    # FP8: int32 words of the cache, in fp16 planes (kernels/decode_fp8.py)
+    m_i, l_i, acc = attend(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                           k_scale_ptr is not None, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -185,7 +153,7 @@ def _decode_row(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, num_seqs_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale,
+    members_ptr, shared_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -206,6 +174,13 @@ def _decode_split_kernel(
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                         BLOCK_S)
+    elif members_ptr is not None:  # unsplit, rows in groups sharing a prefix (kernels/decode_groups.py)
+        if k_scale_ptr is not None:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
+        decode_group(q_ptr, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, seqlens_ptr, bt_ptr, out_ptr,
+                     members_ptr, shared_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64),
+                     stride_qb, stride_qh, stride_kb, stride_kt, stride_bt, stride_ob, stride_oh,
+                     k_scale_ptr is not None, GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
                     k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
@@ -229,7 +204,8 @@ def _decode_merge_kernel(
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                             softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
-                            fold=None, k_scale=None, v_scale=None, tile: DecodeTile | None = None):
+                            fold=None, k_scale=None, v_scale=None, tile: DecodeTile | None = None,
+                            groups: RowGroups | None = None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -252,6 +228,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     k_scale / v_scale: float32 [1] tensors on q's device, both or neither: with them the caches
     are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale; without, they are of q's dtype.
     tile: a DecodeTile overriding `decode_tile`'s choice (benchmarks).
+    groups: rows sharing a prefix (kernels/decode_groups.py: members / shared, int32 [batch] on q's
+    device, as `group_rows` makes them; not with num_seqs): an unsplit call reads each group's prefix
+    once for all its rows; a split call attends each row by itself (the same output).
     """
     if tile is not None and not isinstance(tile, DecodeTile):
         raise TypeError(f"tile must be a DecodeTile or None, got {type(tile).__name__}")
@@ -287,6 +266,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
             raise ValueError(f"num_splits must be 0 or 1 with num_seqs (the rows in use are only known "
                              f"on the device, so there is nothing to size splits from), got {num_splits}")
         num_splits = 1
+    if groups is not None:
+        if not isinstance(groups, RowGroups):
+            raise TypeError(f"groups must be a RowGroups or None, got {type(groups).__name__}")
+        if num_seqs is not None:
+            raise ValueError("groups cannot be given with num_seqs (a mixed step's decode rows are not grouped)")
+        check_int_tensor("groups.members", groups.members, shape=(batch,))
+        check_int_tensor("groups.shared", groups.shared, shape=(batch,))
+        tensors += [("groups.members", groups.members), ("groups.shared", groups.shared)]
     check_on_device(q.device, tensors)
     if out is None:
         out = torch.empty_like(q)
@@ -312,6 +299,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         raise ValueError(f"fold=True, but {num_splits} splits of group {group}, head_dim {d} over {batch * hkv} "
                          f"(sequence, kv head) pairs cannot merge in the kernel "
                          f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
+    if num_splits > 1:
+        groups = None  # each split is a slice of one row's keys: rows attend by themselves
     if tile is None:
         tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / sm_count(q.device), fp8)
     if fp8:  # [num_blocks, block_size, Hkv, D / 4] int32 words of four e4m3 values (kernels/decode_fp8.py)
@@ -323,7 +312,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         counters if counters is not None else dummy, num_seqs if num_seqs is not None else dummy,
-        k_scale, v_scale, scale * LOG2E,  # scales None (16-bit cache): constexpr, no code
+        None if groups is None else groups.members, None if groups is None else groups.shared, k_scale, v_scale, scale * LOG2E,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -90,10 +90,11 @@ class Attention(nn.Module):
         backend = self._require_cache()
         if meta.is_prefill:
             return self._varlen(q, k, v, meta, backend)
+        groups = {} if meta.decode_groups is None else {"groups": meta.decode_groups}  # ours only
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache,
             cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-            softmax_scale=self.scale, causal=True, **self.scale_args,
+            softmax_scale=self.scale, causal=True, **self.scale_args, **groups,
         )  # [batch, 1, Hq, D]
         return out.squeeze(1)
 

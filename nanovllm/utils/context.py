@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +28,8 @@ class AttentionMetadata:
     has query_tiles (the prefill kernel's table of its chunks' query tiles) and, when it may
     hold decode rows, decode_rows (its leading one-token rows, for the decode kernel); other
     backends get neither.
-    Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables.
+    Decode: context_lens `[batch]` int32 (tokens incl. the new one), block_tables, and with the
+    Triton backend decode_groups (rows sharing a prompt prefix: kernels/decode_groups.py).
     Both: slot_mapping `[num_tokens]` (cache slot per new token; < 0 = padding, skipped).
     calibrate_kv_scales: this forward sets an FP8 cache's scales from its K/V before writing
     them (the first prefill step after start-up; layers/attention.py).
@@ -43,6 +45,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     query_tiles: QueryTiles | None = None
     decode_rows: LeadingDecodeRows | None = None
+    decode_groups: RowGroups | None = None
     calibrate_kv_scales: bool = False
 
 
@@ -63,6 +66,15 @@ class LeadingDecodeRows:
 
     context_lens: torch.Tensor  # [capacity]
     num_rows: torch.Tensor  # [1]
+
+
+class RowGroups(NamedTuple):
+    """A decode step's rows in groups sharing a prompt prefix (kernels/decode_groups.py), int32 [batch]
+    each: members[b] > 0 leads rows b .. b + members[b] - 1, which share keys [0, shared[b]); 0: led by
+    an earlier row."""
+
+    members: torch.Tensor
+    shared: torch.Tensor
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

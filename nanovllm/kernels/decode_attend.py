@@ -1,0 +1,60 @@
+"""Decode attention's inner loop: one kv head's query tile over keys [lo, hi) of one sequence's
+paged cache, as an online softmax (m, l, acc) in log2 units, unnormalised. A 16-bit cache is read
+here; an FP8 cache goes to kernels/decode_fp8.py. The caller picks the query rows (one sequence's
+GQA group, or several sequences' groups sharing a prefix: kernels/decode_groups.py) and merges.
+"""
+
+import triton
+import triton.language as tl
+
+from .decode_fp8 import attend_fp8_planes
+from .online_softmax import M_START, online_softmax
+from .paging import tile_blocks, tile_rows
+
+
+@triton.jit
+def _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys [lo, hi) over a cache of q's dtype (the arguments and the result as
+    decode_fp8.attend_fp8_planes's): (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM])."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_rows + offs_d[None, :], mask=g_valid[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], M_START, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        rows = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
+        ptr_off = rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_ptr + ptr_off, mask=n_valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt, FP8: tl.constexpr,
+           BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+           DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys [lo, hi) of the sequence whose block-table row starts at bt_row, for the query rows
+    q_rows [BLOCK_G, 1] (pointers; rows where g_valid is False load zeros and their results are
+    the caller's to drop). k_ptr / v_ptr: one kv head of the cache (FP8: its int32 words).
+    -> (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM])."""
+    if FP8:
+        return attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                                 BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC)
+    else:
+        return _attend_16bit(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                             BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)

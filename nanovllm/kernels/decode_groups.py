@@ -1,0 +1,145 @@
+"""Decode rows that share a prompt prefix, attended as one group: the prefix's keys are read once
+for every member's queries (cascade attention), then each member's own keys.
+
+n samples of one prompt (`SamplingParams(n=8)`, RL's group rollouts, pass@k) share the prompt's full
+cache blocks (prefix caching) and decode side by side, at equal lengths. Unsplit decode attention
+gives each row's GQA group one program, padded to a 16-row MMA tile (Qwen3-0.6B: 2 query heads per
+kv head); a group's program fills the tile with its members' query heads instead:
+
+    tile rows:  | row b: heads 0-1 | row b+1: heads 0-1 | ... | row b+7: heads 0-1 |    (GQA group 2)
+    keys:       [ shared prefix: block_table[b][0 : shared / block_size], all rows at once ][ row j's own keys, row j only ]
+
+and merges each row's own part into its prefix part with their log-sum-exps.
+
+Measured (H100, 2026-12-05; BENCHMARKS.md, forty-third session): bench.py --workload rollout (Qwen3-0.6B,
+64 prompts x 8 samples) 32,197-32,325 -> 34,182-34,553 tok/s (1.063-1.069x, alternating runs in one call),
+the default workload (nothing shared) 0.998x. Alone, replayed on one layer's cache, the kernel gains
+less (0.94x the time at 512 rows x 1 generated token, 0.99-1.02x at 128-512 tokens, 1.11x at 256 rows
+capped at 5): there per-row programs read most of a shared prefix from L2, which may hold much of that
+one layer's prompts between replays, while an engine's step reads another cache every layer (a likely
+reason for the difference, not measured). Caps from 1 and 6 programs per SM instead of 3: 1.045x, 1.062x.
+
+Host side (`group_rows`, per decode step): consecutive rows whose block tables start with the same
+full blocks form a group, led by its first row:
+
+    members[b] = k > 0, shared[b] = s:  rows b .. b+k-1 hold the same blocks for keys [0, s), s a multiple
+                                        of block_size below every member's length; rows b+1 .. b+k-1 have
+                                        members 0, shared 0 (their leader attends for them)
+    members[b] = 1, shared[b] = 0:      a row on its own
+
+A group holds at most `max_group_rows` rows (the tile's rows over the GQA group), and fewer when the
+step's groups alone would leave SMs idle (`GroupLimits.cap`). Groups are a hint: a call that splits its
+sequences (small batches) ignores them and attends each row by itself, with the same result.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from nanovllm.utils.ints import next_pow2
+
+from .checks import MIN_DOT_DIM
+from .decode_attend import attend
+from .decode_plan import NO_SPLIT_PROGRAMS_PER_SM
+
+
+def max_group_rows(gqa_group: int) -> int:
+    """Rows one program attends for: the decode tile's rows (kernels/decode_attention.py,
+    max(MIN_DOT_DIM, next_pow2(group))) over the query heads a row puts in it."""
+    return max(MIN_DOT_DIM, next_pow2(gqa_group)) // gqa_group
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What bounds a step's groups: the model's GQA group and kv heads (this rank's), the GPU's SMs."""
+
+    gqa_group: int
+    num_kv_heads: int
+    sm_count: int
+
+    def cap(self, num_rows: int) -> int:
+        """Most rows in a group this step: max_group_rows, and few enough that the step keeps
+        NO_SPLIT_PROGRAMS_PER_SM (sequence, kv head) programs per SM, as an unsplit call asks (at least 1)."""
+        fill = (num_rows * self.num_kv_heads) // (NO_SPLIT_PROGRAMS_PER_SM * self.sm_count)
+        return max(1, min(max_group_rows(self.gqa_group), fill))
+
+
+def group_rows(tables: np.ndarray, context_lens: np.ndarray, block_size: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """(members, shared), int32 [n] each (the module docstring), for n decode rows: tables [n, width]
+    their block tables, context_lens [n] their lengths (the current token included, > 0), cap the most
+    rows in a group. Only full blocks before each row's last are shared: the current token's block is
+    the row's own."""
+    n = tables.shape[0]
+    members = np.ones(n, dtype=np.int32)
+    shared = np.zeros(n, dtype=np.int32)
+    if n < 2 or cap < 2:
+        return members, shared
+    full = (np.asarray(context_lens, dtype=np.int64) - 1) // block_size  # blocks before the current token's
+    reach = np.minimum(full[1:], full[:-1])  # [n - 1]: blocks rows i and i+1 could share
+    width = int(reach.max())
+    if width == 0:
+        return members, shared
+    same = (tables[1:, :width] == tables[:-1, :width]) & (np.arange(width) < reach[:, None])
+    link = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # leading blocks rows i, i+1 share
+    if not link.any():
+        return members, shared
+    link = link.tolist()
+    leader = 0
+    for i, blocks in enumerate(link):  # row i + 1 joins row i's group if they share as many blocks
+        size = i + 1 - leader
+        if blocks and size < cap and (size == 1 or blocks == link[leader]):
+            continue
+        _close(members, shared, leader, size, link[leader] * block_size)
+        leader = i + 1
+    _close(members, shared, leader, n - leader, link[leader] * block_size if leader < n - 1 else 0)
+    return members, shared
+
+
+def _close(members: np.ndarray, shared: np.ndarray, leader: int, size: int, tokens: int) -> None:
+    """Record rows [leader, leader + size) as one group sharing `tokens` keys (a lone row shares none)."""
+    if size > 1:
+        members[leader] = size
+        members[leader + 1 : leader + size] = 0
+        shared[leader] = tokens
+
+
+@triton.jit
+def decode_group(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, members_ptr, shared_ptr, v_scale_ptr,
+                 qk_scale, kv_head, b, stride_qb, stride_qh, stride_kb, stride_kt, stride_bt, stride_ob, stride_oh,
+                 FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The final output of kv head `kv_head` for the group led by row b (int64; nothing for a row
+    another leads): the shared prefix once for every member's query heads, then each member's own keys,
+    merged per tile row. k_ptr / v_ptr: this kv head's cache (FP8: int32 words, k_scale already in
+    qk_scale); v_scale_ptr: an FP8 cache's value scale, else None."""
+    members = tl.load(members_ptr + b)
+    shared = tl.load(shared_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    member = offs_g // GROUP
+    valid = member < members
+    rows = b + member  # [BLOCK_G]: the sequence of each tile row
+    heads = kv_head * GROUP + offs_g % GROUP
+    q_rows = q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh  # [BLOCK_G, 1]
+    m_i, l_i, acc = attend(q_rows, valid, k_ptr, v_ptr, bt_ptr + b * stride_bt, 0, shared, qk_scale,
+                           stride_kb, stride_kt, FP8, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
+    for j in range(0, members):
+        mine = member == j
+        row = b + j
+        m_j, l_j, acc_j = attend(q_rows, mine, k_ptr, v_ptr, bt_ptr + row * stride_bt, shared,
+                                 tl.load(seqlens_ptr + row), qk_scale, stride_kb, stride_kt, FP8, BLOCK_G, HEAD_DIM,
+                                 BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
+        m_new = tl.maximum(m_i, m_j)
+        a = tl.exp2(m_i - m_new)
+        c = tl.exp2(m_j - m_new)
+        m_i = tl.where(mine, m_new, m_i)
+        l_i = tl.where(mine, l_i * a + l_j * c, l_i)
+        acc = tl.where(mine[:, None], acc * a[:, None] + acc_j * c[:, None], acc)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if v_scale_ptr is not None:
+        o = o * tl.load(v_scale_ptr)
+    tl.store(out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
