@@ -51,16 +51,14 @@ import triton.language as tl
 from nanovllm.utils.context import RowGroups
 from nanovllm.utils.ints import next_pow2
 
-from .checks import (INTERPRET, LOG2E, MIN_DOT_DIM, check_cache, check_fp8_words, check_gqa, check_int_tensor,
+from .checks import (INTERPRET, LOG2E, check_cache, check_fp8_words, check_gqa, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
 from .counters import arrival_counters
-from .decode_attend import attend
+from .decode_attend import attend, query_tile_height
 from .decode_groups import decode_group
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
 from .pdl import pdl_launch_options, wait_for_prior
 
-# tl.dot needs >= MIN_DOT_DIM rows: the GQA group is padded to this (Qwen3 groups are 2..8).
-MIN_BLOCK_G = MIN_DOT_DIM
 NUM_WARPS = 4
 
 _counter_cache: dict[torch.device, torch.Tensor] = {}
@@ -317,7 +315,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
-        GROUP=group, BLOCK_G=max(MIN_BLOCK_G, next_pow2(group)), HEAD_DIM=d, BLOCK_N=tile.block_n,
+        GROUP=group, BLOCK_G=query_tile_height(group), HEAD_DIM=d, BLOCK_N=tile.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
         num_warps=NUM_WARPS, num_stages=tile.stages,

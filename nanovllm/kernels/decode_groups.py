@@ -38,17 +38,13 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from nanovllm.utils.ints import next_pow2
-
-from .checks import MIN_DOT_DIM
-from .decode_attend import attend
+from .decode_attend import attend, query_tile_height
 from .decode_plan import NO_SPLIT_PROGRAMS_PER_SM
 
 
 def max_group_rows(gqa_group: int) -> int:
-    """Rows one program attends for: the decode tile's rows (kernels/decode_attention.py,
-    max(MIN_DOT_DIM, next_pow2(group))) over the query heads a row puts in it."""
-    return max(MIN_DOT_DIM, next_pow2(gqa_group)) // gqa_group
+    """Rows one program attends for: its query tile's rows over the query heads a row puts in it."""
+    return query_tile_height(gqa_group) // gqa_group
 
 
 @dataclass(frozen=True)
