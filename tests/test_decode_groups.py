@@ -94,7 +94,7 @@ def test_decode_inputs_carry_the_groups():
         if given is None:
             assert inputs.meta.decode_groups is None and not rows[:, COL_MEMBERS:COL_SHARED + 1].any()
             continue
-        assert rows[:, COL_MEMBERS].tolist() == members + [0] and rows[:, COL_SHARED].tolist() == shared + [0]
+        assert rows[:, COL_MEMBERS].tolist() == members + [1] and rows[:, COL_SHARED].tolist() == shared + [0]
         assert inputs.meta.decode_groups.members.tolist() == members
         assert inputs.meta.decode_groups.shared.tolist() == shared
     assert limits.cap(4) == 2
@@ -160,6 +160,22 @@ def test_decode_groups_interpreter(block_size, d, hq, hkv, dtype):
         assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
     plain = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.3, num_splits=1)
     assert ((plain.double() - out.double()).norm() / ref.norm()).item() < TOL[dtype]
+
+
+@pytest.mark.interpreter
+def test_decode_groups_padding_rows_give_zero():
+    """A CUDA graph's padding rows (length 0, each on its own: StepInputBuilder.decode_rows) are written
+    as 0, as without groups; a group before them is unaffected."""
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache, table, lens = shared_paged([40], [1], 2, 16, 2, 64, torch.float32, gen)
+    table = torch.cat([table, torch.zeros_like(table[:2])])
+    q = torch.randn((4, 1, 4, 64), generator=gen)
+    groups = RowGroups(torch.tensor([2, 0, 1, 1], dtype=torch.int32), torch.tensor([32, 0, 0, 0], dtype=torch.int32))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(lens + [0, 0], dtype=torch.int32), table,
+                                  num_splits=1, out=torch.full_like(q, float("nan")), groups=groups)
+    assert (out[2:] == 0).all()
+    ref = reference(q[:2], k_cache, v_cache, table, lens, 64 ** -0.5)
+    assert ((out[:2].double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
 @pytest.mark.interpreter

@@ -225,7 +225,8 @@ class StepInputBuilder:
 
             | input id | position | slot | context len | members | shared | block table (width entries, 0-padded) |
 
-        members / shared: the rows' groups (kernels/decode_groups.py), 0 without group_limits and past the batch.
+        members / shared: the rows' groups (kernels/decode_groups.py); a padding row is a row on its own
+        (its output 0, as without groups); 0 without group_limits.
         Carried rows hold in the input-id column the row of their input among the previous
         step's samples (see `fill_carried_ids`)."""
         bs, n = self.block_size, len(plan.starts)
@@ -242,6 +243,7 @@ class StepInputBuilder:
         if self.group_limits is not None:
             out[:n, COL_MEMBERS], out[:n, COL_SHARED] = group_rows(
                 out[:n, DECODE_COLUMNS:], positions + 1, bs, self.group_limits.cap(n))
+            out[n:, COL_MEMBERS] = 1
         return out
 
     def decode_groups(self, rows: torch.Tensor) -> RowGroups | None:
