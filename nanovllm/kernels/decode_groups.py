@@ -110,7 +110,7 @@ def decode_group(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, members_ptr,
     another leads): the shared prefix once for every member's query heads, then each member's own keys,
     merged per tile row. k_ptr / v_ptr: this kv head's cache (FP8: int32 words, k_scale already in
     qk_scale); v_scale_ptr: an FP8 cache's value scale, else None."""
-    members = tl.load(members_ptr + b)
+    members = tl.minimum(tl.load(members_ptr + b), BLOCK_G // GROUP)  # a tile's worth: never past its rows
     shared = tl.load(shared_ptr + b)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
