@@ -11,7 +11,7 @@ from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.step_inputs import COL_MEMBERS, COL_SHARED, HostCopy, StepInputBuilder
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.decode_groups import GroupLimits, group_rows, max_group_rows
+from nanovllm.kernels.decode_group_plan import GroupLimits, group_rows, max_group_rows
 from nanovllm.utils.context import RowGroups
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

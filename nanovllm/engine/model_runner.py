@@ -40,7 +40,7 @@ from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
 from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.kernels.checks import FP8_KV_DTYPE, sm_count
-from nanovllm.kernels.decode_groups import GroupLimits
+from nanovllm.kernels.decode_group_plan import GroupLimits
 from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend

@@ -19,7 +19,7 @@ import torch
 
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.checks import PAD_SLOT
-from nanovllm.kernels.decode_groups import GroupLimits, group_rows
+from nanovllm.kernels.decode_group_plan import GroupLimits, group_rows
 from nanovllm.kernels.prefill_plan import build_query_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles, RowGroups
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view

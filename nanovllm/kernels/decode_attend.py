@@ -7,18 +7,9 @@ GQA group, or several sequences' groups sharing a prefix: kernels/decode_groups.
 import triton
 import triton.language as tl
 
-from nanovllm.utils.ints import next_pow2
-
-from .checks import MIN_DOT_DIM
 from .decode_fp8 import attend_fp8_planes
 from .online_softmax import M_START, online_softmax
 from .paging import tile_blocks, tile_rows
-
-
-def query_tile_height(gqa_group: int) -> int:
-    """Rows of a decode program's query tile: the GQA group's query heads, padded to a power of two
-    and to at least MIN_DOT_DIM (tl.dot's least size; Qwen3's groups are 2-8)."""
-    return max(MIN_DOT_DIM, next_pow2(gqa_group))
 
 
 @triton.jit

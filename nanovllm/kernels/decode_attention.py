@@ -54,7 +54,8 @@ from nanovllm.utils.ints import next_pow2
 from .checks import (INTERPRET, LOG2E, check_cache, check_fp8_words, check_gqa, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
 from .counters import arrival_counters
-from .decode_attend import attend, query_tile_height
+from .decode_attend import attend
+from .decode_group_plan import query_tile_height
 from .decode_groups import decode_group
 from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
 from .pdl import pdl_launch_options, wait_for_prior

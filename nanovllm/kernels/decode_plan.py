@@ -7,9 +7,8 @@ an H200: BENCHMARKS.md, "Tuning notes moved from kernel docstrings" (`kernels/de
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.ints import cdiv, next_pow2
 from nanovllm.utils.validation import check_pow2
 
 from .checks import MIN_DOT_DIM
@@ -92,6 +91,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     A batch that fills the GPU by itself is not split (no partials, no merge pass)."""
     if batch * num_kv_heads >= NO_SPLIT_PROGRAMS_PER_SM * sm_count:
         return 1
-    want = triton.cdiv(sm_count * PROGRAMS_PER_SM, max(1, batch * num_kv_heads))
+    want = cdiv(sm_count * PROGRAMS_PER_SM, max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
