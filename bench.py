@@ -4,6 +4,7 @@
     python bench.py --workload long                    # or: many; explicit flags override a preset
     python bench.py --workload score                   # prompt scoring: prompt_logprobs=0, max_tokens=1 (lm-eval)
     python bench.py --workload rollout                 # RL group sampling: 64 prompts x n=8 samples (--n N)
+    python bench.py --workload fewshot                 # evaluation: 1,024 shared tokens before each question
     python bench.py --model DIR --compare-hf           # + transformers on a prefix of the same prompts
     python bench.py --model DIR --latency              # decode ms/token at batch 1, 8, 32
     python bench.py --model DIR --ttft                 # time to first token of one request, idle engine
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=positive_int, default=WORKLOADS["default"].n,
                     help="samples per prompt, SamplingParams(n=...), each making the request's max_tokens "
                          "(default: from --workload; rollout: 8)")
+    ap.add_argument("--shared-prefix", type=int, default=WORKLOADS["default"].shared_prefix, metavar="TOKENS",
+                    help="one prefix of this many tokens in front of every prompt (default: from --workload; "
+                         "fewshot: 1024)")
     ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                     help="score the prompts: every request asks prompt_logprobs=K, greedy (default: from --workload; "
                          "score: 0)")
@@ -173,8 +177,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if k is not None and not 0 <= k <= DEFAULT_MAX_LOGPROBS:
             ap.error(f"{name} must be in [0, {DEFAULT_MAX_LOGPROBS}] (the engines' max_logprobs, vLLM's default), "
                      f"got {k}")
-    if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf or args.n > 1):
-        ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --n, no --compare-hf")
+    if args.prompt_logprobs is not None and (args.sampling != WorkloadSampling() or args.compare_hf or args.n > 1
+                                             or args.shared_prefix):
+        ap.error("--prompt-logprobs scores greedily: no --top-k / --top-p / penalties, no --n, no --compare-hf, "
+                 "no --shared-prefix")
+    if args.shared_prefix < 0:
+        ap.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
     if args.quantization and args.tp > 1:  # weight_width reads rank 0's model, one shard of the weights
         ap.error("--quantization with --tp > 1: the roofline's stored weight widths are read from rank 0's shard")
     if args.compare_hf and not args.sampling.transformers_can_run:

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,41 @@ def test_samples_share_their_prompts_kv_in_the_memory_term():
     per_step = decode_steps(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)
     assert sum(step.bytes for step in per_step) == pytest.approx(
         sum(workload_bytes(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)), abs=1.0)
+
+
+def test_a_shared_prefix_is_computed_once_and_read_once_a_step():
+    """Prompts 3 and 5 whose first 2 tokens are one prefix (as the fewshot preset's exemplars). KV: request 1's
+    step reads its own 1 + 1 token, request 2's steps 3 + 1, 3 + 2, 3 + 3, and each step the prefix once (3 steps):
+    2 + 15 + 6 = 23 tokens x 32 bytes = 736 (800 without sharing: test_workload_bytes_by_hand). FLOPs: the prefix
+    forwarded once (12 - 2 = 10 tokens through the layers), its 3 pairs once (46 - 3 = 43)."""
+    cfg = toy_config(tied=False)
+    weights = decode_weight_elements(cfg)
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, shared=2) == (736, 12048)
+    steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, shared=2)
+    # step 1: prefix 2 + own prompts 1 + 3 + 2 rows x 1; steps 2, 3: prefix 2 + own 3 + 2 / 3 tokens
+    assert steps == [DecodeStep(2, 4016, 32 * 8), DecodeStep(1, 4016, 32 * 7), DecodeStep(1, 4016, 32 * 8)]
+    assert sum(step.kv_bytes for step in steps) == 736
+    assert workload_flops(cfg, [3, 5], [2, 4], shared=2) == (10 * 2304 + 9600, 43 * 64)
+    # with samples too: each request's own prompt once, the prefix once for all
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2, shared=2)[0] == 32 * (
+        (1 + 2 * 1) + (3 * 3 + 2 * (1 + 2 + 3)) + 3 * 2)
+    assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, shared=0) == (800, 12048)
+    with pytest.raises(ValueError, match="shared prefix of 4 tokens"):
+        workload_flops(cfg, [3, 5], [2, 4], shared=4)
+
+
+def test_fewshot_preset_puts_one_prefix_before_each_question():
+    args = bench.parse_args(["--workload", "fewshot"])
+    w = bench.workload_of(args)
+    assert (w.num_seqs, w.min_input, w.max_input, w.min_output, w.max_output, w.shared_prefix) == (
+        256, 50, 200, 50, 512, 1024)
+    prompts, max_tokens = make_workload(replace(w, num_seqs=5), vocab_size=151936)
+    assert all(p[:1024] == prompts[0][:1024] for p in prompts) and len({tuple(p[1024:]) for p in prompts}) == 5
+    assert all(50 <= len(p) - 1024 <= 200 for p in prompts) and all(50 <= m <= 512 for m in max_tokens)
+    # the questions and lengths are the draws of the same workload without the prefix
+    plain_prompts, plain_tokens = make_workload(replace(w, num_seqs=5, shared_prefix=0), vocab_size=151936)
+    assert [p[1024:] for p in prompts] == plain_prompts and max_tokens == plain_tokens
+    assert bench.workload_of(bench.parse_args(["--workload", "fewshot", "--shared-prefix", "0"])).shared_prefix == 0
 
 
 def test_roofline_picks_the_larger_term():
@@ -487,6 +523,34 @@ def test_rollout_report_counts_every_sample_and_each_prompt_once():
     kv, weights = workload_bytes(cfg, ByteWidths.uniform(4), lens, max_tokens, t.decode_weights, n=2)
     assert res["memory_s"] == pytest.approx((kv + weights) / 1e12) and res["kv_bytes"] == kv
     assert (res["matmul_flops"], res["attention_flops"]) == workload_flops(cfg, lens, max_tokens, n=2)
+    assert sum(b["floor_s"] for b in res["decode_by_rows"]) == pytest.approx(res["memory_s"])
+
+
+def test_fewshot_report_counts_the_shared_prefix_once():
+    """A fewshot run on the CPU: the engine's prefix cache serves the shared prefix (hits), the report's
+    memory term and FLOPs count it once, and its workload row names it."""
+    model = str(REPO / "nanovllm" / "default_model")
+    args = bench.parse_args([f"--model={model}", "--workload=fewshot", "--num-seqs=3", "--shared-prefix=40",
+                             "--min-input=5", "--max-input=20", "--min-output=2", "--max-output=9"])
+    w = bench.workload_of(args)
+    llm = cpu_llm(model, enforce_eager=True, kvcache_block_size=16)  # the prefix's first 32 tokens: 2 full blocks
+    try:
+        cfg = llm.config.model_config
+        prompts, max_tokens = make_workload(w, cfg.vocab_size)
+        run = runs.run_engine(llm, prompts, max_tokens, args.sampling)
+        hits = llm.block_manager.num_prefix_hit_blocks
+    finally:
+        llm.exit()
+    assert hits > 0
+    res = {}
+    lens = [len(p) for p in prompts]
+    t = ThroughputRun(args.workload, w, args.sampling, cfg, ByteWidths.uniform(4), decode_weight_elements(cfg), lens,
+                      max_tokens, run, peak_mem_bytes=0)
+    rows = dict(throughput_rows(t, DeviceLimits(bandwidth=1e12, gemm_peak=1e15), res))
+    assert rows["workload"].startswith("fewshot: 3 requests, prompts 40 shared tokens + 5-20")
+    kv, _ = workload_bytes(cfg, ByteWidths.uniform(4), lens, max_tokens, t.decode_weights, shared=40)
+    assert res["kv_bytes"] == kv < workload_bytes(cfg, ByteWidths.uniform(4), lens, max_tokens, t.decode_weights)[0]
+    assert (res["matmul_flops"], res["attention_flops"]) == workload_flops(cfg, lens, max_tokens, shared=40)
     assert sum(b["floor_s"] for b in res["decode_by_rows"]) == pytest.approx(res["memory_s"])
 
 

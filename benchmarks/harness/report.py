@@ -86,7 +86,8 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
                input_tokens=in_tokens, throughput=tput, peak_mem_bytes=t.peak_mem_bytes)
     steps = ", ".join(f"{n} {kind}" for kind, n in sorted(run.steps_by_kind.items()))
     samples = f" x {w.n} samples" if w.n > 1 else ""
-    rows = [("workload", f"{t.preset}: {w.num_seqs} requests{samples}, prompts {w.min_input}-{w.max_input}, "
+    prefix = f"{w.shared_prefix} shared tokens + " if w.shared_prefix else ""
+    rows = [("workload", f"{t.preset}: {w.num_seqs} requests{samples}, prompts {prefix}{w.min_input}-{w.max_input}, "
                          f"outputs {w.min_output}-{w.max_output}, seed {w.seed}, {t.sampling.describe()}"),
             ("output tokens / wall", f"{out_tokens} / {run.wall_s:.2f} s = {tput:,.0f} tok/s"),
             ("steps", steps),
@@ -104,11 +105,11 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
 
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
-    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n)
-    mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens, w.n)
+    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n, w.shared_prefix)
+    mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens, w.n, w.shared_prefix)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
-    floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n)
-    phase_s = phase_bound_s(cfg, t.widths, t.prompt_lens, floor_steps, t.decode_weights, bw, peak)
+    floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n, w.shared_prefix)
+    phase_s = phase_bound_s(cfg, t.widths, t.prompt_lens, floor_steps, t.decode_weights, bw, peak, w.shared_prefix)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, kv_bytes=kv_bytes, weight_bytes=w_bytes,
                matmul_flops=mm_flops, attention_flops=attn_flops, memory_s=roof.memory_s, compute_s=roof.compute_s,
                roofline_s=roof.seconds, roofline_binds=roof.binding, roofline_fraction=roof.seconds / run.wall_s,

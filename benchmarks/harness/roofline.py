@@ -29,6 +29,10 @@ the prompt's KV once (an engine whose kernel reads it once for the n rows, as ca
 and each sample's own tokens; the weight term's expected experts count the samples' rows. FLOPs: one
 prefill and n decodes (workload_flops).
 
+A shared prefix (bench.py's fewshot preset: an evaluation's few-shot exemplars in front of every prompt,
+`shared` tokens): computed once (prefix caching) and read once a decode step (as a kernel reading it once
+for all rows would); each request's own tokens as before. With shared = 0 every count is as above.
+
 Phase bound (phase_bound_s): the same schedule with the phases that wait on each other in turn
 (every prefill, then each decode step's projections, then its attention), each at the roofline of
 its own bytes and FLOPs; the roofline / this is the most of the roofline that schedule can reach.
@@ -169,14 +173,21 @@ def causal_pairs(prompt_len: int, max_tokens: int) -> int:
     return forwarded * (forwarded + 1) // 2
 
 
+def check_shared(shared: int, prompt_lens: Sequence[int]) -> None:
+    if not 0 <= shared <= min(prompt_lens):
+        raise ValueError(f"a shared prefix of {shared} tokens must be within every prompt (shortest {min(prompt_lens)})")
+
+
 def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int],
-                   max_tokens: Sequence[int], weight_elements: int, n: int = 1) -> tuple[int, int]:
+                   max_tokens: Sequence[int], weight_elements: int, n: int = 1, shared: int = 0) -> tuple[int, int]:
     """(KV bytes, weight bytes) that any engine must read for the workload's decode steps, each request
-    decoding `n` samples (decode_kv_tokens); weight_elements: what one decode step reads in full
-    (decode_weight_elements); an MoE model's experts are added as decode_expert_elements counts them
-    for the samples' rows (rounded to whole bytes)."""
-    kv_tokens = sum(decode_kv_tokens(p, m, n) for p, m in zip(prompt_lens, max_tokens, strict=True))
+    decoding `n` samples (decode_kv_tokens), the first `shared` tokens of every prompt read once a step;
+    weight_elements: what one decode step reads in full (decode_weight_elements); an MoE model's experts
+    are added as decode_expert_elements counts them for the samples' rows (rounded to whole bytes)."""
+    check_shared(shared, prompt_lens)
     steps = max(max_tokens) - 1
+    kv_tokens = sum(decode_kv_tokens(p - shared, m, n) for p, m in zip(prompt_lens, max_tokens, strict=True))
+    kv_tokens += shared * steps  # every step has a request running (the longest runs through the last)
     experts = round(decode_expert_elements(cfg, per_sample(max_tokens, n)) * widths.experts)
     return kv_tokens * kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights * steps + experts
 
@@ -195,21 +206,23 @@ class DecodeStep:
 
 
 def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], max_tokens: Sequence[int],
-                 weight_elements: int, n: int = 1) -> list[DecodeStep]:
+                 weight_elements: int, n: int = 1, shared: int = 0) -> list[DecodeStep]:
     """Decode steps t = 1 .. max(max_tokens) - 1 as workload_bytes counts them (every request
     running from the start, its n samples as n rows): the weights read in full, an MoE model's
-    expected experts of its rows, and each running request's context, its prompt once and t tokens
-    a sample. Their bytes sum to workload_bytes' two terms (experts up to its rounding)."""
-    ends_prompt = Counter()  # last decode step -> prompt tokens of the requests ending there
+    expected experts of its rows, and each running request's context, its prompt once (the shared
+    prefix once for all) and t tokens a sample. Their bytes sum to workload_bytes' two terms (experts up
+    to its rounding)."""
+    check_shared(shared, prompt_lens)
+    ends_prompt = Counter()  # last decode step -> own prompt tokens of the requests ending there
     for p, m in zip(prompt_lens, max_tokens, strict=True):
-        ends_prompt[m - 1] += p
-    prompt_sum = sum(prompt_lens) - ends_prompt[0]  # prompts of the requests decoding at step t
+        ends_prompt[m - 1] += p - shared
+    prompt_sum = sum(prompt_lens) - shared * len(prompt_lens) - ends_prompt[0]  # of the requests decoding at t
     per_token, weights = kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
         rows = n * running
         experts = step_expert_elements(cfg, rows) * widths.experts
-        steps.append(DecodeStep(rows, weights + experts, per_token * (prompt_sum + rows * t)))
+        steps.append(DecodeStep(rows, weights + experts, per_token * (shared + prompt_sum + rows * t)))
         prompt_sum -= ends_prompt[t]
     return steps
 
@@ -225,15 +238,20 @@ def projection_flops(cfg: ModelConfig, tokens: int, logit_rows: int) -> int:
 
 
 def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], max_tokens: Sequence[int],
-                   n: int = 1) -> tuple[int, int]:
+                   n: int = 1, shared: int = 0) -> tuple[int, int]:
     """(matmul FLOPs, attention FLOPs) of the workload's forwards, each request making `n` samples of its
     max_tokens: its prompt is forwarded once (its last position's logits give every sample's first
     token), then each sample forwards its other tokens::
 
         request (prompt p, max_tokens m):  p prompt tokens  ->  n samples x (m - 1) decode tokens
         lm_head rows                        1                   n x (m - 1)
-        query-key pairs                     p (p + 1) / 2       n x (pairs of positions p + 1 .. p + m - 1)"""
-    forwarded = logit_rows = pairs = 0
+        query-key pairs                     p (p + 1) / 2       n x (pairs of positions p + 1 .. p + m - 1)
+
+    The first `shared` tokens of every prompt are forwarded once for all requests (their pairs too)."""
+    check_shared(shared, prompt_lens)
+    forwarded = shared * (1 - len(prompt_lens))
+    logit_rows = 0
+    pairs = causal_pairs(shared, 1) * (1 - len(prompt_lens))
     for p, m in zip(prompt_lens, max_tokens, strict=True):
         prefill = causal_pairs(p, 1)
         forwarded += p + n * (m - 1)
@@ -252,7 +270,7 @@ def score_flops(cfg: ModelConfig, prompt_lens: Sequence[int]) -> tuple[int, int]
 
 
 def phase_bound_s(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int], steps: Sequence[DecodeStep],
-                  weight_elements: int, bandwidth: float, peak_flops: float) -> float:
+                  weight_elements: int, bandwidth: float, peak_flops: float, shared: int = 0) -> float:
     """Seconds the roofline's own schedule takes when the phases that wait on each other run in
     turn, each at the roofline of its own bytes and FLOPs::
 
@@ -265,10 +283,10 @@ def phase_bound_s(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[in
     attention's output: on one batch the two cannot overlap (two micro-batches on two streams
     could, each reading the weights again; the lanes probe measured no gain: BENCHMARKS.md). Every
     request decodes from step 1, as the roofline's weight term counts, so every prefill comes
-    first (`steps`: decode_steps of the workload). Never below the roofline: roofline / this is
-    the most of the roofline that schedule can reach."""
+    first (`steps`: decode_steps of the workload; `shared`: the prompts' common prefix, prefilled once).
+    Never below the roofline: roofline / this is the most of the roofline that schedule can reach."""
     per_token = kv_bytes_per_token(cfg, widths.kv)
-    total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens))) / peak_flops,
+    total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens), shared=shared)) / peak_flops,
                 weight_elements * widths.weights / bandwidth)
     for step in steps:
         total += max(step.weight_bytes / bandwidth, projection_flops(cfg, step.rows, step.rows) / peak_flops)

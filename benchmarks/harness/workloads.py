@@ -1,6 +1,7 @@
 """bench.py's workloads: nano-vllm's random prompts and output lengths, and the --workload presets (score:
 prompt logprobs of random prompts, one output token each; rollout: n samples of each prompt, as RL
-frameworks' group sampling asks them)."""
+frameworks' group sampling asks them; fewshot: one prefix in front of every prompt, as an evaluation's
+few-shot exemplars are)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ class Workload:
     # samples per prompt (SamplingParams.n), each making its request's max_tokens: the prompt is
     # prefilled once and its samples decode side by side (the rollout preset: RL's group sampling)
     n: int = 1
+    # tokens of one prefix in front of every prompt (min_input / max_input then bound what follows it):
+    # the fewshot preset, an evaluation's few-shot exemplars before each question
+    shared_prefix: int = 0
 
 
 # --workload presets; an explicit flag overrides the preset's value.
@@ -85,16 +89,24 @@ WORKLOADS = {
                       prompt_logprobs=0),
     # 64 prompts x 8 samples: 512 sequences, the engine's default max_num_seqs (GRPO-style groups of 8)
     "rollout": Workload(num_seqs=64, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=17, n=8),
+    # 256 questions of 50-200 tokens after 1,024 tokens of exemplars (GSM8K's 8-shot prompt is ~900), answers
+    # of 50-512 tokens
+    "fewshot": Workload(num_seqs=256, min_input=50, max_input=200, min_output=50, max_output=512, seed=19,
+                        shared_prefix=1024),
 }
 
 
 def make_workload(w: Workload, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's draws, in its order: all prompts, then all max_tokens."""
+    """nano-vllm's draws, in its order: all prompts, then all max_tokens; then the shared prefix's ids,
+    put in front of every prompt."""
     rng = random.Random(w.seed)
     id_max = min(PROMPT_ID_MAX, vocab_size - 1)
     prompts = [[rng.randint(0, id_max) for _ in range(rng.randint(w.min_input, w.max_input))]
                for _ in range(w.num_seqs)]
     max_tokens = [rng.randint(w.min_output, w.max_output) for _ in range(w.num_seqs)]
+    if w.shared_prefix:
+        prefix = [rng.randint(0, id_max) for _ in range(w.shared_prefix)]
+        prompts = [prefix + p for p in prompts]
     return prompts, max_tokens
 
 
