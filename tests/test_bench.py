@@ -160,7 +160,8 @@ def test_samples_share_their_prompts_kv_in_the_memory_term():
     assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2) == (1024, 12048)
     steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2)
     # step 1: prompts 3 + 5, 4 samples x 1 token; steps 2, 3: prompt 5, 2 samples x 2 / 3 tokens
-    assert steps == [DecodeStep(4, 4016, 32 * 12), DecodeStep(2, 4016, 32 * 9), DecodeStep(2, 4016, 32 * 11)]
+    # (pairs: each sample's query with its whole context, 2 x 8 + 4 x 1, 2 x 5 + 2 x 2, 2 x 5 + 2 x 3)
+    assert steps == [DecodeStep(4, 4016, 32 * 12, 20), DecodeStep(2, 4016, 32 * 9, 14), DecodeStep(2, 4016, 32 * 11, 16)]
     # an MoE model's experts: the samples' rows pick them
     moe = toy_moe_config()
     assert workload_bytes(moe, ByteWidths.uniform(2), [3, 5], [2, 4], TOY_MOE_DECODE_WEIGHTS, n=2)[1] == round(
@@ -180,7 +181,8 @@ def test_a_shared_prefix_is_computed_once_and_read_once_a_step():
     assert workload_bytes(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, shared=2) == (736, 12048)
     steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, shared=2)
     # step 1: prefix 2 + own prompts 1 + 3 + 2 rows x 1; steps 2, 3: prefix 2 + own 3 + 2 / 3 tokens
-    assert steps == [DecodeStep(2, 4016, 32 * 8), DecodeStep(1, 4016, 32 * 7), DecodeStep(1, 4016, 32 * 8)]
+    # (pairs: each row with the prefix too, 2 x 2 + 4 + 2 x 1, 2 + 3 + 2, 2 + 3 + 3)
+    assert steps == [DecodeStep(2, 4016, 32 * 8, 10), DecodeStep(1, 4016, 32 * 7, 7), DecodeStep(1, 4016, 32 * 8, 8)]
     assert sum(step.kv_bytes for step in steps) == 736
     assert workload_flops(cfg, [3, 5], [2, 4], shared=2) == (10 * 2304 + 9600, 43 * 64)
     # with samples too: each request's own prompt once, the prefix once for all
@@ -344,7 +346,7 @@ def test_decode_steps_by_hand_and_summing_to_the_memory_term():
     # As test_workload_bytes_by_hand: step 1 reads contexts 4 and 6, steps 2 and 3 contexts 7 and 8,
     # 32 bytes a token, and each step 2008 x 2 weight bytes.
     steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights)
-    assert steps == [DecodeStep(2, 4016, 32 * 10), DecodeStep(1, 4016, 32 * 7), DecodeStep(1, 4016, 32 * 8)]
+    assert steps == [DecodeStep(2, 4016, 32 * 10, 10), DecodeStep(1, 4016, 32 * 7, 7), DecodeStep(1, 4016, 32 * 8, 8)]
     rng = random.Random(3)
     prompts, outputs = [rng.randint(1, 50) for _ in range(40)], [rng.randint(1, 30) for _ in range(40)]
     for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
@@ -371,14 +373,21 @@ def test_phase_bound_by_hand():
     by_phase = 22976 + (7808 + 640) + (4016 + 448) + (4016 + 512)
     assert phase_bound_s(*args, bandwidth=1.0, peak_flops=1.0) == pytest.approx(by_phase)
     assert by_phase > roofline(800 + 3 * 4016, 40192, 1.0, 1.0).seconds
+    # samples and a shared prefix: with bytes free the phases' FLOPs are the workload's, each sample's query
+    # paired with its whole context (the prefix and prompt it reads once with the others included)
+    steps = decode_steps(cfg, ByteWidths.uniform(2), [3, 5], [2, 4], weights, n=2, shared=2)
+    assert phase_bound_s(cfg, ByteWidths.uniform(2), [3, 5], steps, weights, bandwidth=1e30, peak_flops=1.0,
+                         shared=2) == pytest.approx(sum(workload_flops(cfg, [3, 5], [2, 4], n=2, shared=2)))
     rng = random.Random(5)
     for c, w in ((cfg, weights), (toy_moe_config(), TOY_MOE_DECODE_WEIGHTS)):
-        prompts, outputs = [rng.randint(1, 50) for _ in range(30)], [rng.randint(1, 30) for _ in range(30)]
-        kv, wb = workload_bytes(c, ByteWidths.uniform(2), prompts, outputs, w)
-        flops = sum(workload_flops(c, prompts, outputs))
-        for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
-            steps = decode_steps(c, ByteWidths.uniform(2), prompts, outputs, w)
-            assert phase_bound_s(c, ByteWidths.uniform(2), prompts, steps, w, bw, peak) >= roofline(kv + wb, flops, bw, peak).seconds
+        prompts, outputs = [rng.randint(4, 50) for _ in range(30)], [rng.randint(1, 30) for _ in range(30)]
+        for n, shared in ((1, 0), (3, 0), (2, 4)):
+            kv, wb = workload_bytes(c, ByteWidths.uniform(2), prompts, outputs, w, n, shared)
+            flops = sum(workload_flops(c, prompts, outputs, n, shared))
+            steps = decode_steps(c, ByteWidths.uniform(2), prompts, outputs, w, n, shared)
+            for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
+                bound = phase_bound_s(c, ByteWidths.uniform(2), prompts, steps, w, bw, peak, shared)
+                assert bound >= roofline(kv + wb, flops, bw, peak).seconds * (1 - 1e-12)
 
 
 def test_decode_buckets_sum_steps_by_rows():
@@ -387,7 +396,8 @@ def test_decode_buckets_sum_steps_by_rows():
         (2, 3.0), (1, 4.0), (1, 16.0), (1, 8.0)]
     run = runs.EngineRun(decode_step_rows=[3, 3, 100], decode_step_s=[0.5, 0.5, 2.0])
     res = {}
-    rows = decode_bucket_rows(run, [DecodeStep(3, 1.0, 0), DecodeStep(100, 1.0, 2), DecodeStep(100, 3.0, 0)], 2.0, res)
+    rows = decode_bucket_rows(run, [DecodeStep(3, 1.0, 0, 0), DecodeStep(100, 1.0, 2, 2), DecodeStep(100, 3.0, 0, 0)],
+                              2.0, res)
     assert rows == [("decode-only steps of 1-8 rows: measured / memory floor", "2 steps 1.00 s / 1 steps 0.50 s (50%)"),
                     ("decode-only steps of 33-128 rows: measured / memory floor",
                      "1 steps 2.00 s / 2 steps 3.00 s (150%)")]

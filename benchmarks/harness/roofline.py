@@ -196,9 +196,10 @@ def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[i
 class DecodeStep:
     """What one decode step of the roofline's schedule must read."""
 
-    rows: int  # requests decoding at this step
+    rows: int  # sequences decoding at this step
     weight_bytes: float  # every weight read in full, plus the expected experts its rows pick
-    kv_bytes: int  # each running request's whole context
+    kv_bytes: int  # each running request's whole context (a prompt shared by samples or requests once)
+    pairs: int  # query-key pairs: each row's query with every token of its context (shared ones too)
 
     @property
     def bytes(self) -> float:
@@ -222,7 +223,8 @@ def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int
     for t, running in enumerate(decode_rows(max_tokens), start=1):
         rows = n * running
         experts = step_expert_elements(cfg, rows) * widths.experts
-        steps.append(DecodeStep(rows, weights + experts, per_token * (shared + prompt_sum + rows * t)))
+        steps.append(DecodeStep(rows, weights + experts, per_token * (shared + prompt_sum + rows * t),
+                                rows * shared + n * prompt_sum + rows * t))
         prompt_sum -= ends_prompt[t]
     return steps
 
@@ -285,13 +287,11 @@ def phase_bound_s(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[in
     request decodes from step 1, as the roofline's weight term counts, so every prefill comes
     first (`steps`: decode_steps of the workload; `shared`: the prompts' common prefix, prefilled once).
     Never below the roofline: roofline / this is the most of the roofline that schedule can reach."""
-    per_token = kv_bytes_per_token(cfg, widths.kv)
     total = max(sum(workload_flops(cfg, prompt_lens, [1] * len(prompt_lens), shared=shared)) / peak_flops,
                 weight_elements * widths.weights / bandwidth)
     for step in steps:
         total += max(step.weight_bytes / bandwidth, projection_flops(cfg, step.rows, step.rows) / peak_flops)
-        # each row's query pairs with every token of its context
-        total += max(step.kv_bytes / bandwidth, attention_flops(cfg, step.kv_bytes // per_token) / peak_flops)
+        total += max(step.kv_bytes / bandwidth, attention_flops(cfg, step.pairs) / peak_flops)
     return total
 
 
