@@ -75,6 +75,8 @@ def test_group_cap_and_max_rows():
     # 512 rows x 8 kv heads on 132 SMs: the tile's 8; 128 rows: 1024 / 396 programs -> 2; 32 rows: none
     limits = GroupLimits(gqa_group=2, num_kv_heads=8, sm_count=132)
     assert limits.cap(512) == 8 and limits.cap(128) == 2 and limits.cap(32) == 1
+    with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1, got 0"):
+        GroupLimits(gqa_group=2, num_kv_heads=0, sm_count=132)
 
 
 def test_decode_inputs_carry_the_groups():

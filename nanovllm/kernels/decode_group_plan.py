@@ -2,7 +2,11 @@
 the host each decode step, without Triton (the engine imports it where Triton may be absent).
 
 `group_rows`: consecutive rows whose block tables start with the same full blocks form a group, led by
-its first row:
+its first row (block size 256, two samples of a 600-token prompt at 650 tokens):
+
+    row b:    [ blk 7 ][ blk 2 ][ blk 9: 88 prompt + 50 own tokens ]     shared[b] = 512, members[b] = 2
+    row b+1:  [ blk 7 ][ blk 2 ][ blk 4: its own copy, 138 tokens  ]     members[b+1] = 0
+
 
     members[b] = k > 0, shared[b] = s:  rows b .. b+k-1 hold the same blocks for keys [0, s), s a multiple
                                         of block_size below every member's length; rows b+1 .. b+k-1 have
@@ -42,6 +46,12 @@ class GroupLimits:
     gqa_group: int
     num_kv_heads: int
     sm_count: int
+
+    def __post_init__(self) -> None:
+        for name in ("gqa_group", "num_kv_heads", "sm_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupLimits.{name} must be an int >= 1, got {value!r}")
 
     def cap(self, num_rows: int) -> int:
         """Most rows in a group this step: max_group_rows, and few enough that the step keeps
