@@ -312,7 +312,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
         counters if counters is not None else dummy, num_seqs if num_seqs is not None else dummy,
-        None if groups is None else groups.members, None if groups is None else groups.shared, k_scale, v_scale, scale * LOG2E,  # scales None (16-bit cache): constexpr, no code
+        None if groups is None else groups.members, None if groups is None else groups.shared,  # None: constexpr
+        k_scale, v_scale, scale * LOG2E,  # scales None (16-bit cache): constexpr, no code
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

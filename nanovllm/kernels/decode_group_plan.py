@@ -7,6 +7,7 @@ its first row (block size 256, two samples of a 600-token prompt at 650 tokens):
     row b:    [ blk 7 ][ blk 2 ][ blk 9: 88 prompt + 50 own tokens ]     shared[b] = 512, members[b] = 2
     row b+1:  [ blk 7 ][ blk 2 ][ blk 4: its own copy, 138 tokens  ]     members[b+1] = 0
 
+In general:
 
     members[b] = k > 0, shared[b] = s:  rows b .. b+k-1 hold the same blocks for keys [0, s), s a multiple
                                         of block_size below every member's length; rows b+1 .. b+k-1 have
