@@ -51,8 +51,7 @@ def test_group_rows_keeps_each_groups_invariants():
         run, k = int(rng.integers(1, 7)), int(rng.integers(0, 4))
         prefix = list(range(nxt, nxt + k)); nxt += k
         for r in range(i, min(n, i + run)):
-            own = (lens[r] + bs - 1) // bs
-            lens[r] = max(lens[r], k * bs + 1)
+            lens[r] = max(lens[r], k * bs + 1)  # the shared blocks lie before its current token's
             own = (lens[r] + bs - 1) // bs
             tables[r, :own] = prefix + list(range(nxt, nxt + own - k)); nxt += own - k
         i += run
