@@ -105,7 +105,8 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
              ("inter-token latency p50 / p99", f"{_ms(run.itl_s)} ms")]
 
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
-    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n, w.shared_prefix)
+    kv_bytes, w_bytes = workload_bytes(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n,
+                                       w.shared_prefix)
     mm_flops, attn_flops = workload_flops(cfg, t.prompt_lens, t.max_tokens, w.n, w.shared_prefix)
     roof = roofline(kv_bytes + w_bytes, mm_flops + attn_flops, bw, peak)
     floor_steps = decode_steps(cfg, t.widths, t.prompt_lens, t.max_tokens, t.decode_weights, w.n, w.shared_prefix)

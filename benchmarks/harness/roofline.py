@@ -174,8 +174,10 @@ def causal_pairs(prompt_len: int, max_tokens: int) -> int:
 
 
 def check_shared(shared: int, prompt_lens: Sequence[int]) -> None:
+    """ValueError unless a prefix of `shared` tokens fits inside every prompt."""
     if not 0 <= shared <= min(prompt_lens):
-        raise ValueError(f"a shared prefix of {shared} tokens must be within every prompt (shortest {min(prompt_lens)})")
+        raise ValueError(f"a shared prefix of {shared} tokens must be within every prompt "
+                         f"(shortest {min(prompt_lens)})")
 
 
 def workload_bytes(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int],
