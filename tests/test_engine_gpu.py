@@ -145,8 +145,8 @@ def test_a_dropped_engine_returns_gpu_memory(tmp_path):
 
 
 def test_samples_of_a_prompt_decode_as_groups(ckpt, reference):
-    """n = 8 greedy samples of 50 prompts: 400 decode rows, in groups of 8 reading their prompt's shared
-    blocks once (kernels/decode_groups.py). Every sample of a prompt is the same and transformers' argmax,
+    """n = 8 greedy samples of 50 prompts: 400 decode rows, in groups (of 8 on a 132-SM card) reading their
+    prompt's shared blocks once (kernels/decode_groups.py). Every sample of a prompt is the same and transformers' argmax,
     under graphs and eager alike."""
     ps = make_prompts(12, 50, 40, 150)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=8)
@@ -154,7 +154,7 @@ def test_samples_of_a_prompt_decode_as_groups(ckpt, reference):
         llm = LLM(ckpt, kvcache_block_size=16, max_model_len=256, dtype="bfloat16", max_num_seqs=400,
                   num_kvcache_blocks=6000, max_num_batched_tokens=GPU_MAX_STEP_TOKENS, enforce_eager=eager)
         try:
-            assert llm.model_runner.inputs.group_limits.cap(400) == 8
+            assert llm.model_runner.inputs.group_limits.cap(400) > 1  # groups form at this batch on any card
             outs = llm.generate(ps, params, use_tqdm=False)
         finally:
             llm.exit()
