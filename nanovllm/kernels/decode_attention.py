@@ -106,9 +106,8 @@ def _decode_row(
 ):
     """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
     NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
-    k_scale_ptr / v_scale_ptr: an FP8 cache's scales, None for a cache of q's dtype."""
-    if k_scale_ptr is not None:  # FP8: k_scale folded into the softmax scale
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    k_scale_ptr / v_scale_ptr: an FP8 cache's scales, None for a cache of q's dtype (an FP8 cache's
+    k_scale is already folded into qk_scale)."""
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -162,6 +161,8 @@ def _decode_split_kernel(
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
     kv_head = tl.program_id(0).to(tl.int64)
+    if k_scale_ptr is not None:  # FP8: k_scale folded into the softmax scale, for every path below
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     if ROWS_ON_DEVICE:
         # NUM_SPLITS == 1, one program per (kv head, row of the capacity): rows at or past the
         # device row count num_seqs[0] do nothing.
@@ -174,8 +175,6 @@ def _decode_split_kernel(
                         GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                         BLOCK_S)
     elif members_ptr is not None:  # unsplit, rows in groups sharing a prefix (kernels/decode_groups.py)
-        if k_scale_ptr is not None:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
         decode_group(q_ptr, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, seqlens_ptr, bt_ptr, out_ptr,
                      members_ptr, shared_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64),
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_bt, stride_ob, stride_oh,
