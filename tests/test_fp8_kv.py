@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 from safetensors.torch import load_file, save_file
 
-from checkpoints import checkpoint_fixture, cpu_llm, generate_tokens, load_reference, make_prompts
+from checkpoints import (
+    checkpoint_fixture, complete_tokens, cpu_llm, generate_tokens, load_reference, make_prompts,
+)
 from nanovllm import SamplingParams
 from nanovllm.config import Config
 from nanovllm.config import KV_CACHE_DTYPES
@@ -39,6 +41,7 @@ from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows
 from nanovllm.layers.attention import KV_SCALE_HEADROOM
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.quantization.config import resolve_quantization
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -580,3 +583,37 @@ def test_kv_cache_scheme_named_as_a_string(checkpoint, tmp_path):
         cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "none"), {}, "static"), kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"kv_cache_scheme 'fp8' is not a compressed-tensors scheme .*'static'"):
         cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "odd"), tensors, "fp8"), kv_cache_dtype="fp8")
+
+
+def test_kv_cache_scheme_alone_as_llm_compressor_writes_it(checkpoint, tmp_path):
+    """A calibrated FP8 KV cache alone, as compressed-tensors serializes it: config_groups {} (no weight
+    scheme), format "dense", every Linear in ignore, empty sparsity / transform configs. Full-precision
+    weights (as vLLM reads it; it was refused for its format, then for its empty config_groups) and
+    the checkpoint's KV scales, the tokens of the same scales under the bare kv_cache_scheme."""
+    scales = [(0.02, 0.03), (0.04, 0.05)]
+    bare = with_kv_scales(checkpoint, str(tmp_path / "bare"), scale_tensors(scales), FP8_SCHEME)
+    path = with_kv_scales(checkpoint, str(tmp_path / "ct"), scale_tensors(scales), None)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    linears = [f"model.layers.{i}.{m}" for i in range(cfg["num_hidden_layers"])
+               for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]
+    cfg["quantization_config"] = {"config_groups": {}, "format": "dense", "global_compression_ratio": None,
+                                  "ignore": linears, "kv_cache_scheme": FP8_SCHEME,
+                                  "quant_method": "compressed-tensors", "quantization_status": "compressed",
+                                  "sparsity_config": {}, "transform_config": {}, "version": "0.12.2"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    prompts = make_prompts(3, 3, 10, 40)
+    llm = cpu_llm(path, kv_cache_dtype="fp8", kvcache_block_size=16, max_model_len=512)
+    try:
+        assert llm.config.quant_config is None
+        np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+        tokens = complete_tokens(llm, prompts, GREEDY)
+    finally:
+        llm.exit()
+    assert tokens == generate_tokens(bare, prompts, GREEDY, kv_cache_dtype="fp8")[0]
+    # whatever format it names: no config group quantizes any weight
+    quant = {**cfg["quantization_config"], "format": "float-quantized"}
+    assert resolve_quantization(None, quant, "c") is None
+    assert resolve_quantization("fp8", quant, "c") == resolve_quantization("fp8", None, "c")  # online FP8 weights

@@ -219,8 +219,9 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if method == "fp8":
         return _fp8_method(checkpoint, source)
     if method == "compressed-tensors":
-        if "config_groups" not in checkpoint and "kv_cache_scheme" in checkpoint:
-            # A calibrated FP8 KV cache alone (utils/kv_scales.py reads it): the weights are full precision.
+        if not checkpoint.get("config_groups"):
+            # No weight scheme, so full-precision weights (vLLM's reading too): a calibrated FP8 KV cache alone
+            # (utils/kv_scales.py reads it), which llm-compressor writes as config_groups {} (format "dense").
             return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
         return _compressed_tensors(checkpoint, source)
     raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported "
