@@ -236,6 +236,17 @@ def test_unsupported_quantization_configs_are_refused_naming_them(config, messag
         resolve_quantization(None, config, "config.json")
 
 
+@pytest.mark.parametrize("layout,spelling", [("ct-channel", "compressed_tensors"), ("ct-block", "Compressed-Tensors"),
+                                              ("qwen-block", "FP8")])
+def test_quant_method_is_read_as_vllm_reads_it(layout, spelling):
+    """vLLM lowercases quant_method and reads compressed_tensors (compressed-tensors' own older
+    spelling) as compressed-tensors: the same config, not a refusal."""
+    config = {**LAYOUTS[layout], "quant_method": spelling}
+    assert resolve_quantization(None, config, "c") == resolve_quantization(None, LAYOUTS[layout], "c")
+    if layout.startswith("ct-"):
+        assert resolve_quantization("compressed-tensors", config, "c") == resolve_quantization(None, config, "c")
+
+
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
     with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors'\), got 'int8'"):
         cpu_llm(full_precision("qwen3"), quantization="int8")

@@ -213,6 +213,8 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
     method = checkpoint.get("quant_method")
+    if isinstance(method, str):  # as vLLM reads it: any case, and compressed_tensors for compressed-tensors
+        method = method.lower().replace("compressed_tensors", "compressed-tensors")
     if quantization == "compressed-tensors" and method != quantization:  # it names the checkpoint's own (vLLM)
         raise ValueError(f"quantization='compressed-tensors' does not match {source}'s quantization_config "
                          f"quant_method={method!r}")
