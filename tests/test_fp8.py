@@ -230,6 +230,17 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
     ({**LAYOUTS["ct-block"], "ignore": ["lm_head", "re:(unclosed"]},
      r"config.json: ignore entry 're:\(unclosed' is not a regular expression"),
     ({**LAYOUTS["qwen-block"], "modules_to_not_convert": ["re:*"]}, "modules_to_not_convert entry 're:\\*'"),
+    # a preset's name mapped to its targets (compressed-tensors' shorthand): it crashed on the list
+    ({**LAYOUTS["ct-channel"], "config_groups": {"FP8_DYNAMIC": ["Linear"]}},
+     r"config_groups.FP8_DYNAMIC must be a quantization scheme .* got \['Linear'\]"),
+    # online rotations and bitmask-compressed sparse weights were accepted, then read as plain weights
+    ({**LAYOUTS["ct-channel"], "transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "input"}]}}}}, "transform_config=.*hadamard.* is not supported"),
+    ({**LAYOUTS["ct-channel"], "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
+                                                   "targets": ["Linear"]}},
+     "sparsity_config format='sparse-24-bitmask' is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+      "transform_config": {"config_groups": {"r": {"type": "random-hadamard"}}}}, "transform_config="),
 ])
 def test_unsupported_quantization_configs_are_refused_naming_them(config, message):
     with pytest.raises(ValueError, match=message):
@@ -245,6 +256,16 @@ def test_quant_method_is_read_as_vllm_reads_it(layout, spelling):
     assert resolve_quantization(None, config, "c") == resolve_quantization(None, LAYOUTS[layout], "c")
     if layout.startswith("ct-"):
         assert resolve_quantization("compressed-tensors", config, "c") == resolve_quantization(None, config, "c")
+
+
+def test_empty_transform_and_dense_sparsity_configs_load_as_they_are():
+    """compressed-tensors writes transform_config {} and sparsity_config {} without them; sparse
+    weights stored "dense" are plain weights: the config of the layout alone."""
+    for extra in ({"transform_config": {}, "sparsity_config": {}}, {"transform_config": {"config_groups": {}}},
+                  {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4", "targets": ["Linear"]}}):
+        for layout in ("ct-channel", "ct-block"):
+            config = {**LAYOUTS[layout], **extra}
+            assert resolve_quantization(None, config, "c") == resolve_quantization(None, LAYOUTS[layout], "c")
 
 
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):

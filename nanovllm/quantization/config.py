@@ -174,6 +174,9 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
         raise ValueError(f"{source}: config_groups must hold exactly one group, got {groups!r}")
     (name, group), = groups.items()
     where = f"{source}: config_groups.{name}"
+    if not isinstance(group, dict):  # e.g. {"FP8_DYNAMIC": ["Linear"]}: a preset's name and its targets
+        raise ValueError(f"{where} must be a quantization scheme (targets, weights, input_activations), got "
+                         f"{group!r}")
     if group.get("targets") != ["Linear"]:
         raise ValueError(f"{where}.targets={group.get('targets')!r} is not supported (only ['Linear'])")
     weights, acts = group.get("weights") or {}, group.get("input_activations")
@@ -200,6 +203,21 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     return QuantConfig(Fp8Format(scales, SCALE, strategy == TENSOR, False), _skip_list(cfg, "ignore", source))
 
 
+def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
+    """A ValueError naming what a compressed-tensors config holds beyond quantization that the
+    tensors cannot be read without: online transforms (`transform_config`: rotations applied around
+    the layers at run time) and sparsity compressed on disk (`sparsity_config` in a format other
+    than "dense", e.g. "sparse-24-bitmask"). Empty ones, as compressed-tensors writes them, pass."""
+    transform = cfg.get("transform_config")
+    if transform and (not isinstance(transform, dict) or transform.get("config_groups", transform)):
+        raise ValueError(f"{source}: transform_config={transform!r} (online transforms) is not supported")
+    sparsity = cfg.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format") != "dense"):
+        fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        raise ValueError(f"{source}: sparsity_config format={fmt!r} is not supported (only 'dense': weights "
+                         f"stored whole)")
+
+
 def resolve_quantization(quantization: object, checkpoint: object, source: str) -> QuantConfig | None:
     """The QuantConfig of LLM(quantization=...) and config.json's quantization_config (None:
     full precision). A checkpoint that is FP8 already loads as it is, also under "fp8"."""
@@ -221,6 +239,7 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if method == "fp8":
         return _fp8_method(checkpoint, source)
     if method == "compressed-tensors":
+        _no_transforms_or_sparse_storage(checkpoint, source)
         if not checkpoint.get("config_groups"):
             # No weight scheme, so full-precision weights (vLLM's reading too): a calibrated FP8 KV cache alone
             # (utils/kv_scales.py reads it), which llm-compressor writes as config_groups {} (format "dense").
