@@ -20,7 +20,7 @@ from checkpoints import (
     make_prompts,
 )
 from fp8_checkpoints import (
-    LAYOUTS, checkpoint_state, quantize_channels, quantize_state, spread, write_fp8, write_state,
+    LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
 from nanovllm.quantization.config import Fp8Format, QuantConfig, resolve_quantization
@@ -308,7 +308,13 @@ def test_checkpoint_disagreeing_with_its_config_is_refused(full_precision, tmp_p
     fp8_down = quantize_state({"model.layers.0.mlp.down_proj.weight": state["model.layers.0.mlp.down_proj.weight"]},
                               "qwen-block")[0]
     write_state(path, path, {**state, **fp8_down})
-    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight' is float8"):
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight' is float8.*config keeps it so"):
+        cpu_llm(path)
+    # an FP8 lm_head (a compressed-tensors config whose ignore leaves it out): refused as never quantized
+    # here, not as one the config keeps in full precision
+    lm_head, lm_head_scale = quantize_blocks(state["lm_head.weight"])
+    write_state(path, path, {**state, "lm_head.weight": lm_head, "lm_head.weight_scale_inv": lm_head_scale})
+    with pytest.raises(ValueError, match="'lm_head.weight' is float8.*never quantized .*lm_head"):
         cpu_llm(path)
     # a full-precision weight where the config makes the module FP8
     state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(PARTIAL.intermediate_size, PARTIAL.hidden_size)

@@ -52,8 +52,9 @@ class QuantizedTensors:
         quant = self.quant_of(name)
         if quant is None:
             if tensor.dtype == FP8_DTYPE:
-                raise ValueError(f"weight {name!r} is float8, but the quantization config keeps its module in "
-                                 f"full precision (or there is none)")
+                raise ValueError(f"weight {name!r} is float8, but its module is full precision here: the "
+                                 f"quantization config keeps it so (or there is none), or it is one never "
+                                 f"quantized (the embedding, lm_head, the MoE router)")
             return [(name, tensor)]
         if leaf != _WEIGHT:  # transformers 5's fused experts: quantized per expert and projection
             parts = split_fused_experts(name, tensor)
