@@ -585,6 +585,18 @@ def test_kv_cache_scheme_named_as_a_string(checkpoint, tmp_path):
         cpu_llm(with_kv_scales(checkpoint, str(tmp_path / "odd"), tensors, "fp8"), kv_cache_dtype="fp8")
 
 
+def test_one_kv_scale_per_layer_serves_keys_and_values(checkpoint, tmp_path):
+    """The first FP8-KV checkpoints (AutoFP8, vLLM's docs) hold one model.layers.N.self_attn.kv_scale:
+    vLLM reads it as both scales. Such a checkpoint was refused whatever the cache (an unknown weight)."""
+    scales = [(0.02, 0.02), (0.04, 0.04)]
+    tensors = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(k) for i, (k, _) in enumerate(scales)}
+    path = with_kv_scales(checkpoint, str(tmp_path / "kv"), tensors, "static")
+    llm = cpu_llm(path, kv_cache_dtype="fp8")
+    np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+    llm.exit()
+    cpu_llm(path).exit()  # the weight loader skips them
+
+
 def test_kv_cache_scheme_alone_as_llm_compressor_writes_it(checkpoint, tmp_path):
     """A calibrated FP8 KV cache alone, as compressed-tensors serializes it: config_groups {} (no weight
     scheme), format "dense", every Linear in ignore, empty sparsity / transform configs. Full-precision

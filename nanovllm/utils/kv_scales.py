@@ -6,7 +6,9 @@ quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_b
 "static"), and hold one scalar per layer:
 
     model.layers.N.self_attn.k_scale, model.layers.N.self_attn.v_scale
-    (older FP8 checkpoints: model.layers.N.self_attn.k_proj.output_scale, v_proj.output_scale)
+    (older FP8 checkpoints: model.layers.N.self_attn.k_proj.output_scale, v_proj.output_scale; the
+    oldest, AutoFP8's first FP8-KV releases: one model.layers.N.self_attn.kv_scale for both, which
+    vLLM reads as k_scale = v_scale = kv_scale)
 
 with our meaning: read value = fp8 * scale. The weight loader skips these names whatever the
 cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); the model runner
@@ -23,7 +25,7 @@ from safetensors import safe_open
 
 from nanovllm.utils.checkpoint_files import checkpoint_files
 
-_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale|(kv)_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
 _FP8_SCHEME = {"num_bits": 8, "type": "float"}
 # kv_cache_scheme spelled as a name: "static" (the checkpoint holds the scales) or "dynamic" (it does not).
@@ -65,7 +67,8 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
                 if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"checkpoint {path!r}: {name} must be one positive finite number, "
                                      f"got shape {tuple(t.shape)} {t.flatten()[:4].tolist()}")
-                found[(int(m.group(1)), m.group(2) or m.group(3))] = value
+                for kv in m.group(2) or m.group(3) or m.group(4):  # "kv": one scale for both
+                    found[(int(m.group(1)), kv)] = value
     if not found:
         if static:
             raise ValueError(f"checkpoint {path!r} declares kv_cache_scheme {scheme!r} but holds no "
