@@ -12,7 +12,10 @@
                                        one config group targeting Linear, 8-bit float weights with
                                        `weight_scale` per tensor, per output channel or per
                                        [128, 128] block; activations dynamic per token or static
-                                       per tensor (`input_scale`); `ignore` stays full precision
+                                       per tensor (`input_scale`); `ignore` stays full precision;
+                                       no config group (a calibrated FP8 KV cache alone):
+                                       full-precision weights; online transforms
+                                       (transform_config) and sparse storage are refused
     online FP8                         LLM(quantization="fp8") on a full-precision checkpoint:
                                        weights quantized at load, one scale per output channel
                                        (amax / 448), activations dynamic per token
