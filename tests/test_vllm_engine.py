@@ -83,6 +83,7 @@ def test_what_clients_read_on_the_engine_is_the_llms(llm):
     engine = llm.llm_engine
     assert engine is llm.llm_engine  # one per LLM: its ids persist
     assert engine.model_config is llm.model_config and engine.get_tokenizer() is llm.tokenizer
+    assert engine.get_model_config() is llm.model_config  # vLLM's LLMEngine.get_model_config()
     assert engine.reset_prefix_cache() is True and engine.is_sleeping() is False
     assert engine.model_executor.driver_worker.model_runner.model.load_weights([]) == set()
     prompt = make_prompts(6, 1, 10, 20)

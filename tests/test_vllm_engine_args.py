@@ -284,6 +284,36 @@ def test_reset_prefix_cache(ckpt):
         llm.reset_prefix_cache()
 
 
+def test_reset_prefix_cache_takes_vllms_options(ckpt):
+    """vLLM's reset_prefix_cache(reset_running_requests=False, reset_connector=False), as scripts call
+    it before a measurement and after a weight sync (a TypeError before), on the LLM and on
+    llm.llm_engine. With nothing pending, reset_running_requests=True empties the cache like False; with
+    requests pending it is refused (their KV would need recomputing, which this engine does not do)."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        prompt = list(range(1, 50))  # three full blocks of 16
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        for reset in (lambda: llm.reset_prefix_cache(reset_running_requests=True),
+                      lambda: llm.reset_prefix_cache(False, True),
+                      lambda: llm.llm_engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)):
+            assert reset() is True
+            hits = llm.block_manager.num_prefix_hit_blocks
+            assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+            assert llm.block_manager.num_prefix_hit_blocks == hits  # nothing was cached
+        with pytest.raises(TypeError, match="reset_running_requests must be a bool, got 'yes'"):
+            llm.reset_prefix_cache(reset_running_requests="yes")
+        with pytest.raises(TypeError, match="reset_connector must be a bool, got 1"):
+            llm.llm_engine.reset_prefix_cache(reset_connector=1)
+        llm.llm_engine.add_request("pending", [1, 2, 3], GREEDY)
+        assert llm.reset_prefix_cache() is True  # the cache only: the pending request keeps its blocks
+        with pytest.raises(RuntimeError, match=r"reset_running_requests=True\) while requests are pending"):
+            llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        llm.llm_engine.abort_request(["pending"])
+        assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    finally:
+        llm.exit()
+
+
 def test_seed_none_draws_an_engine_seed(ckpt):
     """vLLM's LLM(seed=None): the noise of unseeded requests follows a seed drawn at start-up (an int
     in [0, 2**64), the same on every rank), so two such engines sample apart; seed=0 repeats."""

@@ -8,8 +8,8 @@ Scripts drive vLLM's engine by the caller's request ids:
         for out in engine.step():          # RequestOutputs, out.request_id == "req-0"
             if out.finished: ...
 
-and clients read `llm.llm_engine.model_config` (lm-eval), `.model_executor` (TRL's weight sync),
-`.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.sleep` / `.wake_up` / `.collective_rpc`. Those
+and clients read `llm.llm_engine.model_config` (lm-eval; scripts: `get_model_config()`), `.model_executor`
+(TRL's weight sync), `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.sleep` / `.wake_up` / `.collective_rpc`. Those
 are the LLM's own. `step()` returns each request's outputs as its SamplingParams.output_kind asks
 (vLLM's RequestOutputKind: CUMULATIVE, its default, and DELTA while it runs, then the final one;
 FINAL_ONLY the final one alone; engine/output_streams.py). nano-vllm's step API (int ids,
@@ -157,8 +157,12 @@ class VllmEngine:
     def get_tokenizer(self):
         return self._llm.get_tokenizer()
 
-    def reset_prefix_cache(self) -> bool:
-        return self._llm.reset_prefix_cache()
+    def get_model_config(self) -> ServedModel:
+        """vLLM's LLMEngine.get_model_config(): model_config."""
+        return self._llm.model_config
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def is_sleeping(self) -> bool:
         return self._llm.is_sleeping()
