@@ -238,8 +238,12 @@ class SamplingParams:
     logits_processors: dataclasses.InitVar[list | None] = None
     # vLLM's older best_of (lighteval passes it): None or n only (V1 dropped sampling more to keep the best).
     best_of: dataclasses.InitVar[int | None] = None
+    # vLLM's choice of FlatLogprobs over a list of dicts (scoring scripts pass True): a bool, not kept;
+    # logprobs are kept flat here either way (outputs.FlatLogprobs, read as the list).
+    flat_logprobs: dataclasses.InitVar[bool] = False
 
-    def __post_init__(self, guided_decoding: object, logits_processors: object, best_of: object) -> None:
+    def __post_init__(self, guided_decoding: object, logits_processors: object, best_of: object,
+                      flat_logprobs: object) -> None:
         if guided_decoding is not None:
             raise TypeError(f"SamplingParams.guided_decoding is vLLM's older name of structured_outputs: pass "
                             f"structured_outputs=StructuredOutputsParams(...) (nanovllm.sampling_params), got "
@@ -251,6 +255,7 @@ class SamplingParams:
         if best_of is not None and best_of != self.n:
             raise ValueError(f"SamplingParams.best_of={best_of!r}: only best_of=None or n (={self.n}) is supported "
                              "(vLLM V1 dropped sampling more than n to return the best)")
+        _check_bool("flat_logprobs", flat_logprobs)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"SamplingParams.extra_args must be a dict or None, got {self.extra_args!r:.200}")
         for f in dataclasses.fields(self):

@@ -225,6 +225,21 @@ def test_vllm_clone_and_guided_decoding_none():
         SamplingParams(guided_decoding={"regex": "a+"})
 
 
+def test_flat_logprobs_as_scoring_scripts_pass_it(llm):
+    """vLLM's flat_logprobs (scoring scripts pass True to spare the garbage collector): logprobs are
+    kept flat here either way (outputs.FlatLogprobs, read as vLLM's list), so both values are
+    accepted and give the same entries; anything but a bool is refused (a TypeError before)."""
+    prompt = [[5, 6, 7, 8, 9]]
+    outs = [llm.generate(prompt, SamplingParams(temperature=0, prompt_logprobs=1, logprobs=1, max_tokens=2,
+                                                detokenize=False, **flag), use_tqdm=False)[0]
+            for flag in ({}, {"flat_logprobs": True}, {"flat_logprobs": False})]
+    for out in outs[1:]:
+        assert list(out.prompt_logprobs) == list(outs[0].prompt_logprobs)
+        assert list(out.outputs[0].logprobs) == list(outs[0].outputs[0].logprobs)
+    with pytest.raises(TypeError, match="flat_logprobs must be a bool, got 'yes'"):
+        SamplingParams(flat_logprobs="yes")
+
+
 def test_older_and_plugin_fields_as_vllm_clients_pass_them(llm):
     """distilabel's logits_processors=[] and lighteval's best_of (None or n) are accepted, anything
     else refused naming what covers it; extra_args is kept with the request and changes nothing."""
