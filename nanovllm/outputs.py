@@ -20,7 +20,7 @@ compare equal when their dict views do (the request id is not part of it). A Req
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 
@@ -35,7 +35,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-class FlatLogprobs(Sequence):
+class FlatLogprobs(MutableSequence):
     """Logprobs read as a list of {token_id: Logprob}, stored as flat lists of plain numbers: a
     prompt's (`none_first`: entry 0 None, then one entry per later prompt token) or a completion's
     (one entry per generated token). A dict and a Logprob per item would be objects the garbage
@@ -50,9 +50,13 @@ class FlatLogprobs(Sequence):
 
         none_first:  [None, items[0 : 1+k], items[1+k : 2(1+k)], ...]
         else:        [items[0 : 1+k], items[1+k : 2(1+k)], ...]
+
+    The engine fills it with add_row / add_rows. A caller edits it as the list (vLLM's is one:
+    append, extend, insert, item assignment, del, pop, +=): the first edit turns it into that
+    list of dicts (`edited`), which it reads from from then on.
     """
 
-    __slots__ = ("k", "none_first", "token_ids", "logprobs", "ranks", "decoded_tokens")
+    __slots__ = ("k", "none_first", "token_ids", "logprobs", "ranks", "decoded_tokens", "edited")
 
     def __init__(self, k: int, *, none_first: bool):
         self.k = k
@@ -62,9 +66,12 @@ class FlatLogprobs(Sequence):
         self.ranks: list[int] = []
         # one per item from the start (decoded_tokens[i] is token_ids[i]'s), set when outputs are built
         self.decoded_tokens: list[str] | None = None
+        # the entries as a list once a caller edited them (the flat lists are then no longer read)
+        self.edited: list[dict | None] | None = None
 
-    def extend(self, token_ids: list[int], logprobs: list[float], ranks: list[int]) -> None:
+    def add_rows(self, token_ids: list[int], logprobs: list[float], ranks: list[int]) -> None:
         """Append whole entries: 1 + k items each, in the order the class docstring gives."""
+        self._check_unedited()
         if not len(token_ids) == len(logprobs) == len(ranks) or len(token_ids) % (1 + self.k):
             raise ValueError(f"entries of {1 + self.k} items each expected, got {len(token_ids)} token ids, "
                              f"{len(logprobs)} logprobs, {len(ranks)} ranks")
@@ -72,8 +79,9 @@ class FlatLogprobs(Sequence):
         self.logprobs += logprobs
         self.ranks += ranks
 
-    def append(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> None:
+    def add_row(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> None:
         """Append one entry: the scored token, then its row's k most likely (top_ids / top_logprobs, k long)."""
+        self._check_unedited()
         if len(top_ids) != self.k or len(top_logprobs) != self.k:
             raise ValueError(f"an entry holds the {self.k} most likely tokens, got {len(top_ids)} ids and "
                              f"{len(top_logprobs)} logprobs")
@@ -89,12 +97,41 @@ class FlatLogprobs(Sequence):
         other = FlatLogprobs(self.k, none_first=self.none_first)
         other.token_ids, other.logprobs, other.ranks = list(self.token_ids), list(self.logprobs), list(self.ranks)
         other.decoded_tokens = None if self.decoded_tokens is None else list(self.decoded_tokens)
+        other.edited = None if self.edited is None else list(self.edited)
         return other
 
+    def _check_unedited(self) -> None:
+        """The engine's appends go to the flat lists, which a caller's edit has left behind."""
+        if self.edited is not None:
+            raise RuntimeError("these logprobs were edited as a list: the engine appends no more entries to them")
+
+    def _as_list(self) -> list[dict | None]:
+        """The entries as the list a caller edits (made on the first edit)."""
+        if self.edited is None:
+            self.edited = list(self)
+        return self.edited
+
+    def __setitem__(self, index, value) -> None:
+        self._as_list()[index] = value
+
+    def __delitem__(self, index) -> None:
+        del self._as_list()[index]
+
+    def insert(self, index: int, value: dict | None) -> None:
+        self._as_list().insert(index, value)
+
+    def extend(self, values: Iterable[dict | None]) -> None:
+        """As list.extend (one pass, not the ABC's append per entry)."""
+        self._as_list().extend(list(values))
+
     def __len__(self) -> int:
+        if self.edited is not None:
+            return len(self.edited)
         return self.none_first + len(self.token_ids) // (1 + self.k)
 
     def __getitem__(self, index):
+        if self.edited is not None:
+            return self.edited[index]
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         n = len(self)
@@ -116,6 +153,8 @@ class FlatLogprobs(Sequence):
 
     def floats(self) -> list[dict[int, float] | None]:
         """The entries with plain float values (nano-vllm's dict view), without Logprob objects."""
+        if self.edited is not None:  # a caller's entries: Logprobs, or anything with a logprob, or floats
+            return [None if e is None else {t: getattr(lp, "logprob", lp) for t, lp in e.items()} for e in self.edited]
         width, ids, lps = 1 + self.k, self.token_ids, self.logprobs
         if width == 1:
             entries = [{t: lp} for t, lp in zip(ids, lps)]

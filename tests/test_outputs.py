@@ -204,7 +204,7 @@ def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
     stands for, the float view, and entries of the wrong width refused."""
     flat = nanovllm.outputs.FlatLogprobs(2, none_first=True)
     # position 1 scores token 7 (rank 3) with top 2 = 4, 5; position 2 scores 9, itself the most likely
-    flat.extend([7, 4, 5, 9, 9, 2], [-2.5, -0.5, -1.0, -0.25, -0.25, -2.0], [3, 1, 2, 1, 1, 2])
+    flat.add_rows([7, 4, 5, 9, 9, 2], [-2.5, -0.5, -1.0, -0.25, -0.25, -2.0], [3, 1, 2, 1, 1, 2])
     expected = [None,
                 {7: Logprob(-2.5, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},
                 {9: Logprob(-0.25, 1), 2: Logprob(-2.0, 2)}]
@@ -217,7 +217,7 @@ def test_flat_prompt_logprobs_read_as_the_list_of_dicts():
     flat.decoded_tokens = ["a", "b", "c", "d", "d", "e"]
     assert [lp.decoded_token for lp in flat[1].values()] == ["a", "b", "c"]
     with pytest.raises(ValueError, match="3 items each"):
-        flat.extend([1, 2], [-1.0, -2.0], [1, 2])
+        flat.add_rows([1, 2], [-1.0, -2.0], [1, 2])
     empty = nanovllm.outputs.FlatLogprobs(0, none_first=True)
     assert empty == [None] and len(empty) == 1 and empty[0] is None
 
@@ -230,9 +230,9 @@ def test_flat_sample_logprobs_append_copy_and_decoded_tokens():
     of the wrong width refused."""
     flat = nanovllm.outputs.FlatLogprobs(2, none_first=False)
     assert flat == [] and len(flat) == 0 and flat.floats() == []
-    flat.append(7, -2.5, 3, [4, 5], [-0.5, -1.0])
+    flat.add_row(7, -2.5, 3, [4, 5], [-0.5, -1.0])
     snapshot = flat.copy()
-    flat.append(9, -0.25, 1, [9, 2], [-0.25, -2.0])
+    flat.add_row(9, -0.25, 1, [9, 2], [-0.25, -2.0])
     expected = [{7: Logprob(-2.5, 3), 4: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},
                 {9: Logprob(-0.25, 1), 2: Logprob(-2.0, 2)}]
     assert len(flat) == 2 and flat == expected and flat[-1] == expected[1] and flat[1:] == expected[1:]
@@ -245,8 +245,58 @@ def test_flat_sample_logprobs_append_copy_and_decoded_tokens():
     assert [lp.decoded_token for lp in flat[0].values()] == ["a", "b", "c"]
     assert [lp.decoded_token for lp in flat[1].values()] == [None, None]
     with pytest.raises(ValueError, match="2 most likely"):
-        flat.append(1, -1.0, 1, [2], [-2.0])
+        flat.add_row(1, -1.0, 1, [2], [-2.0])
     assert len(flat) == 2
+
+
+def test_flat_logprobs_take_the_lists_edits():
+    """Client code edits a completion's logprobs as vLLM's list (open-instruct's tool loop extends one
+    turn's with the next's and with placeholder entries): append / extend / insert / item and slice
+    assignment / del / pop / += act as on the list it stands for (a TypeError or a wrong-width
+    refusal before), copies and pickles keep the edits, and the float view reads the entries given."""
+    import pickle
+    from types import SimpleNamespace
+
+    flat = nanovllm.outputs.FlatLogprobs(1, none_first=False)
+    flat.add_row(7, -2.5, 3, [4], [-0.5])
+    flat.add_row(9, -0.25, 1, [9], [-0.25])
+    entries = list(flat)
+    other = nanovllm.outputs.FlatLogprobs(0, none_first=True)
+    other.add_rows([5], [-1.5], [2])
+    filler = {8: SimpleNamespace(logprob=0.0)}
+    flat.extend(other)
+    flat.append(filler)
+    expected = entries + list(other) + [filler]
+    assert len(flat) == 5 and flat == expected and list(flat) == expected and flat[-1] is filler
+    assert flat.floats() == [{7: -2.5, 4: -0.5}, {9: -0.25}, None, {5: -1.5}, {8: 0.0}]
+    snapshot = flat.copy()
+    assert pickle.loads(pickle.dumps(flat)) == expected
+    assert flat.pop() is filler and flat.pop(2) is None and len(flat) == 3
+    flat.insert(0, None)
+    flat[1] = {1: Logprob(-1.0, 1)}
+    del flat[2]
+    flat[1:2] = [{2: Logprob(-2.0, 2)}, {3: Logprob(-3.0, 3)}]
+    flat += [filler]
+    assert flat == [None, {2: Logprob(-2.0, 2)}, {3: Logprob(-3.0, 3)}, {5: Logprob(-1.5, 2)}, filler]
+    assert snapshot == expected  # a copy keeps its own entries
+    with pytest.raises(IndexError):
+        flat[5] = None
+
+
+def test_a_completions_logprobs_extend_as_vllms_list(llm):
+    """The output objects generate returns take a client's list edits (a multi-turn loop gluing its
+    turns' logprobs together), and their dict view follows the edited entries."""
+    from types import SimpleNamespace
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    first, second = (out.outputs[0] for out in llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False))
+    glued = list(first.logprobs) + list(second.logprobs) + [{4: SimpleNamespace(logprob=0.0)}]
+    first.token_ids.extend(second.token_ids + [4])
+    first.logprobs.extend(second.logprobs)
+    first.logprobs.append({4: SimpleNamespace(logprob=0.0)})
+    assert list(first.logprobs) == glued and len(first.logprobs) == len(first.token_ids) == 7
+    assert first["logprobs"][-1] == {4: 0.0} and len(first["logprobs"]) == 7
+    assert [entry[t].logprob for entry, t in zip(first.logprobs, first.token_ids)][-1] == 0.0
 
 
 def test_a_checkpoints_other_eos_ids_stop_as_stop_token_ids(tmp_path):

@@ -69,11 +69,11 @@ def record_prompt_logprobs(spans: list[tuple[FlatLogprobs, int]], scored: RowLog
     for flat, n in spans:
         b, k = a + n, flat.k
         if k == 0:
-            flat.extend(targets[a:b], chosen[a:b], ranks[a:b])
+            flat.add_rows(targets[a:b], chosen[a:b], ranks[a:b])
         else:  # each row: the scored token, then its k most likely at places 1..k
             ids = torch.cat([torch.tensor(targets[a:b]).unsqueeze(1), scored.top_ids[a:b, :k]], 1)  # [n, 1 + k]
             lps = torch.cat([scored.chosen[a:b, None], scored.top_logprobs[a:b, :k]], 1)  # [n, 1 + k]
             places = torch.arange(1, k + 1).expand(n, k)
             rks = torch.cat([scored.ranks[a:b, None], places], 1)  # [n, 1 + k]
-            flat.extend(ids.flatten().tolist(), lps.flatten().tolist(), rks.flatten().tolist())
+            flat.add_rows(ids.flatten().tolist(), lps.flatten().tolist(), rks.flatten().tolist())
         a = b

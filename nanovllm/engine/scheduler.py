@@ -284,7 +284,7 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.logprobs is not None and logprobs is not None:
                 row = logprobs[seq.seq_id]
-                seq.logprobs.append(token, row.logprob, row.rank, row.top_ids, row.top_logprobs)
+                seq.logprobs.add_row(token, row.logprob, row.rank, row.top_ids, row.top_logprobs)
                 seq.cumulative_logprob += row.logprob
             reason = self._finish_reason(seq, token)
             if reason is not None:
