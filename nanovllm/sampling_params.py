@@ -40,6 +40,9 @@ NO_SEED = -1
 SEED_LIMIT = 2**64
 # The rules work on float32 logits: a bias beyond float32's largest value would be inf there.
 FLOAT32_MAX = 3.4028234663852886e38
+# The most samples a request may ask for (vLLM's VLLM_MAX_N_SEQUENCES default): each is a sequence the
+# engine builds when the request is added, so an unbounded n exhausts host memory there.
+MAX_N = 16384
 # repetition_penalty's smallest value, float32's smallest normal one: the rules divide float32 logits by
 # it, and a smaller one is 0 (a division by zero) or subnormal there.
 MIN_REPETITION_PENALTY = 2.0**-126
@@ -182,7 +185,8 @@ class SamplingParams:
         above LLM(max_logprobs=...) (20 unless set; -1: no cap), as vLLM's does.
     prompt_logprobs: None, k >= 0 or -1: the same for every prompt token
         (given the tokens before it; the first prompt token has None).
-    n: samples per prompt; they share the prompt's KV blocks and are returned in "outputs".
+    n: samples per prompt (at most MAX_N, vLLM's 16384); they share the prompt's KV blocks and are returned
+        in "outputs".
     presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every token
         generated so far, once / once per occurrence (0: off).
     repetition_penalty: > 0; the logit of every token of the prompt or generated so far is divided
@@ -311,6 +315,8 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name} must be >= 0, or {ALL_LOGPROBS} for the whole vocabulary, "
                                      f"got {value!r}")
         check_int("SamplingParams.n", self.n, 1)
+        if self.n > MAX_N:
+            raise ValueError(f"SamplingParams.n must be <= {MAX_N}, got {self.n!r} (vLLM's limit)")
         self._check_logits_settings()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, "

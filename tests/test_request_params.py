@@ -49,6 +49,8 @@ BAD = [
     ({"truncate_prompt_tokens": 2.0}, TypeError, "truncate_prompt_tokens must be an int"),
     ({"max_tokens": -1}, ValueError, "max_tokens must be >= 1"),
     ({"stop_token_ids": 7}, TypeError, "stop_token_ids must be a list of token ids, got 7"),
+    # vLLM's cap (VLLM_MAX_N_SEQUENCES' default): n=10**9 used to build 10**9 sequences (the process was OOM-killed)
+    ({"n": 16385}, ValueError, "n must be <= 16384, got 16385"),
 ]
 
 
