@@ -267,8 +267,9 @@ class SamplingParams:
         if self.seed == NO_SEED:
             self.seed = None
         _check_float("temperature", self.temperature)
-        if self.temperature < 0 or math.isinf(self.temperature):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:  # the sampler divides float32 logits by it
+            raise ValueError(f"SamplingParams.temperature must be finite in float32 and >= 0 (<= {FLOAT32_MAX:.3g}), "
+                             f"got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("SamplingParams.temperature %r is below %r, where logits / temperature overflow: "
                            "raised to %r (vLLM's rule; 0 is greedy)", self.temperature, MIN_TEMPERATURE,

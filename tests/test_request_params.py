@@ -51,6 +51,8 @@ BAD = [
     ({"stop_token_ids": 7}, TypeError, "stop_token_ids must be a list of token ids, got 7"),
     # vLLM's cap (VLLM_MAX_N_SEQUENCES' default): n=10**9 used to build 10**9 sequences (the process was OOM-killed)
     ({"n": 16385}, ValueError, "n must be <= 16384, got 16385"),
+    # past float32's largest value the sampler's temperature was inf (a RuntimeWarning from the step's packing)
+    ({"temperature": 1e39}, ValueError, r"temperature must be finite in float32 .* got 1e\+39"),
 ]
 
 
