@@ -208,6 +208,20 @@ BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"hidden_size": 4001}, "no head_dim, and hidden_size=4001 is not a multiple of num_attention_heads=32"),
+    # shapes the engine used to build and then fail on deep inside (a torch RuntimeError at start-up or in
+    # the first step), or read silently wrong (1.5 positions as 1, a string through int())
+    ({"vocab_size": -5}, r"vocab_size must be a positive int, got -5"),
+    ({"num_hidden_layers": "two"}, r"num_hidden_layers must be a positive int, got 'two'"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers must be a positive int, got 0"),
+    ({"num_attention_heads": 0}, r"num_attention_heads must be a positive int, got 0"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads=32 is not a multiple of num_key_value_heads=3"),
+    ({"intermediate_size": True}, r"intermediate_size must be a positive int, got True"),
+    ({"head_dim": -64}, r"head_dim must be a positive int, got -64"),
+    ({"max_position_embeddings": 1.5}, r"max_position_embeddings must be a positive int, got 1.5"),
+    ({"max_position_embeddings": -1}, r"max_position_embeddings must be a positive int, got -1"),
+    ({"rms_norm_eps": -1}, r"rms_norm_eps must be a positive finite number, got -1"),
+    ({"eos_token_id": "x"}, r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got 'x'"),
+    ({"eos_token_id": [1, -1]}, r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got \[1, -1\]"),
 ])
 def test_config_refusals_name_the_value(change, message):
     with pytest.raises(ValueError, match=message):

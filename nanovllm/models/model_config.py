@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -165,27 +166,34 @@ class ModelConfig:
         partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         if "original_max_position_embeddings" in raw:
             rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-        positions = int(raw.get("max_position_embeddings", _DEFAULT_POSITIONS_OF.get(architecture, _DEFAULT_POSITIONS)))
+        positions = _positive_int(raw, "max_position_embeddings", source,
+                                  _DEFAULT_POSITIONS_OF.get(architecture, _DEFAULT_POSITIONS))
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         if dtype_name not in DTYPES:
             raise ValueError(f"{source}: unsupported dtype {dtype_name!r}")
+        rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
+        if (isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float))
+                or not 0 < rms_norm_eps < math.inf):
+            raise ValueError(f"{source}: rms_norm_eps must be a positive finite number, got {rms_norm_eps!r}")
         try:
-            heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            heads = _positive_int(raw, "num_attention_heads", source)
+            hidden = _positive_int(raw, "hidden_size", source)
+            kv_heads = _positive_int(raw, "num_key_value_heads", source, heads)
+            if heads % kv_heads:  # each KV head serves a whole group of query heads
+                raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                 f"num_key_value_heads={kv_heads}")
             return cls(
                 architecture=architecture,
-                vocab_size=int(raw["vocab_size"]),
+                vocab_size=_positive_int(raw, "vocab_size", source),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                intermediate_size=_positive_int(raw, "intermediate_size", source),
+                num_hidden_layers=_positive_int(raw, "num_hidden_layers", source),
                 num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+                num_key_value_heads=kv_heads,
                 head_dim=_head_dim(raw, hidden, heads, source),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(rms_norm_eps),
                 rope_theta=float(rope_theta),
                 rope_scaling=parse_rope_scaling(rope, positions, source),
                 max_position_embeddings=positions,
@@ -193,7 +201,7 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 torch_dtype=DTYPES[dtype_name],
-                eos_token_ids=eos_ids,
+                eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), source),
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
                 sliding_window=_sliding_window(raw, source),
                 # older compressed-tensors checkpoints spell it compression_config (vLLM reads both)
@@ -272,10 +280,32 @@ def _sliding_window(raw: dict, source: str) -> int | None:
     return window
 
 
+_REQUIRED = object()  # _positive_int's default for a key config.json must set
+
+
+def _positive_int(raw: dict, key: str, source: str, default: object = _REQUIRED) -> int:
+    """config.json's `key`, an int >= 1 (`default` where it is missing or null; a required key missing is a
+    KeyError, which from_dict names); any other value a ValueError naming it."""
+    value = raw[key] if default is _REQUIRED else raw.get(key)
+    if value is None and default is not _REQUIRED:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _eos_token_ids(eos: object, source: str) -> tuple[int, ...]:
+    """config.json's eos_token_id (an id, a list of them, or null) as a tuple of ids."""
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"{source}: eos_token_id must be a token id (an int >= 0) or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
 def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:
     """config.json's head_dim, or hidden_size / num_attention_heads when it has none (Llama 3.1)."""
     if raw.get("head_dim"):
-        return int(raw["head_dim"])
+        return _positive_int(raw, "head_dim", source)
     if heads <= 0 or hidden % heads:
         raise ValueError(f"{source}: no head_dim, and hidden_size={hidden} is not a multiple of "
                          f"num_attention_heads={heads}")
