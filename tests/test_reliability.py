@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -175,6 +176,21 @@ def test_bad_checkpoints(tmp_path, ckpt):
     rewrite_config(bad, architectures=["Qwen3ForCausalLM"], num_attention_heads=None)
     with pytest.raises(ValueError, match="num_attention_heads"):
         cpu_llm(bad)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused_at_start_up(tmp_path):
+    """An EOS id of config.json or generation_config.json past the vocabulary: refused by LLM(...) naming it
+    (the engine used to start and then refuse every request, blaming SamplingParams.stop_token_ids)."""
+    path = build_checkpoint(str(tmp_path / "eos"), TinyShape())
+    rewrite_config(path, eos_token_id=[0, VOCAB])
+    with pytest.raises(ValueError, match=rf"EOS token id {VOCAB} \(config.json's eos_token_id\) is outside the model's "
+                                         rf"vocabulary \[0, {VOCAB}\)"):
+        cpu_llm(path, kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=8)
+    rewrite_config(path, eos_token_id=0)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [0, VOCAB + 5]}, f)
+    with pytest.raises(ValueError, match=rf"EOS token id {VOCAB + 5} \(generation_config.json's eos_token_id\)"):
+        cpu_llm(path, kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=8)
 
 
 _OPTIMIZED_SCRIPT = """

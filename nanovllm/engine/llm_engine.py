@@ -97,6 +97,9 @@ class LLMEngine:
         # generation_config.json's keys: the EOS ids below, and generate()'s defaults (nanovllm.llm)
         self.generation_values = read_generation_config(cfg.generation_dir)
         self.detokenizer = Detokenizer(self.tokenizer)
+        # checked before any model or worker exists: an EOS id outside the vocabulary is refused here
+        eos = load_eos_token_ids(self.tokenizer, cfg.model_config.eos_token_ids,
+                                 self.generation_values.get("eos_token_id"), cfg.model_config.vocab_size)
         # Ranks 1..N-1 run in spawned processes; this process is rank 0. An engine collected
         # without exit() still stops them and leaves the process group (close is idempotent).
         self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
@@ -109,8 +112,6 @@ class LLMEngine:
             raise
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        eos = load_eos_token_ids(self.tokenizer, cfg.model_config.eos_token_ids,
-                                 self.generation_values.get("eos_token_id"))
         self.eos_token_ids = eos.all
         self._eos_stop_ids = eos.others  # each request's stop_token_ids gain them (vLLM's rule; EosTokens)
         self.scheduler = Scheduler(

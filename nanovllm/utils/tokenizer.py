@@ -19,12 +19,12 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _as_ids(value) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}
+def _as_ids(value, source: str) -> set[int]:
+    """An eos_token_id (None, an id or a list of them) as a set of ids; ValueError naming `source` otherwise."""
+    ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise ValueError(f"{source} must be a token id or a list of them, got {value!r}")
+    return set(ids)
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,21 @@ class EosTokens:
         return self.all - {self.primary}
 
 
-def load_eos_token_ids(tokenizer, config_eos: tuple[int, ...], generation_eos) -> EosTokens:
+def load_eos_token_ids(tokenizer, config_eos: tuple[int, ...], generation_eos, vocab_size: int) -> EosTokens:
     """Every EOS id of the tokenizer, config.json and `generation_eos`, the eos_token_id (an int, a
-    list or None) of the generation_config.json that LLM(generation_config=...) reads (vLLM's rule)."""
-    ids = set(config_eos) | _as_ids(generation_eos)
+    list or None) of the generation_config.json that LLM(generation_config=...) reads (vLLM's rule).
+    An id outside the model's vocabulary [0, vocab_size) is a ValueError naming where it came from
+    (every request would take it among its stop_token_ids, which the engine checks against it)."""
+    generation = "generation_config.json's eos_token_id"
+    sources = {"config.json's eos_token_id": set(config_eos), generation: _as_ids(generation_eos, generation)}
     primary = None
     if tokenizer is not None:
-        ids |= _as_ids(tokenizer.eos_token_id)
+        sources["the tokenizer's eos_token_id"] = _as_ids(tokenizer.eos_token_id, "the tokenizer's eos_token_id")
         if isinstance(tokenizer.eos_token_id, int):
             primary = tokenizer.eos_token_id
-    return EosTokens(primary, frozenset(ids))
+    for source, ids in sources.items():
+        bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+        if bad:
+            raise ValueError(f"EOS token id {bad[0]} ({source}) is outside the model's vocabulary [0, {vocab_size}) "
+                             "(vocab_size in config.json)")
+    return EosTokens(primary, frozenset().union(*sources.values()))
