@@ -216,6 +216,20 @@ def test_content_format_follows_the_template(bos_llm):
     assert bos_llm.is_finished()
 
 
+@pytest.mark.parametrize("template,index,words", [
+    # a template's own refusal (Qwen's and Llama's raise_exception), a syntax error, an undefined read
+    ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System first? No.') }}{% endif %}", 1,
+     "System first"),
+    ("{% for m in messages %}", 0, "Unexpected end of template"),
+    ("{{ messages[3]['content'] }}", 0, "no element 3"),
+], ids=["raise_exception", "syntax", "undefined"])
+def test_a_template_error_is_a_value_error_naming_the_conversation(bos_llm, template, index, words):
+    """As vLLM turns them (jinja2's errors were raised as they were, not a ValueError)."""
+    with pytest.raises(ValueError, match=f"conversation {index}: the chat template failed: .*{words}"):
+        bos_llm.chat([FIRST, SECOND], GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert bos_llm.is_finished() and len(bos_llm.chat(FIRST, GREEDY, use_tqdm=False)) == 1
+
+
 def test_a_template_given_serves_a_tokenizer_without_one(tmp_path):
     path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
     llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)

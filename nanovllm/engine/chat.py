@@ -9,7 +9,8 @@ for a template that loops over a message's content, else "string" (`detect_conte
 `chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
-second one. The rendered text is the output's `prompt`.
+second one. The rendered text is the output's `prompt`. A template that fails (its syntax, an undefined
+read, its own raise_exception) is a ValueError naming the conversation, as vLLM's.
 """
 
 from __future__ import annotations
@@ -170,8 +171,13 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
         template = kwargs["chat_template"] or tokenizer.chat_template
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
     conversations = as_conversations(messages, content_format)
+    from jinja2 import TemplateError  # transformers' templates are jinja2's (loaded with transformers)
+
     prompts = []
-    for conversation in conversations:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+    for i, conversation in enumerate(conversations):
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+        except TemplateError as e:  # its syntax, an undefined read, or its own raise_exception (vLLM: a ValueError)
+            raise ValueError(f"conversation {i}: the chat template failed: {type(e).__name__}: {e}") from e
         prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
     return prompts
