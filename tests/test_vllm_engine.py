@@ -74,6 +74,13 @@ def test_bad_engine_requests_are_refused(llm):
             engine.add_request("b", [4, 5], GREEDY, priority=1)
         with pytest.raises(ValueError, match="lora_request"):
             engine.add_request("b", [4, 5], GREEDY, lora_request="adapter")
+        # not ids of this API: refused naming them (an int raised "'int' object is not iterable"; an int
+        # in a list was skipped, so the caller's abort silently dropped nothing)
+        with pytest.raises(TypeError, match=r"abort_request takes a request id \(a str\) or an iterable .* got 7"):
+            engine.abort_request(7)
+        with pytest.raises(TypeError, match="got 0"):
+            engine.abort_request(["a", 0])
+        assert engine.get_num_unfinished_requests() == 1  # refused before anything was aborted
     finally:
         engine.abort_request("a")
     assert not engine.has_unfinished_requests()

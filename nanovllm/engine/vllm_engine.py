@@ -241,9 +241,13 @@ class VllmEngine:
     @one_call_at_a_time
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop the pending requests of these caller ids (vLLM's: a list; one str too); ids of no
-        pending request are ignored."""
-        names = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ours = [self._names.pop(n) for n in names if isinstance(n, str) and n in self._names]
+        pending request are ignored, anything but a str is refused (TypeError) before any is dropped."""
+        many = isinstance(request_ids, Iterable) and not isinstance(request_ids, (str, bytes))
+        names = list(request_ids) if many else [request_ids]
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"abort_request takes a request id (a str) or an iterable of them, got {bad[0]!r}")
+        ours = [self._names.pop(n) for n in names if n in self._names]
         for i in ours:
             del self._ids[i]
             self._streams.forget(i)
