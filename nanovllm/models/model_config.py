@@ -280,14 +280,11 @@ def _sliding_window(raw: dict, source: str) -> int | None:
     return window
 
 
-_REQUIRED = object()  # _positive_int's default for a key config.json must set
-
-
-def _positive_int(raw: dict, key: str, source: str, default: object = _REQUIRED) -> int:
-    """config.json's `key`, an int >= 1 (`default` where it is missing or null; a required key missing is a
-    KeyError, which from_dict names); any other value a ValueError naming it."""
-    value = raw[key] if default is _REQUIRED else raw.get(key)
-    if value is None and default is not _REQUIRED:
+def _positive_int(raw: dict, key: str, source: str, default: int | None = None) -> int:
+    """config.json's `key`, an int >= 1: with a default, that where the key is missing or null; without, the
+    key is required (missing: a KeyError, which from_dict names). Any other value a ValueError naming it."""
+    value = raw[key] if default is None else raw.get(key)
+    if value is None and default is not None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: {key} must be a positive int, got {value!r}")
