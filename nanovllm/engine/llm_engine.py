@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -53,6 +54,8 @@ from nanovllm.utils.loader import weight_chunks
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
 __all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
+
+logger = logging.getLogger(__name__)
 
 # Engines not yet exited, held weakly: the interpreter's exit closes them (their tensor-parallel
 # workers above all), while a dropped engine stays collectable (atexit.register(self.exit)
@@ -350,11 +353,14 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's LLM.sleep (engine/sleep.py): frees the KV cache, the CUDA graphs and the prefix
         cache, and the weights: level 1 to host memory, level 2 discarded (zeros after wake_up until
-        update_weights). Refused while requests are pending or anything sleeps already."""
+        update_weights). Refused while requests are pending. While anything sleeps it does nothing but
+        warn, as vLLM's (RL frameworks may call it twice; what a first sleep kept stays kept)."""
         self._check_open()
         level = sleep_level(level)
         if self.model_runner.sleeping:
-            raise RuntimeError(f"sleep() called while already asleep ({self._sleep_state()}): wake_up() first")
+            logger.warning("sleep(level=%d) called while already asleep (%s): nothing to do", level,
+                           self._sleep_state())
+            return
         if not self.is_finished():
             raise RuntimeError("sleep() called while requests are pending; finish or abort them first")
         self._on_every_rank("sleep", level)
