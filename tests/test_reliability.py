@@ -577,6 +577,9 @@ def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
             assert llm.generate(prompts, GREEDY, use_tqdm=False) == before
             assert llm.block_manager.num_prefix_hit_blocks > hits  # the cache was kept: nothing changed
             hits = llm.block_manager.num_prefix_hit_blocks
+        for bad in (None, 3):  # not an iterable of pairs at all
+            with pytest.raises(TypeError, match=f"weights must be an iterable of .name, tensor. pairs, got {bad}"):
+                llm.update_weights(bad)
         llm.update_weights(new)
         assert llm.generate(prompts, GREEDY, use_tqdm=False) != before
     finally:

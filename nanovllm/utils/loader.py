@@ -179,7 +179,10 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
     """The pairs update_weights is to copy, in the chunks it checks and copies one at a time: all
     of them at once when they are held already (a list, tuple or dict view: one check before any
     change), else (a generator, as verl's all-gathering sync yields) chunks of about `max_bytes`,
-    so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too)."""
+    so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too).
+    Anything not iterable is a TypeError naming it."""
+    if not isinstance(named_tensors, Iterable):
+        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {named_tensors!r:.200}")
     if isinstance(named_tensors, Collection):
         yield list(named_tensors)
         return
