@@ -173,6 +173,7 @@ def test_max_model_len_past_the_served_positions_is_refused(yarn_qwen3):
     ({**YARN, "beta_fast": 1, "beta_slow": 32}, "yarn rope needs beta_fast > beta_slow > 0"),
     ({**YARN, "attention_factor": 0}, "yarn rope attention_factor must be > 0, got 0"),
     ({**YARN, "original_max_position_embeddings": -5}, "yarn rope original_max_position_embeddings must be > 0"),
+    ("x", "rope_scaling must be an object .or null., got 'x'"),
 ])
 def test_bad_scalings_are_refused_naming_the_value(rope, message):
     with pytest.raises(ValueError, match=message):

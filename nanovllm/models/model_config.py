@@ -159,6 +159,9 @@ class ModelConfig:
         # original_max_position_embeddings over the dict's (Phi-3's spelling), else
         # max_position_embeddings where neither sets it.
         parameters = raw.get("rope_parameters") or {}
+        for key, value in (("rope_parameters", parameters), ("rope_scaling", raw.get("rope_scaling") or {})):
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: {key} must be an object (or null), got {value!r:.200}")
         rope = dict(raw.get("rope_scaling") or parameters)
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", parameters.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
