@@ -204,3 +204,16 @@ def test_a_stop_token_that_completes_a_stop_string_kept_in_the_output(llm):
     plain = SamplingParams(max_tokens=5, logit_bias={the: 100.0}, stop_token_ids=[the], stop=["he"])
     c = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0]
     assert (c.token_ids, c.stop_reason, c.text) == ([the], the, "")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stops_completed_by_one_token_the_first_listed_wins(llm, include):
+    """vLLM's check_stop_strings: of the stop strings found in a step's new text, the first one in
+    `stop`'s order ends the request (stop_reason) and cuts the text, wherever the others start.
+    (nanovllm took the one starting earliest: " quick" with stop=["ck", "qu"] gave " ", "qu".)"""
+    [quick] = llm.tokenizer.encode(" quick", add_special_tokens=False)
+    for stop, cut in ((["ck", "qu"], " qui"), (["qu", "ck"], " ")):
+        params = SamplingParams(max_tokens=3, logit_bias={quick: 100.0}, stop=stop, include_stop_str_in_output=include)
+        c = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        text = cut + stop[0] if include else cut
+        assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([quick], "stop", stop[0], text), stop

@@ -12,7 +12,8 @@ len(longest stop) - 1 characters before the new text as well; only a match that 
 text counts, so an occurrence already seen (one the first min_tokens tokens held, which did not end
 the request) is not found again while it sits in that tail. Output text is cut at the first stop
 string of the full text once the request ends (before it, or after it with
-include_stop_str_in_output; Request.output).
+include_stop_str_in_output; Request.output): when several end in the text of the step that ended
+it, the first of them in `stop`'s order, wherever the others start (vLLM's check_stop_strings).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class StopStringMatcher:
 
 
 def cut_at_stop(text: str, stops: list[str], include: bool = False, after: int = 0) -> tuple[str, str | None]:
-    """(text up to its first stop string ending past character `after`, that string): the text ends
-    before it, or after it when `include`; (text, None) if none occurs. Among stops found at the same
-    place the first listed wins. `after`: the length of the text of the first min_tokens tokens."""
-    hits = [(i, n, stop) for n, stop in enumerate(stops) if (i := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
-    if not hits:
-        return text, None
-    index, _, stop = min(hits)
-    return text[: index + len(stop) if include else index], stop
+    """(text up to the first of `stops`, in their order, that occurs ending past character `after`,
+    that string): the text ends before its first such occurrence, or after it when `include`;
+    (text, None) if none occurs. `text` is that of a request a stop string ended, so every stop
+    found here ends in the text of its last step, and the first listed is the one vLLM takes (not
+    the one starting first). `after`: the length of the text of the first min_tokens tokens."""
+    for stop in stops:
+        index = text.find(stop, max(0, after - len(stop) + 1))
+        if index >= 0:
+            return text[: index + len(stop) if include else index], stop
+    return text, None
