@@ -166,8 +166,9 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick each next token of one request.
 
-    temperature: 0 is greedy (argmax); above it, samples from softmax(logits / temperature), a
-        temperature below MIN_TEMPERATURE being raised to it (with a warning), as vLLM does.
+    temperature: 0 is greedy (argmax; top_k, top_p and min_p are then set off, as vLLM sets them);
+        above it, samples from softmax(logits / temperature), a temperature below MIN_TEMPERATURE
+        being raised to it (with a warning), as vLLM does.
     top_k: keep the k most likely tokens (0 or -1: off).
     top_p: keep the smallest set of tokens whose probability sums to >= top_p (1.0: off).
     min_p: drop tokens with probability < min_p * max probability (0.0: off).
@@ -284,6 +285,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
+        if self.temperature == 0:  # greedy: the filters off, as vLLM sets them (a later temperature samples unfiltered)
+            self.top_k, self.top_p, self.min_p = 0, 1.0, 0.0
         if self.seed is not None:
             check_seed("SamplingParams.seed", self.seed)
         if self.max_tokens is not None:

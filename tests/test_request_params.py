@@ -265,3 +265,20 @@ def test_older_and_plugin_fields_as_vllm_clients_pass_them(llm):
     edited.extra_args = "x"  # checked again when a request is added
     with pytest.raises(TypeError, match="extra_args must be a dict"):
         llm.generate(prompt, edited, use_tqdm=False)
+
+
+def test_temperature_zero_turns_the_filters_off_as_vllm_does(llm):
+    """vLLM's SamplingParams: temperature 0 (greedy) sets top_k 0, top_p 1.0 and min_p 0.0 when made
+    (after checking them), so a request whose temperature is raised afterwards samples unfiltered.
+    (nanovllm kept them: raised to 1.0, such a request sampled among the top 3 tokens.)"""
+    greedy = SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.2, seed=3, max_tokens=6, ignore_eos=True)
+    assert (greedy.top_k, greedy.top_p, greedy.min_p) == (0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(temperature=0, top_p=0.0)
+    greedy.temperature = 1.0
+    plain = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    filtered = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, min_p=0.2, seed=3, max_tokens=6, ignore_eos=True)
+    prompts = make_prompts(12, 3, 5, 12)
+    edited, unfiltered, kept = ([o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+                                for p in (greedy, plain, filtered))
+    assert edited == unfiltered != kept
