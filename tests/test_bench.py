@@ -9,6 +9,7 @@ model module built on the meta device.
 """
 
 import ast
+import json
 import os
 import random
 import shlex
@@ -78,6 +79,44 @@ def test_no_cuda_exits_with_one_line():
     assert len(lines) == 1, proc.stderr
     assert "CUDA" in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# benchmarks/ modules whose main drives bench.py runs in fresh processes (bench.py checks for CUDA itself);
+# each other module with a main measures on the GPU.
+NOT_GPU_ONLY = {"benchmarks.engine.variants", "benchmarks.engine.compare", "benchmarks.engine.bench_process"}
+# The arguments a module requires before it gets as far as its CUDA check.
+REQUIRED_ARGS = {"benchmarks.engine.bench_structured": ["--tokenizer", "nanovllm/default_model"]}
+
+
+def test_every_gpu_benchmark_exits_with_one_line_without_cuda():
+    """benchmarks/README.md: without a CUDA device each script says so and exits, rather than a
+    traceback from torch.cuda or minutes of the GPU workload run on the CPU (profile_step,
+    profile_mixed and compile_watch used to start the 0.6B engine on the CPU; bench_kernels,
+    bench_gemm, bench_kv_spread and bench_fused raised torch's AssertionError)."""
+    names = [module_name(p) for p in BENCHMARK_MODULES
+             if "def main(" in p.read_text() and module_name(p) not in NOT_GPU_ONLY]
+    assert "benchmarks.engine.profile_step" in names and "benchmarks.kernels.bench_kernels" in names
+    code = (
+        "import importlib, json, sys\n"
+        "for name, args in json.loads(sys.argv[1]):\n"
+        "    sys.argv = [name, *args]\n"
+        "    try:\n"
+        "        importlib.import_module(name).main()\n"
+        "    except SystemExit as exc:\n"
+        "        print(json.dumps([name, exc.code]))\n"
+        "    else:\n"
+        "        print(json.dumps([name, 'returned']))\n"
+    )
+    todo = json.dumps([[name, REQUIRED_ARGS.get(name, [])] for name in names])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", code, todo], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exits = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+    assert sorted(exits) == sorted(names), proc.stdout
+    for name, message in exits.items():
+        assert isinstance(message, str) and "CUDA" in message and "\n" not in message, (name, message)
 
 
 @pytest.mark.parametrize("name, group", [

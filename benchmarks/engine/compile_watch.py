@@ -13,7 +13,7 @@ import time
 
 import triton
 
-from benchmarks.harness.engine_options import add_model_options
+from benchmarks.harness.engine_options import add_model_options, require_cuda
 from benchmarks.harness.runs import run_engine, warm_up
 from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
 from nanovllm import LLM
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    require_cuda("compile_watch", "the Triton kernels a GPU run compiles")
     log = CompileLog()
     triton.knobs.runtime.jit_post_compile_hook = log
     llm = LLM(args.model, load_format=args.load_format)

@@ -14,7 +14,7 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness.engine_options import add_model_options, resolve_load_format
+from benchmarks.harness.engine_options import add_model_options, require_cuda, resolve_load_format
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--min-decode-rows", type=int, default=200)
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
+    require_cuda("profile_mixed", "CUDA kernel time")
     load_format, _ = resolve_load_format(args.load_format, args.model)
     llm = LLM(args.model, load_format=load_format, enforce_eager=args.enforce_eager)
     rng = random.Random(7)

@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness.engine_options import add_format_options, add_model_options, resolve_load_format
+from benchmarks.harness.engine_options import add_format_options, add_model_options, require_cuda, resolve_load_format
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
 
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--mixed-prompt", type=int, default=0, help="prompt tokens added to every step (0: decode steps)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="every row's (1.0: off)")
     args = ap.parse_args()
+    require_cuda("profile_step", "CUDA kernel time")
 
     load_format, _ = resolve_load_format(args.load_format, args.model)
     for eager in (True, False):

@@ -25,6 +25,7 @@ import json
 import torch
 import triton
 
+from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth
 from nanovllm.kernels.fp8_quant import RowQuant, quantize
 from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
@@ -150,6 +151,7 @@ def main():
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--fp8-silu", action="store_true", help="the FP8 SiLU-and-mul table only")
     args = ap.parse_args()
+    require_cuda("bench_fused.py", "kernel time")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     bw = measure_bandwidth() / 1e9
     if args.fp8_silu:

@@ -28,6 +28,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth, measure_gemm_peak
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count
@@ -263,6 +264,7 @@ def main() -> None:
                                        "_scaled_mm and the W8A16 skinny GEMM, beside bf16")
     ap.add_argument("--json")
     args = ap.parse_args()
+    require_cuda("bench_gemm.py", "kernel time")
     torch.manual_seed(0)
     if args.fp8_rows:
         rows = fp8_rows_study(args.shapes.split(","), [int(m) for m in args.fp8_rows.split(",")])

@@ -20,6 +20,7 @@ import json
 import torch
 import triton
 
+from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.checks import cuda_sm_count
@@ -194,6 +195,7 @@ def main():
     ap.add_argument("--splits", action="store_true", help="only the split-count studies")
     ap.add_argument("--fp8-tiles", action="store_true", help="only the 16-bit / FP8 cache decode tile study")
     args = ap.parse_args()
+    require_cuda("bench_kernels.py", "kernel time")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     bw = measure_bandwidth() / 1e9
     res = {"hbm_GBps": bw}

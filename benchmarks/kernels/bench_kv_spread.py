@@ -14,6 +14,7 @@ import argparse
 
 import torch
 
+from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=float, default=100.0)
     ap.add_argument("--cases", default="256x1024,192x1024,128x1024,96x2048,64x2048,32x2048")
     args = ap.parse_args()
+    require_cuda("bench_kv_spread.py", "kernel time")
     bw = measure_bandwidth() / 1e9
     block_bytes = 2 * LAYERS * BLOCK * HKV * D * 2
     num_blocks = int(args.cache_gb * 1e9 // block_bytes)
