@@ -458,3 +458,58 @@ def test_the_grammar_cache_is_bounded_and_released_at_exit(tmp_path):
     finally:
         engine.exit()
     assert engine.grammars.compiler is None and engine.grammars.filler is None
+
+
+# Schemas with a keyword xgrammar 0.2.9 compiles without enforcing it (the grammar accepts the violating
+# instance): (schema, a violating instance the grammar would accept, the keyword named in the refusal).
+UNENFORCED = [
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}, [1, 1], "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1], "contains"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"type": "string", "format": "regex"}, "(unclosed", "format"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef", "maxLength"),
+    ({"not": {"type": "integer"}}, 1, "not"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, 9, "if"),
+    ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, 9, "allOf"),
+    ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "minimum"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, {"a": 1}, "dependentRequired"),
+    ({"type": "object", "properties": {"t": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     {"t": [1, 1]}, "uniqueItems"),
+]
+
+
+@pytest.mark.parametrize("schema,violating,keyword", UNENFORCED, ids=[u[2] + str(i) for i, u in enumerate(UNENFORCED)])
+def test_a_schema_keyword_xgrammar_would_not_enforce_is_refused(llm, schema, violating, keyword):
+    """vLLM's xgrammar backend refuses such schemas (has_xgrammar_unsupported_json_features; its auto mode
+    moves them to another backend): compiled as they are, the output could break the schema unnoticed."""
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(violating, schema, format_checker=jsonschema.FormatChecker())  # it breaks the schema...
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    assert xgrammar.testing._is_grammar_accept_string(grammar, json.dumps(violating))  # ...and xgrammar allows it
+    for spec in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema))):
+        refusal = rf"StructuredOutputsParams.json .*: {keyword}( '\w+')? at #\S* is not enforced by xgrammar"
+        with pytest.raises(ValueError, match=refusal):
+            llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_schemas_xgrammar_enforces_are_served(llm):
+    """Keywords xgrammar enforces are not refused, nor properties that merely share a keyword's name."""
+    schemas = [
+        {"type": "integer", "multipleOf": 7, "minimum": 10, "maximum": 30},
+        {"type": "string", "format": "date"},
+        {"type": "string", "pattern": "^[a-c]{2}$"},
+        {"allOf": [{"type": "integer", "maximum": 5, "minimum": 0}]},
+        {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": False, "maxItems": 2},
+        {"$defs": {"i": {"type": "integer", "minimum": 0, "maximum": 9}}, "$ref": "#/$defs/i", "title": "digit"},
+        {"type": "object", "properties": {"not": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "format": {"enum": ["x", "y"]}},
+         "required": ["not", "format"], "additionalProperties": False},
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                             structured_outputs=StructuredOutputsParams(json=s, disable_any_whitespace=True))
+              for s in schemas]
+    for schema, out in zip(schemas, llm.generate([PROMPTS[0]] * len(schemas), params, use_tqdm=False)):
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)

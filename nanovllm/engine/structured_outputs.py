@@ -41,6 +41,22 @@ MASK_FILL_THREADS = "auto"
 GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024
 # vLLM's json_object: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# JSON schema keywords whose values are schemas, lists of schemas, or maps of names to schemas (walked to
+# find keywords xgrammar does not enforce; other values, such as enum's or const's, are data).
+SCHEMA_KEYWORDS = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+                   "propertyNames", "contains", "not", "if", "then", "else")
+SCHEMA_LIST_KEYWORDS = ("items", "prefixItems", "allOf", "anyOf", "oneOf")
+SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords xgrammar (0.2.9) compiles without enforcing them: its grammar accepts instances that break them
+# (tests/test_structured_outputs.py shows each). vLLM's xgrammar backend refuses them too.
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+                       "dependentRequired", "dependentSchemas")
+# String formats xgrammar enforces (its JSON schema converter's list, as vLLM's STRING_SUPPORTED_FORMATS).
+XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# Keywords beside a $ref that constrain nothing (xgrammar drops every sibling of a $ref).
+REF_NEUTRAL_KEYWORDS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
+                                  "description", "default", "examples"})
 
 
 def import_xgrammar():
@@ -55,6 +71,46 @@ def import_xgrammar():
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def unenforced_keyword(schema: object, path: str = "#") -> str | None:
+    """The first keyword of JSON schema `schema` that xgrammar would compile without enforcing, as
+    "keyword at path" (None: every constraint is enforced). vLLM's xgrammar backend refuses such
+    schemas (its auto mode hands them to another backend); this engine has only xgrammar."""
+    if not isinstance(schema, dict):
+        return None
+    found = next((k for k in UNENFORCED_KEYWORDS if k in schema), None)
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None  # None: any
+    if schema.get("uniqueItems", False) is not False:
+        found = "uniqueItems"
+    elif "multipleOf" in schema and not (types == {"integer"} and type(schema["multipleOf"]) is int):
+        found = "multipleOf"  # xgrammar enforces it on integers only
+    elif types is None or "string" in types:
+        if "format" in schema and schema["format"] not in XGRAMMAR_FORMATS:
+            found = f"format {schema['format']!r}"
+        elif ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+            found = "minLength" if "minLength" in schema else "maxLength"  # dropped beside a pattern or format
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found = "allOf"  # xgrammar does not intersect its subschemas
+    if "$ref" in schema:
+        found = next((k for k in schema if k not in REF_NEUTRAL_KEYWORDS), found)
+    if found is not None:
+        return f"{found} at {path}"
+    for key in SCHEMA_KEYWORDS:
+        if (inner := unenforced_keyword(schema.get(key), f"{path}/{key}")) is not None:
+            return inner
+    for key in SCHEMA_LIST_KEYWORDS:
+        value = schema.get(key)
+        for i, sub in enumerate(value if isinstance(value, list) else ()):
+            if (inner := unenforced_keyword(sub, f"{path}/{key}/{i}")) is not None:
+                return inner
+    for key in SCHEMA_MAP_KEYWORDS:
+        value = schema.get(key)
+        for name, sub in (value.items() if isinstance(value, dict) else ()):
+            if (inner := unenforced_keyword(sub, f"{path}/{key}/{name}")) is not None:
+                return inner
+    return None
 
 
 class SampleGrammar:
@@ -150,6 +206,11 @@ class GrammarBackend:
         c, any_whitespace = self.compiler, not spec.disable_any_whitespace
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            unenforced = unenforced_keyword(json.loads(schema))
+            if unenforced is not None:
+                raise ValueError(f"StructuredOutputsParams.json {spec.json!r:.200}: {unenforced} is not enforced by "
+                                 "xgrammar (the output could break it unnoticed; vLLM's xgrammar backend refuses "
+                                 "it too): drop it, or check the outputs against the schema yourself")
             name, build = "json", partial(c.compile_json_schema, schema, any_whitespace=any_whitespace)
         elif spec.json_object:
             name, build = "json_object", partial(c.compile_json_schema, JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
