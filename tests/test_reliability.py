@@ -66,6 +66,22 @@ def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, prompt, exc, words)
     assert served(llm) == expected
 
 
+def test_text_whose_tokens_the_model_lacks_is_refused(tmp_path):
+    """A tokenizer larger than the model's vocabulary (the tests' 384 tokens, a 300-token model): a text
+    prompt holding a token the model lacks is refused naming it (it used to reach the embedding: an
+    IndexError on the CPU, a device-side assert on a GPU), and the engine keeps serving."""
+    path = build_checkpoint(str(tmp_path / "small_vocab"), TinyShape(vocab_size=300))
+    llm = cpu_llm(path, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
+    try:
+        text = "the scheduler batches prefill and decode steps continuously"
+        assert max(llm.get_tokenizer().encode(text)) >= 300  # the test's premise
+        with pytest.raises(ValueError, match=r"tokenizes to token id \d+, outside the model's vocabulary \[0, 300\)"):
+            llm.generate([text], GREEDY, use_tqdm=False)
+        assert llm.is_finished() and served(llm)
+    finally:
+        llm.exit()
+
+
 def test_numpy_token_ids_are_ids(llm):
     """Token ids as numpy integers (a tokenizer's or an array's elements) serve like ints."""
     import numpy as np

@@ -74,22 +74,24 @@ class PromptValidator:
             ids = self._tokenize(prompt)
             if not ids:  # e.g. whitespace under a WordPiece tokenizer without a [CLS] template
                 raise ValueError(f"prompt {prompt[:80]!r} tokenizes to no tokens")
-            return ids
-        if not isinstance(prompt, (list, tuple)):
-            raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt is an empty list of token ids")
-        ids = list(prompt)
-        # Plain ints pass at C speed (an isinstance(t, Integral) a token cost ~0.7 ms per 1,000 tokens
-        # on a CI core: time to first token); other integers (numpy's) are checked one by one.
-        if set(map(type, ids)) != {int}:
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, Integral):
-                    raise TypeError(f"prompt token ids must be ints, got {t!r}")
-            ids = [int(t) for t in ids]
+            source = f"prompt {prompt[:80]!r} tokenizes to token id"  # a tokenizer larger than the model's vocabulary
+        else:
+            if not isinstance(prompt, (list, tuple)):
+                raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt is an empty list of token ids")
+            ids = list(prompt)
+            # Plain ints pass at C speed (an isinstance(t, Integral) a token cost ~0.7 ms per 1,000 tokens
+            # on a CI core: time to first token); other integers (numpy's) are checked one by one.
+            if set(map(type, ids)) != {int}:
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, Integral):
+                        raise TypeError(f"prompt token ids must be ints, got {t!r}")
+                ids = [int(t) for t in ids]
+            source = "prompt token id"
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{source} {bad}, outside the model's vocabulary [0, {self.vocab_size})")
         return ids
 
     def validate(self, prompt: object, params: SamplingParams) -> PreparedPrompt:
