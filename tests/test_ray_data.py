@@ -322,6 +322,22 @@ def test_failed_jsonl_run_leaves_an_earlier_file_as_it_was(cluster, tmp_path):
     assert dst.read_text() == '{"id": 0}\n{"id": 1}\n' and os.listdir(tmp_path) == ["out.jsonl"]
 
 
+def test_jsonl_output_writes_missing_and_non_finite_numbers_as_null(cluster, tmp_path):
+    """A number column some input lines lack comes out of map_batches' numpy batches as NaN (Arrow's
+    numpy conversion of nulls); the single-file writer writes it, and any other NaN / infinity, as
+    JSON's null, as Ray Data's write_json does: `NaN` and `Infinity` are not JSON."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": 0, "score": 1}\n{"id": 1}\n')
+    ds = ray.data.read_json(str(src)).map_batches(lambda b: {**b, "lp": [[-float("inf"), 0.5]] * len(b["id"])})
+    assert write_jsonl(ds, str(dst)) == 2
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in dst.read_text().splitlines()]
+    assert [(r["id"], r["score"], r["lp"]) for r in rows] == [(0, 1, [None, 0.5]), (1, None, [None, 0.5])]
+
+
 def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_path):
     """check_resources against each node's CPUs and GPUs (a replica's are on one node; one CPU more
     for reading and writing); the command, on this cluster of 3 CPUs and 2 GPUs, stops at once

@@ -10,7 +10,8 @@ are copied to the output line, which adds generated_text, generated_token_ids an
 
 Output layout: an --output path ending in .jsonl or .json is one file, its lines in the input's
 order (the driver writes the rows as they arrive, to a temporary file beside it that replaces it
-once all are written: a failed run leaves an earlier file as it was); any other path (a
+once all are written: a failed run leaves an earlier file as it was; NaN and infinities as null,
+as write_json writes them); any other path (a
 directory, a cloud URI) gets Ray Data's write_json layout: a directory of JSON-lines files, one
 per block, in no set order.
 Ray: `ray.init()` joins the cluster that `ray start` made on this node (or RAY_ADDRESS names), else
@@ -128,6 +129,29 @@ def json_value(value):
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
+def finite_or_null(value):
+    """`value` (a row's plain Python or numpy values) with every NaN and infinity, at any depth, as
+    None: JSON has no such numbers, and a number column that some input lines lack comes out of
+    map_batches' numpy batches as NaN. Ray Data's write_json (pandas') writes them as null too."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def json_line(row: dict) -> str:
+    """One row as a line of strict JSON (non-finite numbers as null: finite_or_null)."""
+    try:  # the common row has no NaN: written without walking it
+        return json.dumps(row, ensure_ascii=False, allow_nan=False, default=json_value)
+    except ValueError:
+        return json.dumps(finite_or_null(row), ensure_ascii=False, allow_nan=False, default=json_value)
+
+
 def write_jsonl(ds: ray.data.Dataset, path: str) -> int:
     """Every row of `ds` as one JSON line of `path`, in the dataset's order; returns the row count.
     The lines go to a new temporary file beside `path`, which replaces it once the last row is
@@ -138,7 +162,7 @@ def write_jsonl(ds: ray.data.Dataset, path: str) -> int:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for row in ds.iter_rows():
-                f.write(json.dumps(dict(row), ensure_ascii=False, default=json_value) + "\n")
+                f.write(json_line(dict(row)) + "\n")
                 rows += 1
         os.chmod(partial, 0o666 & ~current_umask())  # mkstemp's file is private: the output is as open() makes it
         os.replace(partial, path)
