@@ -52,6 +52,8 @@ CLUSTER_GPUS = 2
 # Object store of the test cluster: the rows are tiny (Ray's minimum is 75 MiB).
 OBJECT_STORE_BYTES = 100 * 2**20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The shipped tiny model: its tokenizer has a chat template (the test checkpoints' has none).
+DEFAULT_MODEL = os.path.join(REPO, "nanovllm", "default_model")
 # Per-row overrides as JSON lines write them: lists, nested dicts whose keys differ from row to row
 # (Arrow gives each row all of them), ints that other rows lack (Arrow makes them floats),
 # logit_bias keyed by JSON's strings; a row without overrides.
@@ -195,10 +197,11 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
         sampling_params_of("greedy")
     predictor = LLMPredictor(**predictor_kwargs(ckpt))  # in this process: the driver holds no GPU
     try:
-        with pytest.raises(ValueError, match=r"row 0 .*: a row needs exactly one of 'prompt' \(text\) and "
-                                             r"'prompt_token_ids', got \['prompt', 'prompt_token_ids'\]"):
+        with pytest.raises(ValueError, match=r"row 0 .*: a row needs exactly one of 'prompt' \(text\), "
+                                             r"'prompt_token_ids' and 'messages' \(a conversation\), "
+                                             r"got \['prompt', 'prompt_token_ids'\]"):
             predictor({"prompt": ["a"], "prompt_token_ids": [[1, 2]]})
-        with pytest.raises(ValueError, match=r"row 0 .*got neither"):
+        with pytest.raises(ValueError, match=r"row 0 .*got none"):
             predictor({"prompt": [None], "prompt_token_ids": [None]})
         with pytest.raises(ValueError, match=r"got columns \['text'\]"):
             predictor({"text": ["a"]})
@@ -268,6 +271,31 @@ def test_row_overrides_from_json_lines_through_arrow(cluster, ckpt, tmp_path):
         assert set(out["generated_token_ids"][3]) <= {7, 8}
         alone = predictor.llm.generate(["blocks"], predictor.params, use_tqdm=False)[0]
         assert list(out["generated_token_ids"][4]) == alone.outputs[0].token_ids
+    finally:
+        predictor.llm.exit()
+
+
+def test_messages_rows_are_rendered_with_the_chat_template(cluster, tmp_path):
+    """A `messages` column (vLLM's Ray Data chat rows: one conversation per row) as read_json hands it
+    over, beside text rows: each conversation rendered by the checkpoint's chat template, as
+    LLM.chat renders it; a malformed conversation names its row."""
+    conversations = [[{"role": "user", "content": "Reverse a list."}],
+                     [{"role": "system", "content": "You write Python.", "name": "sys"},  # Arrow gives the others "name": None
+                      {"role": "user", "content": "Read a config file."}]]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "messages": c}) + "\n" for i, c in enumerate(conversations))
+                   + json.dumps({"id": 2, "prompt": "a lazy dog"}) + "\n")
+    batch = next(iter(ray.data.read_json(str(src)).iter_batches(batch_size=3, batch_format="numpy")))
+    predictor = LLMPredictor(model=DEFAULT_MODEL, sampling_params=SAMPLING, llm_kwargs=LLM_KWARGS)
+    try:
+        out = predictor(batch)
+        chats = predictor.llm.chat(conversations, SamplingParams(**SAMPLING), use_tqdm=False)
+        alone = predictor.llm.generate(["a lazy dog"], SamplingParams(**SAMPLING), use_tqdm=False)
+        assert [list(t) for t in out["generated_token_ids"]] == [o.outputs[0].token_ids for o in chats + alone]
+        with pytest.raises(ValueError, match=r"row 1 of the batch .*: conversation 0, message 0 has no 'role'"):
+            predictor({"messages": [[{"role": "user", "content": "hi"}], [{"content": "hi"}]]})
+        with pytest.raises(ValueError, match=r"row 0 .*got \['prompt', 'messages'\]"):
+            predictor({"prompt": ["a"], "messages": [[{"role": "user", "content": "hi"}]]})
     finally:
         predictor.llm.exit()
 

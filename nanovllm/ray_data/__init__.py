@@ -3,7 +3,7 @@
     import ray.data
     from nanovllm.ray_data import LLMPredictor
 
-    ds = ray.data.read_json("prompts.jsonl")                  # a "prompt" or "prompt_token_ids" column
+    ds = ray.data.read_json("prompts.jsonl")                  # a "prompt", "prompt_token_ids" or "messages" column
     ds = ds.map_batches(LLMPredictor, fn_constructor_kwargs=dict(model="path/to/Qwen3-0.6B",
                         sampling_params={"temperature": 0, "max_tokens": 64}),
                         compute=ray.data.ActorPoolStrategy(size=4), batch_size=256, num_gpus=1)

@@ -3,7 +3,7 @@
     python -m nanovllm.ray_data --model DIR --input prompts.jsonl --output out.jsonl --replicas 4 \\
         --temperature 0 --max-tokens 128
 
-Each input line is an object with a "prompt" (text) or "prompt_token_ids" field; its other fields
+Each input line is an object with a "prompt" (text), "prompt_token_ids" or "messages" (a chat) field; its other fields
 are copied to the output line, which adds generated_text, generated_token_ids and finish_reason
 (predictor.py). Every SamplingParams field is a flag (--max-tokens, --stop A B, --ignore-eos, ...);
 --llm-kwargs takes LLM's keywords as JSON. Ray's progress is shown while it runs.

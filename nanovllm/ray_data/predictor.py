@@ -1,8 +1,9 @@
 """LLMPredictor: one engine replica as a Ray Data callable class (`ds.map_batches(LLMPredictor, ...)`).
 
-A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text)
-or `prompt_token_ids` column, or both (JSON lines of either kind: Ray fills a row's other column
-with None; each row must hold exactly one), and optionally a `sampling_params` column: per row, a
+A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text),
+`prompt_token_ids` or `messages` (a conversation, rendered by the chat template as LLM.chat does)
+column, or several (JSON lines of mixed kinds: Ray fills a row's other columns with None; each row
+must hold exactly one), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
 them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
 may be JSON's strings). What Arrow made of such rows is undone first (row_overrides): numpy arrays
@@ -28,12 +29,17 @@ from contextlib import contextmanager
 import numpy as np
 import ray
 
+from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, field_types
 
-# The prompt columns a batch may carry (exactly one of them): text, or token ids.
+# The prompt columns a batch may carry (each row holds exactly one of them): text, token ids, or a
+# conversation (a list of {"role", "content"} dicts, as vLLM's Ray Data rows hold it), rendered by the
+# checkpoint's chat template as LLM.chat renders one.
 TEXT_COLUMN = "prompt"
 TOKEN_IDS_COLUMN = "prompt_token_ids"
+MESSAGES_COLUMN = "messages"
+PROMPT_COLUMNS = (TEXT_COLUMN, TOKEN_IDS_COLUMN, MESSAGES_COLUMN)
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length".
@@ -172,18 +178,25 @@ class LLMPredictor:
     def _row_token_ids(self, batch: Mapping[str, np.ndarray], columns: list[str], i: int,
                        params: SamplingParams) -> list[int]:
         """Row i's prompt (from its one prompt column that is not None) as token ids, checked by the
-        engine's own validator."""
+        engine's own validator; a conversation rendered as LLM.chat renders it."""
         with naming_row(batch, i):
             given = [c for c in columns if batch[c][i] is not None]
             if len(given) != 1:
-                raise ValueError(f"a row needs exactly one of {TEXT_COLUMN!r} (text) and {TOKEN_IDS_COLUMN!r}, "
-                                 f"got {given or 'neither'}")
+                raise ValueError(f"a row needs exactly one of {TEXT_COLUMN!r} (text), {TOKEN_IDS_COLUMN!r} and "
+                                 f"{MESSAGES_COLUMN!r} (a conversation), got {given or 'none'}")
             column = given[0]
             value = plain(batch[column][i])
             if column == TEXT_COLUMN and not isinstance(value, str):
                 raise TypeError(f"{TEXT_COLUMN} must hold text, got {value!r}")
             if column == TOKEN_IDS_COLUMN and not isinstance(value, (list, tuple)):
                 raise TypeError(f"{TOKEN_IDS_COLUMN} must hold lists of token ids, got {value!r}")
+            if column == MESSAGES_COLUMN:
+                if not isinstance(value, list):
+                    raise TypeError(f"{MESSAGES_COLUMN} must hold conversations (lists of message dicts), got {value!r}")
+                # without the None entries Arrow gives a message for keys other messages have ("name")
+                conversation = [json_form(m) if isinstance(m, dict) else m for m in value]
+                value = render_chat(self.llm.tokenizer, self.llm.config.tokenizer, conversation,
+                                    ChatOptions())[0]["prompt_token_ids"]
             return self.llm.validator.validate(value, params).token_ids
 
 
@@ -249,11 +262,11 @@ def naming_row(batch: Mapping[str, np.ndarray], i: int) -> Iterator[None]:
 
 
 def prompt_columns(batch: Mapping[str, np.ndarray]) -> list[str]:
-    """The batch's prompt columns (one or both); ValueError naming the columns when it has neither."""
-    present = [c for c in (TEXT_COLUMN, TOKEN_IDS_COLUMN) if c in batch]
+    """The batch's prompt columns (one or more); ValueError naming the columns when it has none."""
+    present = [c for c in PROMPT_COLUMNS if c in batch]
     if not present:
-        raise ValueError(f"a batch needs a {TEXT_COLUMN!r} (text) or {TOKEN_IDS_COLUMN!r} column, "
-                         f"got columns {sorted(batch)}")
+        raise ValueError(f"a batch needs a {TEXT_COLUMN!r} (text), {TOKEN_IDS_COLUMN!r} or {MESSAGES_COLUMN!r} "
+                         f"(a conversation) column, got columns {sorted(batch)}")
     return present
 
 
