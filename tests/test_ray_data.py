@@ -382,6 +382,9 @@ def test_replicas_the_clusters_gpus_cannot_hold_are_refused(cluster, ckpt, tmp_p
     for replicas, gpus, nodes in [(2, 0, [NodeResources(2, 0)]), (2, 1, [NodeResources(2, 2)]), (1, 0, [])]:
         with pytest.raises(ValueError, match=r"1 CPU each, one more for reading and writing|room for"):
             check_resources(replicas, gpus, nodes)
+    # CPU engines: fewer replicas is the one way out (there is no --gpus-per-replica below 0 to lower it to)
+    with pytest.raises(ValueError, match=r"room for 1 replica\(s\)\. Lower --replicas \(on an autoscaling"):
+        check_resources(2, 0, [NodeResources(2, 0)])
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"prompt": "a"}) + "\n")
     cmd = [sys.executable, "-m", "nanovllm.ray_data", "--model", ckpt, "--input", str(src),

@@ -196,12 +196,14 @@ def check_resources(replicas: int, gpus_per_replica: float, nodes: list[NodeReso
     cpus, gpus = sum(n.cpus for n in nodes), sum(n.gpus for n in nodes)
     if fit < replicas or cpus < replicas * REPLICA_CPUS + 1:
         cpu_hint = "" if gpus_per_replica else f" ({REPLICA_CPUS} CPU each, one more for reading and writing)"
-        gpu_hint = ", or pass --gpus-per-replica 0 to run the engines on CPUs" if gpus_per_replica else ""
+        # CPU engines (--gpus-per-replica 0): only fewer replicas fit
+        lower = "--replicas or --gpus-per-replica, or pass --gpus-per-replica 0 to run the engines on CPUs" \
+            if gpus_per_replica else "--replicas"
         raise ValueError(
             f"--replicas {replicas} --gpus-per-replica {gpus_per_replica:g} needs {replicas} replica(s) of "
             f"{REPLICA_CPUS} CPU and {gpus_per_replica:g} GPU(s) on one node each{cpu_hint}, but the Ray cluster's "
             f"{len(nodes)} live node(s) have {cpus:g} CPU(s) and {gpus:g} GPU(s): room for {min(fit, int(cpus) - 1)} "
-            f"replica(s). Lower --replicas or --gpus-per-replica{gpu_hint} (on an autoscaling cluster that adds the "
+            f"replica(s). Lower {lower} (on an autoscaling cluster that adds the "
             f"nodes on demand: --wait-for-nodes)")
 
 
