@@ -432,6 +432,8 @@ def test_command_refuses_bad_flags_before_ray_starts():
         parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--replicas", "0"])
     with pytest.raises(SystemExit):  # a single-file output whose folder does not exist
         parse_args(["--model", "m", "--input", "i", "--output", "no/such/folder/o.jsonl"])
+    with pytest.raises(SystemExit):  # another format's name: the output is JSON lines only
+        parse_args(["--model", "m", "--input", "i", "--output", "out.parquet"])
     args = parse_args(["--model", "m", "--input", "i", "--output", "o.jsonl", "--stop", "x", "y", "--ignore-eos",
                        "--max-tokens", "9", "--llm-kwargs", '{"max_model_len": 64}'])
     assert args.sampling_params == SamplingParams(stop=["x", "y"], ignore_eos=True, max_tokens=9)

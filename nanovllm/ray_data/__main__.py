@@ -43,6 +43,9 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, fi
 
 # --output suffixes that mean one JSON-lines file (anything else: Ray Data's directory of files).
 SINGLE_FILE_SUFFIXES = (".jsonl", ".json")
+# --output suffixes of other formats: refused (the output is JSON lines only; such a path would be a directory
+# of JSON-lines files under a name that says otherwise).
+OTHER_FORMAT_SUFFIXES = (".parquet", ".csv", ".tsv", ".arrow", ".feather")
 # Rows per generate call of a replica: enough to fill an engine's batch (bench's default workload).
 DEFAULT_BATCH_SIZE = 256
 # CPUs each replica's actor holds (Ray Data's default for an actor, set explicitly: check_resources counts it).
@@ -113,6 +116,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(str(exc))
     if not isinstance(args.llm_kwargs, dict):
         ap.error(f"--llm-kwargs must be a JSON object, got {args.llm_kwargs!r}")
+    if args.output.lower().endswith(OTHER_FORMAT_SUFFIXES):
+        ap.error(f"--output {args.output!r}: the output is JSON lines (a path ending in .jsonl / .json for one file, "
+                 f"else a directory of JSON-lines files), not {os.path.splitext(args.output)[1]!r}")
     folder = os.path.dirname(os.path.abspath(args.output))
     if args.output.endswith(SINGLE_FILE_SUFFIXES) and not os.path.isdir(folder):
         ap.error(f"--output {args.output!r}: its folder {folder!r} does not exist")
