@@ -12,8 +12,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from checkpoints import TinyShape, checkpoint_fixture, checkpoint_params_fixture, cpu_llm
+
 from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -280,3 +282,32 @@ def test_a_dropped_tp_engine_stops_its_workers(ckpt):
             os.kill(pid, 0)
     again, _ = generate(ckpt, 2)
     assert len(again) == len(PROMPTS)
+
+
+class _FrameworkTensor(torch.Tensor):
+    """A tensor subclass, as a training framework's state dict may hold (torch.load's weights_only
+    unpickler, which a worker reads its chunk with, refuses every class it has not allowed)."""
+
+
+def test_update_weights_takes_tensor_subclasses_on_every_rank(ckpt):
+    """A weight handed over as a tensor subclass reaches every rank as its plain values (rank 0
+    loaded it, then the worker died unpickling it: the ranks held different weights, and the next
+    call failed naming only a dead worker)."""
+    from checkpoints import load_reference
+
+    state = load_reference(ckpt).state_dict()
+    new = [(name, -state[name]) for name in ("model.layers.0.mlp.down_proj.weight", "model.norm.weight")]
+    single = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        single.update_weights(new)
+        expected = [o["token_ids"] for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        single.exit()
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        llm.update_weights([(name, tensor.as_subclass(_FrameworkTensor)) for name, tensor in new])
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.exit()
+    assert not mp.active_children()
+

@@ -70,14 +70,17 @@ class PackedTensors:
     """Named tensors as one byte string for the pipe (update_weights' chunks): a tensor pickled
     onto a multiprocessing pipe is moved into shared memory, the caller's own storage when it is
     on the CPU already, and passed as an open file descriptor per tensor, which piled up past
-    `ulimit -n` while a worker lagged. Bytes also make rank 0 wait for a worker reading them."""
+    `ulimit -n` while a worker lagged. Bytes also make rank 0 wait for a worker reading them.
+    Tensors go as plain torch.Tensors: a worker reads them with torch.load's weights_only
+    unpickler, which refuses a tensor subclass (a training framework's) and killed the worker
+    after rank 0 had loaded the chunk."""
 
     data: bytes
 
     @classmethod
     def pack(cls, named: list[tuple[str, torch.Tensor]]) -> PackedTensors:
         buffer = io.BytesIO()
-        torch.save([(name, tensor.detach().cpu()) for name, tensor in named], buffer)
+        torch.save([(name, tensor.detach().cpu().as_subclass(torch.Tensor)) for name, tensor in named], buffer)
         return cls(buffer.getvalue())
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
