@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from checkpoints import TinyShape, checkpoint_fixture, checkpoint_params_fixture, cpu_llm
-
 from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -33,6 +32,8 @@ shaped_ckpt = checkpoint_params_fixture(SHAPES)
 # The worker life-cycle tests do not depend on the shape: one is enough (each costs 2-20 s of
 # process start-up, twice that on the H200 host).
 ckpt = checkpoint_fixture("tied", SHAPES["tied"])
+# A vocabulary 2 ranks do not divide (383): the last rank's shards end in a padding row.
+odd_vocab_ckpt = checkpoint_fixture("untied", SHAPES["untied"])
 
 
 def generate(path, tp, **kw):
@@ -311,3 +312,28 @@ def test_update_weights_takes_tensor_subclasses_on_every_rank(ckpt):
         llm.exit()
     assert not mp.active_children()
 
+
+
+def padding_rows(model) -> list[torch.Tensor]:
+    """The rows of this rank's vocabulary shards past the vocabulary (embedding, then LM head)."""
+    rows = []
+    for layer in (model.model.embed_tokens, model.lm_head):
+        real = max(0, min(layer.shard_size, layer.vocab_size - layer.vocab_start))
+        rows.append(layer.weight[real:].clone())
+    return rows
+
+
+def test_vocab_shard_padding_is_zero_on_every_rank(odd_vocab_ckpt):
+    """A vocabulary tp does not divide (383 over 2 ranks) pads the last rank's shards with rows no
+    token has: zeros, as vLLM fills them (they were uninitialized memory, NaN at times, which
+    apply_model / collective_rpc functions summing or checking the weights saw)."""
+    llm = cpu_llm(odd_vocab_ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        for _ in range(2):  # at start-up, and after update_weights fills the shards again
+            shards = llm.apply_model(padding_rows)
+            assert [[tuple(t.shape) for t in rank] for rank in shards] == [[(0, 96)] * 2, [(1, 96)] * 2]
+            assert all(torch.equal(t, torch.zeros_like(t)) for rank in shards for t in rank)
+            llm.update_weights([(name, torch.full((383, 96), 0.5)) for name in
+                                ("model.embed_tokens.weight", "lm_head.weight")])
+    finally:
+        llm.exit()

@@ -24,11 +24,14 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = cdiv(vocab_size, self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        # Padding rows (ids >= vocab_size, on the last shard when tp does not divide the vocabulary):
+        # zeros, as vLLM's, never loaded; uninitialized memory (NaN at times) reached apply_model's functions.
+        self.weight.data[max(0, vocab_size - self.vocab_start):].zero_()
         self.weight.weight_slice = self.weight_slice
 
     def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the full [vocab, hidden] table; padding rows of the last shard
-        (ids >= vocab_size) are never read (masked in the embedding, sliced off the logits)."""
+        (ids >= vocab_size, zeros) are never read (masked in the embedding, sliced off the logits)."""
         if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(
                 f"embedding weight: expected shape ({self.vocab_size}, {param.shape[1]}), "
