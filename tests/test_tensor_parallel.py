@@ -337,3 +337,21 @@ def test_vocab_shard_padding_is_zero_on_every_rank(odd_vocab_ckpt):
                                 ("model.embed_tokens.weight", "lm_head.weight")])
     finally:
         llm.exit()
+
+
+def test_a_worker_failing_a_call_names_its_error_on_rank_0(ckpt):
+    """A worker whose part of a call raises (rank 0 sends most calls without waiting for an answer)
+    dies; rank 0's next call names that error, not only the exit code and gloo's closed connection."""
+    llm = cpu_llm(ckpt, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256)
+    try:
+        llm.workers.send("no_such_method")  # a call the worker cannot make
+        llm.workers.procs[0].join(30)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code 1\).*AttributeError.*no_such_method"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match="AttributeError.*no_such_method"):  # every later call too
+            llm.sleep()
+    finally:
+        llm.exit()
+    assert not mp.active_children()

@@ -18,7 +18,8 @@ A worker ignores SIGINT (Ctrl-C at a terminal reaches every process of its group
 decides what an interrupt does, and finishes the step it has sent before raising it
 (StepPipeline._queue, engine/step_pipeline.py), so the ranks always agree on where a step ends.
 
-A worker exits when told to, or when its pipe closes (rank 0 is gone). Rank 0
+A worker exits when told to, or when its pipe closes (rank 0 is gone), or when its part of a
+call without a reply raises: it sends the error first, and rank 0 names it. Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
 collective makes gloo fail on rank 0 (NCCL: after the group's timeout). An error on rank 0
 after the workers were sent a call (worker_errors) leaves them inside its collectives, which
@@ -33,6 +34,7 @@ import datetime
 import io
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator
@@ -115,7 +117,13 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
             if method == CALL:  # a function with a result (engine/rank_calls.py): rank 0 waits for the reply
                 conn.send_bytes(answer(args[0], runner))
                 continue
-            getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
+            try:
+                getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
+            except Exception as e:  # the worker dies of it; rank 0 reads these last words (WorkerGroup._death)
+                with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
+                    conn.send_bytes(pickle.dumps(RankOutcome(error=RuntimeError(
+                        f"its {method}() raised {type(e).__name__}: {e}"))))
+                raise
     finally:
         runner.exit()
         dist.destroy_process_group()
@@ -139,6 +147,7 @@ class WorkerGroup:
         self.sends = 0  # calls sent to the workers (worker_errors: did a failed block send one?)
         # Why the ranks no longer run the same call (set by worker_errors); None while they do.
         self.out_of_step: str | None = None
+        self.causes: dict[int, str] = {}  # rank -> ": the error it died of" (_death), once read
         for key, value in _INHERITED_ENV.items():
             os.environ.setdefault(key, value)
         ctx = mp.get_context("spawn")
@@ -186,10 +195,14 @@ class WorkerGroup:
             time.sleep(STARTUP_POLL_SECONDS)
 
     def _death(self) -> str | None:
-        """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any."""
-        for rank, proc in enumerate(self.procs, start=1):
+        """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any,
+        with the error it died of when it sent one (_worker_main)."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             if not proc.is_alive():
-                return f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode})"
+                with contextlib.suppress(EOFError, OSError):
+                    if rank not in self.causes and conn.poll(0):
+                        self.causes[rank] = f": {outcome_of(conn.recv_bytes(), rank).error}"
+                return f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode}){self.causes.get(rank, '')}"
         return None
 
     def check_alive(self) -> None:
