@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanovllm.engine.generation_defaults import check_overrides
 from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
@@ -153,6 +154,8 @@ class Config:
     # Where generate()'s default SamplingParams come from (vLLM's option): "auto" the checkpoint's
     # generation_config.json, "vllm" SamplingParams() alone, or a directory holding such a file.
     generation_config: str = "auto"
+    # generation_config keys set over it (vLLM's option), e.g. {"temperature": 0.5, "max_new_tokens": 256}.
+    override_generation_config: dict | None = None
     # What sample logprobs report (vLLM's option and names): "raw_logprobs", "raw_logits",
     # "processed_logprobs" or "processed_logits" (sampling/logprobs_mode.py).
     logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS
@@ -236,6 +239,7 @@ class Config:
         if self.generation_config not in GENERATION_CONFIG_SOURCES and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r} "
                              "(not a directory)")
+        check_overrides(self.override_generation_config)
         self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
         if not isinstance(self.kernel_routes, KernelRoutes):
             raise TypeError(f"kernel_routes must be a KernelRoutes, got {self.kernel_routes!r}")

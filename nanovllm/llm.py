@@ -44,7 +44,7 @@ class LLM(LLMEngine):
         self._vllm_engine = VllmEngine(self)
         try:
             self._default_params = default_sampling_params(self.config.generation_config, self.config.generation_dir,
-                                                          self.generation_values)
+                                                          self.generation_values, self.config.override_generation_config)
         except BaseException:
             self.exit()
             raise

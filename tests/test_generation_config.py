@@ -114,3 +114,30 @@ def test_bad_generation_configs_are_clear_errors(ckpt, tmp_path):
         write_generation_config(bad, values)
         with pytest.raises((TypeError, ValueError), match=re.escape(str(bad / "generation_config.json")) + ": "):
             cpu_llm(ckpt, generation_config=str(bad), **ENGINE)
+
+
+def test_override_generation_config_sets_keys_over_the_file_and_under_vllm(ckpt):
+    """vLLM's override_generation_config: its keys replace the file's under "auto" (the file's
+    others stay) and are the only defaults under "vllm"; max_new_tokens becomes max_tokens."""
+    overrides = {"temperature": 0.0, "max_new_tokens": 7}
+    expected = {"auto": SamplingParams(**{**APPLIED, "temperature": 0.0, "max_tokens": 7}),
+                "vllm": SamplingParams(temperature=0.0, max_tokens=7)}
+    for source, want in expected.items():
+        llm = cpu_llm(ckpt, generation_config=source, override_generation_config=overrides, **ENGINE)
+        try:
+            assert llm.get_default_sampling_params() == want
+            out = llm.generate([[3, 4, 5]], use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == llm.generate([[3, 4, 5]], want, use_tqdm=False)[0].outputs[0].token_ids
+            assert len(out.token_ids) <= 7
+        finally:
+            llm.exit()
+
+
+def test_bad_override_generation_configs_are_clear_errors(ckpt):
+    with pytest.raises(TypeError, match="override_generation_config must be None or a dict, got"):
+        LLM(ckpt, override_generation_config=[("temperature", 0.5)], device="cpu")
+    with pytest.raises(ValueError, match=r"override_generation_config keys must be among .*got \['temprature'\]"):
+        LLM(ckpt, override_generation_config={"temprature": 0.5}, device="cpu")
+    with pytest.raises(ValueError, match=r"override_generation_config over .*generation_config.json: "
+                                         r"SamplingParams.top_p must be in \(0, 1\], got 2.0"):
+        cpu_llm(ckpt, override_generation_config={"top_p": 2.0}, **ENGINE)

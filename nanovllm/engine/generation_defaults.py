@@ -5,6 +5,8 @@ Only the sampling keys the file sets count: temperature, top_k, top_p, min_p, re
 and max_new_tokens (as max_tokens); every other field keeps SamplingParams' default. They apply
 when generate / chat get no sampling_params; explicit SamplingParams are used as given. The
 file's eos_token_id is among the engine's EOS ids (utils/tokenizer.load_eos_token_ids).
+LLM(override_generation_config={...}) (vLLM's option) sets those keys over the file's, and applies
+under "vllm" too.
 """
 
 from __future__ import annotations
@@ -34,14 +36,29 @@ def read_generation_config(directory: str) -> dict:
         raise type(e)(f"{path}: {e}") from e
 
 
-def default_sampling_params(source: str, directory: str, values: dict) -> SamplingParams:
-    """The defaults for LLM(generation_config=source): "vllm" SamplingParams(); otherwise those
-    `values` (read_generation_config of `directory`, Config.generation_dir) set. Values
-    SamplingParams refuses raise ValueError / TypeError naming the file."""
-    if source == "vllm":
-        return SamplingParams()
-    overrides = {field: values[key] for key, field in GENERATION_KEYS.items() if values.get(key) is not None}
+def check_overrides(overrides: dict | None) -> None:
+    """LLM(override_generation_config=...): None or a dict of GENERATION_KEYS' keys (vLLM reads no
+    others; an unknown key, a typo most likely, would change nothing, so it is refused)."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise TypeError(f"override_generation_config must be None or a dict, got {overrides!r}")
+    unknown = sorted(map(str, set(overrides) - set(GENERATION_KEYS)))
+    if unknown:
+        raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_KEYS)}, got {unknown}")
+
+
+def default_sampling_params(source: str, directory: str, values: dict, overrides: dict | None = None) -> SamplingParams:
+    """The defaults for LLM(generation_config=source): `overrides` over those `values`
+    (read_generation_config of `directory`, Config.generation_dir) set, or over nothing under
+    "vllm" (SamplingParams() without overrides). Values SamplingParams refuses raise ValueError /
+    TypeError naming where they came from."""
+    merged = ({} if source == "vllm" else dict(values)) | (overrides or {})
+    fields = {field: merged[key] for key, field in GENERATION_KEYS.items() if merged.get(key) is not None}
     try:
-        return SamplingParams(**overrides)
+        return SamplingParams(**fields)
     except (TypeError, ValueError) as e:
-        raise type(e)(f"{os.path.join(directory, GENERATION_FILE)}: {e}") from e
+        where = "override_generation_config" if overrides else os.path.join(directory, GENERATION_FILE)
+        if overrides and source != "vllm" and values:
+            where += f" over {os.path.join(directory, GENERATION_FILE)}"
+        raise type(e)(f"{where}: {e}") from e
