@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.engine.generation_defaults import check_overrides
+from nanovllm.engine.kv_cache import blocks_in_budget, kv_block_bytes
 from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
@@ -122,6 +123,8 @@ class Config:
     prefill_graphs: bool = True
     kvcache_block_size: int = 256
     num_kvcache_blocks: int | None = None
+    # The KV cache's bytes on each GPU (vLLM's option): sizes the cache instead of gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
     device: str | None = None
     # "auto", a DTYPES name, vLLM's other spellings of them (DTYPE_ALIASES) or a torch.dtype
     dtype: str | torch.dtype = "auto"
@@ -278,6 +281,21 @@ class Config:
                 f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                 f"{torch.cuda.device_count()} visible CUDA device(s)"
             )
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+            if self.num_kvcache_blocks is not None:
+                raise ValueError("pass num_kvcache_blocks or kv_cache_memory_bytes, not both")
+            if self.kv_blocks_asked < 1:
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV cache block: one "
+                                 f"takes {kv_block_bytes(self, self.tensor_parallel_size)} bytes")
+
+    @property
+    def kv_blocks_asked(self) -> int | None:
+        """The KV cache's blocks when the user fixed them (num_kvcache_blocks, or kv_cache_memory_bytes
+        over a block's bytes on one rank); None: sized from gpu_memory_utilization."""
+        if self.kv_cache_memory_bytes is None:
+            return self.num_kvcache_blocks
+        return blocks_in_budget(self.kv_cache_memory_bytes, kv_block_bytes(self, self.tensor_parallel_size))
 
     @property
     def generation_dir(self) -> str:

@@ -513,6 +513,27 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory(checkpoint):
     assert cfg.kv_cache_torch_dtype == FP8 and Config(checkpoint).kv_cache_torch_dtype == torch.float32
 
 
+def test_kv_cache_memory_bytes_sizes_the_cache(checkpoint):
+    """vLLM's kv_cache_memory_bytes: the cache holds the blocks that fit those bytes on one rank (an FP8
+    cache, 1 byte an element, four times a float32 one's), whatever gpu_memory_utilization."""
+    block = kv_block_bytes(Config(checkpoint, kvcache_block_size=16))  # float32 on the CPU
+    for kv, per_block in (("auto", block), ("fp8", block // 4)):
+        llm = cpu_llm(checkpoint, kv_cache_dtype=kv, kvcache_block_size=16, kv_cache_memory_bytes=37 * block + 5,
+                      gpu_memory_utilization=0.01)
+        try:
+            assert llm.num_kvcache_blocks == (37 * block + 5) // per_block
+            tokens = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            assert len(tokens[0].outputs[0].token_ids) == 4
+        finally:
+            llm.exit()
+    with pytest.raises(ValueError, match=f"kv_cache_memory_bytes=100 holds no KV cache block: one takes {block} bytes"):
+        Config(checkpoint, kvcache_block_size=16, kv_cache_memory_bytes=100)
+    with pytest.raises(ValueError, match="pass num_kvcache_blocks or kv_cache_memory_bytes, not both"):
+        Config(checkpoint, num_kvcache_blocks=4, kv_cache_memory_bytes=2**30)
+    with pytest.raises(TypeError, match="kv_cache_memory_bytes"):
+        Config(checkpoint, kv_cache_memory_bytes=1.5e9)
+
+
 def test_start_up_line_names_blocks_and_dtype(checkpoint, caplog):
     with caplog.at_level(logging.INFO, logger="nanovllm.engine.model_runner"):
         cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16, num_kvcache_blocks=40).exit()

@@ -130,7 +130,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._attach_kv_cache(allocate_kv_cache(config, self.world_size, 1, self.device))
             self._warmup()
-        num_blocks = config.num_kvcache_blocks or num_blocks_from_memory(
+        num_blocks = config.kv_blocks_asked or num_blocks_from_memory(
             self.device, config.gpu_memory_utilization, block_bytes, allocated_before)
         self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
         self.kv_cache = allocate_kv_cache(config, self.world_size, self.num_blocks, self.device)
