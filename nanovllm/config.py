@@ -16,15 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.engine.generation_defaults import check_overrides
-from nanovllm.engine.kv_cache import blocks_in_budget, kv_block_bytes
 from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
-from nanovllm.sampling_params import SEED_LIMIT, check_seed
+from nanovllm.sampling_params import SEED_LIMIT, check_generation_overrides, check_seed
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 
@@ -242,7 +240,9 @@ class Config:
         if self.generation_config not in GENERATION_CONFIG_SOURCES and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r} "
                              "(not a directory)")
-        check_overrides(self.override_generation_config)
+        if self.override_generation_config is not None:
+            check_generation_overrides(self.override_generation_config)
+            self.override_generation_config = dict(self.override_generation_config)  # ours, as hf_overrides
         self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
         if not isinstance(self.kernel_routes, KernelRoutes):
             raise TypeError(f"kernel_routes must be a KernelRoutes, got {self.kernel_routes!r}")
@@ -285,17 +285,6 @@ class Config:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
             if self.num_kvcache_blocks is not None:
                 raise ValueError("pass num_kvcache_blocks or kv_cache_memory_bytes, not both")
-            if self.kv_blocks_asked < 1:
-                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV cache block: one "
-                                 f"takes {kv_block_bytes(self, self.tensor_parallel_size)} bytes")
-
-    @property
-    def kv_blocks_asked(self) -> int | None:
-        """The KV cache's blocks when the user fixed them (num_kvcache_blocks, or kv_cache_memory_bytes
-        over a block's bytes on one rank); None: sized from gpu_memory_utilization."""
-        if self.kv_cache_memory_bytes is None:
-            return self.num_kvcache_blocks
-        return blocks_in_budget(self.kv_cache_memory_bytes, kv_block_bytes(self, self.tensor_parallel_size))
 
     @property
     def generation_dir(self) -> str:

@@ -527,7 +527,7 @@ def test_kv_cache_memory_bytes_sizes_the_cache(checkpoint):
         finally:
             llm.exit()
     with pytest.raises(ValueError, match=f"kv_cache_memory_bytes=100 holds no KV cache block: one takes {block} bytes"):
-        Config(checkpoint, kvcache_block_size=16, kv_cache_memory_bytes=100)
+        cpu_llm(checkpoint, kvcache_block_size=16, kv_cache_memory_bytes=100)
     with pytest.raises(ValueError, match="pass num_kvcache_blocks or kv_cache_memory_bytes, not both"):
         Config(checkpoint, num_kvcache_blocks=4, kv_cache_memory_bytes=2**30)
     with pytest.raises(TypeError, match="kv_cache_memory_bytes"):

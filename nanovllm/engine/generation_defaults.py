@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import os
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import GENERATION_KEYS, SamplingParams
 
-# generation_config.json key -> SamplingParams field
-GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 GENERATION_FILE = "generation_config.json"
 
 
@@ -34,18 +31,6 @@ def read_generation_config(directory: str) -> dict:
         return GenerationConfig.from_pretrained(directory).to_diff_dict()
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: {e}") from e
-
-
-def check_overrides(overrides: dict | None) -> None:
-    """LLM(override_generation_config=...): None or a dict of GENERATION_KEYS' keys (vLLM reads no
-    others; an unknown key, a typo most likely, would change nothing, so it is refused)."""
-    if overrides is None:
-        return
-    if not isinstance(overrides, dict):
-        raise TypeError(f"override_generation_config must be None or a dict, got {overrides!r}")
-    unknown = sorted(map(str, set(overrides) - set(GENERATION_KEYS)))
-    if unknown:
-        raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_KEYS)}, got {unknown}")
 
 
 def default_sampling_params(source: str, directory: str, values: dict, overrides: dict | None = None) -> SamplingParams:

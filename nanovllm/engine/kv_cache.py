@@ -86,6 +86,20 @@ def num_blocks_from_memory(device: torch.device, utilization: float, block_bytes
     return num_blocks
 
 
+def num_cache_blocks(config: Config, block_bytes: int, device: torch.device, allocated_before: int = 0) -> int:
+    """The cache's blocks (call after the warm-up): num_kvcache_blocks as given, those fitting
+    kv_cache_memory_bytes (vLLM's: bytes a GPU), or gpu_memory_utilization's share (num_blocks_from_memory)."""
+    if config.num_kvcache_blocks is not None:
+        return config.num_kvcache_blocks
+    if config.kv_cache_memory_bytes is None:
+        return num_blocks_from_memory(device, config.gpu_memory_utilization, block_bytes, allocated_before)
+    num_blocks = blocks_in_budget(config.kv_cache_memory_bytes, block_bytes)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV cache block: one takes "
+                         f"{block_bytes} bytes")
+    return num_blocks
+
+
 def allocate_kv_cache(config: Config, world_size: int, num_blocks: int, device: torch.device) -> torch.Tensor:
     shape = kv_cache_shape(config, world_size, num_blocks)
     try:

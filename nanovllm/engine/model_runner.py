@@ -30,7 +30,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import (allocate_kv_cache, allocate_kv_scales, kv_block_bytes, kv_cache_shape,
-                                      num_blocks_from_memory)
+                                      num_cache_blocks)
 from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
@@ -130,8 +130,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._attach_kv_cache(allocate_kv_cache(config, self.world_size, 1, self.device))
             self._warmup()
-        num_blocks = config.kv_blocks_asked or num_blocks_from_memory(
-            self.device, config.gpu_memory_utilization, block_bytes, allocated_before)
+        num_blocks = num_cache_blocks(config, block_bytes, self.device, allocated_before)
         self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
         self.kv_cache = allocate_kv_cache(config, self.world_size, self.num_blocks, self.device)
         self._attach_kv_cache(self.kv_cache)
