@@ -118,6 +118,7 @@ def test_text_rows_match_one_engine_and_keep_their_columns(cluster, ckpt, refere
         assert (row["prompt"], row["tag"]) == (TEXTS[i], f"t{i}")
         assert list(row["generated_token_ids"]) == ref["token_ids"]
         assert (row["generated_text"], row["finish_reason"]) == (ref["text"], ref["finish_reason"])
+        assert (row["num_input_tokens"], row["num_generated_tokens"]) == (len(ref.prompt_token_ids), len(ref["token_ids"]))
         assert "logprobs" not in row
 
 

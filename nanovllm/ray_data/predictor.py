@@ -42,8 +42,9 @@ MESSAGES_COLUMN = "messages"
 PROMPT_COLUMNS = (TEXT_COLUMN, TOKEN_IDS_COLUMN, MESSAGES_COLUMN)
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
-# Columns every output batch gains: the completion's text, its token ids, "stop" | "length".
-OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason")
+# Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
+# (vLLM's Ray Data names) the prompt's token count as served and the completion's.
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens", "num_generated_tokens")
 # Columns added when a row's SamplingParams.logprobs is set (None in rows that did not ask): per
 # generated token, a list of {"token_id", "logprob"} (the sampled token first, then the k most
 # likely: the engine's order; Arrow cannot hold dicts keyed by varying ints), and the sum of the
@@ -157,6 +158,8 @@ class LLMPredictor:
         out["generated_text"] = [o["text"] for o in outputs]
         out["generated_token_ids"] = [list(o["token_ids"]) for o in outputs]
         out["finish_reason"] = [o["finish_reason"] for o in outputs]
+        out["num_input_tokens"] = [len(o.prompt_token_ids) for o in outputs]
+        out["num_generated_tokens"] = [len(o["token_ids"]) for o in outputs]
         if with_logprobs:
             asked = [p.logprobs is not None for p in params]
             out["logprobs"] = [[[{"token_id": t, "logprob": lp} for t, lp in entry.items()] for entry in o["logprobs"]]
