@@ -22,7 +22,8 @@ from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
-from nanovllm.sampling_params import SEED_LIMIT, check_generation_overrides, check_seed
+from nanovllm.sampling_params import SEED_LIMIT, check_seed
+from nanovllm.utils.generation_defaults import check_generation_overrides
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.validation import check_int
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
-from nanovllm.engine.generation_defaults import default_sampling_params
+from nanovllm.utils.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora

@@ -55,21 +55,6 @@ def check_seed(name: str, seed: object) -> None:
         raise ValueError(f"{name} must be < 2**64, got {seed!r}")
 
 
-# generation_config.json's sampling keys -> the SamplingParams fields they default (vLLM reads these six)
-GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def check_generation_overrides(overrides: object) -> None:
-    """LLM(override_generation_config=...): a dict of GENERATION_KEYS' keys (vLLM reads no others;
-    an unknown key, a typo most likely, would change nothing, so it is refused)."""
-    if not isinstance(overrides, dict):
-        raise TypeError(f"override_generation_config must be None or a dict, got {overrides!r}")
-    unknown = sorted(map(str, set(overrides) - set(GENERATION_KEYS)))
-    if unknown:
-        raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_KEYS)}, got {unknown}")
-
-
 # Types passed through as they are without the numbers ABCs' checks (~1 us each, and a request's
 # params are checked field by field when it is added: the host's cost per request).
 _AS_IS_TYPES = frozenset({bool, int, float, str, type(None), list, tuple, dict})

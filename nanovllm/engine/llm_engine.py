@@ -36,7 +36,7 @@ import torch
 from nanovllm.config import Config, ServedModel
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.generation_defaults import read_generation_config
+from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, pickled_call, results, run_call

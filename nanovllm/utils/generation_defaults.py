@@ -13,9 +13,22 @@ from __future__ import annotations
 
 import os
 
-from nanovllm.sampling_params import GENERATION_KEYS, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 
+# generation_config.json's sampling keys -> the SamplingParams fields they default (vLLM reads these six)
+GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 GENERATION_FILE = "generation_config.json"
+
+
+def check_generation_overrides(overrides: object) -> None:
+    """LLM(override_generation_config=...): a dict of GENERATION_KEYS' keys (vLLM reads no others;
+    an unknown key, a typo most likely, would change nothing, so it is refused)."""
+    if not isinstance(overrides, dict):
+        raise TypeError(f"override_generation_config must be None or a dict, got {overrides!r}")
+    unknown = sorted(map(str, set(overrides) - set(GENERATION_KEYS)))
+    if unknown:
+        raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_KEYS)}, got {unknown}")
 
 
 def read_generation_config(directory: str) -> dict:
