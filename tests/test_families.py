@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoints import (
-    LlamaShape, Qwen2Shape, build_llama_checkpoint, build_qwen2_checkpoint, build_shaped_checkpoint,
+    LlamaShape, Qwen2Shape, TinyShape, build_llama_checkpoint, build_qwen2_checkpoint, build_shaped_checkpoint,
     check_greedy_tokens, check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, make_prompts,
     rewrite_config, rewrite_config_published,
 )
@@ -275,6 +275,30 @@ def test_positions_a_config_leaves_out_are_its_familys_default(architecture, con
     raw.pop("max_position_embeddings", None)
     default = getattr(transformers, config_class).from_dict(raw).max_position_embeddings
     assert ModelConfig.from_dict(raw).max_position_embeddings == default
+
+
+@pytest.mark.parametrize("architecture,config_class", [
+    ("Qwen3ForCausalLM", "Qwen3Config"), ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), ("Qwen2ForCausalLM", "Qwen2Config"),
+    ("LlamaForCausalLM", "LlamaConfig"), ("MistralForCausalLM", "MistralConfig"),
+])
+def test_head_dim_a_config_leaves_out_is_read_as_transformers_reads_it(architecture, config_class):
+    """No head_dim in config.json: Qwen3Config's default, 128 (hidden / heads read it as 64 here, so
+    a checkpoint transformers and vLLM serve was refused at load on its k_norm's shape), the other
+    families' hidden_size / num_attention_heads (their attention modules' rule)."""
+    import transformers
+
+    raw = {"architectures": [architecture], "vocab_size": 384, "hidden_size": 1024, "intermediate_size": 3072,
+           "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    config = getattr(transformers, config_class).from_dict(raw)
+    theirs = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert ModelConfig.from_dict(raw).head_dim == theirs
+
+
+def test_qwen3_without_head_dim_matches_transformers(tmp_path):
+    path = build_shaped_checkpoint(str(tmp_path / "qwen3"), TinyShape(head_dim=128))  # hidden 64 / 4 heads = 16
+    rewrite_config(path, head_dim=None)
+    check_greedy_tokens(path, make_prompts(0, 2, 40, 80), GREEDY)
 
 
 def test_llama3_scaling_formula_by_hand():

@@ -65,6 +65,9 @@ _DEFAULT_ROPE_THETA = 10000.0
 # class (published configs set it), 32768 for the Qwen families.
 _DEFAULT_POSITIONS = 32768
 _DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072}
+# head_dim where a config names none: hidden_size / num_attention_heads, except where the family's
+# config class has a default of its own (Qwen3Config's 128, which transformers and vLLM both read).
+_DEFAULT_HEAD_DIM_OF = {"Qwen3ForCausalLM": 128}
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 
@@ -195,7 +198,7 @@ class ModelConfig:
                 num_hidden_layers=_positive_int(raw, "num_hidden_layers", source),
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
-                head_dim=_head_dim(raw, hidden, heads, source),
+                head_dim=_head_dim(raw, architecture, hidden, heads, source),
                 rms_norm_eps=float(rms_norm_eps),
                 rope_theta=float(rope_theta),
                 rope_scaling=parse_rope_scaling(rope, positions, source),
@@ -302,10 +305,13 @@ def _eos_token_ids(eos: object, source: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _head_dim(raw: dict, hidden: int, heads: int, source: str) -> int:
-    """config.json's head_dim, or hidden_size / num_attention_heads when it has none (Llama 3.1)."""
+def _head_dim(raw: dict, architecture: str, hidden: int, heads: int, source: str) -> int:
+    """config.json's head_dim; where it has none, the family's default (_DEFAULT_HEAD_DIM_OF: Qwen3's
+    128) or else hidden_size / num_attention_heads (Llama 3.1)."""
     if raw.get("head_dim"):
         return _positive_int(raw, "head_dim", source)
+    if "head_dim" not in raw and architecture in _DEFAULT_HEAD_DIM_OF:
+        return _DEFAULT_HEAD_DIM_OF[architecture]
     if heads <= 0 or hidden % heads:
         raise ValueError(f"{source}: no head_dim, and hidden_size={hidden} is not a multiple of "
                          f"num_attention_heads={heads}")
