@@ -431,6 +431,33 @@ def test_update_weights_sets_the_scales_again(checkpoint, tmp_path):
     llm.exit()
 
 
+def test_an_empty_update_leaves_no_cached_kv_of_other_scales(checkpoint):
+    """update_weights([]) still sets the scales computed from the data anew at the next prefill step
+    (as every update_weights does); the prefix cache, whose KV the old scales quantized, is emptied
+    with them. It was kept (no tensor was copied): a prompt cached before was then read with the new
+    scales and its tokens changed."""
+    prompt = make_prompts(4, 1, 48, 49)[0]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16)
+    try:
+        llm.generate([prompt], params, use_tqdm=False)  # calibrates, and caches the prompt's blocks
+        scales = engine_scales(llm)
+        llm.update_weights([])
+        llm.generate([[t * 3 % 384 for t in make_prompts(9, 1, 20, 21)[0]]], params, use_tqdm=False)
+        assert engine_scales(llm) != scales  # set again from another prompt's data
+        hits = llm.block_manager.num_prefix_hit_blocks
+        fresh = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16, calculate_kv_scales=False)
+        for layer, (k_scale, v_scale) in zip(fresh.model_runner.kv_scales, engine_scales(llm)):
+            layer[0].fill_(k_scale)
+            layer[1].fill_(v_scale)
+        want = fresh.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+        fresh.exit()
+        assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == want
+        assert llm.block_manager.num_prefix_hit_blocks == hits  # nothing of the old scales' KV was read
+    finally:
+        llm.exit()
+
+
 def test_a_first_prefill_step_that_raises_calibrates_nothing(checkpoint):
     """A first prefill step that fails part way (an out-of-memory error, an interrupt: here a forward
     pre-hook on decoder layer 1 raising, after layer 0 set its scales) leaves the calibration to the next prefill step, which sets every

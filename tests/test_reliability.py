@@ -337,6 +337,40 @@ def test_an_interrupt_reaches_a_slow_weight_generator(ckpt):
         llm.exit()
 
 
+class _SignalsOnCopy(torch.Tensor):
+    """A weight whose copy into the model raises SIGALRM: a Ctrl-C landing while update_weights copies."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            signal.raise_signal(signal.SIGALRM)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_an_interrupt_during_the_copy_still_empties_the_prefix_cache(ckpt, tmp_path):
+    """An interrupt that lands while update_weights copies waits for the copy to end and is raised
+    after it: the new weights are in, so the prefix cache (the old weights' KV) is emptied as after
+    any update. It was kept: the chunk raised before it was counted, and a prompt seen before the
+    update was served from the old weights' KV."""
+    other = build_checkpoint(str(tmp_path / "other"), TinyShape(), seed=9)
+    prompt = [[5, 6, 7, 8] * 10]
+    fresh = cpu_llm(other, kvcache_block_size=16, max_model_len=128)
+    want = fresh.generate(prompt, GREEDY, use_tqdm=False)[0]["token_ids"]
+    fresh.exit()
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0]["token_ids"] != want
+        new = list(load_reference(other).state_dict().items())
+        new = [(n, torch.Tensor._make_subclass(_SignalsOnCopy, t) if n == "model.norm.weight" else t) for n, t in new]
+        with pytest.raises(KeyboardInterrupt):
+            llm.update_weights(new)
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0]["token_ids"] == want
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        llm.exit()
+
+
 # ---------------------------------------------------------------- randomized workloads
 @pytest.fixture(scope="module")
 def baseline_engine(ckpt):

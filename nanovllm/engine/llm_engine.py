@@ -276,12 +276,16 @@ class LLMEngine:
         keep their storage)."""
         self._check_weights_can_change("update_weights()")
         copied = 0  # tensors loaded by earlier chunks
+        # A chunk reached the model (an empty one too: FP8 KV scales computed from the data are set
+        # anew, so the cached KV, quantized under the old ones, is stale as under old weights).
+        loaded = False
         try:
             for chunk in weight_chunks(weights):  # a generator runs here, where an interrupt lands at once
                 # An interrupt waits for the chunk's copy to end on every rank: no half-copied chunk.
                 try:
                     with worker_errors(self.workers), deferred_signals():
                         self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
+                        loaded = True  # set before an interrupt held over the copy is raised
                         if self.workers is not None:
                             self.workers.send("update_weights", PackedTensors.pack(chunk))
                 except (TypeError, ValueError) as e:
@@ -291,7 +295,7 @@ class LLMEngine:
                     raise
                 copied += len(chunk)
         finally:  # also when a later chunk is refused or interrupted: the earlier ones changed the weights
-            if copied:
+            if loaded:
                 self.block_manager.clear_prefix_cache()
 
     def _check_weights_can_change(self, call: str) -> None:
