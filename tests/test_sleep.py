@@ -86,6 +86,35 @@ def test_level1_round_trip_gives_the_tokens_of_an_engine_that_never_slept(ckpt, 
         llm.exit()
 
 
+class FailsOnce:
+    """A sleeping part whose first restore fails (as one out of device memory does), then restores."""
+
+    def __init__(self, part):
+        self.part, self.calls = part, 0
+
+    def restore(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise torch.OutOfMemoryError("no memory for the weights yet")
+        self.part.restore()
+
+
+def test_a_failed_wake_up_keeps_the_part_asleep_and_can_be_retried(ckpt, awake_tokens):
+    llm = engine(ckpt)
+    try:
+        first = tokens(llm)
+        llm.sleep(level=1)
+        llm.model_runner.sleeping["weights"] = FailsOnce(llm.model_runner.sleeping["weights"])
+        with pytest.raises(torch.OutOfMemoryError):
+            llm.wake_up()
+        assert llm.is_sleeping() and "weights" in llm.model_runner.sleeping  # its host copy is kept
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        assert [first, tokens(llm)] == awake_tokens[:2]
+    finally:
+        llm.exit()
+
+
 def test_level2_then_update_weights_gives_the_checkpoints_tokens(ckpt, awake_tokens, hf_state):
     """verl's order: sleep(level=2), wake_up(["weights"]), update_weights, wake_up(["kv_cache"])."""
     llm = engine(ckpt)

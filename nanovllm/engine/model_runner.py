@@ -402,10 +402,13 @@ class ModelRunner:
 
     def wake_up(self, tags: list[str]) -> None:
         """Restore the sleeping parts among `tags` (WAKE_TAGS names; awake ones are skipped), in
-        WAKE_TAGS order; once nothing sleeps, capture the CUDA graphs again."""
+        WAKE_TAGS order; once nothing sleeps, capture the CUDA graphs again. A part sleeps until its
+        restore has succeeded: one that fails (out of device memory while a trainer holds it) keeps
+        its host copy, and wake_up can be called again."""
         for tag in WAKE_TAGS:
             if tag in tags and tag in self.sleeping:
-                self.sleeping.pop(tag).restore()
+                self.sleeping[tag].restore()
+                del self.sleeping[tag]
         if not self.sleeping and self.graphs is None:
             self._capture_graphs()
 
