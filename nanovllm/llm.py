@@ -21,13 +21,13 @@ from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
-from nanovllm.utils.generation_defaults import default_sampling_params
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
 from nanovllm.inputs import PromptType, legacy_token_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.utils.generation_defaults import default_sampling_params
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:

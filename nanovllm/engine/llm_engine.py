@@ -36,7 +36,6 @@ import torch
 from nanovllm.config import Config, ServedModel
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
 from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, pickled_call, results, run_call
@@ -50,6 +49,7 @@ from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.tp_workers import CALL, PackedTensors, WorkerGroup, worker_errors
 from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
+from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.utils.loader import weight_chunks
 from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
 
