@@ -85,6 +85,7 @@ class LLM(LLMEngine):
         `prompt_token_ids`: vLLM's older spelling of token-id prompts (inputs.legacy_token_prompts);
         `tokenization_kwargs`: None (prompts are tokenized as the tokenizer does by default)."""
         self._check_open()
+        self._check_not_generating("generate()")
         check_no_lora(lora_request)
         if tokenization_kwargs:
             raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported: prompts are tokenized "
@@ -125,12 +126,14 @@ class LLM(LLMEngine):
         # made before anything is queued: a bar factory that raises leaves the engine as it was
         bar = _progress_bar(use_tqdm, len(requests))
         try:  # an error or interrupt while queueing or stepping leaves nothing queued
+            self._generating = True  # the bar's methods may not step or add requests meanwhile
             ids = [self._enqueue(*request) for request in requests]
             return self._run(ids, bar)
         except BaseException:
             self.abort_all()
             raise
         finally:
+            self._generating = False
             bar.close()
 
     def _run(self, ids: list[int], bar: tqdm) -> list[RequestOutput]:
@@ -139,7 +142,7 @@ class LLM(LLMEngine):
         outputs: dict[int, RequestOutput] = {}
         rates = RunRates(time.perf_counter())
         while not self.is_finished():
-            result = self.step()
+            result = self._step()
             rates.add(result.num_prompt_tokens, len(result.sampled))
             bar.set_postfix(rates.postfix(time.perf_counter()), refresh=False)
             for out in result.finished:
@@ -153,6 +156,7 @@ class LLM(LLMEngine):
         """vLLM's LLM.beam_search: the params.beam_width most likely continuations of each prompt
         (a TokensPrompt / TextPrompt dict, a string or token ids), best first (nanovllm/beam_search.py)."""
         self._check_open()
+        self._check_not_generating("beam_search()")
         check_no_lora(lora_request)
         if not self.is_finished():
             raise RuntimeError("beam_search() called while step-wise requests are still pending")

@@ -599,6 +599,51 @@ def test_calls_from_threads_run_one_at_a_time(llm):
     assert llm.is_finished()
 
 
+class _CallingBar:
+    """A use_tqdm factory's bar whose first set_postfix (after generate's first step, its requests
+    running) makes `call` 10 times, noting what each returned or raised."""
+
+    def __init__(self, call, noted, **_):
+        self.call, self.noted, self.calls = call, noted, 0
+
+    def set_postfix(self, *args, **kwargs):
+        if self.calls == 0:
+            for _ in range(10):
+                self.calls += 1
+                try:
+                    self.noted.append(self.call())
+                except RuntimeError as e:
+                    self.noted.append(str(e))
+
+    def update(self, n): ...
+
+    def close(self): ...
+
+
+@pytest.mark.parametrize("name", ["step", "llm_engine.step", "add_request", "llm_engine.add_request", "generate"])
+def test_calls_from_inside_generate_are_refused(llm, name):
+    """Stepping or adding requests from generate's progress bar (the same thread: the lock lets it
+    in) is refused, and generate returns every output. Before, a step there took finished outputs
+    generate then left out (2 of its 4 returned), and a request added there was run by generate and
+    its output dropped (llm_engine.step never returned it)."""
+    prompts = [[7] * 20 + [k] for k in range(1, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 40, 4, 40)]
+    alone = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    expected = served(llm)
+    call = {"step": llm.step, "llm_engine.step": llm.llm_engine.step,
+            "add_request": lambda: llm.add_request([1, 2, 3], GREEDY),
+            "llm_engine.add_request": lambda: llm.llm_engine.add_request("side", [1, 2, 3], GREEDY),
+            "generate": lambda: llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)}[name]
+    noted = []
+    outs = llm.generate(prompts, params, use_tqdm=functools.partial(_CallingBar, call, noted))
+    assert [o["token_ids"] for o in outs] == alone
+    refusal = (f"{name.split('.')[-1]}() called from inside generate() (its progress bar): generate steps "
+               "its own requests to the end; call it after generate() returns")
+    assert noted == [refusal] * 10
+    assert llm.is_finished() and not llm.llm_engine.has_unfinished_requests()
+    assert llm.block_manager.num_free_blocks == 32 and served(llm) == expected
+
+
 def test_step_on_an_idle_engine_returns_an_empty_result(llm):
     expected = served(llm)
     for _ in range(2):

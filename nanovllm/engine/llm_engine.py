@@ -94,6 +94,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self._lock = threading.RLock()  # one_call_at_a_time
         self._exited = False
+        self._generating = False  # LLM.generate is stepping its requests (_check_not_generating)
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
         self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(cfg.tokenizer)
@@ -143,10 +144,20 @@ class LLMEngine:
         if self._exited:
             raise RuntimeError("this LLM has exited (exit() was called): create a new LLM to generate again")
 
+    def _check_not_generating(self, call: str) -> None:
+        """RuntimeError naming `call` while LLM.generate runs its requests: a call from inside it
+        (its progress bar's methods) would take outputs generate returns (step) or queue a request
+        whose output generate would run and drop (add_request). Calls from other threads wait for
+        generate to return instead (one_call_at_a_time)."""
+        if self._generating:
+            raise RuntimeError(f"{call} called from inside generate() (its progress bar): generate steps its "
+                               "own requests to the end; call it after generate() returns")
+
     @one_call_at_a_time
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
+        self._check_not_generating("add_request()")
         params, rules, grammar = self._check_params(sampling_params)
         return self._enqueue(self.validator.validate(prompt, params), params, rules, grammar)
 
@@ -212,6 +223,11 @@ class LLMEngine:
         an empty result, no work. An exception or interrupt inside the step drops every pending
         request (abort_all) and is raised. The steps themselves: engine/step_pipeline.py."""
         self._check_open()
+        self._check_not_generating("step()")
+        return self._step()
+
+    def _step(self) -> StepResult:
+        """step() for a caller holding the engine's lock (LLM.generate's loop)."""
         if self.is_finished():
             return StepResult(None, 0, 0, [], [])
         try:
