@@ -521,6 +521,19 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
     llm.exit()  # still harmless, twice
 
 
+def test_step_api_ids_pending_at_exit_are_not_reported_pending(ckpt):
+    """llm_engine.add_request of an id that was pending when exit() dropped the engine raises the
+    exited engine's error; it raised "request_id 'r1' is already pending" (and abort_request
+    forgot the id before raising)."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)
+    engine = llm.llm_engine
+    engine.add_request("r1", [1, 2, 3], GREEDY)
+    llm.exit()
+    assert refused_as_exited(lambda: engine.add_request("r1", [1, 2, 3], GREEDY))
+    assert refused_as_exited(lambda: engine.abort_request("r1"))
+    assert refused_as_exited(lambda: engine.add_request("r1", [1, 2, 3], GREEDY))
+
+
 def refused_as_exited(call) -> bool:
     """True if call() raises the exited engine's RuntimeError (any other error propagates)."""
     try:

@@ -188,6 +188,7 @@ class VllmEngine:
         """Queue `prompt` under the caller's `request_id` (a str, not one pending); returns it.
         `arrival_time` and `trace_headers` are ignored; `priority` must be 0 (no priority
         scheduling); `tokenization_kwargs` None."""
+        self._llm._check_open()  # after exit() no id is pending (its requests were dropped with the engine)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (vLLM's engine API), got {request_id!r}")
         self._forget_ended()
@@ -242,6 +243,7 @@ class VllmEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop the pending requests of these caller ids (vLLM's: a list; one str too); ids of no
         pending request are ignored, anything but a str is refused (TypeError) before any is dropped."""
+        self._llm._check_open()
         many = isinstance(request_ids, Iterable) and not isinstance(request_ids, (str, bytes))
         names = list(request_ids) if many else [request_ids]
         bad = [n for n in names if not isinstance(n, str)]
