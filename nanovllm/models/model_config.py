@@ -307,12 +307,12 @@ def _eos_token_ids(eos: object, source: str) -> tuple[int, ...]:
 
 def _head_dim(raw: dict, architecture: str, hidden: int, heads: int, source: str) -> int:
     """config.json's head_dim; where it has none, the family's default (_DEFAULT_HEAD_DIM_OF: Qwen3's
-    128) or else hidden_size / num_attention_heads (Llama 3.1)."""
+    128) or else hidden_size / num_attention_heads (Llama 3.1). `hidden` and `heads` are >= 1 (_positive_int)."""
     if raw.get("head_dim"):
         return _positive_int(raw, "head_dim", source)
     if "head_dim" not in raw and architecture in _DEFAULT_HEAD_DIM_OF:
         return _DEFAULT_HEAD_DIM_OF[architecture]
-    if heads <= 0 or hidden % heads:
+    if hidden % heads:
         raise ValueError(f"{source}: no head_dim, and hidden_size={hidden} is not a multiple of "
                          f"num_attention_heads={heads}")
     return hidden // heads
