@@ -176,6 +176,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         checked = params.validated()
+        keep = checked.truncate_prompt_tokens
+        if keep is not None and keep > self.config.max_model_len:  # vLLM's LLM.generate refuses it too
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens={keep} is greater than max_model_len "
+                             f"({self.config.max_model_len}): pass at most max_model_len, or -1 for it")
         if self._eos_stop_ids and not checked.ignore_eos:  # our copy: the caller's params stay as given
             checked.stop_token_ids = sorted(set(checked.stop_token_ids) | self._eos_stop_ids)
         vocab_size = self.config.model_config.vocab_size
