@@ -91,7 +91,9 @@ def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], p
                          f"likely tokens, more than the {llm.config.logprobs_limit} logprobs this engine allows: "
                          f"raise LLM(max_logprobs=...) to at least {2 * params.beam_width}")
     step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
-    token_ids = [llm.validator.validate(p, step_params).token_ids for p in prompts]
+    # checked as one request of max_tokens: a beam that would outgrow the KV cache is refused before any step
+    whole = SamplingParams(max_tokens=params.max_tokens)
+    token_ids = [llm.validator.validate(p, whole).token_ids for p in prompts]
     chunk = concurrency_limit or max(1, len(token_ids))
     outputs = []
     for start in range(0, len(token_ids), chunk):

@@ -1,4 +1,5 @@
-"""Lengths and limits at the call: truncate_prompt_tokens against max_model_len."""
+"""Lengths and limits at the call: truncate_prompt_tokens against max_model_len, and beam searches
+whose beams would outgrow a KV cache smaller than max_model_len (refused before any step runs)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from checkpoints import checkpoint_fixture, cpu_llm_fixture
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams
 
 ckpt = checkpoint_fixture("limits")
 # max_model_len 128 over a cache of 4 blocks of 16 tokens (64): requests are checked against both
@@ -29,3 +31,18 @@ def test_truncate_prompt_tokens_above_max_model_len_is_refused(llm, length):
         [out] = llm.generate([[5] * 10], SamplingParams(max_tokens=2, truncate_prompt_tokens=keep), use_tqdm=False)
         assert out.prompt_token_ids == [5] * 10
 
+
+def test_beam_search_whose_beams_outgrow_the_cache_is_refused_before_any_step(llm, monkeypatch):
+    """A beam grows a token a step: one that would need more KV than the whole cache holds is refused
+    at the call, naming the prompt and max_tokens (it used to fail after 5 of its 10 steps,
+    naming a prompt of 65 tokens the caller never passed)."""
+    steps = []
+    generate = type(llm).generate
+    monkeypatch.setattr(type(llm), "generate", lambda self, *a, **k: steps.append(1) or generate(self, *a, **k))
+    with pytest.raises(ValueError, match=r"prompt 60 \+ max_tokens 10\) but the whole KV cache holds 64"):
+        llm.beam_search([{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    assert steps == [] and llm.is_finished()
+    # beams that fit (60 + 5 tokens, the last one's KV never computed) are served to their full length
+    [out] = llm.beam_search([{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    assert [len(beam.tokens) for beam in out.sequences] == [65, 65]
+    assert llm.block_manager.num_free_blocks == 4
