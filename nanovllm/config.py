@@ -25,6 +25,7 @@ from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.generation_defaults import check_generation_overrides
 from nanovllm.utils.ints import cdiv
+from nanovllm.utils.tokenizer import TOKENIZER_FILES, has_tokenizer
 from nanovllm.utils.validation import check_int
 
 if TYPE_CHECKING:
@@ -227,8 +228,13 @@ class Config:
         if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)} (or {sorted(DTYPE_ALIASES)}), "
                              f"got {self.dtype!r}")
-        self.tokenizer = self.model if self.tokenizer is None else _directory("tokenizer", self.tokenizer,
-                                                                             "a tokenizer directory")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        else:  # asked for by name: one without a tokenizer is a mistake (the model's may lack one)
+            self.tokenizer = _directory("tokenizer", self.tokenizer, "a tokenizer directory")
+            if not self.skip_tokenizer_init and not has_tokenizer(self.tokenizer):
+                raise ValueError(f"tokenizer directory {self.tokenizer!r} holds no tokenizer (none of "
+                                 f"{', '.join(TOKENIZER_FILES)})")
         if self.calculate_kv_scales is not None and not isinstance(self.calculate_kv_scales, bool):
             raise TypeError(f"calculate_kv_scales must be None or a bool, got {self.calculate_kv_scales!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -3,6 +3,9 @@ tensors in several files, unreadable files."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from checkpoints import checkpoint_fixture, cpu_llm, generate_tokens, make_prompts
@@ -20,3 +23,19 @@ def test_load_format_safetensors_reads_the_checkpoint(ckpt):
     assert generate_tokens(ckpt, prompts, GREEDY, load_format="safetensors")[0] == generate_tokens(ckpt, prompts, GREEDY)[0]
     with pytest.raises(ValueError, match="load_format must be one of .*got 'pt'"):
         cpu_llm(ckpt, load_format="pt")
+
+
+def test_tokenizer_directory_without_a_tokenizer_is_refused(ckpt, tmp_path):
+    """LLM(tokenizer=...) reads the tokenizer from another directory (the model's may have none); one that
+    holds no tokenizer is refused naming it (it loaded no tokenizer silently: text prompts then failed
+    blaming the model directory), unless skip_tokenizer_init=True asks for none."""
+    bare = tmp_path / "weights-only"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    llm = cpu_llm(str(bare), tokenizer=ckpt)
+    assert llm.generate(["the quick brown fox"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    llm.exit()
+    with pytest.raises(ValueError, match=f"tokenizer directory {str(bare)!r} holds no tokenizer"):
+        cpu_llm(ckpt, tokenizer=str(bare))
+    llm = cpu_llm(ckpt, tokenizer=str(bare), skip_tokenizer_init=True)
+    assert llm.tokenizer is None
+    llm.exit()

@@ -6,13 +6,18 @@ import os
 from dataclasses import dataclass
 
 # Files whose presence means the directory ships a tokenizer.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether directory `path` ships a tokenizer (one of TOKENIZER_FILES)."""
+    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str):
     """transformers' AutoTokenizer for `path`, or None when the directory has no tokenizer
     (e.g. a bare config.json for load_format="dummy"; prompts must then be token ids)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
