@@ -7,8 +7,10 @@ import os
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from checkpoints import checkpoint_fixture, cpu_llm, generate_tokens, make_prompts
+from checkpoints import TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, generate_tokens, make_prompts
 from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -39,3 +41,28 @@ def test_tokenizer_directory_without_a_tokenizer_is_refused(ckpt, tmp_path):
     llm = cpu_llm(ckpt, tokenizer=str(bare), skip_tokenizer_init=True)
     assert llm.tokenizer is None
     llm.exit()
+
+
+def _shards(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def test_a_tensor_in_two_files_is_refused_naming_both(ckpt, tmp_path):
+    """A tensor held by two of the files read (a stale copy in another shard than the index names, or a
+    stray *.safetensors beside an unsharded checkpoint) is refused naming it and both files: whichever
+    file came last was served, here zeros."""
+    sharded = build_checkpoint(str(tmp_path / "sharded"), TinyShape(), max_shard_size="100KB")
+    first, *_, last = _shards(sharded)
+    stale = load_file(os.path.join(sharded, last))
+    name, tensor = next(iter(load_file(os.path.join(sharded, first)).items()))
+    stale[name] = torch.zeros_like(tensor)
+    save_file(stale, os.path.join(sharded, last), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"tensor {name!r} is in two files: {first} and {last}"):
+        cpu_llm(sharded)
+
+    single = tmp_path / "single"
+    shutil.copytree(ckpt, single)
+    save_file({"model.norm.weight": torch.zeros(TinyShape().hidden_size)}, str(single / "model-old.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' is in two files: model-old.safetensors and "
+                                         "model.safetensors"):
+        cpu_llm(str(single))

@@ -20,6 +20,7 @@ dequantized, full-precision ones (online FP8, update_weights) are quantized.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -109,13 +110,21 @@ def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the checkpoint's files in `path`, read one at a time."""
+    """(name, tensor) of every tensor of the checkpoint's files in `path`, read one at a time; a
+    name held by two files (a stale copy: which one was served would depend on the order) is a
+    ValueError naming both."""
     files = checkpoint_files(path)
     if not files:
         raise ValueError(f"model directory {path!r} has no *.safetensors files")
+    held_by: dict[str, str] = {}
     for file in files:
         with safe_open(file, "pt", device="cpu") as f:
             for name in f.keys():
+                here = os.path.relpath(file, path)
+                if name in held_by:
+                    raise ValueError(f"checkpoint {path!r}: tensor {name!r} is in two files: {held_by[name]} and "
+                                     f"{here} (remove the stale one)")
+                held_by[name] = here
                 yield name, f.get_tensor(name)
 
 
