@@ -4,6 +4,7 @@ tensors in several files, unreadable files."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -66,3 +67,22 @@ def test_a_tensor_in_two_files_is_refused_naming_both(ckpt, tmp_path):
     with pytest.raises(ValueError, match="tensor 'model.norm.weight' is in two files: model-old.safetensors and "
                                          "model.safetensors"):
         cpu_llm(str(single))
+
+
+# What a clone without git-lfs leaves in place of each weights file.
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize 1066688\n".format("0" * 64)
+
+
+def test_an_unreadable_weights_file_is_named(ckpt, tmp_path):
+    """A *.safetensors file that is not one (a git-lfs pointer of a clone without git-lfs, a download cut
+    short) is refused naming the file (safetensors' own error named none: "Error while deserializing
+    header: ..."), which in a sharded checkpoint is the one to fetch again."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    weights = bad / "model.safetensors"
+    whole = weights.read_bytes()
+    named = re.escape(f"checkpoint file {str(weights)!r} is not a readable safetensors file")
+    for broken in (LFS_POINTER.encode(), whole[: len(whole) // 2]):
+        weights.write_bytes(broken)
+        with pytest.raises(ValueError, match=named):
+            cpu_llm(str(bad))

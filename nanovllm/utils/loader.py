@@ -25,7 +25,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
@@ -112,13 +112,18 @@ def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of the checkpoint's files in `path`, read one at a time; a
     name held by two files (a stale copy: which one was served would depend on the order) is a
-    ValueError naming both."""
+    ValueError naming both, a file safetensors cannot read one naming it."""
     files = checkpoint_files(path)
     if not files:
         raise ValueError(f"model directory {path!r} has no *.safetensors files")
     held_by: dict[str, str] = {}
     for file in files:
-        with safe_open(file, "pt", device="cpu") as f:
+        try:
+            opened = safe_open(file, "pt", device="cpu")
+        except SafetensorError as e:  # its message names no file
+            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file ({e}): a download cut "
+                             "short, or a git-lfs pointer (a clone without git-lfs)?") from None
+        with opened as f:
             for name in f.keys():
                 here = os.path.relpath(file, path)
                 if name in held_by:
