@@ -86,3 +86,15 @@ def test_an_unreadable_weights_file_is_named(ckpt, tmp_path):
         weights.write_bytes(broken)
         with pytest.raises(ValueError, match=named):
             cpu_llm(str(bad))
+
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("text", ['{"architectures": ', '["Qwen3ForCausalLM"]'], ids=["cut-short", "a-list"])
+def test_a_json_file_that_is_not_a_json_object_is_named(tmp_path, file, text):
+    """config.json or the shards' index cut short, or holding something other than an object, is refused
+    naming the file (json's own error, or an AttributeError of dict code, named none)."""
+    path = build_checkpoint(str(tmp_path / "ckpt"), TinyShape(), max_shard_size="100KB")
+    with open(os.path.join(path, file), "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match=re.escape(f"{os.path.join(path, file)} is not a JSON object")):
+        cpu_llm(path)

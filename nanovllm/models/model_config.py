@@ -21,7 +21,6 @@ against 0.02 ms for Llama 3.1 8B's config.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.layers.rope_scaling import RopeScaling, parse_rope_scaling
+from nanovllm.utils.checkpoint_files import read_json_object
 
 # architecture name (= class name) -> module defining it
 MODEL_MODULES = {
@@ -238,8 +238,7 @@ def read_config_json(path: str, overrides: dict | None = None) -> dict:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {path!r} has no config.json")
-    with open(config_path) as f:
-        raw = json.load(f)
+    raw = read_json_object(config_path)
     raw.update(copy.deepcopy(overrides or {}))  # readers may edit what they are given (transformers does)
     return raw
 
