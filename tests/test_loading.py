@@ -98,3 +98,19 @@ def test_a_json_file_that_is_not_a_json_object_is_named(tmp_path, file, text):
         f.write(text)
     with pytest.raises(ValueError, match=re.escape(f"{os.path.join(path, file)} is not a JSON object")):
         cpu_llm(path)
+
+
+def test_pytorch_bin_weights_are_refused_naming_them(ckpt, tmp_path):
+    """Weights only in PyTorch's pickle format (pytorch_model.bin, which vLLM also reads) are refused
+    naming the file and saying how to convert it; beside *.safetensors files a .bin copy is not read
+    (here zeros: the served tokens are the safetensors ones)."""
+    prompts = make_prompts(1, 2, 5, 20)
+    expected = generate_tokens(ckpt, prompts, GREEDY)[0]
+    both = tmp_path / "both"
+    shutil.copytree(ckpt, both)
+    weights = load_file(str(both / "model.safetensors"))
+    torch.save({name: torch.zeros_like(t) for name, t in weights.items()}, str(both / "pytorch_model.bin"))
+    assert generate_tokens(str(both), prompts, GREEDY)[0] == expected
+    (both / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors files: its pytorch_model\.bin .*safe_serialization"):
+        cpu_llm(str(both))

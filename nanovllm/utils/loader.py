@@ -115,7 +115,11 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     ValueError naming both, a file safetensors cannot read one naming it."""
     files = checkpoint_files(path)
     if not files:
-        raise ValueError(f"model directory {path!r} has no *.safetensors files")
+        pickled = [f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin")]
+        raise ValueError(f"model directory {path!r} has no *.safetensors files" + (
+            f": its {_names(pickled)} (PyTorch's pickle format) is not read; convert it, e.g. transformers' "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+            if pickled else ""))
     held_by: dict[str, str] = {}
     for file in files:
         try:
