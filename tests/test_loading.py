@@ -11,12 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, generate_tokens, make_prompts
+from checkpoints import (
+    LlamaShape, TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, generate_tokens, make_prompts,
+)
 from nanovllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 ckpt = checkpoint_fixture("loading")
+llama = checkpoint_fixture("llama", LlamaShape())
 
 
 def test_load_format_safetensors_reads_the_checkpoint(ckpt):
@@ -114,3 +117,19 @@ def test_pytorch_bin_weights_are_refused_naming_them(ckpt, tmp_path):
     (both / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"has no \*\.safetensors files: its pytorch_model\.bin .*safe_serialization"):
         cpu_llm(str(both))
+
+
+def test_rope_tables_saved_in_the_checkpoint_are_skipped(llama, tmp_path):
+    """RoPE's cos / sin tables that ColossalAI-trained Llama checkpoints hold (`rotary_emb.cos_cached`,
+    `sin_cached`: computed here, as vLLM skips them) load as the checkpoint without them; they were
+    refused as unknown weights."""
+    prompts = make_prompts(2, 2, 5, 20)
+    expected = generate_tokens(llama, prompts, GREEDY)[0]
+    with_tables = tmp_path / "colossal"
+    shutil.copytree(llama, with_tables)
+    weights = load_file(str(with_tables / "model.safetensors"))
+    for i in range(LlamaShape().num_hidden_layers):
+        for table in ("cos_cached", "sin_cached"):
+            weights[f"model.layers.{i}.self_attn.rotary_emb.{table}"] = torch.randn(1, 1, 64, 32)
+    save_file(weights, str(with_tables / "model.safetensors"), metadata={"format": "pt"})
+    assert generate_tokens(str(with_tables), prompts, GREEDY)[0] == expected

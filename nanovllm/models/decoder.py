@@ -104,6 +104,10 @@ class DecoderModel(nn.Module):
         return hidden
 
 
+# RoPE buffers a checkpoint may hold (computed here): older checkpoints' frequencies, ColossalAI's tables.
+_ROPE_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
 def _nothing() -> None:
     pass
 
@@ -166,10 +170,11 @@ class DecoderForCausalLM(nn.Module):
 
     def ignored_checkpoint_name(self, name: str) -> bool:
         """Names a checkpoint may hold that fill nothing here: the LM head of a tied model (it
-        is the embedding), RoPE frequency buffers some older checkpoints saved (computed here) and
-        KV-cache scales (an FP8 cache reads them itself: utils/kv_scales.py)."""
+        is the embedding), RoPE buffers some checkpoints saved (older ones' inv_freq, ColossalAI's cos / sin
+        tables: computed here, as vLLM skips them) and KV-cache scales (an FP8 cache reads them itself:
+        utils/kv_scales.py)."""
         tied = self.lm_head.weight is self.model.embed_tokens.weight
-        return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq") or is_kv_scale_name(name)
+        return (tied and name == "lm_head.weight") or name.endswith(_ROPE_BUFFERS) or is_kv_scale_name(name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_seqs, hidden] -> [num_seqs, vocab] (None on tensor-parallel ranks > 0)."""
