@@ -516,9 +516,10 @@ def assert_logprobs_match(logits: torch.Tensor, tokens: torch.Tensor, rows: list
     assert sampled.shape == (len(rows),) and top_ids.shape == top_logprobs.shape == (len(rows), k)
     torch.testing.assert_close(sampled.double(), ref.gather(1, tokens[rows].unsqueeze(1)).squeeze(1),
                                rtol=1e-5, atol=1e-5)
-    expected = ref.topk(k, dim=-1)
-    assert top_ids.tolist() == expected.indices.tolist()  # distinct logits: no ties
-    torch.testing.assert_close(top_logprobs.double(), expected.values, rtol=1e-5, atol=1e-5)
+    # by descending logit, the lower id first among equal ones (bf16 logits tie)
+    expected_ids = torch.sort(logits.double()[rows], dim=-1, descending=True, stable=True).indices[:, :k]
+    assert top_ids.tolist() == expected_ids.tolist()
+    torch.testing.assert_close(top_logprobs.double(), ref.gather(1, expected_ids), rtol=1e-5, atol=1e-5)
     assert bool((top_logprobs[:, :-1] >= top_logprobs[:, 1:]).all())
 
 

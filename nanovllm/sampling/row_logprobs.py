@@ -50,5 +50,21 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int, rows: Tensor | Non
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
     ranks = (logits >= logits.gather(1, token_ids.unsqueeze(1))).sum(dim=-1)  # [R] int64
-    top_ids = logits.topk(k, dim=-1, sorted=True).indices  # [R, k]
+    top_ids = _top_ids(logits, k)  # [R, k]
     return RowLogprobs(chosen, ranks, top_ids, logprobs.gather(1, top_ids))
+
+
+def _top_ids(logits: Tensor, k: int) -> Tensor:
+    """``[R, k]`` int64: each row's k largest logits' ids, by descending logit and the lower id first
+    among equal ones (the Triton pass's order: a stable descending sort's first k), so a row's list
+    is the first k of its list for any larger k. torch.topk alone picks tied ids as its k falls."""
+    if k == 0:
+        return torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+    vocab = logits.shape[1]
+    kth = logits.topk(k, dim=-1, sorted=True).values[:, -1:]  # [R, 1]
+    # every token above the k-th value is listed (fewer than k), then the lowest ids tied with it
+    lower_first = torch.arange(vocab, 0, -1, dtype=torch.int32, device=logits.device)  # [V]
+    score = torch.where(logits > kth, vocab + 1, torch.where(logits == kth, lower_first, 0))  # [R, V] int32
+    ids = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [R, k] ascending
+    order = logits.gather(1, ids).sort(dim=-1, descending=True, stable=True).indices
+    return ids.gather(1, order)
