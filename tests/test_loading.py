@@ -3,6 +3,7 @@ tensors in several files, unreadable files."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -103,20 +104,46 @@ def test_a_json_file_that_is_not_a_json_object_is_named(tmp_path, file, text):
         cpu_llm(path)
 
 
-def test_pytorch_bin_weights_are_refused_naming_them(ckpt, tmp_path):
-    """Weights only in PyTorch's pickle format (pytorch_model.bin, which vLLM also reads) are refused
-    naming the file and saying how to convert it; beside *.safetensors files a .bin copy is not read
-    (here zeros: the served tokens are the safetensors ones)."""
+def test_pytorch_bin_weights_are_read_as_vllm_reads_them(ckpt, tmp_path):
+    """Weights only in PyTorch's pickle format (pytorch_model.bin, or shards a pytorch_model.bin.index.json
+    lists) give the tokens of the same weights in safetensors; beside *.safetensors files a .bin copy is
+    not read (here zeros: the served tokens are the safetensors ones); a directory with neither, or a
+    pickle holding code or not a dict of tensors, is refused naming it."""
     prompts = make_prompts(1, 2, 5, 20)
     expected = generate_tokens(ckpt, prompts, GREEDY)[0]
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
     both = tmp_path / "both"
     shutil.copytree(ckpt, both)
-    weights = load_file(str(both / "model.safetensors"))
     torch.save({name: torch.zeros_like(t) for name, t in weights.items()}, str(both / "pytorch_model.bin"))
     assert generate_tokens(str(both), prompts, GREEDY)[0] == expected
-    (both / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match=r"has no \*\.safetensors files: its pytorch_model\.bin .*safe_serialization"):
-        cpu_llm(str(both))
+
+    single = tmp_path / "single"
+    shutil.copytree(ckpt, single)
+    (single / "model.safetensors").unlink()
+    torch.save(weights, str(single / "pytorch_model.bin"))
+    assert generate_tokens(str(single), prompts, GREEDY)[0] == expected
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(single, sharded)
+    (sharded / "pytorch_model.bin").unlink()
+    names = sorted(weights)
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, held in halves.items():
+        torch.save({n: weights[n] for n in held}, str(sharded / file))
+    torch.save({n: torch.zeros_like(weights[n]) for n in names}, str(sharded / "pytorch_model.bin"))  # stale: not listed
+    index = {"weight_map": {n: file for file, held in halves.items() for n in held}}
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert generate_tokens(str(sharded), prompts, GREEDY)[0] == expected
+
+    (single / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match=r"has no weights: no \*\.safetensors nor pytorch_model\*\.bin files"):
+        cpu_llm(str(single))
+    torch.save({"model.embed_tokens.weight": [1, 2]}, str(single / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="pytorch_model.bin' does not hold a dict of tensor names to tensors"):
+        cpu_llm(str(single))
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "code": GREEDY}, str(single / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="pytorch_model.bin' is not a readable PyTorch weights file"):
+        cpu_llm(str(single))
 
 
 def test_rope_tables_saved_in_the_checkpoint_are_skipped(llama, tmp_path):

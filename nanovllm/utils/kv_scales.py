@@ -13,7 +13,7 @@ quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_b
 with our meaning: read value = fp8 * scale. The weight loader skips these names whatever the
 cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); the model runner
 reads them with `load_kv_scales` for an FP8 cache. Only the safetensors headers are scanned for
-the names; only the scale tensors are read.
+the names; only the scale tensors are read (a PyTorch pickle is loaded memory-mapped).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 import re
 
-from safetensors import safe_open
-
-from nanovllm.utils.checkpoint_files import checkpoint_files
+from nanovllm.utils.checkpoint_files import checkpoint_files, open_checkpoint
 
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale|(kv)_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
@@ -57,7 +55,7 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
                          f"(a dict) nor one of {_SCHEME_NAMES}")
     found: dict[tuple[int, str], float] = {}
     for file in checkpoint_files(path):
-        with safe_open(file, "pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             for name in f.keys():
                 m = _SCALE_NAME.match(name)
                 if m is None:

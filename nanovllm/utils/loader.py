@@ -25,12 +25,11 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
 from nanovllm.quantization.loading import QuantizedTensors
-from nanovllm.utils.checkpoint_files import checkpoint_files
+from nanovllm.utils.checkpoint_files import checkpoint_files, open_checkpoint
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
@@ -110,24 +109,15 @@ def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the checkpoint's files in `path`, read one at a time; a
-    name held by two files (a stale copy: which one was served would depend on the order) is a
-    ValueError naming both, a file safetensors cannot read one naming it."""
+    """(name, tensor) of every tensor of the checkpoint's files in `path` (utils/checkpoint_files.py),
+    read one at a time; a name held by two files (a stale copy: which one was served would depend on
+    the order) is a ValueError naming both, a file that cannot be read one naming it."""
     files = checkpoint_files(path)
     if not files:
-        pickled = [f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin")]
-        raise ValueError(f"model directory {path!r} has no *.safetensors files" + (
-            f": its {_names(pickled)} (PyTorch's pickle format) is not read; convert it, e.g. transformers' "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
-            if pickled else ""))
+        raise ValueError(f"model directory {path!r} has no weights: no *.safetensors nor pytorch_model*.bin files")
     held_by: dict[str, str] = {}
     for file in files:
-        try:
-            opened = safe_open(file, "pt", device="cpu")
-        except SafetensorError as e:  # its message names no file
-            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file ({e}): a download cut "
-                             "short, or a git-lfs pointer (a clone without git-lfs)?") from None
-        with opened as f:
+        with open_checkpoint(file) as f:
             for name in f.keys():
                 here = os.path.relpath(file, path)
                 if name in held_by:
