@@ -31,8 +31,9 @@ from nanovllm.utils.validation import check_int
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# LLM(load_format=...): "auto" and "safetensors" (vLLM's name of what "auto" reads here) read the checkpoint's
-# *.safetensors files; "dummy" gives random weights from config.json alone.
+# LLM(load_format=...): "auto" reads the checkpoint's files (utils/checkpoint_files.py: *.safetensors, else
+# pytorch_model*.bin), "safetensors" (vLLM's name for its safetensors files) the same; "dummy" gives random
+# weights from config.json alone.
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

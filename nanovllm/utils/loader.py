@@ -117,9 +117,9 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"model directory {path!r} has no weights: no *.safetensors nor pytorch_model*.bin files")
     held_by: dict[str, str] = {}
     for file in files:
+        here = os.path.relpath(file, path)
         with open_checkpoint(file) as f:
             for name in f.keys():
-                here = os.path.relpath(file, path)
                 if name in held_by:
                     raise ValueError(f"checkpoint {path!r}: tensor {name!r} is in two files: {held_by[name]} and "
                                      f"{here} (remove the stale one)")
