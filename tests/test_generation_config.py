@@ -5,8 +5,9 @@ given one; explicit SamplingParams are used as given; bad values are clear error
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import shutil
 
 import pytest
 
@@ -110,10 +111,9 @@ def test_bad_generation_configs_are_clear_errors(ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.top_p must be in \(0, 1\], got 1.5"):
         cpu_llm(ckpt, generation_config=str(bad), **ENGINE)
     # values transformers' GenerationConfig refuses itself are named with the file too
-    for values in ({"max_new_tokens": 0}, []):
-        write_generation_config(bad, values)
-        with pytest.raises((TypeError, ValueError), match=re.escape(str(bad / "generation_config.json")) + ": "):
-            cpu_llm(ckpt, generation_config=str(bad), **ENGINE)
+    write_generation_config(bad, {"max_new_tokens": 0})
+    with pytest.raises(ValueError, match=re.escape(str(bad / "generation_config.json")) + ": "):
+        cpu_llm(ckpt, generation_config=str(bad), **ENGINE)
 
 
 def test_override_generation_config_sets_keys_over_the_file_and_under_vllm(ckpt):
@@ -141,3 +141,17 @@ def test_bad_override_generation_configs_are_clear_errors(ckpt):
     with pytest.raises(ValueError, match=r"override_generation_config over .*generation_config.json: "
                                          r"SamplingParams.top_p must be in \(0, 1\], got 2.0"):
         cpu_llm(ckpt, override_generation_config={"top_p": 2.0}, **ENGINE)
+
+
+@pytest.mark.parametrize("text", ["", "{not json", '{"temperature": 0.6,}', "[]"])
+@pytest.mark.parametrize("source", ["dir", "vllm"])
+def test_a_generation_config_that_is_not_json_is_a_value_error_naming_it(ckpt, tmp_path, text, source):
+    """An empty, cut-short or non-object file (read under "vllm" too, for its EOS ids) is a ValueError
+    naming the file, as a bad config.json is; transformers raised an OSError (as for a missing file)
+    for text that is not JSON."""
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    (model / "generation_config.json").write_text(text)
+    generation_config = str(model) if source == "dir" else "vllm"
+    with pytest.raises(ValueError, match=re.escape(str(model / "generation_config.json")) + " is not a JSON object"):
+        cpu_llm(str(model), generation_config=generation_config, **ENGINE)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.checkpoint_files import read_json_object
 
 # generation_config.json's sampling keys -> the SamplingParams fields they default (vLLM reads these six)
 GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -33,11 +34,12 @@ def check_generation_overrides(overrides: object) -> None:
 
 def read_generation_config(directory: str) -> dict:
     """The keys `directory`'s generation_config.json sets ({} without one), read with transformers'
-    GenerationConfig; a file transformers refuses (a bad max_new_tokens, not an object) raises
-    ValueError / TypeError naming it."""
+    GenerationConfig; a file that is not a JSON object (empty, cut short, a list), or one transformers
+    refuses (a bad max_new_tokens), raises ValueError / TypeError naming it."""
     path = os.path.join(directory, GENERATION_FILE)
     if not os.path.isfile(path):
         return {}
+    read_json_object(path)  # transformers' error for text that is not JSON is an OSError, as for no file
     from transformers import GenerationConfig
 
     try:
