@@ -39,11 +39,13 @@ def read_generation_config(directory: str) -> dict:
     path = os.path.join(directory, GENERATION_FILE)
     if not os.path.isfile(path):
         return {}
-    read_json_object(path)  # transformers' error for text that is not JSON is an OSError, as for no file
+    # read here, not by GenerationConfig.from_pretrained: its error for text that is not JSON is an
+    # OSError, as for no file, naming neither
+    values = read_json_object(path)
     from transformers import GenerationConfig
 
     try:
-        return GenerationConfig.from_pretrained(directory).to_diff_dict()
+        return GenerationConfig.from_dict(values).to_diff_dict()
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: {e}") from e
 
