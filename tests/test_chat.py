@@ -8,6 +8,7 @@ that adds a BOS (as Llama 3's does) gets one BOS, not two; the template options 
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -252,3 +253,26 @@ def test_tool_call_turns_without_content(bos_llm):
              {"role": "tool", "content": "the lazy dog"}, {"role": "assistant", "tool_calls": [{"name": "open"}]}]
     [out] = bos_llm.chat(calls, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
     assert out.prompt == "<user>the quick\nbrown fox<assistant>[search]<tool>the lazy dog<assistant>[open]"
+
+
+def test_tool_call_arguments_reach_the_template_as_dicts(bos_llm):
+    """vLLM's message parsing: an assistant's tool call arguments, a JSON string in OpenAI's format,
+    reach the template as the dict tool templates render with `tojson` (Llama 3.1's), {} for a
+    string that is not JSON or for None; an empty tool_calls list is dropped (the template takes
+    its plain assistant path). The caller's messages are left as they were."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls is defined %}"
+                "{% for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+                "{% else %}.{% endif %}{% endfor %}")
+    calls = [{"role": "user", "content": "the weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+                 {"id": "b", "type": "function", "function": {"name": "time", "arguments": "not json"}},
+                 {"id": "c", "type": "function", "function": {"name": "now", "arguments": None}},
+                 {"id": "d", "type": "function", "function": {"name": "list", "arguments": {"n": 2}}}]},
+             {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+             {"role": "assistant", "content": "sunny", "tool_calls": []}]
+    given = copy.deepcopy(calls)
+    [out] = bos_llm.chat(calls, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert out.prompt == ('<user>the weather?.<assistant>[weather {"city": "Paris"}][time {}][now {}][list {"n": 2}]'
+                          "<tool>sunny.<assistant>sunny.")
+    assert calls == given

@@ -2,7 +2,10 @@
 
 A conversation is a list of {"role": str, "content": ...} dicts, the content a string, None or left
 out (an assistant turn of tool calls), or a list of {"type": "text" | "input_text", "text": str}
-parts or bare strings; other keys (tool_calls, name, ...) reach the template as given. The template
+parts or bare strings; other keys (tool_calls, name, ...) reach the template as given, but for an
+assistant's tool calls, whose arguments (a JSON string in OpenAI's format) reach it as the dict tool
+templates render with `tojson` ({} for a string that is not JSON), an empty list of them left out,
+as vLLM does (`assistant_tool_calls`). The template
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts), or "auto": "openai"
 for a template that loops over a message's content, else "string" (`detect_content_format`);
@@ -16,6 +19,7 @@ read, its own raise_exception) is a ValueError naming the conversation, as vLLM'
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 
 # The content-part types chat takes (vLLM's OpenAI-style text parts; "input_text": the Responses API's).
@@ -104,6 +108,27 @@ def _content(content: object, where: str, content_format: str) -> str | list[dic
     return "\n".join(texts)
 
 
+def assistant_tool_calls(tool_calls: list | tuple) -> list:
+    """An assistant message's tool calls as vLLM hands them to the template: each call's
+    function.arguments parsed from its JSON string to a dict ({} for a string that is not JSON,
+    None or another non-container), copies of the calls and functions changed (the caller's stay)."""
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    arguments = {}
+            elif not isinstance(arguments, (dict, list)):
+                arguments = {}
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
+
+
 @functools.lru_cache(maxsize=TEMPLATES_CACHED)
 def detect_content_format(template: str) -> str:
     """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
@@ -151,7 +176,13 @@ def as_conversations(messages: object, content_format: str = "string") -> list[l
                 raise ValueError(f"{where} has no 'role': keys are {sorted(message)}")
             if not isinstance(message["role"], str):
                 raise TypeError(f"{where}: 'role' must be a str, got {type(message['role']).__name__}")
-            checked.append({**message, "content": _content(message.get("content"), where, content_format)})
+            message = {**message, "content": _content(message.get("content"), where, content_format)}
+            if message["role"] == "assistant" and isinstance(message.get("tool_calls"), (list, tuple)):
+                if message["tool_calls"]:
+                    message["tool_calls"] = assistant_tool_calls(message["tool_calls"])
+                else:  # vLLM drops an empty list: the template's plain assistant path
+                    del message["tool_calls"]
+            checked.append(message)
         out.append(checked)
     return out
 
