@@ -76,7 +76,8 @@ MALFORMED = [
     ([FIRST, "oops"], TypeError, "conversation 1 must be a list"),
     ([FIRST, [{"role": "user", "content": [3]}]], TypeError, "conversation 1, message 0: 'content' part 0 must be a str or a dict"),
     ([[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]], ValueError,
-     "'content' part 0 has type 'image_url'; only text parts \\('text', 'input_text'\\)"),
+     "'content' part 0 has type 'image_url'; only text parts \\('text', 'input_text', 'output_text', 'refusal', "
+     "'thinking'\\)"),
     ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]], TypeError, "part 0 needs a str 'text', got 3"),
 ]
 
@@ -276,3 +277,18 @@ def test_tool_call_arguments_reach_the_template_as_dicts(bos_llm):
     assert out.prompt == ('<user>the weather?.<assistant>[weather {"city": "Paris"}][time {}][now {}][list {"n": 2}]'
                           "<tool>sunny.<assistant>sunny.")
     assert calls == given
+
+
+def test_every_text_part_type_vllm_reads(bos_llm):
+    """vLLM reads these content parts as text: "text", the Responses API's "input_text" and
+    "output_text" (key "text"), OpenAI's assistant "refusal" (key "refusal") and "thinking" (key
+    "thinking"); a history holding a refusal was refused."""
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "the quick"}]},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"},
+                                               {"type": "output_text", "text": "brown"},
+                                               {"type": "refusal", "refusal": "no fox"}]}]
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    [out] = bos_llm.chat(parts, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert out.prompt == "<the quick><hmm\nbrown\nno fox>"
+    with pytest.raises(TypeError, match="part 0 needs a str 'refusal', got 3"):
+        bos_llm.chat([{"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}], GREEDY, use_tqdm=False)

@@ -1,8 +1,9 @@
 """Chat conversations to prompts, for `LLM.chat` (vLLM's meaning).
 
 A conversation is a list of {"role": str, "content": ...} dicts, the content a string, None or left
-out (an assistant turn of tool calls), or a list of {"type": "text" | "input_text", "text": str}
-parts or bare strings; other keys (tool_calls, name, ...) reach the template as given, but for an
+out (an assistant turn of tool calls), or a list of {"type": "text" | "input_text" | "output_text",
+"text": str} parts ({"type": "refusal", "refusal": str} and {"type": "thinking", "thinking": str}
+too: TEXT_PARTS) or bare strings; other keys (tool_calls, name, ...) reach the template as given, but for an
 assistant's tool calls, whose arguments (a JSON string in OpenAI's format) reach it as the dict tool
 templates render with `tojson` ({} for a string that is not JSON), an empty list of them left out,
 as vLLM does (`assistant_tool_calls`). The template
@@ -22,8 +23,9 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-# The content-part types chat takes (vLLM's OpenAI-style text parts; "input_text": the Responses API's).
-TEXT_PARTS = ("text", "input_text")
+# The content-part types chat takes, as vLLM reads them, each with the key holding its text (OpenAI's
+# text and assistant refusal parts, the Responses API's input / output text, vLLM's thinking parts).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 # vLLM's chat_template_content_format values.
 CONTENT_FORMATS = ("auto", "string", "openai")
 # Chat templates whose detected content format is kept (an engine renders with one or two).
@@ -93,9 +95,10 @@ def _content_parts(content: object, where: str) -> list[str]:
         if part.get("type") not in TEXT_PARTS:
             raise ValueError(f"{where}: 'content' part {k} has type {part.get('type')!r}; only text parts "
                              f"({', '.join(map(repr, TEXT_PARTS))}) are supported")
-        if not isinstance(part.get("text"), str):
-            raise TypeError(f"{where}: 'content' part {k} needs a str 'text', got {part.get('text')!r}")
-        texts.append(part["text"])
+        key = TEXT_PARTS[part["type"]]
+        if not isinstance(part.get(key), str):
+            raise TypeError(f"{where}: 'content' part {k} needs a str {key!r}, got {part.get(key)!r}")
+        texts.append(part[key])
     return texts
 
 
