@@ -13,6 +13,7 @@ Both return one RequestOutput per prompt / conversation, in input order (nanovll
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -138,7 +139,8 @@ class LLM(LLMEngine):
 
     def _run(self, ids: list[int], bar: tqdm) -> list[RequestOutput]:
         """Step until the requests `ids` finish (or are aborted); `bar` counts them and shows the
-        run's average token rates."""
+        run's average token rates. Outputs carry their id as a str, as vLLM's LLM names requests
+        (str of a counter); the step API's stay the engine's ints."""
         outputs: dict[int, RequestOutput] = {}
         rates = RunRates(time.perf_counter())
         while not self.is_finished():
@@ -148,7 +150,8 @@ class LLM(LLMEngine):
             for out in result.finished:
                 outputs[out.request_id] = out
             bar.update(len(result.finished))
-        return [outputs[i] for i in ids if i in outputs]  # one aborted meanwhile is left out (as vLLM)
+        # one aborted meanwhile is left out (as vLLM)
+        return [dataclasses.replace(outputs[i], request_id=str(i)) for i in ids if i in outputs]
 
     @one_call_at_a_time
     def beam_search(self, prompts: SequenceABC[PromptType], params: BeamSearchParams, lora_request: object = None,

@@ -269,7 +269,9 @@ class RequestOutput(_DictView):
     """A request's result: its prompt (the text when it was given as text, else None), the prompt's
     token ids (after truncate_prompt_tokens), its logprobs when asked for, and its n completions."""
 
-    request_id: int | str  # the engine's id; the caller's under llm.llm_engine (vLLM's engine API)
+    # vLLM's str of a counter from generate / chat; the caller's under llm.llm_engine (vLLM's engine
+    # API); the engine's int id from nano-vllm's step API (llm.add_request / llm.step)
+    request_id: int | str
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: PromptLogprobs | None

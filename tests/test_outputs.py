@@ -319,3 +319,20 @@ def test_a_checkpoints_other_eos_ids_stop_as_stop_token_ids(tmp_path):
         assert params[0].stop_token_ids == []
     finally:
         llm.exit()
+
+
+def test_generate_gives_vllms_string_request_ids(llm):
+    """vLLM's LLM.generate / chat name each request str(a counter): RequestOutput.request_id is a str
+    (it was the engine's int id); the step API's ids stay the ints add_request returns."""
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first, second = llm.generate(["the quick", "the lazy"], sp, use_tqdm=False)
+    [third] = llm.generate(["the dog"], sp, use_tqdm=False)
+    ids = [o.request_id for o in (first, second, third)]
+    assert all(isinstance(i, str) for i in ids), ids
+    assert int(ids[0]) < int(ids[1]) < int(ids[2])
+    assert "request_id='" in repr(first)
+    request_id = llm.add_request("the fox", sp)
+    finished = []
+    while not llm.is_finished():
+        finished += llm.step().finished
+    assert [o.request_id for o in finished] == [request_id] and isinstance(request_id, int)
