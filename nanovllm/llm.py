@@ -182,6 +182,7 @@ class LLM(LLMEngine):
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
         mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat, with its arguments in its order: `messages` is one conversation (a list
@@ -190,9 +191,12 @@ class LLM(LLMEngine):
         engine/chat.py; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
         it, the latter over the named options), tokenized without special tokens, and generated like
         generate() does. Returns one RequestOutput per conversation, in input order.
-        `mm_processor_kwargs`: None (text models only)."""
+        `tokenization_kwargs`: None (as generate's); `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
         check_no_lora(lora_request)
+        if tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported: the rendered "
+                             "conversation is tokenized without special tokens, as vLLM does, and nothing else")
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,

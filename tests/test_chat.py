@@ -292,3 +292,15 @@ def test_every_text_part_type_vllm_reads(bos_llm):
     assert out.prompt == "<the quick><hmm\nbrown\nno fox>"
     with pytest.raises(TypeError, match="part 0 needs a str 'refusal', got 3"):
         bos_llm.chat([{"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}], GREEDY, use_tqdm=False)
+
+
+def test_tokenization_kwargs_as_generate_takes_them(bos_llm):
+    """vLLM's LLM.chat takes tokenization_kwargs (before mm_processor_kwargs); as generate, None or
+    {} (the rendered text is tokenized without special tokens, nothing else); others are refused."""
+    conversation = [{"role": "user", "content": "the quick brown fox"}]
+    [plain] = bos_llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert bos_llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs=None) == [plain]
+    assert bos_llm.chat(conversation, GREEDY, False, None, None, "auto", True, False, None, None, {}, None) == [plain]
+    with pytest.raises(ValueError, match="tokenization_kwargs=.*truncation"):
+        bos_llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    assert bos_llm.is_finished()
