@@ -304,3 +304,19 @@ def test_tokenization_kwargs_as_generate_takes_them(bos_llm):
     with pytest.raises(ValueError, match="tokenization_kwargs=.*truncation"):
         bos_llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True})
     assert bos_llm.is_finished()
+
+
+def test_tool_results_reach_the_template_as_one_string(bos_llm):
+    """vLLM (since its tool-content normalization) hands a tool message's content to the template as
+    one string (text parts joined with newlines) under the "openai" content format too: tool
+    templates render `m.content` as a string (clients such as Claude Code send tool results as parts)."""
+    loops = ("{% for m in messages %}{% if m.content is string %}<{{ m.content }}>"
+             "{% else %}{% for p in m.content %}({{ p.text }}){% endfor %}{% endif %}{% endfor %}")
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "the weather?"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "weather"}}]},
+                    {"role": "tool", "content": [{"type": "text", "text": "sunny"}, "warm"]},
+                    {"role": "tool", "content": None}]
+    for content_format in ("auto", "openai"):
+        [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=loops, add_generation_prompt=False,
+                             chat_template_content_format=content_format)
+        assert out.prompt == "(the weather?)<sunny\nwarm><>"

@@ -8,8 +8,9 @@ assistant's tool calls, whose arguments (a JSON string in OpenAI's format) reach
 templates render with `tojson` ({} for a string that is not JSON), an empty list of them left out,
 as vLLM does (`assistant_tool_calls`). The template
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
-newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts), or "auto": "openai"
-for a template that loops over a message's content, else "string" (`detect_content_format`);
+newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
+content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
+message's content, else "string" (`detect_content_format`);
 `chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
@@ -179,7 +180,9 @@ def as_conversations(messages: object, content_format: str = "string") -> list[l
                 raise ValueError(f"{where} has no 'role': keys are {sorted(message)}")
             if not isinstance(message["role"], str):
                 raise TypeError(f"{where}: 'role' must be a str, got {type(message['role']).__name__}")
-            message = {**message, "content": _content(message.get("content"), where, content_format)}
+            # a tool result is one string under either format, as vLLM hands it (tool templates print it)
+            seen_as = "string" if message["role"] == "tool" else content_format
+            message = {**message, "content": _content(message.get("content"), where, seen_as)}
             if message["role"] == "assistant" and isinstance(message.get("tool_calls"), (list, tuple)):
                 if message["tool_calls"]:
                     message["tool_calls"] = assistant_tool_calls(message["tool_calls"])
