@@ -158,6 +158,27 @@ def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path)
         llm.exit()
 
 
+def test_update_weights_names_a_misshapen_weight_before_quantizing_it(full_precision):
+    """A weight with no columns ([N, 0]) among good ones, into an online-FP8 engine (per-channel
+    scales): one ValueError naming its shape, as an unquantized engine gives, and nothing loaded.
+    It was quantized first, whose per-row amax raised a bare IndexError."""
+    state = load_reference(full_precision("moe")).state_dict()
+    llm = cpu_llm(full_precision("moe"), kvcache_block_size=16, max_model_len=256, quantization="fp8")
+    try:
+        before = llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False)
+        good = [(n, torch.zeros_like(t)) for n, t in state.items() if "layers.1.self_attn" in n]
+        misshapen = [("model.layers.0.self_attn.q_proj.weight", MOE.num_attention_heads * MOE.head_dim),
+                     ("model.layers.0.mlp.down_proj.weight", MOE.hidden_size),
+                     ("model.layers.1.mlp.experts.2.up_proj.weight", MOE.moe_intermediate_size)]
+        for name, rows in misshapen:
+            with pytest.raises(ValueError, match=re.escape(f"weight {name!r}: ") + r".*expected shape .*"
+                               + re.escape(f"({rows}, 0)")):
+                llm.update_weights([*good, (name, torch.ones(rows, 0))])
+        assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before
+    finally:
+        llm.exit()
+
+
 def test_compression_config_is_read_as_quantization_config(full_precision, tmp_path):
     """Older compressed-tensors checkpoints name the key compression_config; vLLM reads it when
     quantization_config is absent, and so do we (the same tokens as the current spelling)."""

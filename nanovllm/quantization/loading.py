@@ -34,13 +34,14 @@ class QuantizedTensors:
     """Calls map one (checkpoint name, tensor) to the (name, tensor) pairs the loader fills."""
 
     def __init__(self, quant_of: Callable[[str], LinearQuant | None], update: bool,
-                 check_fused: Callable[[str, torch.Tensor], object]):
+                 check_fits: Callable[[str, torch.Tensor], object]):
         """`quant_of(name)`: the LinearQuant of the parameter checkpoint tensor `name` fills
         (None: not quantized); `update`: tensors come from update_weights (full precision);
-        `check_fused(name, tensor)`: raises ValueError unless a fused expert tensor fits its
-        parameter whole (as an unquantized engine checks it), before it is split per expert."""
+        `check_fits(name, tensor)`: raises ValueError unless the tensor fits its parameter (as an
+        unquantized engine checks it), before a fused expert tensor is split per expert and before
+        a full-precision weight is quantized (a misshapen one, e.g. [N, 0], is named as such)."""
         self.quant_of = quant_of
-        self.check_fused = check_fused
+        self.check_fits = check_fits
         self.source = "update_weights" if update else "the checkpoint"
         self.update = update
         self.pending: dict[str, tuple[LinearQuant, dict[str, torch.Tensor]]] = {}  # module -> its half of a pair
@@ -60,13 +61,14 @@ class QuantizedTensors:
             parts = split_fused_experts(name, tensor)
             if parts is None:
                 return [(name, tensor)]
-            self.check_fused(name, tensor)  # a wrong expert count would fill some experts and leave the rest
+            self.check_fits(name, tensor)  # a wrong expert count would fill some experts and leave the rest
             return [out for part in parts for out in self(*part)]
         fp8 = tensor.dtype == FP8_DTYPE
         if self.update or quant.fmt.online:
             if fp8:
                 raise ValueError(f"weight {name!r}: {self.source} takes full-precision weights for an FP8 engine "
                                  f"(they are quantized here), got float8")
+            self.check_fits(name, tensor)  # the shape first: quantizing an [N, 0] weight raised an IndexError
             return self._quantized(name, module, tensor, quant)
         if not fp8:
             raise ValueError(f"weight {name!r} is {tensor.dtype}, but the checkpoint's quantization config makes "
