@@ -151,6 +151,9 @@ def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path)
         before = llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False)
         with pytest.raises(ValueError, match=f"{name}.weight'.*full-precision.*float8"):
             llm.update_weights([(f"{name}.weight", fp8[f"{name}.weight"])])
+        e5m2 = fp8[f"{name}.weight"].float().to(torch.float8_e5m2)  # an FP8 variant the engine does not hold
+        with pytest.raises(ValueError, match=f"{name}.weight'.*full-precision.*float8_e5m2"):
+            llm.update_weights([(f"{name}.weight", e5m2)])
         with pytest.raises(ValueError, match=f"{name}.weight_scale_inv'.*full-precision weights only"):
             llm.update_weights([(f"{name}.weight_scale_inv", fp8[f"{name}.weight_scale_inv"])])
         assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before

@@ -667,7 +667,8 @@ def test_step_on_an_idle_engine_returns_an_empty_result(llm):
 
 def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
     """A tensor with no data (meta) or of a dtype that cannot become a weight, given after good
-    ones, is refused naming it, before any parameter (or the prefix cache) changes."""
+    ones, is refused naming it, before any parameter (or the prefix cache) changes. A float8
+    tensor is one: copied as it was, its unscaled e4m3 / e5m2 values became the weight."""
     other = build_checkpoint(str(tmp_path / "other"), TinyShape(), seed=9)
     prompts = [[5, 6, 7, 8] * 5, [9] * 20]
     llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
@@ -679,7 +680,9 @@ def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
         shape = dict(new)[last].shape
         for bad, error in ((torch.empty(shape, device="meta"), ValueError),
                            (torch.ones(shape, dtype=torch.complex64), TypeError),
-                           (torch.ones(shape, dtype=torch.int64), TypeError)):
+                           (torch.ones(shape, dtype=torch.int64), TypeError),
+                           (dict(new)[last].to(torch.float8_e4m3fn), ValueError),
+                           (dict(new)[last].to(torch.float8_e5m2), ValueError)):
             with pytest.raises(error, match=last):
                 llm.update_weights([(n, t) for n, t in new if n != last] + [(last, bad)])
             assert llm.generate(prompts, GREEDY, use_tqdm=False) == before

@@ -288,7 +288,8 @@ class LLMEngine:
         `weights`: (name, tensor) pairs with Hugging Face checkpoint names and full (unsharded)
         shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
         lm_head.weight is accepted and ignored); any subset of the weights may be given.
-        Unknown names, wrong shapes and tensors without data (meta) raise ValueError, tensors that
+        Unknown names, wrong shapes, tensors without data (meta) and float8 ones (full-precision
+        weights only: an FP8 engine quantizes them) raise ValueError, tensors that
         are not dense floating-point ones TypeError, before any parameter changes; a generator's
         tensors are checked and copied a chunk (~1 GiB) at a time instead (loader.weight_chunks:
         the memory of one chunk, not of a model copy), so a refusal leaves earlier chunks in. The prefix

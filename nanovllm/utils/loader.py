@@ -151,8 +151,10 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
     model's `state_dict().items()`) into the parameters in place; any subset of the weights
     may be given. Every tensor is checked before any parameter changes: a tensor that is not a
-    dense floating-point one is a TypeError naming it; unknown names, wrong shapes and tensors
-    without data (the meta device) one ValueError naming all of them."""
+    dense floating-point one is a TypeError naming it; unknown names, wrong shapes, tensors
+    without data (the meta device) and float8 ones (their values mean nothing without the scale
+    beside them, which no parameter here takes: an FP8 engine quantizes full-precision weights
+    itself) one ValueError naming all of them."""
     weights = _WeightMap(model)
     convert = weights.converter(update=True)
     fills: list[_Fill] = []
@@ -167,6 +169,10 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                             f"{tensor.dtype} ({tensor.layout}); none of these weights was loaded")
         if tensor.is_meta:
             errors.append(f"weight {name!r} is on the meta device: it holds no data to copy")
+            continue
+        if tensor.dtype.itemsize == 1:  # float8 (any variant): copied as it was, it loaded fp8 / scale values
+            errors.append(f"weight {name!r}: update_weights takes full-precision weights (an FP8 engine quantizes "
+                          f"them itself), got {tensor.dtype}")
             continue
         try:
             for name, tensor in _converted(convert, *item):
