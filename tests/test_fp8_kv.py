@@ -431,18 +431,20 @@ def test_update_weights_sets_the_scales_again(checkpoint, tmp_path):
     llm.exit()
 
 
-def test_an_empty_update_leaves_no_cached_kv_of_other_scales(checkpoint):
+@pytest.mark.parametrize("empty", [list, lambda: (pair for pair in ())], ids=["list", "generator"])
+def test_an_empty_update_leaves_no_cached_kv_of_other_scales(checkpoint, empty):
     """update_weights([]) still sets the scales computed from the data anew at the next prefill step
     (as every update_weights does); the prefix cache, whose KV the old scales quantized, is emptied
     with them. It was kept (no tensor was copied): a prompt cached before was then read with the new
-    scales and its tokens changed."""
+    scales and its tokens changed. An empty generator (a sync that yields nothing) is the same update:
+    it left the old scales (and the cache) as they were, unlike the empty list."""
     prompt = make_prompts(4, 1, 48, 49)[0]
     params = SamplingParams(temperature=0, max_tokens=8)
     llm = cpu_llm(checkpoint, kv_cache_dtype="fp8", kvcache_block_size=16)
     try:
         llm.generate([prompt], params, use_tqdm=False)  # calibrates, and caches the prompt's blocks
         scales = engine_scales(llm)
-        llm.update_weights([])
+        llm.update_weights(empty())
         llm.generate([[t * 3 % 384 for t in make_prompts(9, 1, 20, 21)[0]]], params, use_tqdm=False)
         assert engine_scales(llm) != scales  # set again from another prompt's data
         hits = llm.block_manager.num_prefix_hit_blocks

@@ -194,7 +194,9 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
     of them at once when they are held already (a list, tuple or dict view: one check before any
     change), else (a generator, as verl's all-gathering sync yields) chunks of about `max_bytes`,
     so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too).
-    Anything not iterable is a TypeError naming it."""
+    An empty generator is one empty chunk, as an empty list is (update_weights counts it as an
+    update either way: FP8 KV scales computed from the data are set anew). Anything not iterable
+    is a TypeError naming it."""
     if not isinstance(named_tensors, Iterable):
         raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {named_tensors!r:.200}")
     if isinstance(named_tensors, Collection):
@@ -202,14 +204,15 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
         return
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
+    first = True  # no chunk yielded yet
     for item in named_tensors:
         chunk.append(item)
         tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else None
         size += tensor.nbytes if isinstance(tensor, torch.Tensor) and not tensor.is_meta else 0
         if size >= max_bytes:
             yield chunk
-            chunk, size = [], 0
-    if chunk:
+            chunk, size, first = [], 0, False
+    if chunk or first:
         yield chunk
 
 
