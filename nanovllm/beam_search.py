@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from nanovllm.inputs import prompt_batch
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.validation import check_int
@@ -80,8 +81,7 @@ def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], p
     most this many prompts searched at a time."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
+    prompts = prompt_batch(prompts)  # one prompt (a str, a dict, a list of token ids) or a list of them
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if concurrency_limit is not None:

@@ -29,6 +29,14 @@ class TextPrompt(TypedDict):
 PromptType = str | list[int] | TokensPrompt | TextPrompt
 
 
+def prompt_batch(prompts: object) -> object:
+    """`prompts` as a batch, by vLLM's rule (prompt_to_seq): a str, a dict or a non-empty list whose
+    first item is an int (a list of token ids) is one prompt, wrapped in a list; anything else is
+    returned as given (a sequence of prompts, checked by the caller)."""
+    one_id_list = (isinstance(prompts, list) and len(prompts) > 0 and isinstance(prompts[0], Integral))
+    return [prompts] if isinstance(prompts, (str, dict)) or one_id_list else prompts
+
+
 def legacy_token_prompts(prompts: object, prompt_token_ids: object) -> list:
     """vLLM's older `generate(prompt_token_ids=...)` (deprecated there in 0.4, gone in 0.11; lm-eval,
     lighteval and OpenRLHF still pass it): a list of token ids is one prompt, a list of such lists

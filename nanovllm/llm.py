@@ -25,7 +25,7 @@ from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
-from nanovllm.inputs import PromptType, legacy_token_prompts
+from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.generation_defaults import default_sampling_params
@@ -95,8 +95,7 @@ class LLM(LLMEngine):
             prompts = legacy_token_prompts(prompts, prompt_token_ids)
         elif prompts is None:
             raise TypeError("generate() needs prompts (or vLLM's older prompt_token_ids=)")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = prompt_batch(prompts)  # one prompt (a str, a dict, a list of token ids) or a list of them
         if not isinstance(prompts, SequenceABC):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)

@@ -89,6 +89,23 @@ def test_numpy_token_ids_are_ids(llm):
     assert llm.generate([[np.int64(1), np.int32(2), 3]], GREEDY, use_tqdm=False)[0]["token_ids"] == served(llm)
 
 
+def test_one_token_id_list_is_one_prompt(llm):
+    """vLLM's rule (prompt_to_seq): a non-empty list of ints is one prompt, as a str or a dict is, in
+    generate and beam_search; it was taken as a list of prompts, each int refused as one."""
+    from nanovllm.sampling_params import BeamSearchParams
+
+    [out] = llm.generate([1, 2, 3], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == [1, 2, 3] and out["token_ids"] == served(llm)
+    assert len(llm.generate([1, 2, 3], [GREEDY], use_tqdm=False)) == 1  # one SamplingParams for it
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    [beams] = llm.beam_search([1, 2, 3], params)
+    assert [b.tokens for b in beams.sequences] == [b.tokens for b in llm.beam_search([[1, 2, 3]], params)[0].sequences]
+    with pytest.raises(TypeError, match="prompt token ids must be ints, got True"):
+        llm.generate([True, 2], GREEDY, use_tqdm=False)
+    assert llm.generate([], GREEDY, use_tqdm=False) == []  # an empty list: no prompts, as vLLM's
+    assert llm.is_finished()
+
+
 def test_request_that_can_never_fit_the_cache(ckpt):
     small = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="whole KV cache holds 128"):  # 8 blocks x 16 < 100 + 500
