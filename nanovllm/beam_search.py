@@ -30,6 +30,7 @@ from nanovllm.utils.validation import check_int
 
 if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.prompts import PreparedPrompt
     from nanovllm.outputs import RequestOutput
 
 # LLM.generate as beam search calls it: (prompts, params) -> one output per prompt.
@@ -61,11 +62,18 @@ class BeamSearchOutput:
 
 @dataclass
 class _Instance:
-    """One prompt's search: its live beams (best first), the finished ones, this step's candidates."""
+    """One prompt's search: its live beams (best first), the finished ones, this step's candidates,
+    and its prompt's cache_salt (None: none)."""
 
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
     candidates: list[BeamSearchSequence] = field(default_factory=list)
+    salt: str | None = None
+
+
+def _step_prompt(tokens: list[int], salt: str | None) -> dict:
+    """A beam's one-token step as a TokensPrompt, under its prompt's cache_salt when it has one."""
+    return {"prompt_token_ids": tokens} if salt is None else {"prompt_token_ids": tokens, "cache_salt": salt}
 
 
 def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
@@ -93,16 +101,17 @@ def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], p
     step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
     # checked as one request of max_tokens: a beam that would outgrow the KV cache is refused before any step
     whole = SamplingParams(max_tokens=params.max_tokens)
-    token_ids = [llm.validator.validate(p, whole).token_ids for p in prompts]
-    chunk = concurrency_limit or max(1, len(token_ids))
+    checked = [llm.validator.validate(p, whole) for p in prompts]
+    chunk = concurrency_limit or max(1, len(checked))
     outputs = []
-    for start in range(0, len(token_ids), chunk):
-        outputs += _search(llm, generate, token_ids[start:start + chunk], params, step_params, use_tqdm)
+    for start in range(0, len(checked), chunk):
+        outputs += _search(llm, generate, checked[start:start + chunk], params, step_params, use_tqdm)
     return outputs
 
 
-def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
+def _search(llm: LLMEngine, generate: Generate, prompts: list[PreparedPrompt], params: BeamSearchParams,
             step_params: SamplingParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """The search of `prompts` (checked); a prompt's cache_salt rides on each of its beams' steps."""
     eos = frozenset(llm.eos_token_ids)
     stops = frozenset() if params.ignore_eos else eos  # the tokens that finish a beam
     max_len = llm.config.max_model_len
@@ -110,7 +119,7 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params
     def score(beam: BeamSearchSequence) -> float:
         return beam_score(beam, eos, params.length_penalty)
 
-    instances = [_Instance([BeamSearchSequence(list(p))]) for p in prompts]
+    instances = [_Instance([BeamSearchSequence(list(p.token_ids))], salt=p.cache_salt) for p in prompts]
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
         for instance in instances:  # a beam at max_model_len cannot grow: it waits for the end
             instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
@@ -118,7 +127,7 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[list[int]], params
         live = [(instance, beam) for instance in instances for beam in instance.beams]
         if not live:
             break
-        results = generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params)
+        results = generate([_step_prompt(beam.tokens, instance.salt) for instance, beam in live], step_params)
         for (instance, beam), result in zip(live, results):
             step_logprobs = result.outputs[0].logprobs[0]
             for token, logprob in step_logprobs.items():

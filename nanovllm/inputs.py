@@ -14,15 +14,21 @@ class _TokenIds(TypedDict):
 
 
 class TokensPrompt(_TokenIds, total=False):
-    """vLLM's prompt given as token ids: {"prompt_token_ids": [...]} (a "prompt" text may ride along)."""
+    """vLLM's prompt given as token ids: {"prompt_token_ids": [...]} (a "prompt" text may ride along;
+    "cache_salt": only prompts of the same salt share prefix-cache hits, engine/prompts.py)."""
 
+    prompt: str
+    cache_salt: str
+
+
+class _Text(TypedDict):
     prompt: str
 
 
-class TextPrompt(TypedDict):
-    """vLLM's prompt given as text: {"prompt": "..."}."""
+class TextPrompt(_Text, total=False):
+    """vLLM's prompt given as text: {"prompt": "..."} (and its "cache_salt", as TokensPrompt's)."""
 
-    prompt: str
+    cache_salt: str
 
 
 # What one prompt may be (vLLM's PromptType, less its multimodal and encoder-decoder forms).

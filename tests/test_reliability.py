@@ -52,6 +52,8 @@ BAD_PROMPTS = [
     # vLLM's multimodal keys: text models only (they used to be dropped, the text generated alone)
     ({"prompt": "the dog", "multi_modal_data": {"image": [0]}}, ValueError, "'multi_modal_data': nanovllm serves text"),
     ({"prompt_token_ids": [1, 2], "mm_processor_kwargs": {"crops": 2}}, ValueError, "'mm_processor_kwargs'"),
+    ({"prompt_token_ids": [1, 2], "cache_salt": 7}, TypeError, "cache_salt must be a str, got 7"),
+    ({"prompt": "the dog", "cache_salt": ""}, ValueError, "cache_salt is an empty string"),
 ]
 
 
@@ -104,6 +106,39 @@ def test_one_token_id_list_is_one_prompt(llm):
         llm.generate([True, 2], GREEDY, use_tqdm=False)
     assert llm.generate([], GREEDY, use_tqdm=False) == []  # an empty list: no prompts, as vLLM's
     assert llm.is_finished()
+
+
+def test_cache_salt_isolates_prefix_cache_hits(llm):
+    """vLLM V1's cache_salt: a prompt's cached KV serves only prompts of the same salt (or, unsalted,
+    unsalted ones), in generate, the engine API and beam search's steps; it was ignored, so a
+    tenant's prompt read KV another tenant's computed. Outputs do not change."""
+    from nanovllm.sampling_params import BeamSearchParams
+
+    long = list(range(1, 40))  # 2 full blocks of 16 before the block of its last token
+
+    def cached(prompt: dict) -> int:
+        [out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert out["token_ids"] == plain
+        return out.num_cached_tokens
+
+    llm.reset_prefix_cache()
+    plain = llm.generate([long], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert cached({"prompt_token_ids": long, "cache_salt": "tenant-a"}) == 0
+    assert cached({"prompt_token_ids": long, "cache_salt": "tenant-b"}) == 0
+    assert cached({"prompt_token_ids": long, "cache_salt": "tenant-a"}) == 32
+    assert cached({"prompt_token_ids": long}) == 32  # the unsalted run's blocks
+    engine = llm.llm_engine
+    engine.add_request("b", {"prompt_token_ids": long, "cache_salt": "tenant-b"}, GREEDY)
+    engine.add_request("c", {"prompt_token_ids": long, "cache_salt": "tenant-c"}, GREEDY)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outs["b"].num_cached_tokens == 32 and outs["c"].num_cached_tokens == 0
+    # beam search's steps keep their prompt's salt: they publish no unsalted block
+    llm.reset_prefix_cache()
+    llm.beam_search([{"prompt_token_ids": long, "cache_salt": "tenant-a"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert cached({"prompt_token_ids": long}) == 0
+    assert cached({"prompt_token_ids": long, "cache_salt": "tenant-a"}) == 32
 
 
 def test_request_that_can_never_fit_the_cache(ckpt):

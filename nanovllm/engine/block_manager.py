@@ -8,7 +8,9 @@ t % block_size (slot = block_id * block_size + offset):
     hashes   :  h0 = H(0, ids)   h1 = H(h0, ids)   (partial: none)
 
 A full block's hash chains the previous block's hash with its own token ids, so
-equal hashes mean equal prefixes (a hit also compares the token ids). A block's
+equal hashes mean equal prefixes (a hit also compares the token ids); a sequence with a cache_salt
+(vLLM's prompt key) chains its first block to the salt's hash, so only sequences of the same salt
+share blocks (vLLM V1's isolation of tenants). A block's
 hash is published when a step that fills it is scheduled: every layer stores the
 step's K/V before it attends, so a request later in the same step, or any later
 step, may read it; a block that a later prefill chunk will fill is not published
@@ -33,6 +35,13 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.intdigest()
+
+
+def salt_hash(cache_salt: str | None) -> int | None:
+    """What a sequence's first block hash chains to: None without a salt, else the salt's hash."""
+    if cache_salt is None:
+        return None
+    return xxhash.xxh64_intdigest(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass"))
 
 
 class Block:
@@ -85,7 +94,8 @@ class BlockManager:
         (its tokens only ever grow, so computed hashes stay valid, also across preemption)."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            prev = hashes[-1] if hashes else salt_hash(seq.cache_salt)
+            hashes.append(chain_hash(prev, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def _prefix_hits(self, seq: Sequence, use_cache: bool = True) -> list[Block]:

@@ -212,7 +212,7 @@ class LLMEngine:
             raise RuntimeError(f"the engine is asleep ({self._sleep_state()}): call wake_up() before generating")
         seq_ids = [next(self._ids) for _ in range(params.n)]
         request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
-                                 prompt.max_tokens)
+                                 prompt.max_tokens, prompt.cache_salt)
         if grammar is not None:
             for seq in request.samples:
                 seq.grammar = self.grammars.sample_grammar(grammar)

@@ -2,7 +2,9 @@
 
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
 {"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt;
-one that sets multimodal data is refused).
+one that sets multimodal data is refused). A dict's "cache_salt" (a non-empty str) isolates its
+prefix-cache hits as vLLM V1's does: only requests with the same salt (or all without one) share
+cached KV blocks (engine/block_manager.py seeds the first block's hash with it).
 Anything else, or a request the engine could never serve, raises TypeError/ValueError naming the
 bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
@@ -19,18 +21,19 @@ from numbers import Integral
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
 
 # Keys of vLLM's prompt dicts that carry images, audio and their processing: refused when set (text
-# models only); its other keys (cache_salt, ...) change nothing here and are ignored.
+# models only); "cache_salt" is kept (PreparedPrompt), the other keys change nothing here and are ignored.
 MEDIA_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 @dataclass(frozen=True)
 class PreparedPrompt:
     """A checked prompt: its token ids (truncated as asked), the most tokens its request may
-    generate, and its text when it was given as text."""
+    generate, its text when it was given as text, and its dict's cache_salt (None: none)."""
 
     token_ids: list[int]
     max_tokens: int
     text: str | None
+    cache_salt: str | None = None
 
 
 def prompt_text(prompt: object) -> str | None:
@@ -39,6 +42,18 @@ def prompt_text(prompt: object) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def prompt_cache_salt(prompt: object) -> str | None:
+    """The "cache_salt" of a prompt dict (vLLM's: a non-empty str), None when it sets none."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"prompt dict's cache_salt must be a str, got {salt!r}")
+    if not salt:
+        raise ValueError("prompt dict's cache_salt is an empty string: pass a non-empty salt, or none")
+    return salt
 
 
 class PromptValidator:
@@ -97,6 +112,7 @@ class PromptValidator:
     def validate(self, prompt: object, params: SamplingParams) -> PreparedPrompt:
         """`prompt` checked for a request with (checked) `params`."""
         ids = self.token_ids(prompt)
+        salt = prompt_cache_salt(prompt)
         if params.truncate_prompt_tokens is not None:
             keep = (self.max_model_len if params.truncate_prompt_tokens == TRUNCATE_TO_MODEL_LEN
                     else params.truncate_prompt_tokens)
@@ -112,4 +128,4 @@ class PromptValidator:
                 f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + max_tokens {max_tokens}) "
                 f"but the whole KV cache holds {self.kv_capacity_tokens}"
             )
-        return PreparedPrompt(ids, max_tokens, prompt_text(prompt))
+        return PreparedPrompt(ids, max_tokens, prompt_text(prompt), salt)

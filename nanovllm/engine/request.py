@@ -51,14 +51,16 @@ class Request:
 
     @classmethod
     def create(cls, request_id: int, seq_ids: list[int], prompt_token_ids: list[int], params: SamplingParams,
-               rules: RequestRules | None, prompt: str | None, max_tokens: int) -> Request:
+               rules: RequestRules | None, prompt: str | None, max_tokens: int,
+               cache_salt: str | None = None) -> Request:
         """A request of params.n fresh samples with the ids `seq_ids`, each generating at most
-        `max_tokens` (params.max_tokens, or what max_model_len leaves: engine/prompts.py)."""
+        `max_tokens` (params.max_tokens, or what max_model_len leaves: engine/prompts.py), its
+        prefix-cache hits isolated by `cache_salt` (Sequence)."""
         if len(seq_ids) != params.n:
             raise ValueError(f"request {request_id}: {len(seq_ids)} sequence ids for n={params.n}")
         return cls(request_id, [
             Sequence(seq_id, prompt_token_ids, params, request_id=request_id, seed=sample_seed(params.seed, i),
-                     wants_prompt_logprobs=i == 0, rules=rules, max_tokens=max_tokens)
+                     wants_prompt_logprobs=i == 0, rules=rules, max_tokens=max_tokens, cache_salt=cache_salt)
             for i, seq_id in enumerate(seq_ids)
         ], prompt)
 

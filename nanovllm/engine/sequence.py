@@ -45,11 +45,13 @@ class Sequence:
     max_tokens: most tokens it may generate (params.max_tokens, or the room under max_model_len
     when that is None: engine/prompts.py resolves it).
     rules: what its request changes in its logits (None: nothing); counts_slot: its row of the
-    penalties' token counts while it holds one (engine/rules_builder.py)."""
+    penalties' token counts while it holds one (engine/rules_builder.py).
+    cache_salt: its prompt's vLLM cache_salt (None: none): it shares prefix-cache blocks only with
+    sequences of the same salt (BlockManager._block_hashes)."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, request_id: int,
                  seed: int | None, max_tokens: int, wants_prompt_logprobs: bool = False,
-                 rules: RequestRules | None = None):
+                 rules: RequestRules | None = None, cache_salt: str | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.seed = seed
@@ -67,6 +69,7 @@ class Sequence:
         self.num_hashed_blocks = 0
         # Chained hash of each leading full block computed so far (see BlockManager._block_hashes).
         self.block_hashes: list[int] = []
+        self.cache_salt = cache_salt
         self.logprobs: FlatLogprobs | None = (
             FlatLogprobs(params.logprobs, none_first=False) if params.logprobs is not None else None)
         self.cumulative_logprob = 0.0
