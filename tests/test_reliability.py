@@ -53,6 +53,9 @@ BAD_PROMPTS = [
     ({"prompt": "the dog", "multi_modal_data": {"image": [0]}}, ValueError, "'multi_modal_data': nanovllm serves text"),
     ({"prompt_token_ids": [1, 2], "mm_processor_kwargs": {"crops": 2}}, ValueError, "'mm_processor_kwargs'"),
     ({"prompt_token_ids": [1, 2], "cache_salt": 7}, TypeError, "cache_salt must be a str, got 7"),
+    # vLLM's EmbedsPrompt: refused (beside token ids the embeddings used to be dropped, the ids generated)
+    ({"prompt_token_ids": [1, 2], "prompt_embeds": torch.zeros(2, 64)}, ValueError, "'prompt_embeds': nanovllm takes"),
+    ({"prompt_embeds": torch.zeros(2, 64)}, ValueError, "'prompt_embeds': nanovllm takes"),
     ({"prompt": "the dog", "cache_salt": ""}, ValueError, "cache_salt is an empty string"),
 ]
 

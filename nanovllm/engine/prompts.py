@@ -2,7 +2,7 @@
 
 Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
 {"prompt_token_ids": [...]} / {"prompt": "..."} dicts (nanovllm.inputs' TokensPrompt / TextPrompt;
-one that sets multimodal data is refused). A dict's "cache_salt" (a non-empty str) isolates its
+one that sets multimodal data or prompt_embeds is refused). A dict's "cache_salt" (a non-empty str) isolates its
 prefix-cache hits as vLLM V1's does: only requests with the same salt (or all without one) share
 cached KV blocks (engine/block_manager.py seeds the first block's hash with it).
 Anything else, or a request the engine could never serve, raises TypeError/ValueError naming the
@@ -75,6 +75,9 @@ class PromptValidator:
             if media:
                 raise ValueError(f"prompt dict sets {', '.join(map(repr, media))}: nanovllm serves text models "
                                  f"only (give the prompt's text or token ids alone)")
+            if prompt.get("prompt_embeds") is not None:  # (a tensor: no truth value)
+                raise ValueError("prompt dict sets 'prompt_embeds': nanovllm takes prompts as text or token ids, "
+                                 "not embeddings (vLLM's EmbedsPrompt is not supported)")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
                 if not isinstance(prompt, (list, tuple)):  # vLLM's TokensPrompt: token ids only, never text
