@@ -139,6 +139,15 @@ def bos_llm(tmp_path_factory):
     engine.exit()
 
 
+def test_an_empty_text_is_its_bos_where_the_tokenizer_adds_one(bos_llm):
+    """vLLM refuses a prompt of no tokens, not an empty text: "" (or {"prompt": ""}) under a tokenizer
+    that adds a BOS is the prompt [BOS], as vLLM's generate("") with Llama's; it was refused as an
+    empty string. Without a BOS it is still refused (tests/test_reliability.py)."""
+    outs = bos_llm.generate(["", {"prompt": ""}], GREEDY, use_tqdm=False)
+    assert [(o.prompt, o.prompt_token_ids) for o in outs] == [("", [0]), ("", [0])]
+    assert outs[0]["token_ids"] == bos_llm.generate([[0]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
 def test_a_bos_adding_tokenizer_gives_one_bos(bos_llm):
     conversation = [{"role": "user", "content": "the quick brown fox"}]
     text = bos_llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

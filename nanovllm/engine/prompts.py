@@ -87,9 +87,10 @@ class PromptValidator:
             else:
                 raise ValueError(f"prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
+            # vLLM refuses a prompt of no tokens, not an empty text: "" is [BOS] where the tokenizer adds one
             ids = self._tokenize(prompt)
+            if not ids and not prompt:
+                raise ValueError("prompt is an empty string, which tokenizes to no tokens (the tokenizer adds no BOS)")
             if not ids:  # e.g. whitespace under a WordPiece tokenizer without a [CLS] template
                 raise ValueError(f"prompt {prompt[:80]!r} tokenizes to no tokens")
             source = f"prompt {prompt[:80]!r} tokenizes to token id"  # a tokenizer larger than the model's vocabulary
