@@ -202,3 +202,20 @@ def test_final_only_and_the_llms_own_requests_give_the_final_output_alone(llm):
     assert sorted(map(str, seen)) == sorted(["f", str(ours)]) and all(len(v) == 1 for v in seen.values())
     with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind, got 2"):
         SamplingParams(output_kind=2)
+
+
+def worker_rank_plus(worker, k: int) -> int:
+    return worker.rank + k
+
+
+def test_the_executors_collective_rpc_is_the_llms(llm):
+    """`llm.llm_engine.model_executor.collective_rpc(...)` (vLLM's Executor method: OpenRLHF's weight
+    broadcast, scripts reading worker state) runs as llm.collective_rpc: it was an AttributeError on
+    the weight-sync path object, naming neither the method nor what is supported."""
+    executor = llm.llm_engine.model_executor
+    assert executor.collective_rpc(worker_rank_plus, args=(3,)) == [3]
+    assert executor.collective_rpc(worker_rank_plus, kwargs={"k": 1}, timeout=30) == [1]
+    with pytest.raises(NotImplementedError, match="'update_weight' is not implemented"):
+        executor.collective_rpc("update_weight", kwargs={"name": "x"})
+    prompt = make_prompts(9, 1, 10, 20)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids  # still serving

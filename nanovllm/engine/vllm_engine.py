@@ -48,7 +48,9 @@ class WeightSyncPath:
     `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
     colocate mode; vLLM V1's `driver_worker.worker.model_runner.model` too). Each step of the path
     is this object and its end's `load_weights` is LLM.update_weights (every tensor checked
-    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's."""
+    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's.
+    The executor's `collective_rpc` (OpenRLHF's weight broadcast, scripts reading worker state) is
+    LLM.collective_rpc."""
 
     def __init__(self, llm: LLMEngine):
         self._llm = llm
@@ -75,6 +77,12 @@ class WeightSyncPath:
 
         self._llm.update_weights(noting(weights))
         return names
+
+    def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's Executor.collective_rpc: LLM.collective_rpc (a function of the worker on every
+        rank, or "reload_weights"; another method name raises NotImplementedError naming it)."""
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
 
 
 @dataclass(frozen=True)
