@@ -219,3 +219,16 @@ def test_the_executors_collective_rpc_is_the_llms(llm):
         executor.collective_rpc("update_weight", kwargs={"name": "x"})
     prompt = make_prompts(9, 1, 10, 20)
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids  # still serving
+
+
+def test_validate_outputs_returns_them(llm):
+    """vLLM's LLMEngine.validate_outputs(outputs, output_type), a classmethod that returns `outputs`
+    (loops copied from vLLM's LLM._run_engine end with it): it was an AttributeError."""
+    from nanovllm.engine.vllm_engine import VllmEngine
+    from nanovllm.outputs import RequestOutput
+
+    engine = llm.llm_engine
+    engine.add_request("v", [1, 2, 3], GREEDY)
+    outputs = list(run_to_completion(engine).values())
+    assert engine.validate_outputs(outputs, RequestOutput) is outputs
+    assert VllmEngine.validate_outputs(outputs, RequestOutput) is outputs

@@ -242,6 +242,12 @@ class VllmEngine:
     def has_unfinished_requests(self) -> bool:
         return not self._llm.is_finished()
 
+    @classmethod
+    def validate_outputs(cls, outputs: list, output_type: type) -> list:
+        """vLLM's LLMEngine.validate_outputs: `outputs` as they are (its V1 engine's outputs need no
+        check; loops copied from vLLM's LLM._run_engine end with it)."""
+        return outputs
+
     @one_call_at_a_time
     def get_num_unfinished_requests(self) -> int:
         self._llm._check_open()
