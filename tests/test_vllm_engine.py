@@ -232,3 +232,12 @@ def test_validate_outputs_returns_them(llm):
     outputs = list(run_to_completion(engine).values())
     assert engine.validate_outputs(outputs, RequestOutput) is outputs
     assert VllmEngine.validate_outputs(outputs, RequestOutput) is outputs
+
+
+def test_the_engines_cache_config_is_vllm_configs(llm):
+    """vLLM V1's LLMEngine keeps `cache_config` beside `model_config` (scripts read
+    llm.llm_engine.cache_config.num_gpu_blocks / block_size / cache_dtype): it was an AttributeError."""
+    engine = llm.llm_engine
+    assert engine.cache_config == engine.vllm_config.cache_config
+    assert (engine.cache_config.block_size, engine.cache_config.num_gpu_blocks) == (16, llm.num_kvcache_blocks)
+    assert engine.cache_config.cache_dtype == "auto"

@@ -149,6 +149,12 @@ class VllmEngine:
                                       cfg.kv_cache_dtype))
 
     @property
+    def cache_config(self) -> CacheConfig:
+        """vLLM's `llm_engine.cache_config` (scripts read num_gpu_blocks, block_size, cache_dtype):
+        vllm_config's."""
+        return self.vllm_config.cache_config
+
+    @property
     def model_executor(self) -> WeightSyncPath:
         """As far as RL code reaches it to sync weights (WeightSyncPath)."""
         return WeightSyncPath(self._llm)
