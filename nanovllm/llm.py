@@ -24,7 +24,7 @@ from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
-from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora
+from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
 from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
@@ -88,9 +88,8 @@ class LLM(LLMEngine):
         self._check_open()
         self._check_not_generating("generate()")
         check_no_lora(lora_request)
-        if tokenization_kwargs:
-            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported: prompts are tokenized "
-                             "as the tokenizer does by default (pass token ids to tokenize otherwise)")
+        check_no_tokenization_kwargs(tokenization_kwargs, ": prompts are tokenized as the tokenizer does by "
+                                     "default (pass token ids to tokenize otherwise)")
         if prompt_token_ids is not None:
             prompts = legacy_token_prompts(prompts, prompt_token_ids)
         elif prompts is None:
@@ -193,9 +192,8 @@ class LLM(LLMEngine):
         `tokenization_kwargs`: None (as generate's); `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
         check_no_lora(lora_request)
-        if tokenization_kwargs:
-            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported: the rendered "
-                             "conversation is tokenized without special tokens, as vLLM does, and nothing else")
+        check_no_tokenization_kwargs(tokenization_kwargs, ": the rendered conversation is tokenized without "
+                                     "special tokens, as vLLM does, and nothing else")
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,

@@ -43,6 +43,13 @@ def check_no_lora(lora_request: object) -> None:
                          f"got {lora_request!r}")
 
 
+def check_no_tokenization_kwargs(tokenization_kwargs: dict | None, how: str) -> None:
+    """vLLM's tokenization_kwargs argument: accepted as None or {}, refused otherwise (`how`: how the
+    call tokenizes instead, for the message)."""
+    if tokenization_kwargs:
+        raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported{how}")
+
+
 class WeightSyncPath:
     """The path RL code written for vLLM walks to load new weights in place:
     `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
@@ -211,8 +218,7 @@ class VllmEngine:
         check_no_lora(lora_request)
         if priority != 0:
             raise ValueError(f"priority={priority!r}: requests are served in arrival order (priority must be 0)")
-        if tokenization_kwargs:
-            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported")
+        check_no_tokenization_kwargs(tokenization_kwargs, "")
         ours = self._llm.add_request(prompt, params)
         self._ids[ours], self._names[request_id] = request_id, ours
         return request_id
