@@ -17,7 +17,7 @@ from fp8_checkpoints import (LAYOUTS, checkpoint_state, quantize_activations, qu
 from nanovllm import SamplingParams
 from nanovllm.kernels.fp8_quant import quantize, quantize_rows
 from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
-from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm_fp8
+from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm_both, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
@@ -164,6 +164,9 @@ def test_norm_and_activation_quantize_their_outputs(m, kind):
     ref = quantize(normed, how)
     assert torch.equal(summed, ref_sum) and torch.equal(got.q.float(), ref.q.float())
     assert torch.equal(got.scales, ref.scales) and got.scales.stride() == ref.scales.stride()
+    kept, both, both_summed = rms_norm_both(x, res, w_norm, 1e-6, how)  # the 16-bit rows written too
+    assert torch.equal(kept, normed) and torch.equal(both_summed, ref_sum)
+    assert torch.equal(both.q.float(), ref.q.float()) and torch.equal(both.scales, ref.scales)
     assert torch.equal(fp8_linear(got, w, None), fp8_linear(normed, w, None))
     got = silu_and_mul_fp8(gate_up, how)
     ref = quantize(silu_and_mul(gate_up), how)

@@ -12,7 +12,7 @@ from linear_refs import DTYPES, REF_TOL, randn, rel_err
 
 from nanovllm.kernels.fp8_quant import RowQuant, quantize_rows
 from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
-from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_fp8
+from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm, rms_norm_both, rms_norm_fp8
 from nanovllm.kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
 from nanovllm.kernels.gemv_plan import Tiling, tiling
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
@@ -224,20 +224,24 @@ def check_quantized(got, out16, how, mode):
 @pytest.mark.parametrize("h", [200, 640])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quantizes_its_output(dtype, mode, h, with_residual):
-    """rms_norm_fp8 = the 16-bit RMSNorm (and residual sum) quantized: bit for bit, padding rows too."""
+    """rms_norm_fp8 = the 16-bit RMSNorm (and residual sum) quantized: bit for bit, padding rows too;
+    rms_norm_both writes the 16-bit rows as well."""
     gen = torch.Generator().manual_seed(h)
     x, w = randn((5, h), gen, dtype, 3.0), randn((h,), gen, dtype)
     res = randn((5, h), gen, dtype) if with_residual else None
     x[1] = 0  # without a residual, a zero row: the scale floor
     how = QUANTS[mode]()
     got, summed = rms_norm_fp8(x, res, w, 1e-6, how)
+    kept, both, both_summed = rms_norm_both(x, res, w, 1e-6, how)
     if with_residual:
         out16, ref_sum = add_rms_norm(x, res, w, 1e-6)
-        assert torch.equal(summed, ref_sum)
+        assert torch.equal(summed, ref_sum) and torch.equal(both_summed, ref_sum)
     else:
         out16 = rms_norm(x, w, 1e-6)
-        assert summed is None
+        assert summed is None and both_summed is None
     check_quantized(got, out16, how, mode)
+    check_quantized(both, out16, how, mode)  # rms_norm_both: the same e4m3 rows and the 16-bit ones beside them
+    assert kept.dtype == dtype and torch.equal(kept, out16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -257,6 +261,8 @@ def test_producers_refuse_other_quant_specs():
     x = torch.ones(2, 256)
     with pytest.raises(TypeError, match="quant must be a RowQuant, got dict"):
         rms_norm_fp8(x, None, torch.ones(256), 1e-6, {"group": 128})
+    with pytest.raises(TypeError, match="quant must be a RowQuant, got dict"):
+        rms_norm_both(x, None, torch.ones(256), 1e-6, {"group": 128})
     with pytest.raises(TypeError, match="quant must be a RowQuant, got NoneType"):
         silu_and_mul_fp8(x, None)
     with pytest.raises(ValueError, match="row_multiple must be"):

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from test_fused_moe import QWEN3_30B, assert_close, reference_moe
 from test_moe_fp8 import MODES, WIDE_K, fp8_case, quantize_experts
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
-from nanovllm.moe.grouped_gemm import fused_moe
+from nanovllm.kernels.fp8_quant import quantize
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.moe.grouped_gemm import act_row_quant, fused_moe
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.tiles import DECODE_GATE_UP, plan_tiles
@@ -112,6 +114,29 @@ def test_bad_w8a8_arguments_are_named():
         KernelRoutes(moe_fp8_mma_min_tokens=0)  # from no tokens on would be always: None is never
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", MODES)
+def test_hidden_quantized_before_the_call_gives_the_same_output(mode):
+    """x_fp8 (hidden quantized as act_row_quant says, as a W8A8 MoE block's norm writes it) gives
+    fused_moe's own quantization's output bit for bit; one not so quantized is refused naming it."""
+    args, _ = fp8_case(5, 4, 2, 200, 136, torch.bfloat16, "cpu", mode)
+    hidden, q13, q2, weights, ids, s13, s2 = args
+    scales = dict(w13_scale=s13, w2_scale=s2)
+    how = act_row_quant(ScaleMode.BLOCK if mode == "block" else ScaleMode.CHANNEL)
+    want = fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, **scales)
+    assert torch.equal(fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=quantize(hidden, how), **scales),
+                       want)
+    other = act_row_quant(ScaleMode.CHANNEL if mode == "block" else ScaleMode.BLOCK)
+    with pytest.raises(ValueError, match=f"x_fp8 must be hidden's rows quantized as act_row_quant.{mode.upper()}"):
+        fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=quantize(hidden, other), **scales)
+    with pytest.raises(ValueError, match="x_fp8 must be hidden's rows"):
+        fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=quantize(hidden[:4], how), **scales)
+    with pytest.raises(ValueError, match="x_fp8 .hidden already quantized. takes act_fp8=True"):
+        fused_moe(hidden, q13, q2, weights, ids, x_fp8=quantize(hidden, how), **scales)
+    with pytest.raises(TypeError, match="x_fp8 must be a QuantizedRows, got Tensor"):
+        fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=hidden, **scales)
+
+
 ONLINE = resolve_quantization("fp8", None, "test")
 
 
@@ -147,7 +172,15 @@ def test_layer_routes_steps_by_size_class():
         want = fused_moe(hidden, experts.w13, experts.w2, weights, ids, act_fp8=w8a8, **scales)
         other = fused_moe(hidden, experts.w13, experts.w2, weights, ids, act_fp8=not w8a8, **scales)
         assert torch.equal(out, want) and not torch.equal(out, other)
+        # A W8A8 step asks its input quantized (per token: channel scales), as the block's norm writes it
+        how = experts.step_input_quant(hidden)
+        assert (how == act_row_quant(ScaleMode.CHANNEL)) if w8a8 else how is None
+        if w8a8:
+            normed, hidden_fp8, summed = RMSNorm(200).add_norm_and_quantize(hidden, hidden, how)
+            assert torch.equal(summed, hidden + hidden)
+            assert torch.equal(experts(normed, weights, ids, hidden_fp8), experts(normed, weights, ids))
     assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=None), kernels=True).fp8_mma_tokens is None
+    assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=None), kernels=True).step_input_quant(hidden) is None
     assert fp8_layer(KernelRoutes(moe_fp8_mma_min_tokens=1), kernels=False).fp8_mma_tokens is None
     with kernel_routes(KernelRoutes(moe_fp8_mma_min_tokens=1)):
         assert MoeExperts(4, 200, 136, kernels=True).fp8_mma_tokens is None  # full precision

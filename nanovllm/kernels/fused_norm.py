@@ -66,13 +66,14 @@ def round_to(x, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "out_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, kept_ptr,
     n_rows, out_rows, hidden, n_groups, stride_x, stride_r, stride_sm, stride_sg, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
-    GROUP: tl.constexpr, PDL: tl.constexpr, STATIC_PARTS: tl.constexpr,
+    GROUP: tl.constexpr, PDL: tl.constexpr, STATIC_PARTS: tl.constexpr, KEEP: tl.constexpr,
 ):
     """QUANT None: out_ptr gets the normed rows in x's dtype. Else (fp8_quant.quantize_tile's modes)
-    out_ptr gets them in e4m3, out_rows of them (rows past n_rows: zeros), with their scales."""
+    out_ptr gets them in e4m3, out_rows of them (rows past n_rows: zeros), with their scales, and
+    under KEEP kept_ptr gets them in x's dtype too."""
     wait_for_prior(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -92,6 +93,8 @@ def _rms_norm_kernel(
     if QUANT is None:
         tl.store(out_ptr + out_offs, y, mask=mask)
     else:  # quantized from the 16-bit values, as quantize_rows would quantize the output above
+        if KEEP:
+            tl.store(kept_ptr + out_offs, y, mask=mask)
         in_out = rows < out_rows
         quantize_tile(y.to(tl.float32), out_ptr + out_offs, in_out[:, None] & col_mask[None, :], s_ptr, rows,
                       in_out, n_groups, stride_sm, stride_sg, static_ptr, QUANT, ROWS, BLOCK_H, GROUP, STATIC_PARTS)
@@ -114,9 +117,12 @@ def _check_args(x, residual, weight, eps) -> None:
     check_eps(eps)
 
 
-def _launch(x, residual, weight, eps, quant: RowQuant | None = None):
+def _launch(x, residual, weight, eps, quant: RowQuant | None = None, keep: bool = False):
+    """(the normed rows: [N, H] in x's dtype, or QuantizedRows under `quant`; s or None; under `keep`
+    (with `quant`) the normed rows in x's dtype too, else None)."""
     n, h = x.shape
     res_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if residual is not None else None
+    kept = torch.empty((n, h), dtype=x.dtype, device=x.device) if keep else None
     if quant is None:
         result = out = torch.empty((n, h), dtype=x.dtype, device=x.device)
         scales, static, out_rows, group = out, out, n, 1  # the scale pointers: stand-ins, never touched
@@ -125,20 +131,20 @@ def _launch(x, residual, weight, eps, quant: RowQuant | None = None):
         out, scales, out_rows, group = result.q, result.scales, result.q.shape[0], quant.group or 1
         static = quant.static_scale if quant.static_scale is not None else scales
     if out_rows == 0:
-        return result, res_out
+        return result, res_out, kept
     block_h = max(next_pow2(h), group)  # whole groups in the tile
     rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_h))
     num_warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_h // ELEMS_PER_WARP))
     has_res = residual is not None
     _rms_norm_kernel[(triton.cdiv(out_rows, rows),)](
         x, residual if has_res else x, weight, out, res_out if has_res else out, scales, static,
-        n, out_rows, h, triton.cdiv(h, group), x.stride(0), residual.stride(0) if has_res else 0,
+        kept if keep else out, n, out_rows, h, triton.cdiv(h, group), x.stride(0), residual.stride(0) if has_res else 0,
         scales.stride(0), scales.stride(-1), float(eps),
         HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, QUANT=None if quant is None else quant.mode,
-        GROUP=group, STATIC_PARTS=0 if quant is None else quant.static_parts, num_warps=num_warps,
+        GROUP=group, STATIC_PARTS=0 if quant is None else quant.static_parts, KEEP=keep, num_warps=num_warps,
         **pdl_launch_options(x),
     )
-    return result, res_out
+    return result, res_out, kept
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,7 +157,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s), s) with s = x + residual rounded to x.dtype; both outputs contiguous [N, H]."""
     _check_args(x, residual, weight, eps)
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)[:2]
 
 
 def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -159,8 +165,22 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(quantize(norm(s), quant), s), s = x + residual (x when residual is None; then None is
     returned for it): rms_norm / add_rms_norm with the 16-bit output quantized in the same kernel,
     identical to quantizing that output with fp8_quant.quantize."""
+    _check_quant_args(x, residual, weight, eps, quant)
+    return _launch(x, residual, weight, eps, quant)[:2]
+
+
+def rms_norm_both(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  quant: RowQuant) -> tuple[torch.Tensor, QuantizedRows, torch.Tensor | None]:
+    """(norm(s) [N, H] in x's dtype, quantize(norm(s), quant), s or None): rms_norm_fp8 that also
+    writes the 16-bit rows, for a consumer of both (a W8A8 MoE block: its router reads the 16-bit rows,
+    its experts the e4m3 ones), one launch in place of the norm and a quantization."""
+    _check_quant_args(x, residual, weight, eps, quant)
+    xq, s, normed = _launch(x, residual, weight, eps, quant, keep=True)
+    return normed, xq, s
+
+
+def _check_quant_args(x, residual, weight, eps, quant) -> None:
     _check_args(x, residual, weight, eps)
     if not isinstance(quant, RowQuant):
         raise TypeError(f"quant must be a RowQuant, got {type(quant).__name__}")
     quant.check_device(x)
-    return _launch(x, residual, weight, eps, quant)

@@ -7,10 +7,15 @@ once, at construction (layers/kernel_path.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from nanovllm.layers.kernel_path import uses_triton
+
+if TYPE_CHECKING:
+    from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
 
 
 class RMSNorm(nn.Module):
@@ -39,6 +44,21 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self(x), x
         return self(x, residual)
+
+    def add_norm_and_quantize(self, x: torch.Tensor, residual: torch.Tensor | None,
+                              quant: RowQuant) -> tuple[torch.Tensor, QuantizedRows, torch.Tensor]:
+        """(norm(s), norm(s) quantized as `quant` says, s), s as add_and_norm's: on CUDA one
+        kernel writes both (kernels/fused_norm.rms_norm_both), elsewhere the norm, then the
+        quantization (fp8_quant.quantize; Triton's interpreter on CPU)."""
+        if self.use_triton:
+            from nanovllm.kernels.fused_norm import rms_norm_both
+
+            normed, xq, s = rms_norm_both(x, residual, self.weight, self.eps, quant)
+            return normed, xq, x if s is None else s
+        from nanovllm.kernels.fp8_quant import quantize
+
+        normed, s = self.add_and_norm(x, residual)
+        return normed, quantize(normed, quant), s
 
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -11,10 +11,12 @@ tile run together (an expert spread over several blocks hits L2). A program of a
 num_used_blocks returns at once; padding rows compute on token 0 and never reach the output:
 
     gate_up: act[r, n] = silu_mul(w13[e, n] . hidden[t(r)], w13[e, I + n] . hidden[t(r)])   act [P, I]
-    down:    pair_out[p(r), h] = topk_weights[p(r)] * (w2[e, h] . act[r])                   [T*K, H] fp32
+    down:    pair_out[p(r), h] = topk_weights[p(r)] * (w2[e, h] . act[r])                   [T*K, H]
     out[t, h] = sum_k pair_out[t * K + k, h]  in hidden's dtype (the slot sum: one launch)
 
-Accumulation is float32; g, u and act are rounded to hidden's dtype as the unfused torch MLP does.
+Accumulation is float32; g, u, act and each pair's weighted output are rounded to hidden's dtype, as
+transformers' Qwen3-MoE block rounds them (which also sums the pairs in that dtype; the slot sum adds in
+float32).
 Offsets are int64 (w13's expert stride times E passes 2**31 for large models).
 
 FP8 experts (moe/fp8_experts.py, W_SCALE): weight tiles are read at one byte a value and
@@ -50,7 +52,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, ScaleMode, cuda_sm_count
-from nanovllm.kernels.fp8_quant import quantize_rows
+from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize_rows
+from nanovllm.quantization.config import FP8_DTYPE
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from nanovllm.utils.ints import next_pow2
@@ -204,7 +207,7 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert
             acc *= tl.load(as_ptrs)[:, None]
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     out = out_ptr + pairs[:, None] * hidden_size + rn[None, :]
-    tl.store(out, acc, mask=real[:, None] & (rn < hidden_size)[None, :])
+    tl.store(out, round_to(acc, out_ptr.dtype.element_ty), mask=real[:, None] & (rn < hidden_size)[None, :])
 
 
 @triton.jit
@@ -215,8 +218,8 @@ def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, BLOCK_K)
     ptrs = pair_ptr + (t * TOP_K + slots)[:, None] * hidden_size + cols[None, :]  # [BLOCK_K, BLOCK_H]
-    parts = tl.load(ptrs, mask=(slots < TOP_K)[:, None] & (cols < hidden_size)[None, :], other=0.0)
-    tl.store(out_ptr + t * hidden_size + cols, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+    parts = tl.load(ptrs, mask=(slots < TOP_K)[:, None] & (cols < hidden_size)[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden_size + cols, round_to(tl.sum(parts, axis=0), out_ptr.dtype.element_ty),
              mask=cols < hidden_size)
 
 
@@ -227,16 +230,40 @@ def _act_fp8_args(mode: ScaleMode, x: torch.Tensor, align: MoeAlignment | None =
     FP8_BLOCK-column group, the weights' block columns (block weights: [M, cdiv(K, 128)]). With
     `align` (x in its sorted rows), padding rows are skipped: left unwritten."""
     pair_ids = align.sorted_pair_ids if align is not None else None
-    q, scales = quantize_rows(x, group=FP8_BLOCK if mode == ScaleMode.BLOCK else None, pair_ids=pair_ids,
-                              num_pairs=n_pairs)
-    return q, scales, dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
+    q, scales = quantize_rows(x, group=act_row_quant(mode).group, pair_ids=pair_ids, num_pairs=n_pairs)
+    return q, scales, _act_fp8_strides(scales)
 
 
-def _check_act_fp8(act_fp8: bool, mode: ScaleMode) -> None:
+def _act_fp8_strides(scales: torch.Tensor) -> dict:
+    return dict(stride_asm=scales.stride(0), stride_asg=scales.stride(1), ACT_FP8=True)
+
+
+def act_row_quant(mode: ScaleMode) -> RowQuant:
+    """How a W8A8 call quantizes hidden and act: per token, or per row per FP8_BLOCK columns (the
+    weights' block columns) for block-scaled experts."""
+    return RowQuant(FP8_BLOCK if mode == ScaleMode.BLOCK else None)
+
+
+def _check_act_fp8(act_fp8: bool, mode: ScaleMode, x_fp8: QuantizedRows | None, hidden: torch.Tensor) -> None:
     if not isinstance(act_fp8, bool):
         raise TypeError(f"act_fp8 must be a bool, got {act_fp8!r}")
     if act_fp8 and mode == ScaleMode.NONE:
         raise ValueError("act_fp8 (W8A8) takes FP8 experts: w13 / w2 float8_e4m3fn with w13_scale / w2_scale")
+    if x_fp8 is None:
+        return
+    if not act_fp8:
+        raise ValueError("x_fp8 (hidden already quantized) takes act_fp8=True")
+    if not isinstance(x_fp8, QuantizedRows):
+        raise TypeError(f"x_fp8 must be a QuantizedRows, got {type(x_fp8).__name__}")
+    t, h = hidden.shape
+    group = act_row_quant(mode).group
+    want = (t, 1) if group is None else (t, triton.cdiv(h, group))
+    q, s = x_fp8.q, x_fp8.scales
+    if (q.dtype != FP8_DTYPE or tuple(q.shape) != (t, h) or q.device != hidden.device or q.stride(1) != 1
+            or s.dtype != torch.float32 or tuple(s.shape) != want or s.device != hidden.device):
+        raise ValueError(f"x_fp8 must be hidden's rows quantized as act_row_quant({mode.name}) says: q {FP8_DTYPE} "
+                         f"{(t, h)}, scales float32 {want} on {hidden.device}; got q {q.dtype} {tuple(q.shape)}, "
+                         f"scales {s.dtype} {tuple(s.shape)} on {q.device}")
 
 
 def _check_act_steps(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tiling) -> None:
@@ -250,19 +277,20 @@ def _check_act_steps(act_fp8: bool, mode: ScaleMode, gate_up: Tiling, down: Tili
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              tiles: MoeTiles | None = None, act_fp8: bool = False) -> torch.Tensor:
+              tiles: MoeTiles | None = None, act_fp8: bool = False, x_fp8: QuantizedRows | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: sum_k topk_weights[t, k] * expert topk_ids[t, k]'s
     SiLU MLP (w13 [E, 2I, H] = gate | up, w2 [E, H, I]). FP8 experts: w13 / w2 float8_e4m3fn with
     w13_scale / w2_scale (per channel or per block: moe/fp8_experts.py); `act_fp8` (W8A8) quantizes
     hidden and the activation per row (block scales: per row per 128 columns) and multiplies FP8
-    operands. `tiles` overrides moe_tiles (benchmarks)."""
+    operands; `x_fp8` is hidden already quantized so (act_row_quant: a norm that quantizes its own
+    output, moe/layer.py), else it is quantized here. `tiles` overrides moe_tiles (benchmarks)."""
     e, h, inter = check_experts(hidden, w13, w2)
     check_routing(hidden, topk_weights, topk_ids, e)
     mode = expert_scale_mode(hidden, w13, w2, w13_scale, w2_scale)
     t, k, n_pairs = hidden.shape[0], topk_ids.shape[1], topk_ids.numel()
     if tiles is not None and not isinstance(tiles, MoeTiles):
         raise TypeError(f"tiles must be a MoeTiles, got {type(tiles).__name__}")
-    _check_act_fp8(act_fp8, mode)
+    _check_act_fp8(act_fp8, mode, x_fp8, hidden)
     tiles, gate_up, down = plan_tiles(t, k, e, h, inter, cuda_sm_count(hidden.device), tiles,
                                       mode if act_fp8 else None)
     _check_act_steps(act_fp8, mode, gate_up, down)
@@ -274,7 +302,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
     a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
-    x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
+    if x_fp8 is not None:
+        x, a_scale, acts = x_fp8.q, x_fp8.scales, _act_fp8_strides(x_fp8.scales)
+    else:
+        x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
     s13, scales = scale_args(mode, w13_scale, hidden)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
@@ -286,7 +317,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     # W8A8: act [P, I] in e4m3, its pairs' rows only (padding rows hold torch.empty's bytes: a GEMM
     # row depends on its own row of act alone, and the down kernel stores no padding row)
     act, a_scale, acts = _act_fp8_args(mode, act, align, n_pairs) if act_fp8 else (act, hidden, a16)
-    pair_out = torch.empty((n_pairs, h), dtype=torch.float32, device=hidden.device)  # [T * K, H]
+    # [T * K, H] in hidden's dtype: half the bytes of float32 to write and to read back in the slot sum
+    pair_out = torch.empty((n_pairs, h), dtype=hidden.dtype, device=hidden.device)
     s2, scales = scale_args(mode, w2_scale, hidden)
     _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,

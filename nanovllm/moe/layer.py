@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode
+from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
 from nanovllm.layers.kernel_path import construction_device, current_routes, uses_triton
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.moe.checkpoint_names import DOWN_PROJ, FUSED_DOWN, FUSED_GATE_UP, GATE_PROJ, UP_PROJ
@@ -128,6 +129,12 @@ class MoeExperts(nn.Module):
             self.gemv_tokens = min(current_routes().moe_gemv_max_tokens, MAX_TOKENS)
         # Grouped-GEMM steps whose size class reaches this run W8A8 (held FP8 experts; None: never).
         self.fp8_mma_tokens = current_routes().moe_fp8_mma_min_tokens if held and self.use_triton else None
+        # How those steps take hidden in e4m3 (the block's norm quantizes it in its kernel; None: no W8A8).
+        self.input_quant = None
+        if self.fp8_mma_tokens is not None:
+            from nanovllm.moe.grouped_gemm import act_row_quant
+
+            self.input_quant = act_row_quant(ScaleMode.BLOCK if quant.fmt.requant_scales == BLOCK else ScaleMode.CHANNEL)
 
     def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
@@ -213,15 +220,24 @@ class MoeExperts(nn.Module):
 
         return self.fp8_mma_tokens is not None and size_class(hidden.shape[0]) >= self.fp8_mma_tokens
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts for a given routing (the steps runs_gemv serves take forward_routed)."""
+    def step_input_quant(self, hidden: torch.Tensor) -> RowQuant | None:
+        """How this step's W8A8 grouped GEMMs take hidden in e4m3, for a norm that quantizes its
+        own output (SparseMoeBlock.forward_normed); None where the step runs none."""
+        if self.input_quant is None or self.runs_gemv(hidden) or not self.runs_fp8_mma(hidden):
+            return None
+        return self.input_quant
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                hidden_fp8: QuantizedRows | None = None) -> torch.Tensor:
+        """The experts for a given routing (the steps runs_gemv serves take forward_routed);
+        `hidden_fp8`: hidden quantized as step_input_quant says, for a W8A8 step."""
         if not self.use_triton:
             return experts_native(hidden, self.w13, self.w2, topk_weights, topk_ids)
         from nanovllm.moe.grouped_gemm import fused_moe
 
         w13_scale, w2_scale = self.scales or (None, None)
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
-                         act_fp8=self.runs_fp8_mma(hidden))
+                         act_fp8=self.runs_fp8_mma(hidden), x_fp8=hidden_fp8)
 
     def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> torch.Tensor:
@@ -256,17 +272,23 @@ class SparseMoeBlock(nn.Module):
     def forward_normed(self, hidden: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(hidden + residual)), hidden + residual): the norm as its own kernel (the
-        experts need the normalised row too, which the router's GEMV does not return)."""
-        normed, residual = norm.add_and_norm(hidden, residual)
-        return self(normed), residual
+        experts need the normalised row too, which the router's GEMV does not return); for a W8A8
+        step it writes the row in e4m3 as well, so the experts quantize nothing first."""
+        quant = self.experts.step_input_quant(hidden)
+        if quant is None:
+            normed, residual = norm.add_and_norm(hidden, residual)
+            return self(normed), residual
+        normed, normed_fp8, residual = norm.add_norm_and_quantize(hidden, residual, quant)
+        return self(normed, normed_fp8), residual
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, hidden_fp8: QuantizedRows | None = None) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; `hidden_fp8`: hidden in e4m3 for a W8A8 step (forward_normed)."""
         logits = self.gate(hidden)  # [T, E]
         if self.experts.runs_gemv(hidden):  # routing inside the expert GEMVs: one launch fewer
             out = self.experts.forward_routed(hidden, logits, self.top_k, self.renormalize)  # [T, H]
         else:
             topk_weights, topk_ids = self.route(logits, self.top_k, self.renormalize)  # [T, K] each
-            out = self.experts(hidden, topk_weights, topk_ids)  # [T, H]
+            out = self.experts(hidden, topk_weights, topk_ids, hidden_fp8)  # [T, H]
         if self.experts.tp_size > 1:
             dist.all_reduce(out)
         return out
