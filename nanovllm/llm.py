@@ -188,7 +188,7 @@ class LLM(LLMEngine):
         tokenizer's, or `chat_template`, seeing contents as `chat_template_content_format` says:
         engine/chat.py; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
         it, the latter over the named options), tokenized without special tokens, and generated like
-        generate() does. Returns one RequestOutput per conversation, in input order.
+        generate() does. Returns one RequestOutput per conversation, in input order ([] for an empty list).
         `tokenization_kwargs`: None (as generate's); `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
         check_no_lora(lora_request)

@@ -64,11 +64,21 @@ def test_one_conversation_or_a_list_of_them(llm):
     assert outs[0]["token_ids"] == both[0]["token_ids"][:2]
 
 
+def test_an_empty_list_is_a_batch_of_no_conversations(llm):
+    """vLLM's LLM.chat reads a list whose first item is a list as a batch (is_list_of: an empty list
+    too), so chat([]) has no outputs, as generate([]); [[]] is one conversation of no messages,
+    which no template renders (MALFORMED)."""
+    assert llm.chat([], GREEDY, use_tqdm=False) == []
+    assert llm.chat([]) == []  # the default params and progress bar
+    assert llm.is_finished()
+    assert len(llm.chat([FIRST], GREEDY, use_tqdm=False)) == 1
+
+
 MALFORMED = [
     ("hello", TypeError, "messages must be a list"),
     ({"role": "user", "content": "hi"}, TypeError, "messages must be a list"),
-    ([], ValueError, "messages is empty"),
     ([[]], ValueError, "conversation 0 is empty"),
+    ((), ValueError, "conversation 0 is empty"),  # not a list: one conversation (vLLM's reading), of no messages
     ([{"content": "hi"}], ValueError, "has no 'role'"),
     ([{"role": "user", "content": 5}], TypeError, "'content' must be a str or a list of text parts, got int"),
     ([{"role": None, "content": "hi"}], TypeError, "'role' must be a str, got NoneType"),
@@ -97,6 +107,7 @@ def test_model_without_chat_template_is_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match=re.escape(repr(path)) + ".*no chat template"):
             llm.chat(FIRST, GREEDY, use_tqdm=False)
         assert llm.is_finished()
+        assert llm.chat([], GREEDY, use_tqdm=False) == []  # nothing to render needs no template (vLLM's)
         assert len(llm.generate(["the quick brown fox"], GREEDY, use_tqdm=False)) == 1
     finally:
         llm.exit()

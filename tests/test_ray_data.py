@@ -295,6 +295,8 @@ def test_messages_rows_are_rendered_with_the_chat_template(cluster, tmp_path):
         assert [list(t) for t in out["generated_token_ids"]] == [o.outputs[0].token_ids for o in chats + alone]
         with pytest.raises(ValueError, match=r"row 1 of the batch .*: conversation 0, message 0 has no 'role'"):
             predictor({"messages": [[{"role": "user", "content": "hi"}], [{"content": "hi"}]]})
+        with pytest.raises(ValueError, match=r"row 1 of the batch .*: conversation 0 is empty"):  # a row is one
+            predictor({"messages": [[{"role": "user", "content": "hi"}], []]})
         with pytest.raises(ValueError, match=r"row 0 .*got \['prompt', 'messages'\]"):
             predictor({"prompt": ["a"], "messages": [[{"role": "user", "content": "hi"}]]})
     finally:

@@ -11,7 +11,8 @@ sees the content as vLLM's `chat_template_content_format` says: "string" (parts 
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
 content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
 message's content, else "string" (`detect_content_format`);
-`chat` takes one conversation or a list of them. Each is rendered to text with the checkpoint
+`chat` takes one conversation or a list of them (an empty list is a batch of none: no outputs,
+as vLLM's; a conversation of no messages is refused). Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
 second one. The rendered text is the output's `prompt`. A template that fails (its syntax, an undefined
@@ -157,14 +158,16 @@ def detect_content_format(template: str) -> str:
 
 def as_conversations(messages: object, content_format: str = "string") -> list[list[dict]]:
     """One conversation or a list of them, as a list of conversations whose contents are in
-    `content_format` ("string" or "openai"); malformed input raises TypeError/ValueError naming the
-    conversation, message and key at fault."""
+    `content_format` ("string" or "openai"); an empty list is a batch of none (vLLM's reading), a
+    conversation of no messages is refused (transformers cannot render one); malformed input raises
+    TypeError/ValueError naming the conversation, message and key at fault."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of message dicts or a list of conversations, "
                         f"got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty: pass at least one conversation")
-    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    if isinstance(messages, list) and not messages:  # vLLM's is_list_of(messages, list): an empty batch
+        return []
+    # one conversation when its first item is a message (an empty tuple: one of no messages, refused below)
+    conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
     out = []
     for i, conversation in enumerate(conversations):
         if not isinstance(conversation, (list, tuple)):
@@ -194,20 +197,21 @@ def as_conversations(messages: object, content_format: str = "string") -> list[l
 
 
 def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOptions) -> list[dict]:
-    """One prompt per conversation in `messages`: {"prompt_token_ids": [...], "prompt": text}, the
-    text rendered by the chat template and tokenized without special tokens."""
+    """One prompt per conversation in `messages` (none for an empty list): {"prompt_token_ids": [...],
+    "prompt": text}, the text rendered by the chat template and tokenized without special tokens."""
     if tokenizer is None:
         raise ValueError(f"model directory {model_dir!r}: no tokenizer is loaded (the directory has none, or "
                          "skip_tokenizer_init=True), so chat() cannot render messages: use generate() with token ids")
     kwargs = options.template_kwargs()
-    if kwargs["chat_template"] is None and not has_chat_template(tokenizer):
-        raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
-                         "pass chat_template=..., or use generate() with plain prompts")
     content_format = options.content_format
     if content_format == "auto":
-        template = kwargs["chat_template"] or tokenizer.chat_template
+        template = kwargs["chat_template"] or getattr(tokenizer, "chat_template", None)
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
     conversations = as_conversations(messages, content_format)
+    # an empty batch renders nothing, so needs no template (vLLM returns no outputs)
+    if conversations and kwargs["chat_template"] is None and not has_chat_template(tokenizer):
+        raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
+                         "pass chat_template=..., or use generate() with plain prompts")
     from jinja2 import TemplateError  # transformers' templates are jinja2's (loaded with transformers)
 
     prompts = []

@@ -198,7 +198,7 @@ class LLMPredictor:
                     raise TypeError(f"{MESSAGES_COLUMN} must hold conversations (lists of message dicts), got {value!r}")
                 # without the None entries Arrow gives a message for keys other messages have ("name")
                 conversation = [json_form(m) if isinstance(m, dict) else m for m in value]
-                value = render_chat(self.llm.tokenizer, self.llm.config.tokenizer, conversation,
+                value = render_chat(self.llm.tokenizer, self.llm.config.tokenizer, [conversation],  # a batch of one
                                     ChatOptions())[0]["prompt_token_ids"]
             return self.llm.validator.validate(value, params).token_ids
 
