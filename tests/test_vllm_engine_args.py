@@ -314,6 +314,36 @@ def test_reset_prefix_cache_takes_vllms_options(ckpt):
         llm.exit()
 
 
+def test_reset_prefix_cache_is_false_while_running_requests_hold_blocks(ckpt):
+    """vLLM's KV cache manager resets only while no block is held: with a running request holding
+    blocks reset_prefix_cache() returns False and the cache is kept (a repeated prompt still hits
+    it); once the request ends, True and nothing is cached. A waiting request holds no block."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        engine = llm.llm_engine
+        prompt = list(range(1, 50))  # three full blocks of 16
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        engine.add_request("waiting", [7, 8, 9], GREEDY)
+        assert llm.reset_prefix_cache() is True  # no block held yet
+        engine.abort_request("waiting")
+        llm.generate([prompt], GREEDY, use_tqdm=False)  # cached again
+        engine.add_request("running", [7, 8, 9], GREEDY)
+        engine.step()  # its prefill: it holds a block until its last token
+        assert engine.has_unfinished_requests() and llm.block_manager.num_free_blocks < len(llm.block_manager.blocks)
+        assert llm.reset_prefix_cache() is False and engine.reset_prefix_cache() is False
+        while engine.has_unfinished_requests():
+            engine.step()
+        hits = llm.block_manager.num_prefix_hit_blocks
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks > hits  # the refused reset kept the cache
+        assert llm.reset_prefix_cache() is True
+        hits = llm.block_manager.num_prefix_hit_blocks
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.block_manager.num_prefix_hit_blocks == hits
+    finally:
+        llm.exit()
+
+
 def test_seed_none_draws_an_engine_seed(ckpt):
     """vLLM's LLM(seed=None): the noise of unseeded requests follows a seed drawn at start-up (an int
     in [0, 2**64), the same on every rank), so two such engines sample apart; seed=0 repeats."""

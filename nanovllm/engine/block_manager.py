@@ -70,6 +70,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by sequences (ref count above 0)."""
+        return len(self.blocks) - self.num_free_blocks
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -213,6 +218,14 @@ class BlockManager:
         for block in self.blocks:
             block.hash = None
             block.token_ids = []
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's KV cache reset (its BlockPool.reset_prefix_cache): clear_prefix_cache only while
+        no block is held by a sequence; whether it did."""
+        if self.num_used_blocks:
+            return False
+        self.clear_prefix_cache()
+        return True
 
     def reset(self) -> None:
         """Free every block and forget every hash: after a failed or interrupted step no

@@ -404,10 +404,12 @@ class LLMEngine:
     @one_call_at_a_time
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's LLM.reset_prefix_cache (RL clients call it after a weight sync): later requests
-        find nothing cached; blocks in use stay allocated. Always succeeds here: True.
-        `reset_running_requests=True` asks vLLM to preempt running requests so their KV is computed
-        again: with nothing pending it is the same reset, with requests pending a RuntimeError (they
-        keep their KV here). `reset_connector`: no KV connector exists, nothing more to reset."""
+        find nothing cached. As vLLM's, it resets only while no KV block is held: True when it
+        reset, False (a warning, nothing reset) while running requests hold blocks (waiting ones
+        hold none). `reset_running_requests=True` asks vLLM to preempt running requests so their KV
+        is computed again: with nothing pending it is the same reset, with requests pending a
+        RuntimeError (they keep their KV here). `reset_connector`: no KV connector exists, nothing
+        more to reset."""
         self._check_open()
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
             if not isinstance(value, bool):
@@ -415,8 +417,11 @@ class LLMEngine:
         if reset_running_requests and not self.is_finished():
             raise RuntimeError("reset_prefix_cache(reset_running_requests=True) while requests are pending: "
                                "running requests are not preempted to recompute their KV; finish or abort them first")
-        self.block_manager.clear_prefix_cache()
-        return True
+        if self.block_manager.reset_prefix_cache():
+            return True
+        logger.warning("reset_prefix_cache: not reset, running requests hold %d KV blocks; finish or abort them first",
+                       self.block_manager.num_used_blocks)
+        return False
 
     @functools.cached_property
     def model_config(self) -> ServedModel:
