@@ -47,7 +47,7 @@ def test_a_vllm_engine_script_gets_generates_outputs_under_its_ids(llm):
     engine = llm.llm_engine
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         assert engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, sp) == f"req-{i}"
-    assert engine.get_num_unfinished_requests() == 3
+    assert engine.get_num_unfinished_requests() == 4  # vLLM V1 counts req-1's n=2 samples as two requests
     done = run_to_completion(engine)
     assert sorted(done) == ["req-0", "req-1", "req-2"] and engine.get_num_unfinished_requests() == 0
     for i, want in enumerate(expected):
@@ -84,6 +84,26 @@ def test_bad_engine_requests_are_refused(llm):
     finally:
         engine.abort_request("a")
     assert not engine.has_unfinished_requests()
+
+
+def test_unfinished_requests_count_each_sample_as_vllm_v1_does(llm):
+    """vLLM V1 fans a request of n > 1 out into n child requests, each counted by
+    get_num_unfinished_requests until it ends (its output processor's request states)."""
+    engine = llm.llm_engine
+    prompts = make_prompts(7, 3, 10, 20)
+    three = SamplingParams(temperature=0.8, seed=1, max_tokens=3, n=3, ignore_eos=True)
+    engine.add_request("three", {"prompt_token_ids": prompts[0]}, three)
+    engine.add_request("one", {"prompt_token_ids": prompts[1]}, GREEDY)  # 6 tokens: it ends last
+    assert engine.get_num_unfinished_requests() == 4
+    counts = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        counts.append(engine.get_num_unfinished_requests())
+    assert 1 in counts and counts[-1] == 0  # "three"'s samples ended before "one"
+    engine.add_request("aborted", {"prompt_token_ids": prompts[2]}, SamplingParams(max_tokens=4, n=2))
+    assert engine.get_num_unfinished_requests() == 2
+    engine.abort_request("aborted")
+    assert engine.get_num_unfinished_requests() == 0
 
 
 def test_what_clients_read_on_the_engine_is_the_llms(llm):

@@ -65,8 +65,13 @@ class Request:
         ], prompt)
 
     @property
+    def num_unfinished(self) -> int:
+        """Samples not ended yet (vLLM V1 counts each as an unfinished child request)."""
+        return len(self.samples) - self.num_finished
+
+    @property
     def is_finished(self) -> bool:
-        return self.num_finished == len(self.samples)
+        return self.num_unfinished == 0
 
     def output(self, detokenizer: Detokenizer) -> RequestOutput:
         """The finished request's output (vLLM's RequestOutput), texts decoded by `detokenizer`."""

@@ -262,8 +262,10 @@ class VllmEngine:
 
     @one_call_at_a_time
     def get_num_unfinished_requests(self) -> int:
+        """vLLM V1's count (its output processor's request states): a request of n > 1 fans out into
+        n child requests there, so each sample not ended yet counts once."""
         self._llm._check_open()
-        return len(self._llm.scheduler.requests)
+        return sum(request.num_unfinished for request in self._llm.scheduler.requests.values())
 
     @one_call_at_a_time
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
