@@ -74,14 +74,16 @@ VLLM_MAX_SEQ_LEN_TO_CAPTURE = 8192
 @dataclass(frozen=True)
 class ServedModel:
     """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len; RL and
-    analysis scripts: hf_config's layer and expert counts): the checkpoint and tokenizer
-    directories, the longest sequence served, the weights' dtype."""
+    analysis scripts: hf_config's layer and expert counts, get_num_layers, quantization): the
+    checkpoint and tokenizer directories, the longest sequence served, the weights' dtype, their
+    quantization method (vLLM's name: "fp8", "compressed-tensors"; None: full precision)."""
 
     model: str
     tokenizer: str
     max_model_len: int
     dtype: torch.dtype
     hf_overrides: dict | None = field(default=None, compare=False)
+    quantization: str | None = None  # quantization/config.quantization_method
 
     @functools.cached_property
     def hf_config(self) -> PretrainedConfig:
@@ -100,6 +102,16 @@ class ServedModel:
 
     def get_vocab_size(self) -> int:
         return self.hf_text_config.vocab_size
+
+    def get_num_layers(self, parallel_config: object) -> int:
+        """vLLM's ModelConfig.get_num_layers: the hidden layers of one pipeline stage of
+        `parallel_config` (llm.llm_engine.vllm_config's), as vLLM counts them (hf_text_config's
+        num_hidden_layers); one stage here (no pipeline parallelism): all."""
+        stages = getattr(parallel_config, "pipeline_parallel_size", None)
+        if stages != 1:
+            raise ValueError(f"get_num_layers takes the engine's parallel_config (pipeline_parallel_size 1: no "
+                             f"pipeline parallelism), got {parallel_config!r}")
+        return self.hf_text_config.num_hidden_layers
 
     @property
     def max_seq_len_to_capture(self) -> int:

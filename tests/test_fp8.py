@@ -292,6 +292,30 @@ def test_empty_transform_and_dense_sparsity_configs_load_as_they_are():
             assert resolve_quantization(None, config, "c") == resolve_quantization(None, LAYOUTS[layout], "c")
 
 
+def test_model_config_names_the_quantization_method(full_precision, tmp_path):
+    """vLLM's llm.llm_engine.model_config.quantization: the checkpoint's quant_method as vLLM reads it
+    ("FP8" is "fp8", compressed_tensors is "compressed-tensors"), else LLM(quantization=...): "fp8"
+    online, None for full precision."""
+    src = full_precision("qwen3")
+    fp8 = str(tmp_path / "fp8")
+    write_fp8(src, fp8, str(tmp_path / "ref"), "qwen-tensor")
+    with open(os.path.join(fp8, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["quant_method"] = "FP8"
+    with open(os.path.join(fp8, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    ct = str(tmp_path / "ct")  # no config group: full-precision weights (a calibrated FP8 KV cache's layout)
+    write_state(src, ct, checkpoint_state(src), {"quant_method": "compressed_tensors", "config_groups": {}})
+    for path, kwargs, name in [(src, {}, None), (src, {"quantization": "fp8"}, "fp8"), (fp8, {}, "fp8"),
+                               (fp8, {"quantization": "fp8"}, "fp8"), (ct, {}, "compressed-tensors"),
+                               (ct, {"quantization": "compressed-tensors"}, "compressed-tensors")]:
+        llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64, **kwargs)
+        try:
+            assert llm.llm_engine.model_config.quantization == name, (path, kwargs)
+        finally:
+            llm.exit()
+
+
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
     with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors'\), got 'int8'"):
         cpu_llm(full_precision("qwen3"), quantization="int8")

@@ -92,6 +92,21 @@ def test_lm_eval_constructs_and_reads_the_context_length(ckpt):
         llm.exit()
 
 
+def test_model_config_counts_layers_per_pipeline_stage(ckpt):
+    """vLLM's ModelConfig.get_num_layers(parallel_config): the hidden layers of one pipeline stage,
+    here the only one (all of them); anything but the engine's parallel config is refused by value.
+    A full-precision checkpoint's quantization is None (tests/test_fp8.py: the others)."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        served, parallel = llm.llm_engine.model_config, llm.llm_engine.vllm_config.parallel_config
+        assert served.get_num_layers(parallel) == TinyShape().num_hidden_layers == 2
+        assert served.quantization is None
+        with pytest.raises(ValueError, match="parallel_config .*got None"):
+            served.get_num_layers(None)
+    finally:
+        llm.exit()
+
+
 def test_verl_constructs(ckpt):
     llm = cpu_llm(ckpt, **VERL_ARGS)
     try:

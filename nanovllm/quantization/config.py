@@ -20,7 +20,8 @@
                                        weights quantized at load, one scale per output channel
                                        (amax / 448), activations dynamic per token
 
-into a QuantConfig; any other quant_method or quantization value is a ValueError naming it. A
+into a QuantConfig; any other quant_method or quantization value is a ValueError naming it
+(`quantization_method` names the pair as vLLM's ModelConfig.quantization does). A
 layer built inside `quantization(config)` asks `linear_quant(names, ...)` with the checkpoint
 module names it is built from (a packed layer: all of its parts) and keeps the answer:
 
@@ -221,6 +222,20 @@ def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
                          f"stored whole)")
 
 
+def checkpoint_method(checkpoint: dict) -> object:
+    """config.json's quant_method as vLLM reads it: any case, and compressed_tensors (compressed-tensors'
+    own older spelling) for compressed-tensors."""
+    method = checkpoint.get("quant_method")
+    return method.lower().replace("compressed_tensors", "compressed-tensors") if isinstance(method, str) else method
+
+
+def quantization_method(quantization: str | None, checkpoint: dict | None) -> str | None:
+    """vLLM's ModelConfig.quantization of a pair resolve_quantization took: the checkpoint's method
+    where config.json has a quantization_config ("fp8", "compressed-tensors": what loads), else
+    LLM(quantization=...) (None: full precision)."""
+    return quantization if checkpoint is None else checkpoint_method(checkpoint)
+
+
 def resolve_quantization(quantization: object, checkpoint: object, source: str) -> QuantConfig | None:
     """The QuantConfig of LLM(quantization=...) and config.json's quantization_config (None:
     full precision). A checkpoint that is FP8 already loads as it is, also under "fp8"."""
@@ -233,9 +248,7 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
         return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
-    method = checkpoint.get("quant_method")
-    if isinstance(method, str):  # as vLLM reads it: any case, and compressed_tensors for compressed-tensors
-        method = method.lower().replace("compressed_tensors", "compressed-tensors")
+    method = checkpoint_method(checkpoint)
     if quantization == "compressed-tensors" and method != quantization:  # it names the checkpoint's own (vLLM)
         raise ValueError(f"quantization='compressed-tensors' does not match {source}'s quantization_config "
                          f"quant_method={method!r}")
