@@ -55,9 +55,9 @@ import triton.language as tl
 
 from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, ScaleMode, cuda_sm_count
 from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize_rows
-from nanovllm.quantization.config import FP8_DTYPE
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
+from nanovllm.quantization.config import FP8_DTYPE
 from nanovllm.utils.ints import next_pow2
 
 from .align import MoeAlignment, moe_align
