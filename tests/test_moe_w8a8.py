@@ -137,6 +137,24 @@ def test_hidden_quantized_before_the_call_gives_the_same_output(mode):
         fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=hidden, **scales)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t", [256, 2048])
+def test_hidden_quantized_before_the_call_on_the_gpu(mode, t):
+    """The same at Qwen3-30B-A3B's expert shape (decode and prefill tilings), hidden quantized by the
+    RMSNorm kernel as the MoE block does (fused_norm.rms_norm_both), bit for bit."""
+    from nanovllm.kernels.fused_norm import rms_norm_both
+
+    e, k, h, i = QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"]
+    (x, q13, q2, weights, ids, s13, s2), _ = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
+    norm_weight = torch.rand(h, device="cuda").to(torch.bfloat16) + 0.5
+    how = act_row_quant(ScaleMode.BLOCK if mode == "block" else ScaleMode.CHANNEL)
+    hidden, hidden_fp8, _ = rms_norm_both(x, None, norm_weight, 1e-6, how)
+    scales = dict(w13_scale=s13, w2_scale=s2)
+    want = fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, **scales)
+    assert torch.equal(fused_moe(hidden, q13, q2, weights, ids, act_fp8=True, x_fp8=hidden_fp8, **scales), want)
+
+
 ONLINE = resolve_quantization("fp8", None, "test")
 
 
