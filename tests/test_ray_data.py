@@ -1,6 +1,6 @@
 """nanovllm.ray_data on a local Ray cluster of CPU actors: LLMPredictor's rows against one in-process
 engine's greedy tokens (text and token-id prompts, per-row sampling params, logprobs, other columns
-kept, any order), per-row overrides as Ray's read_json hands them over, the same actors serving a
+kept, any order), a row's cache_salt reaching its prompt, per-row overrides as Ray's read_json hands them over, the same actors serving a
 second round, a two-GPU actor running its engine tensor-parallel, a bad row failing the dataset with
 the engine's message and the row, and `python -m nanovllm.ray_data` end to end (its output file
 replaced only by a whole run; replicas the cluster's GPUs cannot hold refused at once, or with
@@ -241,6 +241,45 @@ def test_batch_and_parameter_errors_name_the_value(ckpt):
         assert mixed["generated_text"][2] == "yes"
     finally:
         predictor.llm.exit()
+
+
+def test_cache_salt_column_reaches_each_rows_prompt(cluster, ckpt, tmp_path):
+    """A `cache_salt` column (vLLM V1's prompt key, as vLLM's Ray Data rows carry it) as read_json
+    hands it over (None in rows without one): a salted row's KV serves later prompts of its salt
+    only, an unsalted row's serves unsalted ones; a salt that is not a non-empty str names its row.
+    The predictor used to drop the column, so every row's blocks were unsalted."""
+    long = list(range(1, 40))  # 2 full blocks of 16 before the block of its last token
+    src = tmp_path / "salted.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": long, "cache_salt": "tenant-a"}) + "\n"
+                   + json.dumps({"prompt_token_ids": long[::-1]}) + "\n")
+    batch = next(iter(ray.data.read_json(str(src)).iter_batches(batch_size=2, batch_format="numpy")))
+    assert batch["cache_salt"][1] is None
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))
+    llm = predictor.llm
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+
+    def cached(prompt) -> int:
+        return llm.generate([prompt], greedy, use_tqdm=False)[0].num_cached_tokens
+
+    try:
+        out = predictor(batch)
+        assert list(out["cache_salt"]) == ["tenant-a", None]  # kept as given
+        assert [list(t) for t in out["generated_token_ids"]] == [
+            o.outputs[0].token_ids for o in llm.generate([long, long[::-1]], predictor.params, use_tqdm=False)]
+        assert cached({"prompt_token_ids": long, "cache_salt": "tenant-b"}) == 0
+        assert cached({"prompt_token_ids": long, "cache_salt": "tenant-a"}) == 32  # the salted row's blocks
+        assert cached({"prompt_token_ids": long[::-1], "cache_salt": "tenant-a"}) == 0
+        assert cached(long[::-1]) == 32  # the unsalted row's blocks
+        llm.reset_prefix_cache()
+        predictor({"prompt": ["a lazy dog " * 6], "cache_salt": ["tenant-c"]})  # text rows too
+        assert cached({"prompt": "a lazy dog " * 6, "cache_salt": "tenant-c"}) > 0
+        assert cached("a lazy dog " * 6) == 0
+        with pytest.raises(TypeError, match=r"row 1 of the batch \{'prompt': 'b', 'cache_salt': 7\}: .*cache_salt must be a str, got 7"):
+            predictor({"prompt": ["a", "b"], "cache_salt": ["x", 7]})
+        with pytest.raises(ValueError, match=r"row 0 of the batch \{'prompt': 'a', 'cache_salt': ''\}: .*cache_salt is an empty string"):
+            predictor({"prompt": ["a"], "cache_salt": [""]})
+    finally:
+        llm.exit()
 
 
 def test_row_overrides_from_json_lines_through_arrow(cluster, ckpt, tmp_path):

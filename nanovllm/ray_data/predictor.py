@@ -3,7 +3,9 @@
 A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text),
 `prompt_token_ids` or `messages` (a conversation, rendered by the chat template as LLM.chat does)
 column, or several (JSON lines of mixed kinds: Ray fills a row's other columns with None; each row
-must hold exactly one), and optionally a `sampling_params` column: per row, a
+must hold exactly one), optionally a `cache_salt` column (vLLM V1's prompt key: a row's non-empty
+str goes into its prompt dict, so its prefix-cache hits come only from prompts of the same salt;
+None or no column: no salt), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
 them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
 may be JSON's strings). What Arrow made of such rows is undone first (row_overrides): numpy arrays
@@ -11,8 +13,8 @@ and scalars at any depth, None entries of nested dicts (Arrow gives every row th
 rows), integral floats (an int beside rows without it). The whole batch goes to one `generate`
 call, so the actor's engine batches it as one engine does; the batch comes back with every input
 column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a row asks for logprobs), one row
-per prompt. A prompt the engine refuses (empty, too long, ids outside the vocabulary) or a bad
-override raises the engine's own ValueError / TypeError, prefixed with the row it came from, before
+per prompt. A prompt the engine refuses (empty, too long, ids outside the vocabulary, a cache_salt
+that is not a non-empty str) or a bad override raises the engine's own ValueError / TypeError, prefixed with the row it came from, before
 anything of the batch is queued: Ray Data then fails the dataset with that message instead of
 hanging.
 """
@@ -30,6 +32,7 @@ import numpy as np
 import ray
 
 from nanovllm.engine.chat import ChatOptions, render_chat
+from nanovllm.inputs import TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, field_types
 
@@ -40,6 +43,9 @@ TEXT_COLUMN = "prompt"
 TOKEN_IDS_COLUMN = "prompt_token_ids"
 MESSAGES_COLUMN = "messages"
 PROMPT_COLUMNS = (TEXT_COLUMN, TOKEN_IDS_COLUMN, MESSAGES_COLUMN)
+# The optional column of per-row prompt salts (vLLM V1's "cache_salt" prompt key, as vLLM's Ray Data
+# rows carry it): None, or no column, gives a row no salt.
+SALT_COLUMN = "cache_salt"
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
@@ -145,9 +151,9 @@ class LLMPredictor:
         clash = [c for c in OUTPUT_COLUMNS + (LOGPROB_COLUMNS if with_logprobs else ()) if c in batch]
         if clash:
             raise ValueError(f"the batch already has column(s) {clash}, which LLMPredictor writes: rename them")
-        token_lists = [self._row_token_ids(batch, columns, i, params[i]) for i in rows]
+        prompts = [self._row_prompt(batch, columns, i, params[i]) for i in rows]
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         except (TypeError, ValueError):
             if SAMPLING_COLUMN in batch:  # the engine's own checks of a row's overrides: name the row
                 for i in rows:
@@ -178,10 +184,11 @@ class LLMPredictor:
             chosen = sampling_keywords(row_overrides(overrides))
             return sampling_params_of(dataclasses.replace(self.params, **chosen))
 
-    def _row_token_ids(self, batch: Mapping[str, np.ndarray], columns: list[str], i: int,
-                       params: SamplingParams) -> list[int]:
-        """Row i's prompt (from its one prompt column that is not None) as token ids, checked by the
-        engine's own validator; a conversation rendered as LLM.chat renders it."""
+    def _row_prompt(self, batch: Mapping[str, np.ndarray], columns: list[str], i: int,
+                    params: SamplingParams) -> TokensPrompt:
+        """Row i's prompt (from its one prompt column that is not None) as a TokensPrompt, with the
+        row's cache_salt when it has one, checked by the engine's own validator; a conversation
+        rendered as LLM.chat renders it."""
         with naming_row(batch, i):
             given = [c for c in columns if batch[c][i] is not None]
             if len(given) != 1:
@@ -200,7 +207,14 @@ class LLMPredictor:
                 conversation = [json_form(m) if isinstance(m, dict) else m for m in value]
                 value = render_chat(self.llm.tokenizer, self.llm.config.tokenizer, [conversation],  # a batch of one
                                     ChatOptions())[0]["prompt_token_ids"]
-            return self.llm.validator.validate(value, params).token_ids
+            salt = plain(batch[SALT_COLUMN][i]) if SALT_COLUMN in batch else None
+            # as a prompt dict, so that the engine checks the salt (a non-empty str) as it checks any prompt's
+            prompt = {"prompt" if column == TEXT_COLUMN else "prompt_token_ids": value, "cache_salt": salt}
+            checked = self.llm.validator.validate(prompt, params)
+            out = TokensPrompt(prompt_token_ids=checked.token_ids)
+            if checked.cache_salt is not None:
+                out["cache_salt"] = checked.cache_salt
+            return out
 
 
 def plain(value):
