@@ -23,6 +23,7 @@ from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.config import QuantConfig, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
+from nanovllm.utils.checkpoint_files import checkpoint_files
 from nanovllm.utils.generation_defaults import check_generation_overrides
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.tokenizer import TOKENIZER_FILES, has_tokenizer
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # LLM(load_format=...): "auto" reads the checkpoint's files (utils/checkpoint_files.py: *.safetensors, else
-# pytorch_model*.bin), "safetensors" (vLLM's name for its safetensors files) the same; "dummy" gives random
-# weights from config.json alone.
+# pytorch_model*.bin), "safetensors" (vLLM's) its *.safetensors files only (a directory without any is
+# refused, as vLLM refuses it); "dummy" gives random weights from config.json alone.
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -254,6 +255,12 @@ class Config:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.load_format == "safetensors" and not checkpoint_files(self.model, "safetensors"):
+            bins = [os.path.basename(f) for f in checkpoint_files(self.model)]  # "auto"'s: its .bin files
+            held = (f"PyTorch .bin weights: {', '.join(bins[:3])}{f' and {len(bins) - 3} more' if len(bins) > 3 else ''}"
+                    if bins else "no weights files")
+            raise ValueError(f"load_format='safetensors' but model directory {self.model!r} has no *.safetensors "
+                             f"files (it holds {held}): pass load_format='auto' to read PyTorch .bin weights")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.generation_config, (str, os.PathLike)):

@@ -32,6 +32,24 @@ def test_load_format_safetensors_reads_the_checkpoint(ckpt):
         cpu_llm(ckpt, load_format="pt")
 
 
+def test_load_format_safetensors_refuses_a_directory_of_bin_weights(ckpt, tmp_path):
+    """load_format="safetensors" reads *.safetensors files only, as vLLM's does: a directory holding
+    PyTorch .bin weights alone is refused at LLM(...) naming the directory and the format (it read the
+    .bin files, as "auto" does); "auto" still reads them."""
+    prompts = make_prompts(2, 2, 5, 20)
+    bins = tmp_path / "bin-only"
+    shutil.copytree(ckpt, bins)
+    torch.save(load_file(str(bins / "model.safetensors")), str(bins / "pytorch_model.bin"))
+    (bins / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"load_format='safetensors' but model directory {str(bins)!r} "
+                                                   "has no *.safetensors files (it holds PyTorch .bin weights: pytorch_model.bin)")):
+        cpu_llm(str(bins), load_format="safetensors")
+    assert generate_tokens(str(bins), prompts, GREEDY)[0] == generate_tokens(ckpt, prompts, GREEDY)[0]
+    (bins / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors files \(it holds no weights files\)"):
+        cpu_llm(str(bins), load_format="safetensors")
+
+
 def test_tokenizer_directory_without_a_tokenizer_is_refused(ckpt, tmp_path):
     """LLM(tokenizer=...) reads the tokenizer from another directory (the model's may have none); one that
     holds no tokenizer is refused naming it (it loaded no tokenizer silently: text prompts then failed

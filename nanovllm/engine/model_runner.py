@@ -377,7 +377,7 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             init_dummy_weights(self.model, self.config.seed)
         else:
-            load_model(self.model, self.config.model)
+            load_model(self.model, self.config.model, self.config.load_format)
 
     def sleep(self, level: SleepLevel) -> None:
         """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to

@@ -3,7 +3,8 @@ the weights from them, utils/kv_scales.py the FP8 KV scales); its JSON files rea
 
 As vLLM reads a directory: its *.safetensors files (those model.safetensors.index.json lists, when
 there is one), else its PyTorch pickles (pytorch_model*.bin, or those pytorch_model.bin.index.json
-lists), read with torch.load(weights_only=True): tensors only, no code run.
+lists), read with torch.load(weights_only=True): tensors only, no code run. load_format="safetensors"
+(vLLM's) reads the *.safetensors files only: a directory of pickles alone has no checkpoint then.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # The files' own names without an index: transformers' (training_args.bin and the like are not weights).
 _SAFETENSORS_FILES, _PICKLE_FILES = "*.safetensors", "pytorch_model*.bin"
+# The kinds of file each load_format that reads a checkpoint looks for, in order: (index, files' pattern).
+_KINDS = {"auto": ((SAFETENSORS_INDEX, _SAFETENSORS_FILES), (PICKLE_INDEX, _PICKLE_FILES)),
+          "safetensors": ((SAFETENSORS_INDEX, _SAFETENSORS_FILES),)}
 
 
 class CheckpointFile(Protocol):
@@ -47,11 +51,14 @@ def read_json_object(file: str) -> dict:
     return value
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The checkpoint's files in `path`: its *.safetensors files, else its pytorch_model*.bin files;
-    of either kind those its index lists when it has one (as vLLM reads it: a repository may also
-    hold a consolidated or stale copy of the weights beside the shards), else every one. [] if none."""
-    for index_name, pattern in ((SAFETENSORS_INDEX, _SAFETENSORS_FILES), (PICKLE_INDEX, _PICKLE_FILES)):
+def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
+    """The checkpoint's files in `path`: its *.safetensors files, else (load_format "auto") its
+    pytorch_model*.bin files; of either kind those its index lists when it has one (as vLLM reads it:
+    a repository may also hold a consolidated or stale copy of the weights beside the shards), else
+    every one. [] if none."""
+    if load_format not in _KINDS:
+        raise ValueError(f"load_format {load_format!r} reads no checkpoint files: one of {sorted(_KINDS)}")
+    for index_name, pattern in _KINDS[load_format]:
         index = os.path.join(path, index_name)
         if os.path.isfile(index):
             return _indexed_files(path, index)

@@ -1,5 +1,5 @@
-"""Fills the model's parameters from named tensors: a safetensors checkpoint at start-up
-(`load_model`), or a training loop's state dict at run time (`update_weights`).
+"""Fills the model's parameters from named tensors: a checkpoint's files at start-up
+(`load_model`: utils/checkpoint_files.py), or a training loop's state dict at run time (`update_weights`).
 
 Names are Hugging Face checkpoint names. The model maps each onto a parameter and a shard
 id (`map_checkpoint_name`: packed parameters such as qkv_proj are filled from several
@@ -108,13 +108,15 @@ def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor
     return [(name, tensor)] if convert is None else convert(name, tensor)
 
 
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the checkpoint's files in `path` (utils/checkpoint_files.py),
-    read one at a time; a name held by two files (a stale copy: which one was served would depend on
-    the order) is a ValueError naming both, a file that cannot be read one naming it."""
-    files = checkpoint_files(path)
+def checkpoint_tensors(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint's files in `path` that `load_format` reads
+    (utils/checkpoint_files.py), read one at a time; a name held by two files (a stale copy: which
+    one was served would depend on the order) is a ValueError naming both, a file that cannot be
+    read one naming it."""
+    files = checkpoint_files(path, load_format)
     if not files:
-        raise ValueError(f"model directory {path!r} has no weights: no *.safetensors nor pytorch_model*.bin files")
+        wanted = "no *.safetensors nor pytorch_model*.bin" if load_format == "auto" else "no *.safetensors"
+        raise ValueError(f"model directory {path!r} has no weights: {wanted} files (load_format={load_format!r})")
     held_by: dict[str, str] = {}
     for file in files:
         here = os.path.relpath(file, path)
@@ -127,13 +129,14 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model: nn.Module, path: str) -> None:
-    """Fill every parameter from the checkpoint in `path`, streaming tensor by tensor; a
+def load_model(model: nn.Module, path: str, load_format: str = "auto") -> None:
+    """Fill every parameter from the checkpoint in `path` (the files `load_format` reads: "auto" or
+    "safetensors"), streaming tensor by tensor; a
     missing tensor, an unknown one or a wrong shape is a ValueError naming it."""
     weights = _WeightMap(model)
     loaded: set[ParamKey] = set()
     convert = weights.converter(update=False)
-    for ckpt_name, ckpt_tensor in checkpoint_tensors(path):
+    for ckpt_name, ckpt_tensor in checkpoint_tensors(path, load_format):
         for name, tensor in _converted(convert, ckpt_name, ckpt_tensor):
             fill = weights.fill(name, tensor)
             if fill is not None:
