@@ -1,6 +1,6 @@
 """FP8 weights on CPU: checkpoints in the published layouts (tests/fp8_checkpoints.py writes them
-from transformers' own models), online FP8, update_weights into an FP8 engine, and every
-setting refused. A float32 CPU engine dequantizes FP8 weights at load and keeps activations in
+from transformers' own models), online FP8, update_weights into an FP8 engine (a static-scale one
+too, and the scales it refuses), and every setting refused. A float32 CPU engine dequantizes FP8 weights at load and keeps activations in
 full precision, so its greedy tokens are transformers' argmaxes on the dequantized weights and
 its logprobs that model's, to float32 rounding; the undequantized weights' logprobs are far off
 (so a wrong scale cannot pass)."""
@@ -23,7 +23,8 @@ from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
-from nanovllm.quantization.config import Fp8Format, QuantConfig, resolve_quantization
+from nanovllm.quantization.config import SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, resolve_quantization
+from nanovllm.quantization.loading import QuantizedTensors
 
 # Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,
 # rows of o / down), intermediate 320 (2.5 blocks), q 256 and k / v 128 rows (whole blocks).
@@ -159,6 +160,61 @@ def test_update_weights_refuses_fp8_tensors_and_scales(full_precision, tmp_path)
         assert llm.generate(make_prompts(4, 2, 10, 20), GREEDY, use_tqdm=False) == before
     finally:
         llm.exit()
+
+
+def test_update_weights_into_a_static_scale_engine(full_precision, tmp_path):
+    """A compressed-tensors checkpoint with static activation scales (ct-tensor: per-tensor weight
+    scales, `input_scale`): update_weights takes full-precision weights into it, quantized per
+    output channel (the engine's own scales; CPU: dequantized, activations full precision), so it
+    serves transformers' model on those weights quantized by hand. Input scales given with them are
+    refused naming the layer and the real reason (here: the layer uses none; on CUDA: the checkpoint's
+    calibration stays, test_static_input_scale_refusal_names_the_layer), where they were refused as
+    "their scales are computed here", which no input scale is; nothing changes."""
+    fp8_dir = str(tmp_path / "fp8")
+    write_fp8(full_precision("llama"), fp8_dir, str(tmp_path / "ref"), "ct-tensor", ("lm_head",))
+    other = full_precision("llama", seed=1)
+    by_hand = checkpoint_state(other)
+    for name in [n for n in by_hand if n.endswith("_proj.weight")]:
+        q, s = quantize_channels(by_hand[name])
+        by_hand[name] = q.float() * s
+    write_state(other, str(tmp_path / "by_hand"), by_hand)
+    input_scales = [(n, t) for n, t in checkpoint_state(fp8_dir).items() if n.endswith(".input_scale")]
+    assert input_scales
+    prompts = make_prompts(7, 3, 20, 50)
+    llm = cpu_llm(fp8_dir, kvcache_block_size=16, max_model_len=256)
+    try:
+        llm.update_weights(load_reference(other).state_dict().items())
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        name, scale = input_scales[0]
+        layer = name.removesuffix(".input_scale")
+        with pytest.raises(ValueError, match=re.escape(f"{name!r}: layer {layer!r} uses no input_scale on this engine")
+                           + r".*full-precision weights only, so leave the input scales out"):
+            llm.update_weights([(name, scale)])
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) == outs
+    finally:
+        llm.exit()
+    check_against(load_reference(str(tmp_path / "by_hand")), prompts, outs, load_reference(str(tmp_path / "ref")))
+
+
+def test_static_input_scale_refusal_names_the_layer():
+    """What update_weights makes of a layer that holds FP8 with a static input scale (CUDA): a
+    full-precision weight is quantized with per-channel scales of its own; the layer's input_scale
+    is the checkpoint's calibration, kept, so one given is refused saying so (it was refused as
+    "their scales are computed here"); a weight scale is refused as computed here."""
+    static = LinearQuant(Fp8Format(TENSOR, SCALE, static_input=True, online=False), held=True)
+    convert = QuantizedTensors(lambda name: static, update=True, check_fits=lambda name, tensor: None)
+    layer = "model.layers.0.self_attn.q_proj"
+    weight = torch.randn(8, 16)
+    (q_name, q), (s_name, s) = convert(f"{layer}.weight", weight)
+    assert (q_name, q.dtype, s_name, tuple(s.shape)) == (f"{layer}.weight", torch.float8_e4m3fn, f"{layer}.weight_scale", (8, 1))
+    torch.testing.assert_close(q.float() * s, weight, rtol=0.07, atol=0)  # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match=re.escape(
+            f"'{layer}.input_scale': layer {layer!r} quantizes its inputs with the checkpoint's static input_scale "
+            "(calibration), which update_weights keeps as loaded: it takes full-precision weights only")):
+        convert(f"{layer}.input_scale", torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=re.escape(f"'{layer}.weight_scale': update_weights takes full-precision "
+                                                   f"weights only: the weight scale of layer {layer!r} is computed here")):
+        convert(f"{layer}.weight_scale", torch.tensor([0.5]))
 
 
 def test_update_weights_names_a_misshapen_weight_before_quantizing_it(full_precision):

@@ -2,9 +2,12 @@
 against float64 on the dequantized weights; the activation quantization bit for bit; the
 scaled-mm path (per-token x rowwise, per-group x blockwise, static) against float64 on its
 dequantized operands; FP8 engines in bf16 against transformers in float32 on the dequantized
-weights, graphs on and off identical, update_weights equal to a fresh engine."""
+weights, graphs on and off identical, update_weights equal to a fresh engine (block scales, and a
+static-activation engine keeping its input scales)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -329,6 +332,49 @@ def test_fp8_update_weights_equals_a_fresh_engine(dense, tmp_path):
         llm.exit()
     assert before != expected
     assert after == expected
+
+
+def test_fp8_update_weights_into_a_static_scale_engine_equals_a_fresh_engine(dense, tmp_path):
+    """Full-precision weights into a static-activation FP8 engine (ct-tensor: held FP8 with the
+    checkpoint's input_scale): each weight quantized per output channel, the input scales kept, so
+    it equals an engine loaded from those weights quantized per channel by hand beside the same
+    input scales. Input scales given to update_weights are refused naming the layer and that the
+    checkpoint's stay (they were refused as "their scales are computed here"); nothing changes."""
+    from nanovllm import LLM
+
+    write_fp8(dense, str(tmp_path / "a"), str(tmp_path / "ref"), "ct-tensor")
+    other = checkpoint_state(build_checkpoint(str(tmp_path / "other"), SHAPE, seed=1))
+    scales = {n: t for n, t in checkpoint_state(str(tmp_path / "a")).items() if n.endswith(".input_scale")}
+    fp8_b = dict(scales)
+    for name, t in other.items():
+        if name.endswith("_proj.weight"):
+            fp8_b[name], fp8_b[name.removesuffix("weight") + "weight_scale"] = quantize_channels(t)
+        else:
+            fp8_b[name] = t
+    group = LAYOUTS["ct-tensor"]["config_groups"]["group_0"]
+    channel_weights = {**LAYOUTS["ct-tensor"], "ignore": [], "config_groups": {"group_0": {
+        **group, "weights": {**group["weights"], "strategy": "channel"}}}}
+    write_state(str(tmp_path / "other"), str(tmp_path / "b"), fp8_b, channel_weights)
+    ps = make_prompts(6, 8, 20, 120)
+    (expected,), _ = gpu_generate(str(tmp_path / "b"), [ps], GREEDY)
+    llm = LLM(str(tmp_path / "a"), dtype="bfloat16", num_kvcache_blocks=512, kvcache_block_size=16, max_num_seqs=16,
+              max_num_batched_tokens=1024, max_model_len=2048)
+    try:
+        held = dict(llm.model_runner.model.named_parameters())
+        assert held["model.layers.0.self_attn.qkv_proj.input_scale"].gt(0).all()  # held FP8, static scales
+        before = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+        llm.update_weights(other.items())
+        after = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+        name = "model.layers.0.self_attn.k_proj.input_scale"
+        with pytest.raises(ValueError, match=re.escape(
+                f"{name!r}: layer 'model.layers.0.self_attn.k_proj' quantizes its inputs with the checkpoint's "
+                "static input_scale (calibration), which update_weights keeps as loaded")):
+            llm.update_weights([(name, scales[name] * 4)])
+        again = [o["token_ids"] for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    finally:
+        llm.exit()
+    assert before != expected
+    assert after == again == expected
 
 
 def test_level2_sleep_keeps_static_input_scales(dense, tmp_path):

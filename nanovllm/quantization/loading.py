@@ -11,10 +11,14 @@ construction). By what it holds and where the tensor comes from:
                                                               engine sees the quantization error
 
 Static input scales go to held layers and are dropped where the layer's activations stay in
-full precision (dequantized layers, and held weight-only ones: the MoE experts). A float8
+full precision (dequantized layers, and held weight-only ones: the MoE experts). update_weights
+takes full-precision weights into any FP8 layer, a static-scale one too: the new weight is
+quantized with weight scales of its own (per block, else per output channel) and the layer keeps
+the checkpoint's static input_scale (calibration, not derived from the weight). A float8
 tensor for a module the config leaves in full precision, a full-precision one where the
-checkpoint should be FP8, scales given to update_weights, and a weight without its scale or a
-scale without its weight (`missing`) are ValueErrors naming them.
+checkpoint should be FP8, scales given to update_weights (a weight scale: computed here; an
+input_scale: the checkpoint's stays, or the layer uses none on this engine), and a weight without
+its scale or a scale without its weight (`missing`) are ValueErrors naming them.
 """
 
 from __future__ import annotations
@@ -81,13 +85,26 @@ class QuantizedTensors:
         if quant is None:
             return [(name, tensor)]  # no parameter takes it: the loader names it
         if self.update or quant.fmt.online:
-            raise ValueError(f"{name!r}: {self.source} takes full-precision weights only (their scales are "
-                             f"computed here)")
+            raise ValueError(self._refused_scale(name, module, leaf, quant))
         if leaf == INPUT_SCALE and quant.fmt.static_input and (not quant.held or quant.weight_only):
             return []  # the layer's activations stay in full precision: not quantized
         if quant.held or leaf != quant.fmt.scale_name:
             return [(name, tensor)]
         return self._pair(module, quant, "scale", tensor)
+
+    def _refused_scale(self, name: str, module: str, leaf: str, quant: LinearQuant) -> str:
+        """Why scale `name` of layer `module` is not taken from full-precision tensors (update_weights,
+        an online-FP8 checkpoint)."""
+        if leaf != INPUT_SCALE:
+            return (f"{name!r}: {self.source} takes full-precision weights only: the weight scale of layer "
+                    f"{module!r} is computed here, from its weight")
+        if quant.fmt.static_input and quant.held and not quant.weight_only:
+            return (f"{name!r}: layer {module!r} quantizes its inputs with the checkpoint's static input_scale "
+                    f"(calibration), which {self.source} keeps as loaded: it takes full-precision weights only "
+                    f"(quantized with weight scales of its own), so leave the input scales out")
+        return (f"{name!r}: layer {module!r} uses no input_scale on this engine (its activations are quantized "
+                f"per token or group, or stay in full precision); {self.source} takes full-precision weights "
+                f"only, so leave the input scales out")
 
     def _pair(self, module: str, quant: LinearQuant, part: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Keep one half of a weight / scale pair; with both, the dequantized weight."""
