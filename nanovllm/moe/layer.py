@@ -29,7 +29,8 @@ Elsewhere (CPU; block scales whose rank boundary splits a block) the loader dequ
 w13 / w2 in the compute dtype. The router stays in full precision. Held FP8 experts run W8A16
 (activations in the compute dtype) in the decode GEMVs; grouped-GEMM steps of
 KernelRoutes.moe_fp8_mma_min_tokens or more (size class: by default all) quantize the activations
-per token and multiply FP8 x FP8 (W8A8).
+per token (block scales: per 128 columns) and multiply FP8 x FP8 (W8A8); the block's input comes
+quantized from its RMSNorm kernel (SparseMoeBlock.forward_normed), beside the 16-bit rows the router reads.
 
 A layer built on CUDA (decided once, at construction: layers/kernel_path.py) routes with one
 Triton kernel (moe/routing.py) and runs the experts as the fused Triton MoE
@@ -120,7 +121,9 @@ class MoeExperts(nn.Module):
             if quant is not None:  # the loader quantizes / dequantizes by it
                 param.quant = quant
         # FP8 experts' (w13, w2) scale parameters (float32, module docstring); None: w13 / w2 in the compute dtype.
-        self.scales = self._scale_parameters(quant.fmt.requant_scales, quant.fmt.scale_name) if held else None
+        # The held experts' scale mode (BLOCK: local is whole blocks, expert_quant); None: not held.
+        mode = (ScaleMode.BLOCK if quant.fmt.requant_scales == BLOCK else ScaleMode.CHANNEL) if held else None
+        self.scales = self._scale_parameters(mode, quant.fmt.scale_name) if held else None
         # Decode steps of up to this many tokens run the expert GEMVs (KernelRoutes; 0 off CUDA).
         self.gemv_tokens = 0
         if self.use_triton:
@@ -134,12 +137,11 @@ class MoeExperts(nn.Module):
         if self.fp8_mma_tokens is not None:
             from nanovllm.moe.grouped_gemm import act_row_quant
 
-            self.input_quant = act_row_quant(ScaleMode.BLOCK if quant.fmt.requant_scales == BLOCK else ScaleMode.CHANNEL)
+            self.input_quant = act_row_quant(mode)
 
-    def _scale_parameters(self, scales: str, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
-        """w13's and w2's scale parameters (`scales`: CHANNEL or BLOCK), registered as
+    def _scale_parameters(self, mode: ScaleMode, scale_name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """w13's and w2's scale parameters (`mode`: CHANNEL or BLOCK), registered as
         `w13_{scale_name}` / `w2_{scale_name}`, filled per expert and projection (scale_slice)."""
-        mode = ScaleMode.BLOCK if scales == BLOCK else ScaleMode.CHANNEL  # BLOCK: local is whole blocks (expert_quant)
         shapes = scale_shapes(mode, self.num_experts, self.local_size, self.hidden_size)
         params = []
         for weight, shape in ((self.w13, shapes[0]), (self.w2, shapes[1])):
