@@ -279,6 +279,14 @@ def test_tokenizer_from_another_directory(ckpt, tmp_path):
         LLM(ckpt, device="cpu", tokenizer=str(tmp_path / "missing"))
 
 
+def check_reset_forgets(llm, prompt: list[int], first: list[int]) -> None:
+    """reset_prefix_cache() resets (True) and `prompt` then finds no cached block, its greedy tokens `first` again."""
+    assert llm.reset_prefix_cache() is True
+    hits = llm.block_manager.num_prefix_hit_blocks
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.block_manager.num_prefix_hit_blocks == hits
+
+
 def test_reset_prefix_cache(ckpt):
     """After reset_prefix_cache() (RL clients call it after a weight sync) a repeated prompt finds
     nothing cached; before, it does; the tokens are the same either way."""
@@ -289,10 +297,7 @@ def test_reset_prefix_cache(ckpt):
         hits = llm.block_manager.num_prefix_hit_blocks
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
         assert llm.block_manager.num_prefix_hit_blocks > hits
-        assert llm.reset_prefix_cache() is True
-        hits = llm.block_manager.num_prefix_hit_blocks
-        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
-        assert llm.block_manager.num_prefix_hit_blocks == hits
+        check_reset_forgets(llm, prompt, first)
     finally:
         llm.exit()
     with pytest.raises(RuntimeError):
@@ -351,10 +356,7 @@ def test_reset_prefix_cache_is_false_while_running_requests_hold_blocks(ckpt):
         hits = llm.block_manager.num_prefix_hit_blocks
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
         assert llm.block_manager.num_prefix_hit_blocks > hits  # the refused reset kept the cache
-        assert llm.reset_prefix_cache() is True
-        hits = llm.block_manager.num_prefix_hit_blocks
-        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
-        assert llm.block_manager.num_prefix_hit_blocks == hits
+        check_reset_forgets(llm, prompt, first)
     finally:
         llm.exit()
 
