@@ -7,6 +7,7 @@ import pytest
 
 from checkpoints import checkpoint_fixture, cpu_llm_fixture
 from nanovllm import SamplingParams
+from nanovllm.beam_search import beam_search
 from nanovllm.sampling_params import BeamSearchParams
 
 ckpt = checkpoint_fixture("limits")
@@ -32,16 +33,25 @@ def test_truncate_prompt_tokens_above_max_model_len_is_refused(llm, length):
         assert out.prompt_token_ids == [5] * 10
 
 
-def test_beam_search_whose_beams_outgrow_the_cache_is_refused_before_any_step(llm, monkeypatch):
+def test_beam_search_whose_beams_outgrow_the_cache_is_refused_before_any_step(llm):
     """A beam grows a token a step: one that would need more KV than the whole cache holds is refused
     at the call, naming the prompt and max_tokens (it used to fail after 5 of its 10 steps,
-    naming a prompt of 65 tokens the caller never passed)."""
+    naming a prompt of 65 tokens the caller never passed). The search's steps go through the
+    `generate` it is given (LLM.beam_search passes LLM.generate): a counting one sees none."""
     steps = []
-    generate = type(llm).generate
-    monkeypatch.setattr(type(llm), "generate", lambda self, *a, **k: steps.append(1) or generate(self, *a, **k))
+
+    def counted_step(batch, step_params):
+        steps.append(len(batch))
+        return llm.generate(batch, step_params, use_tqdm=False)
+
+    too_long = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
     with pytest.raises(ValueError, match=r"prompt 60 \+ max_tokens 10\) but the whole KV cache holds 64"):
-        llm.beam_search([{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+        beam_search(llm, counted_step, [{"prompt_token_ids": [5] * 60}], too_long)
+    with pytest.raises(ValueError, match=r"prompt 60 \+ max_tokens 10\) but the whole KV cache holds 64"):
+        llm.beam_search([{"prompt_token_ids": [5] * 60}], too_long)
     assert steps == [] and llm.is_finished()
+    beam_search(llm, counted_step, [{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert steps  # the counter does see the steps of a search that runs
     # beams that fit (60 + 5 tokens, the last one's KV never computed) are served to their full length
     [out] = llm.beam_search([{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
     assert [len(beam.tokens) for beam in out.sequences] == [65, 65]
