@@ -5,7 +5,7 @@ batch API on top:
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
     beams = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))  # nanovllm/beam_search.py
     params = llm.get_default_sampling_params()                 # generation_config's defaults
-    llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
+    llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
 Both return one RequestOutput per prompt / conversation, in input order (nanovllm/outputs.py).

@@ -563,6 +563,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "abort_all": llm.abort_all,
         "update_weights": lambda: llm.update_weights(state.items()),
         "get_default_sampling_params": llm.get_default_sampling_params,
+        "set_tokenizer": lambda: llm.set_tokenizer(llm.tokenizer),
         "sleep": llm.sleep,
         "wake_up": llm.wake_up,
         "is_sleeping": llm.is_sleeping,

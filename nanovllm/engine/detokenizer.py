@@ -17,7 +17,13 @@ from nanovllm.sampling_params import SamplingParams
 
 class Detokenizer:
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer  # None: the model directory has no tokenizer (texts stay empty)
+        self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Decode with `tokenizer` from now on (None: the model directory has none, texts stay
+        empty); the token texts remembered for the old one are forgotten. In place: the step
+        pipeline and llm_engine's output streams hold this object."""
+        self.tokenizer = tokenizer
         self.decoder = stream_decoder(tokenizer)
         self._token_texts: dict[int, str] = {}
 

@@ -283,6 +283,32 @@ class LLMEngine:
         self.model_runner.rules.reset()
 
     @one_call_at_a_time
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's LLM.set_tokenizer: `tokenizer` (transformers') takes over from the loaded one for
+        later requests: it tokenizes prompts, bad words and chat conversations, decodes texts, stop
+        strings and logprobs, builds structured-outputs grammars, and its eos_token_id replaces the
+        loaded tokenizer's among the EOS ids (as vLLM reads the EOS from its current tokenizer).
+        Refused while requests are pending (they were tokenized with the old one)."""
+        self._check_open()
+        self._check_not_generating("set_tokenizer()")
+        if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+            raise TypeError(f"set_tokenizer takes a tokenizer (transformers', with encode and decode), got "
+                            f"{tokenizer!r:.200}")
+        if not self.is_finished():
+            raise RuntimeError("set_tokenizer() called while requests are pending; finish or abort them first")
+        cfg = self.config
+        eos = load_eos_token_ids(tokenizer, cfg.model_config.eos_token_ids, self.generation_values.get("eos_token_id"),
+                                 cfg.model_config.vocab_size)  # an EOS id outside the vocabulary: refused here
+        # Every holder of the tokenizer, or of what __init__ derived from it, in one place:
+        self.tokenizer = self.validator.tokenizer = tokenizer
+        self.detokenizer.set_tokenizer(tokenizer)  # in place: the pipeline and llm_engine's streams hold it
+        self.scheduler.decoder = self.detokenizer.decoder
+        self.scheduler.eos_token_ids = frozenset() if eos.primary is None else frozenset({eos.primary})
+        self.eos_token_ids, self._eos_stop_ids = eos.all, eos.others
+        self.grammars.close()  # its compiler read the old vocabulary: the next grammar starts one anew
+        self.grammars.tokenizer, self.grammars.eos_token_ids = tokenizer, eos.all
+
+    @one_call_at_a_time
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place, between generate() calls (an RL step's policy update).
 
