@@ -5,6 +5,7 @@ batch API on top:
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
     beams = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))  # nanovllm/beam_search.py
     params = llm.get_default_sampling_params()                 # generation_config's defaults
+    llm.get_supported_tasks()                                  # ("generate",), as llm.supported_tasks
     llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
@@ -24,6 +25,7 @@ from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
+from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
 from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
@@ -40,6 +42,8 @@ def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
 
 
 class LLM(LLMEngine):
+    supported_tasks: tuple[SupportedTask, ...] = SUPPORTED_TASKS  # vLLM's attribute: ("generate",)
+
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
         self._vllm_engine = VllmEngine(self)
@@ -59,6 +63,12 @@ class LLM(LLMEngine):
         """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""
         self._check_open()
         return self.tokenizer
+
+    def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """("generate",): the tasks vLLM's engine reports for a text-generation model (engine/tasks.py;
+        vLLM's spellings: `llm.supported_tasks`, `llm.llm_engine.get_supported_tasks()`)."""
+        self._check_open()
+        return SUPPORTED_TASKS
 
     @one_call_at_a_time
     def get_default_sampling_params(self) -> SamplingParams:

@@ -1,5 +1,6 @@
 """vLLM's LLM methods beyond generation, as a text-generation engine has them: `set_tokenizer`
-(the new tokenizer serves later requests end to end)."""
+(the new tokenizer serves later requests end to end), `get_supported_tasks` (vLLM's tuple for a
+generative model)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 import pytest
 
 from checkpoints import TEST_VOCAB_SIZE, build_checkpoint, cpu_llm
-from nanovllm import SamplingParams
+from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = "the quick brown fox jumps over a lazy dog"
@@ -119,3 +120,10 @@ def test_set_tokenizer_builds_structured_outputs_grammars_from_the_new_vocabular
     assert out.text == "zebras"
     assert out.token_ids[:-1] == other_tokenizer.encode("zebras")  # then EOS, the new tokenizer's
     assert out.token_ids[-1] == OTHER_EOS_ID
+
+
+def test_supported_tasks_are_vllms_for_a_generative_model(llm):
+    assert llm.get_supported_tasks() == ("generate",)
+    assert llm.llm_engine.get_supported_tasks() == ("generate",)  # vLLM's LLMEngine method
+    assert llm.supported_tasks == LLM.supported_tasks == ("generate",)  # vLLM's LLM attribute
+    assert isinstance(llm.get_supported_tasks(), tuple)

@@ -9,7 +9,8 @@ Scripts drive vLLM's engine by the caller's request ids:
             if out.finished: ...
 
 and clients read `llm.llm_engine.model_config` (lm-eval; scripts: `get_model_config()`), `.model_executor`
-(TRL's weight sync), `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.sleep` / `.wake_up` / `.collective_rpc`. Those
+(TRL's weight sync), `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.get_supported_tasks()`, `.sleep` /
+`.wake_up` / `.collective_rpc`. Those
 are the LLM's own. `step()` returns each request's outputs as its SamplingParams.output_kind asks
 (vLLM's RequestOutputKind: CUMULATIVE, its default, and DELTA while it runs, then the final one;
 FINAL_ONLY the final one alone; engine/output_streams.py). nano-vllm's step API (int ids,
@@ -27,6 +28,7 @@ import torch
 
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.output_streams import OutputStreams
+from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -181,6 +183,11 @@ class VllmEngine:
     def get_model_config(self) -> ServedModel:
         """vLLM's LLMEngine.get_model_config(): model_config."""
         return self._llm.model_config
+
+    def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """vLLM's LLMEngine.get_supported_tasks(): ("generate",) (engine/tasks.py)."""
+        self._llm._check_open()
+        return SUPPORTED_TASKS
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)
