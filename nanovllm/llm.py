@@ -6,6 +6,7 @@ batch API on top:
     beams = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))  # nanovllm/beam_search.py
     params = llm.get_default_sampling_params()                 # generation_config's defaults
     llm.get_supported_tasks()                                  # ("generate",), as llm.supported_tasks
+    llm.reset_mm_cache()                                       # no multimodal cache: nothing to do
     llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
@@ -69,6 +70,12 @@ class LLM(LLMEngine):
         vLLM's spellings: `llm.supported_tasks`, `llm.llm_engine.get_supported_tasks()`)."""
         self._check_open()
         return SUPPORTED_TASKS
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's LLM.reset_mm_cache: clears the multimodal processor and encoder caches, which a
+        text-only engine has none of, so it does nothing (as vLLM's with no such cache); the
+        prefix cache stays (reset_prefix_cache empties that)."""
+        self._check_open()
 
     @one_call_at_a_time
     def get_default_sampling_params(self) -> SamplingParams:

@@ -1,6 +1,6 @@
 """vLLM's LLM methods beyond generation, as a text-generation engine has them: `set_tokenizer`
 (the new tokenizer serves later requests end to end), `get_supported_tasks` (vLLM's tuple for a
-generative model)."""
+generative model), `reset_mm_cache` (no multimodal cache: nothing to reset, no error)."""
 
 from __future__ import annotations
 
@@ -127,3 +127,12 @@ def test_supported_tasks_are_vllms_for_a_generative_model(llm):
     assert llm.llm_engine.get_supported_tasks() == ("generate",)  # vLLM's LLMEngine method
     assert llm.supported_tasks == LLM.supported_tasks == ("generate",)  # vLLM's LLM attribute
     assert isinstance(llm.get_supported_tasks(), tuple)
+
+
+def test_reset_mm_cache_has_nothing_to_reset_and_leaves_the_prefix_cache(llm):
+    prompt = list(range(1, 40))  # two full KV blocks of 16
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert llm.reset_mm_cache() is None
+    assert llm.llm_engine.reset_mm_cache() is None
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -9,7 +9,7 @@ Scripts drive vLLM's engine by the caller's request ids:
             if out.finished: ...
 
 and clients read `llm.llm_engine.model_config` (lm-eval; scripts: `get_model_config()`), `.model_executor`
-(TRL's weight sync), `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.get_supported_tasks()`, `.sleep` /
+(TRL's weight sync), `.reset_prefix_cache()` (OpenRLHF), `.tokenizer`, `.get_supported_tasks()`, `.reset_mm_cache()`, `.sleep` /
 `.wake_up` / `.collective_rpc`. Those
 are the LLM's own. `step()` returns each request's outputs as its SamplingParams.output_kind asks
 (vLLM's RequestOutputKind: CUMULATIVE, its default, and DELTA while it runs, then the final one;
@@ -188,6 +188,9 @@ class VllmEngine:
         """vLLM's LLMEngine.get_supported_tasks(): ("generate",) (engine/tasks.py)."""
         self._llm._check_open()
         return SUPPORTED_TASKS
+
+    def reset_mm_cache(self) -> None:
+        self._llm.reset_mm_cache()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)
