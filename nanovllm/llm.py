@@ -7,6 +7,7 @@ batch API on top:
     params = llm.get_default_sampling_params()                 # generation_config's defaults
     llm.get_supported_tasks()                                  # ("generate",), as llm.supported_tasks
     llm.reset_mm_cache()                                       # no multimodal cache: nothing to do
+    llm.encode / embed / classify / score / reward(...)        # ValueError: not a pooling model (engine/tasks.py)
     llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
@@ -26,7 +27,7 @@ from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.run_rates import RunRates
-from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
+from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask, pooling_method
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
 from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
@@ -44,6 +45,8 @@ def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
 
 class LLM(LLMEngine):
     supported_tasks: tuple[SupportedTask, ...] = SUPPORTED_TASKS  # vLLM's attribute: ("generate",)
+    # vLLM's pooling methods: a ValueError at the call, naming the method and the supported task
+    encode, embed, classify, score, reward = map(pooling_method, ("encode", "embed", "classify", "score", "reward"))
 
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)

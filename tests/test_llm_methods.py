@@ -1,10 +1,12 @@
 """vLLM's LLM methods beyond generation, as a text-generation engine has them: `set_tokenizer`
 (the new tokenizer serves later requests end to end), `get_supported_tasks` (vLLM's tuple for a
-generative model), `reset_mm_cache` (no multimodal cache: nothing to reset, no error)."""
+generative model), `reset_mm_cache` (no multimodal cache: nothing to reset, no error), the pooling methods (vLLM's
+ValueError on a generative model)."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -136,3 +138,28 @@ def test_reset_mm_cache_has_nothing_to_reset_and_leaves_the_prefix_cache(llm):
     assert llm.llm_engine.reset_mm_cache() is None
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+POOLING_CALLS = {  # as vLLM's callers pass them
+    "encode": (["a text"],), "embed": (["a text"],), "classify": (["a text"],), "reward": (["a text"],),
+    "score": ("a query", ["a document", "another"]),
+}
+# vLLM's sentence for each (code written against vLLM matches on it)
+VLLM_SENTENCES = {"encode": r"LLM\.encode\(\) is only supported for pooling models",
+                  "embed": "Embedding API is not supported by this model",
+                  "classify": "Classification API is not supported by this model",
+                  "score": r"LLM\.score\(\) is only supported for pooling models",
+                  "reward": r"LLM\.reward\(\) is only supported for pooling models"}
+
+
+@pytest.mark.parametrize("method", list(POOLING_CALLS))
+def test_pooling_methods_refuse_at_the_call_and_the_engine_serves_on(llm, method):
+    expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError) as refused:
+        getattr(llm, method)(*POOLING_CALLS[method], use_tqdm=False)
+    message = str(refused.value)
+    assert re.match(VLLM_SENTENCES[method], message)
+    assert f"LLM.{method}()" in message and "('generate',)" in message
+    assert llm.is_finished()
+    assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert getattr(LLM, method).__name__ == method

@@ -567,6 +567,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "get_supported_tasks": llm.get_supported_tasks,
         "llm_engine.get_supported_tasks": llm.llm_engine.get_supported_tasks,
         "reset_mm_cache": llm.reset_mm_cache,
+        "embed": lambda: llm.embed(["hi"]),
         "sleep": llm.sleep,
         "wake_up": llm.wake_up,
         "is_sleeping": llm.is_sleeping,
