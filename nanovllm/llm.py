@@ -8,6 +8,7 @@ batch API on top:
     llm.get_supported_tasks()                                  # ("generate",), as llm.supported_tasks
     llm.reset_mm_cache()                                       # no multimodal cache: nothing to do
     llm.encode / embed / classify / score / reward(...)        # ValueError: not a pooling model (engine/tasks.py)
+    llm.start_profile(); ...; llm.stop_profile()               # a torch.profiler trace in $VLLM_TORCH_PROFILER_DIR
     llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)  # = update_weights
 
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
+from nanovllm.engine.profiler import TorchProfiler
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask, pooling_method
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
@@ -51,6 +53,7 @@ class LLM(LLMEngine):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
         self._vllm_engine = VllmEngine(self)
+        self._profiler = TorchProfiler()
         try:
             self._default_params = default_sampling_params(self.config.generation_config, self.config.generation_dir,
                                                           self.generation_values, self.config.override_generation_config)
@@ -79,6 +82,19 @@ class LLM(LLMEngine):
         text-only engine has none of, so it does nothing (as vLLM's with no such cache); the
         prefix cache stays (reset_prefix_cache empties that)."""
         self._check_open()
+
+    @one_call_at_a_time
+    def start_profile(self) -> None:
+        """vLLM's LLM.start_profile: torch.profiler records from here to stop_profile(), which writes
+        the trace into $VLLM_TORCH_PROFILER_DIR; RuntimeError without it (engine/profiler.py)."""
+        self._check_open()
+        self._profiler.start(self.model_runner.device)
+
+    @one_call_at_a_time
+    def stop_profile(self) -> None:
+        """vLLM's LLM.stop_profile: ends the recording start_profile() began and writes its trace."""
+        self._check_open()
+        self._profiler.stop()
 
     @one_call_at_a_time
     def get_default_sampling_params(self) -> SamplingParams:

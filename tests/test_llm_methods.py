@@ -1,12 +1,18 @@
 """vLLM's LLM methods beyond generation, as a text-generation engine has them: `set_tokenizer`
 (the new tokenizer serves later requests end to end), `get_supported_tasks` (vLLM's tuple for a
 generative model), `reset_mm_cache` (no multimodal cache: nothing to reset, no error), the pooling methods (vLLM's
-ValueError on a generative model)."""
+ValueError on a generative model), `start_profile` / `stop_profile` (a torch.profiler trace in
+$VLLM_TORCH_PROFILER_DIR, given to a subprocess)."""
 
 from __future__ import annotations
 
 import copy
+import gzip
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -163,3 +169,51 @@ def test_pooling_methods_refuse_at_the_call_and_the_engine_serves_on(llm, method
     assert llm.is_finished()
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert getattr(LLM, method).__name__ == method
+
+
+# Run in a subprocess given VLLM_TORCH_PROFILER_DIR: it takes the variable away and back itself
+# (start_profile reads it at the call), and prints what each misuse raised.
+_PROFILE_SCRIPT = """
+import json, os, sys
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, max_model_len=128)
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+def raised(call):
+    try:
+        call()
+    except RuntimeError as e:
+        return str(e)
+directory = os.environ.pop("VLLM_TORCH_PROFILER_DIR")
+errors = {"unset": raised(llm.start_profile)}
+os.environ["VLLM_TORCH_PROFILER_DIR"] = directory
+errors["stop_unstarted"] = raised(llm.stop_profile)
+llm.start_profile()
+errors["start_started"] = raised(llm.start_profile)
+profiled = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+llm.stop_profile()
+errors["stop_stopped"] = raised(llm.stop_profile)
+after = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({"errors": errors, "same_tokens": profiled == after}))
+llm.exit()
+"""
+
+
+def test_start_and_stop_profile_write_a_torch_trace_into_vllms_directory(ckpt, tmp_path):
+    traces = tmp_path / "traces"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "VLLM_TORCH_PROFILER_DIR": str(traces)}
+    done = subprocess.run([sys.executable, "-c", _PROFILE_SCRIPT, ckpt], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=root, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    errors = result["errors"]
+    assert errors["unset"].startswith("Profiler is not enabled.") and "VLLM_TORCH_PROFILER_DIR" in errors["unset"]
+    assert "stop_profile() called without start_profile()" in errors["stop_unstarted"]
+    assert "start_profile() called while profiling" in errors["start_started"]
+    assert "stop_profile() called without start_profile()" in errors["stop_stopped"]
+    assert result["same_tokens"]
+    written = list(traces.glob("*.pt.trace.json.gz"))
+    assert len(written) == 1, list(traces.iterdir()) if traces.exists() else "no directory"
+    with gzip.open(written[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(str(event.get("name", "")).startswith("aten::") for event in events)  # the forward's CPU ops

@@ -568,6 +568,8 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "llm_engine.get_supported_tasks": llm.llm_engine.get_supported_tasks,
         "reset_mm_cache": llm.reset_mm_cache,
         "embed": lambda: llm.embed(["hi"]),
+        "start_profile": llm.start_profile,
+        "stop_profile": llm.stop_profile,
         "sleep": llm.sleep,
         "wake_up": llm.wake_up,
         "is_sleeping": llm.is_sleeping,
