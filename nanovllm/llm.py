@@ -5,7 +5,7 @@ batch API on top:
     outputs = llm.chat(messages, sampling_params=None, ...)     # chat template, then generate
     beams = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))  # nanovllm/beam_search.py
     params = llm.get_default_sampling_params()                 # generation_config's defaults
-    llm.get_supported_tasks()                                  # ("generate",), as llm.supported_tasks
+    llm.supported_tasks, llm.llm_engine.get_supported_tasks()  # ("generate",)
     llm.reset_mm_cache()                                       # no multimodal cache: nothing to do
     llm.encode / embed / classify / score / reward(...)        # ValueError: not a pooling model (engine/tasks.py)
     llm.start_profile(); ...; llm.stop_profile()               # a torch.profiler trace in $VLLM_TORCH_PROFILER_DIR
@@ -70,12 +70,6 @@ class LLM(LLMEngine):
         """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""
         self._check_open()
         return self.tokenizer
-
-    def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
-        """("generate",): the tasks vLLM's engine reports for a text-generation model (engine/tasks.py;
-        vLLM's spellings: `llm.supported_tasks`, `llm.llm_engine.get_supported_tasks()`)."""
-        self._check_open()
-        return SUPPORTED_TASKS
 
     def reset_mm_cache(self) -> None:
         """vLLM's LLM.reset_mm_cache: clears the multimodal processor and encoder caches, which a

@@ -1,5 +1,5 @@
 """vLLM's LLM methods beyond generation, as a text-generation engine has them: `set_tokenizer`
-(the new tokenizer serves later requests end to end), `get_supported_tasks` (vLLM's tuple for a
+(the new tokenizer serves later requests end to end), `supported_tasks` and `llm_engine.get_supported_tasks()` (vLLM's tuple for a
 generative model), `reset_mm_cache` (no multimodal cache: nothing to reset, no error), the pooling methods (vLLM's
 ValueError on a generative model), `start_profile` / `stop_profile` (a torch.profiler trace in
 $VLLM_TORCH_PROFILER_DIR, given to a subprocess)."""
@@ -131,10 +131,9 @@ def test_set_tokenizer_builds_structured_outputs_grammars_from_the_new_vocabular
 
 
 def test_supported_tasks_are_vllms_for_a_generative_model(llm):
-    assert llm.get_supported_tasks() == ("generate",)
     assert llm.llm_engine.get_supported_tasks() == ("generate",)  # vLLM's LLMEngine method
     assert llm.supported_tasks == LLM.supported_tasks == ("generate",)  # vLLM's LLM attribute
-    assert isinstance(llm.get_supported_tasks(), tuple)
+    assert isinstance(llm.llm_engine.get_supported_tasks(), tuple)
 
 
 def test_reset_mm_cache_has_nothing_to_reset_and_leaves_the_prefix_cache(llm):

@@ -564,7 +564,6 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "update_weights": lambda: llm.update_weights(state.items()),
         "get_default_sampling_params": llm.get_default_sampling_params,
         "set_tokenizer": lambda: llm.set_tokenizer(llm.tokenizer),
-        "get_supported_tasks": llm.get_supported_tasks,
         "llm_engine.get_supported_tasks": llm.llm_engine.get_supported_tasks,
         "reset_mm_cache": llm.reset_mm_cache,
         "embed": lambda: llm.embed(["hi"]),
