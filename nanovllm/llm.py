@@ -77,6 +77,12 @@ class LLM(LLMEngine):
         prefix cache stays (reset_prefix_cache empties that)."""
         self._check_open()
 
+    def _release(self) -> None:
+        profiler = getattr(self, "_profiler", None)  # None: __init__ failed before it was made
+        if profiler is not None:
+            profiler.close()  # a recording still running ends with the engine, its trace written
+        super()._release()
+
     @one_call_at_a_time
     def start_profile(self) -> None:
         """vLLM's LLM.start_profile: torch.profiler records from here to stop_profile(), which writes

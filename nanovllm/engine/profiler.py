@@ -7,7 +7,8 @@ here with how to enable it; the trace is torch's tensorboard_trace_handler file,
 (`<host>_<pid>.<ms>.pt.trace.json.gz`: a Chrome trace for Perfetto, chrome://tracing or
 TensorBoard). CPU activity always, CUDA's too on a CUDA engine. Unlike vLLM, rank 0's process only
 (tensor-parallel workers are not profiled). A stop_profile() without a start, or a
-start_profile() while profiling, is a RuntimeError saying so.
+start_profile() while profiling, is a RuntimeError saying so; exit() ends a recording still running,
+writing its trace.
 """
 
 from __future__ import annotations
@@ -53,3 +54,8 @@ class TorchProfiler:
             raise RuntimeError("stop_profile() called without start_profile(): nothing is being profiled")
         profile, self._profile = self._profile, None
         profile.stop()
+
+    def close(self) -> None:
+        """The engine's exit: a recording still running ends, its trace written; else nothing."""
+        if self._profile is not None:
+            self.stop()
