@@ -121,7 +121,7 @@ class LLMEngine:
         self._eos_stop_ids = eos.others  # each request's stop_token_ids gain them (vLLM's rule; EosTokens)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-            frozenset() if eos.primary is None else frozenset({eos.primary}),
+            eos.ending,
             mixed_steps=cfg.mixed_steps, decoder=stream_decoder(self.tokenizer), fill_sizes=self.model_runner.fill_sizes,
         )
         self.validator = PromptValidator(
@@ -303,10 +303,9 @@ class LLMEngine:
         self.tokenizer = self.validator.tokenizer = tokenizer
         self.detokenizer.set_tokenizer(tokenizer)  # in place: the pipeline and llm_engine's streams hold it
         self.scheduler.decoder = self.detokenizer.decoder
-        self.scheduler.eos_token_ids = frozenset() if eos.primary is None else frozenset({eos.primary})
+        self.scheduler.eos_token_ids = eos.ending
         self.eos_token_ids, self._eos_stop_ids = eos.all, eos.others
-        self.grammars.close()  # its compiler read the old vocabulary: the next grammar starts one anew
-        self.grammars.tokenizer, self.grammars.eos_token_ids = tokenizer, eos.all
+        self.grammars.set_tokenizer(tokenizer, eos.all)
 
     @one_call_at_a_time
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

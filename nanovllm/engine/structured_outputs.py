@@ -268,6 +268,12 @@ class GrammarBackend:
         finally:
             wait([done])
 
+    def set_tokenizer(self, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        """A new vocabulary (LLM.set_tokenizer): the compiler built from the old one is dropped
+        (`close`), and the next constrained request starts one from this tokenizer."""
+        self.close()
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+
     def close(self) -> None:
         """Stop the worker thread and drop the compiler and its cache (the engine's exit: an exited
         engine the caller still holds keeps none of it); a later request would start them again."""

@@ -46,6 +46,11 @@ class EosTokens:
     def others(self) -> frozenset[int]:
         return self.all - {self.primary}
 
+    @property
+    def ending(self) -> frozenset[int]:
+        """The ids that end a request with stop_reason None (the scheduler's): `primary`, if any."""
+        return frozenset() if self.primary is None else frozenset({self.primary})
+
 
 def load_eos_token_ids(tokenizer, config_eos: tuple[int, ...], generation_eos, vocab_size: int) -> EosTokens:
     """Every EOS id of the tokenizer, config.json and `generation_eos`, the eos_token_id (an int, a
