@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from nanovllm.inputs import prompt_batch
+from nanovllm.inputs import prompt_batch, tokens_prompt
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.validation import check_int
@@ -69,11 +69,6 @@ class _Instance:
     completed: list[BeamSearchSequence] = field(default_factory=list)
     candidates: list[BeamSearchSequence] = field(default_factory=list)
     salt: str | None = None
-
-
-def _step_prompt(tokens: list[int], salt: str | None) -> dict:
-    """A beam's one-token step as a TokensPrompt, under its prompt's cache_salt when it has one."""
-    return {"prompt_token_ids": tokens} if salt is None else {"prompt_token_ids": tokens, "cache_salt": salt}
 
 
 def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
@@ -127,7 +122,7 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[PreparedPrompt], p
         live = [(instance, beam) for instance in instances for beam in instance.beams]
         if not live:
             break
-        results = generate([_step_prompt(beam.tokens, instance.salt) for instance, beam in live], step_params)
+        results = generate([tokens_prompt(beam.tokens, instance.salt) for instance, beam in live], step_params)
         for (instance, beam), result in zip(live, results):
             step_logprobs = result.outputs[0].logprobs[0]
             for token, logprob in step_logprobs.items():

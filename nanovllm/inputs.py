@@ -35,6 +35,14 @@ class TextPrompt(_Text, total=False):
 PromptType = str | list[int] | TokensPrompt | TextPrompt
 
 
+def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> TokensPrompt:
+    """A TokensPrompt of `token_ids`, under `cache_salt` when one is given (None: the key is left out)."""
+    prompt = TokensPrompt(prompt_token_ids=token_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
 def prompt_batch(prompts: object) -> object:
     """`prompts` as a batch, by vLLM's rule (prompt_to_seq): a str, a dict or a non-empty list whose
     first item is an int (a list of token ids) is one prompt, wrapped in a list; anything else is

@@ -32,7 +32,7 @@ import numpy as np
 import ray
 
 from nanovllm.engine.chat import ChatOptions, render_chat
-from nanovllm.inputs import TokensPrompt
+from nanovllm.inputs import TokensPrompt, tokens_prompt
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, field_types
 
@@ -211,10 +211,7 @@ class LLMPredictor:
             # as a prompt dict, so that the engine checks the salt (a non-empty str) as it checks any prompt's
             prompt = {"prompt" if column == TEXT_COLUMN else "prompt_token_ids": value, "cache_salt": salt}
             checked = self.llm.validator.validate(prompt, params)
-            out = TokensPrompt(prompt_token_ids=checked.token_ids)
-            if checked.cache_salt is not None:
-                out["cache_salt"] = checked.cache_salt
-            return out
+            return tokens_prompt(checked.token_ids, checked.cache_salt)
 
 
 def plain(value):
