@@ -17,7 +17,9 @@ fp8_quant.quantize would quantize it (per token, per 128-column group or static,
 into as many rows as the matmul takes (padding rows zero); the 16-bit `out` is never written.
 Measured (H200, BENCHMARKS.md, eighteenth session): Qwen3-8B FP8 weights + FP8 KV 12,632 against
 12,350 tok/s (decode step 8.06 against 8.25 ms), time to first token at 1,000 tokens 17.12
-against 18.64 ms (0.918x).
+against 18.64 ms (0.918x). `rms_norm_both` (the 16-bit rows kept too, for the W8A8 MoE block), with
+the MoE's pair outputs in bf16 (moe/grouped_gemm.py) in the same change: bench.py's Qwen3-30B-A3B FP8
++ FP8 KV run 1.022-1.024x (H100, BENCHMARKS.md, forty-eighth session; the two not measured apart).
 
 Measured end to end (H200): with fused_rope and fused_activation, 12,112 -> 20,773 tok/s on the
 default workload and 4.51 -> 1.65 ms per token at batch 1 (740201d; BENCHMARKS.md, "Throughput and
