@@ -356,11 +356,14 @@ def test_fp8_update_weights_into_a_static_scale_engine_equals_a_fresh_engine(den
         **group, "weights": {**group["weights"], "strategy": "channel"}}}}
     write_state(str(tmp_path / "other"), str(tmp_path / "b"), fp8_b, channel_weights)
     ps = make_prompts(6, 8, 20, 120)
-    # Both engines alike, so each step takes the same path: which rows quantize their activations
-    # (W8A8 from 33 rows, W8A16 below) depends on the step's size, and this model's near-ties
-    # turn on that quantization's noise (gpu_generate's settings gave other tokens, H100).
+    # Every generate alike, so each step takes the same path: whether a step quantizes its
+    # activations (W8A8 from 33 rows, W8A16 below) depends on its size, and this model's near-ties
+    # turn on that quantization's noise. Hence one set of engine settings (gpu_generate's other
+    # ones gave other tokens, H100), and no prefix cache: the refused call leaves it filled, so the
+    # third generate's few uncached rows would take W8A16 (its tokens differed, H200; this reading of
+    # it is not yet re-run there).
     kw = {"dtype": "bfloat16", "num_kvcache_blocks": 512, "kvcache_block_size": 16, "max_num_seqs": 16,
-          "max_num_batched_tokens": 1024, "max_model_len": 2048}
+          "max_num_batched_tokens": 1024, "max_model_len": 2048, "enable_prefix_caching": False}
     fresh = LLM(str(tmp_path / "b"), **kw)
     try:
         expected = [o["token_ids"] for o in fresh.generate(ps, GREEDY, use_tqdm=False)]
