@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from checkpoints import checkpoint_fixture, cpu_llm_fixture, make_prompts
 
 from nanovllm import SamplingParams
@@ -121,6 +122,22 @@ def test_what_clients_read_on_the_engine_is_the_llms(llm):
     assert engine.collective_rpc("reload_weights") == [None]
     engine.wake_up()
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == before
+
+
+def test_the_driver_workers_model_reads_as_the_serving_module(llm):
+    """verl takes the synced weights' device from `next(model.parameters())` of vLLM's driver
+    worker's model, scripts walk its named_parameters() to check a sync: the end of the path reads
+    as rank 0's module (the same parameter objects), and its load_weights is still update_weights."""
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    module = llm.model_runner.model
+    assert next(model.parameters()).device == torch.device("cpu")
+    served = dict(module.named_parameters())
+    assert {name: p for name, p in model.named_parameters()}.keys() == served.keys()
+    assert all(p is served[name] for name, p in model.named_parameters())
+    assert model.model.embed_tokens is module.model.embed_tokens  # submodules as vLLM's model holds them
+    assert model.load_weights([]) == set()
+    with pytest.raises(AttributeError, match="no_such_part"):
+        _ = model.no_such_part
 
 
 def test_requests_ended_through_the_llms_own_api_leave_no_ids_behind(llm):

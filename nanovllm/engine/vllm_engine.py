@@ -56,10 +56,9 @@ class WeightSyncPath:
     """The path RL code written for vLLM walks to load new weights in place:
     `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` (TRL's
     colocate mode; vLLM V1's `driver_worker.worker.model_runner.model` too). Each step of the path
-    is this object and its end's `load_weights` is LLM.update_weights (every tensor checked
-    first, the prefix cache emptied, every rank updated); the modules behind it are nanovllm's.
-    The executor's `collective_rpc` (OpenRLHF's weight broadcast, scripts reading worker state) is
-    LLM.collective_rpc."""
+    but its end is this object; the end is a DriverModel, whose `load_weights` is LLM.update_weights
+    (every tensor checked first, the prefix cache emptied, every rank updated). The executor's
+    `collective_rpc` (OpenRLHF's weight broadcast, scripts reading worker state) is LLM.collective_rpc."""
 
     def __init__(self, llm: LLMEngine):
         self._llm = llm
@@ -68,7 +67,35 @@ class WeightSyncPath:
     def driver_worker(self) -> WeightSyncPath:
         return self
 
-    worker = model_runner = model = driver_worker
+    worker = model_runner = driver_worker
+
+    @property
+    def model(self) -> DriverModel:
+        return DriverModel(self._llm)
+
+    def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's Executor.collective_rpc: LLM.collective_rpc (a function of the worker on every
+        rank, or "reload_weights"; another method name raises NotImplementedError naming it)."""
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
+
+
+class DriverModel:
+    """`...driver_worker.model_runner.model`: vLLM's driver worker's model. `load_weights` is
+    LLM.update_weights; every other attribute is rank 0's nn.Module's (its shard of the weights
+    under tensor parallelism, as vLLM's driver worker holds), read where it is asked for, so what
+    clients read there is the model serving: verl takes the weights' device from
+    `next(model.parameters())`, scripts walk `named_parameters()` to check or edit a synced weight
+    (an edit in place is the caller's to follow with llm.reset_prefix_cache(), as in vLLM)."""
+
+    def __init__(self, llm: LLMEngine):
+        self._llm = llm
+
+    def __getattr__(self, name: str) -> object:
+        if name == "_llm":  # not set yet: a copy or unpickling asks before __init__ ran
+            raise AttributeError(name)
+        self._llm._check_open()
+        return getattr(self._llm.model_runner.model, name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """update_weights(weights) (a generator streamed: loader.weight_chunks); the names loaded
@@ -86,12 +113,6 @@ class WeightSyncPath:
 
         self._llm.update_weights(noting(weights))
         return names
-
-    def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
-        """vLLM's Executor.collective_rpc: LLM.collective_rpc (a function of the worker on every
-        rank, or "reload_weights"; another method name raises NotImplementedError naming it)."""
-        return self._llm.collective_rpc(method, timeout, args, kwargs)
 
 
 @dataclass(frozen=True)
