@@ -45,6 +45,13 @@ def rank_and_scaled(worker: Worker, factor: int, offset: int = 0) -> tuple[int, 
     return worker.rank, worker.local_rank * factor + offset, type(worker.model_runner.model).__name__
 
 
+def model_rows_by_get_model(worker: Worker) -> tuple[bool, int]:
+    """A worker function written for vLLM's worker: the model through get_model() (the worker's and
+    its model runner's, both the module its model runner holds), and that module's qkv rows."""
+    model = worker.model_runner.get_model()
+    return worker.get_model() is model is worker.model_runner.model, qkv_rows(model)
+
+
 def refuse(model: torch.nn.Module) -> None:
     raise ValueError("this function refuses")
 
@@ -93,6 +100,11 @@ def test_one_rank_calls_see_the_model_and_load_weights_reaches_the_new_tokens(ck
         assert llm.llm_engine.apply_model(lambda model: model is llm.model_runner.model) == [True]
         assert llm.collective_rpc(rank_and_scaled, args=(3,), kwargs={"offset": 1}) == [(0, 1, "Qwen3ForCausalLM")]
         assert llm.collective_rpc(lambda worker: worker.device) == [torch.device("cpu")]
+        assert llm.collective_rpc(model_rows_by_get_model) == [(True, llm.apply_model(qkv_rows)[0])]
+        # the driver worker's path (scripts, verl on NPUs): get_model() as its model_runner.model
+        driver = llm.llm_engine.model_executor.driver_worker.worker
+        assert driver.model_runner.get_model().load_weights([]) == set()
+        assert next(driver.get_model().parameters()) is next(llm.model_runner.model.parameters())
         # a forward hook through apply_model fires on the engine's forwards
         seen = []
         handles = llm.apply_model(lambda model: model.model.layers[0].register_forward_hook(
@@ -143,6 +155,7 @@ def test_two_ranks_answer_in_rank_order_with_their_own_shards(ckpt, other_ckpt):
         assert llm.apply_model(qkv_rows) == [rows // 2, rows // 2]
         assert llm.collective_rpc(rank_and_scaled, args=(3,)) == [(0, 0, "Qwen3ForCausalLM"),
                                                                  (1, 3, "Qwen3ForCausalLM")]
+        assert llm.collective_rpc(model_rows_by_get_model) == [(True, rows // 2)] * 2
         with pytest.raises(TypeError, match=r"apply_model\(\): the function runs on the tensor-parallel workers "
                                             r"too, so it must pickle"):
             llm.apply_model(lambda model: 0)

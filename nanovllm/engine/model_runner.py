@@ -357,6 +357,10 @@ class ModelRunner:
         dst = to_device([b for _, b in copies], self.device, torch.int64)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, copies, block, heads, dim]
 
+    def get_model(self) -> torch.nn.Module:
+        """This rank's model (vLLM's GPUModelRunner.get_model, which worker functions call)."""
+        return self.model
+
     @torch.inference_mode()
     def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named full tensors into this rank's parameters in place (every name

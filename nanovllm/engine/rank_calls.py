@@ -5,8 +5,8 @@
     llm.collective_rpc(func, args=(a,), kwargs)  -> [func(worker, a, **kwargs) on each rank]
 
 `model` is the rank's nn.Module (its shard of the weights under tensor parallelism); `worker` a
-Worker: the rank's `model_runner` (whose `.model` is that module), `rank` and `device`, the
-parts of vLLM's worker such functions read.
+Worker: the rank's `model_runner` (whose `.model` and `.get_model()` are that module, as is the
+worker's own `get_model()`), `rank` and `device`, the parts of vLLM's worker such functions read.
 
 Under tensor parallelism rank 0 sends the call to the workers as pickled bytes, runs its own
 part, then reads every worker's RankOutcome, also as bytes (plain pickle: tensors travel as
@@ -47,6 +47,10 @@ class Worker:
     @property
     def local_rank(self) -> int:
         return self.rank  # every rank runs on this host
+
+    def get_model(self) -> torch.nn.Module:
+        """The rank's model (vLLM's Worker.get_model): model_runner.get_model()."""
+        return self.model_runner.get_model()
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,10 @@ class WeightSyncPath:
     def model(self) -> DriverModel:
         return DriverModel(self._llm)
 
+    def get_model(self) -> DriverModel:
+        """vLLM's Worker / GPUModelRunner.get_model(): `model`."""
+        return self.model
+
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         """vLLM's Executor.collective_rpc: LLM.collective_rpc (a function of the worker on every
