@@ -138,6 +138,11 @@ def test_the_driver_workers_model_reads_as_the_serving_module(llm):
     assert model.load_weights([]) == set()
     with pytest.raises(AttributeError, match="no_such_part"):
         _ = model.no_such_part
+    model.sync_step = 3  # set on the module, as on vLLM's model (the path's objects are made at each access)
+    try:
+        assert llm.llm_engine.model_executor.driver_worker.model_runner.model.sync_step == module.sync_step == 3
+    finally:
+        del module.sync_step
 
 
 def test_requests_ended_through_the_llms_own_api_leave_no_ids_behind(llm):

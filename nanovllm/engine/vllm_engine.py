@@ -87,19 +87,27 @@ class WeightSyncPath:
 class DriverModel:
     """`...driver_worker.model_runner.model`: vLLM's driver worker's model. `load_weights` is
     LLM.update_weights; every other attribute is rank 0's nn.Module's (its shard of the weights
-    under tensor parallelism, as vLLM's driver worker holds), read where it is asked for, so what
-    clients read there is the model serving: verl takes the weights' device from
+    under tensor parallelism, as vLLM's driver worker holds), read (and set) where it is asked for, so
+    what clients read there is the model serving: verl takes the weights' device from
     `next(model.parameters())`, scripts walk `named_parameters()` to check or edit a synced weight
     (an edit in place is the caller's to follow with llm.reset_prefix_cache(), as in vLLM)."""
 
     def __init__(self, llm: LLMEngine):
-        self._llm = llm
+        object.__setattr__(self, "_llm", llm)
 
     def __getattr__(self, name: str) -> object:
         if name == "_llm":  # not set yet: a copy or unpickling asks before __init__ ran
             raise AttributeError(name)
+        return getattr(self._module(), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set on the module, as on vLLM's model (this object is made anew at each access: kept
+        here, it would be lost)."""
+        setattr(self._module(), name, value)
+
+    def _module(self) -> torch.nn.Module:
         self._llm._check_open()
-        return getattr(self._llm.model_runner.model, name)
+        return self._llm.model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """update_weights(weights) (a generator streamed: loader.weight_chunks); the names loaded
