@@ -20,7 +20,7 @@ from nanovllm.engine_args import strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
-from nanovllm.quantization.config import QuantConfig, resolve_quantization
+from nanovllm.quantization.config import QuantConfig, quantization_method, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.checkpoint_files import checkpoint_files
@@ -336,6 +336,13 @@ class Config:
         if self.device == "cpu":
             return torch.float32
         return self.model_config.torch_dtype
+
+    @functools.cached_property
+    def served_model(self) -> ServedModel:
+        """vLLM's ModelConfig as clients read it: `llm.llm_engine.model_config`, and a collective_rpc
+        worker's `model_config` (on every rank)."""
+        return ServedModel(self.model, self.tokenizer, self.max_model_len, self.torch_dtype, self.hf_overrides,
+                           quantization_method(self.quantization, self.model_config.quantization_config))
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

@@ -52,6 +52,11 @@ def model_rows_by_get_model(worker: Worker) -> tuple[bool, int]:
     return worker.get_model() is model is worker.model_runner.model, qkv_rows(model)
 
 
+def served_len_and_dtype(worker: Worker) -> tuple[int, torch.dtype]:
+    """What OpenRLHF's weight-sync worker checks a broadcast tensor against: the worker's model_config."""
+    return worker.model_config.max_model_len, worker.model_config.dtype
+
+
 def refuse(model: torch.nn.Module) -> None:
     raise ValueError("this function refuses")
 
@@ -101,6 +106,8 @@ def test_one_rank_calls_see_the_model_and_load_weights_reaches_the_new_tokens(ck
         assert llm.collective_rpc(rank_and_scaled, args=(3,), kwargs={"offset": 1}) == [(0, 1, "Qwen3ForCausalLM")]
         assert llm.collective_rpc(lambda worker: worker.device) == [torch.device("cpu")]
         assert llm.collective_rpc(model_rows_by_get_model) == [(True, llm.apply_model(qkv_rows)[0])]
+        assert llm.collective_rpc(lambda worker: worker.model_config is llm.llm_engine.model_config) == [True]
+        assert llm.collective_rpc(served_len_and_dtype) == [(128, torch.float32)]
         # the driver worker's path (scripts, verl on NPUs): get_model() as its model_runner.model
         driver = llm.llm_engine.model_executor.driver_worker.worker
         assert driver.model_runner.get_model().load_weights([]) == set()
@@ -156,6 +163,7 @@ def test_two_ranks_answer_in_rank_order_with_their_own_shards(ckpt, other_ckpt):
         assert llm.collective_rpc(rank_and_scaled, args=(3,)) == [(0, 0, "Qwen3ForCausalLM"),
                                                                  (1, 3, "Qwen3ForCausalLM")]
         assert llm.collective_rpc(model_rows_by_get_model) == [(True, rows // 2)] * 2
+        assert llm.collective_rpc(served_len_and_dtype) == [(128, torch.float32)] * 2
         with pytest.raises(TypeError, match=r"apply_model\(\): the function runs on the tensor-parallel workers "
                                             r"too, so it must pickle"):
             llm.apply_model(lambda model: 0)

@@ -47,7 +47,6 @@ from nanovllm.engine.step_pipeline import StepPipeline, StepResult
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.engine.tp_workers import CALL, PackedTensors, WorkerGroup, worker_errors
-from nanovllm.quantization.config import quantization_method
 from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
 from nanovllm.utils.deferred_signals import deferred_signals
 from nanovllm.utils.generation_defaults import read_generation_config
@@ -453,9 +452,7 @@ class LLMEngine:
     def model_config(self) -> ServedModel:
         """vLLM's `llm_engine.model_config`: the served model's directories, max_model_len, dtype and
         quantization method."""
-        cfg = self.config
-        return ServedModel(cfg.model, cfg.tokenizer, cfg.max_model_len, cfg.torch_dtype, cfg.hf_overrides,
-                           quantization_method(cfg.quantization, cfg.model_config.quantization_config))
+        return self.config.served_model
 
     @one_call_at_a_time
     def is_sleeping(self) -> bool:

@@ -6,7 +6,8 @@
 
 `model` is the rank's nn.Module (its shard of the weights under tensor parallelism); `worker` a
 Worker: the rank's `model_runner` (whose `.model` and `.get_model()` are that module, as is the
-worker's own `get_model()`), `rank` and `device`, the parts of vLLM's worker such functions read.
+worker's own `get_model()`), `rank`, `device` and `model_config` (the engine's
+llm_engine.model_config: dtype, max_model_len, ...), the parts of vLLM's worker such functions read.
 
 Under tensor parallelism rank 0 sends the call to the workers as pickled bytes, runs its own
 part, then reads every worker's RankOutcome, also as bytes (plain pickle: tensors travel as
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from nanovllm.config import ServedModel
     from nanovllm.engine.model_runner import ModelRunner
 
 # What a rank runs: a function of its ModelRunner (apply_to_model / call_with_worker bound to the user's).
@@ -51,6 +53,12 @@ class Worker:
     def get_model(self) -> torch.nn.Module:
         """The rank's model (vLLM's Worker.get_model): model_runner.get_model()."""
         return self.model_runner.get_model()
+
+    @property
+    def model_config(self) -> ServedModel:
+        """vLLM's Worker.model_config (weight-sync functions check a tensor's dtype against its dtype):
+        the engine's llm_engine.model_config."""
+        return self.model_runner.config.served_model
 
 
 @dataclass(frozen=True)
