@@ -577,6 +577,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "apply_model": lambda: llm.apply_model(len),
         "llm_engine.add_request": lambda: llm.llm_engine.add_request("x", [1, 2, 3], GREEDY),
         "llm_engine.step": llm.llm_engine.step,
+        "driver model's parameters": lambda: llm.llm_engine.model_executor.driver_worker.model_runner.model.parameters(),
     }
     assert [name for name, call in calls.items() if not refused_as_exited(call)] == []
     llm.exit()  # still harmless, twice
