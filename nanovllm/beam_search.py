@@ -10,13 +10,16 @@ prefix cache).
     end:   after max_tokens steps (or no live beam): the W best of finished + live beams
 
 Beams are ranked by cum_logprob / len ** length_penalty, len counting the prompt's tokens and not a
-final EOS (vLLM's score). A beam that reaches max_model_len stops growing (it stays a candidate).
+final EOS (vLLM's score), compared in log space (`beam_rank`): len ** length_penalty itself overflows,
+or underflows to a division by zero, for a large |length_penalty|. A beam that reaches max_model_len
+stops growing (it stays a candidate).
 EOS is any of the engine's EOS ids (the tokenizer's and generation_config.json's, which generate()
 stops at too). The logprobs are the raw ones (log_softmax of the model's logits), as vLLM's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -71,10 +74,17 @@ class _Instance:
     salt: str | None = None
 
 
-def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
-    """vLLM's ranking: cumulative logprob over the length (prompt included, a final EOS not) ** penalty."""
+def beam_rank(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> tuple[int, float]:
+    """A key that orders beams as vLLM's score does, cumulative logprob over the length (prompt
+    included, a final EOS not) ** penalty, without forming len ** length_penalty (which overflows,
+    or underflows to zero, for a large |length_penalty|): the score's sign, then the log of its
+    magnitude, log|cum_logprob| - length_penalty * log(len), negated for a negative score."""
     length = len(beam.tokens) - (beam.tokens[-1] in eos)
-    return beam.cum_logprob / length**length_penalty
+    cum = beam.cum_logprob
+    if cum == 0:
+        return 0, 0.0
+    log_magnitude = math.log(abs(cum)) - length_penalty * math.log(length)
+    return (1, log_magnitude) if cum > 0 else (-1, -log_magnitude)
 
 
 def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], params: BeamSearchParams,
@@ -111,8 +121,8 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[PreparedPrompt], p
     stops = frozenset() if params.ignore_eos else eos  # the tokens that finish a beam
     max_len = llm.config.max_model_len
 
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_score(beam, eos, params.length_penalty)
+    def score(beam: BeamSearchSequence) -> tuple[int, float]:
+        return beam_rank(beam, eos, params.length_penalty)
 
     instances = [_Instance([BeamSearchSequence(list(p.token_ids))], salt=p.cache_salt) for p in prompts]
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):

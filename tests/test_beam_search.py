@@ -5,6 +5,8 @@ max_model_len; the refusals; the engine serving afterwards."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 import torch
 from checkpoints import build_checkpoint, cpu_llm, load_reference, make_prompts
@@ -28,10 +30,11 @@ def reference(ckpt):
 
 def reference_beams(model, prompt: list[int], params: BeamSearchParams, eos: set[int],
                     max_len: int = MAX_MODEL_LEN) -> list[tuple[list[int], float]]:
-    """(tokens, cumulative logprob) of the best beams, best first, from float64 transformers."""
+    """(tokens, cumulative logprob) of the best beams, best first, from float64 transformers; scores in
+    Decimal, whose exponents do not overflow where len ** length_penalty does in floats."""
     def score(beam):
         tokens, cum = beam
-        return cum / (len(tokens) - (tokens[-1] in eos)) ** params.length_penalty
+        return Decimal(cum) / Decimal(len(tokens) - (tokens[-1] in eos)) ** Decimal(params.length_penalty)
 
     stops = set() if params.ignore_eos else eos
     live, done = [(list(prompt), 0.0)], []
@@ -106,6 +109,13 @@ def test_eos_ends_a_beam_unless_ignore_eos(ckpt, reference, tmp_path):
         (out,) = llm.beam_search([{"prompt_token_ids": prompt}], ignoring)
         assert_same_beams(out, reference_beams(reference, prompt, ignoring, eos))
         assert all(s.finish_reason == "length" and len(s.tokens) == len(prompt) + 5 for s in out.sequences)
+        # A large |length_penalty| ranks by length first: len ** length_penalty overflows a float at +1000
+        # (it was an OverflowError) and underflows to 0 at -1000 (a ZeroDivisionError), after every step ran.
+        for length_penalty, stopped_first in ((-1000.0, True), (1000.0, False)):
+            ranked = BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=length_penalty)
+            (out,) = llm.beam_search([{"prompt_token_ids": prompt}], ranked)
+            assert_same_beams(out, reference_beams(reference, prompt, ranked, eos))
+            assert (out.sequences[0].finish_reason == "stop") == stopped_first
     finally:
         llm.exit()
 
