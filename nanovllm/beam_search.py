@@ -90,10 +90,11 @@ def beam_rank(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: flo
 def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], params: BeamSearchParams,
                 use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """The W best beams of each prompt (module docstring), in input order, each step a `generate`
-    call (LLM.generate) on `llm`; prompts are checked before any step runs. `concurrency_limit`: at
+    call (LLM.generate) on `llm`; params and prompts are checked before any step runs. `concurrency_limit`: at
     most this many prompts searched at a time."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    params = params.validated()  # its fields as they are now (edited ones too), checked
     prompts = prompt_batch(prompts)  # one prompt (a str, a dict, a list of token ids) or a list of them
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")

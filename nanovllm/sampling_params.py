@@ -415,7 +415,9 @@ class BeamSearchParams:
     `max_tokens` steps at most; EOS ends a beam unless `ignore_eos`; beams ranked by cumulative
     logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
     `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
-    raw ones), and `include_stop_str_in_output` is accepted, as in vLLM, where neither changes the beams."""
+    raw ones), and `include_stop_str_in_output` is accepted, as in vLLM, where neither changes the beams.
+    The fields are checked at construction and again by beam_search (`validated`: fields may be edited
+    afterwards, as SamplingParams' may)."""
 
     beam_width: int
     max_tokens: int
@@ -436,3 +438,7 @@ class BeamSearchParams:
                 raise TypeError(f"BeamSearchParams.{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}")
+
+    def validated(self) -> BeamSearchParams:
+        """A checked copy of these settings as they are now; raises as construction does."""
+        return dataclasses.replace(self)

@@ -159,6 +159,15 @@ def test_bad_calls_are_refused_before_any_step_and_the_engine_keeps_serving(ckpt
         with pytest.raises(ValueError, match=r"beam_width=11: each step reads the 2 x beam_width most likely tokens, "
                                              r"more than the 20 .* raise LLM\(max_logprobs=...\) to at least 22"):
             llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=11, max_tokens=3))
+        # fields edited after construction are checked at the call too (beam_width 0 returned no beams,
+        # a str length_penalty was a TypeError from ** once every step had run)
+        for field, value, error, words in (("beam_width", 0, ValueError, "beam_width must be >= 1, got 0"),
+                                           ("length_penalty", "long", TypeError, "length_penalty must be a finite"),
+                                           ("ignore_eos", 1, TypeError, "ignore_eos must be a bool, got 1")):
+            edited = BeamSearchParams(beam_width=2, max_tokens=3)
+            setattr(edited, field, value)
+            with pytest.raises(error, match=words):
+                llm.beam_search([[1, 2, 3]], edited)
         assert llm.is_finished() and llm.block_manager.num_free_blocks == llm.num_kvcache_blocks
         (out,) = llm.beam_search(["the quick brown fox"], params)  # a text prompt
         ids = llm.get_tokenizer().encode("the quick brown fox")
