@@ -416,8 +416,8 @@ class BeamSearchParams:
     logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
     `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
     raw ones), and `include_stop_str_in_output` is accepted, as in vLLM, where neither changes the beams.
-    The fields are checked at construction and again by beam_search (`validated`: fields may be edited
-    afterwards, as SamplingParams' may)."""
+    NumPy scalars are taken as Python numbers, as SamplingParams takes them. The fields are checked at
+    construction and again by beam_search (`validated`: fields may be edited afterwards, as SamplingParams' may)."""
 
     beam_width: int
     max_tokens: int
@@ -427,6 +427,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _plain_number(getattr(self, f.name)))
         check_int("BeamSearchParams.beam_width", self.beam_width, 1)
         check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
         for name in ("ignore_eos", "include_stop_str_in_output"):

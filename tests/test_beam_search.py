@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import build_checkpoint, cpu_llm, load_reference, make_prompts
@@ -142,6 +143,14 @@ def test_beams_stop_growing_at_max_model_len(ckpt, reference):
 def test_bad_params_are_refused_naming_the_value(kwargs, error, message):
     with pytest.raises(error, match=message):
         BeamSearchParams(**kwargs)
+
+
+def test_numpy_scalars_are_numbers():
+    """As SamplingParams takes them (scripts draw widths and penalties with NumPy); np.int64 was refused."""
+    params = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int32(3), temperature=np.float32(0.5),
+                              length_penalty=np.float64(1.5))
+    assert params == BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.5, length_penalty=1.5)
+    assert type(params.beam_width) is int and type(params.max_tokens) is int and type(params.temperature) is float
 
 
 def test_bad_calls_are_refused_before_any_step_and_the_engine_keeps_serving(ckpt):
