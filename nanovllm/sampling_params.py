@@ -18,7 +18,7 @@ import numbers
 import typing
 from dataclasses import dataclass, field
 
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import check_int, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +138,16 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise TypeError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r:.200}")
+            if value is not None:  # the grammar compiler takes UTF-8
+                check_text(f"StructuredOutputsParams.{name}", value)
         if self.choice is not None:
             if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
                 raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of strings, "
                                 f"got {self.choice!r:.200}")
             self.choice = list(self.choice)
+            for choice in self.choice:
+                check_text("StructuredOutputsParams.choice entry", choice)
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"StructuredOutputsParams.json_object must be True (or None: not asked), "
                              f"got {self.json_object!r}")
@@ -372,6 +376,8 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")
             if not all(w.strip() for w in self.bad_words):
                 raise ValueError(f"SamplingParams.bad_words must not hold blank strings, got {self.bad_words!r}")
+            for word in self.bad_words:  # they are tokenized when the request is added
+                check_text("SamplingParams.bad_words entry", word)
             self.bad_words = list(dict.fromkeys(self.bad_words))
 
     def clone(self) -> SamplingParams:

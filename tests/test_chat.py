@@ -89,6 +89,9 @@ MALFORMED = [
      "'content' part 0 has type 'image_url'; only text parts \\('text', 'input_text', 'output_text', 'refusal', "
      "'thinking'\\)"),
     ([[{"role": "user", "content": [{"type": "text", "text": 3}]}]], TypeError, "part 0 needs a str 'text', got 3"),
+    # a lone surrogate in a content (or a role) reached the tokenizer: its 'TextEncodeInput must be Union' TypeError
+    ([FIRST, [{"role": "user", "content": "the \udc80"}]], ValueError,
+     "conversation 1 \\(as the chat template rendered it\\) holds a lone surrogate '.udc80'"),
 ]
 
 

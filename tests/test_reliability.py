@@ -57,6 +57,10 @@ BAD_PROMPTS = [
     ({"prompt_token_ids": [1, 2], "prompt_embeds": torch.zeros(2, 64)}, ValueError, "'prompt_embeds': nanovllm takes"),
     ({"prompt_embeds": torch.zeros(2, 64)}, ValueError, "'prompt_embeds': nanovllm takes"),
     ({"prompt": "the dog", "cache_salt": ""}, ValueError, "cache_salt is an empty string"),
+    # a lone surrogate (bytes decoded with errors="surrogateescape"): tokenizers' 'TextEncodeInput must be
+    # Union[...]' TypeError named neither the prompt nor the character
+    ("the \udc80 dog", ValueError, "prompt holds a lone surrogate '.udc80' at character 4, which is not valid Unicode"),
+    ({"prompt": "\ud800"}, ValueError, "prompt holds a lone surrogate '.ud800' at character 0"),
 ]
 
 
@@ -182,6 +186,7 @@ BAD_SAMPLING = [
     ({"ignore_eos": np.bool_(True)}, TypeError, "ignore_eos"),
     ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
     ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+    ({"bad_words": ["fox", "d\udc80g"]}, ValueError, "bad_words entry holds a lone surrogate '.udc80' at character 1"),
 ]
 
 

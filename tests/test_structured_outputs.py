@@ -274,6 +274,11 @@ def test_bad_structured_outputs_are_refused_and_the_engine_keeps_serving(llm, mi
         StructuredOutputsParams(choice=["a", 1])
     with pytest.raises(TypeError, match="regex must be a non-empty string"):
         StructuredOutputsParams(regex=3)
+    # lone surrogates: xgrammar's UnicodeEncodeError at the request, naming no field
+    with pytest.raises(ValueError, match="StructuredOutputsParams.regex holds a lone surrogate '.udc80' at character 1"):
+        StructuredOutputsParams(regex="a\udc80")
+    with pytest.raises(ValueError, match="StructuredOutputsParams.choice entry holds a lone surrogate '.ud800'"):
+        StructuredOutputsParams(choice=["yes", "\ud800"])
     with pytest.raises(ValueError, match="json_object must be True"):
         StructuredOutputsParams(json_object=False)
     with pytest.raises(TypeError, match="disable_any_whitespace must be a bool"):

@@ -25,6 +25,8 @@ import functools
 import json
 from dataclasses import dataclass, field
 
+from nanovllm.utils.validation import check_text
+
 # The content-part types chat takes, as vLLM reads them, each with the key holding its text (OpenAI's
 # text and assistant refusal parts, the Responses API's input / output text, vLLM's thinking parts).
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -220,5 +222,6 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
             text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except TemplateError as e:  # its syntax, an undefined read, or its own raise_exception (vLLM: a ValueError)
             raise ValueError(f"conversation {i}: the chat template failed: {type(e).__name__}: {e}") from e
+        check_text(f"conversation {i} (as the chat template rendered it)", text)
         prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
     return prompts

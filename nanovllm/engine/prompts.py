@@ -5,8 +5,8 @@ Accepted prompts: a string (needs a tokenizer), a list of token ids, or vLLM's
 one that sets multimodal data or prompt_embeds is refused). A dict's "cache_salt" (a non-empty str) isolates its
 prefix-cache hits as vLLM V1's does: only requests with the same salt (or all without one) share
 cached KV blocks (engine/block_manager.py seeds the first block's hash with it).
-Anything else, or a request the engine could never serve, raises TypeError/ValueError naming the
-bad value.
+Anything else (a text that is not valid Unicode too: a lone surrogate), or a request the engine could
+never serve, raises TypeError/ValueError naming the bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
 truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
 left under max_model_len. As in vLLM, a prompt may fill max_model_len: it then generates one token
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
+from nanovllm.utils.validation import check_text
 
 # Keys of vLLM's prompt dicts that carry images, audio and their processing: refused when set (text
 # models only); "cache_salt" is kept (PreparedPrompt), the other keys change nothing here and are ignored.
@@ -67,6 +68,7 @@ class PromptValidator:
         if self.tokenizer is None:
             raise ValueError("no tokenizer is loaded (the model directory has none, or skip_tokenizer_init=True): "
                              "pass prompts as lists of token ids")
+        check_text("prompt", text)
         return self.tokenizer.encode(text)
 
     def token_ids(self, prompt: object) -> list[int]:
