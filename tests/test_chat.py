@@ -188,6 +188,8 @@ def test_chat_template_options(bos_llm):
         prompt(continue_final_message=True)
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         prompt(chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(TypeError, match="chat_template_kwargs keys must be str .*, got 1"):  # was 'keywords must be strings'
+        prompt(chat_template_kwargs={1: True})
     with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
         prompt(add_generation_prompt="yes")
     # vLLM's merge: chat_template_kwargs over the named options (checked as merged)
@@ -247,9 +249,13 @@ def test_content_format_follows_the_template(bos_llm):
      "System first"),
     ("{% for m in messages %}", 0, "Unexpected end of template"),
     ("{{ messages[3]['content'] }}", 0, "no element 3"),
-], ids=["raise_exception", "syntax", "undefined"])
+    # errors of the template's operations, not jinja2's (they were raised as they were, naming no conversation)
+    ("{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + 1 }}{% endif %}", 1,
+     "TypeError: can only concatenate str"),
+    ("{{ 1 // (messages | length - 1) }}", 0, "ZeroDivisionError"),
+], ids=["raise_exception", "syntax", "undefined", "type_error", "zero_division"])
 def test_a_template_error_is_a_value_error_naming_the_conversation(bos_llm, template, index, words):
-    """As vLLM turns them (jinja2's errors were raised as they were, not a ValueError)."""
+    """As vLLM turns them (jinja2's errors were raised as they were, not a ValueError; so were others)."""
     with pytest.raises(ValueError, match=f"conversation {index}: the chat template failed: .*{words}"):
         bos_llm.chat([FIRST, SECOND], GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
     assert bos_llm.is_finished() and len(bos_llm.chat(FIRST, GREEDY, use_tqdm=False)) == 1

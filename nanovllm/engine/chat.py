@@ -16,7 +16,8 @@ as vLLM's; a conversation of no messages is refused). Each is rendered to text w
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
 tokens: the template writes them itself, so a tokenizer that adds a BOS (Llama 3) does not add a
 second one. The rendered text is the output's `prompt`. A template that fails (its syntax, an undefined
-read, its own raise_exception) is a ValueError naming the conversation, as vLLM's.
+read, its own raise_exception, or any other error while it renders, such as a TypeError of an
+operation in it or transformers' refusal of `tools`) is a ValueError naming the conversation, as vLLM's.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class ChatOptions:
                              f"got {self.content_format!r}")
         if not isinstance(self.chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
+        bad_keys = [key for key in self.chat_template_kwargs if not isinstance(key, str)]
+        if bad_keys:  # keyword arguments of the template's render
+            raise TypeError(f"chat_template_kwargs keys must be str (template variable names), got {bad_keys[0]!r}")
         if "tokenize" in self.chat_template_kwargs:
             raise ValueError("chat_template_kwargs must not set 'tokenize': chat() renders text and tokenizes it "
                              "itself (without special tokens)")
@@ -214,13 +218,13 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
     if conversations and kwargs["chat_template"] is None and not has_chat_template(tokenizer):
         raise ValueError(f"the tokenizer of model directory {model_dir!r} has no chat template: "
                          "pass chat_template=..., or use generate() with plain prompts")
-    from jinja2 import TemplateError  # transformers' templates are jinja2's (loaded with transformers)
-
     prompts = []
     for i, conversation in enumerate(conversations):
         try:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
-        except TemplateError as e:  # its syntax, an undefined read, or its own raise_exception (vLLM: a ValueError)
+        # jinja2's errors (its syntax, an undefined read, its own raise_exception) and any other the template's
+        # operations or transformers raise while rendering: a ValueError, as vLLM turns every one of them
+        except Exception as e:
             raise ValueError(f"conversation {i}: the chat template failed: {type(e).__name__}: {e}") from e
         check_text(f"conversation {i} (as the chat template rendered it)", text)
         prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
