@@ -758,6 +758,18 @@ def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
         for bad in (None, 3):  # not an iterable of pairs at all
             with pytest.raises(TypeError, match=f"weights must be an iterable of .name, tensor. pairs, got {bad}"):
                 llm.update_weights(bad)
+        # items that are not (name, tensor) pairs are named by what they hold (each was 'got tuple' / 'got list' /
+        # 'got str', which named neither the weight nor what was wrong)
+        good = dict(new)[last]
+        for bad, words in (((last, good.numpy()), f"a tuple .str, ndarray. for weight '{last}'"),
+                           ([last, good], f"a list .str, Tensor. for weight '{last}'"),
+                           ((0, good), "a tuple .int, Tensor.$"),
+                           ((last, good, good), f"a tuple .str, Tensor, Tensor. for weight '{last}'")):
+            with pytest.raises(TypeError, match=rf"weights must be .name, tensor. pairs .a str and a torch.Tensor., got {words}"):
+                llm.update_weights([(n, t) for n, t in new if n != last] + [bad])
+        with pytest.raises(TypeError, match=r"got a dict .its iteration gives names alone.: pass its .items\(\)"):
+            llm.update_weights(dict(new))  # was 'got str': its first key
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) == before
         llm.update_weights(new)
         assert llm.generate(prompts, GREEDY, use_tqdm=False) != before
     finally:

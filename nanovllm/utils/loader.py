@@ -21,7 +21,7 @@ dequantized, full-precision ones (online FP8, update_weights) are quantized.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +149,15 @@ def load_model(model: nn.Module, path: str, load_format: str = "auto") -> None:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
 
 
+def _not_a_pair(item: object) -> str:
+    """What an item of update_weights' weights that is not a (name, tensor) pair is, for its
+    TypeError: a tuple's or list's element types (and the weight it names), else its type."""
+    if not isinstance(item, (tuple, list)):
+        return type(item).__name__
+    shape = f"a {type(item).__name__} ({', '.join(type(x).__name__ for x in item)})"
+    return f"{shape} for weight {item[0]!r}" if item and isinstance(item[0], str) else shape
+
+
 @torch.inference_mode()
 def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
@@ -165,7 +174,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     for item in named_tensors:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+            raise TypeError(f"weights must be (name, tensor) pairs (a str and a torch.Tensor), got {_not_a_pair(item)}")
         name, tensor = item
         if not tensor.is_floating_point() or tensor.layout is not torch.strided:
             raise TypeError(f"update_weights: weight {name!r} must be a dense floating-point tensor, got "
@@ -199,9 +208,12 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
     so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too).
     An empty generator is one empty chunk, as an empty list is (update_weights counts it as an
     update either way: FP8 KV scales computed from the data are set anew). Anything not iterable
-    is a TypeError naming it."""
+    is a TypeError naming it; so is a dict (its iteration gives names alone: its items() are the pairs)."""
     if not isinstance(named_tensors, Iterable):
         raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {named_tensors!r:.200}")
+    if isinstance(named_tensors, Mapping):
+        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got a {type(named_tensors).__name__} "
+                        "(its iteration gives names alone): pass its .items()")
     if isinstance(named_tensors, Collection):
         yield list(named_tensors)
         return
