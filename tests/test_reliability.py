@@ -166,6 +166,27 @@ def test_bad_request_shapes(llm):
     assert llm.is_finished() and len(served(llm)) == 8
 
 
+def test_allowed_tokens_the_other_rules_ban_at_the_first_token_are_refused(llm):
+    """allowed_token_ids all of which min_tokens bans (EOS, stop ids) or a one-token bad word bans left no token
+    to sample: the sampler's fallback, token 0, came out (an EOS here; outside allowed_token_ids either way)."""
+    expected = served(llm)
+    tokenizer = llm.get_tokenizer()
+    word = tokenizer.encode("dog", add_special_tokens=False) + tokenizer.encode(" dog", add_special_tokens=False)
+    assert len(word) == 2  # one token each: both one-token bad words
+    for params in (SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[5], allowed_token_ids=[5, 0]),
+                   SamplingParams(max_tokens=8, min_tokens=1, allowed_token_ids=[0]),  # the EOS
+                   SamplingParams(max_tokens=8, bad_words=["dog"], allowed_token_ids=word)):
+        with pytest.raises(ValueError, match=r"allowed_token_ids \[.*\] leave no token to sample"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        with pytest.raises(ValueError, match="leave no token to sample"):
+            llm.add_request([1, 2, 3], params)
+    assert llm.is_finished() and served(llm) == expected
+    # one allowed token the rules leave is enough, and it is what comes out
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, min_tokens=4, stop_token_ids=[5],
+                                                    allowed_token_ids=[5, 0, 7]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [7, 7, 7, 7]
+
+
 BAD_SAMPLING = [
     ({"temperature": -0.1}, ValueError, "temperature"),
     ({"temperature": float("nan")}, ValueError, "temperature"),

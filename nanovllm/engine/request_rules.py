@@ -39,7 +39,9 @@ class RequestRules:
     def of(cls, params: SamplingParams, eos_token_ids: frozenset[int], tokenizer,
            vocab_size: int) -> RequestRules | None:
         """The rules of checked `params` (None when it uses none). Token ids outside the
-        vocabulary, and bad words without a tokenizer, raise ValueError naming them."""
+        vocabulary, bad words without a tokenizer, and allowed_token_ids that the other rules ban
+        from the first token on (no token could be sampled: the sampler's fallback, token 0, came
+        out) raise ValueError naming them."""
         if not params.uses_logits_rules:
             return None
         for name, ids in (("logit_bias", list(params.logit_bias or ())),
@@ -47,7 +49,7 @@ class RequestRules:
             check_in_vocab(name, ids, vocab_size)
         sequences = bad_word_sequences(params.bad_words or [], tokenizer, vocab_size)
         penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
-        return cls(
+        rules = cls(
             penalties=None if penalties == (1.0, 0.0, 0.0) else penalties,
             bias=tuple((params.logit_bias or {}).items()),
             allowed=None if params.allowed_token_ids is None else tuple(dict.fromkeys(params.allowed_token_ids)),
@@ -56,6 +58,19 @@ class RequestRules:
             min_tokens=params.min_tokens,
             stop_ids=tuple(sorted(eos_token_ids | set(params.stop_token_ids))),
         )
+        rules.check_first_token_allowed()
+        return rules
+
+    def check_first_token_allowed(self) -> None:
+        """ValueError when every allowed token is banned at the first token: a one-token bad word,
+        or (min_tokens > 0) an EOS or stop id."""
+        if self.allowed is None:
+            return
+        banned = set(self.single_bans) | (set(self.stop_ids) if self.min_tokens else set())
+        if banned.issuperset(self.allowed):
+            raise ValueError(f"SamplingParams.allowed_token_ids {list(self.allowed)!r:.200} leave no token to sample: "
+                             f"each is a one-token bad word or (min_tokens={self.min_tokens}) an EOS or stop token id "
+                             f"{sorted(banned)!r:.200}")
 
 
 def check_in_vocab(name: str, token_ids: list[int], vocab_size: int) -> None:
