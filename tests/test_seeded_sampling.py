@@ -66,3 +66,21 @@ def test_seeded_logprobs_do_not_depend_on_another_requests_logprobs(tied_head_ck
     for b, a in zip(beside.logprobs, alone.logprobs):
         assert [lp.logprob for lp in b.values()] == pytest.approx([lp.logprob for lp in a.values()], abs=1e-4)
     assert beside.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-4)
+
+
+def test_sample_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(tmp_path) -> None:
+    """vLLM V1 seeds a request's child i with seed + i: n samples of seed s are the completions of
+    n requests of n=1 seeded s, s + 1, ... (each of them distinct), whatever the batch."""
+    llm = cpu_llm(build_shaped_checkpoint(str(tmp_path), TinyShape()), kvcache_block_size=16, max_model_len=128)
+    try:
+        prompt = list(range(1, 12))
+        params = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+        grouped = llm.generate([prompt], SamplingParams(seed=41, n=3, **params), use_tqdm=False)[0].outputs
+        split = llm.generate([prompt] * 3 + [[5, 6, 7]],
+                             [SamplingParams(seed=41 + i, **params) for i in range(3)] + [SamplingParams(**params)],
+                             use_tqdm=False)
+    finally:
+        llm.exit()
+    assert [c.index for c in grouped] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in grouped}) == 3
+    assert [c.token_ids for c in grouped] == [out.outputs[0].token_ids for out in split[:3]]

@@ -7,31 +7,29 @@
                         slots or blocks for the copies they queue behind it instead and find its
                         prompt blocks in the prefix cache.
 
-Sample 0 samples with params.seed; sample i > 0 with a seed derived from (seed, i), so
-with a seed the samples differ from each other and the whole result repeats. Sample 0
-alone computes prompt logprobs. The request is finished when all its samples are.
+Sample i samples with params.seed + i, as vLLM V1 seeds its child requests: with a seed the
+samples differ from each other, the whole result repeats, and sample i is the completion a
+request of n=1 seeded seed + i gives (so n samples split into n requests, as RL frameworks do,
+keep their tokens). Sample 0 alone computes prompt logprobs. The request is finished when all
+its samples are.
 """
 
 from __future__ import annotations
-
-import xxhash
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request_rules import RequestRules
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_strings import cut_at_stop
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
-
-# Seeds are int64 tensor values downstream (noise keys): keep derived ones non-negative, 63 bits.
-_SEED_MASK = 2**63 - 1
+from nanovllm.sampling_params import SEED_LIMIT, SamplingParams
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
-    """The seed of sample `index` of a request seeded with `seed` (sample 0 keeps it)."""
-    if seed is None or index == 0:
-        return seed
-    return xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed=seed & (2**64 - 1)) & _SEED_MASK
+    """The seed of sample `index` of a request seeded with `seed`: seed + index (vLLM V1's child
+    seeds), wrapping past the largest seed (2**64 - 1) to 0 where vLLM's torch.Generator would refuse it."""
+    if seed is None:
+        return None
+    return (seed + index) % SEED_LIMIT
 
 
 class Request:
