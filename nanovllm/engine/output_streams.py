@@ -4,7 +4,8 @@ asks (vLLM's RequestOutputKind):
     CUMULATIVE   each step that adds to a request: every completion so far (token ids, text,
                  logprobs), finished=False; then the final output
     DELTA        the same steps, each completion only with what is new since the last output (and
-                 only the completions with something new; the prompt's logprobs in the first)
+                 only the completions with something new; the prompt's logprobs in the first, an
+                 empty list in the later ones when asked for, else None: vLLM's pop of them)
     FINAL_ONLY   nothing until the final output
 
 Texts grow as the final one will read: each sample's text is decoded incrementally (TextStream, as
@@ -86,8 +87,11 @@ class OutputStreams:
                 s.logprobs = 0 if s.final.logprobs is None else len(s.final.logprobs)
             else:
                 completions.append(self._running_completion(request, index, s, delta))
-        return request.with_completions(completions, self.detokenizer, finished=False,
-                                        prompt_logprobs=first or not delta)
+        output = request.with_completions(completions, self.detokenizer, finished=False,
+                                          prompt_logprobs=first or not delta)
+        if delta and not first:
+            output.prompt_logprobs = _given_prompt_logprobs(request.params.prompt_logprobs)
+        return output
 
     def final(self, request_output: RequestOutput) -> RequestOutput:
         """A finished request's output as its kind gives it (DELTA: what its earlier outputs did not
@@ -98,7 +102,8 @@ class OutputStreams:
         rest = [_rest(completion, s) for completion, s in zip(request_output.outputs, stream.samples)
                 if not s.finished]
         return RequestOutput(request_output.request_id, request_output.prompt, request_output.prompt_token_ids,
-                             None, rest, finished=True, num_cached_tokens=request_output.num_cached_tokens)
+                             _given_prompt_logprobs(request_output.prompt_logprobs), rest, finished=True,
+                             num_cached_tokens=request_output.num_cached_tokens)
 
     def forget(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
@@ -136,6 +141,13 @@ class OutputStreams:
                                           None if logprobs is None else logprobs.copy())
         s.tokens, s.chars, s.logprobs = length, shown, 0 if logprobs is None else len(logprobs)
         return completion
+
+
+def _given_prompt_logprobs(asked: object) -> list | None:
+    """A DELTA output's prompt logprobs once an earlier output gave them: [] when the request asked
+    for them (`asked`: its prompt_logprobs setting or value, None when not asked), else None, as vLLM's
+    pop_prompt_logprobs leaves them."""
+    return None if asked is None else []
 
 
 def _rest(completion: CompletionOutput, s: _Sent) -> CompletionOutput:
