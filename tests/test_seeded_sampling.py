@@ -74,7 +74,7 @@ def test_sample_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(tmp_path
     llm = cpu_llm(build_shaped_checkpoint(str(tmp_path), TinyShape()), kvcache_block_size=16, max_model_len=128)
     try:
         prompt = list(range(1, 12))
-        params = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+        params = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
         grouped = llm.generate([prompt], SamplingParams(seed=41, n=3, **params), use_tqdm=False)[0].outputs
         split = llm.generate([prompt] * 3 + [[5, 6, 7]],
                              [SamplingParams(seed=41 + i, **params) for i in range(3)] + [SamplingParams(**params)],
