@@ -222,6 +222,17 @@ BASE = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
     ({"rms_norm_eps": -1}, r"rms_norm_eps must be a positive finite number, got -1"),
     ({"eos_token_id": "x"}, r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got 'x'"),
     ({"eos_token_id": [1, -1]}, r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got \[1, -1\]"),
+    # flags that are not JSON booleans: bool("false") read a hand-edited "false" as true, so a tied model's
+    # lm_head was skipped (or an untied one's biases required) without a word, where no tokenizer is loaded
+    # (with one, transformers' config validation raised a StrictDataclassFieldValidationError naming no file)
+    ({"tie_word_embeddings": "false"}, r"config.json: tie_word_embeddings must be true or false, got 'false'"),
+    ({"attention_bias": "true"}, r"attention_bias must be true or false, got 'true'"),
+    ({"mlp_bias": 0}, r"mlp_bias must be true or false, got 0"),
+    ({"use_sliding_window": "no", "sliding_window": 4096}, r"use_sliding_window must be true or false, got 'no'"),
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": "0"},
+     r"max_window_layers must be an int >= 0 or null, got '0'"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 64, "norm_topk_prob": "false"}, r"^config.json: norm_topk_prob must be true or false, got 'false'"),
 ])
 def test_config_refusals_name_the_value(change, message):
     with pytest.raises(ValueError, match=message):

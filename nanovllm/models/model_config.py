@@ -203,9 +203,9 @@ class ModelConfig:
                 rope_theta=float(rope_theta),
                 rope_scaling=parse_rope_scaling(rope, positions, source),
                 max_position_embeddings=positions,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
+                tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
+                attention_bias=_flag(raw, "attention_bias", source),
+                mlp_bias=_flag(raw, "mlp_bias", source),
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), source),
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
@@ -251,12 +251,13 @@ def _moe(raw: dict, source: str) -> MoeConfig:
     num_layers = int(raw["num_hidden_layers"])
     if not isinstance(layers, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
         raise ValueError(f"{source}: mlp_only_layers must list layer indices in [0, {num_layers}), got {layers!r}")
+    norm_topk_prob = _flag(raw, "norm_topk_prob", source)
     try:
         return MoeConfig(
             num_experts=int(raw[count_key]),
             num_experts_per_tok=int(raw["num_experts_per_tok"]),
             moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            norm_topk_prob=norm_topk_prob,
             decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(layers),
         )
@@ -275,7 +276,9 @@ def _sliding_window(raw: dict, source: str) -> int | None:
         sliding = "sliding_attention" in layer_types
     elif "use_sliding_window" in raw:
         first = raw.get("max_window_layers", 0)
-        sliding = bool(raw["use_sliding_window"]) and (first is None or first < int(raw["num_hidden_layers"]))
+        if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+            raise ValueError(f"{source}: max_window_layers must be an int >= 0 or null, got {first!r}")
+        sliding = _flag(raw, "use_sliding_window", source) and (first is None or first < int(raw["num_hidden_layers"]))
     else:
         sliding = True
     if window is None or not sliding:
@@ -293,6 +296,17 @@ def _positive_int(raw: dict, key: str, source: str, default: int | None = None) 
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _flag(raw: dict, key: str, source: str) -> bool:
+    """config.json's boolean `key`, false where it is missing or null (every family's default); any
+    value but a JSON boolean is a ValueError naming it (bool() read a hand-edited "false" as true)."""
+    value = raw.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
     return value
 
 
