@@ -110,6 +110,27 @@ def test_an_unreadable_weights_file_is_named(ckpt, tmp_path):
             cpu_llm(str(bad))
 
 
+@pytest.mark.parametrize("file,text,why", [
+    ("tokenizer.json", LFS_POINTER, r"tokenizer.json is a git-lfs pointer"),
+    ("tokenizer.json", '{"version": "1.0", "trunc', "JSONDecodeError: Unterminated string"),
+    ("tokenizer.json", '{"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": 5}}', "invalid type"),
+    ("tokenizer_config.json", "{", "Expecting property name"),
+], ids=["lfs-pointer", "cut-short", "not-a-tokenizer", "config-cut-short"])
+def test_an_unreadable_tokenizer_is_named(ckpt, tmp_path, file, text, why):
+    """A tokenizer the model directory ships but transformers cannot load (tokenizer.json a git-lfs pointer
+    of a clone without git-lfs, a download cut short, not a tokenizer) is refused at LLM(...) naming the
+    directory and the reason; transformers' own errors named neither ("Expecting value: line 1 column 1
+    (char 0)", a JSONDecodeError; tokenizers' bare Exception "invalid type: integer `5`")."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / file).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"the tokenizer in {str(bad)!r} could not be loaded") + f".*{why}"):
+        cpu_llm(str(bad))
+    llm = cpu_llm(str(bad), skip_tokenizer_init=True)  # no tokenizer asked for: none read
+    assert llm.tokenizer is None
+    llm.exit()
+
+
 @pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
 @pytest.mark.parametrize("text", ['{"architectures": ', '["Qwen3ForCausalLM"]'], ids=["cut-short", "a-list"])
 def test_a_json_file_that_is_not_a_json_object_is_named(tmp_path, file, text):

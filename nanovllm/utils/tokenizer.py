@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # Files whose presence means the directory ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# How a git-lfs pointer file starts (what a clone without git-lfs holds in place of a large file).
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 def has_tokenizer(path: str) -> bool:
@@ -14,14 +16,34 @@ def has_tokenizer(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
+def _lfs_pointers(path: str) -> list[str]:
+    """The tokenizer files of `path` that are git-lfs pointers (a clone without git-lfs)."""
+    pointers = []
+    for name in TOKENIZER_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                    pointers.append(name)
+    return pointers
+
+
 def load_tokenizer(path: str):
     """transformers' AutoTokenizer for `path`, or None when the directory has no tokenizer
-    (e.g. a bare config.json for load_format="dummy"; prompts must then be token ids)."""
+    (e.g. a bare config.json for load_format="dummy"; prompts must then be token ids). A tokenizer
+    that cannot be loaded is a ValueError naming the directory (and a git-lfs pointer among its
+    files): transformers' errors name neither (a JSONDecodeError "Expecting value: line 1 column 1")."""
     if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a tokenizer.json it cannot parse
+        pointers = _lfs_pointers(path)
+        why = (f"{', '.join(pointers)} is a git-lfs pointer, not the file (a clone without git-lfs?)" if pointers
+               else f"{type(e).__name__}: {e}")
+        raise ValueError(f"the tokenizer in {path!r} could not be loaded: {why}") from e
 
 
 def _as_ids(value, source: str) -> set[int]:
