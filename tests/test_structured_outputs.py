@@ -12,6 +12,7 @@ engine's); unconstrained rows against a run without any constrained row.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -298,6 +299,33 @@ def test_bad_structured_outputs_are_refused_and_the_engine_keeps_serving(llm, mi
     assert llm.is_finished()
     prompts, params, outputs = mixed
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == [o["token_ids"] for o in outputs]
+
+
+def test_vllms_other_options_are_taken_where_they_change_nothing(llm):
+    """vLLM's StructuredOutputsParams also has disable_additional_properties, whitespace_pattern,
+    structural_tag (and older releases disable_fallback); code that passes them at values asking
+    for what xgrammar does anyway (every field of a vLLM params object, as dataclasses.asdict gives
+    them) gets the same completion, and other values are refused naming the field. They were a
+    TypeError 'unexpected keyword argument' whatever their value."""
+    vllm_defaults = dict(disable_additional_properties=False, whitespace_pattern=None, structural_tag=None,
+                         disable_fallback=False)
+    plain = constrained("json", False)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, **vllm_defaults)
+    strict = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, disable_additional_properties=True,
+                                     disable_fallback=True)
+    served = llm.generate([PROMPTS[0]] * 3, [plain] + [dataclasses.replace(plain, structured_outputs=s)
+                                                    for s in (spec, strict)], use_tqdm=False)
+    assert [o["token_ids"] for o in served[1:]] == [served[0]["token_ids"]] * 2
+    check_text("json", served[0]["text"])
+    assert spec.whitespace_pattern is None and spec.structural_tag is None  # read as vLLM's attributes
+    with pytest.raises(ValueError, match=r"whitespace_pattern='\[ \]\?' is not supported: .*disable_any_whitespace"):
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern="[ ]?")
+    with pytest.raises(ValueError, match="structural_tag='{}' is not supported"):
+        StructuredOutputsParams(structural_tag="{}")
+    with pytest.raises(TypeError, match="disable_additional_properties must be a bool, got 'yes'"):
+        StructuredOutputsParams(regex="a", disable_additional_properties="yes")
+    with pytest.raises(TypeError, match="disable_fallback must be a bool, got 1"):
+        StructuredOutputsParams(regex="a", disable_fallback=1)
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path):
