@@ -307,8 +307,8 @@ def test_vllms_other_options_are_taken_where_they_change_nothing(llm):
     for what xgrammar does anyway (every field of a vLLM params object, as dataclasses.asdict gives
     them) gets the same completion, and other values are refused naming the field. They were a
     TypeError 'unexpected keyword argument' whatever their value."""
-    vllm_defaults = dict(disable_additional_properties=False, whitespace_pattern=None, structural_tag=None,
-                         disable_fallback=False)
+    vllm_defaults = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None,
+                     "disable_fallback": False}
     plain = constrained("json", False)
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, **vllm_defaults)
     strict = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, disable_additional_properties=True,
