@@ -189,6 +189,31 @@ def test_bad_row_fails_the_dataset_with_the_engines_message_and_the_row(cluster,
     assert "row 1 of the batch {'id': 41, 'prompt': ''}: prompt is an empty string" in str(info.value)
 
 
+def test_guided_decoding_dicts_are_the_structured_outputs_as_in_vllms_ray_data(ckpt):
+    """vLLM's Ray Data rows give the constraint as sampling_params' "guided_decoding" dict, which it
+    makes the request's StructuredOutputsParams: the predictor's params and a row's overrides take it
+    so (Arrow's integral floats in its schema as ints, as structured_outputs'), and the row follows
+    it. It was refused as SamplingParams' guided_decoding, which takes None only."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}
+    assert sampling_params_of({"guided_decoding": {"choice": ["yes", "no"]}}).structured_outputs == \
+        StructuredOutputsParams(choice=["yes", "no"])
+    assert sampling_params_of({"guided_decoding": None}).structured_outputs is None
+    as_arrow = {"guided_decoding": {"json": {**schema, "properties": {"a": {"type": "string", "maxLength": 3.0}}},
+                                    "regex": None}, "max_tokens": None}
+    assert row_overrides(as_arrow) == {"guided_decoding": {"json": schema}}
+    with pytest.raises(ValueError, match="both 'guided_decoding' .* and 'structured_outputs': give one"):
+        sampling_params_of({"guided_decoding": {"choice": ["a"]}, "structured_outputs": {"choice": ["b"]}})
+    predictor = LLMPredictor(**predictor_kwargs(ckpt, max_tokens=16))
+    try:
+        out = predictor({"prompt": ["a lazy dog", "blocks"],
+                         "sampling_params": [{"guided_decoding": {"choice": ["yes", "no"]}}, None]})
+        assert out["generated_text"][0] in ("yes", "no") and out["finish_reason"][0] == "stop"
+        with pytest.raises(TypeError, match=r"row 0 .*unexpected keyword argument 'jsn'"):
+            predictor({"prompt": ["a"], "sampling_params": [{"guided_decoding": {"jsn": {}}}]})
+    finally:
+        predictor.llm.exit()
+
+
 def test_batch_and_parameter_errors_name_the_value(ckpt):
     with pytest.raises(ValueError, match="n=3 is not supported"):
         sampling_params_of({"n": 3})

@@ -8,7 +8,8 @@ str goes into its prompt dict, so its prefix-cache hits come only from prompts o
 None or no column: no salt), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
 them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
-may be JSON's strings). What Arrow made of such rows is undone first (row_overrides): numpy arrays
+may be JSON's strings; a `guided_decoding` dict, as vLLM's Ray Data rows give it, is the
+structured_outputs). What Arrow made of such rows is undone first (row_overrides): numpy arrays
 and scalars at any depth, None entries of nested dicts (Arrow gives every row the keys of all the
 rows), integral floats (an int beside rows without it). The whole batch goes to one `generate`
 call, so the actor's engine batches it as one engine does; the batch comes back with every input
@@ -60,6 +61,9 @@ LOGPROB_COLUMNS = ("logprobs", "cumulative_logprob")
 # sampling_params column) turns an int field with nulls in other rows into floats: 2 -> 2.0.
 INT_SAMPLING_FIELDS = frozenset(name for name, hint in field_types().items()
                                 if hint is int or (typing.get_origin(hint) is types.UnionType and int in typing.get_args(hint)))
+# vLLM's older name of SamplingParams.structured_outputs: vLLM's Ray Data takes a sampling_params dict's
+# "guided_decoding" dict as the request's StructuredOutputsParams.
+GUIDED_DECODING_KEY = "guided_decoding"
 # Longest repr of one column value quoted in a bad row's error message.
 ROW_VALUE_CHARS = 80
 # A logit_bias key that JSON (or Arrow's struct field names) turned into text: "42", "-1".
@@ -74,8 +78,15 @@ def token_id_keys(bias: Mapping) -> dict:
 
 def sampling_keywords(fields: Mapping) -> dict:
     """SamplingParams keywords from a dict of its fields (JSON, the command's flags, Arrow rows): a
-    `structured_outputs` dict made a StructuredOutputsParams, a `logit_bias` dict keyed by token ids."""
+    `structured_outputs` dict made a StructuredOutputsParams, as is a `guided_decoding` dict (vLLM's
+    Ray Data rows carry the constraint under that older name and make it their structured_outputs),
+    a `logit_bias` dict keyed by token ids."""
     out = dict(fields)
+    if isinstance(out.get(GUIDED_DECODING_KEY), Mapping):
+        if out.get("structured_outputs") is not None:
+            raise ValueError(f"sampling_params has both {GUIDED_DECODING_KEY!r} (vLLM's older name of structured_outputs) "
+                             "and 'structured_outputs': give one")
+        out["structured_outputs"] = out.pop(GUIDED_DECODING_KEY)
     if isinstance(out.get("structured_outputs"), Mapping):
         out["structured_outputs"] = StructuredOutputsParams(**out["structured_outputs"])
     if isinstance(out.get("logit_bias"), Mapping):
@@ -253,11 +264,11 @@ def row_overrides(overrides: Mapping) -> dict:
     numpy values as plain Python, fields that are None or {} (the row does not override them: Arrow
     gives a row without a dict field the other rows' keys, all None, when the batch spans files) left out,
     nested dicts without the None entries of other rows' keys, integral floats of int fields (and
-    of structured_outputs' schemas) as ints. A JSON null inside a nested dict reads as absent (Arrow
+    of structured_outputs' (or guided_decoding's) schemas) as ints. A JSON null inside a nested dict reads as absent (Arrow
     cannot tell it apart): a schema that needs one goes as JSON text (`"json": "{...}"`)."""
     chosen = {}
     for name, value in plain(overrides).items():
-        value = json_form(value, integral_floats=name == "structured_outputs")
+        value = json_form(value, integral_floats=name in ("structured_outputs", GUIDED_DECODING_KEY))
         if value is None or value == {}:  # a row without the field, in a batch of rows (or files) with it
             continue
         chosen[name] = integral(value) if name in INT_SAMPLING_FIELDS else value
