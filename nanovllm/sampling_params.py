@@ -112,7 +112,7 @@ class StructuredOutputsParams:
     xgrammar's strict mode allows no property a schema does not name, as vLLM's xgrammar backend
     compiles it), disable_fallback (either bool: there is no other backend to fall back to),
     whitespace_pattern (None only: xgrammar takes no whitespace regex; disable_any_whitespace is its
-    switch) and structural_tag (None only: not supported). None of them is kept.
+    switch) and structural_tag (None only: not supported). They are kept as given, as vLLM's fields are.
     EOS ends a constrained completion only where the language allows the text to end. The shape
     is checked here; the contents (a bad regex, schema or grammar) when the request is added,
     where the grammar is compiled (engine/structured_outputs.py)."""
@@ -124,23 +124,21 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     # vLLM's options for its other backends (class docstring): accepted where they change nothing here.
-    disable_additional_properties: dataclasses.InitVar[bool] = False
-    whitespace_pattern: dataclasses.InitVar[None] = None
-    structural_tag: dataclasses.InitVar[None] = None
-    disable_fallback: dataclasses.InitVar[bool] = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: None = None
+    structural_tag: None = None
+    disable_fallback: bool = False
 
-    def __post_init__(self, disable_additional_properties: object, whitespace_pattern: object,
-                      structural_tag: object, disable_fallback: object) -> None:
-        for name, value in (("disable_additional_properties", disable_additional_properties),
-                            ("disable_fallback", disable_fallback)):
-            if not isinstance(value, bool):
-                raise TypeError(f"StructuredOutputsParams.{name} must be a bool, got {value!r:.200}")
-        if whitespace_pattern is not None:
-            raise ValueError(f"StructuredOutputsParams.whitespace_pattern={whitespace_pattern!r:.200} is not supported: "
-                             "xgrammar, the only grammar backend here, takes no whitespace pattern (vLLM's xgrammar "
-                             "backend does not apply one either); disable_any_whitespace=True makes JSON compact")
-        if structural_tag is not None:
-            raise ValueError(f"StructuredOutputsParams.structural_tag={structural_tag!r:.200} is not supported: "
+    def __post_init__(self) -> None:
+        for name in ("disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"StructuredOutputsParams.{name} must be a bool, got {getattr(self, name)!r:.200}")
+        if self.whitespace_pattern is not None:
+            raise ValueError(f"StructuredOutputsParams.whitespace_pattern={self.whitespace_pattern!r:.200} is not "
+                             "supported: xgrammar, the only grammar backend here, takes no whitespace pattern (vLLM's "
+                             "xgrammar backend does not apply one either); disable_any_whitespace=True makes JSON compact")
+        if self.structural_tag is not None:
+            raise ValueError(f"StructuredOutputsParams.structural_tag={self.structural_tag!r:.200} is not supported: "
                              "pass json, regex, choice, grammar or json_object")
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) is not None]
