@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import os
 import secrets
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.engine_args import strip_vllm_only_args
+from nanovllm.engine_args import RENAMED, VLLM_ONLY_ARGS, strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
@@ -201,8 +202,19 @@ class Config:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}")
+            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(map(cls._unknown_hint, unknown))}")
         return cls(model=model, **kwargs)
+
+    @classmethod
+    def _unknown_hint(cls, name: str) -> str:
+        """`name`, an unknown LLM() keyword, with the nearest one taken (nanovllm's or vLLM's) or,
+        with none near, where the keywords taken are listed."""
+        taken = [f.name for f in dataclasses.fields(cls) if f.init] + list(VLLM_ONLY_ARGS) + list(RENAMED)
+        near = difflib.get_close_matches(name, taken, n=1, cutoff=0.8)
+        if near:
+            return f"{name} (did you mean {near[0]}?)"
+        return (f"{name} (not a setting here: nanovllm/config.py's Config lists its keywords, "
+                "nanovllm/engine_args.py vLLM's it takes)")
 
     def __post_init__(self) -> None:
         self.model = _directory("model", self.model, "a checkpoint directory")

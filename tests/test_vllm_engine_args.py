@@ -241,6 +241,20 @@ def test_unknown_keywords_stay_type_errors(ckpt):
         LLM(ckpt, device="cpu", max_lenn=5)
 
 
+@pytest.mark.parametrize("typo,meant", [("max_num_seq", "max_num_seqs"), ("gpu_memory_utilisation", "gpu_memory_utilization"),
+                                        ("enable_prefix_cache", "enable_prefix_caching"), ("tokenizer_revison", "tokenizer_revision"),
+                                        ("kv_cache_dtpye", "kv_cache_dtype"), ("blocksize", "block_size")])
+def test_unknown_keyword_names_the_one_meant(ckpt, typo, meant):
+    # a misspelt keyword (nanovllm's, or one of vLLM's it takes) is named with the likely intended one
+    with pytest.raises(TypeError, match=rf"unknown keyword argument\(s\): {typo} \(did you mean {meant}\?\)"):
+        Config.from_kwargs(ckpt, {"device": "cpu", typo: 1})
+
+
+def test_unknown_keyword_without_a_near_name_points_at_the_list(ckpt):
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\): speculative_decoding_magic \(.*engine_args\.py"):
+        Config.from_kwargs(ckpt, {"device": "cpu", "speculative_decoding_magic": 1})
+
+
 @pytest.mark.parametrize("given,name", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
                                         (torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
 def test_vllm_dtype_spellings(ckpt, given, name):
