@@ -31,7 +31,7 @@ a ValueError that names the keyword and says what nanovllm does instead:
 
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
-`kvcache_block_size`.
+`kvcache_block_size`, its `num_gpu_blocks_override` is `num_kvcache_blocks` (RENAMED).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
 # Keywords whose None means "the engine's default" in vLLM.
 NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
 # vLLM's names of settings that have another name here.
-RENAMED = {"block_size": "kvcache_block_size"}
+RENAMED = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 
 
 def strip_vllm_only_args(kwargs: dict) -> dict:

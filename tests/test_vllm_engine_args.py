@@ -143,6 +143,20 @@ def test_vllm_block_size_is_the_kv_cache_block_size(ckpt):
         LLM(ckpt, device="cpu", block_size=16, kvcache_block_size=16)
 
 
+def test_vllm_num_gpu_blocks_override_is_num_kvcache_blocks(ckpt):
+    # vLLM's name of the KV cache's block count (tests and scripts pin the cache with it)
+    config = Config.from_kwargs(ckpt, {"device": "cpu", "block_size": 16, "num_gpu_blocks_override": 24})
+    assert (config.kvcache_block_size, config.num_kvcache_blocks) == (16, 24)
+    assert Config.from_kwargs(ckpt, {"device": "cpu", "num_gpu_blocks_override": None}).num_kvcache_blocks is None
+    with pytest.raises(TypeError, match="both num_gpu_blocks_override .* and num_kvcache_blocks"):
+        Config.from_kwargs(ckpt, {"device": "cpu", "num_gpu_blocks_override": 8, "num_kvcache_blocks": 8})
+    llm = cpu_llm(ckpt, block_size=16, num_gpu_blocks_override=24, max_model_len=256)
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 24
+    finally:
+        llm.exit()
+
+
 @pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
 def test_values_nanovllm_cannot_honour_are_refused_by_name(ckpt, name, value):
     with pytest.raises(ValueError, match=rf"LLM\({name}="):
