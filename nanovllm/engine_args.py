@@ -28,6 +28,15 @@ a ValueError that names the keyword and says what nanovllm does instead:
     num_scheduler_steps (1), use_v2_block_manager,
     preemption_mode ("recompute")
     worker_extension_cls, worker_cls              None: no worker classes of the caller's (collective_rpc(func))
+    hf_token                                      None, a bool or a str: nothing is downloaded
+    mm_processor_kwargs, allowed_local_media_path,  None / {} / "" / []: text models only
+    allowed_media_domains
+    speculative_config (None), logits_processors  features nanovllm lacks, asked for off (SamplingParams'
+    (None / []), enable_prompt_embeds (False),    logit_bias / allowed_token_ids / bad_words rules still
+    pooler_config, override_pooler_config (None), apply); scheduling_policy "fcfs": arrival order
+    convert ("auto" / "none"),
+    enable_return_routed_experts (False), scheduling_policy ("fcfs"),
+    max_parallel_loading_workers (None / an int)
 
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
@@ -126,6 +135,23 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
                                       "update_weights / model.load_weights take the new weights"),
     "worker_cls": _Accepted(lambda v: v in (None, "auto"), "None or 'auto'", "the workers are nanovllm's: "
                             "collective_rpc(func) runs a top-level function of each rank's worker"),
+    # vLLM keywords at their defaults (scripts spelling out vLLM's LLM(...) signature): features not here, asked off.
+    "hf_token": _Accepted(lambda v: v is None or isinstance(v, (bool, str)), "None, a bool or a str",
+                          "the model is a local directory: nothing is downloaded"),
+    "mm_processor_kwargs": _Accepted(lambda v: v is None or v == {}, "None or {}", "only text models are served"),
+    "allowed_local_media_path": _Accepted(lambda v: v in (None, ""), "''", "only text models are served"),
+    "allowed_media_domains": _Accepted(lambda v: v is None or v == [], "None", "only text models are served"),
+    "speculative_config": _Accepted(lambda v: v is None, "None", "no speculative decoding"),
+    "logits_processors": _Accepted(lambda v: v is None or v == [], "None", "no logits-processor plugins: SamplingParams' "
+                                   "logit_bias, allowed_token_ids, bad_words and structured_outputs cover the usual ones"),
+    "enable_prompt_embeds": _Accepted(lambda v: v is False, "False", "prompts are text or token ids"),
+    "pooler_config": _Accepted(lambda v: v is None, "None", "only text generation is served"),
+    "override_pooler_config": _Accepted(lambda v: v is None, "None", "only text generation is served"),
+    "convert": _Accepted(lambda v: v in ("auto", "none"), "'auto' or 'none'", "only text generation is served"),
+    "enable_return_routed_experts": _Accepted(lambda v: v is False, "False", "routed experts are not reported"),
+    "scheduling_policy": _Accepted(lambda v: v == "fcfs", "'fcfs'", "requests are served in arrival order"),
+    "max_parallel_loading_workers": _Accepted(lambda v: v is None or (type(v) is int and v >= 1), "None or an int >= 1",
+                                              "each rank loads its own shards"),
 }
 
 # Keywords whose None means "the engine's default" in vLLM.

@@ -45,7 +45,17 @@ TRL_ARGS = dict(distributed_executor_backend="external_launcher", tensor_paralle
                 max_num_seqs=8, max_model_len=256, model_impl="vllm", logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                 enable_sleep_mode=False, seed=0, max_num_batched_tokens=512)
 
+# vLLM LLM() / EngineArgs keywords at their defaults (scripts spell out vLLM's signature): features
+# nanovllm lacks, each asked for off
+VLLM_DEFAULTS = dict(hf_token=None, mm_processor_kwargs=None, allowed_local_media_path="", allowed_media_domains=None,
+                     speculative_config=None, logits_processors=None, enable_prompt_embeds=False, pooler_config=None,
+                     override_pooler_config=None, convert="auto", enable_return_routed_experts=False,
+                     scheduling_policy="fcfs", max_parallel_loading_workers=None)
 REFUSED = [
+    ("mm_processor_kwargs", {"num_crops": 4}), ("allowed_local_media_path", "/data"), ("allowed_media_domains", ["a.b"]),
+    ("speculative_config", {"method": "ngram"}), ("logits_processors", ["my.Processor"]),
+    ("enable_prompt_embeds", True), ("pooler_config", {"pooling_type": "MEAN"}), ("convert", "embed"),
+    ("enable_return_routed_experts", True), ("scheduling_policy", "priority"), ("hf_token", 3),
     ("revision", "v1.1"), ("tokenizer_revision", "v2"), ("code_revision", "abc"), ("tokenizer_mode", "slow"),
     ("trust_remote_code", "yes"), ("swap_space", -1), ("swap_space", True), ("enable_lora", True),
     ("max_lora_rank", 1.5), ("enable_sleep_mode", None), ("distributed_executor_backend", "ray"),
@@ -163,6 +173,15 @@ def test_values_nanovllm_cannot_honour_are_refused_by_name(ckpt, name, value):
         LLM(ckpt, device="cpu", **{name: value})
 
 
+def test_vllm_keywords_at_their_defaults_construct(ckpt):
+    llm = cpu_llm(ckpt, max_model_len=256, **{**VLLM_DEFAULTS, "hf_token": "hf_xxx", "mm_processor_kwargs": {},
+                                              "logits_processors": [], "convert": "none"})
+    try:
+        assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.exit()
+
+
 def test_every_vllm_only_argument_accepts_what_nanovllm_does():
     accepted = {"revision": None, "tokenizer_revision": "main", "code_revision": None, "tokenizer_mode": "hf",
                 "trust_remote_code": True, "swap_space": 0.5, "enable_lora": False, "max_lora_rank": 64,
@@ -174,7 +193,7 @@ def test_every_vllm_only_argument_accepts_what_nanovllm_does():
                 "served_model_name": ["a", "b"], "task": "auto", "runner": "auto", "enable_expert_parallel": False,
                 "async_scheduling": None, "disable_async_output_proc": True,
                 "disable_sliding_window": True, "num_scheduler_steps": 1, "use_v2_block_manager": False,
-                "preemption_mode": None, "worker_extension_cls": None, "worker_cls": "auto"}
+                "preemption_mode": None, "worker_extension_cls": None, "worker_cls": "auto", **VLLM_DEFAULTS}
     assert set(accepted) == set(VLLM_ONLY_ARGS)
     assert strip_vllm_only_args({**accepted, "max_model_len": None, "max_num_seqs": 8,
                                  "enable_prefix_caching": None}) == {"max_num_seqs": 8}
