@@ -317,3 +317,25 @@ def test_load_weights_through_apply_model_on_the_gpu_with_graphs(gpu_ckpt, gpu_o
     reference = AutoModelForCausalLM.from_pretrained(gpu_other_ckpt, dtype=torch.float32).cuda().eval()
     for prompt, out in zip(PROMPTS, after):
         assert_bf16_greedy_matches(reference, prompt, out)
+
+
+def exit_on_rank_1(worker: Worker, code: int) -> int:
+    if worker.rank == 1:
+        os._exit(code)  # the worker process ends inside the call, without an answer
+    return worker.rank
+
+
+def test_a_worker_ending_inside_a_call_is_named_with_its_exit_code(ckpt):
+    """A worker process that ends while it runs the function (os._exit, a crash) closes its pipe
+    before its exit can be seen: rank 0 read the closed pipe as 'worker rank 1 is gone: ' with
+    nothing after it. The error waits for the exit and names it, as a death inside a collective does."""
+    llm = engine(ckpt, tensor_parallel_size=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code 3\)"):
+            llm.collective_rpc(exit_on_rank_1, args=(3,))
+        assert time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code 3\)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()

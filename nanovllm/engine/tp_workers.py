@@ -224,6 +224,12 @@ class WorkerGroup:
             time.sleep(DEATH_POLL_SECONDS)
         return None
 
+    def _gone(self, rank: int, cause: BaseException) -> WorkerDied:
+        """The error for worker `rank`'s pipe found closed: a process's pipe closes before its exit
+        can be seen, so wait for the exit (DEATH_CONFIRM_SECONDS) and name it, exit code and last words."""
+        self.procs[rank - 1].join(DEATH_CONFIRM_SECONDS)
+        return WorkerDied(self._death() or f"tensor-parallel worker rank {rank} is gone: {cause!r}")
+
     def send(self, method: str, *args) -> None:
         """Ask every worker to call ModelRunner.<method>(*args)."""
         self.check_alive()
@@ -232,7 +238,7 @@ class WorkerGroup:
             try:
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
-                raise WorkerDied(f"tensor-parallel worker rank {rank} is gone: {e}") from None
+                raise self._gone(rank, e) from None
 
     def collect(self, timeout: float | None = None) -> list[RankOutcome]:
         """Each worker's answer to the CALL sent last (ranks 1..N-1, in order); TimeoutError if
@@ -245,7 +251,7 @@ class WorkerGroup:
             try:
                 data = conn.recv_bytes()
             except (EOFError, ConnectionResetError, OSError) as e:
-                raise WorkerDied(self._death() or f"tensor-parallel worker rank {rank} is gone: {e}") from None
+                raise self._gone(rank, e) from None
             outcomes.append(outcome_of(data, rank))
         return outcomes
 
