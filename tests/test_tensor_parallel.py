@@ -236,6 +236,22 @@ def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     assert not mp.active_children()
 
 
+def test_settings_the_workers_cannot_get_are_refused_before_any_process_starts(ckpt):
+    """The workers get the engine's settings by pickle: a setting that does not pickle (a local
+    function among hf_overrides' values) was an AttributeError from multiprocessing's spawn, and it
+    left rank 0's torch threads cut to its share of the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a share to cut (max(1, threads // 2) is threads itself on one core)
+    try:
+        with pytest.raises(TypeError, match="tensor-parallel workers.*pickle"):
+            cpu_llm(ckpt, tensor_parallel_size=2, max_model_len=256, hf_overrides={"unread_key": lambda: 0})
+        assert torch.get_num_threads() == 2
+        assert not mp.active_children()
+        assert not torch.distributed.is_initialized()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def interrupt_after(seconds: float):
     """A KeyboardInterrupt raised in this (the main) process after `seconds`, as Ctrl-C would."""

@@ -140,6 +140,11 @@ class WorkerGroup:
                 "this process already has a torch.distributed default process group (another tensor-parallel "
                 "engine's, or the caller's own, e.g. under torchrun): a tensor-parallel engine sets up that group "
                 "for its ranks alone. exit() the other engine, or build this one with tensor_parallel_size=1")
+        try:  # what each worker's spawn pickles (the rest are ints, a port and a pipe end)
+            pickle.dumps(config)
+        except Exception as e:  # noqa: BLE001 - any pickling failure
+            raise TypeError(f"the engine's settings do not pickle, and the tensor-parallel workers get them by "
+                            f"pickle (a setting holds a local function or another unpicklable value): {e}") from None
         n = config.tensor_parallel_size
         # close() ran: a second call (exit(), then the engine's finalizer when it is collected) must
         # not destroy the process group of an engine built since.
@@ -162,15 +167,17 @@ class WorkerGroup:
                                                          timeout=COLLECTIVE_TIMEOUT)
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
-        for rank in range(1, n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child, cpu_threads),
-                               name=f"nanovllm-tp{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        try:
+        try:  # a failure stops the workers started so far and gives rank 0 its threads back
+            for rank in range(1, n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child, cpu_threads),
+                                   name=f"nanovllm-tp{rank}", daemon=True)
+                self.conns.append(parent)
+                try:
+                    proc.start()
+                finally:
+                    child.close()
+                self.procs.append(proc)
             self._wait_for_workers(n)
             dist.init_process_group(_backend(config), store=self.store, rank=0, world_size=n,
                                     timeout=COLLECTIVE_TIMEOUT)
