@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizer
 
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
 from nanovllm import SamplingParams
+from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.text_stream import PRIME_MAX_TOKENS, TextStream, completion_text, prompt_suffix, stream_decoder
 from test_stop_strings import MODEL_DIR, TOKENIZERS, byte_fallback_tokenizer
 
@@ -140,3 +142,38 @@ def test_only_a_stop_token_is_left_out_of_the_text():
         seq.finish_reason, seq.ended_on_stop_token = FinishReason.STOP, on_stop_token
         texts[on_stop_token] = request.output(Detokenizer(tokenizer)).outputs[0].text
     assert texts == {False: tokenizer.decode(completion), True: tokenizer.decode(completion[:-1])}
+
+
+class PythonByteTokenizer(PreTrainedTokenizer):
+    """A tokenizer without a tokenizers backend (transformers' Python one): one token per UTF-8 byte."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(0x100 + b): b for b in range(256)} | self.added_tokens_encoder
+
+    def _tokenize(self, text: str) -> list[str]:
+        return [chr(0x100 + b) for b in text.encode()]
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return ord(token) - 0x100
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return chr(0x100 + index)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return bytes(ord(t) - 0x100 for t in tokens).decode(errors="replace")
+
+
+def test_a_python_tokenizers_text_never_ends_inside_a_character():
+    """Without a tokenizers backend the completion is decoded whole: tokens that end inside a character
+    (max_tokens cut it) add no text, as in vLLM's incremental text, where the final text ended with
+    U+FFFD (the running outputs already left it out)."""
+    tokenizer = PythonByteTokenizer()
+    assert stream_decoder(tokenizer) is None
+    ids = tokenizer.encode("ab 日本", add_special_tokens=False)
+    detokenizer = Detokenizer(tokenizer)
+    texts = [detokenizer.text([], ids[:k], SamplingParams()) for k in range(1, len(ids) + 1)]
+    assert texts == ["a", "ab", "ab ", "ab ", "ab ", "ab 日", "ab 日", "ab 日", "ab 日本"]

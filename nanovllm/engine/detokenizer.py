@@ -5,12 +5,13 @@ vocabulary's worth of strings at most).
 A completion's text is vLLM's incremental text (engine/text_stream.py: decoded after the end of
 the prompt, no clean-up of spaces, nothing for a last token that ends inside a character), the text
 stop strings are matched on while the request runs (engine/stop_strings.py). A tokenizer without
-a tokenizers backend (transformers' Python ones) decodes the completion alone.
+a tokenizers backend (transformers' Python ones) decodes the completion alone, less the U+FFFD of
+tokens at its end that stop inside a character (vLLM's incremental text holds those back too).
 """
 
 from __future__ import annotations
 
-from nanovllm.engine.text_stream import completion_text, stream_decoder
+from nanovllm.engine.text_stream import REPLACEMENT, completion_text, stream_decoder
 from nanovllm.outputs import FlatLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ class Detokenizer:
         if self.decoder is None:
             return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                         clean_up_tokenization_spaces=False)
+                                         clean_up_tokenization_spaces=False).rstrip(REPLACEMENT)
         return completion_text(self.decoder, prompt_ids, token_ids, params.skip_special_tokens)
 
     def fill_decoded_tokens(self, entries: FlatLogprobs) -> None:

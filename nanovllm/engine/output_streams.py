@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request
-from nanovllm.engine.text_stream import REPLACEMENT, TextStream
+from nanovllm.engine.text_stream import TextStream
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind
 
@@ -125,7 +125,7 @@ class OutputStreams:
             s.fed = length
             text = s.text
         else:  # no tokenizers backend (or no text asked): decoded whole, a character cut short left out
-            text = self.detokenizer.text(seq.prompt_token_ids, seq.token_ids[start:], params).rstrip(REPLACEMENT)
+            text = self.detokenizer.text(seq.prompt_token_ids, seq.token_ids[start:], params)
         shown = len(text)
         if params.stop and not params.include_stop_str_in_output:
             shown = max(s.chars, shown - (max(map(len, params.stop)) - 1))
