@@ -17,12 +17,12 @@ scheduler holds nothing. A shortened copy of the fuzzer that ran ~6,700 such cas
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
-from checkpoints import TEST_VOCAB_SIZE, assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference
+from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference
 from nanovllm import SamplingParams
+from random_workloads import assert_block_accounting, random_prompts, tokens
 
 SEEDS = range(40)
 ckpt = checkpoint_fixture("fuzz")
@@ -54,28 +54,9 @@ def summarize(out) -> list[tuple]:
     return [(list(c.token_ids), c.finish_reason, c.stop_reason) for c in out.outputs]
 
 
-def near_boundary(rng: random.Random, bs: int, lo: int, hi: int) -> int:
-    """A length in [lo, hi], mostly a multiple of the block size or one off it."""
-    k = rng.randint(0, max(1, hi // bs))
-    return max(lo, min(hi, k * bs + rng.choice([-1, 0, 1, rng.randint(1 - bs, bs - 1)])))
-
-
 def workload(rng: random.Random, bs: int, mml: int, reference) -> tuple[list[list[int]], list[dict]]:
-    base = [rng.randint(1, TEST_VOCAB_SIZE - 1) for _ in range(mml)]
-    prompts = []
-    for _ in range(rng.randint(3, 7)):
-        kind = rng.random()
-        if prompts and kind < 0.2:
-            p = list(rng.choice(prompts))  # identical to an earlier prompt
-        elif prompts and kind < 0.4:
-            src = rng.choice(prompts)  # a prefix of an earlier prompt
-            p = src[:near_boundary(rng, bs, 1, len(src))]
-        elif kind < 0.8:  # a shared prefix, then a random tail
-            tail = [rng.randint(1, TEST_VOCAB_SIZE - 1) for _ in range(rng.randint(0, bs))]
-            p = base[:near_boundary(rng, bs, 1, mml - 8)] + tail
-        else:
-            p = [rng.randint(1, TEST_VOCAB_SIZE - 1) for _ in range(near_boundary(rng, bs, 1, mml - 1))]
-        prompts.append(p[:mml - 1])
+    base = tokens(rng, mml)
+    prompts = random_prompts(rng, bs, mml, base, rng.randint(3, 7))
     params = []
     for p in prompts:
         if rng.random() < 0.5:
@@ -90,16 +71,6 @@ def workload(rng: random.Random, bs: int, mml: int, reference) -> tuple[list[lis
             kw["stop_token_ids"] = [rng.choice(toks)]  # a token the request does produce
         params.append(kw)
     return prompts, params
-
-
-def assert_block_accounting(llm) -> None:
-    """Each block's ref count is the number of block tables holding it; the free list is the rest."""
-    sched, bm = llm.scheduler, llm.block_manager
-    held = Counter(b for s in [*sched.running, *sched.waiting] for b in s.block_table)
-    assert [b.ref_count for b in bm.blocks] == [held[i] for i in range(len(bm.blocks))]
-    assert set(bm.free_block_ids) == {i for i in range(len(bm.blocks)) if not held[i]}
-    assert all(len(set(s.block_table)) == len(s.block_table) for s in [*sched.running, *sched.waiting])
-    assert len(sched.running) <= llm.config.max_num_seqs
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -157,7 +128,7 @@ def test_reference_engine_is_transformers_greedy(ckpt, reference):
     hf = load_reference(ckpt)
     for seed in range(3):
         rng = random.Random(seed)
-        prompt = [rng.randint(1, TEST_VOCAB_SIZE - 1) for _ in range(rng.choice([15, 16, 33]))]
+        prompt = tokens(rng, rng.choice([15, 16, 33]))
         toks = reference(prompt, dict(temperature=0, max_tokens=64 - len(prompt), ignore_eos=True), 64)[0][0]
         assert len(toks) == 64 - len(prompt)
         assert_greedy_matches_reference(hf, prompt, toks)

@@ -19,13 +19,13 @@ that ran ~340 such cases, and ~280 of a harder variant (prompts of max_model_len
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
-from checkpoints import TEST_VOCAB_SIZE, TinyShape, cpu_llm, lazy_checkpoints_fixture, load_reference
+from checkpoints import TinyShape, cpu_llm, lazy_checkpoints_fixture, load_reference
 from nanovllm import SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
+from random_workloads import assert_block_accounting, random_prompts, tokens
 
 SEEDS = range(6)
 STRUCTURED = [StructuredOutputsParams(regex=r"[a-z]{1,6}-[0-9]{2,4}"),
@@ -93,31 +93,9 @@ def assert_logprobs_close(got, want, tol: float = 2e-3) -> None:
             assert shared and all(abs(a[k] - b[k]) <= tol for k in shared), (a, b)
 
 
-def near_boundary(rng: random.Random, bs: int, lo: int, hi: int) -> int:
-    """A length in [lo, hi], mostly a multiple of the block size or one off it."""
-    k = rng.randint(0, max(1, hi // bs))
-    return max(lo, min(hi, k * bs + rng.choice([-1, 0, 1, rng.randint(1 - bs, bs - 1)])))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randint(1, TEST_VOCAB_SIZE - 1) for _ in range(n)]
-
-
 def workload(rng: random.Random, bs: int, mml: int, wseed: int, base: list[int], reference) -> list[tuple]:
     """[(prompt, cache salt, SamplingParams kwargs)]."""
-    prompts: list[list[int]] = []
-    for _ in range(rng.randint(3, 10)):
-        kind = rng.random()
-        if prompts and kind < 0.25:
-            p = list(rng.choice(prompts))  # identical to an earlier prompt
-        elif prompts and kind < 0.4:
-            src = rng.choice(prompts)  # a prefix of an earlier prompt
-            p = src[:near_boundary(rng, bs, 1, len(src))]
-        elif kind < 0.85:  # a shared prefix, then a random tail
-            p = base[:near_boundary(rng, bs, 1, mml - 8)] + tokens(rng, rng.randint(0, bs))
-        else:
-            p = tokens(rng, near_boundary(rng, bs, 1, mml - 1))
-        prompts.append(p[:mml - 1])
+    prompts = random_prompts(rng, bs, mml, base, rng.randint(3, 10))
     reqs = []
     for p in prompts:
         if rng.random() < 0.5:
@@ -150,15 +128,6 @@ def workload(rng: random.Random, bs: int, mml: int, wseed: int, base: list[int],
             kw["include_stop_str_in_output"] = rng.random() < 0.3
         reqs.append((p, rng.choice([None, None, None, "a", "b"]), kw))
     return reqs
-
-
-def assert_block_accounting(llm) -> None:
-    sched, bm = llm.scheduler, llm.block_manager
-    held = Counter(b for s in [*sched.running, *sched.waiting] for b in s.block_table)
-    assert [b.ref_count for b in bm.blocks] == [held[i] for i in range(len(bm.blocks))]
-    assert set(bm.free_block_ids) == {i for i in range(len(bm.blocks)) if not held[i]}
-    assert all(len(set(s.block_table)) == len(s.block_table) for s in [*sched.running, *sched.waiting])
-    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
