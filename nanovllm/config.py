@@ -47,6 +47,15 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
+def _unknown_hint(name: str, taken: list[str]) -> str:
+    """`name`, an unknown LLM() keyword, with the nearest of the keywords `taken` (nanovllm's and
+    vLLM's) or, with none near, where they are listed."""
+    near = difflib.get_close_matches(name, taken, n=1, cutoff=0.8)
+    if near:
+        return f"{name} (did you mean {near[0]}?)"
+    return (f"{name} (not a setting here: nanovllm/config.py's Config lists its keywords, "
+            "nanovllm/engine_args.py vLLM's it takes)")
+
 def _directory(name: str, value: object, what: str) -> str:
     """`value`, a str or os.PathLike naming an existing directory, as a str (TypeError / ValueError
     naming `name` otherwise)."""
@@ -202,19 +211,10 @@ class Config:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(map(cls._unknown_hint, unknown))}")
+            taken = [*known, *VLLM_ONLY_ARGS, *RENAMED]
+            raise TypeError(f"LLM() got unknown keyword argument(s): "
+                            f"{', '.join(_unknown_hint(name, taken) for name in unknown)}")
         return cls(model=model, **kwargs)
-
-    @classmethod
-    def _unknown_hint(cls, name: str) -> str:
-        """`name`, an unknown LLM() keyword, with the nearest one taken (nanovllm's or vLLM's) or,
-        with none near, where the keywords taken are listed."""
-        taken = [f.name for f in dataclasses.fields(cls) if f.init] + list(VLLM_ONLY_ARGS) + list(RENAMED)
-        near = difflib.get_close_matches(name, taken, n=1, cutoff=0.8)
-        if near:
-            return f"{name} (did you mean {near[0]}?)"
-        return (f"{name} (not a setting here: nanovllm/config.py's Config lists its keywords, "
-                "nanovllm/engine_args.py vLLM's it takes)")
 
     def __post_init__(self) -> None:
         self.model = _directory("model", self.model, "a checkpoint directory")
