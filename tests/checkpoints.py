@@ -507,6 +507,7 @@ def gpu_generate(path: str, batches, params, **kwargs):
     try:
         outs = [complete_tokens(llm, ps, params) for ps in batches]
         facts = {"backend": llm.model_runner.backend.name, "graphs": llm.model_runner.graphs is not None,
+                 "dtype": next(llm.model_runner.model.parameters()).dtype,
                  "prefill_graphs": llm.model_runner.varlen_graphs is not None,
                  "preemptions": llm.scheduler.num_preemptions,
                  "prefix_hits": llm.block_manager.num_prefix_hit_blocks}

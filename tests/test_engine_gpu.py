@@ -4,6 +4,7 @@ other family (Llama 3 with llama3 RoPE scaling, Qwen2 with q/k/v biases)."""
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -88,6 +89,21 @@ def test_reaching_max_model_len_under_graphs(ckpt, reference):
     assert llm.model_runner.graphs is None and llm.model_runner.kv_cache is None
     for p, o in zip(ps, outs):
         assert_bf16_greedy_matches(reference, p, o["token_ids"])
+
+
+def test_auto_dtype_runs_a_float32_checkpoint_in_bfloat16(ckpt):
+    """vLLM's rule for dtype="auto" on CUDA: a float32 checkpoint (the test checkpoints are saved
+    so) runs in bfloat16, the tokens those of dtype="bfloat16"; dtype="float32" keeps it."""
+    with open(f"{ckpt}/config.json") as f:
+        stored = json.load(f)
+    assert (stored.get("dtype") or stored.get("torch_dtype")) == "float32"
+    ps = make_prompts(3, 4, 20, 60)
+    auto, auto_facts = generate(ckpt, ps, dtype="auto")
+    bf16, bf16_facts = generate(ckpt, ps)
+    assert (auto_facts["dtype"], bf16_facts["dtype"]) == (torch.bfloat16, torch.bfloat16)
+    assert auto == bf16
+    _, fp32_facts = generate(ckpt, ps[:1], GREEDY, dtype="float32", enforce_eager=True)
+    assert fp32_facts["dtype"] == torch.float32
 
 
 def test_seeded_sampling_reproducible_on_gpu(ckpt):
