@@ -153,8 +153,8 @@ class LLM(LLMEngine):
         checked = {}  # one checked copy per distinct SamplingParams object
         for sp in params:
             if id(sp) not in checked:
-                checked[id(sp)] = self._check_params(sp)
-        requests = [(self.validator.validate(p, checked[id(sp)][0]), *checked[id(sp)])
+                checked[id(sp)] = self.intake.check(sp)
+        requests = [(self.validator.validate(p, checked[id(sp)].params), checked[id(sp)])
                     for p, sp in zip(prompts, params)]
         if not self.is_finished():
             raise RuntimeError("generate() called while step-wise requests are still pending")

@@ -3,7 +3,7 @@
 Every field is validated at construction, and again when a request is added (fields may be edited
 afterwards, as RL frameworks do): a bad value raises ValueError/TypeError naming it, so the engine
 never sees a request it cannot serve. Checks that need the model (token ids within the vocabulary,
-bad words that need a tokenizer) are the engine's (LLMEngine._check_params, engine/request_rules.py).
+bad words that need a tokenizer) are the engine's (engine/request_intake.py, engine/request_rules.py).
 """
 
 from __future__ import annotations

@@ -17,14 +17,15 @@ loops that rebuild engines expect); one still alive when the interpreter ends is
 The batch API (generate, chat) is the LLM class's (nanovllm/llm.py).
 
 A request's SamplingParams are checked when it is added and the engine keeps its own checked copy
-(later edits of the caller's object do not reach a queued request).
+(later edits of the caller's object do not reach a queued request): engine/request_intake.py.
+What every rank runs (update_weights, apply_model, collective_rpc, sleep, wake_up) goes through
+engine/ranks.py: rank 0's model runner and any tensor-parallel workers.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import itertools
 import logging
 import threading
 import weakref
@@ -36,22 +37,18 @@ import torch
 from nanovllm.config import Config, ServedModel
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.prompts import PreparedPrompt, PromptValidator
-from nanovllm.engine.rank_calls import RankCall, apply_to_model, call_with_worker, pickled_call, results, run_call
-from nanovllm.engine.request import Request
-from nanovllm.engine.request_rules import RequestRules, check_in_vocab
+from nanovllm.engine.prompts import PreparedPrompt
+from nanovllm.engine.rank_calls import model_call, worker_call
+from nanovllm.engine.ranks import Ranks
+from nanovllm.engine.request_intake import CheckedParams, RequestIntake, eos_tokens
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sleep import WEIGHTS, sleep_level, wake_tags
+from nanovllm.engine.sleep import sleep_level, wake_tags
 from nanovllm.engine.step_pipeline import StepPipeline, StepResult
 from nanovllm.engine.structured_outputs import GrammarBackend
-from nanovllm.engine.text_stream import stream_decoder
-from nanovllm.engine.tp_workers import CALL, PackedTensors, WorkerGroup, worker_errors
-from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
-from nanovllm.utils.deferred_signals import deferred_signals
+from nanovllm.engine.tp_workers import WorkerGroup
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import read_generation_config
-from nanovllm.utils.loader import weight_chunks
-from nanovllm.utils.tokenizer import load_eos_token_ids, load_tokenizer
+from nanovllm.utils.tokenizer import load_tokenizer
 
 __all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
 
@@ -97,39 +94,26 @@ class LLMEngine:
         self._generating = False  # LLM.generate is stepping its requests (_check_not_generating)
         self.config = Config.from_kwargs(model, kwargs)
         cfg = self.config
-        self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(cfg.tokenizer)
+        tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(cfg.tokenizer)
         # generation_config.json's keys: the EOS ids below, and generate()'s defaults (nanovllm.llm)
         self.generation_values = read_generation_config(cfg.generation_dir)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = Detokenizer(tokenizer)
         # checked before any model or worker exists: an EOS id outside the vocabulary is refused here
-        eos = load_eos_token_ids(self.tokenizer, cfg.model_config.eos_token_ids,
-                                 self.generation_values.get("eos_token_id"), cfg.model_config.vocab_size)
-        # Ranks 1..N-1 run in spawned processes; this process is rank 0. An engine collected
-        # without exit() still stops them and leaves the process group (close is idempotent).
-        self.workers = WorkerGroup(cfg) if cfg.tensor_parallel_size > 1 else None
-        if self.workers is not None:
-            weakref.finalize(self, self.workers.close)
-        try:
-            self.model_runner = ModelRunner(cfg)
-        except BaseException:
-            self._close_workers()
-            raise
+        eos = eos_tokens(tokenizer, cfg, self.generation_values)
+        self.ranks = Ranks(cfg)  # rank 0's model runner and any tensor-parallel workers (engine/ranks.py)
+        self.model_runner = self.ranks.model_runner
         self.num_kvcache_blocks = self.model_runner.num_blocks
         self.block_manager = BlockManager(self.num_kvcache_blocks, cfg.kvcache_block_size, cfg.enable_prefix_caching)
-        self.eos_token_ids = eos.all
-        self._eos_stop_ids = eos.others  # each request's stop_token_ids gain them (vLLM's rule; EosTokens)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
             eos.ending,
-            mixed_steps=cfg.mixed_steps, decoder=stream_decoder(self.tokenizer), fill_sizes=self.model_runner.fill_sizes,
+            mixed_steps=cfg.mixed_steps, decoder=self.detokenizer.decoder, fill_sizes=self.model_runner.fill_sizes,
         )
-        self.validator = PromptValidator(
-            self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len,
-            self.num_kvcache_blocks * cfg.kvcache_block_size,
-        )
-        self._ids = itertools.count()
-        self.grammars = GrammarBackend(self.tokenizer, cfg.model_config.vocab_size, self.eos_token_ids,
-                                       self.model_runner.device)
+        self.grammars = GrammarBackend(tokenizer, cfg.model_config.vocab_size, eos.all, self.model_runner.device)
+        # checks each request's params and prompt and builds its Request (engine/request_intake.py)
+        self.intake = RequestIntake(cfg, tokenizer, eos, self.num_kvcache_blocks * cfg.kvcache_block_size,
+                                    self.grammars)
+        self.validator = self.intake.validator
         # Tensor-parallel workers get each step's plan with its input ids: no overlap there.
         overlap = cfg.overlap_scheduling and self.workers is None
         self.pipeline = StepPipeline(self.scheduler, self.model_runner, self.workers, self.grammars,
@@ -158,64 +142,21 @@ class LLMEngine:
         """Queue one request; returns its id. Bad input raises before anything is queued."""
         self._check_open()
         self._check_not_generating("add_request()")
-        params, rules, grammar = self._check_params(sampling_params)
-        return self._enqueue(self.validator.validate(prompt, params), params, rules, grammar)
+        checked = self.intake.check(sampling_params)
+        return self._enqueue(self.validator.validate(prompt, checked.params), checked)
 
     @one_call_at_a_time
     def check_params(self, params: object) -> None:
         """Raise as add_request would for `params` (TypeError / ValueError naming the bad value: the
         model's checks too, such as max_logprobs and token ids within the vocabulary); queues nothing."""
         self._check_open()
-        self._check_params(params)
+        self.intake.check(params)
 
-    def _check_params(self, params: object) -> tuple[SamplingParams, RequestRules | None, object | None]:
-        """A checked copy of `params` as they are now (every SamplingParams check again, then the
-        model's: token ids within the vocabulary, bad words tokenized, the structured-outputs
-        grammar compiled), its logits rules and its compiled grammar (None without
-        structured_outputs). Raises before anything is queued."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        checked = params.validated()
-        keep = checked.truncate_prompt_tokens
-        if keep is not None and keep > self.config.max_model_len:  # vLLM's LLM.generate refuses it too
-            raise ValueError(f"SamplingParams.truncate_prompt_tokens={keep} is greater than max_model_len "
-                             f"({self.config.max_model_len}): pass at most max_model_len, or -1 for it")
-        if self._eos_stop_ids and not checked.ignore_eos:  # our copy: the caller's params stay as given
-            checked.stop_token_ids = sorted(set(checked.stop_token_ids) | self._eos_stop_ids)
-        vocab_size = self.config.model_config.vocab_size
-        check_in_vocab("stop_token_ids", checked.stop_token_ids, vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):  # vLLM's rule: -1 is the vocabulary, capped by max_logprobs
-            asked = getattr(checked, name)
-            count = vocab_size if asked == ALL_LOGPROBS else asked
-            if count is not None and count > self.config.logprobs_limit:
-                raise ValueError(f"SamplingParams.{name}={asked} asks for {count} logprobs a token, more than the "
-                                 f"{self.config.logprobs_limit} this engine allows: raise LLM(max_logprobs=...) "
-                                 f"(-1: no cap)")
-            setattr(checked, name, None if count is None else min(count, vocab_size))  # a cap past it: all
-        if checked.stop and self.scheduler.decoder is None:  # the text they are matched on cannot be made
-            have = ("no tokenizer is loaded (the model directory has none, or skip_tokenizer_init=True)"
-                    if self.tokenizer is None
-                    else f"the model's is a {type(self.tokenizer).__name__}, which has no tokenizers backend")
-            raise ValueError(f"SamplingParams.stop {checked.stop!r} needs a tokenizers-backed tokenizer (a "
-                             f"tokenizer.json): {have}")
-        rules = RequestRules.of(checked, self.eos_token_ids, self.tokenizer, vocab_size)
-        grammar = None
-        if checked.structured_outputs is not None:
-            grammar = self.grammars.compile(checked.structured_outputs)
-        return checked, rules, grammar
-
-    def _enqueue(self, prompt: PreparedPrompt, params: SamplingParams, rules: RequestRules | None,
-                 grammar: object | None = None) -> int:
-        """Queue a request already checked (_check_params, validator.validate); returns its id.
-        `grammar`: its compiled grammar (structured outputs) or None."""
+    def _enqueue(self, prompt: PreparedPrompt, checked: CheckedParams) -> int:
+        """Queue a request already checked (validator.validate, intake.check); returns its id."""
         if self.model_runner.sleeping:
-            raise RuntimeError(f"the engine is asleep ({self._sleep_state()}): call wake_up() before generating")
-        seq_ids = [next(self._ids) for _ in range(params.n)]
-        request = Request.create(seq_ids[0], seq_ids, prompt.token_ids, params, rules, prompt.text,
-                                 prompt.max_tokens, prompt.cache_salt)
-        if grammar is not None:
-            for seq in request.samples:
-                seq.grammar = self.grammars.sample_grammar(grammar)
+            raise RuntimeError(f"the engine is asleep ({self.ranks.sleep_state()}): call wake_up() before generating")
+        request = self.intake.request(prompt, checked)
         self.scheduler.add(request)
         self.model_runner.rules.admit(request.samples)
         return request.request_id
@@ -295,16 +236,12 @@ class LLMEngine:
                             f"{tokenizer!r:.200}")
         if not self.is_finished():
             raise RuntimeError("set_tokenizer() called while requests are pending; finish or abort them first")
-        cfg = self.config
-        eos = load_eos_token_ids(tokenizer, cfg.model_config.eos_token_ids, self.generation_values.get("eos_token_id"),
-                                 cfg.model_config.vocab_size)  # an EOS id outside the vocabulary: refused here
+        eos = eos_tokens(tokenizer, self.config, self.generation_values)  # an EOS id outside the vocabulary: refused
         # Every holder of the tokenizer, or of what __init__ derived from it, in one place:
-        self.tokenizer = self.validator.tokenizer = tokenizer
+        self.intake.set_tokenizer(tokenizer, eos)  # prompts, params' checks, structured-outputs grammars
         self.detokenizer.set_tokenizer(tokenizer)  # in place: the pipeline and llm_engine's streams hold it
         self.scheduler.decoder = self.detokenizer.decoder
         self.scheduler.eos_token_ids = eos.ending
-        self.eos_token_ids, self._eos_stop_ids = eos.all, eos.others
-        self.grammars.set_tokenizer(tokenizer, eos.all)
 
     @one_call_at_a_time
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -321,28 +258,7 @@ class LLMEngine:
         cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
         keep their storage)."""
         self._check_weights_can_change("update_weights()")
-        copied = 0  # tensors loaded by earlier chunks
-        # A chunk reached the model (an empty one too: FP8 KV scales computed from the data are set
-        # anew, so the cached KV, quantized under the old ones, is stale as under old weights).
-        loaded = False
-        try:
-            for chunk in weight_chunks(weights):  # a generator runs here, where an interrupt lands at once
-                # An interrupt waits for the chunk's copy to end on every rank: no half-copied chunk.
-                try:
-                    with worker_errors(self.workers), deferred_signals():
-                        self.model_runner.update_weights(chunk)  # checks the chunk before changing anything
-                        loaded = True  # set before an interrupt held over the copy is raised
-                        if self.workers is not None:
-                            self.workers.send("update_weights", PackedTensors.pack(chunk))
-                except (TypeError, ValueError) as e:
-                    if copied:
-                        raise type(e)(f"{e} (but the {copied} weight(s) of this generator's earlier chunks "
-                                      "were loaded: the model holds part of the new weights)") from None
-                    raise
-                copied += len(chunk)
-        finally:  # also when a later chunk is refused or interrupted: the earlier ones changed the weights
-            if loaded:
-                self.block_manager.clear_prefix_cache()
+        self.ranks.update_weights(weights, on_loaded=self.block_manager.clear_prefix_cache)
 
     def _check_weights_can_change(self, call: str) -> None:
         """RuntimeError naming `call` unless the weights may be written now: the engine open, no
@@ -350,22 +266,16 @@ class LLMEngine:
         self._check_open()
         if not self.is_finished():
             raise RuntimeError(f"{call} called while requests are pending; finish or abort them first")
-        self._check_weights_awake(call)
-
-    def _check_weights_awake(self, call: str) -> None:
-        """RuntimeError naming `call` while the weights sleep (their storage is gone)."""
-        if WEIGHTS in self.model_runner.sleeping:
-            raise RuntimeError(f"{call} called while the weights sleep ({self._sleep_state()}): "
-                               "call wake_up(tags=['weights']) first")
+        self.ranks.check_weights_awake(call)
 
     @one_call_at_a_time
     def apply_model(self, func: Callable[[torch.nn.Module], object]) -> list:
         """vLLM's LLM.apply_model: func(model) on every rank (its nn.Module, with that rank's shard
         of the weights), their results in rank order (engine/rank_calls.py). A func that changes
         the weights leaves the prefix cache's KV stale: call reset_prefix_cache() after it."""
-        if not callable(func):
-            raise TypeError(f"apply_model takes a function of the model, got {func!r}")
-        return self._call_on_every_rank(functools.partial(apply_to_model, func), "apply_model()", None)
+        call = model_call(func)  # a TypeError before the engine's state is looked at
+        self._check_open()
+        return self.ranks.call(call, "apply_model()", None)
 
     @one_call_at_a_time
     def collective_rpc(self, method: object, timeout: float | None = None, args: tuple = (),
@@ -380,14 +290,7 @@ class LLMEngine:
         step, as after an interrupt: exit() and build a new LLM); rank 0's own part is not timed."""
         self._check_open()
         if callable(method):
-            if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
-                raise TypeError(f"collective_rpc args must be a tuple and kwargs a dict or None, got {args!r}, "
-                                f"{kwargs!r}")
-            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                        or not timeout > 0):
-                raise ValueError(f"collective_rpc timeout must be None or a number of seconds > 0, got {timeout!r}")
-            return self._call_on_every_rank(functools.partial(call_with_worker, method, args, kwargs or {}),
-                                            "collective_rpc()", timeout)
+            return self.ranks.call(worker_call(method, args, kwargs, timeout), "collective_rpc()", timeout)
         if method != RELOAD_WEIGHTS:
             raise NotImplementedError(f"Method {method!r} is not implemented: nanovllm's collective_rpc runs "
                                       f"{RELOAD_WEIGHTS!r} or a function of the worker only")
@@ -395,7 +298,7 @@ class LLMEngine:
             raise ValueError(f"collective_rpc({RELOAD_WEIGHTS!r}) takes no arguments here (the model directory's "
                              f"checkpoint is reloaded), got args={args!r}, kwargs={kwargs!r}")
         self._check_weights_can_change(f"collective_rpc({RELOAD_WEIGHTS!r})")
-        self._on_every_rank(RELOAD_WEIGHTS)
+        self.ranks.run_method(RELOAD_WEIGHTS)
         self.block_manager.clear_prefix_cache()
         return [None] * self.config.tensor_parallel_size
 
@@ -409,11 +312,11 @@ class LLMEngine:
         level = sleep_level(level)
         if self.model_runner.sleeping:
             logger.warning("sleep(level=%d) called while already asleep (%s): nothing to do", level,
-                           self._sleep_state())
+                           self.ranks.sleep_state())
             return
         if not self.is_finished():
             raise RuntimeError("sleep() called while requests are pending; finish or abort them first")
-        self._on_every_rank("sleep", level)
+        self.ranks.run_method("sleep", level)
         self.block_manager.clear_prefix_cache()  # the KV it indexes is gone
 
     @one_call_at_a_time
@@ -424,7 +327,7 @@ class LLMEngine:
         self._check_open()
         parts = [tag for tag in wake_tags(tags) if tag in self.model_runner.sleeping]
         if parts:
-            self._on_every_rank("wake_up", parts)
+            self.ranks.run_method("wake_up", parts)
 
     @one_call_at_a_time
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -454,42 +357,27 @@ class LLMEngine:
         quantization method."""
         return self.config.served_model
 
+    # ----- what set_tokenizer and exit() change, read from its one holder -----
+    @property
+    def tokenizer(self):
+        """The tokenizer (transformers': the loaded one or set_tokenizer's), None without one."""
+        return self.intake.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every EOS id: the tokenizer's, config.json's and generation_config.json's."""
+        return self.intake.eos.all
+
+    @property
+    def workers(self) -> WorkerGroup | None:
+        """The tensor-parallel workers (ranks 1..N-1); None without tensor parallelism, or after exit()."""
+        return self.ranks.workers
+
     @one_call_at_a_time
     def is_sleeping(self) -> bool:
         """True while any part sleeps (vLLM's LLM.is_sleeping)."""
         self._check_open()
         return bool(self.model_runner.sleeping)
-
-    def _sleep_state(self) -> str:
-        return ", ".join(f"{tag} asleep" for tag in self.model_runner.sleeping)
-
-    def _call_on_every_rank(self, call: RankCall, name: str, timeout: float | None) -> list:
-        """`call(model_runner)` on every rank (engine/rank_calls.py), the workers' first; each rank's
-        result, rank 0 first. Refused while the weights sleep (their storage is gone). An
-        interrupt (or the workers' `timeout`) while the ranks run it is raised at once and leaves
-        the group out of step: their answers would come after it."""
-        self._check_open()
-        self._check_weights_awake(name)
-        if self.workers is None:
-            return results([run_call(call, self.model_runner)])
-        payload = pickled_call(call, name)
-        with worker_errors(self.workers):  # a rank's own error is an outcome, raised once all answered
-            with deferred_signals():
-                self.workers.send(CALL, payload)
-            try:
-                outcomes = [run_call(call, self.model_runner), *self.workers.collect(timeout)]
-            except KeyboardInterrupt:
-                self.workers.out_of_step = f"{name} was interrupted while the workers ran it"
-                raise
-        return results(outcomes)
-
-    def _on_every_rank(self, method: str, *args) -> None:
-        """ModelRunner.<method>(*args) on the workers, then here (on CUDA, capturing graphs runs
-        collectives every rank joins); an interrupt waits for every rank to finish it."""
-        with worker_errors(self.workers), deferred_signals():
-            if self.workers is not None:
-                self.workers.send(method, *args)
-            getattr(self.model_runner, method)(*args)
 
     @one_call_at_a_time
     def exit(self) -> None:
@@ -508,13 +396,6 @@ class LLMEngine:
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.exit()
-        self._close_workers()
-
-    def _close_workers(self) -> None:
-        workers = getattr(self, "workers", None)
-        if workers is not None:
-            self.workers = None
-            workers.close()
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()

@@ -23,6 +23,7 @@ VLLM_ALLOW_INSECURE_SERIALIZATION setting).
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,26 @@ def apply_to_model(func: Callable, runner: ModelRunner) -> object:
 
 def call_with_worker(func: Callable, args: tuple, kwargs: dict, runner: ModelRunner) -> object:
     return func(Worker(runner, runner.rank, runner.device), *args, **kwargs)
+
+
+def model_call(func: object) -> RankCall:
+    """apply_model's `func` as the call each rank runs; TypeError unless it is callable."""
+    if not callable(func):
+        raise TypeError(f"apply_model takes a function of the model, got {func!r}")
+    return functools.partial(apply_to_model, func)
+
+
+def worker_call(func: Callable, args: object, kwargs: object, timeout: object) -> RankCall:
+    """collective_rpc's `func` bound to `args` (a tuple) and `kwargs` (a dict or None) as the call
+    each rank runs; TypeError for other args or kwargs, ValueError unless `timeout` is None or a
+    number of seconds > 0."""
+    if not isinstance(args, tuple) or not isinstance(kwargs, (dict, type(None))):
+        raise TypeError(f"collective_rpc args must be a tuple and kwargs a dict or None, got {args!r}, "
+                        f"{kwargs!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"collective_rpc timeout must be None or a number of seconds > 0, got {timeout!r}")
+    return functools.partial(call_with_worker, func, args, kwargs or {})
 
 
 def run_call(call: RankCall, runner: ModelRunner) -> RankOutcome:
