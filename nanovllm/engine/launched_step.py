@@ -1,9 +1,9 @@
 """The handles of a step on its way to the device. `PreparedStep` (ModelRunner.prepare): its inputs
 built on the host, nothing queued. `StepLogits` (ModelRunner.queue): its forward
 and LM head queued, sampling not yet (the host fills the step's token masks meanwhile).
-`LaunchedStep` (ModelRunner.sample / launch): its sampled tokens and logprobs, copied to pinned
-host memory behind one event, read only when the engine needs them (overlap scheduling plans the
-next step before waiting here)."""
+`LaunchedStep` (ModelRunner.sample, through `launched`): its sampled tokens and logprobs, copied to
+pinned host memory behind one event, read only when the engine needs them (overlap scheduling plans
+the next step before waiting here)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,22 @@ class LaunchedStep:
             return None
         self._wait()
         return self.host_prompt_logprobs
+
+
+def launched(prepare_s: float, tokens: torch.Tensor | None, sample_logprobs: TokenLogprobs | None,
+             prompt_logprobs: RowLogprobs | None, device: torch.device) -> LaunchedStep:
+    """The handle of a queued step: its device results copied to pinned host memory
+    (CUDA: asynchronously, one event after the copies; CPU: as they are)."""
+    if device.type != "cuda":
+        return LaunchedStep(prepare_s, tokens, tokens, None, sample_logprobs, prompt_logprobs)
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    host_tokens = to_host(tokens) if tokens is not None else None
+    host_lp = None if sample_logprobs is None else TokenLogprobs._make(map(to_host, sample_logprobs))
+    host_plp = None if prompt_logprobs is None else RowLogprobs._make(map(to_host, prompt_logprobs))
+    ready = torch.cuda.Event()
+    ready.record()
+    return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)

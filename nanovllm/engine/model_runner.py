@@ -1,7 +1,8 @@
 """Owns the model on one device: weights, KV cache, CUDA graphs, and one step's forward.
 
-Start-up: build the model -> load weights -> warm up at the largest prefill batch ->
-size and allocate the KV cache -> capture CUDA graphs (CUDA, unless enforce_eager):
+Start-up: build the model -> load weights -> warm up at the largest prefill batch (CUDA:
+engine/warmup.py) -> size and allocate the KV cache (engine/kv_cache.py, the same block count on
+every rank) -> capture CUDA graphs (CUDA, unless enforce_eager):
 decode graphs per batch size, and prefill / mixed-step graphs per token bucket when the
 attention backend is ours and `prefill_graphs` is on (varlen_graphs.py). A scheduled step goes
 through `prepare` (its inputs built on the host), `queue` (its forward) and `sample`, which returns a
@@ -11,10 +12,14 @@ their own rank and take each step whole (`run(plan)`, see tp_workers.py). `sleep
 back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.py).
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
-also has each layer's scales: the checkpoint's, or set by the first prefill step after start-up
-and after each update_weights, which then runs eagerly (no graph replay) with
-`calibrate_kv_scales` in its metadata. Rank 0 logs the cache's size and dtype at start-up
-(logger "nanovllm.engine.model_runner", INFO).
+also has each layer's scales (`kv_scales`, engine/kv_cache.KvScales): the checkpoint's, or set by
+the first prefill step after start-up and after each weight change, which then runs eagerly (no
+graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs the cache's size and dtype
+at start-up (logger "nanovllm.engine.model_runner", INFO).
+
+Invariants: from start-up to `exit` every attention layer holds its views of `kv_cache` and its
+scales (the same tensors across sleep, which resizes their storages); `graphs` / `varlen_graphs`
+are None while anything sleeps, and where none are captured; `prepare` queues nothing on the device.
 """
 
 from __future__ import annotations
@@ -29,16 +34,17 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.kv_cache import (allocate_kv_cache, allocate_kv_scales, kv_block_bytes, kv_cache_shape,
-                                      num_cache_blocks)
-from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits
+from nanovllm.engine.kv_cache import (KvScales, allocate_kv_cache, copy_blocks, kv_block_bytes, kv_cache_shape,
+                                      num_blocks_on_every_rank)
+from nanovllm.engine.launched_step import LaunchedStep, PreparedStep, StepLogits, launched
 from nanovllm.engine.rules_builder import RulesBuilder
 from nanovllm.engine.scheduled_batch import StepKind
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.sleep import KV_CACHE, WAKE_TAGS, WEIGHTS, FreedStorages, SleepLevel
+from nanovllm.engine.sleep import FreedStorages, SleepLevel, free_for_sleep, wake
 from nanovllm.engine.step_inputs import HostCopy, StepInputBuilder, StepInputs
 from nanovllm.engine.step_plan import StepPlan, sampled_positions
-from nanovllm.engine.varlen_graphs import VarlenGraphs
+from nanovllm.engine.varlen_graphs import MAX_VARLEN_GRAPH_TOKENS, VarlenGraphs
+from nanovllm.engine.warmup import warm_up
 from nanovllm.kernels.checks import FP8_KV_DTYPE, sm_count
 from nanovllm.kernels.decode_group_plan import GroupLimits
 from nanovllm.kernels.prefill_plan import query_tile_rows
@@ -46,25 +52,18 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.kernel_path import kernel_routes
 from nanovllm.models.registry import build_model
-from nanovllm.quantization.config import INPUT_SCALE, quantization
-from nanovllm.sampling.batch import KEY_BITS, SamplingBatch, SamplingPack, row_key
+from nanovllm.quantization.config import quantization
+from nanovllm.sampling.batch import KEY_BITS, SamplingPack, row_key
 from nanovllm.sampling.row_logprobs import RowLogprobs
-from nanovllm.sampling.sampler import Sampler, TokenLogprobs
-from nanovllm.sampling.token_mask import TokenMask, mask_words
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.token_mask import TokenMask
 from nanovllm.utils.context import attention_context
 from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 from nanovllm.utils.host_to_device import to_device
-from nanovllm.utils.kv_scales import load_kv_scales
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
 
-# Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
-# their device time hides the host's); bounds the graphs' start-up time and memory.
-MAX_VARLEN_GRAPH_TOKENS = 16384
-# Decode inputs travel as int32 (StepInputBuilder.decode_rows): cache slots must fit.
-MAX_KV_SLOTS = 2**31 - 1
 # Prompt-logprob rows scored per LM-head call: bounds the [rows, vocab] float32 logits
 # (1,024 x 151,936 x 4 B = 0.6 GB) whatever the step's token budget.
 PROMPT_LOGPROB_CHUNK_ROWS = 1024
@@ -105,21 +104,10 @@ class ModelRunner:
         self._load_weights()
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # An FP8 cache's (k_scale, v_scale) per layer: the checkpoint's, or calibrated by the first prefill
-        # step (config.calculate_kv_scales: True always calibrates, False never: 1.0 without the checkpoint's).
-        self.kv_scales = allocate_kv_scales(cfg.num_hidden_layers, self.device) if fp8_kv else None
-        checkpoint_scales = (load_kv_scales(config.model, cfg.num_hidden_layers, cfg.quantization_config)
-                             if fp8_kv and config.load_format != "dummy" and config.calculate_kv_scales is not True
-                             else None)
-        if checkpoint_scales is not None:
-            for (k_scale, v_scale), (k_value, v_value) in zip(self.kv_scales, checkpoint_scales):
-                k_scale.fill_(k_value)
-                v_scale.fill_(v_value)
-        # Scales computed from the data (no checkpoint scales): the first prefill step after start-up,
-        # and after each update_weights, sets them (the weights they were computed under are gone).
-        self._scales_from_data = fp8_kv and checkpoint_scales is None and config.calculate_kv_scales is not False
-        self._calibrate_kv = self._scales_from_data
-        self.model.on_weights_loaded = self._weights_changed  # load_weights through apply_model too
+        # An FP8 cache's (k_scale, v_scale) per layer (none for another cache): the checkpoint's, or
+        # set by the first prefill step after start-up and after each weight change
+        self.kv_scales = KvScales(config, self.device)
+        self.model.on_weights_loaded = self.kv_scales.weights_changed  # load_weights through apply_model too
         self._key_rng = random.Random(config.seed)  # noise keys of unseeded requests
         # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
         self.rules = RulesBuilder(cfg.vocab_size, self.device)
@@ -129,13 +117,12 @@ class ModelRunner:
         block_bytes = kv_block_bytes(config, self.world_size)
         if self.device.type == "cuda":
             self._attach_kv_cache(allocate_kv_cache(config, self.world_size, 1, self.device))
-            self._warmup()
-        num_blocks = num_cache_blocks(config, block_bytes, self.device, allocated_before)
-        self.num_blocks = self._min_over_ranks(min(num_blocks, MAX_KV_SLOTS // self.block_size))
+            warm_up(self.model, self.sampler, self.inputs, config, self.device)
+        self.num_blocks = num_blocks_on_every_rank(config, self.world_size, block_bytes, self.device, allocated_before)
         self.kv_cache = allocate_kv_cache(config, self.world_size, self.num_blocks, self.device)
         self._attach_kv_cache(self.kv_cache)
         if self.rank == 0:
-            scales = ("" if not fp8_kv else ", scales from the checkpoint" if checkpoint_scales
+            scales = ("" if not fp8_kv else ", scales from the checkpoint" if self.kv_scales.from_checkpoint
                       else ", scales from the first prefill step")
             logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s%s, %.2f GiB", self.num_blocks,
                         self.block_size, self.num_blocks * self.block_size, str(self.kv_dtype).removeprefix("torch."),
@@ -186,56 +173,7 @@ class ModelRunner:
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, layer in enumerate(self.attention_layers):
-            layer.attach(kv_cache[0, i], kv_cache[1, i], self.backend,
-                         self.kv_scales[i] if self.kv_scales is not None else None)
-
-    def _min_over_ranks(self, value: int) -> int:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.device if self.device.type == "cuda" else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        return int(t.item())
-
-    @torch.inference_mode()
-    def _warmup(self) -> None:
-        """One step at the largest token budget (and a sampler pass), to measure peak memory.
-        Runs on a one-block cache: every block-table entry is block 0."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        cfg = self.config
-        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        plan = StepPlan(StepKind.PREFILL, starts=[0] * num_seqs, num_new_tokens=[seq_len] * num_seqs,
-                        token_ids=[0] * (num_seqs * seq_len), block_tables=[[0] * cfg.max_blocks_per_seq] * num_seqs,
-                        sampled=[True] * num_seqs)
-        inputs = self.inputs.varlen(plan, self.inputs.varlen_copy(plan, self.inputs.exact_layout(plan)), None)
-        hidden = self._forward(inputs)[inputs.sample_indices]
-        rows = hidden[-1:].expand(cfg.max_num_seqs, -1)
-        logits = self.model.compute_logits(rows)
-        if logits is not None:
-            # Each threshold path the sampler can take, at full batch, so its kernels compile here
-            # and its peak memory is what the KV cache leaves room for: top-p alone (on the CPU a
-            # full sort), top-k with top-p and every row's logprobs (as many as max_logprobs allows,
-            # and where the Triton logprobs pass serves fewer, its largest k too), plain sampling, and
-            # where the sampler has the radix select (CUDA), a top-k too large for torch.topk, which
-            # takes it; with the Triton top-k kernel (CUDA), each of its list lengths.
-            keys = [0] * cfg.max_num_seqs
-            logprob_ks = {cfg.logprobs_limit}
-            if self.sampler.token_logprobs_max_k is not None:
-                logprob_ks.add(min(cfg.logprobs_limit, self.sampler.token_logprobs_max_k))
-            passes = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0),
-                      *(SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=k) for k in sorted(logprob_ks))]
-            passes += [SamplingParams(temperature=0.6, top_k=k, top_p=0.95) for k in self.sampler.topk_list_ks]
-            if self.sampler.radix_min_rows is not None:
-                passes.append(SamplingParams(temperature=1.0, top_k=self.sampler.topk_max_k + 1, top_p=0.9))
-            for sp in passes:
-                batch = SamplingBatch.build([sp] * cfg.max_num_seqs, keys, self.device, logits.shape[-1])
-                self.sampler(logits, batch)
-            # the token-mask kernel (structured outputs) compiles here too, not at the first such request
-            allow_all = torch.full((1, mask_words(logits.shape[-1])), -1, dtype=torch.int32, device=self.device)
-            self.sampler.apply_token_mask(logits, TokenMask(torch.zeros(1, dtype=torch.int64, device=self.device),
-                                                            allow_all))
-        torch.cuda.synchronize(self.device)
+            layer.attach(kv_cache[0, i], kv_cache[1, i], self.backend, self.kv_scales.of_layer(i))
 
     def prepare(self, plan: StepPlan, sample_seqs: list[Sequence] | None = None) -> PreparedStep:
         """Build a step's inputs on the host, queuing nothing on the device (`queue` does that), so
@@ -255,12 +193,12 @@ class ModelRunner:
             graph = self.graphs.padded_size(batch_size) if self.graphs is not None else None
             copy = HostCopy.of(self.inputs.decode_rows(plan, batch_size if graph is None else graph), words)
             return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph)
-        # the FP8 scales' calibration runs eagerly
+        calibrate = self.kv_scales.calibrate  # the FP8 scales' calibration runs eagerly
         graph = (self.varlen_graphs.bucket(plan.num_tokens)
-                 if self.varlen_graphs is not None and not self._calibrate_kv else None)
+                 if self.varlen_graphs is not None and not calibrate else None)
         layout = self.inputs.exact_layout(plan) if graph is None else self.varlen_graphs.layouts[graph]
         copy = self.inputs.varlen_copy(plan, layout, words)
-        return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph, self._calibrate_kv)
+        return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph, calibrate)
 
     @torch.inference_mode()
     def queue(self, step: PreparedStep, previous: LaunchedStep | None = None) -> StepLogits:
@@ -291,12 +229,12 @@ class ModelRunner:
                 inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
             every = self._forward(inputs)  # [num_tokens, hidden]
             if step.calibrate_kv:  # set only once every layer has (a step that raised calibrates nothing)
-                self._calibrate_kv = False
+                self.kv_scales.calibrated()
             hidden, device_words = every[inputs.sample_indices], inputs.sampling_words  # [num_sampled, hidden]
             if plan.prompt_logprob_rows:
                 prompt_logprobs = self._prompt_logprobs(plan, every)
         if plan.block_copies:  # forked samples' copies of their parents' partial blocks, now written
-            self._copy_blocks(plan.block_copies)
+            copy_blocks(self.kv_cache, plan.block_copies, self.device)
         # [num_sampled, vocab] on rank 0, None elsewhere (every rank takes part in the LM head)
         logits = self.model.compute_logits(hidden) if any(plan.sampled) else None
         if logits is None or step.sampling is None:
@@ -311,29 +249,11 @@ class ModelRunner:
         masked by `token_mask` (structured outputs) and its logits rules applied (penalties, biases,
         masks); records the sampled tokens in the penalties' counts; returns the step's handle."""
         if step.logits is None:
-            return self._finish_launch(step.prepare_s, None, None, step.prompt_logprobs)
+            return launched(step.prepare_s, None, None, step.prompt_logprobs, self.device)
         out = self.sampler(step.logits, step.sampling, step.rules, token_mask)  # tokens [num_sampled] int64, logprobs
         if step.rules is not None:
             step.rules.record(out.tokens)  # the penalties' counts include this step's tokens from now on
-        return self._finish_launch(step.prepare_s, out.tokens, out.logprobs, step.prompt_logprobs)
-
-    def _finish_launch(self, prepare_s: float, tokens: torch.Tensor | None, sample_logprobs: TokenLogprobs | None,
-                       prompt_logprobs: RowLogprobs | None) -> LaunchedStep:
-        """The handle of a queued step: its device results copied to pinned host memory
-        (CUDA: asynchronously, one event after the copies; CPU: as they are)."""
-        if self.device.type != "cuda":
-            return LaunchedStep(prepare_s, tokens, tokens, None, sample_logprobs, prompt_logprobs)
-
-        def to_host(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        host_tokens = to_host(tokens) if tokens is not None else None
-        host_lp = None if sample_logprobs is None else TokenLogprobs._make(map(to_host, sample_logprobs))
-        host_plp = None if prompt_logprobs is None else RowLogprobs._make(map(to_host, prompt_logprobs))
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(prepare_s, tokens, host_tokens, ready, host_lp, host_plp)
+        return launched(step.prepare_s, out.tokens, out.logprobs, step.prompt_logprobs, self.device)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> RowLogprobs | None:
         """The RowLogprobs of the plan's prompt-logprob rows, scored from
@@ -351,12 +271,6 @@ class ModelRunner:
             return None
         return RowLogprobs._make(torch.cat(p) for p in zip(*parts))
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """KV-cache block `source` -> block `destination` for each pair, every layer, K and V."""
-        src = to_device([a for a, _ in copies], self.device, torch.int64)
-        dst = to_device([b for _, b in copies], self.device, torch.int64)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [2, layers, copies, block, heads, dim]
-
     def get_model(self) -> torch.nn.Module:
         """This rank's model (vLLM's GPUModelRunner.get_model, which worker functions call)."""
         return self.model
@@ -367,14 +281,11 @@ class ModelRunner:
         and shape checked first; see loader.update_weights)."""
         self.model.load_weights(weights)
 
-    def _weights_changed(self) -> None:
-        self._calibrate_kv = self._scales_from_data  # the next prefill step sets the FP8 scales anew
-
     def reload_weights(self) -> None:
         """The checkpoint's weights again, in place, as at start-up (vLLM's worker reload_weights,
         which a level-2 sleep asks for); FP8 KV scales computed from the data are set anew."""
         self._load_weights()
-        self._weights_changed()
+        self.kv_scales.weights_changed()
 
     def _load_weights(self) -> None:
         """The checkpoint's weights (load_format "dummy": random ones from the seed) into the model."""
@@ -384,35 +295,20 @@ class ModelRunner:
             load_model(self.model, self.config.model, self.config.load_format)
 
     def sleep(self, level: SleepLevel) -> None:
-        """Give the device memory back (engine/sleep.py): the KV cache, the weights (level 1: to
-        host memory; level 2: discarded, buffers and static activation scales to host memory), the
-        CUDA graphs (they hold the old addresses) and the penalties' counts. The engine checked that
-        nothing is pending and nothing sleeps already. Should the host copies fail (host memory),
-        nothing has changed."""
-        named = list(self.model.named_parameters())
-        # a checkpoint's static activation scales are calibration: no weight update_weights takes
-        # gives them back, so level 2 keeps them as it keeps the buffers
-        calibration = [p for name, p in named if name.endswith(INPUT_SCALE)]
-        weights = [p for name, p in named if not name.endswith(INPUT_SCALE)]
-        kept = calibration + list(self.model.buffers())
-        if level == SleepLevel.OFFLOAD_WEIGHTS:
-            kept, weights = kept + weights, []
-        self.sleeping = {WEIGHTS: FreedStorages(kept, weights, self.device),
-                         KV_CACHE: FreedStorages([], [self.kv_cache], self.device, zero_dropped=False)}
+        """Give the device memory back: the KV cache and the weights (engine/sleep.free_for_sleep: should
+        the host copies fail, nothing has changed), the CUDA graphs (they hold the old addresses) and
+        the penalties' counts. The engine checked that nothing is pending and nothing sleeps already."""
+        self.sleeping = free_for_sleep(self.model, self.kv_cache, level, self.device)
         self.graphs = self.varlen_graphs = None
         self.rules = RulesBuilder(self.config.model_config.vocab_size, self.device)  # no sequence holds a slot
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str]) -> None:
-        """Restore the sleeping parts among `tags` (WAKE_TAGS names; awake ones are skipped), in
-        WAKE_TAGS order; once nothing sleeps, capture the CUDA graphs again. A part sleeps until its
-        restore has succeeded: one that fails (out of device memory while a trainer holds it) keeps
-        its host copy, and wake_up can be called again."""
-        for tag in WAKE_TAGS:
-            if tag in tags and tag in self.sleeping:
-                self.sleeping[tag].restore()
-                del self.sleeping[tag]
+        """Restore the sleeping parts among `tags` (engine/sleep.wake: a part whose restore fails, out
+        of device memory while a trainer holds it, sleeps on and wake_up can be called again); once
+        nothing sleeps, capture the CUDA graphs again."""
+        wake(self.sleeping, tags)
         if not self.sleeping and self.graphs is None:
             self._capture_graphs()
 

@@ -13,15 +13,18 @@ dropped at sleep and captured again once nothing sleeps (ModelRunner). Woken con
 weights are the bytes they had; level 2's parameters are zeros (its buffers, such as RoPE tables,
 and a checkpoint's static activation scales, which update_weights does not refill, wait on the host
 as level 1's weights do); the KV cache's
-contents are undefined (the prefix cache is emptied at sleep).
+contents are undefined (the prefix cache is emptied at sleep). `free_for_sleep` decides what a level
+gives back, `wake` restores it; ModelRunner holds the result (`sleeping`, empty while awake).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
+
+from nanovllm.quantization.config import INPUT_SCALE
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
@@ -123,3 +126,29 @@ class FreedStorages:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the host copies may go once this returns
         self._entries = []
+
+
+def free_for_sleep(model: torch.nn.Module, kv_cache: torch.Tensor, level: SleepLevel,
+                   device: torch.device) -> dict[str, FreedStorages]:
+    """Give back the device memory of `model` and `kv_cache` (the module docstring), by wake_up
+    tag, weights first: should their host copies fail (host memory), nothing has changed."""
+    named = list(model.named_parameters())
+    # a checkpoint's static activation scales are calibration: no weight update_weights takes
+    # gives them back, so level 2 keeps them as it keeps the buffers
+    calibration = [p for name, p in named if name.endswith(INPUT_SCALE)]
+    weights = [p for name, p in named if not name.endswith(INPUT_SCALE)]
+    kept = calibration + list(model.buffers())
+    if level == SleepLevel.OFFLOAD_WEIGHTS:
+        kept, weights = kept + weights, []
+    return {WEIGHTS: FreedStorages(kept, weights, device),
+            KV_CACHE: FreedStorages([], [kv_cache], device, zero_dropped=False)}
+
+
+def wake(sleeping: dict[str, FreedStorages], tags: Collection[str]) -> None:
+    """Restore the parts of `sleeping` among `tags` (WAKE_TAGS names; others are skipped), in
+    WAKE_TAGS order, removing each from `sleeping` once restored: one whose restore raises stays
+    (with its host copy), so waking can be tried again."""
+    for tag in WAKE_TAGS:
+        if tag in tags and tag in sleeping:
+            sleeping[tag].restore()
+            del sleeping[tag]

@@ -17,7 +17,7 @@ prefill kernel walks the step's query tiles from a table (kernels/prefill_attent
 A replay costs one host-to-device copy, the carried-token gather and the graph launch,
 whatever the number of layers. Every graph writes its hidden states into one buffer of the
 largest bucket's rows (as the decode graphs do), so the graphs' pool holds no output per graph.
-Steps above the largest bucket run eagerly.
+Steps above the largest bucket (at most MAX_VARLEN_GRAPH_TOKENS) run eagerly.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ MIN_BUCKET = 16
 # power of two below them (a step pads by at most 25%), and the scheduler may trim a mixed step
 # down to one of them instead of padding (`fill_sizes`).
 COMPUTE_BOUND_TOKENS = 256
+# Prefill / mixed steps up to this many tokens replay CUDA graphs (larger ones run eagerly:
+# their device time hides the host's); bounds the graphs' start-up time and memory.
+MAX_VARLEN_GRAPH_TOKENS = 16384
 
 
 def token_buckets(max_tokens: int, row_limits: tuple[int, ...] = ()) -> list[int]:

@@ -11,8 +11,8 @@ quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_b
     vLLM reads as k_scale = v_scale = kv_scale)
 
 with our meaning: read value = fp8 * scale. The weight loader skips these names whatever the
-cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); the model runner
-reads them with `load_kv_scales` for an FP8 cache. Only the safetensors headers are scanned for
+cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); an FP8 cache's
+scales (engine/kv_cache.KvScales) are read with `load_kv_scales`. Only the safetensors headers are scanned for
 the names; only the scale tensors are read (a PyTorch pickle is loaded memory-mapped).
 """
 
