@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from nanovllm.beam_search_params import BeamSearchParams
 from nanovllm.inputs import prompt_batch, tokens_prompt
 from nanovllm.outputs import Logprob
-from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import check_int
 
 if TYPE_CHECKING:

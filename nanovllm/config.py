@@ -24,12 +24,11 @@ from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.config import QuantConfig, quantization_method, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
-from nanovllm.sampling_params import SEED_LIMIT, check_seed
 from nanovllm.utils.checkpoint_files import checkpoint_files
 from nanovllm.utils.generation_defaults import check_generation_overrides
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.tokenizer import TOKENIZER_FILES, has_tokenizer
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import SEED_LIMIT, check_bool, check_int, check_number, check_seed
 
 logger = logging.getLogger(__name__)
 
@@ -245,14 +244,12 @@ class Config:
         if self.seed is None:
             self.seed = secrets.randbelow(SEED_LIMIT)
         check_seed("seed", self.seed)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
-            raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enforce_eager", "prefill_graphs", "enable_prefix_caching", "overlap_scheduling",
                      "mixed_steps", "skip_tokenizer_init"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if isinstance(self.dtype, torch.dtype):  # vLLM takes a torch.dtype too
             self.dtype = next((name for name, t in DTYPES.items() if t == self.dtype), str(self.dtype))
         if isinstance(self.dtype, str):

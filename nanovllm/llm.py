@@ -25,6 +25,7 @@ from collections.abc import Sequence as SequenceABC
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, beam_search
+from nanovllm.beam_search_params import BeamSearchParams
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.profiler import TorchProfiler
@@ -33,7 +34,7 @@ from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask, pooling_method
 from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
 from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import default_sampling_params
 
 

@@ -4,6 +4,11 @@ Every field is validated at construction, and again when a request is added (fie
 afterwards, as RL frameworks do): a bad value raises ValueError/TypeError naming it, so the engine
 never sees a request it cannot serve. Checks that need the model (token ids within the vocabulary,
 bad words that need a tokenizer) are the engine's (engine/request_intake.py, engine/request_rules.py).
+
+Here: SamplingParams, RequestOutputKind, their limits, field_types. vLLM's module holds
+StructuredOutputsParams and BeamSearchParams too, so they are importable from here as from
+vllm.sampling_params, though each lives in its own module (structured_outputs_params.py,
+beam_search_params.py); so are check_seed and SEED_LIMIT (utils/validation.py).
 """
 
 from __future__ import annotations
@@ -11,14 +16,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import json
 import logging
-import math
-import numbers
 import typing
 from dataclasses import dataclass, field
 
-from nanovllm.utils.validation import check_int, check_text
+from nanovllm.beam_search_params import BeamSearchParams  # noqa: F401 - vLLM's import path
+from nanovllm.structured_outputs_params import StructuredOutputsParams
+from nanovllm.utils.validation import SEED_LIMIT  # noqa: F401 - importable here, as it was
+from nanovllm.utils.validation import (check_bool, check_float, check_int, check_seed, check_text, plain_number,
+                                       token_id_list)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +42,6 @@ PENALTY_LIMIT = 2.0
 TRUNCATE_TO_MODEL_LEN = -1
 # The seed vLLM reads as None (no seed).
 NO_SEED = -1
-# Seeds are 64-bit (noise keys mix them modulo 2**64: a larger one would alias a smaller one's tokens).
-SEED_LIMIT = 2**64
 # The rules work on float32 logits: a bias beyond float32's largest value would be inf there.
 FLOAT32_MAX = 3.4028234663852886e38
 # The most samples a request may ask for (vLLM's VLLM_MAX_N_SEQUENCES default): each is a sequence the
@@ -46,136 +50,6 @@ MAX_N = 16384
 # repetition_penalty's smallest value, float32's smallest normal one: the rules divide float32 logits by
 # it, and a smaller one is 0 (a division by zero) or subnormal there.
 MIN_REPETITION_PENALTY = 2.0**-126
-
-
-def check_seed(name: str, seed: object) -> None:
-    """A seed (a request's, or the engine's): an int in [0, SEED_LIMIT)."""
-    check_int(name, seed, 0)
-    if seed >= SEED_LIMIT:
-        raise ValueError(f"{name} must be < 2**64, got {seed!r}")
-
-
-# Types passed through as they are without the numbers ABCs' checks (~1 us each, and a request's
-# params are checked field by field when it is added: the host's cost per request).
-_AS_IS_TYPES = frozenset({bool, int, float, str, type(None), list, tuple, dict})
-
-
-def _plain_number(value: object) -> object:
-    """A NumPy (or other numbers.Integral / numbers.Real) scalar as a Python int / float, as vLLM takes
-    them (data-synthesis scripts draw max_tokens, seeds and top_p with NumPy); anything else as is."""
-    if type(value) in _AS_IS_TYPES:
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
-
-
-def _check_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
-    if math.isnan(value):
-        raise ValueError(f"SamplingParams.{name} must not be NaN")
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
-
-
-def _token_list(name: str, value: object) -> list[int]:
-    """A list (or tuple) of token ids (ints >= 0), as a new list of Python ints."""
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"SamplingParams.{name} must be a list of token ids, got {value!r}")
-    ids = [_plain_number(token_id) for token_id in value]
-    for token_id in ids:
-        check_int(f"SamplingParams.{name}", token_id, 0)
-    return ids
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Constrains a completion to a formal language (vLLM's structured outputs). Exactly one of:
-
-    json: a JSON schema (a dict, or its JSON text): the completion is JSON valid against it.
-    regex: the whole completion matches this regular expression.
-    choice: the completion is one of these strings.
-    grammar: an EBNF grammar (xgrammar's GBNF-style syntax, start rule `root`).
-    json_object: True: the completion is a JSON object.
-
-    disable_any_whitespace: JSON (json / json_object) without optional whitespace; by default any
-        whitespace JSON allows may come between its tokens.
-
-    vLLM's other options are taken where they ask for what xgrammar, the only backend here, does
-    anyway, and refused by name otherwise (ValueError): disable_additional_properties (either bool:
-    xgrammar's strict mode allows no property a schema does not name, as vLLM's xgrammar backend
-    compiles it), disable_fallback (either bool: there is no other backend to fall back to),
-    whitespace_pattern (None only: xgrammar takes no whitespace regex; disable_any_whitespace is its
-    switch) and structural_tag (None only: not supported). They are kept as given, as vLLM's fields are.
-    EOS ends a constrained completion only where the language allows the text to end. The shape
-    is checked here; the contents (a bad regex, schema or grammar) when the request is added,
-    where the grammar is compiled (engine/structured_outputs.py)."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    # vLLM's options for its other backends (class docstring): accepted where they change nothing here.
-    disable_additional_properties: bool = False
-    whitespace_pattern: None = None
-    structural_tag: None = None
-    disable_fallback: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("disable_additional_properties", "disable_fallback"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"StructuredOutputsParams.{name} must be a bool, got {getattr(self, name)!r:.200}")
-        if self.whitespace_pattern is not None:
-            raise ValueError(f"StructuredOutputsParams.whitespace_pattern={self.whitespace_pattern!r:.200} is not "
-                             "supported: xgrammar, the only grammar backend here, takes no whitespace pattern (vLLM's "
-                             "xgrammar backend does not apply one either); disable_any_whitespace=True makes JSON compact")
-        if self.structural_tag is not None:
-            raise ValueError(f"StructuredOutputsParams.structural_tag={self.structural_tag!r:.200} is not supported: "
-                             "pass json, regex, choice, grammar or json_object")
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {', '.join(given) if given else 'none'}")
-        if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    schema = json.loads(self.json)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"StructuredOutputsParams.json is not JSON text ({e}): {self.json!r:.200}") from e
-            else:
-                schema = self.json
-            if isinstance(schema, bool) or not isinstance(schema, dict):
-                raise TypeError(f"StructuredOutputsParams.json must be a JSON schema object (a dict or its "
-                                f"JSON text), got {self.json!r:.200}")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r:.200}")
-            if value is not None:  # the grammar compiler takes UTF-8
-                check_text(f"StructuredOutputsParams.{name}", value)
-        if self.choice is not None:
-            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) for c in self.choice)):
-                raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of strings, "
-                                f"got {self.choice!r:.200}")
-            self.choice = list(self.choice)
-            for choice in self.choice:
-                check_text("StructuredOutputsParams.choice entry", choice)
-        if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"StructuredOutputsParams.json_object must be True (or None: not asked), "
-                             f"got {self.json_object!r}")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise TypeError(f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
-                            f"got {self.disable_any_whitespace!r}")
 
 
 class RequestOutputKind(enum.Enum):
@@ -286,14 +160,14 @@ class SamplingParams:
         if best_of is not None and best_of != self.n:
             raise ValueError(f"SamplingParams.best_of={best_of!r}: only best_of=None or n (={self.n}) is supported "
                              "(vLLM V1 dropped sampling more than n to return the best)")
-        _check_bool("flat_logprobs", flat_logprobs)
+        check_bool("SamplingParams.flat_logprobs", flat_logprobs)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"SamplingParams.extra_args must be a dict or None, got {self.extra_args!r:.200}")
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _plain_number(getattr(self, f.name)))
+            setattr(self, f.name, plain_number(getattr(self, f.name)))
         if self.seed == NO_SEED:
             self.seed = None
-        _check_float("temperature", self.temperature)
+        check_float("SamplingParams.temperature", self.temperature)
         if not 0 <= self.temperature <= FLOAT32_MAX:  # the sampler divides float32 logits by it
             raise ValueError(f"SamplingParams.temperature must be finite in float32 and >= 0 (<= {FLOAT32_MAX:.3g}), "
                              f"got {self.temperature!r}")
@@ -305,10 +179,10 @@ class SamplingParams:
         check_int("SamplingParams.top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
-        _check_float("top_p", self.top_p)
+        check_float("SamplingParams.top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        _check_float("min_p", self.min_p)
+        check_float("SamplingParams.min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         if self.temperature == 0:  # greedy: the filters off, as vLLM sets them (a later temperature samples unfiltered)
@@ -317,9 +191,11 @@ class SamplingParams:
             check_seed("SamplingParams.seed", self.seed)
         if self.max_tokens is not None:
             check_int("SamplingParams.max_tokens", self.max_tokens, 1)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):
-            _check_bool(name, getattr(self, name))
+        check_bool("SamplingParams.ignore_eos", self.ignore_eos)
+        check_bool("SamplingParams.include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("SamplingParams.skip_special_tokens", self.skip_special_tokens)
+        check_bool("SamplingParams.spaces_between_special_tokens", self.spaces_between_special_tokens)
+        check_bool("SamplingParams.detokenize", self.detokenize)
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, str):
@@ -334,7 +210,7 @@ class SamplingParams:
                              f"got stop={self.stop!r} with detokenize=False")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
+        self.stop_token_ids = token_id_list("SamplingParams.stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # vLLM's spelling of 1 (the top token besides the scored one)
                 setattr(self, name, 1)
@@ -364,11 +240,11 @@ class SamplingParams:
         containers are copied, so later edits of the caller's lists do not reach a queued request."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check_float(name, value)
+            check_float(f"SamplingParams.{name}", value)
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise ValueError(f"SamplingParams.{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], "
                                  f"got {value!r}")
-        _check_float("repetition_penalty", self.repetition_penalty)
+        check_float("SamplingParams.repetition_penalty", self.repetition_penalty)
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0 and within float32's range "
                              f"[{MIN_REPETITION_PENALTY:.3g}, {FLOAT32_MAX:.3g}], got {self.repetition_penalty!r}")
@@ -380,16 +256,16 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, "
                                 f"got {self.logit_bias!r}")
-            self.logit_bias = {_plain_number(t): _plain_number(b) for t, b in self.logit_bias.items()}
+            self.logit_bias = {plain_number(t): plain_number(b) for t, b in self.logit_bias.items()}
             for token_id, bias in self.logit_bias.items():
                 check_int("SamplingParams.logit_bias token id", token_id, 0)
-                _check_float(f"logit_bias[{token_id}]", bias)
+                check_float(f"SamplingParams.logit_bias[{token_id}]", bias)
                 if not -FLOAT32_MAX <= bias <= FLOAT32_MAX:
                     raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be finite in float32 (|bias| <= "
                                      f"{FLOAT32_MAX:.3g}: the logits' type), got {bias!r}")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids)
+            self.allowed_token_ids = token_id_list("SamplingParams.allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled "
                                  "(None allows all)")
@@ -434,41 +310,3 @@ def field_types() -> dict[str, object]:
     """SamplingParams' fields and their annotations, in order (guided_decoding, an InitVar, is not one)."""
     hints = typing.get_type_hints(SamplingParams)
     return {f.name: hints[f.name] for f in dataclasses.fields(SamplingParams)}
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's LLM.beam_search settings (nanovllm/beam_search.py): `beam_width` beams kept per prompt,
-    each step extending each by its 2 x beam_width most likely tokens (at most LLM(max_logprobs=...));
-    `max_tokens` steps at most; EOS ends a beam unless `ignore_eos`; beams ranked by cumulative
-    logprob / length ** `length_penalty` (length counting the prompt, not a final EOS).
-    `temperature` is passed to each step's sampling, whose token is not used (the logprobs are the
-    raw ones), and `include_stop_str_in_output` is accepted, as in vLLM, where neither changes the beams.
-    NumPy scalars are taken as Python numbers, as SamplingParams takes them. The fields are checked at
-    construction and again by beam_search (`validated`: fields may be edited afterwards, as SamplingParams' may)."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _plain_number(getattr(self, f.name)))
-        check_int("BeamSearchParams.beam_width", self.beam_width, 1)
-        check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"BeamSearchParams.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("temperature", "length_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise TypeError(f"BeamSearchParams.{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}")
-
-    def validated(self) -> BeamSearchParams:
-        """A checked copy of these settings as they are now; raises as construction does."""
-        return dataclasses.replace(self)

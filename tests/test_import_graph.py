@@ -3,8 +3,9 @@
 Every `import` / `from ... import` of nanovllm modules counts, also those inside functions (the
 lazy imports of the CUDA paths), read statically with `ast`. Layers, lowest first:
 
-    utils, sampling_params, outputs, inputs -> kernels -> quantization -> layers -> moe, sampling -> models
-    -> config, engine_args -> engine -> beam_search -> llm -> nanovllm -> ray_data
+    utils, sampling_params (+ structured_outputs_params, beam_search_params), outputs, inputs -> kernels
+    -> quantization -> layers -> moe, sampling -> models -> config, engine_args -> engine -> beam_search
+    -> llm -> nanovllm -> ray_data
 
 ray_data (Ray Data replicas, an optional extra) sits above the package itself, so `import nanovllm`
 can never pull it (or ray) in.
@@ -20,7 +21,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
 # A module may import only from its own layer or lower ones.
-RANKS = {"utils": 0, "sampling_params": 0, "outputs": 0, "inputs": 0, "kernels": 1, "quantization": 1.5, "layers": 2,
+RANKS = {"utils": 0, "sampling_params": 0, "structured_outputs_params": 0, "beam_search_params": 0, "outputs": 0,
+         "inputs": 0, "kernels": 1, "quantization": 1.5, "layers": 2,
          "moe": 3, "sampling": 3, "models": 4, "config": 5, "engine_args": 5,
          "engine": 6, "beam_search": 6.5, "llm": 7, "nanovllm": 8, "ray_data": 9}
 # Modules ranked apart from their package (see the docstring).

@@ -21,7 +21,8 @@ from nanovllm.engine.request_rules import RequestRules
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_strings import cut_at_stop
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SEED_LIMIT, SamplingParams
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import SEED_LIMIT
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from nanovllm.sampling.token_mask import TokenMask, mask_words
-from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.structured_outputs_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install 'nanovllm[structured]' (or: pip install xgrammar)"
 # CPU threads a step's masks are filled with: xgrammar's "auto" is half the machine's hardware threads.
