@@ -26,7 +26,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-from nanovllm.utils.validation import check_text
+from nanovllm.utils.validation import check_bool, check_text
 
 # The content-part types chat takes, as vLLM reads them, each with the key holding its text (OpenAI's
 # text and assistant refusal parts, the Responses API's input / output text, vLLM's thinking parts).
@@ -65,8 +65,7 @@ class ChatOptions:
         if kwargs["chat_template"] is not None and not isinstance(kwargs["chat_template"], str):
             raise TypeError(f"chat_template must be a str (a Jinja template) or None, got {kwargs['chat_template']!r}")
         for name in ("add_generation_prompt", "continue_final_message"):
-            if not isinstance(kwargs[name], bool):
-                raise TypeError(f"{name} must be a bool, got {kwargs[name]!r}")
+            check_bool(name, kwargs[name])
         if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
                              "the last message cannot be continued and a new turn opened at once")

@@ -49,6 +49,7 @@ from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.utils.tokenizer import load_tokenizer
+from nanovllm.utils.validation import check_bool
 
 __all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
 
@@ -340,8 +341,7 @@ class LLMEngine:
         more to reset."""
         self._check_open()
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
-            if not isinstance(value, bool):
-                raise TypeError(f"reset_prefix_cache: {name} must be a bool, got {value!r}")
+            check_bool(f"reset_prefix_cache: {name}", value)
         if reset_running_requests and not self.is_finished():
             raise RuntimeError("reset_prefix_cache(reset_running_requests=True) while requests are pending: "
                                "running requests are not preempted to recompute their KV; finish or abort them first")

@@ -31,7 +31,7 @@ import torch
 
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.scoped import scoped
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import check_bool, check_int
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ class KernelRoutes:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ON_OFF_ROUTES:
-                if not isinstance(value, bool):
-                    raise TypeError(f"kernel_routes.{f.name} must be a bool, got {value!r}")
+                check_bool(f"kernel_routes.{f.name}", value)
             elif f.name in OPTIONAL_ROUTES:
                 if value is not None:
                     check_int(f"kernel_routes.{f.name}", value, 1)

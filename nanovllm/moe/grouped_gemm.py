@@ -59,6 +59,7 @@ from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
 from nanovllm.quantization.config import FP8_DTYPE
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_bool
 
 from .align import MoeAlignment, moe_align
 from .checks import check_experts, check_routing
@@ -247,8 +248,7 @@ def act_row_quant(mode: ScaleMode) -> RowQuant:
 
 
 def _check_act_fp8(act_fp8: bool, mode: ScaleMode, x_fp8: QuantizedRows | None, hidden: torch.Tensor) -> None:
-    if not isinstance(act_fp8, bool):
-        raise TypeError(f"act_fp8 must be a bool, got {act_fp8!r}")
+    check_bool("act_fp8", act_fp8)
     if act_fp8 and mode == ScaleMode.NONE:
         raise ValueError("act_fp8 (W8A8) takes FP8 experts: w13 / w2 float8_e4m3fn with w13_scale / w2_scale")
     if x_fp8 is None:
