@@ -33,9 +33,10 @@ sequence that N ends by a stop token is computed once more and its result droppe
 
 The scheduler owns the requests' lifecycle: it queues a request's sample 0, forks the
 other samples from it when its prompt completes (engine/request.py), records each step's
-tokens (and logprobs), advances constrained samples' grammars on them, ends samples (EOS, stop token ids, stop strings, lengths: a token that
-ends a sample both ways ends it by the stop, as vLLM's), reports a request once all its samples
-are done, and aborts requests (one, some or all). An aborted request is dropped, never reported.
+tokens (and logprobs), advances constrained samples' grammars on them, ends samples by the
+rules of engine/finish_rules.py (EOS, stop token ids, stop strings, lengths), frees a finished
+sample's blocks, reports a request once all its samples are done, and aborts requests (one, some
+or all). An aborted request is dropped, never reported.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ from collections import deque
 from tokenizers import Tokenizer
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.finish_rules import ends_by_length, finish_reason, watch_stop_strings
 from nanovllm.engine.logprobs import SampledRow
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduled_batch import Fork, ScheduledBatch
 from nanovllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.structured_outputs import SampleGrammar, accept_tokens
 from nanovllm.engine.step_trim import trimmed_prefill_budget
-from nanovllm.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request: its sample 0 computes the prompt; the other samples start from it
         when it completes the prompt (forked, see _start_samples)."""
-        for seq in request.samples:
-            if seq.params.stop:
-                seq.stop_matcher = StopStringMatcher(seq.params.stop, seq.prompt_token_ids,
-                                                     seq.params.skip_special_tokens, self.decoder)
+        watch_stop_strings(request.samples, self.decoder)
         if request.samples[0].grammar is not None:
             self.num_constrained += len(request.samples)
         self.waiting.append(request.samples[0])
@@ -145,7 +143,8 @@ class Scheduler:
         candidates = list(self.running)
         if ahead:
             # A sequence whose in-flight token ends it by length gets no further step.
-            candidates = [s for s in candidates if not self._ends_by_length(s, s.num_computed_tokens + 1)]
+            max_len = self.max_model_len
+            candidates = [s for s in candidates if not ends_by_length(s, s.num_computed_tokens + 1, max_len)]
             needed = sum(bm.needs_new_block(s, s.num_computed_tokens + 1) for s in candidates[:budget])
             if needed > bm.num_free_blocks:
                 return None
@@ -235,10 +234,6 @@ class Scheduler:
             forks.append(Fork(parent, child, copy))
         return forks
 
-    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
-        """True if `seq` is done once it holds `num_tokens` tokens (max_tokens / max_model_len)."""
-        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
-
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it for recompute, behind a prompt whose prefill is under
         way (that one holds blocks for its whole prompt: ahead of it, seq could wait for them forever)."""
@@ -271,6 +266,7 @@ class Scheduler:
         finished (all their samples done), no longer tracked here. Grammars are advanced apart
         (`advance_grammars`)."""
         done: list[Request] = []
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         for seq in batch.seqs + [f.child for f in batch.forks]:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
@@ -286,7 +282,7 @@ class Scheduler:
                 row = logprobs[seq.seq_id]
                 seq.logprobs.add_row(token, row.logprob, row.rank, row.top_ids, row.top_logprobs)
                 seq.cumulative_logprob += row.logprob
-            reason = self._finish_reason(seq, token)
+            reason = finish_reason(seq, token, eos_token_ids, max_model_len)
             if reason is not None:
                 self._finish_and_collect(seq, reason, done)
         return done
@@ -301,33 +297,6 @@ class Scheduler:
         if request.is_finished:
             del self.requests[seq.request_id]
             done.append(request)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why `token` (just appended) ends `seq`, if it does: EOS or a stop token id, then a stop
-        string, then the length limits (vLLM's order: a stop completed by the last allowed token
-        is a stop, and the text is cut at it)."""
-        params = seq.params
-        eos = not params.ignore_eos and token in self.eos_token_ids
-        if eos or token in params.stop_token_ids:
-            seq.ended_on_stop_token = True
-            seq.stop_token = None if eos else token
-            # with include_stop_str_in_output the stop token's text is the output's too: a stop string
-            # it completes ends the request instead (vLLM's rule: stop_reason the string, text cut)
-            seq.stopped_by_string = params.include_stop_str_in_output and self._stop_string_completes(seq, token)
-            return FinishReason.STOP
-        if self._stop_string_completes(seq, token):
-            seq.stopped_by_string = True
-            return FinishReason.STOP
-        if self._ends_by_length(seq, len(seq)):
-            return FinishReason.LENGTH
-        return None
-
-    @staticmethod
-    def _stop_string_completes(seq: Sequence, token: int) -> bool:
-        """Whether `token` completes one of seq's stop strings past the first min_tokens tokens (vLLM's
-        rule; the text is fed whatever min_tokens says, so the search stays incremental)."""
-        return (seq.stop_matcher is not None and seq.stop_matcher.feed(token)
-                and seq.num_completion_tokens > seq.params.min_tokens)
 
     def abort(self, request_ids: set[int]) -> None:
         """Drop the requests with these ids (ids of no pending request are ignored): every sample
