@@ -7,6 +7,7 @@ batch API on top:
     params = llm.get_default_sampling_params()                 # generation_config's defaults
     llm.supported_tasks, llm.llm_engine.get_supported_tasks()  # ("generate",)
     llm.reset_mm_cache()                                       # no multimodal cache: nothing to do
+    llm.get_metrics()                                          # NotImplementedError: no Prometheus metrics
     llm.encode / embed / classify / score / reward(...)        # ValueError: not a pooling model (engine/tasks.py)
     llm.start_profile(); ...; llm.stop_profile()               # a torch.profiler trace in $VLLM_TORCH_PROFILER_DIR
     llm.get_tokenizer(), llm.set_tokenizer(tokenizer), llm.llm_engine.model_config.max_model_len, llm.reset_prefix_cache()
@@ -21,6 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
+from typing import NoReturn
 
 from tqdm.auto import tqdm
 
@@ -71,6 +73,13 @@ class LLM(LLMEngine):
         """The tokenizer (transformers'), None for a model directory without one (vLLM's LLM.get_tokenizer)."""
         self._check_open()
         return self.tokenizer
+
+    def get_metrics(self) -> NoReturn:
+        """vLLM's LLM.get_metrics: a snapshot of its Prometheus registry, which nanovllm keeps none of
+        (generate's progress bar shows the run's token rates), so a NotImplementedError naming it."""
+        self._check_open()
+        raise NotImplementedError("LLM.get_metrics() is not supported: nanovllm keeps no Prometheus metrics "
+                                  "(generate()'s progress bar shows a run's token rates; RequestOutput.metrics is None)")
 
     def reset_mm_cache(self) -> None:
         """vLLM's LLM.reset_mm_cache: clears the multimodal processor and encoder caches, which a

@@ -170,6 +170,16 @@ def test_pooling_methods_refuse_at_the_call_and_the_engine_serves_on(llm, method
     assert getattr(LLM, method).__name__ == method
 
 
+def test_get_metrics_refuses_by_name_on_both_apis_and_the_engine_serves_on(llm):
+    """vLLM's LLM.get_metrics() / llm_engine.get_metrics() read its Prometheus registry, which
+    nanovllm has none of: a NotImplementedError naming the method, not an AttributeError."""
+    expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for call, name in ((llm.get_metrics, "LLM.get_metrics()"), (llm.llm_engine.get_metrics, "get_metrics()")):
+        with pytest.raises(NotImplementedError, match=re.escape(name)):
+            call()
+    assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
 # Run in a subprocess given VLLM_TORCH_PROFILER_DIR: it takes the variable away and back itself
 # (start_profile reads it at the call), and prints what each misuse raised.
 _PROFILE_SCRIPT = """

@@ -592,6 +592,7 @@ def test_every_call_after_exit_raises_one_clear_error(ckpt):
         "set_tokenizer": lambda: llm.set_tokenizer(llm.tokenizer),
         "llm_engine.get_supported_tasks": llm.llm_engine.get_supported_tasks,
         "reset_mm_cache": llm.reset_mm_cache,
+        "get_metrics": llm.get_metrics,
         "embed": lambda: llm.embed(["hi"]),
         "start_profile": llm.start_profile,
         "stop_profile": llm.stop_profile,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -224,6 +224,10 @@ class VllmEngine:
 
     def reset_mm_cache(self) -> None:
         self._llm.reset_mm_cache()
+
+    def get_metrics(self) -> NoReturn:
+        """vLLM's LLMEngine.get_metrics(): the LLM's (a NotImplementedError: no Prometheus metrics)."""
+        self._llm.get_metrics()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)
