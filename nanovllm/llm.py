@@ -33,7 +33,12 @@ from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.profiler import TorchProfiler
 from nanovllm.engine.run_rates import RunRates
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask, pooling_method
-from nanovllm.engine.vllm_engine import VllmEngine, check_no_lora, check_no_tokenization_kwargs
+from nanovllm.engine.vllm_engine import (
+    VllmEngine,
+    check_no_lora,
+    tokenization_truncation,
+    with_prompt_truncation,
+)
 from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -130,12 +135,13 @@ class LLM(LLMEngine):
         Every request is checked before any is queued (bad input leaves the engine untouched).
         `priority`: vLLM's per-prompt priorities, None or all 0 (requests are served in arrival order).
         `prompt_token_ids`: vLLM's older spelling of token-id prompts (inputs.legacy_token_prompts);
-        `tokenization_kwargs`: None (prompts are tokenized as the tokenizer does by default)."""
+        `tokenization_kwargs`: None, or vLLM 0.17's {"truncate_prompt_tokens": k} (where it moved
+        SamplingParams.truncate_prompt_tokens); prompts are tokenized as the tokenizer does by default."""
         self._check_open()
         self._check_not_generating("generate()")
         check_no_lora(lora_request)
-        check_no_tokenization_kwargs(tokenization_kwargs, ": prompts are tokenized as the tokenizer does by "
-                                     "default (pass token ids to tokenize otherwise)")
+        keep = tokenization_truncation(tokenization_kwargs, ": prompts are tokenized as the tokenizer does by "
+                                       "default (pass token ids to tokenize otherwise)")
         if prompt_token_ids is not None:
             prompts = legacy_token_prompts(prompts, prompt_token_ids)
         elif prompts is None:
@@ -163,7 +169,7 @@ class LLM(LLMEngine):
         checked = {}  # one checked copy per distinct SamplingParams object
         for sp in params:
             if id(sp) not in checked:
-                checked[id(sp)] = self.intake.check(sp)
+                checked[id(sp)] = self.intake.check(with_prompt_truncation(sp, keep))
         requests = [(self.validator.validate(p, checked[id(sp)].params), checked[id(sp)])
                     for p, sp in zip(prompts, params)]
         if not self.is_finished():
@@ -235,15 +241,15 @@ class LLM(LLMEngine):
         engine/chat.py; `tools` and `chat_template_kwargs` such as {"enable_thinking": False} reach
         it, the latter over the named options), tokenized without special tokens, and generated like
         generate() does. Returns one RequestOutput per conversation, in input order ([] for an empty list).
-        `tokenization_kwargs`: None (as generate's); `mm_processor_kwargs`: None (text models only)."""
+        `tokenization_kwargs`: as generate's; `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
         check_no_lora(lora_request)
-        check_no_tokenization_kwargs(tokenization_kwargs, ": the rendered conversation is tokenized without "
-                                     "special tokens, as vLLM does, and nothing else")
+        tokenization_truncation(tokenization_kwargs, ": the rendered conversation is tokenized without special "
+                                "tokens, as vLLM does, and nothing else")
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
                               {} if chat_template_kwargs is None else chat_template_kwargs, tools,
                               chat_template_content_format)
         prompts = render_chat(self.tokenizer, self.config.tokenizer, messages, options)
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=tokenization_kwargs)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
-from nanovllm import SamplingParams
+from nanovllm import SamplingParams, TokensPrompt
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "nanovllm" / "default_model"
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -333,6 +333,10 @@ def test_tokenization_kwargs_as_generate_takes_them(bos_llm):
     with pytest.raises(ValueError, match="tokenization_kwargs=.*truncation"):
         bos_llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True})
     assert bos_llm.is_finished()
+    # vLLM 0.17's spelling of SamplingParams.truncate_prompt_tokens: the rendered prompt's last tokens
+    [cut] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2})
+    [want] = bos_llm.generate([TokensPrompt(prompt_token_ids=plain.prompt_token_ids[-2:])], GREEDY, use_tqdm=False)
+    assert (cut.prompt_token_ids, cut.outputs[0].token_ids) == (plain.prompt_token_ids[-2:], want.outputs[0].token_ids)
 
 
 def test_tool_results_reach_the_template_as_one_string(bos_llm):

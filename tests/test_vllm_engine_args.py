@@ -269,6 +269,54 @@ def test_older_generate_spellings_as_lm_eval_and_openrlhf_pass_them(ckpt):
         llm.exit()
 
 
+def test_tokenization_kwargs_truncate_prompt_tokens_as_vllm_0_17_passes_it(ckpt):
+    """vLLM 0.17 moved SamplingParams.truncate_prompt_tokens into generate's tokenization_kwargs
+    ({"truncate_prompt_tokens": k}, -1: max_model_len); it keeps the prompt's last k tokens as the
+    SamplingParams field does, on generate and on llm_engine.add_request, the caller's params left as
+    they are. A different value in the params, a bad value or another key is refused by name."""
+    llm = cpu_llm(ckpt, max_model_len=64)
+    try:
+        prompt = list(range(1, 12))
+        [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                       truncate_prompt_tokens=3), use_tqdm=False)
+        assert want.prompt_token_ids == prompt[-3:]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})
+        assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == [
+            (prompt[-3:], want.outputs[0].token_ids)] * 2
+        assert params.truncate_prompt_tokens is None  # the caller's params as given
+        same = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=3)
+        [out] = llm.generate([prompt], same, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})
+        assert out.prompt_token_ids == prompt[-3:]
+        [whole] = llm.generate([prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": -1})
+        [none] = llm.generate([prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": None})
+        assert whole.prompt_token_ids == none.prompt_token_ids == prompt
+        engine = llm.llm_engine
+        engine.add_request("t", prompt, params, tokenization_kwargs={"truncate_prompt_tokens": 3})
+        finals = []
+        while engine.has_unfinished_requests():
+            finals += [o for o in engine.step() if o.finished]
+        assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in finals] == [
+            (prompt[-3:], want.outputs[0].token_ids)]
+        for kwargs, error, message in [
+            (dict(sampling_params=same, tokenization_kwargs={"truncate_prompt_tokens": 5}), ValueError,
+             r"truncate_prompt_tokens.*5.*3"),
+            (dict(tokenization_kwargs={"truncate_prompt_tokens": 0}), ValueError, r"tokenization_kwargs.*0"),
+            (dict(tokenization_kwargs={"truncate_prompt_tokens": "3"}), TypeError, r"tokenization_kwargs.*'3'"),
+            (dict(tokenization_kwargs={"truncate_prompt_tokens": 3, "truncation": True}), ValueError,
+             "tokenization_kwargs=.*truncation"),
+        ]:
+            with pytest.raises(error, match=message):
+                llm.generate([prompt], **{"sampling_params": params, **kwargs}, use_tqdm=False)
+            with pytest.raises(error, match=message):
+                engine.add_request("bad", prompt, kwargs.get("sampling_params", params),
+                                   tokenization_kwargs=kwargs["tokenization_kwargs"])
+        assert llm.is_finished() and not engine.has_unfinished_requests()
+        assert llm.generate([prompt], params, use_tqdm=False)[0].prompt_token_ids == prompt
+    finally:
+        llm.exit()
+
+
 def test_unknown_keywords_stay_type_errors(ckpt):
     with pytest.raises(TypeError, match="unknown keyword argument.*max_lenn"):
         LLM(ckpt, device="cpu", max_lenn=5)

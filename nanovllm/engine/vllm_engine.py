@@ -30,7 +30,8 @@ from nanovllm.engine.llm_engine import LLMEngine, one_call_at_a_time
 from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
+from nanovllm.utils.validation import check_int
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -45,11 +46,40 @@ def check_no_lora(lora_request: object) -> None:
                          f"got {lora_request!r}")
 
 
-def check_no_tokenization_kwargs(tokenization_kwargs: dict | None, how: str) -> None:
-    """vLLM's tokenization_kwargs argument: accepted as None or {}, refused otherwise (`how`: how the
-    call tokenizes instead, for the message)."""
-    if tokenization_kwargs:
-        raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported{how}")
+# The one tokenization_kwargs key served: vLLM 0.17 moved SamplingParams.truncate_prompt_tokens there
+# (clients pass {"truncate_prompt_tokens": k}); the tokenizer's own keywords (truncation, max_length,
+# add_special_tokens) are refused, prompts being tokenized as the tokenizer does by default.
+TRUNCATE_KEY = "truncate_prompt_tokens"
+
+
+def tokenization_truncation(tokenization_kwargs: dict | None, how: str) -> int | None:
+    """vLLM's tokenization_kwargs argument: None, {} or {"truncate_prompt_tokens": k} (k >= 1, or -1 for
+    max_model_len; None: none), refused otherwise (`how`: how the call tokenizes instead, for the
+    message). Returns k, None when no truncation is asked for."""
+    if not tokenization_kwargs:
+        return None
+    if not isinstance(tokenization_kwargs, dict) or set(tokenization_kwargs) != {TRUNCATE_KEY}:
+        raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported{how} (of its keys "
+                         f"only {TRUNCATE_KEY!r} is)")
+    keep = tokenization_kwargs[TRUNCATE_KEY]
+    if keep is not None:
+        check_int(f"tokenization_kwargs[{TRUNCATE_KEY!r}]", keep)
+        if keep < 1 and keep != TRUNCATE_TO_MODEL_LEN:
+            raise ValueError(f"tokenization_kwargs[{TRUNCATE_KEY!r}] must be >= 1 or {TRUNCATE_TO_MODEL_LEN} "
+                             f"(max_model_len), got {keep!r}")
+    return keep
+
+
+def with_prompt_truncation(params: object, keep: int | None) -> object:
+    """`params` truncating prompts to their last `keep` tokens (tokenization_truncation's): a copy, the
+    caller's left as given; `params` itself when keep is None or params are no SamplingParams (the
+    intake refuses those). A different SamplingParams.truncate_prompt_tokens is a ValueError."""
+    if keep is None or not isinstance(params, SamplingParams):
+        return params
+    if params.truncate_prompt_tokens not in (None, keep):
+        raise ValueError(f"tokenization_kwargs[{TRUNCATE_KEY!r}]={keep} and SamplingParams.truncate_prompt_tokens="
+                         f"{params.truncate_prompt_tokens} disagree: pass one of them")
+    return dataclasses.replace(params.validated(), truncate_prompt_tokens=keep)
 
 
 class WeightSyncPath:
@@ -255,7 +285,7 @@ class VllmEngine:
                     trace_headers: object = None, priority: int = 0) -> str:
         """Queue `prompt` under the caller's `request_id` (a str, not one pending); returns it.
         `arrival_time` and `trace_headers` are ignored; `priority` must be 0 (no priority
-        scheduling); `tokenization_kwargs` None."""
+        scheduling); `tokenization_kwargs` None or {"truncate_prompt_tokens": k}."""
         self._llm._check_open()  # after exit() no id is pending (its requests were dropped with the engine)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (vLLM's engine API), got {request_id!r}")
@@ -265,8 +295,8 @@ class VllmEngine:
         check_no_lora(lora_request)
         if priority != 0:
             raise ValueError(f"priority={priority!r}: requests are served in arrival order (priority must be 0)")
-        check_no_tokenization_kwargs(tokenization_kwargs, "")
-        ours = self._llm.add_request(prompt, params)
+        keep = tokenization_truncation(tokenization_kwargs, "")
+        ours = self._llm.add_request(prompt, with_prompt_truncation(params, keep))
         self._ids[ours], self._names[request_id] = request_id, ours
         return request_id
 
