@@ -46,7 +46,11 @@ def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> Tokens
 def prompt_batch(prompts: object) -> object:
     """`prompts` as a batch, by vLLM's rule (prompt_to_seq): a str, a dict or a non-empty list whose
     first item is an int (a list of token ids) is one prompt, wrapped in a list; anything else is
-    returned as given (a sequence of prompts, checked by the caller)."""
+    returned as given (a sequence of prompts, checked by the caller). Bytes (undecoded text, else a
+    sequence of ints, one "prompt" per byte) are a TypeError."""
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError(f"prompts must be a str, a list of token ids, a prompt dict or a list of them, got "
+                        f"{type(prompts).__name__}: decode it to a str first")
     one_id_list = (isinstance(prompts, list) and len(prompts) > 0 and isinstance(prompts[0], Integral))
     return [prompts] if isinstance(prompts, (str, dict)) or one_id_list else prompts
 

@@ -115,6 +115,20 @@ def test_one_token_id_list_is_one_prompt(llm):
     assert llm.is_finished()
 
 
+def test_bytes_prompts_are_refused_as_bytes(llm):
+    """A bytes prompt (text not yet decoded) is refused naming bytes, in generate and beam_search; it
+    was taken as a list of prompts, one per byte, refused as "got int"."""
+    from nanovllm.sampling_params import BeamSearchParams
+
+    expected = served(llm)
+    for data in (b"the dog", bytearray(b"the dog")):
+        with pytest.raises(TypeError, match=f"got {type(data).__name__}: decode it"):
+            llm.generate(data, GREEDY, use_tqdm=False)
+        with pytest.raises(TypeError, match=f"got {type(data).__name__}: decode it"):
+            llm.beam_search(data, BeamSearchParams(beam_width=2, max_tokens=2))
+    assert llm.is_finished() and served(llm) == expected
+
+
 def test_cache_salt_isolates_prefix_cache_hits(llm):
     """vLLM V1's cache_salt: a prompt's cached KV serves only prompts of the same salt (or, unsalted,
     unsalted ones), in generate, the engine API and beam search's steps; it was ignored, so a
