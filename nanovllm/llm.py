@@ -24,6 +24,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import NoReturn
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, beam_search
@@ -43,6 +44,16 @@ from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import default_sampling_params
+
+
+def check_use_tqdm(use_tqdm: object) -> None:
+    """use_tqdm must not be a list or other sequence: generate's third argument was prompt_token_ids in
+    vLLM before 0.11 (`llm.generate(None, params, ids)`), so ids there are refused naming that; any
+    other value is read for its truth (use_tqdm=verbose, an int, as vLLM reads it) or called (a factory)."""
+    if isinstance(use_tqdm, (SequenceABC, np.ndarray)) and not callable(use_tqdm):
+        raise TypeError(f"use_tqdm must be a bool or a tqdm-like factory, got a {type(use_tqdm).__name__} "
+                        f"{use_tqdm!r:.80}: vLLM before 0.11 took prompt_token_ids as generate()'s third argument, "
+                        f"pass them as prompt_token_ids=... (or as the prompts)")
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -139,6 +150,7 @@ class LLM(LLMEngine):
         SamplingParams.truncate_prompt_tokens); prompts are tokenized as the tokenizer does by default."""
         self._check_open()
         self._check_not_generating("generate()")
+        check_use_tqdm(use_tqdm)
         check_no_lora(lora_request)
         keep = tokenization_truncation(tokenization_kwargs, ": prompts are tokenized as the tokenizer does by "
                                        "default (pass token ids to tokenize otherwise)")
@@ -243,6 +255,7 @@ class LLM(LLMEngine):
         generate() does. Returns one RequestOutput per conversation, in input order ([] for an empty list).
         `tokenization_kwargs`: as generate's; `mm_processor_kwargs`: None (text models only)."""
         self._check_open()
+        check_use_tqdm(use_tqdm)
         check_no_lora(lora_request)
         tokenization_truncation(tokenization_kwargs, ": the rendered conversation is tokenized without special "
                                 "tokens, as vLLM does, and nothing else")

@@ -269,6 +269,26 @@ def test_older_generate_spellings_as_lm_eval_and_openrlhf_pass_them(ckpt):
         llm.exit()
 
 
+def test_token_ids_in_use_tqdms_place_are_refused_naming_prompt_token_ids(ckpt):
+    """vLLM before 0.11 took prompt_token_ids as generate's third argument (`llm.generate(None, params,
+    ids)`), where use_tqdm is now: a list there is refused naming it (it was taken as use_tqdm=True, the
+    call then refused as "needs prompts", or its texts generated with the ids unchecked); a bool, an int
+    flag (use_tqdm=verbose) or a tqdm factory serve as before."""
+    llm = cpu_llm(ckpt)
+    try:
+        ids = [[1, 2, 3], [7, 8, 9, 10]]
+        want = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)
+        for call in (lambda: llm.generate(None, GREEDY, ids), lambda: llm.generate(["a", "b"], GREEDY, ids),
+                     lambda: llm.chat([{"role": "user", "content": "a"}], GREEDY, (1, 2))):
+            with pytest.raises(TypeError, match=r"use_tqdm must be a bool or a tqdm-like factory, got a "
+                                                r"(list|tuple).*prompt_token_ids="):
+                call()
+        assert llm.is_finished()
+        assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=0) == want
+    finally:
+        llm.exit()
+
+
 def test_tokenization_kwargs_truncate_prompt_tokens_as_vllm_0_17_passes_it(ckpt):
     """vLLM 0.17 moved SamplingParams.truncate_prompt_tokens into generate's tokenization_kwargs
     ({"truncate_prompt_tokens": k}, -1: max_model_len); it keeps the prompt's last k tokens as the
