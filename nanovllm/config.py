@@ -22,7 +22,7 @@ from nanovllm.engine_args import RENAMED, VLLM_ONLY_ARGS, strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
-from nanovllm.quantization.config import QuantConfig, quantization_method, resolve_quantization
+from nanovllm.quantization.config import QuantConfig, check_no_modelopt_file, quantization_method, resolve_quantization
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.utils.checkpoint_files import checkpoint_files
 from nanovllm.utils.generation_defaults import check_generation_overrides
@@ -302,6 +302,7 @@ class Config:
             rope = (self.hf_overrides or {}).get(key)  # for hf_config (transformers reads it from that dict alone)
             if isinstance(rope, dict):
                 rope.setdefault("rope_theta", self.model_config.rope_theta)
+        check_no_modelopt_file(self.model, self.model_config.quantization_config)
         self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
                                                  os.path.join(self.model, "config.json"))
         positions = self.model_config.max_positions

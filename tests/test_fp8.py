@@ -390,6 +390,38 @@ def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
         cpu_llm(path)
 
 
+def test_modelopt_checkpoint_is_refused_naming_its_format(full_precision, tmp_path):
+    """NVIDIA's ModelOpt FP8 releases (nvidia/Llama-3.1-8B-Instruct-FP8) keep their quantization in
+    hf_quant_config.json beside a config.json without quantization_config, and hold FP8 weights
+    with weight_scale, input_scale and self_attn.k_proj.k_scale tensors. Such a checkpoint was
+    read as full precision: "unknown weight '...input_scale'" (or an FP8 weight copied without its
+    scale, then its weight_scale unknown). It is refused at LLM(...) naming the file and format, as
+    is the newer spelling in config.json (producer modelopt, no quant_method), where vLLM reads
+    quant_method "modelopt"."""
+    path = str(tmp_path / "modelopt")
+    write_fp8(full_precision("qwen3"), path, str(tmp_path / "ref"), "qwen-tensor", ("lm_head",))
+    state = checkpoint_state(path)
+    state.update({n.replace(".weight_scale", ".input_scale"): torch.tensor(0.01) for n in list(state)
+                  if n.endswith(".weight_scale")})
+    state["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(0.05)
+    write_state(path, path, state)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    modelopt = {"producer": {"name": "modelopt", "version": "0.19.0"},
+                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump(modelopt, f)
+    for kwargs in ({}, {"quantization": "fp8"}):
+        with pytest.raises(ValueError, match=re.escape(os.path.join(path, "hf_quant_config.json")) +
+                           r": ModelOpt quantization \(quant_algo='FP8'\) is not supported"):
+            cpu_llm(path, **kwargs)
+    with pytest.raises(ValueError, match="quant_method='modelopt' is not supported"):
+        resolve_quantization(None, modelopt, "config.json")
+
+
 def test_missing_scale_or_weight_is_named(full_precision, tmp_path):
     """By its checkpoint name, alone: the half of a weight / scale pair that came is not listed."""
     path = _fp8_dir(full_precision, tmp_path)

@@ -21,7 +21,10 @@
                                        (amax / 448), activations dynamic per token
 
 into a QuantConfig; any other quant_method or quantization value is a ValueError naming it
-(`quantization_method` names the pair as vLLM's ModelConfig.quantization does). A
+(`quantization_method` names the pair as vLLM's ModelConfig.quantization does), ModelOpt's too
+(NVIDIA's FP8 releases): in config.json (producer "modelopt", read as quant_method "modelopt", as
+vLLM reads it) or, without a quantization_config there, in hf_quant_config.json beside it
+(`check_no_modelopt_file`). A
 layer built inside `quantization(config)` asks `linear_quant(names, ...)` with the checkpoint
 module names it is built from (a packed layer: all of its parts) and keeps the answer:
 
@@ -45,6 +48,8 @@ expressions matched from the name's start (compressed-tensors' rule).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -70,6 +75,12 @@ INPUT_SCALE = "input_scale"
 # The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 _REGEX_PREFIX = "re:"
+# ModelOpt (NVIDIA's *-FP8 releases, e.g. nvidia/Llama-3.1-8B-Instruct-FP8) writes its quantization to
+# this file beside config.json, which then has no quantization_config: read as full precision, the
+# checkpoint's FP8 tensors were refused one at a time as unknown weights.
+MODELOPT_FILE = "hf_quant_config.json"
+# The producer name ModelOpt writes into a quantization_config (`producer.name`), without quant_method.
+MODELOPT = "modelopt"
 # torch._scaled_mm wants its operands' widths in multiples of 16 (K: measured on the H200).
 FP8_GEMM_ALIGN = 16
 # Held block-FP8 layers take widths (in and out) in multiples of this: weight-scale grids with
@@ -226,7 +237,28 @@ def checkpoint_method(checkpoint: dict) -> object:
     """config.json's quant_method as vLLM reads it: any case, and compressed_tensors (compressed-tensors'
     own older spelling) for compressed-tensors."""
     method = checkpoint.get("quant_method")
+    producer = checkpoint.get("producer")
+    if method is None and isinstance(producer, dict) and producer.get("name") == MODELOPT:
+        return MODELOPT  # ModelOpt's own spelling, without quant_method (vLLM names it so)
     return method.lower().replace("compressed_tensors", "compressed-tensors") if isinstance(method, str) else method
+
+
+def check_no_modelopt_file(model_dir: str, checkpoint: object) -> None:
+    """A ValueError naming ModelOpt's hf_quant_config.json (and its quant_algo) where it lies in
+    `model_dir` and config.json has no quantization_config (`checkpoint` None): the weights are
+    ModelOpt's FP8 (weight_scale, input_scale, k_proj.k_scale), not full precision."""
+    path = os.path.join(model_dir, MODELOPT_FILE)
+    if checkpoint is not None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        content = None
+    quantization = content.get("quantization") if isinstance(content, dict) else None
+    algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
+    raise ValueError(f"{path}: ModelOpt quantization (quant_algo={algo!r}) is not supported (supported: "
+                     f"config.json quantization_config with quant_method {', '.join(map(repr, SUPPORTED_METHODS))})")
 
 
 def quantization_method(quantization: str | None, checkpoint: dict | None) -> str | None:
