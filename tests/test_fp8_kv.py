@@ -647,6 +647,21 @@ def test_one_kv_scale_per_layer_serves_keys_and_values(checkpoint, tmp_path):
     cpu_llm(path).exit()  # the weight loader skips them
 
 
+def test_per_head_kv_scales_are_refused_naming_the_strategy(checkpoint, tmp_path):
+    """compressed-tensors' per-head KV scheme (strategy "attn_head": one k_scale / v_scale per KV
+    head) is named as such under an FP8 cache, which takes one scale a layer (it was refused as a
+    scale of the wrong shape, naming neither the scheme nor its strategy); an "auto" cache ignores
+    the scales, as any other."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        heads = json.load(f)["num_key_value_heads"]
+    tensors = {f"model.layers.{i}.self_attn.{kv}_scale": torch.full((heads, 1, 1), 0.02)
+               for i in range(2) for kv in "kv"}
+    path = with_kv_scales(checkpoint, str(tmp_path / "heads"), tensors, {**FP8_SCHEME, "strategy": "attn_head"})
+    with pytest.raises(ValueError, match="kv_cache_scheme strategy 'attn_head' is not supported .*'tensor'"):
+        cpu_llm(path, kv_cache_dtype="fp8")
+    cpu_llm(path).exit()
+
+
 def test_kv_cache_scheme_alone_as_llm_compressor_writes_it(checkpoint, tmp_path):
     """A calibrated FP8 KV cache alone, as compressed-tensors serializes it: config_groups {} (no weight
     scheme), format "dense", every Linear in ignore, empty sparsity / transform configs. Full-precision

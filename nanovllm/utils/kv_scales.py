@@ -26,6 +26,8 @@ from nanovllm.utils.checkpoint_files import checkpoint_files, open_checkpoint
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale|(kv)_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
 _FP8_SCHEME = {"num_bits": 8, "type": "float"}
+# The scheme's strategy the cache takes: one scale per layer ("attn_head", one per KV head, is not).
+_TENSOR_STRATEGY = "tensor"
 # kv_cache_scheme spelled as a name: "static" (the checkpoint holds the scales) or "dynamic" (it does not).
 _SCHEME_NAMES = ("static", "dynamic")
 
@@ -38,13 +40,17 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
     """Each layer's (k_scale, v_scale) from the checkpoint in `path` (its config.json's
     `quantization_config`: ModelConfig's); None when it has none (and declares no static
     kv_cache_scheme): the engine then computes them from the data. ValueError names a
-    kv_cache_scheme other than 8-bit float, scales missing for some layers, or a scale that is not
-    one positive finite number."""
+    kv_cache_scheme other than 8-bit float per tensor, scales missing for some layers, or a scale
+    that is not one positive finite number."""
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if isinstance(scheme, dict):
         if any(scheme.get(k) != v for k, v in _FP8_SCHEME.items()):
             raise ValueError(f"checkpoint {path!r}: kv_cache_scheme {scheme!r} is not an FP8 (8-bit float) cache; "
                              f"kv_cache_dtype='fp8' takes scales from {_FP8_SCHEME} schemes only")
+        strategy = scheme.get("strategy", _TENSOR_STRATEGY)
+        if strategy != _TENSOR_STRATEGY:
+            raise ValueError(f"checkpoint {path!r}: kv_cache_scheme strategy {strategy!r} is not supported (only "
+                             f"{_TENSOR_STRATEGY!r}: kv_cache_dtype='fp8' takes one k_scale / v_scale a layer)")
         static = not scheme.get("dynamic", False)
     elif scheme in _SCHEME_NAMES:  # quant_method "fp8" checkpoints (AMD's, AutoFP8's) name it
         static = scheme == "static"
