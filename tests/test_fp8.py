@@ -46,6 +46,8 @@ CASES = [
     ("llama", "ct-tensor", ("lm_head",)),
     ("qwen3", "ct-block", (r"re:.*layers\.1\.self_attn\.o_proj",)),
     ("moe", "qwen-block", ("mlp.gate",)),
+    # RedHat's Qwen3-MoE FP8-dynamic releases: per-channel experts, the routers ignored by regex
+    ("moe", "ct-channel", ("lm_head", "re:.*mlp.gate$")),
 ]
 
 
