@@ -424,6 +424,24 @@ def test_modelopt_checkpoint_is_refused_naming_its_format(full_precision, tmp_pa
         resolve_quantization(None, modelopt, "config.json")
 
 
+def test_float8_weights_into_a_full_precision_model_are_refused(full_precision, tmp_path):
+    """FP8 tensors where config.json declares no quantization (none at all: no parameter is
+    quantized) are refused naming the first, as a quantized engine refuses one for a module it keeps
+    in full precision; they were copied into the full-precision parameters as they were, scale-less
+    values, and loaded without a word when no scale tensor followed them."""
+    path = _fp8_dir(full_precision, tmp_path)
+    state = {n: t for n, t in checkpoint_state(path).items() if not n.endswith(".weight_scale_inv")}
+    write_state(path, path, state)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=re.escape("weight 'model.layers.0.mlp.down_proj.weight' is float8, but its "
+                                                   "module is full precision here")):
+        cpu_llm(path)
+
+
 def test_missing_scale_or_weight_is_named(full_precision, tmp_path):
     """By its checkpoint name, alone: the half of a weight / scale pair that came is not listed."""
     path = _fp8_dir(full_precision, tmp_path)

@@ -1,5 +1,6 @@
 """Checkpoint tensors -> the tensors a model with quantized layers takes (utils/loader.py passes
-each named tensor through `QuantizedTensors` when a parameter of the model is quantized).
+each named tensor through `QuantizedTensors`, also where no parameter of the model is quantized:
+float8 tensors are refused there).
 
 A quantized layer's weight parameter carries its LinearQuant (`param.quant`, set at
 construction). By what it holds and where the tensor comes from:
@@ -56,7 +57,7 @@ class QuantizedTensors:
             return self._scale(name, module, leaf, tensor)
         quant = self.quant_of(name)
         if quant is None:
-            if tensor.dtype == FP8_DTYPE:
+            if tensor.is_floating_point() and tensor.dtype.itemsize == 1:  # float8, any variant
                 raise ValueError(f"weight {name!r} is float8, but its module is full precision here: the "
                                  f"quantization config keeps it so (or there is none), or it is one never "
                                  f"quantized (the embedding, lm_head, the MoE router)")

@@ -13,9 +13,10 @@ checkpoint of either form counts as complete.
 
     checkpoint name --map_checkpoint_name--> (parameter, shard id) --weight_slice--> (destination, source)
 
-A model with quantized layers (a parameter carries `quant`) first passes each named tensor
-through quantization/loading.QuantizedTensors: FP8 weights and their scales pass on or are
-dequantized, full-precision ones (online FP8, update_weights) are quantized.
+Each named tensor first passes through quantization/loading.QuantizedTensors: for a quantized
+layer (its parameter carries `quant`) FP8 weights and their scales pass on or are dequantized,
+full-precision ones (online FP8, update_weights) are quantized; elsewhere float8 tensors are
+refused and the others pass on as they are.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class _WeightMap:
         self.expected: set[ParamKey] = {
             (name, sid) for name, p in self.params.items() for sid in getattr(p, "shard_ids", (None,))
         }
-        self.quantized = any(hasattr(p, "quant") for p in self.params.values())
 
     def quant_of(self, ckpt_name: str) -> LinearQuant | None:
         """The quantization of the parameter `ckpt_name` fills (None: none, or no such parameter)."""
@@ -76,9 +76,11 @@ class _WeightMap:
             return None
         return getattr(self.params.get(self.model.map_checkpoint_name(ckpt_name)[0]), "quant", None)
 
-    def converter(self, update: bool) -> QuantizedTensors | None:
-        """The step named tensors pass through before `fill` (None: no parameter is quantized)."""
-        return QuantizedTensors(self.quant_of, update, self.fill) if self.quantized else None
+    def converter(self, update: bool) -> QuantizedTensors:
+        """The step named tensors pass through before `fill`; also where no parameter is quantized,
+        so that float8 tensors are refused there too (they were copied in as they were, without
+        their scales)."""
+        return QuantizedTensors(self.quant_of, update, self.fill)
 
     def fill(self, ckpt_name: str, tensor: torch.Tensor) -> _Fill | None:
         """Where `tensor` goes; None for a name the model ignores; ValueError if unknown or misshapen."""
@@ -103,9 +105,6 @@ class _WeightMap:
         return _Fill(keys, destination, source)
 
 
-def _converted(convert: QuantizedTensors | None, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) through the quantization step, if any."""
-    return [(name, tensor)] if convert is None else convert(name, tensor)
 
 
 def checkpoint_tensors(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
@@ -137,14 +136,14 @@ def load_model(model: nn.Module, path: str, load_format: str = "auto") -> None:
     loaded: set[ParamKey] = set()
     convert = weights.converter(update=False)
     for ckpt_name, ckpt_tensor in checkpoint_tensors(path, load_format):
-        for name, tensor in _converted(convert, ckpt_name, ckpt_tensor):
+        for name, tensor in convert(ckpt_name, ckpt_tensor):
             fill = weights.fill(name, tensor)
             if fill is not None:
                 fill.destination.copy_(fill.source)
                 loaded.update(fill.keys)
     missing = {model.checkpoint_name_of(name, shard) for name, shard in weights.expected - loaded}
-    if convert is not None:  # a weight waiting for its scale is there: its scale is what is missing
-        missing = (missing - convert.waiting()) | convert.missing()
+    # a weight waiting for its scale is there: its scale is what is missing
+    missing = (missing - convert.waiting()) | convert.missing()
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {_names(missing)}")
 
@@ -187,7 +186,7 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                           f"them itself), got {tensor.dtype}")
             continue
         try:
-            for name, tensor in _converted(convert, *item):
+            for name, tensor in convert(*item):
                 fill = weights.fill(name, tensor)
                 if fill is not None:
                     fills.append(fill)
