@@ -105,8 +105,6 @@ class _WeightMap:
         return _Fill(keys, destination, source)
 
 
-
-
 def checkpoint_tensors(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of the checkpoint's files in `path` that `load_format` reads
     (utils/checkpoint_files.py), read one at a time; a name held by two files (a stale copy: which
