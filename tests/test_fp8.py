@@ -17,7 +17,7 @@ import torch
 
 from checkpoints import (
     LlamaShape, MoeShape, TinyShape, assert_greedy_matches_reference, cpu_llm, lazy_checkpoints_fixture, load_reference,
-    make_prompts,
+    make_prompts, rewrite_config,
 )
 from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
@@ -407,11 +407,7 @@ def test_modelopt_checkpoint_is_refused_naming_its_format(full_precision, tmp_pa
                   if n.endswith(".weight_scale")})
     state["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(0.05)
     write_state(path, path, state)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    del cfg["quantization_config"]
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    rewrite_config(path, quantization_config=None)
     modelopt = {"producer": {"name": "modelopt", "version": "0.19.0"},
                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
@@ -432,11 +428,7 @@ def test_float8_weights_into_a_full_precision_model_are_refused(full_precision, 
     path = _fp8_dir(full_precision, tmp_path)
     state = {n: t for n, t in checkpoint_state(path).items() if not n.endswith(".weight_scale_inv")}
     write_state(path, path, state)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    del cfg["quantization_config"]
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    rewrite_config(path, quantization_config=None)
     with pytest.raises(ValueError, match=re.escape("weight 'model.layers.0.mlp.down_proj.weight' is float8, but its "
                                                    "module is full precision here")):
         cpu_llm(path)
