@@ -812,6 +812,40 @@ def test_update_weights_checks_every_tensor_before_changing_any(ckpt, tmp_path):
         llm.exit()
 
 
+def test_update_weights_refuses_a_dtensor_naming_full_tensor(ckpt, tmp_path):
+    """A DTensor (FSDP2's state dict holds them; verl and TRL call .full_tensor() before syncing) is
+    refused by load_weights with a TypeError naming the weight and .full_tensor(), before any weight
+    changes (it was a RuntimeError from inside the embedding's slicing, 'Cannot set version_counter
+    for inference tensor', naming neither); its full tensor loads."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    other = build_checkpoint(str(tmp_path / "other"), TinyShape(), seed=9)
+    prompts = [[5, 6, 7, 8] * 5]
+    new = load_reference(other).state_dict()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=128)
+    try:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False)
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in new.items()}
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        first = next(iter(new))
+        for weights in (list(sharded.items()), iter(sharded.items()),
+                        [(first, torch.nn.Parameter(sharded[first]))]):  # FSDP2's parameters themselves
+            with pytest.raises(TypeError, match=rf"weight '{first}' is a DTensor.*\.full_tensor\(\)"):
+                model.load_weights(weights)
+            assert llm.generate(prompts, GREEDY, use_tqdm=False) == before
+        model.load_weights((name, t.full_tensor()) for name, t in sharded.items())
+        after = llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.update_weights(new.items())
+        assert after == llm.generate(prompts, GREEDY, use_tqdm=False) != before
+    finally:
+        llm.exit()
+        dist.destroy_process_group()
+
+
 def test_a_dropped_engine_is_collected(ckpt):
     """`del llm; gc.collect()` frees the engine (RL loops rebuild engines): nothing global, the
     interpreter's exit hook included, holds it."""
