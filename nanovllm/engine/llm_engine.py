@@ -252,11 +252,11 @@ class LLMEngine:
         shapes, e.g. a transformers model's `state_dict().items()` (a tied model's
         lm_head.weight is accepted and ignored); any subset of the weights may be given.
         Unknown names, wrong shapes, tensors without data (meta) and float8 ones (full-precision
-        weights only: an FP8 engine quantizes them) raise ValueError, tensors that
-        are not dense floating-point ones TypeError, before any parameter changes; a generator's
-        tensors are checked and copied a chunk (~1 GiB) at a time instead (loader.weight_chunks:
-        the memory of one chunk, not of a model copy), so a refusal leaves earlier chunks in. The prefix
-        cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
+        weights only: an FP8 engine quantizes them) raise ValueError, tensors that are not dense
+        floating-point ones (or are DTensors: pass their full_tensor()) TypeError, before any
+        parameter changes; a generator's tensors are checked and copied a chunk (~1 GiB) at a time
+        instead (loader.weight_chunks: the memory of one chunk, not of a model copy), so a refusal
+        leaves earlier chunks in. The prefix cache is emptied (its KV belongs to the old weights); CUDA graphs stay valid (parameters
         keep their storage)."""
         self._check_weights_can_change("update_weights()")
         self.ranks.update_weights(weights, on_loaded=self.block_manager.clear_prefix_cache)

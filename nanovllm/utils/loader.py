@@ -22,6 +22,7 @@ refused and the others pass on as they are.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -155,15 +156,23 @@ def _not_a_pair(item: object) -> str:
     return f"{shape} for weight {item[0]!r}" if item and isinstance(item[0], str) else shape
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is torch.distributed's DTensor (FSDP2's parameters and state dicts), looked
+    up where it is defined: a DTensor exists only once its module was imported, which loading this
+    one does not do."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 @torch.inference_mode()
 def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy `named_tensors` (checkpoint names, full unsharded tensors, e.g. a transformers
     model's `state_dict().items()`) into the parameters in place; any subset of the weights
     may be given. Every tensor is checked before any parameter changes: a tensor that is not a
-    dense floating-point one is a TypeError naming it; unknown names, wrong shapes, tensors
-    without data (the meta device) and float8 ones (their values mean nothing without the scale
-    beside them, which no parameter here takes: an FP8 engine quantizes full-precision weights
-    itself) one ValueError naming all of them."""
+    dense floating-point one, or is a DTensor (a shard: its full_tensor() is the weight), is a
+    TypeError naming it; unknown names, wrong shapes, tensors without data (the meta device) and
+    float8 ones (their values mean nothing without the scale beside them, which no parameter here
+    takes: an FP8 engine quantizes full-precision weights itself) one ValueError naming all of them."""
     weights = _WeightMap(model)
     convert = weights.converter(update=True)
     fills: list[_Fill] = []
@@ -176,6 +185,9 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         if not tensor.is_floating_point() or tensor.layout is not torch.strided:
             raise TypeError(f"update_weights: weight {name!r} must be a dense floating-point tensor, got "
                             f"{tensor.dtype} ({tensor.layout}); none of these weights was loaded")
+        if _is_dtensor(tensor):  # its values are this rank's shard, not the weight
+            raise TypeError(f"update_weights: weight {name!r} is a DTensor (placements {tensor.placements}): pass "
+                            "its gathered value, tensor.full_tensor(); none of these weights was loaded")
         if tensor.is_meta:
             errors.append(f"weight {name!r} is on the meta device: it holds no data to copy")
             continue
