@@ -93,6 +93,20 @@ def load_state(model: torch.nn.Module, path: str) -> int:
     return len(model.load_weights(load_reference(path).state_dict().items()))
 
 
+def received(state: dict[str, torch.Tensor]):
+    """A weight receiver's generator reusing one buffer, as vLLM's RLHF worker extensions may write
+    it: each weight is a view of the buffer, refilled (the broadcast) for the next one."""
+    buffer = torch.empty(max(t.numel() for t in state.values()), dtype=next(iter(state.values())).dtype)
+    for name, tensor in state.items():
+        view = buffer[: tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)  # dist.broadcast(view, src=0)
+        yield name, view
+
+
+def load_received(worker: Worker, path: str) -> int:
+    return len(worker.model_runner.model.load_weights(received(load_reference(path).state_dict())))
+
+
 def engine(path, **kw):
     return cpu_llm(path, kvcache_block_size=16, max_model_len=128, **kw)
 
@@ -129,6 +143,29 @@ def test_one_rank_calls_see_the_model_and_load_weights_reaches_the_new_tokens(ck
         reference = load_reference(other_ckpt)
         for prompt, out in zip(PROMPTS, after):
             assert_greedy_matches_reference(reference, prompt, out)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_load_weights_takes_a_generator_reusing_its_buffer(ckpt, other_ckpt, tp):
+    """model.load_weights(generator) where the generator refills one buffer for each weight it yields
+    (vLLM copies each weight before asking for the next) loads every weight: through collective_rpc on
+    every rank's module and through the driver worker's model (every weight but the last was the last
+    one's values, silently: the pairs were held until the generator ended)."""
+    reference = load_reference(other_ckpt)
+    llm = engine(ckpt, tensor_parallel_size=tp)
+    try:
+        before = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert llm.collective_rpc(load_received, args=(other_ckpt,)) == [len(reference.state_dict())] * tp
+        llm.reset_prefix_cache()
+        after = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert after != before
+        for prompt, out in zip(PROMPTS, after):
+            assert_greedy_matches_reference(reference, prompt, out)
+        llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(received(
+            load_reference(ckpt).state_dict()))
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == before
     finally:
         llm.exit()
 
