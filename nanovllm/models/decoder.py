@@ -28,7 +28,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.self_attention import SelfAttention
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.utils.kv_scales import is_kv_scale_name
-from nanovllm.utils.loader import update_weights
+from nanovllm.utils.loader import update_weights, weight_chunks
 
 
 @dataclass(frozen=True)
@@ -141,12 +141,20 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's model.load_weights, for code that reaches this module (LLM.apply_model):
         checkpoint-named full tensors copied into this rank's parameters, every one checked first
-        (utils/loader.update_weights); the names loaded. The engine is not told: the prefix cache's
-        KV stays the old weights' (LLM.update_weights empties it; else call llm.reset_prefix_cache())."""
-        pairs = list(weights)
-        update_weights(self, pairs)
-        self.on_weights_loaded()
-        return {name for name, _ in pairs}
+        (utils/loader.update_weights; a generator's a chunk at a time: loader.weight_chunks); the
+        names loaded. The engine is not told: the prefix cache's KV stays the old weights'
+        (LLM.update_weights empties it; else call llm.reset_prefix_cache())."""
+        names: set[str] = set()
+        loaded = False  # a chunk reached the weights (an empty one too, as LLM.update_weights counts it)
+        try:
+            for chunk in weight_chunks(weights):
+                update_weights(self, chunk)
+                loaded = True
+                names.update(name for name, _ in chunk)
+        finally:
+            if loaded:  # also when a later chunk is refused: the earlier ones changed the weights
+                self.on_weights_loaded()
+        return names
 
     def build_mlp(self, cfg: ModelConfig, traits: DecoderTraits, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP: the dense SwiGLU (a family with other MLPs overrides this)."""

@@ -209,12 +209,23 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         fill.destination.copy_(fill.source)
 
 
+def _held(item: object) -> object:
+    """A generator's (name, tensor) pair as a chunk holds it: a copy of the tensor, since a generator
+    may refill what it yielded for its next pair (a receive buffer, as vLLM's RLHF worker extensions
+    broadcast into: vLLM copies each weight before asking for the next); anything else as it is
+    (update_weights names what is wrong with it)."""
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        return item[0], item[1].detach().clone()
+    return item
+
+
 def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
                   max_bytes: int = STREAMED_CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The pairs update_weights is to copy, in the chunks it checks and copies one at a time: all
     of them at once when they are held already (a list, tuple or dict view: one check before any
-    change), else (a generator, as verl's all-gathering sync yields) chunks of about `max_bytes`,
-    so no more than one chunk of the pairs it makes is alive at a time (vLLM streams them too).
+    change), else (a generator, as verl's all-gathering sync yields) chunks of about `max_bytes`
+    of copies of its tensors (_held), so no more than one chunk is alive at a time, whatever the
+    generator does with what it yielded (vLLM streams them too).
     An empty generator is one empty chunk, as an empty list is (update_weights counts it as an
     update either way: FP8 KV scales computed from the data are set anew). Anything not iterable
     is a TypeError naming it; so is a dict (its iteration gives names alone: its items() are the pairs)."""
@@ -230,6 +241,7 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
     size = 0
     first = True  # no chunk yielded yet
     for item in named_tensors:
+        item = _held(item)  # before the generator is asked for its next pair
         chunk.append(item)
         tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else None
         size += tensor.nbytes if isinstance(tensor, torch.Tensor) and not tensor.is_meta else 0
