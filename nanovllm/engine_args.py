@@ -37,6 +37,10 @@ a ValueError that names the keyword and says what nanovllm does instead:
     convert ("auto" / "none"),
     enable_return_routed_experts (False), scheduling_policy ("fcfs"),
     max_parallel_loading_workers (None / an int)
+    guided_decoding_backend                       None / "auto" / "xgrammar": xgrammar is the only grammar backend
+    structured_outputs_config                     None or a dict of StructuredOutputsConfig's fields asking for
+                                                  xgrammar (STRUCTURED_OUTPUTS_CONFIG); compact JSON is asked per
+                                                  request (StructuredOutputsParams.disable_any_whitespace)
 
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
@@ -74,6 +78,16 @@ _LOCAL = _Accepted(lambda v: v in (None, "main"), "None or 'main'",
                    "the model and tokenizer are read from local directories")
 _UNUSED_INT = _Accepted(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "None or an int",
                         "no LoRA adapters are served")
+
+GRAMMAR_BACKEND_WHY = "xgrammar is the only grammar backend (engine/structured_outputs.py)"
+# vLLM's StructuredOutputsConfig fields: the values that ask for what this engine does (see VLLM_ONLY_ARGS).
+STRUCTURED_OUTPUTS_CONFIG: dict[str, Callable[[object], bool]] = {
+    "backend": lambda v: v in ("auto", "xgrammar"),
+    "disable_fallback": _is_bool,  # no other backend to fall back to
+    "disable_additional_properties": _is_bool,  # xgrammar's strict mode, as StructuredOutputsParams' field
+    "disable_any_whitespace": lambda v: v is False,  # engine-wide compact JSON is not kept: per request here
+    "reasoning_parser": lambda v: v in (None, ""),
+}
 
 VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "revision": _LOCAL,
@@ -152,6 +166,16 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "scheduling_policy": _Accepted(lambda v: v == "fcfs", "'fcfs'", "requests are served in arrival order"),
     "max_parallel_loading_workers": _Accepted(lambda v: v is None or (type(v) is int and v >= 1), "None or an int >= 1",
                                               "each rank loads its own shards"),
+    # vLLM's engine-wide structured-outputs settings (its older guided_decoding_backend, its StructuredOutputsConfig).
+    "guided_decoding_backend": _Accepted(lambda v: v in (None, "auto", "xgrammar"), "None, 'auto' or 'xgrammar'",
+                                         GRAMMAR_BACKEND_WHY),
+    "structured_outputs_config": _Accepted(
+        lambda v: v is None or (isinstance(v, dict) and all(k in STRUCTURED_OUTPUTS_CONFIG and STRUCTURED_OUTPUTS_CONFIG[k](x)
+                                                            for k, x in v.items())),
+        "None or a dict of vLLM's StructuredOutputsConfig fields: backend 'auto' / 'xgrammar', disable_fallback and "
+        "disable_additional_properties a bool, disable_any_whitespace False, reasoning_parser '' / None",
+        GRAMMAR_BACKEND_WHY + "; StructuredOutputsParams(disable_any_whitespace=True) makes a request's JSON compact; "
+        "no reasoning parsers"),
 }
 
 # Keywords whose None means "the engine's default" in vLLM.

@@ -50,7 +50,10 @@ TRL_ARGS = dict(distributed_executor_backend="external_launcher", tensor_paralle
 VLLM_DEFAULTS = dict(hf_token=None, mm_processor_kwargs=None, allowed_local_media_path="", allowed_media_domains=None,
                      speculative_config=None, logits_processors=None, enable_prompt_embeds=False, pooler_config=None,
                      override_pooler_config=None, convert="auto", enable_return_routed_experts=False,
-                     scheduling_policy="fcfs", max_parallel_loading_workers=None)
+                     scheduling_policy="fcfs", max_parallel_loading_workers=None, guided_decoding_backend="xgrammar",
+                     structured_outputs_config={"backend": "auto", "disable_fallback": False,
+                                                "disable_any_whitespace": False,
+                                                "disable_additional_properties": False, "reasoning_parser": ""})
 REFUSED = [
     ("mm_processor_kwargs", {"num_crops": 4}), ("allowed_local_media_path", "/data"), ("allowed_media_domains", ["a.b"]),
     ("speculative_config", {"method": "ngram"}), ("logits_processors", ["my.Processor"]),
@@ -69,6 +72,9 @@ REFUSED = [
     ("num_scheduler_steps", 8), ("use_v2_block_manager", "v2"), ("preemption_mode", "swap"),
     ("worker_extension_cls", "nemo_rl.models.generation.vllm.VllmInternalWorkerExtension"),
     ("worker_cls", "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"),
+    ("guided_decoding_backend", "guidance"), ("structured_outputs_config", {"backend": "outlines"}),
+    ("structured_outputs_config", {"disable_any_whitespace": True}), ("structured_outputs_config", {"reasoning_parser": "qwen3"}),
+    ("structured_outputs_config", {"backend": "xgrammar", "bogus": 1}), ("structured_outputs_config", "xgrammar"),
 ]
 # Keywords verl, NeMo-RL and scripts pass to tune vLLM's own machinery, with values they use.
 TUNING_ARGS = dict(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, max_seq_len_to_capture=8192,
