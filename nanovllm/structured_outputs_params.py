@@ -21,7 +21,8 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text): the completion is JSON valid against it.
     regex: the whole completion matches this regular expression.
     choice: the completion is one of these strings.
-    grammar: an EBNF grammar (xgrammar's GBNF-style syntax, start rule `root`).
+    grammar: an EBNF grammar (xgrammar's GBNF-style syntax, start rule `root`), or, where no rule is
+        written with `::=`, a Lark grammar (start rule `start`), as vLLM's xgrammar backend reads them.
     json_object: True: the completion is a JSON object.
 
     disable_any_whitespace: JSON (json / json_object) without optional whitespace; by default any

@@ -546,3 +546,27 @@ def test_schemas_xgrammar_enforces_are_served(llm):
     for schema, out in zip(schemas, llm.generate([PROMPTS[0]] * len(schemas), params, use_tqdm=False)):
         assert out["finish_reason"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), schema)
+
+
+# Lark grammars, as vLLM's xgrammar backend reads them (a grammar with no `::=` outside comments is Lark:
+# xgrammar's compile_lark), each with a regex its language is exactly.
+LARK = {
+    'start: "yes" | "no"': r"yes|no",
+    '// a comment: root ::= "x"\n?start: pair\npair: NAME "=" DIGIT\nNAME: /[a-z]{1,4}/\n%import common.DIGIT':
+        r"[a-z]{1,4}=[0-9]",
+}
+
+
+def test_lark_grammars_are_served_as_vllm_serves_them(llm):
+    """vLLM's xgrammar backend compiles a grammar with no `::=` rule as Lark (start rule `start`);
+    they were refused as EBNF ("Unexpected character: ':'")."""
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(grammar=g))
+              for g in LARK]
+    for shape, out in zip(LARK.values(), llm.generate([PROMPTS[2]] * len(LARK), params, use_tqdm=False)):
+        assert out["finish_reason"] == "stop" and re.fullmatch(shape, out["text"]), out
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams.grammar 'begin: undefined_rule' cannot be compiled "
+                                         r"\(as Lark: no rule is written with ::=\)"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(
+            grammar="begin: undefined_rule")), use_tqdm=False)
+    assert llm.is_finished()
+

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -57,6 +58,8 @@ XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", 
 # Keywords beside a $ref that constrain nothing (xgrammar drops every sibling of a $ref).
 REF_NEUTRAL_KEYWORDS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
                                   "description", "default", "examples"})
+# A comment of a grammar line (Lark's // and EBNF's #), dropped before looking for EBNF's `::=`.
+GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 
 
 def import_xgrammar():
@@ -71,6 +74,12 @@ def import_xgrammar():
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether `grammar` is in Lark syntax (start rule `start`) rather than xgrammar's EBNF (`root ::= ...`):
+    vLLM's xgrammar backend reads a grammar with no `::=` outside comments as Lark, and so does this one."""
+    return not any("::=" in GRAMMAR_COMMENT.sub("", line) for line in grammar.splitlines())
 
 
 def unenforced_keyword(schema: object, path: str = "#") -> str | None:
@@ -218,14 +227,17 @@ class GrammarBackend:
             name, build = "regex", partial(c.compile_regex, spec.regex)
         elif spec.choice is not None:
             name, build = "choice", partial(c.compile_grammar, choice_grammar(spec.choice))
+        elif is_lark(spec.grammar):
+            name, build = "grammar", partial(c.compile_lark, spec.grammar)
         else:
             name, build = "grammar", partial(c.compile_grammar, spec.grammar)
         try:
             return build()
         except RuntimeError as e:  # xgrammar's parse and conversion errors
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(f"StructuredOutputsParams.{name} {getattr(spec, name)!r:.200} cannot be compiled: "
-                             f"{reason}") from e
+            syntax = " (as Lark: no rule is written with ::=)" if name == "grammar" and is_lark(spec.grammar) else ""
+            raise ValueError(f"StructuredOutputsParams.{name} {getattr(spec, name)!r:.200} cannot be compiled"
+                             f"{syntax}: {reason}") from e
 
     def sample_grammar(self, compiled) -> SampleGrammar:
         """A fresh matcher of `compiled`, at the start of its language."""
