@@ -570,3 +570,24 @@ def test_lark_grammars_are_served_as_vllm_serves_them(llm):
             grammar="begin: undefined_rule")), use_tqdm=False)
     assert llm.is_finished()
 
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "required": ["a"]},
+    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "object", "required": ["a"], "additionalProperties": True},
+    {"type": "array", "items": {"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}},
+], ids=["no-properties", "one-undeclared", "additional-true", "nested"])
+def test_a_required_property_the_schema_does_not_declare_is_refused(llm, schema):
+    """xgrammar (0.2.9) drops a `required` name that `properties` does not declare: `{}` was served as
+    valid against {"type": "object", "required": ["a"]}. Refused, as the other keywords it does not enforce."""
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    violating = [{}] if schema["type"] == "array" else {"b": 1} if "properties" in schema else {}
+    assert xgrammar.testing._is_grammar_accept_string(grammar, json.dumps(violating))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(violating, schema)
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams.json .*: required 'a' \(not in properties\) at "
+                                         r"#\S* is not enforced by xgrammar"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)),
+                     use_tqdm=False)
+    assert llm.is_finished()
+

@@ -100,6 +100,11 @@ def unenforced_keyword(schema: object, path: str = "#") -> str | None:
             found = f"format {schema['format']!r}"
         elif ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
             found = "minLength" if "minLength" in schema else "maxLength"  # dropped beside a pattern or format
+    if (types is None or "object" in types) and isinstance(schema.get("required"), list):
+        declared = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        undeclared = next((name for name in schema["required"] if name not in declared), None)
+        if undeclared is not None:  # xgrammar drops a required name its properties do not declare
+            found = f"required {undeclared!r} (not in properties)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         found = "allOf"  # xgrammar does not intersect its subschemas
     if "$ref" in schema:
