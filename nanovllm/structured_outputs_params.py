@@ -77,6 +77,11 @@ class StructuredOutputsParams:
             if isinstance(schema, bool) or not isinstance(schema, dict):
                 raise TypeError(f"StructuredOutputsParams.json must be a JSON schema object (a dict or its "
                                 f"JSON text), got {self.json!r:.200}")
+            if not isinstance(self.json, str):  # the compiler takes the dict as JSON text
+                try:
+                    json.dumps(schema, allow_nan=False)
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"StructuredOutputsParams.json is not JSON data ({e}): {self.json!r:.200}") from e
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -591,3 +591,12 @@ def test_a_required_property_the_schema_does_not_declare_is_refused(llm, schema)
                      use_tqdm=False)
     assert llm.is_finished()
 
+
+def test_a_schema_that_is_not_json_data_is_refused_naming_the_field():
+    """A dict holding a set (or NaN) is no JSON schema: it was json.dumps' TypeError at the request,
+    naming no field (or xgrammar's parse error of the NaN that json.dumps wrote)."""
+    with pytest.raises(TypeError, match=r"StructuredOutputsParams.json is not JSON data \(.*set.*\): \{'enum': \{1\}\}"):
+        StructuredOutputsParams(json={"enum": {1}})
+    with pytest.raises(TypeError, match=r"StructuredOutputsParams.json is not JSON data \(.*\): "
+                                        r"\{'type': 'number', 'maximum': nan\}"):
+        StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
