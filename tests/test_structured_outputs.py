@@ -600,3 +600,17 @@ def test_a_schema_that_is_not_json_data_is_refused_naming_the_field():
     with pytest.raises(TypeError, match=r"StructuredOutputsParams.json is not JSON data \(.*\): "
                                         r"\{'type': 'number', 'maximum': nan\}"):
         StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
+
+
+@pytest.mark.parametrize("ref", ["https://example.com/s.json", "other.json#/$defs/a", "#anchor"])
+def test_a_ref_xgrammar_cannot_resolve_is_refused(llm, ref):
+    """xgrammar (0.2.9) resolves only '#' and '#/...' references; any other $ref it compiles as any JSON
+    value (a logged warning): `[0]` was served for {"$ref": "https://example.com/s.json"}."""
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps({"type": "object", "properties": {"a": {"$ref": ref}}}))
+    assert xgrammar.testing._is_grammar_accept_string(grammar, '{"a": [0]}')
+    for schema, where in (({"$ref": ref}, "#"), ({"type": "object", "properties": {"a": {"$ref": ref}}}, "#/properties/a")):
+        with pytest.raises(ValueError, match=rf"StructuredOutputsParams.json .*: \$ref '{re.escape(ref)}' \(xgrammar "
+                                             rf"resolves only '#' and '#/\.\.\.'\) at {re.escape(where)} is not enforced"):
+            llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)),
+                         use_tqdm=False)
+    assert llm.is_finished()

@@ -109,6 +109,9 @@ def unenforced_keyword(schema: object, path: str = "#") -> str | None:
         found = "allOf"  # xgrammar does not intersect its subschemas
     if "$ref" in schema:
         found = next((k for k in schema if k not in REF_NEUTRAL_KEYWORDS), found)
+        ref = schema["$ref"]
+        if not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):  # another xgrammar reads as any value
+            found = f"$ref {ref!r} (xgrammar resolves only '#' and '#/...')"
     if found is not None:
         return f"{found} at {path}"
     for key in SCHEMA_KEYWORDS:
