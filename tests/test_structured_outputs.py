@@ -28,7 +28,7 @@ import xgrammar
 
 from checkpoints import cpu_llm, load_reference
 from nanovllm import SamplingParams
-from nanovllm.engine.structured_outputs import GRAMMAR_CACHE_BYTES, accept_tokens
+from nanovllm.engine.structured_outputs import GRAMMAR_CACHE_BYTES, accept_tokens, unenforced_keyword
 from nanovllm.sampling_params import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -614,3 +614,40 @@ def test_a_ref_xgrammar_cannot_resolve_is_refused(llm, ref):
             llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)),
                          use_tqdm=False)
     assert llm.is_finished()
+
+
+# Constraints beside anyOf / oneOf / allOf, which xgrammar (0.2.9) compiles alone, dropping their siblings:
+# (schema, a violating instance the grammar accepts, the sibling named, the combinator).
+BESIDE_COMBINATOR = [
+    ({"type": "string", "anyOf": [{"maxLength": 2}, {"pattern": "^a+$"}]}, 1, "type", "anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, [0], "type", "anyOf"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}], "required": ["a"]}, {}, "required", "oneOf"),
+    ({"allOf": [{"type": "integer"}], "minimum": 5}, 1, "minimum", "allOf"),
+]
+
+
+@pytest.mark.parametrize("schema,violating,sibling,combinator", BESIDE_COMBINATOR,
+                         ids=[f"{b[2]}-{b[3]}" for b in BESIDE_COMBINATOR])
+def test_a_constraint_beside_anyof_oneof_or_allof_is_refused(llm, schema, violating, sibling, combinator):
+    """xgrammar drops every sibling of anyOf / oneOf / allOf, as of a $ref: 1 was served for
+    {"type": "string", "anyOf": [...]}. Refused naming the sibling; pydantic's siblings (title, default,
+    description, examples, discriminator) constrain nothing and are served."""
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(violating, schema)
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    assert xgrammar.testing._is_grammar_accept_string(grammar, json.dumps(violating))
+    with pytest.raises(ValueError, match=rf"StructuredOutputsParams.json .*: {sibling} beside {combinator} at # is not "
+                                         "enforced by xgrammar"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert llm.is_finished()
+    pydantic_shaped = {  # pydantic 2's model_json_schema() of Optional, Union and discriminated-union fields
+        "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}},
+        "type": "object",
+        "properties": {"a": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": None,
+                             "description": "d", "title": "A"},
+                       "e": {"anyOf": [{"type": "integer"}, {"type": "string"}], "examples": [1], "title": "E"},
+                       "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}], "discriminator": {"propertyName": "kind"},
+                               "title": "Pet"}},
+        "required": ["pet"]}
+    assert unenforced_keyword(pydantic_shaped) is None

@@ -58,6 +58,11 @@ XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", 
 # Keywords beside a $ref that constrain nothing (xgrammar drops every sibling of a $ref).
 REF_NEUTRAL_KEYWORDS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
                                   "description", "default", "examples"})
+# Keywords xgrammar compiles alone, dropping their siblings as of a $ref: a constraint beside one is not enforced.
+COMBINATOR_KEYWORDS = ("anyOf", "oneOf", "allOf")
+# Beside a combinator, also neutral: OpenAPI's discriminator (pydantic's discriminated unions) names the
+# property that tells the branches apart, which the branches' own consts already enforce.
+COMBINATOR_NEUTRAL_KEYWORDS = REF_NEUTRAL_KEYWORDS - {"$ref"} | {"discriminator"}
 # A comment of a grammar line (Lark's // and EBNF's #), dropped before looking for EBNF's `::=`.
 GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 
@@ -84,8 +89,10 @@ def is_lark(grammar: str) -> bool:
 
 def unenforced_keyword(schema: object, path: str = "#") -> str | None:
     """The first keyword of JSON schema `schema` that xgrammar would compile without enforcing, as
-    "keyword at path" (None: every constraint is enforced). vLLM's xgrammar backend refuses such
-    schemas (its auto mode hands them to another backend); this engine has only xgrammar."""
+    "keyword at path" (None: every constraint is enforced). vLLM's xgrammar backend refuses most such
+    schemas (its auto mode hands them to another backend); this engine has only xgrammar, and refuses
+    also what vLLM serves unchecked: a non-local $ref, a required name properties do not declare, a
+    constraint beside anyOf / oneOf / allOf."""
     if not isinstance(schema, dict):
         return None
     found = next((k for k in UNENFORCED_KEYWORDS if k in schema), None)
@@ -112,6 +119,11 @@ def unenforced_keyword(schema: object, path: str = "#") -> str | None:
         ref = schema["$ref"]
         if not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):  # another xgrammar reads as any value
             found = f"$ref {ref!r} (xgrammar resolves only '#' and '#/...')"
+    combinator = next((k for k in COMBINATOR_KEYWORDS if k in schema), None)
+    if combinator is not None and "$ref" not in schema:
+        beside = next((k for k in schema if k != combinator and k not in COMBINATOR_NEUTRAL_KEYWORDS), None)
+        if beside is not None:
+            found = f"{beside} beside {combinator}"
     if found is not None:
         return f"{found} at {path}"
     for key in SCHEMA_KEYWORDS:
@@ -227,7 +239,7 @@ class GrammarBackend:
             if unenforced is not None:
                 raise ValueError(f"StructuredOutputsParams.json {spec.json!r:.200}: {unenforced} is not enforced by "
                                  "xgrammar (the output could break it unnoticed; vLLM's xgrammar backend refuses "
-                                 "it too): drop it, or check the outputs against the schema yourself")
+                                 "most such keywords too): drop it, or check the outputs against the schema yourself")
             name, build = "json", partial(c.compile_json_schema, schema, any_whitespace=any_whitespace)
         elif spec.json_object:
             name, build = "json_object", partial(c.compile_json_schema, JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
