@@ -564,10 +564,13 @@ def test_lark_grammars_are_served_as_vllm_serves_them(llm):
               for g in LARK]
     for shape, out in zip(LARK.values(), llm.generate([PROMPTS[2]] * len(LARK), params, use_tqdm=False)):
         assert out["finish_reason"] == "stop" and re.fullmatch(shape, out["text"]), out
-    with pytest.raises(ValueError, match=r"StructuredOutputsParams.grammar 'begin: undefined_rule' cannot be compiled "
-                                         r"\(as Lark: no rule is written with ::=\)"):
-        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(
-            grammar="begin: undefined_rule")), use_tqdm=False)
+    refusals = {"begin: undefined_rule": "line 1, column 1: no start rule found",  # the reason, not its caret line
+                "start: foo": "line 1, column 8: unknown name 'foo'"}
+    for grammar, reason in refusals.items():
+        with pytest.raises(ValueError, match=rf"StructuredOutputsParams.grammar '{grammar}' cannot be compiled "
+                                             rf"\(as Lark: no rule is written with ::=\): Lark error at {reason}$"):
+            llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(grammar=grammar)),
+                         use_tqdm=False)
     assert llm.is_finished()
 
 

@@ -254,7 +254,9 @@ class GrammarBackend:
         try:
             return build()
         except RuntimeError as e:  # xgrammar's parse and conversion errors
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            # the line naming the error: a Lark error's first (its source line and caret follow), others' last
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            reason = next((line for line in lines if line.startswith("Lark error")), lines[-1])
             syntax = " (as Lark: no rule is written with ::=)" if name == "grammar" and is_lark(spec.grammar) else ""
             raise ValueError(f"StructuredOutputsParams.{name} {getattr(spec, name)!r:.200} cannot be compiled"
                              f"{syntax}: {reason}") from e
