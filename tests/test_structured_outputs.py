@@ -654,3 +654,28 @@ def test_a_constraint_beside_anyof_oneof_or_allof_is_refused(llm, schema, violat
                                "title": "Pet"}},
         "required": ["pet"]}
     assert unenforced_keyword(pydantic_shaped) is None
+
+
+# Regexes with an escape of a letter that xgrammar (0.2.9) reads as the letter itself, where Python's re reads an
+# anchor (\A, \Z) and PCRE an anchor, a class, a quote or a code point: (regex, text xgrammar takes, the escape).
+LITERAL_ESCAPES = [(r"\Aab\Z", "AabZ", r"\A"), (r"ab\Z", "abZ", r"\Z"), (r"[a-c]+\z", "abz", r"\z"),
+                   (r"\Qa.b\E", "Qa.bE", r"\Q"), (r"x\hy", "xhy", r"\h"), (r"a\Rb", "aRb", r"\R"),
+                   (r"[\A-C]", "B", r"\A")]
+
+
+@pytest.mark.parametrize("regex,taken,escape", LITERAL_ESCAPES, ids=[e[0] for e in LITERAL_ESCAPES])
+def test_a_regex_escape_xgrammar_reads_as_its_letter_is_refused(llm, regex, taken, escape):
+    """`\\Aab\\Z` was served as "AabZ": xgrammar reads an escape it does not know as the escaped letter.
+    Refused naming the escape; the escapes it knows (classes, control characters, code points) and an
+    escaped backslash before a letter are served."""
+    assert xgrammar.testing._is_grammar_accept_string(xgrammar.Grammar.from_regex(regex), taken)
+    with pytest.raises(ValueError, match=rf"StructuredOutputsParams.regex .*: {re.escape(escape)} is no escape "
+                                         "xgrammar knows: it would match"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex)), use_tqdm=False)
+    schema = {"type": "string", "pattern": regex}  # a schema's pattern goes through the same regex converter
+    with pytest.raises(ValueError, match=rf"StructuredOutputsParams.json .*: pattern escape '{re.escape(re.escape(escape))}' "
+                                         r"at # is not enforced by xgrammar"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert llm.is_finished()
+    known = r"^\d\D\w\W\s\S\t\n\r\f\v\x41\u00e9\U0001F600[\d\w\-\\]\\A$"
+    assert llm.grammars.compile(StructuredOutputsParams(regex=known)) is not None

@@ -63,6 +63,11 @@ COMBINATOR_KEYWORDS = ("anyOf", "oneOf", "allOf")
 # Beside a combinator, also neutral: OpenAPI's discriminator (pydantic's discriminated unions) names the
 # property that tells the branches apart, which the branches' own consts already enforce.
 COMBINATOR_NEUTRAL_KEYWORDS = REF_NEUTRAL_KEYWORDS - {"$ref"} | {"discriminator"}
+# Escaped ASCII letters xgrammar (0.2.9) reads as the letter itself, outside and inside a [...] class, where
+# Python's re reads an anchor (\A, \Z) and PCRE an anchor (\z, \G), a class (\h, \R, \X) or a quote
+# (\Q...\E), or both fail: a completion would hold the letter (tests/test_structured_outputs.py shows some).
+XGRAMMAR_LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTVXYZ")
+XGRAMMAR_LITERAL_CLASS_ESCAPES = XGRAMMAR_LITERAL_ESCAPES | frozenset("kpBP")
 # A comment of a grammar line (Lark's // and EBNF's #), dropped before looking for EBNF's `::=`.
 GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 
@@ -87,6 +92,27 @@ def is_lark(grammar: str) -> bool:
     return not any("::=" in GRAMMAR_COMMENT.sub("", line) for line in grammar.splitlines())
 
 
+def literal_escape(regex: str) -> str | None:
+    """The first escape of `regex` (as "\\L") that xgrammar reads as the escaped letter L itself
+    (XGRAMMAR_LITERAL_ESCAPES), None if there is none."""
+    in_class, i = False, 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            if regex[i + 1] in (XGRAMMAR_LITERAL_CLASS_ESCAPES if in_class else XGRAMMAR_LITERAL_ESCAPES):
+                return regex[i : i + 2]
+            i += 2  # the escaped character is taken whatever it is (an escaped backslash too)
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+            i += 2 if regex[i + 1 : i + 2] == "^" else 1
+            i += 1 if regex[i : i + 1] == "]" else 0  # a ] first in a class is one of its characters
+            continue
+        in_class = in_class and char != "]"
+        i += 1
+    return None
+
+
 def unenforced_keyword(schema: object, path: str = "#") -> str | None:
     """The first keyword of JSON schema `schema` that xgrammar would compile without enforcing, as
     "keyword at path" (None: every constraint is enforced). vLLM's xgrammar backend refuses most such
@@ -107,6 +133,8 @@ def unenforced_keyword(schema: object, path: str = "#") -> str | None:
             found = f"format {schema['format']!r}"
         elif ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
             found = "minLength" if "minLength" in schema else "maxLength"  # dropped beside a pattern or format
+        elif isinstance(schema.get("pattern"), str) and (escape := literal_escape(schema["pattern"])) is not None:
+            found = f"pattern escape {escape!r}"
     if (types is None or "object" in types) and isinstance(schema.get("required"), list):
         declared = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         undeclared = next((name for name in schema["required"] if name not in declared), None)
@@ -244,6 +272,11 @@ class GrammarBackend:
         elif spec.json_object:
             name, build = "json_object", partial(c.compile_json_schema, JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
         elif spec.regex is not None:
+            if (escape := literal_escape(spec.regex)) is not None:
+                raise ValueError(f"StructuredOutputsParams.regex {spec.regex!r:.200}: {escape} is no escape xgrammar "
+                                 f"knows: it would match the letter {escape[1]!r} (vLLM's xgrammar backend serves it "
+                                 "so). Anchors are not needed: the whole completion matches the regex (^ and $ are "
+                                 "taken)")
             name, build = "regex", partial(c.compile_regex, spec.regex)
         elif spec.choice is not None:
             name, build = "choice", partial(c.compile_grammar, choice_grammar(spec.choice))
