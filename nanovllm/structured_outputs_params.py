@@ -68,6 +68,7 @@ class StructuredOutputsParams:
                              f"json_object; got {', '.join(given) if given else 'none'}")
         if self.json is not None:
             if isinstance(self.json, str):
+                check_text("StructuredOutputsParams.json", self.json)  # the compiler takes UTF-8
                 try:
                     schema = json.loads(self.json)
                 except json.JSONDecodeError as e:

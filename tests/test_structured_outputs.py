@@ -603,6 +603,9 @@ def test_a_schema_that_is_not_json_data_is_refused_naming_the_field():
     with pytest.raises(TypeError, match=r"StructuredOutputsParams.json is not JSON data \(.*\): "
                                         r"\{'type': 'number', 'maximum': nan\}"):
         StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
+    # JSON text holding a lone surrogate (not its \\ud800 escape): xgrammar's UnicodeEncodeError at the request
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams.json holds a lone surrogate '.ud800' at character 11"):
+        StructuredOutputsParams(json='{"enum": ["\ud800"]}')
 
 
 @pytest.mark.parametrize("ref", ["https://example.com/s.json", "other.json#/$defs/a", "#anchor"])
