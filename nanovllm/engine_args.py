@@ -87,6 +87,8 @@ STRUCTURED_OUTPUTS_CONFIG: dict[str, Callable[[object], bool]] = {
     "disable_additional_properties": _is_bool,  # xgrammar's strict mode, as StructuredOutputsParams' field
     "disable_any_whitespace": lambda v: v is False,  # engine-wide compact JSON is not kept: per request here
     "reasoning_parser": lambda v: v in (None, ""),
+    "reasoning_parser_plugin": lambda v: v in (None, ""),
+    "enable_in_reasoning": _is_bool,  # without a reasoning parser the grammar applies from the first token anyway
 }
 
 VLLM_ONLY_ARGS: dict[str, _Accepted] = {
@@ -172,8 +174,9 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
     "structured_outputs_config": _Accepted(
         lambda v: v is None or (isinstance(v, dict) and all(k in STRUCTURED_OUTPUTS_CONFIG and STRUCTURED_OUTPUTS_CONFIG[k](x)
                                                             for k, x in v.items())),
-        "None or a dict of vLLM's StructuredOutputsConfig fields: backend 'auto' / 'xgrammar', disable_fallback and "
-        "disable_additional_properties a bool, disable_any_whitespace False, reasoning_parser '' / None",
+        "None or a dict of vLLM's StructuredOutputsConfig fields: backend 'auto' / 'xgrammar', disable_fallback, "
+        "disable_additional_properties and enable_in_reasoning a bool, disable_any_whitespace False, reasoning_parser "
+        "and reasoning_parser_plugin '' / None",
         GRAMMAR_BACKEND_WHY + "; StructuredOutputsParams(disable_any_whitespace=True) makes a request's JSON compact; "
         "no reasoning parsers"),
 }

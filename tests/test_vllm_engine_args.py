@@ -53,7 +53,8 @@ VLLM_DEFAULTS = dict(hf_token=None, mm_processor_kwargs=None, allowed_local_medi
                      scheduling_policy="fcfs", max_parallel_loading_workers=None, guided_decoding_backend="xgrammar",
                      structured_outputs_config={"backend": "auto", "disable_fallback": False,
                                                 "disable_any_whitespace": False,
-                                                "disable_additional_properties": False, "reasoning_parser": ""})
+                                                "disable_additional_properties": False, "reasoning_parser": "",
+                                                "reasoning_parser_plugin": "", "enable_in_reasoning": False})
 REFUSED = [
     ("mm_processor_kwargs", {"num_crops": 4}), ("allowed_local_media_path", "/data"), ("allowed_media_domains", ["a.b"]),
     ("speculative_config", {"method": "ngram"}), ("logits_processors", ["my.Processor"]),
