@@ -38,10 +38,14 @@ def reference_beams(model, prompt: list[int], params: BeamSearchParams, eos: set
         return Decimal(cum) / Decimal(len(tokens) - (tokens[-1] in eos)) ** Decimal(params.length_penalty)
 
     stops = set() if params.ignore_eos else eos
+
+    def full(beam):  # grows no more: at max_len, past a full prompt (which generate serves one token)
+        return len(beam[0]) >= max_len and len(beam[0]) > len(prompt)
+
     live, done = [(list(prompt), 0.0)], []
     for _ in range(params.max_tokens):
-        done += [b for b in live if len(b[0]) >= max_len]
-        live = [b for b in live if len(b[0]) < max_len]
+        done += [b for b in live if full(b)]
+        live = [b for b in live if not full(b)]
         if not live:
             break
         grown = []
@@ -129,6 +133,16 @@ def test_beams_stop_growing_at_max_model_len(ckpt, reference):
         (out,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
         assert all(len(s.tokens) == MAX_MODEL_LEN and s.finish_reason == "length" for s in out.sequences)
         assert_same_beams(out, reference_beams(reference, prompt, params, set(llm.eos_token_ids)))
+        # A prompt of max_model_len tokens gets one token, as generate() serves it: beam_width beams of one
+        # token each (it was the bare prompt alone, no completion, cum_logprob 0).
+        full = make_prompts(5, 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 1)[0]
+        served = llm.generate([{"prompt_token_ids": full}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(served[0].outputs[0].token_ids) == 1
+        (out,) = llm.beam_search([{"prompt_token_ids": full}], params)
+        assert len(out.sequences) == 2
+        assert all(len(s.tokens) == MAX_MODEL_LEN + 1 and len(s.logprobs) == 1 for s in out.sequences)
+        assert out.sequences[0].tokens == full + served[0].outputs[0].token_ids
+        assert_same_beams(out, reference_beams(reference, full, params, set(llm.eos_token_ids)))
     finally:
         llm.exit()
 
