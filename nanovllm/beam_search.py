@@ -12,7 +12,8 @@ prefix cache).
 Beams are ranked by cum_logprob / len ** length_penalty, len counting the prompt's tokens and not a
 final EOS (vLLM's score), compared in log space (`beam_rank`): len ** length_penalty itself overflows,
 or underflows to a division by zero, for a large |length_penalty|. A beam that reaches max_model_len
-stops growing (it stays a candidate).
+stops growing (it stays a candidate); a prompt of max_model_len tokens takes one step (generate()
+serves it one token).
 EOS is any of the engine's EOS ids (the tokenizer's and generation_config.json's, which generate()
 stops at too). The logprobs are the raw ones (log_softmax of the model's logits), as vLLM's.
 """
@@ -88,6 +89,13 @@ def beam_rank(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: flo
     return (1, log_magnitude) if cum > 0 else (-1, -log_magnitude)
 
 
+def _full(beam: BeamSearchSequence, max_len: int) -> bool:
+    """Whether `beam` grows no more: it holds max_len tokens or more and a completion token. A bare
+    prompt of max_len tokens still takes its step, as generate() serves such a prompt one token (so
+    its search returns beam_width one-token beams, not the prompt alone with no completion)."""
+    return len(beam.tokens) >= max_len and bool(beam.logprobs)
+
+
 def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], params: BeamSearchParams,
                 use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """The W best beams of each prompt (module docstring), in input order, each step a `generate`
@@ -129,8 +137,8 @@ def _search(llm: LLMEngine, generate: Generate, prompts: list[PreparedPrompt], p
     instances = [_Instance([BeamSearchSequence(list(p.token_ids))], salt=p.cache_salt) for p in prompts]
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
         for instance in instances:  # a beam at max_model_len cannot grow: it waits for the end
-            instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
-            instance.beams = [b for b in instance.beams if len(b.tokens) < max_len]
+            instance.completed += [b for b in instance.beams if _full(b, max_len)]
+            instance.beams = [b for b in instance.beams if not _full(b, max_len)]
         live = [(instance, beam) for instance in instances for beam in instance.beams]
         if not live:
             break
