@@ -214,6 +214,21 @@ def test_guided_decoding_dicts_are_the_structured_outputs_as_in_vllms_ray_data(c
         predictor.llm.exit()
 
 
+def test_rows_carry_vllms_generated_tokens_beside_generated_token_ids(ckpt):
+    """A pipeline ported from vLLM's Ray Data processor reads `generated_tokens` (vLLM's name of the
+    completion's ids; ours, generated_token_ids, stays): the row has both, equal, and an input column
+    of that name is refused as the other output columns are. It was missing (a KeyError in the
+    user's postprocess)."""
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))
+    try:
+        out = predictor({"prompt": ["a lazy dog", "blocks"]})
+        assert [list(t) for t in out["generated_tokens"]] == [list(t) for t in out["generated_token_ids"]]
+        with pytest.raises(ValueError, match=r"already has column\(s\) \['generated_tokens'\]"):
+            predictor({"prompt": ["a"], "generated_tokens": [[1]]})
+    finally:
+        predictor.llm.exit()
+
+
 def test_batch_and_parameter_errors_name_the_value(ckpt):
     with pytest.raises(ValueError, match="n=3 is not supported"):
         sampling_params_of({"n": 3})

@@ -5,8 +5,8 @@
 
 Each input line is an object with a "prompt" (text), "prompt_token_ids" or "messages" (a chat) field
 and optionally a "cache_salt" (its prompt's vLLM cache_salt); its fields are copied to the output line,
-which adds generated_text, generated_token_ids, finish_reason, num_input_tokens and
-num_generated_tokens (predictor.py). Every SamplingParams field is a flag (--max-tokens, --stop A B, --ignore-eos, ...);
+which adds generated_text, generated_token_ids, finish_reason, num_input_tokens,
+num_generated_tokens and generated_tokens (predictor.py). Every SamplingParams field is a flag (--max-tokens, --stop A B, --ignore-eos, ...);
 --llm-kwargs takes LLM's keywords as JSON. Ray's progress is shown while it runs.
 
 Output layout: an --output path ending in .jsonl or .json is one file, its lines in the input's

@@ -13,7 +13,7 @@ structured_outputs). What Arrow made of such rows is undone first (row_overrides
 and scalars at any depth, None entries of nested dicts (Arrow gives every row the keys of all the
 rows), integral floats (an int beside rows without it). The whole batch goes to one `generate`
 call, so the actor's engine batches it as one engine does; the batch comes back with every input
-column unchanged plus OUTPUT_COLUMNS (and LOGPROB_COLUMNS when a row asks for logprobs), one row
+column unchanged plus OUTPUT_COLUMNS (vLLM's Ray Data names among them; and LOGPROB_COLUMNS when a row asks for logprobs), one row
 per prompt. A prompt the engine refuses (empty, too long, ids outside the vocabulary, a cache_salt
 that is not a non-empty str) or a bad override raises the engine's own ValueError / TypeError, prefixed with the row it came from, before
 anything of the batch is queued: Ray Data then fails the dataset with that message instead of
@@ -50,8 +50,11 @@ SALT_COLUMN = "cache_salt"
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
-# (vLLM's Ray Data names) the prompt's token count as served and the completion's.
-OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens", "num_generated_tokens")
+# (vLLM's Ray Data names) the prompt's token count as served and the completion's, and the
+# completion's token ids again as `generated_tokens` (vLLM's Ray Data name of them: a postprocess
+# ported from vLLM's processor reads it).
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_input_tokens", "num_generated_tokens",
+                  "generated_tokens")
 # Columns added when a row's SamplingParams.logprobs is set (None in rows that did not ask): per
 # generated token, a list of {"token_id", "logprob"} (the sampled token first, then the k most
 # likely: the engine's order; Arrow cannot hold dicts keyed by varying ints), and the sum of the
@@ -177,6 +180,7 @@ class LLMPredictor:
         out["finish_reason"] = [o["finish_reason"] for o in outputs]
         out["num_input_tokens"] = [len(o.prompt_token_ids) for o in outputs]
         out["num_generated_tokens"] = [len(o["token_ids"]) for o in outputs]
+        out["generated_tokens"] = [list(o["token_ids"]) for o in outputs]
         if with_logprobs:
             asked = [p.logprobs is not None for p in params]
             out["logprobs"] = [[[{"token_id": t, "logprob": lp} for t, lp in entry.items()] for entry in o["logprobs"]]
