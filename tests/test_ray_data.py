@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from checkpoints import checkpoint_fixture, cpu_llm, make_prompts
@@ -225,6 +226,26 @@ def test_rows_carry_vllms_generated_tokens_beside_generated_token_ids(ckpt):
         assert [list(t) for t in out["generated_tokens"]] == [list(t) for t in out["generated_token_ids"]]
         with pytest.raises(ValueError, match=r"already has column\(s\) \['generated_tokens'\]"):
             predictor({"prompt": ["a"], "generated_tokens": [[1]]})
+    finally:
+        predictor.llm.exit()
+
+
+def test_multimodal_inputs_of_vllms_ray_data_rows_are_refused_naming_the_row(ckpt):
+    """A row holding what vLLM's Ray Data stage feeds the model beside the prompt (`multimodal_data`,
+    older Ray's `image`) is refused naming the row: the engine is text-only. The image was dropped
+    and the row answered from its text alone. None or an empty list (a row without images, Ray's
+    fill of mixed rows) is no input, and the row is served."""
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))
+    try:
+        with pytest.raises(ValueError, match=r"row 1 of the batch .*: 'multimodal_data' holds .*text-only"):
+            predictor({"prompt": ["a", "b"], "multimodal_data": [None, {"image": "http://x/a.png"}]})
+        with pytest.raises(ValueError, match=r"row 0 of the batch .*: 'image' holds .*text-only"):
+            predictor({"prompt": ["a"], "image": [np.array(["http://x/a.png"], dtype=object)]})
+        plain_rows = predictor({"prompt": ["a lazy dog", "blocks"]})
+        served = predictor({"prompt": ["a lazy dog", "blocks"], "multimodal_data": [None, None],
+                            "image": [np.array([], dtype=object), None]})
+        assert predictor({"prompt": ["a lazy dog"], "multimodal_data": [{"image": None}]})["generated_text"]
+        assert [list(t) for t in served["generated_token_ids"]] == [list(t) for t in plain_rows["generated_token_ids"]]
     finally:
         predictor.llm.exit()
 

@@ -5,7 +5,8 @@ A batch (map_batches' default numpy format: column -> array) holds prompts in a 
 column, or several (JSON lines of mixed kinds: Ray fills a row's other columns with None; each row
 must hold exactly one), optionally a `cache_salt` column (vLLM V1's prompt key: a row's non-empty
 str goes into its prompt dict, so its prefix-cache hits come only from prompts of the same salt;
-None or no column: no salt), and optionally a `sampling_params` column: per row, a
+None or no column: no salt), a row holding images in a MULTIMODAL_COLUMNS column refused (a
+text-only engine), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
 them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
 may be JSON's strings; a `guided_decoding` dict, as vLLM's Ray Data rows give it, is the
@@ -47,6 +48,11 @@ PROMPT_COLUMNS = (TEXT_COLUMN, TOKEN_IDS_COLUMN, MESSAGES_COLUMN)
 # The optional column of per-row prompt salts (vLLM V1's "cache_salt" prompt key, as vLLM's Ray Data
 # rows carry it): None, or no column, gives a row no salt.
 SALT_COLUMN = "cache_salt"
+# Columns that vLLM's Ray Data stage feeds the model beside the prompt (images and other media:
+# "multimodal_data", older Ray's "image"). The engine is text-only: a row holding one is refused
+# rather than answered from its text alone. None or an empty list / dict (or a dict of Nones, Arrow's
+# fill of a row without the key other rows have) is a row without media.
+MULTIMODAL_COLUMNS = ("multimodal_data", "image")
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
@@ -209,6 +215,11 @@ class LLMPredictor:
             if len(given) != 1:
                 raise ValueError(f"a row needs exactly one of {TEXT_COLUMN!r} (text), {TOKEN_IDS_COLUMN!r} and "
                                  f"{MESSAGES_COLUMN!r} (a conversation), got {given or 'none'}")
+            # json_form: without the None entries Arrow gives a row for keys other rows' dicts have
+            media = [c for c in MULTIMODAL_COLUMNS if c in batch and json_form(plain(batch[c][i])) not in (None, [], {})]
+            if media:
+                raise ValueError(f"{media[0]!r} holds the row's images or other media (vLLM's Ray Data input), "
+                                 "but nanovllm's engine is text-only: drop the column, or leave the row's value None")
             column = given[0]
             value = plain(batch[column][i])
             if column == TEXT_COLUMN and not isinstance(value, str):
