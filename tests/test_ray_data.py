@@ -250,6 +250,21 @@ def test_multimodal_inputs_of_vllms_ray_data_rows_are_refused_naming_the_row(ckp
         predictor.llm.exit()
 
 
+def test_a_rows_model_other_than_the_predictors_is_refused_naming_the_row(ckpt):
+    """vLLM's Ray Data stage serves a row whose `model` differs from its own as that LoRA adapter;
+    nanovllm serves no adapters, so such a row is refused naming the row. It was answered by the
+    base model, the adapter dropped. A row naming the predictor's own model, or None, is served."""
+    predictor = LLMPredictor(**predictor_kwargs(ckpt))
+    try:
+        with pytest.raises(ValueError, match=r"row 1 of the batch .*: 'model' is 'my-adapter'.*LoRA"):
+            predictor({"prompt": ["a", "b"], "model": [ckpt, "my-adapter"]})
+        served = predictor({"prompt": ["a lazy dog", "blocks"], "model": [ckpt, None]})
+        assert [list(t) for t in served["generated_token_ids"]] == \
+            [list(t) for t in predictor({"prompt": ["a lazy dog", "blocks"]})["generated_token_ids"]]
+    finally:
+        predictor.llm.exit()
+
+
 def test_batch_and_parameter_errors_name_the_value(ckpt):
     with pytest.raises(ValueError, match="n=3 is not supported"):
         sampling_params_of({"n": 3})

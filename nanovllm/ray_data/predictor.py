@@ -6,7 +6,7 @@ column, or several (JSON lines of mixed kinds: Ray fills a row's other columns w
 must hold exactly one), optionally a `cache_salt` column (vLLM V1's prompt key: a row's non-empty
 str goes into its prompt dict, so its prefix-cache hits come only from prompts of the same salt;
 None or no column: no salt), a row holding images in a MULTIMODAL_COLUMNS column refused (a
-text-only engine), and optionally a `sampling_params` column: per row, a
+text-only engine) as is one whose MODEL_COLUMN names another model (vLLM's LoRA adapter), and optionally a `sampling_params` column: per row, a
 dict of SamplingParams fields that override the predictor's own (None values, or a None row, leave
 them as they are; `structured_outputs` as a dict of StructuredOutputsParams fields; `logit_bias` keys
 may be JSON's strings; a `guided_decoding` dict, as vLLM's Ray Data rows give it, is the
@@ -53,6 +53,10 @@ SALT_COLUMN = "cache_salt"
 # rather than answered from its text alone. None or an empty list / dict (or a dict of Nones, Arrow's
 # fill of a row without the key other rows have) is a row without media.
 MULTIMODAL_COLUMNS = ("multimodal_data", "image")
+# The column in which vLLM's Ray Data rows name the model to serve them: a name other than the
+# stage's model is a LoRA adapter. nanovllm serves none: a row naming another model is refused
+# rather than answered by the base model; the predictor's own model, or None, is served.
+MODEL_COLUMN = "model"
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
@@ -158,6 +162,7 @@ class LLMPredictor:
         num_gpus = len(ray.get_gpu_ids()) if ray.is_initialized() else 0
         kwargs["tensor_parallel_size"] = replica_tensor_parallel_size(num_gpus, kwargs.get("tensor_parallel_size"))
         self.llm = LLM(model, **kwargs)
+        self.model = model  # a row's MODEL_COLUMN value must equal it
         self.params = params if params is not None else sampling_params_of(self.llm.get_default_sampling_params())
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | list]:
@@ -220,6 +225,10 @@ class LLMPredictor:
             if media:
                 raise ValueError(f"{media[0]!r} holds the row's images or other media (vLLM's Ray Data input), "
                                  "but nanovllm's engine is text-only: drop the column, or leave the row's value None")
+            model = plain(batch[MODEL_COLUMN][i]) if MODEL_COLUMN in batch else None
+            if model is not None and model != self.model:
+                raise ValueError(f"{MODEL_COLUMN!r} is {model!r}, not the predictor's model {self.model!r}: vLLM's Ray Data "
+                                 "serves such a row with that LoRA adapter, and nanovllm serves no LoRA adapters")
             column = given[0]
             value = plain(batch[column][i])
             if column == TEXT_COLUMN and not isinstance(value, str):
