@@ -265,6 +265,20 @@ def test_a_rows_model_other_than_the_predictors_is_refused_naming_the_row(ckpt):
         predictor.llm.exit()
 
 
+def test_columns_all_none_in_a_block_read_as_none(cluster, ckpt, reference):
+    """A column whose every row of a block is None (a file of text rows with "prompt_token_ids": null,
+    no row salted or overriding) is Arrow's null type, which reaches the numpy batch as float NaNs:
+    such a row read as holding two prompts, a NaN salt, NaN overrides. Each reads as None, and the
+    row is served as the same row without those columns."""
+    assert np.isnan(ray.data.from_items([{"a": None}]).take_batch()["a"]).all()  # Ray's form of such a column
+    nulls = {c: None for c in ("prompt_token_ids", "messages", "cache_salt", "sampling_params", "model", "multimodal_data")}
+    got = predicted([{"id": 0, "prompt": TEXTS[2], **nulls}], ckpt, 1, batch_size=4)
+    assert list(got[0]["generated_token_ids"]) == reference["text"][2]["token_ids"]
+    assert np.isnan(got[0]["prompt_token_ids"])  # the input columns come back as they were
+    got = predicted([{"id": 1, "prompt": None, "prompt_token_ids": TOKEN_PROMPTS[0]}], ckpt, 1, batch_size=4)
+    assert list(got[1]["generated_token_ids"]) == reference["ids"][0]["token_ids"]
+
+
 def test_batch_and_parameter_errors_name_the_value(ckpt):
     with pytest.raises(ValueError, match="n=3 is not supported"):
         sampling_params_of({"n": 3})

@@ -12,7 +12,8 @@ them as they are; `structured_outputs` as a dict of StructuredOutputsParams fiel
 may be JSON's strings; a `guided_decoding` dict, as vLLM's Ray Data rows give it, is the
 structured_outputs). What Arrow made of such rows is undone first (row_overrides): numpy arrays
 and scalars at any depth, None entries of nested dicts (Arrow gives every row the keys of all the
-rows), integral floats (an int beside rows without it). The whole batch goes to one `generate`
+rows), integral floats (an int beside rows without it), NaN columns (a read column None in every row
+of a block: null_columns_as_none). The whole batch goes to one `generate`
 call, so the actor's engine batches it as one engine does; the batch comes back with every input
 column unchanged plus OUTPUT_COLUMNS (vLLM's Ray Data names among them; and LOGPROB_COLUMNS when a row asks for logprobs), one row
 per prompt. A prompt the engine refuses (empty, too long, ids outside the vocabulary, a cache_salt
@@ -59,6 +60,8 @@ MULTIMODAL_COLUMNS = ("multimodal_data", "image")
 MODEL_COLUMN = "model"
 # The optional column of per-row SamplingParams overrides (vLLM's Ray Data rows use this name).
 SAMPLING_COLUMN = "sampling_params"
+# The columns LLMPredictor reads, in which None means "not given" for the row.
+READ_COLUMNS = (*PROMPT_COLUMNS, SALT_COLUMN, SAMPLING_COLUMN, MODEL_COLUMN, *MULTIMODAL_COLUMNS)
 # Columns every output batch gains: the completion's text, its token ids, "stop" | "length", and
 # (vLLM's Ray Data names) the prompt's token count as served and the completion's, and the
 # completion's token ids again as `generated_tokens` (vLLM's Ray Data name of them: a postprocess
@@ -169,6 +172,8 @@ class LLMPredictor:
         if not isinstance(batch, Mapping):
             raise TypeError(f"LLMPredictor takes numpy batches (column -> array: map_batches' default "
                             f"batch_format), got {type(batch).__name__}")
+        given = batch
+        batch = null_columns_as_none(batch)
         columns = prompt_columns(batch)
         rows = range(len(batch[columns[0]]))
         params = [self._row_params(batch, i) for i in rows] if SAMPLING_COLUMN in batch else [self.params] * len(rows)
@@ -185,7 +190,7 @@ class LLMPredictor:
                     with naming_row(batch, i):
                         self.llm.check_params(params[i])
             raise
-        out: dict[str, np.ndarray | list] = dict(batch)
+        out: dict[str, np.ndarray | list] = dict(given)  # the input columns as they came
         out["generated_text"] = [o["text"] for o in outputs]
         out["generated_token_ids"] = [list(o["token_ids"]) for o in outputs]
         out["finish_reason"] = [o["finish_reason"] for o in outputs]
@@ -308,6 +313,17 @@ def naming_row(batch: Mapping[str, np.ndarray], i: int) -> Iterator[None]:
     except (TypeError, ValueError) as err:
         kind = TypeError if isinstance(err, TypeError) else ValueError
         raise kind(f"row {i} of the batch {describe_row(batch, i)}: {err}") from err
+
+
+def null_columns_as_none(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The batch with each of READ_COLUMNS that holds only NaN floats made a column of Nones: a column
+    whose every row of a block is None (Arrow's null type: text rows of a file with
+    "prompt_token_ids": null, a cache_salt null in every row) reaches a numpy batch as float NaNs,
+    which no read column holds otherwise. Any other column as it is."""
+    def null(values) -> bool:
+        return isinstance(values, np.ndarray) and values.dtype.kind == "f" and bool(np.isnan(values).all())
+    return {name: np.full(len(values), None, dtype=object) if name in READ_COLUMNS and null(values) else values
+            for name, values in batch.items()}
 
 
 def prompt_columns(batch: Mapping[str, np.ndarray]) -> list[str]:
