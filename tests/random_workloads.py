@@ -51,3 +51,25 @@ def assert_block_accounting(llm) -> None:
     assert all(len(set(s.block_table)) == len(s.block_table) for s in [*sched.running, *sched.waiting])
     assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
     assert len(sched.running) <= llm.config.max_num_seqs
+
+
+def abort_one(llm, rng: random.Random, ids: dict, got: dict, aborted: set) -> object | None:
+    """Abort a random request of `ids` neither reported (`got`) nor aborted yet, if any (one rng.choice);
+    it joins `aborted` unless it finished in the step just read (then a later step reports it).
+    Returns the request id aborted, None when none was live."""
+    live = [r for r in ids if r not in got and r not in aborted]
+    if not live:
+        return None
+    victim = rng.choice(live)
+    if victim in llm.scheduler.requests:  # else it finished in the step just read
+        aborted.add(victim)
+    llm.abort_request(victim)
+    return victim
+
+
+def record_finished(result, got: dict, aborted: set) -> None:
+    """Each request a step finished into `got`, checking none was aborted or reported before."""
+    for out in result.finished:
+        assert out.request_id not in aborted, "an aborted request was reported"
+        assert out.request_id not in got, "a request was reported twice"
+        got[out.request_id] = out

@@ -22,7 +22,7 @@ import pytest
 
 from checkpoints import assert_greedy_matches_reference, checkpoint_fixture, cpu_llm, load_reference
 from nanovllm import SamplingParams
-from random_workloads import assert_block_accounting, random_prompts, tokens
+from random_workloads import abort_one, assert_block_accounting, random_prompts, record_finished, tokens
 
 SEEDS = range(40)
 ckpt = checkpoint_fixture("fuzz")
@@ -94,12 +94,8 @@ def test_random_schedules_give_each_request_its_solo_result(ckpt, reference, see
                     ids[llm.add_request(prompts[i], SamplingParams(**params[i]))] = i
                     pending.remove(i)
             if rng.random() < abort_p:
-                live = [r for r in ids if r not in got and r not in aborted]
-                if live:
-                    victim = rng.choice(live)
-                    if victim in llm.scheduler.requests:  # else it finished in the step just read
-                        aborted.add(victim)
-                    llm.abort_request(victim)
+                victim = abort_one(llm, rng, ids, got, aborted)
+                if victim is not None:
                     assert victim not in llm.scheduler.requests
                     assert_block_accounting(llm)
             if llm.is_finished():
@@ -107,10 +103,7 @@ def test_random_schedules_give_each_request_its_solo_result(ckpt, reference, see
             result = llm.step()
             steps += 1
             assert steps < 2000, "no progress"
-            for out in result.finished:
-                assert out.request_id not in aborted, "an aborted request was reported"
-                assert out.request_id not in got, "a request was reported twice"
-                got[out.request_id] = out
+            record_finished(result, got, aborted)
             assert_block_accounting(llm)
         assert set(got) | aborted == set(ids), "a request was lost"
         for rid, out in got.items():

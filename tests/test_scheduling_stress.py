@@ -25,7 +25,7 @@ import pytest
 from checkpoints import TinyShape, cpu_llm, lazy_checkpoints_fixture, load_reference
 from nanovllm import SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
-from random_workloads import assert_block_accounting, random_prompts, tokens
+from random_workloads import abort_one, assert_block_accounting, random_prompts, record_finished, tokens
 
 SEEDS = range(6)
 STRUCTURED = [StructuredOutputsParams(regex=r"[a-z]{1,6}-[0-9]{2,4}"),
@@ -200,12 +200,7 @@ def test_random_phases_give_each_request_its_solo_result(reference, states, chec
                         pool.append((s, p, [p + c[0] for c in reference(wseed, p, kw, mml)[0]]))
                         pending.remove(i)
                 if rng.random() < abort_p:
-                    live = [r for r in ids if r not in got and r not in aborted]
-                    if live:
-                        victim = rng.choice(live)
-                        if victim in llm.scheduler.requests:  # else it finished in the step just read
-                            aborted.add(victim)
-                        llm.abort_request(victim)
+                    abort_one(llm, rng, ids, got, aborted)
                 if rng.random() < reset_p:
                     used = llm.block_manager.num_used_blocks
                     assert llm.reset_prefix_cache() == (used == 0)
@@ -215,9 +210,7 @@ def test_random_phases_give_each_request_its_solo_result(reference, states, chec
                 result = llm.step()
                 steps += 1
                 assert steps < 3000, "no progress"
-                for out in result.finished:
-                    assert out.request_id not in aborted and out.request_id not in got
-                    got[out.request_id] = out
+                record_finished(result, got, aborted)
                 assert_block_accounting(llm)
             assert set(got) | aborted == set(ids), "a request was lost"
             for rid, out in got.items():
