@@ -52,10 +52,8 @@ def check_number(name: str, value: object) -> None:
 
 
 def check_float(name: str, value: object) -> None:
-    """value must be an int or a float (a bool is not one), and not NaN (check_number's test inline:
-    SamplingParams checks six of these each time a request is added)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+    """value must be an int or a float (a bool is not one: check_number), and not NaN."""
+    check_number(name, value)
     if math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
 
