@@ -162,6 +162,24 @@ def test_an_empty_text_is_its_bos_where_the_tokenizer_adds_one(bos_llm):
     assert outs[0]["token_ids"] == bos_llm.generate([[0]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
 
+@pytest.mark.parametrize("keep", [1, 4, 9])
+def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(bos_llm, keep):
+    """vLLM cuts a text prompt with truncate_prompt_tokens=k by its tokenizer's own truncation, from the
+    left (it loads tokenizers with truncation_side="left"): the BOS the tokenizer adds stays, before the
+    text's last k - 1 tokens. nanovllm kept the last k tokens, the BOS dropped. Token ids are cut as given."""
+    text = "the quick brown fox jumps over a lazy dog"
+    reference = copy.deepcopy(bos_llm.tokenizer)
+    reference.truncation_side = "left"
+    expected = reference.encode(text, truncation=True, max_length=keep)
+    assert expected[0] == 0 and len(expected) == keep < len(reference.encode(text))
+    params = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=keep)
+    whole = bos_llm.tokenizer.encode(text)
+    outs = bos_llm.generate([text, {"prompt": text}, {"prompt_token_ids": whole}, expected],
+                            [params, params, params, GREEDY], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [expected, expected, whole[-keep:], expected]
+    assert outs[0].outputs[0].token_ids == outs[3].outputs[0].token_ids[:4]
+
+
 def test_a_bos_adding_tokenizer_gives_one_bos(bos_llm):
     conversation = [{"role": "user", "content": "the quick brown fox"}]
     text = bos_llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

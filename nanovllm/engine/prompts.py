@@ -8,9 +8,10 @@ cached KV blocks (engine/block_manager.py seeds the first block's hash with it).
 Anything else (a text that is not valid Unicode too: a lone surrogate), or a request the engine could
 never serve, raises TypeError/ValueError naming the bad value.
 A text prompt is tokenized as the tokenizer does by default (with its special tokens, e.g. a BOS).
-truncate_prompt_tokens keeps a prompt's last tokens; max_tokens=None is resolved here to the room
-left under max_model_len. As in vLLM, a prompt may fill max_model_len: it then generates one token
-(its KV is never computed), which ends it by length.
+truncate_prompt_tokens keeps a prompt's last tokens (a text prompt's as vLLM's left-truncating
+tokenizer keeps them: the special tokens it adds, e.g. a BOS, stay); max_tokens=None is resolved
+here to the room left under max_model_len. As in vLLM, a prompt may fill max_model_len: it then
+generates one token (its KV is never computed), which ends it by length.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def prompt_text(prompt: object) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+def tokenized_text(prompt: object) -> str | None:
+    """The text a prompt's token ids are tokenized from (a str, or a dict's "prompt" when it gives
+    no "prompt_token_ids"), else None."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return None
+    return prompt_text(prompt)
+
+
 def prompt_cache_salt(prompt: object) -> str | None:
     """The "cache_salt" of a prompt dict (vLLM's: a non-empty str), None when it sets none."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -70,6 +79,19 @@ class PromptValidator:
                              "pass prompts as lists of token ids")
         check_text("prompt", text)
         return self.tokenizer.encode(text)
+
+    def _truncate_text(self, text: str, ids: list[int], keep: int) -> list[int]:
+        """`ids` (the tokens of `text`) cut to at most `keep` as vLLM's tokenizer cuts them (its
+        truncation_side="left"): the special tokens it adds (a BOS) stay, the text keeps its last tokens."""
+        if len(ids) <= keep:
+            return ids
+        plain = self.tokenizer.encode(text, add_special_tokens=False)
+        added = len(ids) - len(plain)
+        start = next((i for i in range(added + 1) if ids[i:i + len(plain)] == plain), None) if added >= 0 else None
+        if start is None:  # the special tokens are not around the text's tokens: its last tokens only
+            return ids[-keep:]
+        room = max(0, keep - added)
+        return (ids[:start] + plain[len(plain) - room:] + ids[start + len(plain):])[-keep:]
 
     def token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, dict):
@@ -122,7 +144,8 @@ class PromptValidator:
         if params.truncate_prompt_tokens is not None:
             keep = (self.max_model_len if params.truncate_prompt_tokens == TRUNCATE_TO_MODEL_LEN
                     else params.truncate_prompt_tokens)
-            ids = ids[-keep:]
+            text = tokenized_text(prompt)
+            ids = ids[-keep:] if text is None else self._truncate_text(text, ids, keep)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
         room = max(1, self.max_model_len - len(ids))  # tokens it can generate: one past a full prompt
