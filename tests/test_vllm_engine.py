@@ -158,6 +158,21 @@ def test_requests_ended_through_the_llms_own_api_leave_no_ids_behind(llm):
     assert list(run_to_completion(engine)) == ["x"] and engine._ids == {} and engine._names == {}
 
 
+def test_abort_request_takes_vllms_internal_flag(llm):
+    """vLLM's LLMEngine.abort_request(request_ids, internal=False) (its LLM aborts the requests it added
+    with internal=True): the ids add_request returned, either way (a TypeError before); anything but
+    a bool is refused naming it, before any request is dropped."""
+    engine = llm.llm_engine
+    for name in ("a", "b", "c"):
+        assert engine.add_request(name, [1, 2, 3], GREEDY) == name
+    with pytest.raises(TypeError, match="internal must be a bool, got 'yes'"):
+        engine.abort_request(["a"], internal="yes")
+    assert engine.get_num_unfinished_requests() == 3
+    engine.abort_request(["a"], internal=False)
+    engine.abort_request(["b"], internal=True)
+    assert list(run_to_completion(engine)) == ["c"]
+
+
 STREAMED = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),
             SamplingParams(temperature=0.9, seed=5, max_tokens=9, n=2, ignore_eos=True)]
 

@@ -31,7 +31,7 @@ from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import check_bool, check_int
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -345,10 +345,13 @@ class VllmEngine:
         return sum(request.num_unfinished for request in self._llm.scheduler.requests.values())
 
     @one_call_at_a_time
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         """Drop the pending requests of these caller ids (vLLM's: a list; one str too); ids of no
-        pending request are ignored, anything but a str is refused (TypeError) before any is dropped."""
+        pending request are ignored, anything but a str is refused (TypeError) before any is dropped.
+        `internal` (vLLM's: the ids are its engine's own rather than the caller's): the same ids
+        here, where a request's id is the one add_request returned."""
         self._llm._check_open()
+        check_bool("abort_request: internal", internal)
         many = isinstance(request_ids, Iterable) and not isinstance(request_ids, (str, bytes))
         names = list(request_ids) if many else [request_ids]
         bad = [n for n in names if not isinstance(n, str)]
