@@ -277,13 +277,14 @@ class RequestOutput(_DictView):
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # vLLM's order from here on too, for callers that build one positionally
     metrics: None = None  # vLLM's per-request stats: none are kept (vLLM V1 leaves it None too)
     lora_request: None = None  # no LoRA adapters
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-    # vLLM's encoder-decoder and disaggregated-serving fields: decoder-only models, one process.
+    # vLLM's encoder-decoder fields: decoder-only models
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
-    kv_transfer_params: None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    kv_transfer_params: None = None  # vLLM's disaggregated-serving field: one process
 
     # nano-vllm's step-API shortcuts (StepResult.finished): the first completion's.
     @property

@@ -42,6 +42,16 @@ def test_classes_are_exported_under_vllms_names():
     assert nanovllm.Logprob is nanovllm.outputs.Logprob is Logprob
 
 
+def test_request_outputs_built_positionally_take_vllms_parameter_order():
+    """vLLM's RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
+    metrics, lora_request, encoder_prompt, encoder_prompt_token_ids, num_cached_tokens): a caller's
+    positional num_cached_tokens landed in encoder_prompt_token_ids (and None in num_cached_tokens)."""
+    completion = CompletionOutput(0, "a", [5], None, None, "length")
+    out = RequestOutput("7", "p", [1, 2], None, [completion], True, None, None, None, None, 16)
+    assert (out.num_cached_tokens, out.encoder_prompt, out.encoder_prompt_token_ids) == (16, None, None)
+    assert (out.request_id, out.prompt_token_ids, out.outputs, out.finished) == ("7", [1, 2], [completion], True)
+
+
 def test_objects_and_their_dict_view(llm):
     prompt = make_prompts(1, 1, 15, 16)[0]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
