@@ -49,6 +49,8 @@ BAD_PROMPTS = [
     (12345, TypeError, "int"),
     ({"nope": [1]}, ValueError, "prompt_token_ids"),
     ({"prompt_token_ids": "hello"}, TypeError, "prompt_token_ids must be a list of token ids, got str"),
+    # vLLM's TextPrompt holds text only: its tokenizer refuses ids there; they were generated as token ids
+    ({"prompt": [1, 2, 3]}, TypeError, "'prompt' must be a str .token ids go under 'prompt_token_ids'., got list"),
     # vLLM's multimodal keys: text models only (they used to be dropped, the text generated alone)
     ({"prompt": "the dog", "multi_modal_data": {"image": [0]}}, ValueError, "'multi_modal_data': nanovllm serves text"),
     ({"prompt_token_ids": [1, 2], "mm_processor_kwargs": {"crops": 2}}, ValueError, "'mm_processor_kwargs'"),

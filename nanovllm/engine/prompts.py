@@ -108,6 +108,9 @@ class PromptValidator:
                     raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):  # vLLM's TextPrompt: text only (token ids: prompt_token_ids)
+                    raise TypeError(f"a prompt dict's 'prompt' must be a str (token ids go under 'prompt_token_ids'), "
+                                    f"got {type(prompt).__name__}")
             else:
                 raise ValueError(f"prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
