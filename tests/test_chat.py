@@ -261,6 +261,30 @@ def test_content_format_follows_the_template(bos_llm):
     assert bos_llm.is_finished()
 
 
+def test_auto_content_format_reads_the_named_template_that_renders(bos_llm):
+    """A tokenizer with named templates (a dict: "default", "tool_use"): "auto" detects the content
+    format of the one transformers renders with, as vLLM resolves it (get_chat_template). The dict
+    itself was read as no template ("string"), so a default template looping over a message's content
+    got one string and rendered a part per character. Reference: transformers' rendering of the
+    conversation with its contents as text parts."""
+    loops = "{% for m in messages %}{% for p in m.content %}({{ p.text }}){% endfor %}{% endfor %}"
+    plain = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    named = copy.deepcopy(bos_llm.tokenizer)
+    named.chat_template = {"default": loops, "tool_use": plain}
+    conversation = [{"role": "user", "content": "the quick"}, {"role": "assistant", "content": "brown fox"}]
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation]
+    original = bos_llm.get_tokenizer()
+    bos_llm.set_tokenizer(named)
+    try:
+        [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False)
+        assert out.prompt == named.apply_chat_template(as_parts, tokenize=False) == "(the quick)(brown fox)"
+        tools = [{"name": "search"}]
+        [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False, tools=tools)
+        assert out.prompt == named.apply_chat_template(conversation, tools=tools, tokenize=False)
+    finally:
+        bos_llm.set_tokenizer(original)
+
+
 @pytest.mark.parametrize("template,index,words", [
     # a template's own refusal (Qwen's and Llama's raise_exception), a syntax error, an undefined read
     ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System first? No.') }}{% endif %}", 1,

@@ -10,7 +10,8 @@ as vLLM does (`assistant_tool_calls`). The template
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
 content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
-message's content, else "string" (`detect_content_format`);
+message's content, else "string" (`detect_content_format`; of a tokenizer's named templates, the
+one it renders with: `tokenizer_template`);
 `chat` takes one conversation or a list of them (an empty list is a batch of none: no outputs,
 as vLLM's; a conversation of no messages is refused). Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
@@ -81,6 +82,19 @@ class ChatOptions:
 def has_chat_template(tokenizer) -> bool:
     """Whether `tokenizer` (None when the checkpoint has none) carries a chat template."""
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def tokenizer_template(tokenizer, tools: list[dict] | None) -> object:
+    """The tokenizer's chat template a conversation renders with, as vLLM resolves it to detect its
+    content format: of a dict of named templates, the one transformers picks ("tool_use" with tools,
+    else "default"; None where it picks none, which rendering then refuses), not the dict."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, dict):
+        return template
+    try:
+        return tokenizer.get_chat_template(None, tools=tools)
+    except ValueError:  # no "default" among the names
+        return None
 
 
 def _content_parts(content: object, where: str) -> list[str]:
@@ -210,7 +224,7 @@ def render_chat(tokenizer, model_dir: str, messages: object, options: ChatOption
     kwargs = options.template_kwargs()
     content_format = options.content_format
     if content_format == "auto":
-        template = kwargs["chat_template"] or getattr(tokenizer, "chat_template", None)
+        template = kwargs["chat_template"] or tokenizer_template(tokenizer, kwargs["tools"])
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
     conversations = as_conversations(messages, content_format)
     # an empty batch renders nothing, so needs no template (vLLM returns no outputs)
