@@ -156,7 +156,7 @@ def assistant_tool_calls(tool_calls: list | tuple) -> list:
 @functools.lru_cache(maxsize=TEMPLATES_CACHED)
 def detect_content_format(template: str) -> str:
     """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
-    a message's content (`message['content']` / `message.content`, through filters and tests too),
+    a message's content (`message['content']` / `message.content`, through filters, tests and slices too),
     else "string"; also "string" for a template this plain parse cannot read (transformers'
     {% generation %} tag), whose syntax apply_chat_template then judges."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
@@ -167,7 +167,9 @@ def detect_content_format(template: str) -> str:
         return "string"
     for loop in tree.find_all(nodes.For):
         it = loop.iter
-        while isinstance(it, (nodes.Filter, nodes.Test)):  # `m['content'] | selectattr(...)`
+        # `m['content'] | selectattr(...)`, `m.content is iterable`, `m['content'][1:]`: vLLM looks through them
+        while isinstance(it, (nodes.Filter, nodes.Test)) or (isinstance(it, nodes.Getitem)
+                                                             and isinstance(it.arg, nodes.Slice)):
             it = it.node
         if ((isinstance(it, nodes.Getattr) and it.attr == "content")
                 or (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content")):
