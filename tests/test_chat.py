@@ -251,8 +251,8 @@ def test_content_format_follows_the_template(bos_llm):
     assert prompt(filtered) == "(the quick)(brown fox)(jumps over)"
     # a loop over a slice of the content is one over the content too (vLLM's detection; it got one string)
     sliced = "{% for m in messages %}{% for p in m['content'][:1] %}({{ p.text }}){% endfor %}{% endfor %}"
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "jumps over"}]}]
+    texts = {"user": ["the quick", "brown fox"], "assistant": ["jumps over"]}
+    as_parts = [{"role": role, "content": [{"type": "text", "text": t} for t in ts]} for role, ts in texts.items()]
     assert prompt(sliced) == bos_llm.tokenizer.apply_chat_template(as_parts, chat_template=sliced, tokenize=False)
     assert prompt(sliced) == "(the quick)(jumps over)"
     assert prompt(plain) == prompt(plain, "string") == "<the quick\nbrown fox><jumps over>"
