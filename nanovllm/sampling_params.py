@@ -103,7 +103,8 @@ class SamplingParams:
     spaces_between_special_tokens: accepted and not applied (vLLM applies it between two kept
         special tokens).
     detokenize: False leaves every text empty (token ids only; stop strings are then refused).
-    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len); a text
+        prompt keeps the special tokens its tokenizer adds (a BOS) among them, as vLLM's does.
     max_tokens: None generates up to max_model_len.
     structured_outputs: None, or a StructuredOutputsParams the completion must follow.
     output_kind: a RequestOutputKind, what llm.llm_engine.step() returns while the request runs.
