@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from checkpoints import (
-    MoeShape, build_moe_checkpoint, check_greedy_tokens, check_scheduling_regimes, generate_tokens,
-    lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_checkpoint_tensors, rewrite_config,
+    MoeShape, assert_greedy_matches_reference, build_moe_checkpoint, check_greedy_tokens, check_scheduling_regimes,
+    cpu_llm, generate_tokens, lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_checkpoint_tensors, rewrite_config,
 )
 from nanovllm import SamplingParams
 from nanovllm.moe.checkpoint_names import expert_checkpoint_name, map_expert_name
@@ -173,6 +173,22 @@ def test_both_checkpoint_spellings_give_identical_tokens(checkpoints, tmp_path):
     rewrite_checkpoint_tensors(str(fused_dir), state)
     prompts = make_prompts(5, 3, 30, 80)
     assert run(str(fused_dir), prompts)[0] == run(path, prompts)[0]
+
+
+def test_use_sliding_window_slides_every_layer_as_transformers_does(tmp_path):
+    """transformers' Qwen3-MoE has no max_window_layers: with use_sliding_window every layer slides.
+    The published configs write one (48 of 48 layers in Qwen3-30B-A3B's), which read as Qwen3's left
+    every layer full, so a max_model_len past the window was served unmasked (other tokens than
+    transformers'); now the window bounds max_model_len, within which the tokens are transformers'."""
+    path = build_moe_checkpoint(str(tmp_path / "window"), MoeShape())
+    rewrite_config(path, use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    reference = load_reference(path)
+    assert [layer.self_attn.sliding_window for layer in reference.model.layers] == [32, 32]
+    with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the model's attention window \(sliding_window=32"):
+        cpu_llm(path, max_model_len=64)
+    prompts = make_prompts(6, 3, 8, 16)  # + 16 tokens: within the window
+    for prompt, out in zip(prompts, run(path, prompts, max_model_len=32)[0]):
+        assert_greedy_matches_reference(reference, prompt, out)
 
 
 def test_update_weights_takes_transformers_fused_state_dict(checkpoints, tmp_path):

@@ -70,6 +70,10 @@ _DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072}
 _DEFAULT_HEAD_DIM_OF = {"Qwen3ForCausalLM": 128}
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
+# Architectures whose use_sliding_window puts the window in every layer: transformers' Qwen3MoeConfig has no
+# max_window_layers or layer_types (its attention reads sliding_window in each layer), though the published
+# Qwen3-MoE configs write max_window_layers (48 of 48 layers in Qwen3-30B-A3B's).
+_WINDOW_IN_EVERY_LAYER = frozenset({"Qwen3MoeForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ class ModelConfig:
                 torch_dtype=DTYPES[dtype_name],
                 eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), source),
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
-                sliding_window=_sliding_window(raw, source),
+                sliding_window=_sliding_window(raw, architecture, source),
                 # older compressed-tensors checkpoints spell it compression_config (vLLM reads both)
                 quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
             )
@@ -265,14 +269,17 @@ def _moe(raw: dict, source: str) -> MoeConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
-def _sliding_window(raw: dict, source: str) -> int | None:
+def _sliding_window(raw: dict, architecture: str, source: str) -> int | None:
     """config.json's attention window where some layer uses it, None for full attention everywhere.
-    Which layers slide: transformers 5's `layer_types` ("sliding_attention") where written, else
-    Qwen2 / Qwen3's `use_sliding_window` for the layers from `max_window_layers` on (both write a
-    window beside `use_sliding_window: false`), else every layer when a window is given (Mistral)."""
+    Which layers slide: Qwen3-MoE's every layer where `use_sliding_window` (_WINDOW_IN_EVERY_LAYER),
+    else transformers 5's `layer_types` ("sliding_attention") where written, else Qwen2 / Qwen3's
+    `use_sliding_window` for the layers from `max_window_layers` on (both write a window beside
+    `use_sliding_window: false`), else every layer when a window is given (Mistral)."""
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list):
+    if architecture in _WINDOW_IN_EVERY_LAYER and "use_sliding_window" in raw:
+        sliding = _flag(raw, "use_sliding_window", source)
+    elif isinstance(layer_types, list):
         sliding = "sliding_attention" in layer_types
     elif "use_sliding_window" in raw:
         first = raw.get("max_window_layers", 0)
