@@ -49,9 +49,9 @@ def test_qwen_use_sliding_window_is_read_as_a_window(tmp_path):
     """Qwen2 / Qwen3 write sliding_window beside use_sliding_window: a true flag makes it one for the
     layers from max_window_layers on; transformers 5's layer_types say per layer."""
     path = build_mistral_checkpoint(str(tmp_path / "m"), None)
-    rewrite_config(path, sliding_window=256, use_sliding_window=False)
+    rewrite_config(path, architectures=["Qwen2ForCausalLM"], sliding_window=256, use_sliding_window=False)
     assert ModelConfig.from_pretrained(path).sliding_window is None
-    rewrite_config(path, use_sliding_window=True)
+    rewrite_config(path, use_sliding_window=True, max_window_layers=0)
     assert ModelConfig.from_pretrained(path).sliding_window == 256
     rewrite_config(path, max_window_layers=2)  # Qwen2: layers from max_window_layers on slide; it has 2 layers
     assert ModelConfig.from_pretrained(path).sliding_window is None
@@ -64,3 +64,37 @@ def test_qwen_use_sliding_window_is_read_as_a_window(tmp_path):
     rewrite_config(path, sliding_window=-4)
     with pytest.raises(ValueError, match="sliding_window must be a positive int or null, got -4"):
         ModelConfig.from_pretrained(path)
+
+
+# transformers' config class of each windowed family, and whether its attention reads the window in every layer
+# (Mistral's and Qwen3-MoE's) or in the layers its layer_types name (Qwen2's and Qwen3's).
+WINDOW_FAMILIES = {"MistralForCausalLM": ("MistralConfig", True), "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", True),
+                   "Qwen2ForCausalLM": ("Qwen2Config", False), "Qwen3ForCausalLM": ("Qwen3Config", False)}
+
+
+@pytest.mark.parametrize("architecture", list(WINDOW_FAMILIES))
+@pytest.mark.parametrize("keys", [
+    {}, {"sliding_window": None}, {"sliding_window": 256}, {"use_sliding_window": False, "sliding_window": 256},
+    {"use_sliding_window": True}, {"use_sliding_window": True, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": 256}, {"use_sliding_window": True, "sliding_window": 256,
+                                                          "max_window_layers": 1},
+    {"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 2},
+    {"use_sliding_window": True, "sliding_window": 256, "layer_types": ["full_attention"] * 2},
+    {"use_sliding_window": False, "sliding_window": 256, "layer_types": ["full_attention", "sliding_attention"]},
+])
+def test_the_window_is_read_as_transformers_reads_it(architecture, keys):
+    """A family's window keys (and their absence: the config class's defaults, sliding_window 4096,
+    use_sliding_window false, max_window_layers 28) give the window transformers' model of the family
+    attends with in some layer: Mistral's read sliding_window alone (no key: 4096, once served unmasked
+    past it), Qwen2 / Qwen3's only under use_sliding_window (a window beside an absent flag bounded
+    max_model_len)."""
+    import transformers
+
+    config_class, every_layer = WINDOW_FAMILIES[architecture]
+    raw = {"architectures": [architecture], "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 32768, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           **keys}
+    config = getattr(transformers, config_class).from_dict(raw)
+    slides = every_layer or "sliding_attention" in config.layer_types
+    assert ModelConfig.from_dict(raw).sliding_window == (config.sliding_window if slides else None)

@@ -70,10 +70,16 @@ _DEFAULT_POSITIONS_OF = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072}
 _DEFAULT_HEAD_DIM_OF = {"Qwen3ForCausalLM": 128}
 # The expert count's spellings: published configs, then transformers 5's (attribute_map).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
-# Architectures whose use_sliding_window puts the window in every layer: transformers' Qwen3MoeConfig has no
-# max_window_layers or layer_types (its attention reads sliding_window in each layer), though the published
-# Qwen3-MoE configs write max_window_layers (48 of 48 layers in Qwen3-30B-A3B's).
-_WINDOW_IN_EVERY_LAYER = frozenset({"Qwen3MoeForCausalLM"})
+# The sliding windows of the families whose transformers config class has one (sliding_window, 4096 where
+# config.json has no such key): Mistral's attention reads it in every layer; Qwen2's, Qwen3's and Qwen3-MoE's
+# only under use_sliding_window (false where absent), Qwen3-MoE's then in every layer (its config class has no
+# max_window_layers or layer_types, though the published Qwen3-MoE configs write max_window_layers: 48 of 48
+# layers in Qwen3-30B-A3B's), Qwen2's and Qwen3's in the layers layer_types names, else in those from
+# max_window_layers (28 where absent) on.
+_DEFAULT_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+_WINDOW_FLAG_FAMILIES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+_WINDOW_IN_EVERY_LAYER = frozenset({"MistralForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -124,9 +130,9 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
-    # Keys more than this many positions back are masked (Mistral's sliding_window; Qwen2's and
-    # Qwen3's when use_sliding_window): served only where max_model_len <= it, where it masks
-    # nothing (config.Config). None: full attention.
+    # Keys more than this many positions back are masked (Mistral's sliding_window; Qwen2's, Qwen3's and
+    # Qwen3-MoE's when use_sliding_window: _sliding_window): served only where max_model_len <= it, where
+    # it masks nothing (config.Config). None: full attention.
     sliding_window: int | None = None
     # config.json's quantization_config as written (None: full precision); read by
     # quantization/config.resolve_quantization at LLM(...).
@@ -270,19 +276,22 @@ def _moe(raw: dict, source: str) -> MoeConfig:
 
 
 def _sliding_window(raw: dict, architecture: str, source: str) -> int | None:
-    """config.json's attention window where some layer uses it, None for full attention everywhere.
-    Which layers slide: Qwen3-MoE's every layer where `use_sliding_window` (_WINDOW_IN_EVERY_LAYER),
-    else transformers 5's `layer_types` ("sliding_attention") where written, else Qwen2 / Qwen3's
-    `use_sliding_window` for the layers from `max_window_layers` on (both write a window beside
-    `use_sliding_window: false`), else every layer when a window is given (Mistral)."""
-    window = raw.get("sliding_window")
+    """config.json's attention window where some layer uses it, None for full attention everywhere: as
+    transformers' config class of `architecture` reads it (_WINDOW_FLAG_FAMILIES, _WINDOW_IN_EVERY_LAYER),
+    or, for a family without a window (Llama), by the keys it has: `layer_types` ("sliding_attention")
+    where written, else `use_sliding_window` for the layers from `max_window_layers` on, else every
+    layer when a window is given."""
+    windowed = architecture in _WINDOW_FLAG_FAMILIES or architecture in _WINDOW_IN_EVERY_LAYER
+    window = raw.get("sliding_window", _DEFAULT_WINDOW if windowed else None)
     layer_types = raw.get("layer_types")
-    if architecture in _WINDOW_IN_EVERY_LAYER and "use_sliding_window" in raw:
-        sliding = _flag(raw, "use_sliding_window", source)
+    if architecture in _WINDOW_FLAG_FAMILIES and not _flag(raw, "use_sliding_window", source):
+        sliding = False
+    elif architecture in _WINDOW_IN_EVERY_LAYER:
+        sliding = True
     elif isinstance(layer_types, list):
         sliding = "sliding_attention" in layer_types
     elif "use_sliding_window" in raw:
-        first = raw.get("max_window_layers", 0)
+        first = raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS if windowed else 0)
         if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
             raise ValueError(f"{source}: max_window_layers must be an int >= 0 or null, got {first!r}")
         sliding = _flag(raw, "use_sliding_window", source) and (first is None or first < int(raw["num_hidden_layers"]))
