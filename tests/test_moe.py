@@ -257,13 +257,18 @@ def test_published_30b_a3b_config_reads():
 
 @pytest.mark.parametrize("change,message", [
     ({"num_experts_per_tok": 129}, r"num_experts_per_tok must be in \[1, num_experts=128\], got 129"),
-    ({"num_experts": 0}, "num_experts must be >= 1, got 0"),
+    ({"num_experts": 0}, "num_experts must be a positive int, got 0"),
     ({"moe_intermediate_size": None}, "missing required key 'moe_intermediate_size'"),
-    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1, got 0"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive int, got 0"),
+    # a null or fractional count: int() raised a TypeError naming no key, or cut 2.5 experts a token to 2
+    ({"num_experts_per_tok": "null"}, r"^config.json: num_experts_per_tok must be a positive int, got None$"),
+    ({"num_experts_per_tok": 2.5}, r"^config.json: num_experts_per_tok must be a positive int, got 2.5$"),
+    ({"moe_intermediate_size": "null"}, r"^config.json: moe_intermediate_size must be a positive int, got None$"),
+    ({"num_experts": True}, r"^config.json: num_experts must be a positive int, got True$"),
     ({"mlp_only_layers": [3, 48]}, r"mlp_only_layers must list layer indices in \[0, 48\), got \[3, 48\]"),
 ])
 def test_moe_config_refusals_name_the_value(change, message):
-    raw = {k: v for k, v in {**A3B, **change}.items() if v is not None}
+    raw = {k: None if v == "null" else v for k, v in {**A3B, **change}.items() if v is not None}  # "null": a JSON null
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(raw)
 

@@ -262,15 +262,13 @@ def _moe(raw: dict, source: str) -> MoeConfig:
     if not isinstance(layers, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
         raise ValueError(f"{source}: mlp_only_layers must list layer indices in [0, {num_layers}), got {layers!r}")
     norm_topk_prob = _flag(raw, "norm_topk_prob", source)
+    num_experts = _positive_int(raw, count_key, source)
+    top_k = _positive_int(raw, "num_experts_per_tok", source)
+    width = _positive_int(raw, "moe_intermediate_size", source)
+    step = _positive_int(raw, "decoder_sparse_step", source, 1)
     try:
-        return MoeConfig(
-            num_experts=int(raw[count_key]),
-            num_experts_per_tok=int(raw["num_experts_per_tok"]),
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=norm_topk_prob,
-            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(layers),
-        )
+        return MoeConfig(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                         norm_topk_prob=norm_topk_prob, decoder_sparse_step=step, mlp_only_layers=tuple(layers))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 
