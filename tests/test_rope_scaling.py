@@ -174,6 +174,11 @@ def test_max_model_len_past_the_served_positions_is_refused(yarn_qwen3):
     ({**YARN, "attention_factor": 0}, "yarn rope attention_factor must be > 0, got 0"),
     ({**YARN, "original_max_position_embeddings": -5}, "yarn rope original_max_position_embeddings must be > 0"),
     ("x", "rope_scaling must be an object .or null., got 'x'"),
+    # transformers 5's per-layer-type spelling (which these families' rotary embeddings cannot read): read as
+    # plain RoPE of theta 10000, whatever thetas it held
+    ({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     r"rope_scaling nested by layer type \['full_attention', 'sliding_attention'\] is not supported"),
 ])
 def test_bad_scalings_are_refused_naming_the_value(rope, message):
     with pytest.raises(ValueError, match=message):

@@ -175,6 +175,9 @@ class ModelConfig:
         for key, value in (("rope_parameters", parameters), ("rope_scaling", raw.get("rope_scaling") or {})):
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: {key} must be an object (or null), got {value!r:.200}")
+            if any(isinstance(v, dict) for v in value.values()):  # transformers 5's per-layer-type RoPE (Gemma 3's)
+                raise ValueError(f"{source}: {key} nested by layer type {sorted(value)} is not supported (one RoPE "
+                                 f"for every layer: rope_theta and the scaling keys in one object)")
         rope = dict(raw.get("rope_scaling") or parameters)
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", parameters.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
