@@ -3,7 +3,8 @@
 Published checkpoints write `rope_theta`, `rope_scaling` (the scaling keys, or null) and
 `torch_dtype` at top level; transformers 5 writes `rope_parameters` (rope_theta and the scaling
 keys in one dict) and `dtype`. Both are read, to the same ModelConfig. The architecture must be
-one of MODEL_MODULES (models/registry.py builds it); RoPE must be plain or Llama 3 scaled.
+one of MODEL_MODULES (models/registry.py builds it); RoPE must be plain, or scaled as
+layers/rope_scaling.py serves it (llama3, linear, yarn).
 
 A mixture-of-experts architecture (MOE_ARCHITECTURES) also carries `moe`, its router
 and expert shape. Its expert count is `num_experts` in published configs and
