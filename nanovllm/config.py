@@ -12,7 +12,6 @@ import difflib
 import functools
 import logging
 import os
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,7 @@ from nanovllm.utils.checkpoint_files import checkpoint_files
 from nanovllm.utils.generation_defaults import check_generation_overrides
 from nanovllm.utils.ints import cdiv
 from nanovllm.utils.tokenizer import TOKENIZER_FILES, has_tokenizer
-from nanovllm.utils.validation import SEED_LIMIT, check_bool, check_int, check_number, check_seed
+from nanovllm.utils.validation import check_bool, check_int, check_number, check_seed
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +175,8 @@ class Config:
     mixed_steps: bool = True
     load_format: str = "auto"
     attention_backend: str = "auto"
-    # Noise of unseeded requests (and dummy weights); None (vLLM's): drawn from the OS at start-up, once
-    # for every rank.
+    # Noise of unseeded requests (and dummy weights). None is 0, as vLLM V1 reads it (its ModelConfig / EngineArgs:
+    # "it is impossible to un-specify a seed", docs/usage/reproducibility.md, PR #17929): runs repeat.
     seed: int | None = 0
     # Row counts at which CUDA layers switch kernels (layers/kernel_path.py); the defaults are the
     # measured best, another value is for A/B runs.
@@ -241,8 +240,8 @@ class Config:
                 raise TypeError(f"hf_overrides must be a dict of config.json keys (nanovllm reads config.json itself, "
                                 f"so a function over transformers' config is not taken), got {self.hf_overrides!r}")
             self.hf_overrides = copy.deepcopy(self.hf_overrides)  # ours: the caller's dict stays as given
-        if self.seed is None:
-            self.seed = secrets.randbelow(SEED_LIMIT)
+        if self.seed is None:  # vLLM V1's default: seed 0
+            self.seed = 0
         check_seed("seed", self.seed)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
