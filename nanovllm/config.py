@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.engine_args import RENAMED, VLLM_ONLY_ARGS, strip_vllm_only_args
+from nanovllm.engine_args import HF_OVERRIDE_ARGS, RENAMED, VLLM_ONLY_ARGS, strip_vllm_only_args
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
@@ -215,7 +215,7 @@ class Config:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            taken = [*known, *VLLM_ONLY_ARGS, *RENAMED]
+            taken = [*known, *VLLM_ONLY_ARGS, *RENAMED, *HF_OVERRIDE_ARGS]
             raise TypeError(f"LLM() got unknown keyword argument(s): "
                             f"{', '.join(_unknown_hint(name, taken) for name in unknown)}")
         return cls(model=model, **kwargs)

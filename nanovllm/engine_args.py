@@ -42,6 +42,9 @@ a ValueError that names the keyword and says what nanovllm does instead:
                                                   xgrammar (STRUCTURED_OUTPUTS_CONFIG); compact JSON is asked per
                                                   request (StructuredOutputsParams.disable_any_whitespace)
 
+vLLM's rope_scaling and rope_theta (EngineArgs keywords its ModelConfig sets into hf_overrides, over a same
+key there: rope_scaling when truthy, rope_theta when not None) are such hf_overrides keys here too (HF_OVERRIDE_ARGS).
+
 Keywords vLLM sets to None for "the default" (max_model_len, max_num_seqs, max_num_batched_tokens,
 enable_prefix_caching) take the default here too (config.Config); vLLM's `block_size` is
 `kvcache_block_size`, its `num_gpu_blocks_override` is `num_kvcache_blocks` (RENAMED).
@@ -183,14 +186,18 @@ VLLM_ONLY_ARGS: dict[str, _Accepted] = {
 
 # Keywords whose None means "the engine's default" in vLLM.
 NONE_MEANS_DEFAULT = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+# vLLM's shorthands of hf_overrides keys (its ModelConfig: `hf_overrides_kw.update({"rope_scaling": ...})`).
+HF_OVERRIDE_ARGS = ("rope_scaling", "rope_theta")
 # vLLM's names of settings that have another name here.
 RENAMED = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 
 
 def strip_vllm_only_args(kwargs: dict) -> dict:
     """`kwargs` without the VLLM_ONLY_ARGS (each checked: ValueError naming a value that asks for
-    something nanovllm does not do) and without NONE_MEANS_DEFAULT keywords set to None."""
+    something nanovllm does not do), without NONE_MEANS_DEFAULT keywords set to None, and with
+    HF_OVERRIDE_ARGS set into hf_overrides (as vLLM sets them: over its same keys)."""
     kept = {}
+    overrides = {}
     one_rank = kwargs.get("tensor_parallel_size", 1) == 1
     for name, value in kwargs.items():
         accepted = VLLM_ONLY_ARGS.get(name)
@@ -199,9 +206,15 @@ def strip_vllm_only_args(kwargs: dict) -> dict:
                 raise TypeError(f"LLM() got both {name} (vLLM's name) and {RENAMED[name]}: pass one")
             if value is not None:
                 kept[RENAMED[name]] = value
+        elif name in HF_OVERRIDE_ARGS:
+            if value if name == "rope_scaling" else value is not None:  # vLLM's tests of each
+                overrides[name] = value
         elif accepted is None:
             if not (name in NONE_MEANS_DEFAULT and value is None):
                 kept[name] = value
         elif not (accepted.ok(value) or (one_rank and value in accepted.one_rank)):
             raise ValueError(f"LLM({name}={value!r}): nanovllm takes {accepted.expects} here ({accepted.why})")
+    if overrides:  # a hf_overrides that is not a dict is refused by Config, naming it
+        base = kept.get("hf_overrides")
+        kept["hf_overrides"] = {**base, **overrides} if isinstance(base, dict) else overrides if base is None else base
     return kept

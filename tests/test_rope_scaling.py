@@ -25,6 +25,7 @@ from checkpoints import (
 )
 
 from nanovllm import SamplingParams
+from nanovllm.config import Config
 from nanovllm.layers.rope_scaling import LinearRopeScaling, YarnRopeScaling, parse_rope_scaling
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq
 from nanovllm.models.model_config import ModelConfig
@@ -219,3 +220,23 @@ def test_yarn_bf16_on_the_gpu_matches_transformers_with_and_without_graphs(tmp_p
     with torch.no_grad():
         for prompt, out in zip(prompts, graphed):
             assert_bf16_greedy_matches(reference, prompt, out)
+
+
+def test_vllms_rope_scaling_and_rope_theta_keywords_are_hf_overrides(tmp_path):
+    """vLLM's LLM(rope_scaling=..., rope_theta=...): EngineArgs keywords its ModelConfig sets into hf_overrides,
+    over a same key there (`hf_overrides_kw.update({"rope_scaling": ...})`; rope_scaling when truthy, rope_theta
+    when not None), so served as a checkpoint whose config.json says so. They were unknown keywords (TypeError)."""
+    prompts = make_prompts(7, 2, 120, 200)
+    published = build_checkpoint(str(tmp_path / "published"), TinyShape(), seed=3)
+    rewrite_config(published, rope_parameters={**YARN, "rope_theta": 1e6})
+    rewrite_config_published(published)
+    expected, _ = generate_tokens(published, prompts, GREEDY, max_model_len=YARN_POSITIONS)
+    plain = build_checkpoint(str(tmp_path / "plain"), TinyShape(), seed=3)
+    rewrite_config_published(plain)
+    assert generate_tokens(plain, prompts, GREEDY, max_model_len=YARN_POSITIONS)[0] != expected
+    for overrides in (None, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 5.0}):
+        outs, llm = generate_tokens(plain, prompts, GREEDY, max_model_len=YARN_POSITIONS, rope_scaling=dict(YARN),
+                                    rope_theta=1e6, hf_overrides=overrides)
+        assert outs == expected and llm.config.model_config.max_positions == YARN_POSITIONS
+    for unset in ({"rope_scaling": None, "rope_theta": None}, {"rope_scaling": {}}):  # ask for nothing
+        assert Config.from_kwargs(plain, {"device": "cpu", **unset}).hf_overrides is None
