@@ -71,6 +71,10 @@ def _directory(name: str, value: object, what: str) -> str:
     return path
 
 
+# A setting's name in messages, with vLLM's name of it beside where that differs (RENAMED): the one a caller passed.
+_SHOWN = {ours: f"{ours} (vLLM's {theirs})" for theirs, ours in RENAMED.items()}
+
+
 # max_model_len when none is given (nano-vllm's): the block table's width and the decode graphs'
 # split plan grow with it, and longer contexts are a user's choice (vLLM takes the model's maximum).
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -227,13 +231,12 @@ class Config:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        check_int("kvcache_block_size", self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
+        check_int(_SHOWN["kvcache_block_size"], self.kvcache_block_size, BLOCK_SIZE_MULTIPLE)
         if self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
-            raise ValueError(
-                f"kvcache_block_size must be a multiple of {BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}"
-            )
+            raise ValueError(f"{_SHOWN['kvcache_block_size']} must be a multiple of {BLOCK_SIZE_MULTIPLE}, "
+                             f"got {self.kvcache_block_size}")
         if self.num_kvcache_blocks is not None:
-            check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+            check_int(_SHOWN["num_kvcache_blocks"], self.num_kvcache_blocks, 1)
         check_int("max_logprobs", self.max_logprobs, NO_LOGPROBS_CAP)
         if self.hf_overrides is not None:
             if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):

@@ -158,6 +158,12 @@ def test_vllm_block_size_is_the_kv_cache_block_size(ckpt):
     assert strip_vllm_only_args({"block_size": None}) == {}
     with pytest.raises(TypeError, match="both block_size .* and kvcache_block_size"):
         LLM(ckpt, device="cpu", block_size=16, kvcache_block_size=16)
+    # a bad value is named as the caller passed it (it was "kvcache_block_size must be ...", a name vLLM lacks)
+    for value, message in [(8, r">= 16, got 8"), (24, "a multiple of 16, got 24")]:
+        with pytest.raises(ValueError, match=rf"kvcache_block_size \(vLLM's block_size\) must be {message}"):
+            LLM(ckpt, device="cpu", block_size=value)
+    with pytest.raises(ValueError, match=r"num_kvcache_blocks \(vLLM's num_gpu_blocks_override\) must be >= 1, got 0"):
+        LLM(ckpt, device="cpu", num_gpu_blocks_override=0)
 
 
 def test_vllm_num_gpu_blocks_override_is_num_kvcache_blocks(ckpt):
