@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from checkpoints import (
-    LlamaShape, Qwen2Shape, TinyShape, build_llama_checkpoint, build_qwen2_checkpoint, build_shaped_checkpoint,
-    check_greedy_tokens, check_scheduling_regimes, cpu_llm, generate_tokens, lazy_checkpoints_fixture, make_prompts,
-    rewrite_config, rewrite_config_published,
+    LlamaShape, Qwen2Shape, TinyShape, assert_greedy_matches_reference, build_llama_checkpoint, build_qwen2_checkpoint,
+    build_shaped_checkpoint, check_greedy_tokens, check_scheduling_regimes, cpu_llm, generate_tokens,
+    lazy_checkpoints_fixture, load_reference, make_prompts, rewrite_config, rewrite_config_published,
 )
 from nanovllm import SamplingParams
 from nanovllm.layers.rope_scaling import Llama3RopeScaling
@@ -66,6 +66,20 @@ def test_tp2_matches_tp1(checkpoints, name):
     single, _ = run(path, prompts)
     tp2, _ = run(path, prompts, tensor_parallel_size=2)
     assert tp2 == single
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(checkpoints):
+    """One KV head (with q/k/v biases) over 2 and 4 ranks: each rank holds a copy of it, as vLLM
+    serves it (it was refused: tensor_parallel_size=2 does not divide num_key_value_heads=1)."""
+    path = checkpoints("llama-biases")
+    prompts = make_prompts(3, 3, 20, 120)
+    single, _ = run(path, prompts)
+    reference = load_reference(path)
+    for tp in (2, 4):
+        tokens, _ = run(path, prompts, tensor_parallel_size=tp)
+        assert tokens == single, tp
+        for prompt, out in zip(prompts, tokens):
+            assert_greedy_matches_reference(reference, prompt, out)
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa2", "qwen2-untied"])

@@ -2,6 +2,7 @@
 
 One tensor holds every layer's K and V:
     [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
+(num_kv_heads_per_rank: Hkv / tp, or 1 where tp is a multiple of Hkv: the head is replicated.)
 Layer i reads kv[0, i] and kv[1, i], each [num_blocks, block_size, Hkv, D].
 
 Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once here:
@@ -51,8 +52,8 @@ OTHER_HOLDER_HINT_BYTES = 2**30
 def kv_cache_shape(config: Config, world_size: int, num_blocks: int) -> tuple[int, ...]:
     """[2, layers, num_blocks, block_size, this rank's KV heads, head_dim] (the module docstring)."""
     mc = config.model_config
-    return (2, mc.num_hidden_layers, num_blocks, config.kvcache_block_size, mc.num_key_value_heads // world_size,
-            mc.head_dim)
+    return (2, mc.num_hidden_layers, num_blocks, config.kvcache_block_size,
+            max(1, mc.num_key_value_heads // world_size), mc.head_dim)  # 1 (replicated) where Hkv < world_size
 
 
 def kv_block_bytes(config: Config, world_size: int = 1) -> int:

@@ -51,15 +51,16 @@ def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
         raise ValueError(f"weight {name}: expected shape {tuple(expected)}, checkpoint has {tuple(loaded.shape)}")
 
 
-def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, rank: int, tp: int) -> torch.Tensor:
-    """This rank's `size` entries of `loaded` along `dim`, which must hold exactly size * tp
-    (checked on the full tensor, so a wrong size fails on every rank alike)."""
-    if tp == 1:
+def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, part: int, parts: int) -> torch.Tensor:
+    """Part `part` (this rank's: its rank, or its replicated KV head's index) of `parts`, `size`
+    entries of `loaded` along `dim`, which must hold exactly size * parts (checked on the full
+    tensor, so a wrong size fails on every rank alike)."""
+    if parts == 1:
         return loaded
-    if loaded.dim() <= dim or loaded.shape[dim] != size * tp:
-        raise ValueError(f"weight {name}: expected {size * tp} entries along dim {dim} "
-                         f"({tp} ranks x {size}), checkpoint has shape {tuple(loaded.shape)}")
-    return loaded.narrow(dim, rank * size, size)
+    if loaded.dim() <= dim or loaded.shape[dim] != size * parts:
+        raise ValueError(f"weight {name}: expected {size * parts} entries along dim {dim} "
+                         f"({parts} parts x {size}), checkpoint has shape {tuple(loaded.shape)}")
+    return loaded.narrow(dim, part * size, size)
 
 
 class _LinearBase(nn.Module):
@@ -110,6 +111,11 @@ class _LinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__} shard id must be one of {self.shard_ids}, got {shard_id!r}")
         return 0, self.out_features
 
+    def rank_part(self, shard_id: str | int | None) -> tuple[int, int]:
+        """(this rank's part, parts) of checkpoint shard `shard_id` along the split dimension:
+        (rank, tp), unless ranks share a part (QKVParallelLinear's replicated KV heads)."""
+        return self.tp_rank, self.tp_size
+
     def weight_slice(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._slice(param, loaded, shard_id, 1)
@@ -122,7 +128,7 @@ class _LinearBase(nn.Module):
         what = f"{type(self).__name__} shard {shard_id}" if shard_id is not None else type(self).__name__
         target = param.data.narrow(0, offset, rows)
         if self.split_dim == 0:
-            loaded = _rank_part(what, loaded, 0, rows, self.tp_rank, self.tp_size)
+            loaded = _rank_part(what, loaded, 0, rows, *self.rank_part(shard_id))
         elif self.split_dim == 1 and param.dim() == 2:
             loaded = _rank_part(what, loaded, 1, param.shape[1], self.tp_rank, self.tp_size)
         _check_shape(what, target.shape, loaded)
@@ -151,7 +157,7 @@ class _LinearBase(nn.Module):
         if param.dim() == 2:
             return self._slice(param, loaded, shard_id, FP8_BLOCK)
         if loaded.numel() == 1 and loaded.dim() <= 1:
-            full = self.shard_rows(shard_id)[1] * (self.tp_size if self.split_dim == 0 else 1)
+            full = self.shard_rows(shard_id)[1] * (self.rank_part(shard_id)[1] if self.split_dim == 0 else 1)
             loaded = loaded.reshape(1).expand(full)
         elif loaded.dim() == 2 and loaded.shape[1] == 1:
             loaded = loaded.reshape(-1)
@@ -241,7 +247,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul, heads split over ranks."""
+    """q, k and v projections in one matmul, heads split over ranks. With fewer KV heads than
+    ranks (tp a multiple of them, as vLLM serves it), each KV head is replicated on tp / Hkv
+    consecutive ranks: rank r holds KV head r // (tp / Hkv)."""
 
     shard_ids = ("q", "k", "v")
     checkpoint_parts = ("q_proj", "k_proj", "v_proj")
@@ -251,8 +259,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
-        self.num_kv_heads = num_kv_heads // tp
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, prefix)
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks holding each KV head
+        super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * tp) * head_dim, bias, prefix)
+
+    def rank_part(self, shard_id):
+        if shard_id == "q":
+            return self.tp_rank, self.tp_size
+        return self.tp_rank // self.kv_replicas, self.tp_size // self.kv_replicas
 
     def shard_rows(self, shard_id):
         q_rows = self.num_heads * self.head_dim

@@ -232,11 +232,14 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError unless `tp` ranks can split heads and the MLPs evenly (the dense
-        MLP's width where a layer is dense, each expert's width where one is sparse)."""
+        MLP's width where a layer is dense, each expert's width where one is sparse); KV heads
+        fewer than `tp` are replicated (as vLLM does) where `tp` is a multiple of them."""
         if tp == 1:
             return
-        splits = [("num_attention_heads", self.num_attention_heads),
-                  ("num_key_value_heads", self.num_key_value_heads)]
+        splits = [("num_attention_heads", self.num_attention_heads)]
+        if self.num_key_value_heads % tp and tp % self.num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads="
+                             f"{self.num_key_value_heads}, nor is it a multiple of it (to replicate them)")
         sparse = self.sparse_layers()
         if len(sparse) < self.num_hidden_layers:
             splits.append(("intermediate_size", self.intermediate_size))
