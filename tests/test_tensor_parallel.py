@@ -230,6 +230,38 @@ def test_a_worker_dying_at_start_up_is_named_at_once(ckpt, tmp_path):
     assert time.monotonic() - start < 60
 
 
+_WORKER_OUT_OF_MEMORY_SCRIPT = """
+import sys
+if __name__ == "__mp_main__":  # the spawned worker only: 1 GiB of address space above what it holds now
+    import os, resource
+    import torch
+    with open("/proc/self/statm") as f:
+        held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (held + 2**30, resource.RLIM_INFINITY))
+if __name__ == "__main__":
+    from nanovllm import LLM
+    # 2-4 GiB of KV cache a rank: rank 0 holds its own (untouched pages), the worker cannot
+    LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu",
+        num_kvcache_blocks=2**18)
+    print("BUILT")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="caps the worker's memory with RLIMIT_AS, /proc")
+def test_a_worker_failing_to_start_is_named_at_llm(ckpt, tmp_path):
+    """A worker that fails building its model or KV cache (out of memory on its device) while rank
+    0 built its own: LLM(...) raises, naming the rank and its error. It returned, and the first call
+    named only a dead worker (or rank 0 waiting in a collective got gloo's 'Connection closed by peer')."""
+    script = tmp_path / "worker_out_of_memory.py"
+    script.write_text(_WORKER_OUT_OF_MEMORY_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True, env=env, timeout=110)
+    assert done.returncode != 0 and "BUILT" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert "WorkerDied: tensor-parallel worker rank 1 died" in last, last  # raised by LLM(...)
+    assert "its start-up raised RuntimeError" in last and "allocate" in last, last
+
+
 def test_invalid_tp_sizes_fail_before_any_process_starts(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         cpu_llm(ckpt, tensor_parallel_size=3)

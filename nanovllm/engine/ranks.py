@@ -38,7 +38,10 @@ class Ranks:
         if self.workers is not None:
             weakref.finalize(self, self.workers.close)
         try:
-            self.model_runner = ModelRunner(config)
+            with worker_errors(self.workers):  # a worker dying while rank 0 waits in a collective is named
+                self.model_runner = ModelRunner(config)
+            if self.workers is not None:
+                self.workers.wait_ready()
         except BaseException:
             self._close_workers()
             raise

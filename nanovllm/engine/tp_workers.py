@@ -18,8 +18,10 @@ A worker ignores SIGINT (Ctrl-C at a terminal reaches every process of its group
 decides what an interrupt does, and finishes the step it has sent before raising it
 (StepPipeline._queue, engine/step_pipeline.py), so the ranks always agree on where a step ends.
 
-A worker exits when told to, or when its pipe closes (rank 0 is gone), or when its part of a
-call without a reply raises: it sends the error first, and rank 0 names it. Rank 0
+A worker tells rank 0 it is ready once its model and KV cache are built, and LLM(...) waits for
+that (WorkerGroup.wait_ready). A worker exits when told to, or when its pipe closes (rank 0 is
+gone), or when its start-up or its part of a call without a reply raises: it sends the error
+first, and rank 0 names it. Rank 0
 checks the workers are alive before every step, and a worker that dies inside a
 collective makes gloo fail on rank 0 (NCCL: after the group's timeout). An error on rank 0
 after the workers were sent a call (worker_errors) leaves them inside its collectives, which
@@ -105,7 +107,12 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
     store.set(f"{STARTED_KEY}/{rank}", "1")  # rank 0 waits for every rank's, watching for deaths
     dist.init_process_group(_backend(config), store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
-    runner = ModelRunner(config, rank)
+    try:
+        runner = ModelRunner(config, rank)
+    except Exception as e:  # rank 0 names it (WorkerGroup.wait_ready, or worker_errors around its own start-up)
+        _last_words(conn, f"its start-up raised {type(e).__name__}: {e}")
+        raise
+    conn.send_bytes(pickle.dumps(RankOutcome()))  # ready: rank 0 waits for it (WorkerGroup.wait_ready)
     try:
         while True:
             try:
@@ -119,14 +126,18 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
                 continue
             try:
                 getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
-            except Exception as e:  # the worker dies of it; rank 0 reads these last words (WorkerGroup._death)
-                with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
-                    conn.send_bytes(pickle.dumps(RankOutcome(error=RuntimeError(
-                        f"its {method}() raised {type(e).__name__}: {e}"))))
+            except Exception as e:  # the worker dies of it
+                _last_words(conn, f"its {method}() raised {type(e).__name__}: {e}")
                 raise
     finally:
         runner.exit()
         dist.destroy_process_group()
+
+
+def _last_words(conn: Connection, message: str) -> None:
+    """Tell rank 0 what the worker dies of (WorkerGroup._death reads it)."""
+    with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
+        conn.send_bytes(pickle.dumps(RankOutcome(error=RuntimeError(message))))
 
 
 class WorkerDied(RuntimeError):
@@ -201,6 +212,21 @@ class WorkerGroup:
                 raise RuntimeError(f"tensor-parallel workers did not start within {COLLECTIVE_TIMEOUT}")
             time.sleep(STARTUP_POLL_SECONDS)
 
+    def wait_ready(self) -> None:
+        """Wait (rank 0's model and KV cache built) until every worker has built its own (its ready
+        message); a worker that died building them is a WorkerDied naming its error (LLM(...)
+        returned, and the death was found at the first call, naming no cause)."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(STARTUP_POLL_SECONDS) and proc.is_alive():
+                pass
+            try:
+                outcome = outcome_of(conn.recv_bytes(), rank)
+            except (EOFError, OSError) as e:
+                raise self._gone(rank, e) from None
+            if outcome.error is not None:  # its last words: it is exiting
+                self.causes[rank] = f": {outcome.error}"
+                raise self._gone(rank, outcome.error)
+
     def _death(self) -> str | None:
         """'tensor-parallel worker rank R died (exit code C)' for the first dead worker, if any,
         with the error it died of when it sent one (_worker_main)."""
@@ -208,7 +234,9 @@ class WorkerGroup:
             if not proc.is_alive():
                 with contextlib.suppress(EOFError, OSError):
                     if rank not in self.causes and conn.poll(0):
-                        self.causes[rank] = f": {outcome_of(conn.recv_bytes(), rank).error}"
+                        error = outcome_of(conn.recv_bytes(), rank).error  # None: its ready message, unread
+                        if error is not None:
+                            self.causes[rank] = f": {error}"
                 return f"tensor-parallel worker rank {rank} died (exit code {proc.exitcode}){self.causes.get(rank, '')}"
         return None
 
