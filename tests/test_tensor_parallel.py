@@ -240,9 +240,9 @@ if __name__ == "__mp_main__":  # the spawned worker only: 1 GiB of address space
     resource.setrlimit(resource.RLIMIT_AS, (held + 2**30, resource.RLIM_INFINITY))
 if __name__ == "__main__":
     from nanovllm import LLM
-    # 2-4 GiB of KV cache a rank: rank 0 holds its own (untouched pages), the worker cannot
+    # 2 GiB of float32 KV cache a rank (twice what the worker has left): rank 0 holds its own, pages untouched
     LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=256, device="cpu",
-        num_kvcache_blocks=2**18)
+        num_kvcache_blocks=2**17)
     print("BUILT")
 """
 
