@@ -168,6 +168,17 @@ def test_request_that_can_never_fit_the_cache(ckpt):
     small = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=1024, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="whole KV cache holds 128"):  # 8 blocks x 16 < 100 + 500
         small.generate([[1] * 100], SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
+    # the error says what the request asked for (max_tokens None, or past max_model_len: not the count it
+    # used to print as if given) and what would fit: KV for 10 + 119 - 1 = 128 tokens
+    with pytest.raises(ValueError, match=r"1023 tokens \(prompt 10 \+ max_tokens None: up to max_model_len 1024, "
+                                         r"1014 tokens\) but the whole KV cache holds 128: pass max_tokens <= 119"):
+        small.generate([[1] * 10], SamplingParams(max_tokens=None), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"max_tokens 2000, of which max_model_len 1024 leaves 1014\) .* <= 119"):
+        small.generate([[1] * 10], SamplingParams(max_tokens=2000), use_tqdm=False)
+    with pytest.raises(ValueError, match="the prompt alone is longer than the cache"):
+        small.generate([[1] * 129], SamplingParams(max_tokens=1), use_tqdm=False)
+    [out] = small.generate([[1] * 10], SamplingParams(max_tokens=119, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 119 and small.block_manager.num_free_blocks == 8
     assert len(small.generate([[1] * 100], SamplingParams(max_tokens=20), use_tqdm=False)) == 1
     small.exit()
 

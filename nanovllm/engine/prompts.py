@@ -156,8 +156,17 @@ class PromptValidator:
         # The last sampled token's KV is never computed, hence the -1.
         kv_tokens = len(ids) + min(max_tokens, room) - 1
         if kv_tokens > self.kv_capacity_tokens:
+            if params.max_tokens is None:
+                asked = f"max_tokens None: up to max_model_len {self.max_model_len}, {room} tokens"
+            elif max_tokens > room:
+                asked = f"max_tokens {max_tokens}, of which max_model_len {self.max_model_len} leaves {room}"
+            else:
+                asked = f"max_tokens {max_tokens}"
+            fits = self.kv_capacity_tokens - len(ids) + 1  # the most tokens it could generate
+            hint = (f"pass max_tokens <= {fits}" if fits >= 1 else "the prompt alone is longer than the cache")
             raise ValueError(
-                f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + max_tokens {max_tokens}) "
-                f"but the whole KV cache holds {self.kv_capacity_tokens}"
+                f"request needs KV for {kv_tokens} tokens (prompt {len(ids)} + {asked}) "
+                f"but the whole KV cache holds {self.kv_capacity_tokens}: {hint}, or give the engine more KV "
+                f"cache (num_kvcache_blocks / kv_cache_memory_bytes / gpu_memory_utilization)"
             )
         return PreparedPrompt(ids, max_tokens, prompt_text(prompt), salt)
