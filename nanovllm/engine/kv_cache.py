@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.kernels.checks import FP8_KV_DTYPE
+from nanovllm.utils.distributed import kv_heads_per_rank
 from nanovllm.utils.host_to_device import to_device
 from nanovllm.utils.kv_scales import load_kv_scales
 
@@ -53,7 +54,7 @@ def kv_cache_shape(config: Config, world_size: int, num_blocks: int) -> tuple[in
     """[2, layers, num_blocks, block_size, this rank's KV heads, head_dim] (the module docstring)."""
     mc = config.model_config
     return (2, mc.num_hidden_layers, num_blocks, config.kvcache_block_size,
-            max(1, mc.num_key_value_heads // world_size), mc.head_dim)  # 1 (replicated) where Hkv < world_size
+            kv_heads_per_rank(mc.num_key_value_heads, world_size), mc.head_dim)
 
 
 def kv_block_bytes(config: Config, world_size: int = 1) -> int:

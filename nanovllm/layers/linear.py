@@ -44,7 +44,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.kernel_path import construction_device, linear_path
 from nanovllm.quantization.config import BLOCK, FP8_DTYPE, INPUT_SCALE, linear_quant
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
-from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.utils.distributed import kv_heads_per_rank, tp_rank, tp_size
 
 def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
     if tuple(expected) != tuple(loaded.shape):
@@ -259,7 +259,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
-        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
         self.kv_replicas = max(1, tp // num_kv_heads)  # ranks holding each KV head
         super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * tp) * head_dim, bias, prefix)
 

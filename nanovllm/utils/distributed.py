@@ -46,3 +46,10 @@ def tp_rank() -> int:
 def tp_size() -> int:
     """The rank count of layers constructed now."""
     return _LAYOUT.get().size
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """The KV heads each of `size` ranks holds: its share, or 1 where the ranks outnumber the heads
+    (each head replicated on size / num_kv_heads ranks, as vLLM serves them; ModelConfig.check_tensor_parallel
+    admits only a size that divides the heads or is a multiple of them)."""
+    return max(1, num_kv_heads // size)
