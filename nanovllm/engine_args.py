@@ -207,14 +207,18 @@ def strip_vllm_only_args(kwargs: dict) -> dict:
             if value is not None:
                 kept[RENAMED[name]] = value
         elif name in HF_OVERRIDE_ARGS:
-            if value if name == "rope_scaling" else value is not None:  # vLLM's tests of each
+            given = bool(value) if name == "rope_scaling" else value is not None  # vLLM's test of each
+            if given:
                 overrides[name] = value
         elif accepted is None:
             if not (name in NONE_MEANS_DEFAULT and value is None):
                 kept[name] = value
         elif not (accepted.ok(value) or (one_rank and value in accepted.one_rank)):
             raise ValueError(f"LLM({name}={value!r}): nanovllm takes {accepted.expects} here ({accepted.why})")
-    if overrides:  # a hf_overrides that is not a dict is refused by Config, naming it
-        base = kept.get("hf_overrides")
-        kept["hf_overrides"] = {**base, **overrides} if isinstance(base, dict) else overrides if base is None else base
+    base = kept.get("hf_overrides")
+    if overrides and base is None:
+        kept["hf_overrides"] = overrides
+    elif overrides and isinstance(base, dict):
+        kept["hf_overrides"] = {**base, **overrides}
+    # (a hf_overrides that is not a dict stays as given: Config refuses it, naming it)
     return kept
