@@ -23,6 +23,7 @@ from checkpoints import (
     load_reference,
     make_prompts,
 )
+from test_fp8_kv import engine_scales
 
 from nanovllm import SamplingParams
 from nanovllm.engine.rank_calls import Worker
@@ -330,6 +331,49 @@ def test_load_weights_sets_fp8_kv_scales_anew(ckpt, other_ckpt):
         assert loaded == [o["token_ids"] for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         fresh.exit()
+
+
+def test_load_weights_while_requests_run_keeps_the_fp8_kv_scales_until_the_cache_is_empty(ckpt):
+    """model.load_weights through apply_model while a request runs on an FP8-KV engine: the scales its
+    KV was quantized under stay while any KV may be read again (the running request's, the prefix
+    cache's), so the same weights loaded mid-request leave its tokens as an undisturbed run's (before,
+    the next prefill, another request's, set the scales from its data and the running request's KV was
+    read under them: its tokens changed). Once the requests end and reset_prefix_cache empties the
+    cache, the next step sets them from the loaded weights' data: a fresh engine's tokens and scales."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first, second, third = make_prompts(31, 3, 24, 40)
+    undisturbed = engine(ckpt, kv_cache_dtype="fp8", max_num_seqs=4)
+    try:
+        want = [undisturbed.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in (first, second)]
+        scales = engine_scales(undisturbed)  # calibrated on the first prompt alone
+    finally:
+        undisturbed.exit()
+    fresh = engine(ckpt, kv_cache_dtype="fp8", max_num_seqs=4)
+    try:
+        want_third = fresh.generate([third], params, use_tqdm=False)[0]["token_ids"]
+        third_scales = engine_scales(fresh)
+    finally:
+        fresh.exit()
+    assert third_scales != scales  # so the test tells which data set them
+
+    llm = engine(ckpt, kv_cache_dtype="fp8", max_num_seqs=4)
+    try:
+        steps = llm.llm_engine
+        steps.add_request("a", first, params)
+        for _ in range(4):  # the first prompt's prefill (it sets the scales), then decode steps
+            steps.step()
+        llm.apply_model(functools.partial(load_state, path=ckpt))
+        steps.add_request("b", second, params)  # a prefill step after the load, beside a's decode
+        done = {}
+        while steps.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0].token_ids) for o in steps.step() if o.finished)
+        assert [done["a"], done["b"]] == want
+        assert engine_scales(llm) == scales
+        assert llm.reset_prefix_cache()
+        assert llm.generate([third], params, use_tqdm=False)[0]["token_ids"] == want_third
+        assert engine_scales(llm) == third_scales
+    finally:
+        llm.exit()
 
 
 @pytest.mark.gpu

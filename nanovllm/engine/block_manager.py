@@ -75,6 +75,11 @@ class BlockManager:
         """Blocks held by sequences (ref count above 0)."""
         return len(self.blocks) - self.num_free_blocks
 
+    @property
+    def holds_kv(self) -> bool:
+        """Some block's KV may be read again: a sequence holds it, or the prefix cache publishes it."""
+        return bool(self.num_used_blocks or self.hash_to_block_id)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

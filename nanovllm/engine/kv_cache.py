@@ -13,11 +13,15 @@ Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once here:
 The scales come from the checkpoint when it has them (utils/kv_scales.py), else from the data: the
 first prefill step after start-up (not the warm-up or graph capture) sets each layer's
 scale = max(amax|x| of that step's K (V) / 448 * KV_SCALE_HEADROOM, KV_MIN_SCALE) on the device
-before writing (layers/attention.py), and they stay fixed until update_weights changes the weights
-they were computed under (the next prefill step sets them again: no request is pending then, and
-the prefix cache is emptied, so no entry written under the old scales is read again); every entry
-written stays decodable. Values past 448 * scale saturate. `KvScales.calibrate` says whether the next
-prefill step sets them; that step runs eagerly (no graph replay), `calibrate_kv_scales` in its metadata.
+before writing (layers/attention.py), and they stay fixed until a weight change (update_weights,
+load_weights through apply_model / collective_rpc, reload_weights) asks for them again. They are set
+only in a step scheduled on an empty cache (StepPlan.fresh_cache: no sequence holds blocks, the prefix
+cache publishes none), so no entry written under the old scales is read under the new ones: after
+update_weights that is the next step (nothing pending, the prefix cache emptied); a load_weights while
+requests run keeps the scales until they end and the prefix cache is reset (reset_prefix_cache).
+Every entry written stays decodable. Values past 448 * scale saturate. `KvScales.calibrate` says
+whether they are due; the step that sets them runs eagerly (no graph replay), `calibrate_kv_scales`
+in its metadata.
 
 On CUDA the cache takes what `gpu_memory_utilization` of the card leaves after this
 process's own peak usage in a warm-up at the largest batch (other processes' memory
@@ -156,9 +160,9 @@ class KvScales:
     attached to its attention layer once and written only in place (here, from the checkpoint; by a
     calibrating forward, layers/attention.py), so the CUDA graphs' addresses stay valid.
     `from_data`: no checkpoint scales and config.calculate_kv_scales is not False (True always
-    calibrates; False never: 1.0 without the checkpoint's). `calibrate` is True from start-up and
-    from each weight change (`weights_changed`) until a prefill step has set the scales
-    (`calibrated`), and never without `from_data`. Iterating gives `layers`."""
+    calibrates; False never: 1.0 without the checkpoint's). `calibrate` (the scales are due) is True
+    from start-up and from each weight change (`weights_changed`) until a step on an empty cache has
+    set them (`calibrated`), and never without `from_data`. Iterating gives `layers`."""
 
     def __init__(self, config: Config, device: torch.device):
         mc = config.model_config
@@ -183,9 +187,9 @@ class KvScales:
         return self.layers[i] if self.layers else None
 
     def weights_changed(self) -> None:
-        """The weights the scales were computed under are gone: scales from the data are set anew."""
+        """The weights the scales were computed under are gone: scales from the data are due again."""
         self.calibrate = self.from_data
 
     def calibrated(self) -> None:
-        """A prefill step has set every layer's scales."""
+        """A step on an empty cache has set every layer's scales."""
         self.calibrate = False

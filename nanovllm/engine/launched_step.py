@@ -30,7 +30,7 @@ class PreparedStep:
     sampling: SamplingPack | None  # the sampled rows' settings (None: nothing sampled on this rank)
     rules: HostRules | None  # the sampled rows' logits rules (None: no row uses any)
     graph: int | None  # the CUDA graph it replays: the decode batch size or the varlen token bucket; None: eager
-    calibrate_kv: bool = False  # the first prefill step after start-up: it sets the FP8 cache's scales
+    calibrate_kv: bool = False  # it sets the FP8 cache's scales (KvScales.calibrate on an empty cache)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ back and `wake_up(tags)` restores it, capturing the graphs again (engine/sleep.p
 
 The cache's element type is the config's (`kv_cache_dtype`, engine/kv_cache.py). An FP8 cache
 also has each layer's scales (`kv_scales`, engine/kv_cache.KvScales): the checkpoint's, or set by
-the first prefill step after start-up and after each weight change, which then runs eagerly (no
-graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs the cache's size and dtype
+the first step on an empty cache (`StepPlan.fresh_cache`) after start-up and after each weight
+change, which then runs eagerly (no graph replay) with `calibrate_kv_scales` in its metadata. Rank 0 logs the cache's size and dtype
 at start-up (logger "nanovllm.engine.model_runner", INFO).
 
 Invariants: from start-up to `exit` every attention layer holds its views of `kv_cache` and its
@@ -193,7 +193,8 @@ class ModelRunner:
             graph = self.graphs.padded_size(batch_size) if self.graphs is not None else None
             copy = HostCopy.of(self.inputs.decode_rows(plan, batch_size if graph is None else graph), words)
             return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph)
-        calibrate = self.kv_scales.calibrate  # the FP8 scales' calibration runs eagerly
+        # The FP8 scales are set only in a step no KV written under the old ones outlives; eagerly
+        calibrate = self.kv_scales.calibrate and plan.fresh_cache
         graph = (self.varlen_graphs.bucket(plan.num_tokens)
                  if self.varlen_graphs is not None and not calibrate else None)
         layout = self.inputs.exact_layout(plan) if graph is None else self.varlen_graphs.layouts[graph]
@@ -225,7 +226,7 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(plan, self.varlen_graphs.every_hidden(step.graph))
         else:
             inputs = self.inputs.varlen(plan, step.copy, carried_from)
-            if step.calibrate_kv:  # the first prefill step after start-up (or update_weights) sets the FP8 scales
+            if step.calibrate_kv:  # the first step on an empty cache after start-up or a weight change
                 inputs = replace(inputs, meta=replace(inputs.meta, calibrate_kv_scales=True))
             every = self._forward(inputs)  # [num_tokens, hidden]
             if step.calibrate_kv:  # set only once every layer has (a step that raised calibrates nothing)

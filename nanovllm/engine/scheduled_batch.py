@@ -47,7 +47,9 @@ class ScheduledBatch:
     forks: samples 1..n-1 of requests whose prompt this step completes; each samples its first
     token from its parent's logits and computes nothing in this step.
     prompt_logprob_spans: row index -> prompt positions [a, b) whose next-token logprobs
-    this step computes (rows of sequences that ask for prompt logprobs)."""
+    this step computes (rows of sequences that ask for prompt logprobs).
+    fresh_cache: no block held KV a later step may read when this step was scheduled (no sequence
+    held blocks, the prefix cache published none)."""
 
     seqs: list[Sequence]
     starts: list[int]
@@ -55,6 +57,7 @@ class ScheduledBatch:
     num_decode: int
     prompt_logprob_spans: dict[int, range] = field(default_factory=dict)
     forks: list[Fork] = field(default_factory=list)
+    fresh_cache: bool = False
 
     @property
     def kind(self) -> StepKind:
@@ -67,7 +70,8 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     @classmethod
-    def book(cls, rows: list[Sequence], prefill: list[tuple[Sequence, int]], forks: list[Fork]) -> ScheduledBatch:
+    def book(cls, rows: list[Sequence], prefill: list[tuple[Sequence, int]], forks: list[Fork],
+             fresh_cache: bool) -> ScheduledBatch:
         """The batch of decode rows and prefill chunks (sequence, tokens), its tokens (and the
         prompt logprobs they yield) booked as computed on the sequences."""
         # Longest first: the decode attention kernel starts its programs in batch order, so
@@ -91,4 +95,4 @@ class ScheduledBatch:
                     spans[i] = span
                     seq.num_prompt_logprobs_booked = end
             seq.num_computed_tokens += n
-        return cls(seqs, starts, num_new, len(rows), spans, forks)
+        return cls(seqs, starts, num_new, len(rows), spans, forks, fresh_cache)

@@ -113,10 +113,11 @@ class Scheduler:
         docstring); None when nothing can be planned that way. Without `ahead` the
         previous step's results are all on the host and a step is always found."""
         budget = self.max_num_batched_tokens
+        fresh = not self.block_manager.holds_kv  # before this step's blocks are taken
         if not self.mixed_steps:
             prefill, forks = self._schedule_waiting(budget)
             if prefill:
-                return ScheduledBatch.book([], prefill, forks)
+                return ScheduledBatch.book([], prefill, forks, fresh)
         decode = self._schedule_running(budget, ahead)
         if decode is None:
             return None
@@ -132,7 +133,7 @@ class Scheduler:
                 f"scheduler could not schedule any of {len(self.waiting)} waiting and "
                 f"{len(self.running)} running sequences (free blocks: {self.block_manager.num_free_blocks})"
             )
-        return ScheduledBatch.book(rows, prefill, forks)
+        return ScheduledBatch.book(rows, prefill, forks, fresh)
 
     def _schedule_running(self, budget: int, ahead: bool) -> tuple[list[Sequence], bool] | None:
         """Decode rows for the running sequences (and whether any were preempted), or None

@@ -46,6 +46,9 @@ class StepPlan:
     # copied once the forward has written them.
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # No KV a later step may read was held when the step was scheduled (ScheduledBatch.fresh_cache):
+    # FP8 KV scales set in this step leave no entry written under other ones (model_runner.prepare).
+    fresh_cache: bool = False
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, previous_sampled: list[Sequence] | None = None) -> "StepPlan":
@@ -84,6 +87,7 @@ class StepPlan:
             prompt_logprobs_k=lp_k,
             fork_rows=_fork_rows(batch, sampled),
             block_copies=[f.block_copy for f in batch.forks if f.block_copy is not None],
+            fresh_cache=batch.fresh_cache,
         )
 
     @property

@@ -8,8 +8,8 @@ one query per sequence over its cached keys.
 
 An FP8 cache (engine/kv_cache.py) comes with this layer's k_scale / v_scale (float32 [1] on the
 device), passed to every cache writer and attention call (`scale_args`). Unless the checkpoint
-gave them, the forward whose metadata says `calibrate_kv_scales` (the first prefill step after
-start-up) sets them from its own K/V before they are written (`calibrate`):
+gave them, the forward whose metadata says `calibrate_kv_scales` (the first step on an empty cache
+after start-up or a weight change: engine/kv_cache.py) sets them from its own K/V before they are written (`calibrate`):
 
     scale = max(amax(|x|) / FP8_MAX * KV_SCALE_HEADROOM, KV_MIN_SCALE)     x: the step's K (V), all heads
 

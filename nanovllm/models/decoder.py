@@ -127,7 +127,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, traits: DecoderTraits):
         super().__init__()
         # Called after load_weights changed the weights: set by the model runner (engine/kv_cache.py's
-        # KvScales.weights_changed: FP8 KV scales computed from the data are set anew), nothing without one.
+        # KvScales.weights_changed: FP8 KV scales computed from the data are due again), nothing without one.
         self.on_weights_loaded: Callable[[], None] = _nothing
         self.model = DecoderModel(cfg, traits, lambda layer_idx: self.build_mlp(cfg, traits, layer_idx))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
