@@ -457,9 +457,7 @@ def test_accept_tokens_advances_each_grammar_and_marks_a_token_its_mask_forbids(
 def test_a_row_whose_rules_leave_its_grammar_nothing_ends_alone(llm, caplog):
     """allowed_token_ids disjoint from the grammar's tokens, or min_tokens banning the EOS that is all
     a finished choice allows: nothing of the row's mask is left, so its sample ends there (with the
-    tokens it has, a warning logged; where the pick from an all-masked row is the EOS, as on this
-    model, the grammar takes it and the row ends as any does); the other rows of the batch are those of
-    a run without it."""
+    tokens it has, a warning logged); the other rows of the batch are those of a run without it."""
     alone = llm.generate([PROMPTS[1]], FREE[0], use_tqdm=False)[0].outputs[0].token_ids
     firsts = {llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in CHOICES}
     disjoint = [t for t in range(100, 200) if t not in firsts][:3]
@@ -471,9 +469,28 @@ def test_a_row_whose_rules_leave_its_grammar_nothing_ends_alone(llm, caplog):
     assert none_left.outputs[0].token_ids == [] and none_left.outputs[0].finish_reason == "stop"
     assert short.outputs[0].text in CHOICES and short.outputs[0].finish_reason == "stop"
     assert free.outputs[0].token_ids == alone
-    assert [r.getMessage().split(":")[0] for r in caplog.records if "leave no token allowed" in r.getMessage()] == [
-        f"request {none_left.request_id}"]
+    assert sorted(r.getMessage().split(":")[0] for r in caplog.records if "leave no token allowed" in r.getMessage()) == [
+        f"request {none_left.request_id}", f"request {short.request_id}"]
     assert llm.generate([PROMPTS[1]], FREE[0], use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("rule", ["min_tokens", "allowed_token_ids", "bad_words"])
+def test_an_eos_the_rules_ban_ends_no_constrained_row(llm, caplog, rule):
+    """Once a choice is complete its grammar allows only EOS, which min_tokens (short of it), an
+    allowed_token_ids without it, or a bad word ending in it bans: nothing is left, and the row ends
+    with its choice and a warning, without the EOS (vLLM's rules: no EOS before min_tokens, none outside
+    allowed_token_ids), though on this model the sampler's pick from an all -inf row is the EOS (token 0),
+    which the grammar takes."""
+    choice_ids = {t for c in CHOICES for t in llm.tokenizer.encode(c, add_special_tokens=False)}
+    extra = {"min_tokens": {"min_tokens": MAX_TOKENS - 1},
+             "allowed_token_ids": {"allowed_token_ids": sorted(choice_ids)},
+             "bad_words": {"bad_words": [llm.tokenizer.decode([EOS])]}}[rule]
+    if rule == "bad_words":
+        assert llm.tokenizer.encode(extra["bad_words"][0], add_special_tokens=False) == [EOS]
+    with caplog.at_level(logging.WARNING, logger="nanovllm.engine.scheduler"):
+        out = llm.generate([PROMPTS[0]], constrained("choice", False, **extra), use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICES and EOS not in out.token_ids and out.finish_reason == "stop", out
+    assert [r for r in caplog.records if "leave no token allowed" in r.getMessage()]
 
 
 def test_the_grammar_cache_is_bounded_and_released_at_exit(tmp_path):

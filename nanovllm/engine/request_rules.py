@@ -61,6 +61,18 @@ class RequestRules:
         rules.check_first_token_allowed()
         return rules
 
+    def bans(self, token: int, completion: list[int]) -> bool:
+        """Whether these rules ban `token` after the generated tokens `completion` (a token outside
+        `allowed`, a one-token bad word, the last token of a bad word whose other tokens end
+        `completion`, an EOS or stop id short of min_tokens): a sample of it means the row's logits
+        were all -inf (the sampler's fallback, token 0, came out)."""
+        if self.allowed is not None and token not in self.allowed:
+            return True
+        if token in self.single_bans or (len(completion) < self.min_tokens and token in self.stop_ids):
+            return True
+        return any(word[-1] == token and len(completion) >= len(word) - 1
+                   and completion[len(completion) - len(word) + 1:] == list(word[:-1]) for word in self.bad_sequences)
+
     def check_first_token_allowed(self) -> None:
         """ValueError when every allowed token is banned at the first token: a one-token bad word,
         or (min_tokens > 0) an EOS or stop id."""
