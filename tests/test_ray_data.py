@@ -432,6 +432,29 @@ def test_messages_rows_are_rendered_with_the_chat_template(cluster, tmp_path):
         predictor.llm.exit()
 
 
+def test_a_conversation_ending_with_the_assistants_message_is_continued_as_in_rays_chat_stage():
+    """Ray Data's chat-template stage opens the assistant's turn only after a user message: a row whose
+    conversation ends with an assistant message (a prefill) is rendered with continue_final_message,
+    so the completion continues that message. It was closed and a new assistant turn opened (LLM.chat's
+    defaults), so the prefill was lost. Checked against transformers' rendering with Ray's flags."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    prefill = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    asked = [{"role": "user", "content": "Name a color."}]
+    predictor = LLMPredictor(model=DEFAULT_MODEL, sampling_params=SAMPLING, llm_kwargs=LLM_KWARGS)
+    try:
+        out = predictor({"messages": [prefill, asked]})
+        expected = [tok.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                            continue_final_message=True),
+                    tok.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)]
+        assert expected[0].endswith("The color is")
+        alone = predictor.llm.generate(expected, SamplingParams(**SAMPLING), use_tqdm=False)
+        assert [list(t) for t in out["generated_token_ids"]] == [o.outputs[0].token_ids for o in alone]
+        assert list(out["num_input_tokens"]) == [len(o.prompt_token_ids) for o in alone]
+    finally:
+        predictor.llm.exit()
+
+
 def test_without_sampling_params_the_engines_defaults_apply(ckpt, tmp_path):
     """LLMPredictor(sampling_params=None) and the command with no sampling flag sample with the
     checkpoint's generation_config, as generate(prompts) does."""

@@ -3,7 +3,8 @@
 A batch (map_batches' default numpy format: column -> array) holds prompts in a `prompt` (text),
 `prompt_token_ids` or `messages` (a conversation, rendered by the chat template as LLM.chat does)
 column, or several (JSON lines of mixed kinds: Ray fills a row's other columns with None; each row
-must hold exactly one), optionally a `cache_salt` column (vLLM V1's prompt key: a row's non-empty
+must hold exactly one; a conversation ending with the assistant's message is continued, as Ray's
+chat stage does: chat_options), optionally a `cache_salt` column (vLLM V1's prompt key: a row's non-empty
 str goes into its prompt dict, so its prefix-cache hits come only from prompts of the same salt;
 None or no column: no salt), a row holding images in a MULTIMODAL_COLUMNS column refused (a
 text-only engine) as is one whose MODEL_COLUMN names another model (vLLM's LoRA adapter), and optionally a `sampling_params` column: per row, a
@@ -246,12 +247,22 @@ class LLMPredictor:
                 # without the None entries Arrow gives a message for keys other messages have ("name")
                 conversation = [json_form(m) if isinstance(m, dict) else m for m in value]
                 value = render_chat(self.llm.tokenizer, self.llm.config.tokenizer, [conversation],  # a batch of one
-                                    ChatOptions())[0]["prompt_token_ids"]
+                                    chat_options(conversation))[0]["prompt_token_ids"]
             salt = plain(batch[SALT_COLUMN][i]) if SALT_COLUMN in batch else None
             # as a prompt dict, so that the engine checks the salt (a non-empty str) as it checks any prompt's
             prompt = {"prompt" if column == TEXT_COLUMN else "prompt_token_ids": value, "cache_salt": salt}
             checked = self.llm.validator.validate(prompt, params)
             return tokens_prompt(checked.token_ids, checked.cache_salt)
+
+
+def chat_options(conversation: list) -> ChatOptions:
+    """How a `messages` row is rendered: as Ray Data's chat-template stage does, a conversation that
+    ends with the assistant's message (a prefill) is continued (continue_final_message), any other
+    opens the assistant's turn (Ray opens it only after a user message; a system or tool message last
+    would be left open there, here it is closed as LLM.chat closes it)."""
+    last = conversation[-1] if conversation else None
+    prefill = isinstance(last, dict) and last.get("role") == "assistant"
+    return ChatOptions(add_generation_prompt=not prefill, continue_final_message=prefill)
 
 
 def plain(value):
