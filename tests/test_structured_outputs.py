@@ -612,6 +612,24 @@ def test_a_required_property_the_schema_does_not_declare_is_refused(llm, schema)
     assert llm.is_finished()
 
 
+@pytest.mark.parametrize("schema,violating,keyword", [
+    ({"anyOf": ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True},)}, [1, 1], "uniqueItems"),
+    ({"type": "object", "required": ("a",)}, {}, "required 'a'"),
+], ids=["anyOf-tuple", "required-tuple"])
+def test_a_schema_dict_with_tuples_is_checked_as_the_json_xgrammar_compiles(llm, schema, violating, keyword):
+    """A schema dict may hold tuples where JSON has arrays (json.dumps writes them so, and xgrammar
+    compiles that text): the keywords xgrammar would not enforce are found in them too. They were
+    looked for in lists only, so these schemas compiled and the violating instance could be served."""
+    text = json.dumps(schema)
+    assert xgrammar.testing._is_grammar_accept_string(xgrammar.Grammar.from_json_schema(text), json.dumps(violating))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(violating, json.loads(text))
+    with pytest.raises(ValueError, match=f"StructuredOutputsParams.json .*: {keyword}.* is not enforced by xgrammar"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)),
+                     use_tqdm=False)
+    assert llm.is_finished()
+
+
 def test_a_schema_that_is_not_json_data_is_refused_naming_the_field():
     """A dict holding a set (or NaN) is no JSON schema: it was json.dumps' TypeError at the request,
     naming no field (or xgrammar's parse error of the NaN that json.dumps wrote)."""

@@ -263,7 +263,8 @@ class GrammarBackend:
         c, any_whitespace = self.compiler, not spec.disable_any_whitespace
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            unenforced = unenforced_keyword(json.loads(schema) if isinstance(spec.json, str) else spec.json)
+            # checked as the JSON xgrammar compiles (a dict's tuples are its arrays, its keys strings)
+            unenforced = unenforced_keyword(json.loads(schema))
             if unenforced is not None:
                 raise ValueError(f"StructuredOutputsParams.json {spec.json!r:.200}: {unenforced} is not enforced by "
                                  "xgrammar (the output could break it unnoticed; vLLM's xgrammar backend refuses "
