@@ -83,6 +83,29 @@ def test_bias_allowed_bad_words_and_min_tokens(ckpt, reference):
     assert (outs[4].token_ids, outs[4].finish_reason, outs[4].stop_reason) == (outs[4].token_ids[:3] + [17], "stop", 17)
 
 
+def test_rules_that_leave_no_token_allowed_end_the_sample(ckpt, caplog):
+    """allowed_token_ids=[x] with the bad word "x x": after the first x no token is allowed (every
+    logit -inf), and the sample ends there with a warning, as a constrained row's does. Before, the
+    sampler's fallback for a row of all -inf (token 0) came out unnoticed, a token the rules ban, and
+    the row went on (x, 0, x, 0, ...)."""
+    llm = cpu_llm(ckpt, kvcache_block_size=16, max_model_len=256)
+    try:
+        tok = llm.tokenizer
+        x = next(i for i in range(5, 384) if (word := tok.decode([i, i])).strip()
+                 and tok.encode(word.lstrip(), add_special_tokens=False) == [i, i])
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[x],
+                                bad_words=[tok.decode([x, x])])
+        plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = make_prompts(12, 2, 10, 20)
+        with caplog.at_level("WARNING", logger="nanovllm.engine.scheduler"):
+            ended, served = [o.outputs[0] for o in llm.generate(prompts, [params, plain], use_tqdm=False)]
+    finally:
+        llm.exit()
+    assert (ended.token_ids, ended.finish_reason) == ([x], "stop")
+    assert "leave no token allowed" in caplog.text
+    assert len(served.token_ids) == 6  # the other request is served on
+
+
 def test_seeded_sampling_with_penalties_repeats_in_every_regime(ckpt):
     prompts = make_prompts(9, 3, 10, 30)
     params = [SamplingParams(temperature=0.9, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.5,

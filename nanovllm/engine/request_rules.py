@@ -9,6 +9,7 @@ sequence's last token is masked wherever its other tokens are the last ones gene
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from nanovllm.sampling_params import SamplingParams
@@ -61,17 +62,23 @@ class RequestRules:
         rules.check_first_token_allowed()
         return rules
 
-    def bans(self, token: int, completion: list[int]) -> bool:
-        """Whether these rules ban `token` after the generated tokens `completion` (a token outside
-        `allowed`, a one-token bad word, the last token of a bad word whose other tokens end
-        `completion`, an EOS or stop id short of min_tokens): a sample of it means the row's logits
-        were all -inf (the sampler's fallback, token 0, came out)."""
-        if self.allowed is not None and token not in self.allowed:
+    def bans(self, token: int, token_ids: list[int], num_generated: int) -> bool:
+        """Whether these rules ban `token` after a sequence's `token_ids` (prompt and completion), the
+        last `num_generated` of them generated: a token outside `allowed`, a one-token bad word, the
+        last token of a bad word whose other tokens end the completion, an EOS or stop id short of
+        min_tokens. A sample of it means the row's logits were all -inf (the sampler's fallback, token
+        0, came out). Penalties and biases ban nothing: O(1) for them, once a step a row."""
+        if self.allowed is not None and token not in self._allowed_set:
             return True
-        if token in self.single_bans or (len(completion) < self.min_tokens and token in self.stop_ids):
+        if token in self.single_bans or (num_generated < self.min_tokens and token in self.stop_ids):
             return True
-        return any(word[-1] == token and len(completion) >= len(word) - 1
-                   and completion[len(completion) - len(word) + 1:] == list(word[:-1]) for word in self.bad_sequences)
+        return any(word[-1] == token and num_generated >= len(word) - 1
+                   and token_ids[len(token_ids) - len(word) + 1:] == list(word[:-1]) for word in self.bad_sequences)
+
+    @functools.cached_property
+    def _allowed_set(self) -> frozenset[int]:
+        """`allowed` for O(1) membership (it may hold most of the vocabulary)."""
+        return frozenset(self.allowed or ())
 
     def check_first_token_allowed(self) -> None:
         """ValueError when every allowed token is banned at the first token: a one-token bad word,

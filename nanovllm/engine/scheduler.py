@@ -272,12 +272,14 @@ class Scheduler:
             token = sampled.get(seq.seq_id)
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
-            if seq.grammar is not None and (seq.grammar.rejected or (
-                    seq.rules is not None and seq.rules.bans(token, seq.completion_token_ids))):
-                # its rules left nothing of the grammar allowed (SampleGrammar): it ends here, alone, whether
-                # the grammar refused the sampler's pick from the all -inf row or took it (an EOS the rules ban)
-                logger.warning("request %d: its grammar and its other rules (allowed_token_ids, bad_words, "
-                               "min_tokens) leave no token allowed; its sample ends here", seq.request_id)
+            rejected = seq.grammar is not None and seq.grammar.rejected
+            if rejected or (seq.rules is not None and seq.rules.bans(token, seq.token_ids, seq.num_completion_tokens)):
+                # its rules (with its grammar, if any: SampleGrammar) left no token allowed, so the row's
+                # logits were all -inf and the sampler's fallback came out: it ends here, alone, whether
+                # a grammar refused that pick or took it (an EOS the rules ban)
+                logger.warning("request %d: its rules (allowed_token_ids, bad_words, min_tokens%s) leave no "
+                               "token allowed; its sample ends here", seq.request_id,
+                               ", its grammar" if seq.grammar is not None else "")
                 self._finish_and_collect(seq, FinishReason.STOP, done)
                 continue
             seq.token_ids.append(token)
