@@ -108,6 +108,16 @@ def load_received(worker: Worker, path: str) -> int:
     return len(worker.model_runner.model.load_weights(received(load_reference(path).state_dict())))
 
 
+def keep_update_group(worker: Worker, name: str) -> None:
+    """What a weight-sync function written for vLLM's worker does first (OpenRLHF's init_process_group,
+    TRL's init_communicator): keep its process group on the worker for the calls that follow."""
+    worker.model_update_group = (name, worker.rank)
+
+
+def kept_update_group(worker: Worker) -> tuple[str, int]:
+    return worker.model_update_group
+
+
 def engine(path, **kw):
     return cpu_llm(path, kvcache_block_size=16, max_model_len=128, **kw)
 
@@ -188,6 +198,20 @@ def test_one_rank_errors_are_raised_and_the_engine_keeps_serving(ckpt):
             llm.apply_model(qkv_rows)
         llm.wake_up()
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_what_a_function_keeps_on_its_worker_is_there_at_the_next_call(ckpt, tp):
+    """vLLM runs a collective_rpc function on each rank's one worker object (run_method binds the
+    rank's persistent worker), so state a function sets there, such as a weight-sync process group,
+    is there for the next call, on that rank; here it was refused (a frozen Worker made per call)."""
+    llm = engine(ckpt, tensor_parallel_size=tp)
+    try:
+        assert llm.collective_rpc(keep_update_group, args=("weights",)) == [None] * tp
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert llm.collective_rpc(kept_update_group) == [("weights", rank) for rank in range(tp)]
     finally:
         llm.exit()
 

@@ -4,10 +4,12 @@
     llm.apply_model(func)                        -> [func(model) on rank 0, on rank 1, ...]
     llm.collective_rpc(func, args=(a,), kwargs)  -> [func(worker, a, **kwargs) on each rank]
 
-`model` is the rank's nn.Module (its shard of the weights under tensor parallelism); `worker` a
-Worker: the rank's `model_runner` (whose `.model` and `.get_model()` are that module, as is the
+`model` is the rank's nn.Module (its shard of the weights under tensor parallelism); `worker` the
+rank's Worker: its `model_runner` (whose `.model` and `.get_model()` are that module, as is the
 worker's own `get_model()`), `rank`, `device` and `model_config` (the engine's
 llm_engine.model_config: dtype, max_model_len, ...), the parts of vLLM's worker such functions read.
+Each rank has one Worker for the engine's life, as vLLM's worker persists: what a function sets on
+it (a weight-sync process group) is there at the rank's next call.
 
 Under tensor parallelism rank 0 sends the call to the workers as pickled bytes, runs its own
 part, then reads every worker's RankOutcome, also as bytes (plain pickle: tensors travel as
@@ -35,13 +37,15 @@ if TYPE_CHECKING:
     from nanovllm.config import ServedModel
     from nanovllm.engine.model_runner import ModelRunner
 
-# What a rank runs: a function of its ModelRunner (apply_to_model / call_with_worker bound to the user's).
-RankCall = Callable[["ModelRunner"], object]
+# What a rank runs: a function of its Worker (apply_to_model / call_with_worker bound to the user's).
+RankCall = Callable[["Worker"], object]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Worker:
-    """What a collective_rpc function gets as `self`: vLLM's worker, as far as such functions reach."""
+    """What a collective_rpc function gets as `self`: vLLM's worker, as far as such functions reach.
+    One per rank, made with its ModelRunner and kept with it (Ranks, tp_workers): attributes a
+    function sets here stay for the rank's later calls, as on vLLM's worker."""
 
     model_runner: ModelRunner
     rank: int
@@ -70,12 +74,12 @@ class RankOutcome:
     error: BaseException | None = None
 
 
-def apply_to_model(func: Callable, runner: ModelRunner) -> object:
-    return func(runner.model)
+def apply_to_model(func: Callable, worker: Worker) -> object:
+    return func(worker.model_runner.model)
 
 
-def call_with_worker(func: Callable, args: tuple, kwargs: dict, runner: ModelRunner) -> object:
-    return func(Worker(runner, runner.rank, runner.device), *args, **kwargs)
+def call_with_worker(func: Callable, args: tuple, kwargs: dict, worker: Worker) -> object:
+    return func(worker, *args, **kwargs)
 
 
 def model_call(func: object) -> RankCall:
@@ -98,10 +102,10 @@ def worker_call(func: Callable, args: object, kwargs: object, timeout: object) -
     return functools.partial(call_with_worker, func, args, kwargs or {})
 
 
-def run_call(call: RankCall, runner: ModelRunner) -> RankOutcome:
-    """Rank 0's part: `call(runner)`, its exception caught (an interrupt is not)."""
+def run_call(call: RankCall, worker: Worker) -> RankOutcome:
+    """Rank 0's part: `call(worker)`, its exception caught (an interrupt is not)."""
     try:
-        return RankOutcome(call(runner))
+        return RankOutcome(call(worker))
     except Exception as e:  # noqa: BLE001 - raised once every rank answered
         return RankOutcome(error=e)
 
@@ -115,13 +119,13 @@ def pickled_call(call: RankCall, name: str) -> bytes:
                         f"top-level function of a module, not a lambda or a local one): {e}") from None
 
 
-def answer(payload: bytes, runner: ModelRunner) -> bytes:
-    """A worker's part: the call in `payload` run on `runner`, its RankOutcome as bytes. Whatever
+def answer(payload: bytes, worker: Worker) -> bytes:
+    """A worker's part: the call in `payload` run on `worker`, its RankOutcome as bytes. Whatever
     fails (unpickling the call, the function, pickling its result) is the outcome's error; a
     worker ignores SIGINT, so no interrupt is taken for the function's own."""
-    rank = runner.rank
+    rank = worker.rank
     try:
-        outcome = RankOutcome(pickle.loads(payload)(runner))
+        outcome = RankOutcome(pickle.loads(payload)(worker))
     except BaseException as e:  # noqa: BLE001 - SystemExit too: the worker must live on to answer
         outcome = RankOutcome(error=e)
     try:

@@ -24,7 +24,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.rank_calls import RankCall, pickled_call, results, run_call
+from nanovllm.engine.rank_calls import RankCall, Worker, pickled_call, results, run_call
 from nanovllm.engine.sleep import WEIGHTS
 from nanovllm.engine.tp_workers import CALL, PackedTensors, WorkerGroup, worker_errors
 from nanovllm.utils.deferred_signals import deferred_signals
@@ -40,6 +40,7 @@ class Ranks:
         try:
             with worker_errors(self.workers):  # a worker dying while rank 0 waits in a collective is named
                 self.model_runner = ModelRunner(config)
+            self.worker = Worker(self.model_runner, 0, self.model_runner.device)  # rank 0's, for `call`
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:
@@ -57,19 +58,19 @@ class Ranks:
                                "call wake_up(tags=['weights']) first")
 
     def call(self, call: RankCall, name: str, timeout: float | None) -> list:
-        """`call(model_runner)` on every rank (engine/rank_calls.py), the workers' first; each rank's
+        """`call(worker)` on every rank (its Worker: engine/rank_calls.py), the workers' first; each rank's
         result, rank 0 first. Refused while the weights sleep (their storage is gone). An
         interrupt (or the workers' `timeout`) while the ranks run it is raised at once and leaves
         the group out of step: their answers would come after it."""
         self.check_weights_awake(name)
         if self.workers is None:
-            return results([run_call(call, self.model_runner)])
+            return results([run_call(call, self.worker)])
         payload = pickled_call(call, name)
         with worker_errors(self.workers):  # a rank's own error is an outcome, raised once all answered
             with deferred_signals():
                 self.workers.send(CALL, payload)
             try:
-                outcomes = [run_call(call, self.model_runner), *self.workers.collect(timeout)]
+                outcomes = [run_call(call, self.worker), *self.workers.collect(timeout)]
             except KeyboardInterrupt:
                 self.workers.out_of_step = f"{name} was interrupted while the workers ran it"
                 raise

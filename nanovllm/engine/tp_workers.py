@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.rank_calls import RankOutcome, answer, outcome_of
+from nanovllm.engine.rank_calls import RankOutcome, Worker, answer, outcome_of
 
 # Address of the rendezvous store: every rank is on this host.
 LOCALHOST = "127.0.0.1"
@@ -112,6 +112,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
     except Exception as e:  # rank 0 names it (WorkerGroup.wait_ready, or worker_errors around its own start-up)
         _last_words(conn, f"its start-up raised {type(e).__name__}: {e}")
         raise
+    worker = Worker(runner, rank, runner.device)  # the rank's one, for every call (engine/rank_calls.py)
     conn.send_bytes(pickle.dumps(RankOutcome()))  # ready: rank 0 waits for it (WorkerGroup.wait_ready)
     try:
         while True:
@@ -122,7 +123,7 @@ def _worker_main(config: Config, rank: int, port: int, conn: Connection, cpu_thr
             if method == "exit":
                 break
             if method == CALL:  # a function with a result (engine/rank_calls.py): rank 0 waits for the reply
-                conn.send_bytes(answer(args[0], runner))
+                conn.send_bytes(answer(args[0], worker))
                 continue
             try:
                 getattr(runner, method)(*(a.unpack() if isinstance(a, PackedTensors) else a for a in args))
