@@ -108,6 +108,25 @@ def test_naive_quantized_is_float_quantized_by_its_older_name(full_precision, tm
     check_against(load_reference(str(tmp_path / "ref")), prompts, run(path, prompts))
 
 
+def test_dynamic_per_tensor_activations_load(full_precision, tmp_path):
+    """compressed-tensors input_activations {"strategy": "tensor", "dynamic": true} beside FP8
+    weights: vLLM takes any dynamic activation strategy there (static ones per tensor only); the
+    weights are the checkpoint's either way, so transformers on the dequantized weights is the
+    reference. It was refused as needing dynamic=False."""
+    path, ref = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_fp8(full_precision("llama"), path, ref, "ct-channel", ("lm_head",))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    acts = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True, "symmetric": True}
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = acts
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    config = resolve_quantization(None, cfg["quantization_config"], "c")
+    assert not config.fmt.static_input  # no input_scale tensors to take: dynamic
+    prompts = make_prompts(4, 3, 20, 40)
+    check_against(load_reference(ref), prompts, run(path, prompts))
+
+
 def test_online_fp8_matches_a_reference_quantized_by_hand(full_precision, tmp_path):
     """LLM(quantization="fp8") on a full-precision checkpoint: every projection quantized per
     output channel (amax / 448) at load, as quantize_channels does here."""
@@ -309,6 +328,14 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
         **LAYOUTS["ct-block"]["config_groups"]["group_0"],
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 64, "dynamic": True}}}},
      "group_size 64"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {  # static activations are per tensor only
+        **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}}}},
+     "strategy 'token' with dynamic=False is not supported"),
+    ({**LAYOUTS["ct-block"], "config_groups": {"g": {
+        **LAYOUTS["ct-block"]["config_groups"]["group_0"],
+        "input_activations": LAYOUTS["ct-tensor"]["config_groups"]["group_0"]["input_activations"]}}},
+     "static activations with block weights"),
     ({**LAYOUTS["ct-block"], "ignore": ["lm_head", "re:(unclosed"]},
      r"config.json: ignore entry 're:\(unclosed' is not a regular expression"),
     ({**LAYOUTS["qwen-block"], "modules_to_not_convert": ["re:*"]}, "modules_to_not_convert entry 're:\\*'"),

@@ -11,8 +11,10 @@
                                        (or "naive-quantized", older releases' name):
                                        one config group targeting Linear, 8-bit float weights with
                                        `weight_scale` per tensor, per output channel or per
-                                       [128, 128] block; activations dynamic per token or static
-                                       per tensor (`input_scale`); `ignore` stays full precision;
+                                       [128, 128] block; activations dynamic (per token, group or
+                                       tensor: quantized per token, or per 1 x 128 group beside block
+                                       weights) or static per tensor (`input_scale`); `ignore` stays
+                                       full precision;
                                        no config group (a calibrated FP8 KV cache alone):
                                        full-precision weights; online transforms
                                        (transform_config) and sparse storage are refused
@@ -205,17 +207,18 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     for key, value in (("num_bits", 8), ("type", "float")):
         _field(acts, key, (value,), value, f"{where}.input_activations")
     strategy = _field(acts, "strategy", ("token", GROUP, TENSOR), None, f"{where}.input_activations")
-    if acts.get("dynamic") is not (strategy != TENSOR):
-        raise ValueError(f"{where}.input_activations: strategy {strategy!r} needs dynamic={strategy != TENSOR} "
-                         f"(dynamic per token or group, static per tensor), got {acts.get('dynamic')!r}")
-    if strategy == TENSOR and scales == BLOCK:
+    dynamic = acts.get("dynamic")
+    if not isinstance(dynamic, bool) or (not dynamic and strategy != TENSOR):
+        raise ValueError(f"{where}.input_activations: strategy {strategy!r} with dynamic={dynamic!r} is not "
+                         f"supported (dynamic per token, group or tensor; static per tensor)")
+    if not dynamic and scales == BLOCK:
         raise ValueError(f"{where}: static activations with block weights are not supported")
     if strategy == GROUP:  # llm-compressor's FP8_BLOCK: the 1 x 128 groups block weights take anyway
         if scales != BLOCK or acts.get("group_size") != FP8_BLOCK:
             raise ValueError(f"{where}.input_activations: strategy 'group' is supported with block weights and "
                              f"group_size {FP8_BLOCK} only, got weights {scales!r}, group_size "
                              f"{acts.get('group_size')!r}")
-    return QuantConfig(Fp8Format(scales, SCALE, strategy == TENSOR, False), _skip_list(cfg, "ignore", source))
+    return QuantConfig(Fp8Format(scales, SCALE, not dynamic, False), _skip_list(cfg, "ignore", source))
 
 
 def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
