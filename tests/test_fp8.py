@@ -127,6 +127,33 @@ def test_dynamic_per_tensor_activations_load(full_precision, tmp_path):
     check_against(load_reference(ref), prompts, run(path, prompts))
 
 
+def test_config_group_targets_name_the_quantized_modules(full_precision, tmp_path):
+    """A compressed-tensors group's targets as vLLM matches them: "Linear" (every linear layer), a
+    module's name, or a "re:" regex matched from the name's start; a module no target names stays in
+    full precision, as one ignore lists. Here the attention projections (a regex) and one MLP
+    projection (by name) are FP8, the other MLP projections full precision. Such configs were
+    refused (only ['Linear'])."""
+    path, ref = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_fp8(full_precision("llama"), path, ref, "ct-channel",
+              ("lm_head", r"re:.*layers\.1\.mlp\.", r"re:.*layers\.0\.mlp\.(gate|up)_proj"))
+    state = checkpoint_state(path)
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == state["model.layers.1.self_attn.k_proj.weight"].dtype \
+        == torch.float8_e4m3fn != state["model.layers.1.mlp.down_proj.weight"].dtype
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    quant = cfg["quantization_config"]
+    quant["ignore"] = []
+    quant["config_groups"]["group_0"]["targets"] = [r"re:.*self_attn\.[qkvo]_proj$", "model.layers.0.mlp.down_proj"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    config = resolve_quantization(None, quant, "c")
+    assert [config.skipped(n) for n in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+                                         "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj",
+                                         "lm_head")] == [False, False, True, True, True]
+    prompts = make_prompts(5, 3, 20, 40)
+    check_against(load_reference(ref), prompts, run(path, prompts))
+
+
 def test_online_fp8_matches_a_reference_quantized_by_hand(full_precision, tmp_path):
     """LLM(quantization="fp8") on a full-precision checkpoint: every projection quantized per
     output channel (amax / 448) at load, as quantize_channels does here."""
@@ -336,6 +363,10 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
         **LAYOUTS["ct-block"]["config_groups"]["group_0"],
         "input_activations": LAYOUTS["ct-tensor"]["config_groups"]["group_0"]["input_activations"]}}},
      "static activations with block weights"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {**LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+                                                       "targets": []}}}, r"targets=\[\] names no module"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"g": {**LAYOUTS["ct-channel"]["config_groups"]["group_0"],
+                                                       "targets": ["re:[bad"]}}}, "targets entry 're:\\[bad'"),
     ({**LAYOUTS["ct-block"], "ignore": ["lm_head", "re:(unclosed"]},
      r"config.json: ignore entry 're:\(unclosed' is not a regular expression"),
     ({**LAYOUTS["qwen-block"], "modules_to_not_convert": ["re:*"]}, "modules_to_not_convert entry 're:\\*'"),

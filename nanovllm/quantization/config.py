@@ -9,7 +9,7 @@
                                        modules_to_not_convert stay full precision
     compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized"
                                        (or "naive-quantized", older releases' name):
-                                       one config group targeting Linear, 8-bit float weights with
+                                       one config group (its targets: below), 8-bit float weights with
                                        `weight_scale` per tensor, per output channel or per
                                        [128, 128] block; activations dynamic (per token, group or
                                        tensor: quantized per token, or per 1 x 128 group beside block
@@ -45,7 +45,10 @@ is whole blocks.
 
 Skip-list entries match a module whose dotted name contains the entry as whole components
 ("lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"); "re:" entries are regular
-expressions matched from the name's start (compressed-tensors' rule).
+expressions matched from the name's start (compressed-tensors' rule). A compressed-tensors
+group's `targets` name the modules it quantizes as vLLM matches them: "Linear" every linear
+layer, else a module's whole name or a "re:" regex; a module no target names stays in full
+precision, as a skipped one does.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ INPUT_SCALE = "input_scale"
 # The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 _REGEX_PREFIX = "re:"
+# compressed-tensors' target of every linear layer (a module class, which each of ours is).
+LINEAR_TARGET = "Linear"
 # ModelOpt (NVIDIA's *-FP8 releases, e.g. nvidia/Llama-3.1-8B-Instruct-FP8) writes its quantization to
 # this file beside config.json, which then has no quantization_config: read as full precision, the
 # checkpoint's FP8 tensors were refused one at a time as unknown weights.
@@ -121,8 +126,22 @@ class LinearQuant:
 class QuantConfig:
     fmt: Fp8Format
     skip: tuple[str, ...]  # modules kept in full precision (module docstring: how entries match)
+    targets: tuple[str, ...] = (LINEAR_TARGET,)  # the modules quantized, less `skip` (module docstring)
+
+    def targeted(self, name: str) -> bool:
+        """Whether one of `targets` names module `name` (skipped or not)."""
+        for target in self.targets:
+            if target.startswith(_REGEX_PREFIX):
+                if re.match(target[len(_REGEX_PREFIX):], name):
+                    return True
+            elif target in (LINEAR_TARGET, name):
+                return True
+        return False
 
     def skipped(self, name: str) -> bool:
+        """Whether module `name` stays in full precision: no target names it, or a skip entry does."""
+        if not self.targeted(name):
+            return True
         for entry in self.skip:
             if entry.startswith(_REGEX_PREFIX):
                 if re.match(entry[len(_REGEX_PREFIX):], name):
@@ -151,7 +170,7 @@ def _field(cfg: dict, key: str, allowed: tuple, default: object, source: str) ->
     return value
 
 
-def _skip_list(cfg: dict, key: str, source: str) -> tuple[str, ...]:
+def _module_names(cfg: dict, key: str, source: str) -> tuple[str, ...]:
     entries = cfg.get(key) or []
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise ValueError(f"{source}: {key} must be a list of module names, got {entries!r}")
@@ -179,7 +198,7 @@ def _fp8_method(cfg: dict, source: str) -> QuantConfig:
         if static:
             raise ValueError(f"{source}: activation_scheme='static' with weight_block_size is not supported")
     fmt = Fp8Format(BLOCK if block is not None else TENSOR, SCALE_INV if block is not None else SCALE, static, False)
-    skip = _skip_list(cfg, "modules_to_not_convert", source) + _skip_list(cfg, "ignored_layers", source)
+    skip = _module_names(cfg, "modules_to_not_convert", source) + _module_names(cfg, "ignored_layers", source)
     return QuantConfig(fmt, skip)
 
 
@@ -194,8 +213,9 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     if not isinstance(group, dict):  # e.g. {"FP8_DYNAMIC": ["Linear"]}: a preset's name and its targets
         raise ValueError(f"{where} must be a quantization scheme (targets, weights, input_activations), got "
                          f"{group!r}")
-    if group.get("targets") != ["Linear"]:
-        raise ValueError(f"{where}.targets={group.get('targets')!r} is not supported (only ['Linear'])")
+    targets = _module_names(group, "targets", where)
+    if not targets:
+        raise ValueError(f"{where}: targets={group.get('targets')!r} names no module to quantize")
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     for key, value in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
         _field(weights, key, (value,), value, f"{where}.weights")
@@ -218,7 +238,7 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
             raise ValueError(f"{where}.input_activations: strategy 'group' is supported with block weights and "
                              f"group_size {FP8_BLOCK} only, got weights {scales!r}, group_size "
                              f"{acts.get('group_size')!r}")
-    return QuantConfig(Fp8Format(scales, SCALE, not dynamic, False), _skip_list(cfg, "ignore", source))
+    return QuantConfig(Fp8Format(scales, SCALE, not dynamic, False), _module_names(cfg, "ignore", source), targets)
 
 
 def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
