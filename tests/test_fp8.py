@@ -398,6 +398,22 @@ def test_quant_method_is_read_as_vllm_reads_it(layout, spelling):
         assert resolve_quantization("compressed-tensors", config, "c") == resolve_quantization(None, config, "c")
 
 
+def test_a_group_format_stands_over_the_top_level_one():
+    """compressed-tensors writes each group's format beside the top-level one, which reads
+    "mixed-precision" where groups differ (or is left out); vLLM takes the group's where it has one.
+    Such configs were refused for the top-level value; a group format that is not FP8 is refused
+    naming the group."""
+    group = LAYOUTS["ct-channel"]["config_groups"]["group_0"]
+    plain = resolve_quantization(None, LAYOUTS["ct-channel"], "c")
+    for top in ("mixed-precision", None):
+        config = {**LAYOUTS["ct-channel"], "format": top,
+                  "config_groups": {"group_0": {**group, "format": "float-quantized"}}}
+        assert resolve_quantization(None, config, "c") == plain
+    config = {**LAYOUTS["ct-channel"], "config_groups": {"group_0": {**group, "format": "pack-quantized"}}}
+    with pytest.raises(ValueError, match="config_groups.group_0: format='pack-quantized' is not supported"):
+        resolve_quantization(None, config, "c")
+
+
 def test_empty_transform_and_dense_sparsity_configs_load_as_they_are():
     """compressed-tensors writes transform_config {} and sparsity_config {} without them; sparse
     weights stored "dense" are plain weights: the config of the layout alone."""

@@ -8,7 +8,8 @@
                                        "dynamic" (or "static": per-tensor `input_scale`);
                                        modules_to_not_convert stay full precision
     compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized"
-                                       (or "naive-quantized", older releases' name):
+                                       (or "naive-quantized", older releases' name; the group's
+                                       own format, where it has one, over the top-level one):
                                        one config group (its targets: below), 8-bit float weights with
                                        `weight_scale` per tensor, per output channel or per
                                        [128, 128] block; activations dynamic (per token, group or
@@ -204,7 +205,6 @@ def _fp8_method(cfg: dict, source: str) -> QuantConfig:
 
 def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     """quant_method "compressed-tensors" with FP8 weights (RedHat's / llm-compressor's FP8)."""
-    _field(cfg, "format", FP8_FORMATS, None, source)
     groups = cfg.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError(f"{source}: config_groups must hold exactly one group, got {groups!r}")
@@ -213,6 +213,10 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     if not isinstance(group, dict):  # e.g. {"FP8_DYNAMIC": ["Linear"]}: a preset's name and its targets
         raise ValueError(f"{where} must be a quantization scheme (targets, weights, input_activations), got "
                          f"{group!r}")
+    if group.get("format") is not None:  # the group's own format stands over the top-level one (vLLM)
+        _field(group, "format", FP8_FORMATS, None, where)
+    else:
+        _field(cfg, "format", FP8_FORMATS, None, source)
     targets = _module_names(group, "targets", where)
     if not targets:
         raise ValueError(f"{where}: targets={group.get('targets')!r} names no module to quantize")
