@@ -523,6 +523,22 @@ def test_missing_scale_or_weight_is_named(full_precision, tmp_path):
         cpu_llm(path)
 
 
+@pytest.mark.parametrize("layout,scale,message", [
+    # PARTIAL's down_proj is [192, 320]: a block grid of ceil(192/128) x ceil(320/128) = 2 x 3
+    ("qwen-block", "weight_scale_inv", r"wrong shape \(3, 2\) \(expected \(2, 3\)\)"),
+    ("ct-channel", "weight_scale", r"wrong shape \(1, 192\) \(expected \(192, 1\) or \(192,\)\)"),
+    ("ct-tensor", "weight_scale", r"wrong shape \(1, 1\) \(expected \(1,\) or \(\)\)"),
+])
+def test_a_misshapen_scale_is_named_with_the_shape_expected(full_precision, tmp_path, layout, scale, message):
+    path = _fp8_dir(full_precision, tmp_path, layout)
+    state = checkpoint_state(path)
+    name = f"model.layers.0.mlp.down_proj.{scale}"
+    state[name] = state[name].reshape(-1, 1).t().contiguous() if layout != "qwen-block" else state[name].t().contiguous()
+    write_state(path, path, state)
+    with pytest.raises(ValueError, match=re.escape(name) + ": .*" + message):
+        cpu_llm(path)
+
+
 def test_checkpoint_disagreeing_with_its_config_is_refused(full_precision, tmp_path):
     path = _fp8_dir(full_precision, tmp_path, skip=("model.layers.0.mlp.down_proj",))
     state = checkpoint_state(path)

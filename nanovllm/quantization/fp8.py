@@ -67,21 +67,28 @@ def quantize_weight(w: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.T
     raise ValueError(f"weights are quantized with {BLOCK!r} or {CHANNEL!r} scales, got {scales!r}")
 
 
-def scale_shape_ok(s: torch.Tensor, n: int, k: int, scales: str) -> bool:
-    """Whether `s` is a checkpoint's `scales` scale of an [n, k] weight: a block grid, [n, 1] or
-    [n] per channel, [1] or [] per tensor."""
+def scale_shapes(n: int, k: int, scales: str) -> tuple[tuple[int, ...], ...]:
+    """The shapes a checkpoint's `scales` scale of an [n, k] weight may have: the block grid
+    [ceil(n/128), ceil(k/128)], [n, 1] or [n] per channel, [1] or [] per tensor."""
     if scales == BLOCK:
-        return tuple(s.shape) == (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
+        return ((cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)),)
     if scales == CHANNEL:
-        return tuple(s.shape) in ((n, 1), (n,))
-    return s.numel() == 1 and s.dim() <= 1
+        return (n, 1), (n,)
+    return (1,), ()
+
+
+def scale_shape_ok(s: torch.Tensor, n: int, k: int, scales: str) -> bool:
+    """Whether `s` is a checkpoint's `scales` scale of an [n, k] weight (`scale_shapes`)."""
+    return tuple(s.shape) in scale_shapes(n, k, scales)
 
 
 def dequantize_weight(q: torch.Tensor, s: torch.Tensor, scales: str) -> torch.Tensor:
     """q [N, K] (float8) and its scale (`scales`: BLOCK, CHANNEL or TENSOR) -> float32 q * s."""
     n, k = q.shape
     if not scale_shape_ok(s, n, k, scales):
-        raise ValueError(f"a {scales} scale of a weight {tuple(q.shape)} has the wrong shape {tuple(s.shape)}")
+        expected = " or ".join(map(str, scale_shapes(n, k, scales)))
+        raise ValueError(f"a {scales} scale of a weight {tuple(q.shape)} has the wrong shape {tuple(s.shape)} "
+                         f"(expected {expected})")
     s = s.float()
     if scales == BLOCK:
         s = expand_blocks(s, n, k)
