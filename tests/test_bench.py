@@ -162,7 +162,7 @@ def test_fp8_release_configs_are_their_shapes_in_block_fp8(name):
     bf16 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / name))
     assert fp8 == bf16 and decode_weight_elements(fp8) == decode_weight_elements(bf16)
     quant = resolve_quantization(None, fp8.quantization_config, f"{name}-fp8")
-    assert quant is not None and quant.fmt.scales == BLOCK
+    assert quant is not None and quant.format_of("model.layers.0.mlp.down_proj").scales == BLOCK
 
 
 def test_workload_bytes_by_hand():

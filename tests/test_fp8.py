@@ -23,7 +23,9 @@ from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
-from nanovllm.quantization.config import SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, resolve_quantization
+from nanovllm.quantization.config import (
+    SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, QuantGroup, resolve_quantization,
+)
 from nanovllm.quantization.loading import QuantizedTensors
 
 # Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,
@@ -122,7 +124,7 @@ def test_dynamic_per_tensor_activations_load(full_precision, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     config = resolve_quantization(None, cfg["quantization_config"], "c")
-    assert not config.fmt.static_input  # no input_scale tensors to take: dynamic
+    assert not config.format_of("model.layers.0.mlp.up_proj").static_input  # no input_scale tensors: dynamic
     prompts = make_prompts(4, 3, 20, 40)
     check_against(load_reference(ref), prompts, run(path, prompts))
 
@@ -147,11 +149,40 @@ def test_config_group_targets_name_the_quantized_modules(full_precision, tmp_pat
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     config = resolve_quantization(None, quant, "c")
-    assert [config.skipped(n) for n in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+    assert [config.format_of(n) is None for n in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj",
                                          "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj",
                                          "lm_head")] == [False, False, True, True, True]
     prompts = make_prompts(5, 3, 20, 40)
     check_against(load_reference(ref), prompts, run(path, prompts))
+
+
+def test_config_groups_each_quantize_the_modules_they_target(full_precision, tmp_path):
+    """Several compressed-tensors config groups, as vLLM reads them: a module takes the first group
+    with a target naming it (whole name or regex), else the first targeting "Linear". Here the
+    attention projections are per-channel FP8 (a regex group listed after the "Linear" one, which
+    it stands over for them) and the MLP projections [128, 128]-block FP8. Such configs were
+    refused (exactly one group). A packed layer whose parts would take different formats is
+    refused naming them."""
+    src = full_precision("qwen3")
+    attn, attn_ref = quantize_state(spread(checkpoint_state(src), 0), "ct-channel", (r"re:.*\.mlp\.",))
+    both, both_ref = quantize_state(attn, "ct-block", (r"re:.*\.self_attn\.",))
+    path, ref = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_state(src, ref, {**attn_ref, **{n: t for n, t in both_ref.items() if ".mlp." in n}})
+    group = {name: LAYOUTS[name]["config_groups"]["group_0"] for name in ("ct-channel", "ct-block")}
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+             "config_groups": {"group_0": group["ct-block"],
+                               "group_1": {**group["ct-channel"], "targets": [r"re:.*self_attn\.[qkvo]_proj$"]}}}
+    write_state(src, path, both, quant)
+    config = resolve_quantization(None, quant, "c")
+    assert [config.format_of(f"model.layers.1.{m}").scales for m in ("self_attn.k_proj", "mlp.up_proj")] == \
+        ["channel", "block"]
+    prompts = make_prompts(6, 3, 20, 40)
+    check_against(load_reference(ref), prompts, run(path, prompts))
+    quant["config_groups"]["group_1"]["targets"] = [r"re:.*q_proj$"]
+    qkv = tuple(f"model.layers.0.self_attn.{m}_proj" for m in "qkv")
+    with pytest.raises(ValueError, match=r"packed into one layer, but the quantization config gives them different "
+                                         r"formats"):
+        resolve_quantization(None, quant, "c").format_for(qkv)
 
 
 def test_online_fp8_matches_a_reference_quantized_by_hand(full_precision, tmp_path):
@@ -346,7 +377,9 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
     ({**LAYOUTS["ct-channel"], "config_groups": {"g": {
         **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
         "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "num_bits=4"),
-    ({**LAYOUTS["ct-channel"], "config_groups": {"a": {}, "b": {}}}, "exactly one group"),
+    ({**LAYOUTS["ct-channel"], "config_groups": {"a": {}, "b": {}}}, "config_groups.a: targets=None names no module"),
+    ({**LAYOUTS["ct-channel"], "config_groups": [LAYOUTS["ct-channel"]["config_groups"]["group_0"]]},
+     "config_groups must map group names to quantization schemes"),
     ({**LAYOUTS["ct-channel"], "config_groups": {"g": {  # group activations beside channel weights
         **LAYOUTS["ct-channel"]["config_groups"]["group_0"],
         "input_activations": LAYOUTS["ct-block"]["config_groups"]["group_0"]["input_activations"]}}},
@@ -454,7 +487,7 @@ def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
     # vLLM's name of a compressed-tensors checkpoint's own format: only on such a checkpoint
     with pytest.raises(ValueError, match="quantization='compressed-tensors' names a checkpoint's own format"):
         cpu_llm(full_precision("qwen3"), quantization="compressed-tensors")
-    ct = QuantConfig(Fp8Format("channel", "weight_scale", False, False), ())
+    ct = QuantConfig((QuantGroup(Fp8Format("channel", "weight_scale", False, False)),), ())
     assert resolve_quantization("compressed-tensors", LAYOUTS["ct-channel"], "config.json") == \
         resolve_quantization(None, LAYOUTS["ct-channel"], "config.json") == ct
     with pytest.raises(ValueError, match="does not match config.json's quantization_config quant_method='fp8'"):

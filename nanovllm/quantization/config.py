@@ -10,9 +10,9 @@
     compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized"
                                        (or "naive-quantized", older releases' name; the group's
                                        own format, where it has one, over the top-level one):
-                                       one config group (its targets: below), 8-bit float weights with
-                                       `weight_scale` per tensor, per output channel or per
-                                       [128, 128] block; activations dynamic (per token, group or
+                                       config groups (their targets: below), each of 8-bit float
+                                       weights with `weight_scale` per tensor, per output channel
+                                       or per [128, 128] block; activations dynamic (per token, group or
                                        tensor: quantized per token, or per 1 x 128 group beside block
                                        weights) or static per tensor (`input_scale`); `ignore` stays
                                        full precision;
@@ -48,8 +48,9 @@ Skip-list entries match a module whose dotted name contains the entry as whole c
 ("lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"); "re:" entries are regular
 expressions matched from the name's start (compressed-tensors' rule). A compressed-tensors
 group's `targets` name the modules it quantizes as vLLM matches them: "Linear" every linear
-layer, else a module's whole name or a "re:" regex; a module no target names stays in full
-precision, as a skipped one does.
+layer, else a module's whole name or a "re:" regex; a module takes the first group with a target
+naming it, else the first targeting "Linear", and stays in full precision where none does, as a
+skipped one does.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class Fp8Format:
         return BLOCK if self.scales == BLOCK else CHANNEL
 
 
+# LLM(quantization="fp8") on a full-precision checkpoint: weights quantized at load per output channel.
+ONLINE = Fp8Format(CHANNEL, SCALE, False, True)
+
+
 @dataclass(frozen=True)
 class LinearQuant:
     """A quantized layer's format, and whether its weight stays FP8 (else: dequantized at load)."""
@@ -123,26 +128,28 @@ class LinearQuant:
     weight_only: bool = False
 
 
+def _names_module(target: str, name: str) -> bool:
+    """Whether target `target` (a whole module name or a "re:" regex) names module `name`."""
+    if target.startswith(_REGEX_PREFIX):
+        return re.match(target[len(_REGEX_PREFIX):], name) is not None
+    return target == name
+
+
+@dataclass(frozen=True)
+class QuantGroup:
+    """The format of the modules `targets` name (a compressed-tensors config group)."""
+
+    fmt: Fp8Format
+    targets: tuple[str, ...] = (LINEAR_TARGET,)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    fmt: Fp8Format
+    groups: tuple[QuantGroup, ...]  # in the config's order (format_of: which one a module takes)
     skip: tuple[str, ...]  # modules kept in full precision (module docstring: how entries match)
-    targets: tuple[str, ...] = (LINEAR_TARGET,)  # the modules quantized, less `skip` (module docstring)
-
-    def targeted(self, name: str) -> bool:
-        """Whether one of `targets` names module `name` (skipped or not)."""
-        for target in self.targets:
-            if target.startswith(_REGEX_PREFIX):
-                if re.match(target[len(_REGEX_PREFIX):], name):
-                    return True
-            elif target in (LINEAR_TARGET, name):
-                return True
-        return False
 
     def skipped(self, name: str) -> bool:
-        """Whether module `name` stays in full precision: no target names it, or a skip entry does."""
-        if not self.targeted(name):
-            return True
+        """Whether a skip entry names module `name`."""
         for entry in self.skip:
             if entry.startswith(_REGEX_PREFIX):
                 if re.match(entry[len(_REGEX_PREFIX):], name):
@@ -151,17 +158,30 @@ class QuantConfig:
                 return True
         return False
 
+    def format_of(self, name: str) -> Fp8Format | None:
+        """Module `name`'s format; None (full precision) where a skip entry or no group names it.
+        As vLLM matches targets: the first group with a target naming the module (whole name or
+        regex), else the first targeting every linear layer ("Linear")."""
+        if self.skipped(name):
+            return None
+        group = (next((g for g in self.groups if any(_names_module(t, name) for t in g.targets)), None)
+                 or next((g for g in self.groups if LINEAR_TARGET in g.targets), None))
+        return None if group is None else group.fmt
+
     def format_for(self, names: tuple[str, ...]) -> Fp8Format | None:
         """The format of a layer built from checkpoint modules `names`; None: full precision.
         A packed layer's parts must agree (ValueError naming them otherwise)."""
-        skipped = [self.skipped(n) for n in names]
-        if all(skipped):
+        formats = [self.format_of(n) for n in names]
+        if all(f is None for f in formats):
             return None
-        if any(skipped):
-            kept = [n for n, s in zip(names, skipped) if s]
+        if any(f is None for f in formats):
+            kept = [n for n, f in zip(names, formats) if f is None]
             raise ValueError(f"modules {list(names)} are packed into one layer, but the quantization config "
                              f"keeps {kept} in full precision and quantizes the others")
-        return self.fmt
+        if len(set(formats)) > 1:
+            raise ValueError(f"modules {list(names)} are packed into one layer, but the quantization config "
+                             f"gives them different formats: {dict(zip(names, formats))}")
+        return formats[0]
 
 
 def _field(cfg: dict, key: str, allowed: tuple, default: object, source: str) -> object:
@@ -200,15 +220,20 @@ def _fp8_method(cfg: dict, source: str) -> QuantConfig:
             raise ValueError(f"{source}: activation_scheme='static' with weight_block_size is not supported")
     fmt = Fp8Format(BLOCK if block is not None else TENSOR, SCALE_INV if block is not None else SCALE, static, False)
     skip = _module_names(cfg, "modules_to_not_convert", source) + _module_names(cfg, "ignored_layers", source)
-    return QuantConfig(fmt, skip)
+    return QuantConfig((QuantGroup(fmt),), skip)
 
 
 def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
     """quant_method "compressed-tensors" with FP8 weights (RedHat's / llm-compressor's FP8)."""
     groups = cfg.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise ValueError(f"{source}: config_groups must hold exactly one group, got {groups!r}")
-    (name, group), = groups.items()
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{source}: config_groups must map group names to quantization schemes, got {groups!r}")
+    return QuantConfig(tuple(_compressed_tensors_group(cfg, source, name, group) for name, group in groups.items()),
+                       _module_names(cfg, "ignore", source))
+
+
+def _compressed_tensors_group(cfg: dict, source: str, name: str, group: object) -> QuantGroup:
+    """Config group `name` of compressed-tensors config `cfg`."""
     where = f"{source}: config_groups.{name}"
     if not isinstance(group, dict):  # e.g. {"FP8_DYNAMIC": ["Linear"]}: a preset's name and its targets
         raise ValueError(f"{where} must be a quantization scheme (targets, weights, input_activations), got "
@@ -242,7 +267,7 @@ def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
             raise ValueError(f"{where}.input_activations: strategy 'group' is supported with block weights and "
                              f"group_size {FP8_BLOCK} only, got weights {scales!r}, group_size "
                              f"{acts.get('group_size')!r}")
-    return QuantConfig(Fp8Format(scales, SCALE, not dynamic, False), _module_names(cfg, "ignore", source), targets)
+    return QuantGroup(Fp8Format(scales, SCALE, not dynamic, False), targets)
 
 
 def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
@@ -304,7 +329,7 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
         if quantization == "compressed-tensors":
             raise ValueError(f"quantization='compressed-tensors' names a checkpoint's own format, but {source} has "
                              "no quantization_config")
-        return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
+        return QuantConfig((QuantGroup(ONLINE),), ()) if quantization == "fp8" else None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
     method = checkpoint_method(checkpoint)
@@ -318,7 +343,7 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
         if not checkpoint.get("config_groups"):
             # No weight scheme, so full-precision weights (vLLM's reading too): a calibrated FP8 KV cache alone
             # (utils/kv_scales.py reads it), which llm-compressor writes as config_groups {} (format "dense").
-            return QuantConfig(Fp8Format(CHANNEL, SCALE, False, True), ()) if quantization == "fp8" else None
+            return QuantConfig((QuantGroup(ONLINE),), ()) if quantization == "fp8" else None
         return _compressed_tensors(checkpoint, source)
     raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported "
                      f"(supported: {', '.join(map(repr, SUPPORTED_METHODS))}, FP8 weights)")
