@@ -325,10 +325,11 @@ def test_tool_call_turns_without_content(bos_llm):
     """vLLM's message shapes: content None or left out (an assistant turn of tool calls) is "", bare
     strings are text parts, and other keys (tool_calls) reach the template."""
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
-                "{% for c in m.get('tool_calls', []) %}[{{ c['name'] }}]{% endfor %}{% endfor %}")
+                "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }}]{% endfor %}{% endfor %}")
     calls = [{"role": "user", "content": ["the quick", "brown fox"]},
-             {"role": "assistant", "content": None, "tool_calls": [{"name": "search"}]},
-             {"role": "tool", "content": "the lazy dog"}, {"role": "assistant", "tool_calls": [{"name": "open"}]}]
+             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "search"}}]},
+             {"role": "tool", "content": "the lazy dog"},
+             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "open"}}]}]
     [out] = bos_llm.chat(calls, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
     assert out.prompt == "<user>the quick\nbrown fox<assistant>[search]<tool>the lazy dog<assistant>[open]"
 
@@ -401,3 +402,47 @@ def test_tool_results_reach_the_template_as_one_string(bos_llm):
         [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=loops, add_generation_prompt=False,
                              chat_template_content_format=content_format)
         assert out.prompt == "(the weather?)<sunny\nwarm><>"
+
+
+# The message loop of Llama 3.1's chat template (its tool-call branch is taken for any message holding the key).
+LLAMA31_MESSAGES = (
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if not message.tool_calls | length == 1 %}{{- raise_exception('only single tool-calls') }}{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' + tool_call.name + '(' }}"
+    "{%- for name, value in tool_call.arguments | items %}{{ name }}={{ value }};{%- endfor %}"
+    "{{- ')<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}")
+
+
+def test_tool_calls_as_vllm_hands_them_to_llama31(bos_llm):
+    """vLLM's _postprocess_messages: tool-call arguments that are not a JSON object (a JSON array or
+    number, or a list given) reach the template as {}, which Llama 3.1's renders with `| items` (it
+    got the list or number and failed); tool_calls that are not a list of function-call dicts are
+    refused naming the message and call (they reached the template as given)."""
+    def render(conversation):
+        return bos_llm.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=LLAMA31_MESSAGES)
+
+    def chat(conversation):
+        [out] = bos_llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=LLAMA31_MESSAGES,
+                             add_generation_prompt=False)
+        return out.prompt
+
+    def call(arguments):
+        return {"id": "a", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+
+    user = {"role": "user", "content": "the weather?"}
+    for arguments in ("[1, 2]", "42", [1, 2]):
+        assert chat([user, {"role": "assistant", "content": None, "tool_calls": [call(arguments)]}]) == render(
+            [user, {"role": "assistant", "content": "", "tool_calls": [call({})]}])
+    for calls, exc, words in (("weather", TypeError, "tool_calls must be a list"),
+                              (["weather"], TypeError, "tool call 0 must be a dict"),
+                              ([{"type": "custom", "custom": {"name": "w"}}], ValueError, "tool call 0 .*'function'"),
+                              ([{"type": "function"}], ValueError, "tool call 0 .*'function'")):
+        with pytest.raises(exc, match=f"conversation 0, message 1: {words}"):
+            chat([user, {"role": "assistant", "content": None, "tool_calls": calls}])
+    assert bos_llm.is_finished()

@@ -4,9 +4,9 @@ A conversation is a list of {"role": str, "content": ...} dicts, the content a s
 out (an assistant turn of tool calls), or a list of {"type": "text" | "input_text" | "output_text",
 "text": str} parts ({"type": "refusal", "refusal": str} and {"type": "thinking", "thinking": str}
 too: TEXT_PARTS) or bare strings; other keys (tool_calls, name, ...) reach the template as given, but for an
-assistant's tool calls, whose arguments (a JSON string in OpenAI's format) reach it as the dict tool
-templates render with `tojson` ({} for a string that is not JSON), an empty list of them left out,
-as vLLM does (`assistant_tool_calls`). The template
+assistant's tool calls (function calls), whose arguments (a JSON string in OpenAI's format) reach it
+as the dict tool templates render with `tojson` ({} for arguments that are no JSON object), an empty
+list of them left out, as vLLM does (`assistant_tool_calls`; other shapes of them are refused). The template
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
 content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
@@ -132,24 +132,30 @@ def _content(content: object, where: str, content_format: str) -> str | list[dic
     return "\n".join(texts)
 
 
-def assistant_tool_calls(tool_calls: list | tuple) -> list:
-    """An assistant message's tool calls as vLLM hands them to the template: each call's
-    function.arguments parsed from its JSON string to a dict ({} for a string that is not JSON,
-    None or another non-container), copies of the calls and functions changed (the caller's stay)."""
+def assistant_tool_calls(tool_calls: object, where: str) -> list[dict]:
+    """An assistant message's tool calls as vLLM hands them to the template (its _postprocess_messages):
+    each a function call ({"type": "function" or left out, "function": {...}}), its function.arguments
+    parsed from OpenAI's JSON string to a dict, {} for arguments that are no JSON object (not JSON, an
+    array, a number, None or empty), copies of the calls and functions changed (the caller's stay).
+    A tool_calls that is not a list of such dicts is refused naming `where` and the call."""
+    if not isinstance(tool_calls, (list, tuple)):
+        raise TypeError(f"{where}: tool_calls must be a list of tool calls, got {type(tool_calls).__name__}")
     out = []
-    for call in tool_calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    arguments = {}
-            elif not isinstance(arguments, (dict, list)):
-                arguments = {}
-            call = {**call, "function": {**function, "arguments": arguments}}
-        out.append(call)
+    for k, call in enumerate(tool_calls):
+        if not isinstance(call, dict):
+            raise TypeError(f"{where}: tool call {k} must be a dict {{'type': 'function', 'function': {{...}}}}, "
+                            f"got {type(call).__name__}")
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ValueError(f"{where}: tool call {k} must be a call of type 'function' with a 'function' dict "
+                             f"(name, arguments), got {call!r:.200}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        out.append({**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}})
     return out
 
 
@@ -207,10 +213,9 @@ def as_conversations(messages: object, content_format: str = "string") -> list[l
             # a tool result is one string under either format, as vLLM hands it (tool templates print it)
             seen_as = "string" if message["role"] == "tool" else content_format
             message = {**message, "content": _content(message.get("content"), where, seen_as)}
-            if message["role"] == "assistant" and isinstance(message.get("tool_calls"), (list, tuple)):
-                if message["tool_calls"]:
-                    message["tool_calls"] = assistant_tool_calls(message["tool_calls"])
-                else:  # vLLM drops an empty list: the template's plain assistant path
+            if message["role"] == "assistant" and message.get("tool_calls") is not None:
+                message["tool_calls"] = assistant_tool_calls(message["tool_calls"], where)
+                if not message["tool_calls"]:  # vLLM drops an empty list: the template's plain assistant path
                     del message["tool_calls"]
             checked.append(message)
         out.append(checked)
