@@ -151,7 +151,6 @@ class LLM(LLMEngine):
         self._check_open()
         self._check_not_generating("generate()")
         check_use_tqdm(use_tqdm)
-        check_no_lora(lora_request)
         keep = tokenization_truncation(tokenization_kwargs, ": prompts are tokenized as the tokenizer does by "
                                        "default (pass token ids to tokenize otherwise)")
         if prompt_token_ids is not None:
@@ -162,6 +161,7 @@ class LLM(LLMEngine):
         if not isinstance(prompts, SequenceABC):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
+        check_no_lora(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = self._default_params
         if isinstance(sampling_params, SamplingParams):
@@ -222,7 +222,8 @@ class LLM(LLMEngine):
         (a TokensPrompt / TextPrompt dict, a string or token ids), best first (nanovllm/beam_search.py)."""
         self._check_open()
         self._check_not_generating("beam_search()")
-        check_no_lora(lora_request)
+        batch = prompt_batch(prompts)  # (beam_search checks it is a list)
+        check_no_lora(lora_request, len(batch) if isinstance(batch, SequenceABC) else None)
         if not self.is_finished():
             raise RuntimeError("beam_search() called while step-wise requests are still pending")
 

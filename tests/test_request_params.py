@@ -13,6 +13,7 @@ from checkpoints import (
     TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, cpu_llm_fixture, load_reference, make_prompts,
 )
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams
 
 BAD = [
     ({"presence_penalty": 2.5}, ValueError, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
@@ -175,6 +176,11 @@ def test_lora_request_is_refused(llm):
         llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, lora_request=[None, "adapter"])
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request="adapter")
+    # vLLM's rule: a per-prompt list is one per prompt (it was taken whatever its length)
+    with pytest.raises(ValueError, match="lora_request is a list of 1 for 2 prompts"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, lora_request=[None])
+    with pytest.raises(ValueError, match="lora_request is a list of 3 for 2 prompts"):
+        llm.beam_search([[1, 2], [3]], BeamSearchParams(beam_width=1, max_tokens=1), lora_request=[None] * 3)
     assert llm.is_finished()
 
 

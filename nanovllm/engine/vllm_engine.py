@@ -37,13 +37,16 @@ if TYPE_CHECKING:
     from nanovllm.config import ServedModel
 
 
-def check_no_lora(lora_request: object) -> None:
+def check_no_lora(lora_request: object, num_prompts: int | None = None) -> None:
     """vLLM's lora_request argument: accepted as None (lm-eval and verl pass it) or a list of Nones
-    (one per prompt), refused otherwise."""
+    (one per prompt: as many as `num_prompts`, where given, as vLLM requires), refused otherwise."""
     none_per_prompt = isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)
     if lora_request is not None and not none_per_prompt:
         raise ValueError(f"LoRA adapters are not supported: lora_request must be None (or a list of Nones), "
                          f"got {lora_request!r}")
+    if none_per_prompt and num_prompts is not None and len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request is a list of {len(lora_request)} for {num_prompts} prompts: "
+                         f"a per-prompt list has one entry per prompt")
 
 
 # The one tokenization_kwargs key served: vLLM 0.17 moved SamplingParams.truncate_prompt_tokens there
