@@ -255,6 +255,11 @@ def test_content_format_follows_the_template(bos_llm):
     as_parts = [{"role": role, "content": [{"type": "text", "text": t} for t in ts]} for role, ts in texts.items()]
     assert prompt(sliced) == bos_llm.tokenizer.apply_chat_template(as_parts, chat_template=sliced, tokenize=False)
     assert prompt(sliced) == "(the quick)(jumps over)"
+    # a loop over a variable named `content` (set from the message's): vLLM's detection reads it as a loop
+    # over the content too; it got one string, whose characters have no .text (the contents vanished)
+    named = "{% for m in messages %}{% set content = m.content %}{% for p in content %}({{ p.text }}){% endfor %}{% endfor %}"
+    assert prompt(named) == bos_llm.tokenizer.apply_chat_template(as_parts, chat_template=named, tokenize=False)
+    assert prompt(named) == "(the quick)(brown fox)(jumps over)"
     assert prompt(plain) == prompt(plain, "string") == "<the quick\nbrown fox><jumps over>"
     assert prompt(plain, "openai").startswith("<[{'type': 'text', 'text': 'the quick'}")
     with pytest.raises(ValueError, match="chat_template_content_format must be one of 'auto', 'string', 'openai'"):

@@ -10,7 +10,7 @@ list of them left out, as vLLM does (`assistant_tool_calls`; other shapes of the
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
 content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
-message's content, else "string" (`detect_content_format`; of a tokenizer's named templates, the
+message's content (or a variable named `content`), else "string" (`detect_content_format`; of a tokenizer's named templates, the
 one it renders with: `tokenizer_template`);
 `chat` takes one conversation or a list of them (an empty list is a batch of none: no outputs,
 as vLLM's; a conversation of no messages is refused). Each is rendered to text with the checkpoint
@@ -162,8 +162,8 @@ def assistant_tool_calls(tool_calls: object, where: str) -> list[dict]:
 @functools.lru_cache(maxsize=TEMPLATES_CACHED)
 def detect_content_format(template: str) -> str:
     """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
-    a message's content (`message['content']` / `message.content`, through filters, tests and slices too),
-    else "string"; also "string" for a template this plain parse cannot read (transformers'
+    a message's content (`message['content']` / `message.content`, through filters, tests and slices too)
+    or over a variable named `content` (`{% for item in content %}`), else "string"; also "string" for a template this plain parse cannot read (transformers'
     {% generation %} tag), whose syntax apply_chat_template then judges."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
@@ -173,6 +173,8 @@ def detect_content_format(template: str) -> str:
         return "string"
     for loop in tree.find_all(nodes.For):
         it = loop.iter
+        if isinstance(it, nodes.Name) and it.name == "content":  # `{% for item in content %}`, as vLLM reads it
+            return "openai"
         # `m['content'] | selectattr(...)`, `m.content is iterable`, `m['content'][1:]`: vLLM looks through them
         while isinstance(it, (nodes.Filter, nodes.Test)) or (isinstance(it, nodes.Getitem)
                                                              and isinstance(it.arg, nodes.Slice)):
