@@ -257,7 +257,8 @@ def test_content_format_follows_the_template(bos_llm):
     assert prompt(sliced) == "(the quick)(jumps over)"
     # a loop over a variable named `content` (set from the message's): vLLM's detection reads it as a loop
     # over the content too; it got one string, whose characters have no .text (the contents vanished)
-    named = "{% for m in messages %}{% set content = m.content %}{% for p in content %}({{ p.text }}){% endfor %}{% endfor %}"
+    named = ("{% for m in messages %}{% set content = m.content %}"
+             "{% for p in content %}({{ p.text }}){% endfor %}{% endfor %}")
     assert prompt(named) == bos_llm.tokenizer.apply_chat_template(as_parts, chat_template=named, tokenize=False)
     assert prompt(named) == "(the quick)(brown fox)(jumps over)"
     assert prompt(plain) == prompt(plain, "string") == "<the quick\nbrown fox><jumps over>"
@@ -413,7 +414,8 @@ def test_tool_results_reach_the_template_as_one_string(bos_llm):
 LLAMA31_MESSAGES = (
     "{%- for message in messages %}"
     "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
     "{%- elif 'tool_calls' in message %}"
     "{%- if not message.tool_calls | length == 1 %}{{- raise_exception('only single tool-calls') }}{%- endif %}"
     "{%- set tool_call = message.tool_calls[0].function %}"

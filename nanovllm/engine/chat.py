@@ -10,8 +10,8 @@ list of them left out, as vLLM does (`assistant_tool_calls`; other shapes of the
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
 content stays one string, as vLLM hands it), or "auto": "openai" for a template that loops over a
-message's content (or a variable named `content`), else "string" (`detect_content_format`; of a tokenizer's named templates, the
-one it renders with: `tokenizer_template`);
+message's content (or a variable named `content`), else "string" (`detect_content_format`; of a
+tokenizer's named templates, the one it renders with: `tokenizer_template`);
 `chat` takes one conversation or a list of them (an empty list is a batch of none: no outputs,
 as vLLM's; a conversation of no messages is refused). Each is rendered to text with the checkpoint
 tokenizer's chat template (or the one given), then tokenized *without* the tokenizer's special
@@ -163,8 +163,9 @@ def assistant_tool_calls(tool_calls: object, where: str) -> list[dict]:
 def detect_content_format(template: str) -> str:
     """vLLM's "auto" content format of a chat template: "openai" when some loop of it iterates over
     a message's content (`message['content']` / `message.content`, through filters, tests and slices too)
-    or over a variable named `content` (`{% for item in content %}`), else "string"; also "string" for a template this plain parse cannot read (transformers'
-    {% generation %} tag), whose syntax apply_chat_template then judges."""
+    or over a variable named `content` (`{% for item in content %}`), else "string"; also "string" for a
+    template this plain parse cannot read (transformers' {% generation %} tag), whose syntax
+    apply_chat_template then judges."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
     try:  # loopcontrols: templates use {% break %}
