@@ -8,7 +8,7 @@ bad words that need a tokenizer) are the engine's (engine/request_intake.py, eng
 Here: SamplingParams, RequestOutputKind, their limits, field_types. vLLM's module holds
 StructuredOutputsParams and BeamSearchParams too, so they are importable from here as from
 vllm.sampling_params, though each lives in its own module (structured_outputs_params.py,
-beam_search_params.py); so are check_seed and SEED_LIMIT (utils/validation.py).
+beam_search_params.py). Value checks live in utils/validation.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from nanovllm.beam_search_params import BeamSearchParams  # noqa: F401 - vLLM's import path
 from nanovllm.structured_outputs_params import StructuredOutputsParams
-from nanovllm.utils.validation import SEED_LIMIT  # noqa: F401 - importable here, as it was
 from nanovllm.utils.validation import (check_bool, check_float, check_int, check_seed, check_text, plain_number,
                                        token_id_list)
 

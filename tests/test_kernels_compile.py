@@ -25,7 +25,6 @@ import torch
 
 from nanovllm.kernels.checks import FP8_PER_WORD
 from nanovllm.kernels.decode_plan import FP8_BLOCK_N, FP8_STAGES
-from nanovllm.moe import grouped_gemm as moe
 from nanovllm.moe import tiles as moe_tiles
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.fp8_experts import scales_per_step
