@@ -46,9 +46,10 @@ from nanovllm.quantization.config import BLOCK, FP8_DTYPE, INPUT_SCALE, linear_q
 from nanovllm.quantization.fp8 import Fp8Weights, fp8_linear
 from nanovllm.utils.distributed import kv_heads_per_rank, tp_rank, tp_size
 
-def _check_shape(name: str, expected: torch.Size, loaded: torch.Tensor) -> None:
+def check_loaded_shape(what: str, expected: tuple[int, ...] | torch.Size, loaded: torch.Tensor) -> None:
+    """Refuse a checkpoint tensor `loaded` for `what` unless its shape is `expected`."""
     if tuple(expected) != tuple(loaded.shape):
-        raise ValueError(f"weight {name}: expected shape {tuple(expected)}, checkpoint has {tuple(loaded.shape)}")
+        raise ValueError(f"{what}: expected shape {tuple(expected)}, checkpoint has {tuple(loaded.shape)}")
 
 
 def _rank_part(name: str, loaded: torch.Tensor, dim: int, size: int, part: int, parts: int) -> torch.Tensor:
@@ -131,7 +132,7 @@ class _LinearBase(nn.Module):
             loaded = _rank_part(what, loaded, 0, rows, *self.rank_part(shard_id))
         elif self.split_dim == 1 and param.dim() == 2:
             loaded = _rank_part(what, loaded, 1, param.shape[1], self.tp_rank, self.tp_size)
-        _check_shape(what, target.shape, loaded)
+        check_loaded_shape(f"weight {what}", target.shape, loaded)
         return target, loaded
 
     def _fp8_parameters(self, in_features: int) -> Fp8Weights:

@@ -50,7 +50,7 @@ from torch import nn
 from nanovllm.kernels.checks import FP8_BLOCK, ScaleMode
 from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant
 from nanovllm.layers.kernel_path import construction_device, current_routes, uses_triton
-from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.linear import ReplicatedLinear, check_loaded_shape
 from nanovllm.moe.checkpoint_names import DOWN_PROJ, FUSED_DOWN, FUSED_GATE_UP, GATE_PROJ, UP_PROJ
 from nanovllm.moe.fp8_experts import scale_shapes
 from nanovllm.quantization.config import BLOCK, FP8_DTYPE, expert_quant
@@ -80,11 +80,6 @@ def experts_native(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots].unsqueeze(-1))
     return out.to(hidden.dtype)
-
-
-def _check_shape(what: str, expected: tuple[int, ...], loaded: torch.Tensor) -> None:
-    if tuple(loaded.shape) != expected:
-        raise ValueError(f"{what}: expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
 
 
 class MoeExperts(nn.Module):
@@ -157,11 +152,11 @@ class MoeExperts(nn.Module):
         E, H, I, local = self.num_experts, self.hidden_size, self.intermediate_size, self.local_size
         start = self.tp_rank * local  # this rank's first intermediate index
         if param is self.w13 and shard_id == FUSED_GATE_UP:
-            _check_shape("experts gate_up_proj", (E, 2 * I, H), loaded)
+            check_loaded_shape("experts gate_up_proj", (E, 2 * I, H), loaded)
             # [E, 2, I, H] (gate | up) -> this rank's rows of each: [E, 2, I/tp, H]
             return param.data.view(E, 2, local, H), loaded.unflatten(1, (2, I)).narrow(2, start, local)
         if param is self.w2 and shard_id == FUSED_DOWN:
-            _check_shape("experts down_proj", (E, H, I), loaded)
+            check_loaded_shape("experts down_proj", (E, H, I), loaded)
             return param.data, loaded.narrow(2, start, local)
         valid = param.shard_ids if param is self.w13 or param is self.w2 else ()
         if shard_id not in valid:
@@ -169,9 +164,9 @@ class MoeExperts(nn.Module):
                              f"tensor's name, got {shard_id!r}")
         expert, proj = shard_id
         if proj == DOWN_PROJ:
-            _check_shape(f"expert {expert} {proj}", (H, I), loaded)
+            check_loaded_shape(f"expert {expert} {proj}", (H, I), loaded)
             return param.data[expert], loaded.narrow(1, start, local)
-        _check_shape(f"expert {expert} {proj}", (I, H), loaded)
+        check_loaded_shape(f"expert {expert} {proj}", (I, H), loaded)
         offset = 0 if proj == GATE_PROJ else local
         return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
 
@@ -194,16 +189,16 @@ class MoeExperts(nn.Module):
                 loaded = loaded.reshape(1).expand(full)
             elif loaded.dim() == 2 and loaded.shape[1] == 1:
                 loaded = loaded.reshape(-1)
-            _check_shape(what, (full,), loaded)
+            check_loaded_shape(what, (full,), loaded)
             if proj == DOWN_PROJ:  # one scale per output row: every rank holds them all
                 return param.data[expert], loaded
             offset = 0 if proj == GATE_PROJ else local
             return param.data[expert].narrow(0, offset, local), loaded.narrow(0, start, local)
         grid_h, grid_i = cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK)
         if proj == DOWN_PROJ:
-            _check_shape(what, (grid_h, grid_i), loaded)
+            check_loaded_shape(what, (grid_h, grid_i), loaded)
             return param.data[expert], loaded.narrow(1, start, rows)
-        _check_shape(what, (grid_i, grid_h), loaded)
+        check_loaded_shape(what, (grid_i, grid_h), loaded)
         offset = 0 if proj == GATE_PROJ else rows
         return param.data[expert].narrow(0, offset, rows), loaded.narrow(0, start, rows)
 
