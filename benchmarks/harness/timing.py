@@ -1,5 +1,5 @@
 """Device timing shared by the probes and the kernel micro-benchmarks: per-call CUDA-event times,
-and CUDA graphs captured once and replayed, so the host's launch cost is not counted (as in the
+triton.testing.do_bench medians, and CUDA graphs captured once and replayed, so the host's launch cost is not counted (as in the
 engine's decode)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 
 def event_times_ms(fn: Callable[[int], object], calls: int, warmup: int = 0) -> list[float]:
@@ -21,6 +22,11 @@ def event_times_ms(fn: Callable[[int], object], calls: int, warmup: int = 0) -> 
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
+
+
+def median_s(fn: Callable[[], object]) -> float:
+    """Median seconds per call of fn, by triton.testing.do_bench (25 ms warm-up, 100 ms of calls)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:

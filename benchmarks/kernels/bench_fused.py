@@ -27,6 +27,7 @@ import triton
 
 from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth
+from benchmarks.harness.timing import median_s
 from nanovllm.kernels.fp8_quant import RowQuant, quantize
 from nanovllm.kernels.fused_activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.fused_norm import add_rms_norm, rms_norm
@@ -41,10 +42,6 @@ MAX_POS, THETA, EPS = 40960, 1e6, 1e-6
 DT = torch.bfloat16
 DEV = "cuda"
 NS = (1, 256, 16384)
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
 def bench_graph(fn):
@@ -87,7 +84,7 @@ def run_n(n, bw):
     rows = []
     for name, (torch_fn, fused_fn, nbytes) in cases(n, gen).items():
         r = {"kernel": name, "n": n, "bytes": nbytes,
-             "torch_us": bench(torch_fn) * 1e6, "fused_us": bench(fused_fn) * 1e6,
+             "torch_us": median_s(torch_fn) * 1e6, "fused_us": median_s(fused_fn) * 1e6,
              "torch_graph_us": bench_graph(torch_fn) * 1e6, "fused_graph_us": bench_graph(fused_fn) * 1e6}
         r["speedup"] = r["torch_us"] / r["fused_us"]
         r["graph_speedup"] = r["torch_graph_us"] / r["fused_graph_us"]

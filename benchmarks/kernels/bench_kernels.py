@@ -22,7 +22,7 @@ import triton
 
 from benchmarks.harness.engine_options import require_cuda
 from benchmarks.harness.probes import measure_bandwidth
-from benchmarks.harness.timing import graph_us
+from benchmarks.harness.timing import graph_us, median_s
 from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits
@@ -33,10 +33,6 @@ DEV = "cuda"
 # Tiles (keys per step, stages in flight) timed by --fp8-tiles beside each cache's default.
 DECODE_TILES = [DecodeTile(32, 3), DecodeTile(32, 4), DecodeTile(64, 2), DecodeTile(64, 3), DecodeTile(64, 4),
                 DecodeTile(128, 2), DecodeTile(128, 3)]
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
 def graph_bench(fn, reps=20):
@@ -111,7 +107,7 @@ def split_study(bw):
         (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx)
         row = {"batch": batch, "ctx": ctx, "auto": choose_num_splits(batch, HKV, 4096, cuda_sm_count(q.device))}
         for n in (0, 1, 2, 4, 8):
-            t = bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
+            t = median_s(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
             row[f"us_{n}"] = t * 1e6
             row[f"pct_{n}"] = 100 * nbytes / t / 1e9 / bw
         rows.append(row)
@@ -155,16 +151,16 @@ def bench_prefill(nseq, seqlen, dtype=torch.bfloat16, block_size=256):
     cu = torch.arange(0, total + 1, seqlen, dtype=torch.int32, device=DEV)
     flops = causal_flops(lens)
     res = {"nseq": nseq, "seqlen": seqlen}
-    res["ours_tflops"] = flops / bench(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)) / 1e12
+    res["ours_tflops"] = flops / median_s(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)) / 1e12
     try:
         from torch.nn.attention.varlen import varlen_attn
-        res["torch_tflops"] = flops / bench(lambda: varlen_attn(q, k, v, cu, cu, seqlen, seqlen,
+        res["torch_tflops"] = flops / median_s(lambda: varlen_attn(q, k, v, cu, cu, seqlen, seqlen,
                                                                   window_size=(-1, 0))) / 1e12
         res["ratio"] = res["ours_tflops"] / res["torch_tflops"]
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
         res["torch_error"] = repr(exc)[:120]
     kc, vc, table = paged_cache(lens, block_size, dtype, gen)
-    res["paged_tflops"] = flops / bench(lambda: flash_attn_varlen_func(
+    res["paged_tflops"] = flops / median_s(lambda: flash_attn_varlen_func(
         q, kc, vc, cu, cu, seqlen, seqlen, causal=True, block_table=table)) / 1e12
     return res
 
