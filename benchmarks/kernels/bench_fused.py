@@ -153,12 +153,9 @@ def main():
     bw = measure_bandwidth() / 1e9
     if args.fp8_silu:
         rows = run_fp8_silu(bw)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"hbm_GBps": bw, "rows": rows}, f, indent=1)
-        return
-    rows = [r for n in NS for r in run_n(n, bw)]
-    print_table(rows, bw)
+    else:
+        rows = [r for n in NS for r in run_n(n, bw)]
+        print_table(rows, bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hbm_GBps": bw, "rows": rows}, f, indent=1)
