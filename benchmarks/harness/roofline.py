@@ -58,11 +58,6 @@ def attention_linear_elements(cfg: ModelConfig) -> int:
     return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
 
 
-def layer_linear_elements(cfg: ModelConfig) -> int:
-    """Weight elements of one dense decoder layer's projections (q, k, v, o, gate, up, down)."""
-    return attention_linear_elements(cfg) + 3 * cfg.hidden_size * cfg.intermediate_size
-
-
 def expert_elements(cfg: ModelConfig) -> int:
     """Weight elements of one expert of one sparse layer (gate, up, down)."""
     return 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size
