@@ -390,12 +390,6 @@ class LLMEngine:
             return
         self._exited = True
         _LIVE_ENGINES.discard(self)
-        pipeline = getattr(self, "pipeline", None)
-        if pipeline is not None:
-            pipeline.drop()  # queued steps' device tensors
-        grammars = getattr(self, "grammars", None)
-        if grammars is not None:
-            grammars.close()
-        ranks = getattr(self, "ranks", None)
-        if ranks is not None:
-            ranks.close()
+        self.pipeline.drop()  # queued steps' device tensors
+        self.grammars.close()
+        self.ranks.close()
