@@ -73,7 +73,7 @@ from .gemv_plan import Tiling, tiling
 from .pdl import LINE_BYTES, one_wave, pdl_for_grid, prefetch_rows_l2, wait_for_prior
 
 # Most rows the kernel serves (its capability, not when it is used: that is decided once, by
-# layers/linear.GEMV_MAX_ROWS): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
+# layers/kernel_path.KernelRoutes.gemv_max_rows): past 4 the [M, BLOCK_N, BLOCK_K] accumulator crowds registers.
 MAX_ROWS = 4
 # Most elements the NORM prologue loads whole (rows x K, each a power of two): 8192 fp32 are 64
 # registers a thread at 4 warps, held only before the main loop (e.g. 2 rows of K = 4096).
