@@ -189,12 +189,13 @@ class _LinearBase(nn.Module):
             return fp8_linear(x, self.fp8, bias, skinny=self.path.w8a8_serves(x))
         return F.linear(x, self.weight, bias)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + bias with this rank's W (no reduction: replicated and column-parallel layers)."""
+        return self._linear(x, self.bias)
+
 
 class ReplicatedLinear(_LinearBase):
     """y = x W^T with the whole W on every rank (an MoE router): `[*, in] -> [*, out]`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(_LinearBase):
@@ -205,9 +206,6 @@ class ColumnParallelLinear(_LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str | None = None):
         super().__init__(in_features, out_features // tp_size(), bias, prefix)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
