@@ -51,8 +51,6 @@ from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.utils.tokenizer import load_tokenizer
 from nanovllm.utils.validation import check_bool
 
-__all__ = ["LLMEngine", "StepResult"]  # StepResult: defined in engine/step_pipeline.py, importable here too
-
 logger = logging.getLogger(__name__)
 
 # Engines not yet exited, held weakly: the interpreter's exit closes them (their tensor-parallel
