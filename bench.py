@@ -16,10 +16,10 @@ Workload (nano-vllm's): Random(seed); num_seqs prompts of random ids with length
 max_input]; then per prompt max_tokens in [min_output, max_output]; temperature 0.6, ignore_eos
 (--top-k / --top-p add those filters, on both sides of --compare-hf).
 Throughput = output tokens / wall seconds (prefill included), after one warm-up generate. Scoring
-(--workload score, or --prompt-logprobs K): 1,024 prompts of 256-1,024 tokens, each asking prompt_logprobs
-(greedy, one output token), reported as prompt tokens / wall seconds against the FLOP roofline with the
-lm_head counted at every prompt position. A model
-directory without *.safetensors (benchmarks/configs/*) is run with random weights (load_format dummy).
+(--workload score: 1,024 prompts of 256-1,024 tokens; or --prompt-logprobs K with --max-output 1), each
+asking prompt_logprobs (greedy, one output token), reported as prompt tokens / wall seconds against the
+FLOP roofline with the lm_head counted at every prompt position. A model directory without *.safetensors
+(benchmarks/configs/*) is run with random weights (load_format dummy).
 
 Roofline: time >= max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both probed in the same process,
 on the idle engine before the run and again after it, each keeping its higher reading (a hot GPU reads
@@ -194,6 +194,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if ignored:
         ap.error(f"{run} ignores {', '.join(ignored)} (it reads {', '.join(map(flag, RUN_FLAGS[run]))} besides the "
                  f"model's and the engine's flags)")
+    if args.prompt_logprobs is not None and args.max_output != 1:  # score_rows counts no decode step
+        ap.error(f"--prompt-logprobs scores prompts with one output token each (the scoring report counts no "
+                 f"decode): pass --min-output 1 --max-output 1 (or --workload score), got --max-output "
+                 f"{args.max_output}")
     return args
 
 

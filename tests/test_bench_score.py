@@ -61,6 +61,19 @@ def test_score_preset_and_its_flags(capsys):
         assert words in capsys.readouterr().err
 
 
+def test_scoring_with_more_than_one_output_token_is_refused(capsys):
+    """The scoring report counts prompt tokens and the FLOPs of prefill only (score_flops: no decode
+    step), so a scoring run whose requests decode (--prompt-logprobs on the default workload, outputs of
+    100-1,024 tokens) would time ~144k output tokens of decode against a roofline without them. It is
+    refused; with one output token a request it runs."""
+    for bad in (["--prompt-logprobs", "0"], ["--workload", "score", "--max-output", "2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert "one output token" in capsys.readouterr().err
+    ok = bench.parse_args(["--prompt-logprobs", "0", "--min-output", "1", "--max-output", "1"])
+    assert (ok.prompt_logprobs, ok.max_output) == (0, 1)
+
+
 def test_check_prompt_logprobs_rejects_missing_entries():
     def out(rid: int, entries: list | None) -> RequestOutput:
         return RequestOutput(rid, None, [1, 2, 3], entries, [CompletionOutput(0, "", [5], None, None, "length")])
