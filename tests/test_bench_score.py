@@ -11,7 +11,7 @@ import bench
 from benchmarks.harness import runs
 from benchmarks.harness.report import DeviceLimits, ThroughputRun, score_rows
 from benchmarks.harness.roofline import ByteWidths, decode_weight_elements, score_flops, workload_flops
-from benchmarks.harness.workloads import WORKLOADS, make_workload
+from benchmarks.harness.workloads import WORKLOADS, WorkloadSampling, make_workload
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from checkpoints import cpu_llm
@@ -72,6 +72,28 @@ def test_scoring_with_more_than_one_output_token_is_refused(capsys):
         assert "one output token" in capsys.readouterr().err
     ok = bench.parse_args(["--prompt-logprobs", "0", "--min-output", "1", "--max-output", "1"])
     assert (ok.prompt_logprobs, ok.max_output) == (0, 1)
+
+
+def test_score_memory_term_reads_the_experts_the_prompts_pick():
+    """An MoE model's scoring reads, besides the weights every token goes through, each expert some
+    prompt token picked (at least once). test_bench.py's toy MoE: 4 experts of 3 x 8 x 4 = 96 elements,
+    2 a token, one sparse layer; 1,656 other elements. Prompts of 3 and 5 tokens: 8 tokens, each missing
+    a given expert with probability 1 - 2/4, so 4 (1 - 1/2^8) = 3.984375 experts expected = 382.5 elements.
+    At 2 bytes: 1,656 x 2 + 382.5 x 2 = 4,077 bytes."""
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+        "norm_topk_prob": True, "mlp_only_layers": [1],
+    })
+    assert decode_weight_elements(cfg) == 1656
+    w = WORKLOADS["score"]
+    t = ThroughputRun("score", w, WorkloadSampling(), cfg, ByteWidths.uniform(2), 1656, [3, 5], [1, 1],
+                      runs.EngineRun(wall_s=1.0, prefill_steps=1), peak_mem_bytes=0)
+    res = {}
+    score_rows(t, DeviceLimits(bandwidth=1.0, gemm_peak=1e30), res)
+    assert res["weight_bytes"] == pytest.approx(4077)
+    assert res["memory_s"] == pytest.approx(4077)
 
 
 def test_check_prompt_logprobs_rejects_missing_entries():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness.roofline import (
     DecodeStep, decode_rows, decode_steps, expected_experts_hit, lm_head_elements, per_sample, phase_bound_s,
-    prefill_flops, roofline, score_flops, ByteWidths, workload_bytes, workload_flops,
+    prefill_flops, roofline, score_flops, step_expert_elements, ByteWidths, workload_bytes, workload_flops,
 )
 from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -133,7 +133,8 @@ def throughput_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
 def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
     """The scoring report (a workload with prompt_logprobs, one output token each): prompt tokens per
     second, each step's host work and waiting, and the fraction of the roofline, whose FLOPs count the
-    lm_head at every prompt position (roofline.score_flops) and whose bytes are the weights read once.
+    lm_head at every prompt position (roofline.score_flops) and whose bytes are the weights read once (an
+    MoE model's experts: those its prompt tokens pick, expected under uniform routing).
     Adds the figures to `res` (bench.py's --json)."""
     w, run, cfg = t.workload, t.run, t.cfg
     tokens = sum(t.prompt_lens)
@@ -146,7 +147,8 @@ def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
     bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
     mm_flops, attn_flops = score_flops(cfg, t.prompt_lens)
     head_flops = 2 * lm_head_elements(cfg) * tokens
-    weight_bytes = t.decode_weights * t.widths.weights
+    # the weights every token goes through, and each expert some prompt token picks (read at least once)
+    weight_bytes = t.decode_weights * t.widths.weights + step_expert_elements(cfg, tokens) * t.widths.experts
     roof = roofline(weight_bytes, mm_flops + attn_flops, bw, peak)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, weight_bytes=weight_bytes,
                matmul_flops=mm_flops, lm_head_flops=head_flops, attention_flops=attn_flops, memory_s=roof.memory_s,
@@ -166,7 +168,8 @@ def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
             ("compute term: layers + lm_head (every prompt position) + attention",
              f"{(mm_flops - head_flops) / 1e15:.3f} + {head_flops / 1e15:.3f} + {attn_flops / 1e15:.3f} PFLOP "
              f"= {roof.compute_s:.3f} s"),
-            ("memory term: the weights once", f"{weight_bytes / 1e9:.2f} GB = {roof.memory_s:.4f} s"),
+            ("memory term: the weights once (experts: those picked)",
+             f"{weight_bytes / 1e9:.2f} GB = {roof.memory_s:.4f} s"),
             (f"roofline ({roof.binding} binds)", f"{roof.seconds:.3f} s = {tokens / roof.seconds:,.0f} tok/s"),
             ("fraction of roofline reached", f"{100 * roof.seconds / run.wall_s:.1f} %"),
             ("peak memory (torch)", f"{t.peak_mem_bytes / 2**30:.1f} GiB")]

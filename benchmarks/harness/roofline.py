@@ -21,7 +21,8 @@ FLOPs count the router and the K picked experts per token.
 
 Scoring (--workload score, score_flops): prompts with prompt_logprobs and one output token each. The
 lm_head runs at every prompt position (its logits give each prompt token's logprob): 2 x vocab x
-hidden FLOPs per prompt token, not per output token. Bytes: the weights, read at least once.
+hidden FLOPs per prompt token, not per output token. Bytes: the weights, read at least once (of an MoE
+model's experts, the expected distinct ones all prompt tokens pick, as above).
 
 Samples (bench.py --n, the rollout preset): a request of n samples is prefilled once and decodes n
 sequences side by side (the same max_tokens) that share its prompt's KV blocks: a decode step must read
