@@ -258,6 +258,12 @@ def experts_width(model: nn.Module, compute_bytes: int) -> float:
     return sum(p.numel() * p.element_size() for m in layers for p in m.parameters()) / elements
 
 
+def byte_widths(llm: LLM, decode_weights: int) -> ByteWidths:
+    """The roofline's bytes of one stored element: of the KV cache, the weights and the experts."""
+    return ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
+                      experts=experts_width(llm.model_runner.model, element_bytes(llm.config.torch_dtype)))
+
+
 # ----- runs -----
 def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, decode_weights: int) -> tuple[Rows, LLM]:
     """The throughput run (and --compare-hf); returns report rows and the engine left to exit."""
@@ -269,8 +275,7 @@ def throughput(args: argparse.Namespace, llm: LLM, kwargs: dict, res: dict, deco
     run = run_engine(llm, prompts, max_tokens, args.sampling, w.prompt_logprobs, w.n)
     peak_mem = torch.cuda.max_memory_allocated()  # before the probes allocate their buffers
     limits = DeviceLimits.best_of([before, probe(llm)], args.tp)
-    widths = ByteWidths(kv=element_bytes(llm.config.kv_cache_torch_dtype), weights=weight_width(llm, decode_weights),
-                        experts=experts_width(llm.model_runner.model, element_bytes(llm.config.torch_dtype)))
+    widths = byte_widths(llm, decode_weights)
     t = ThroughputRun(args.workload, w, args.sampling, cfg, widths, decode_weights, [len(p) for p in prompts],
                       max_tokens, run, peak_mem)
     if w.prompt_logprobs is not None:
@@ -319,7 +324,8 @@ def main() -> None:
     elif args.ttft:
         before = probe_before(llm)
         times = measure_ttft(llm, list(args.ttft_sizes), args.seed)
-        rows += ttft_rows(times, llm.config.model_config, DeviceLimits.best_of([before, probe(llm)], args.tp), res)
+        rows += ttft_rows(times, llm.config.model_config, byte_widths(llm, decode_weights), decode_weights,
+                          DeviceLimits.best_of([before, probe(llm)], args.tp), res)
     else:
         more, llm = throughput(args, llm, kwargs, res, decode_weights)
         rows += more

@@ -29,7 +29,7 @@ from benchmarks.engine.profile_run import kernel_group
 from benchmarks.harness import runs
 from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format
 from benchmarks.harness.report import (
-    DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, throughput_rows,
+    DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, throughput_rows, ttft_rows,
 )
 from benchmarks.harness.roofline import (
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
@@ -424,6 +424,27 @@ def test_phase_bound_by_hand():
             for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
                 bound = phase_bound_s(c, ByteWidths.uniform(2), prompts, steps, w, bw, peak, shared)
                 assert bound >= roofline(kv + wb, flops, bw, peak).seconds * (1 - 1e-12)
+
+
+def test_ttft_is_held_to_the_roofline_of_its_prefill():
+    """A prefill must read every weight once as well as do its FLOPs: a short prompt's first token is
+    bound by the weight read. Untied toy, prompt of 3 tokens: 8,896 FLOPs (test_workload_flops_by_hand)
+    and 2,008 weight elements x 2 bytes = 4,016 bytes. At 1 byte/s and 1 FLOP/s the FLOPs bind (8,896 s);
+    at 1,000 FLOP/s the weights do (4,016 s against 8.896 s of FLOPs)."""
+    cfg = toy_config(tied=False)
+    for peak, bound in ((1.0, 8896.0), (1000.0, 4016.0)):
+        res = {}
+        rows = ttft_rows({3: [8896.0, 9000.0, 10000.0]}, cfg, ByteWidths.uniform(2), TOY_DECODE_WEIGHTS,
+                         DeviceLimits(bandwidth=1.0, gemm_peak=peak), res)
+        assert res["ttft"][3]["flop_s"] == pytest.approx(8896.0 / peak)
+        assert res["ttft"][3]["roofline_s"] == pytest.approx(bound)
+        assert res["ttft"][3]["median_over_roofline"] == pytest.approx(9000.0 / bound)
+        assert rows[1][1].endswith(f"median = {9000.0 / bound:.1f}x") and "roofline" in rows[1][0]
+    # an MoE prompt also reads the experts its tokens pick: 3 tokens, 4 (1 - 1/2^3) = 3.5 of 96 elements
+    res = {}
+    ttft_rows({3: [1.0]}, toy_moe_config(), ByteWidths.uniform(2), TOY_MOE_DECODE_WEIGHTS,
+              DeviceLimits(bandwidth=1.0, gemm_peak=1e30), res)
+    assert res["ttft"][3]["roofline_s"] == pytest.approx(2 * (1656 + 3.5 * 96))
 
 
 def test_decode_buckets_sum_steps_by_rows():

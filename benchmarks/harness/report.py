@@ -220,17 +220,27 @@ def hf_rows(k: int, ours: EngineRun, ours_tokens: int, hf: HFRun, res: dict) -> 
              f"{ours_rate / theirs:.1f}x / {hf.seconds / ours.wall_s:.1f}x")]
 
 
-def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, limits: DeviceLimits, res: dict) -> Rows:
-    """--ttft: each prompt size's median and best time to first token, against its FLOPs at the
-    GEMM peak (of one GPU, times limits.gpus)."""
-    res.update(gemm_peak_flops=limits.gemm_peak, ttft={})
+def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, widths: ByteWidths, decode_weights: int,
+              limits: DeviceLimits, res: dict) -> Rows:
+    """--ttft: each prompt size's median and best time to first token, against the roofline of its
+    prefill (of one GPU, times limits.gpus): its FLOPs at the GEMM peak, or reading the weights once
+    (decode_weights elements at widths.weights, and an MoE model's experts its tokens pick) at the
+    copy bandwidth, whichever takes longer; its FLOP time shown too."""
+    bw, peak = limits.gpus * limits.bandwidth, limits.gpus * limits.gemm_peak
+    res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, ttft={})
     rows = [limits.row()]
     for size, ts in times.items():
         med, best = percentile(ts, 50), min(ts)
-        flop_s = prefill_flops(cfg, size) / (limits.gpus * limits.gemm_peak)
-        res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=flop_s, median_over_flop=med / flop_s)
-        rows.append((f"TTFT {size} tokens, idle: median / min; FLOP time",
-                     f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * flop_s:.3f} ms (median = {med / flop_s:.1f}x)"))
+        flops = prefill_flops(cfg, size)
+        weight_bytes = decode_weights * widths.weights + step_expert_elements(cfg, size) * widths.experts
+        roof = roofline(weight_bytes, flops, bw, peak)
+        res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=roof.compute_s,
+                                 weights_s=roof.memory_s, roofline_s=roof.seconds,
+                                 median_over_roofline=med / roof.seconds)
+        rows.append((f"TTFT {size} tokens, idle: median / min; roofline (FLOPs, weights read once)",
+                     f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * roof.seconds:.3f} ms, {roof.binding} binds "
+                     f"(FLOPs {1e3 * roof.compute_s:.3f}, weights {1e3 * roof.memory_s:.3f} ms); "
+                     f"median = {med / roof.seconds:.1f}x"))
     return rows
 
 
