@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import bench
-from checkpoints import cpu_llm
+from checkpoints import build_checkpoint, cpu_llm
 from benchmarks.engine import compare
 from benchmarks.engine.profile_run import kernel_group
 from benchmarks.harness import runs
@@ -424,6 +424,19 @@ def test_phase_bound_by_hand():
             for bw, peak in ((1.0, 1.0), (1.0, 50.0), (20.0, 1.0)):
                 bound = phase_bound_s(c, ByteWidths.uniform(2), prompts, steps, w, bw, peak, shared)
                 assert bound >= roofline(kv + wb, flops, bw, peak).seconds * (1 - 1e-12)
+
+
+def test_transformers_run_counts_every_token_and_is_warmed_up_as_ours(tmp_path):
+    """--compare-hf's transformers run, on the CPU: prompts sorted by max_tokens into batches of 2,
+    each row run to its batch's longest, n = 2 samples a prompt. max_tokens 2, 4, 3 -> batches (4, 3)
+    and (2): 2 prompts x 2 samples x 4 + 1 x 2 x 2 = 20 tokens. Before them one untimed warm-up
+    generate, as nanovllm's engine gets warm_up before its timed run, and the settings say so."""
+    model = build_checkpoint(str(tmp_path / "tiny"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16]]
+    hf = runs.run_hf(model, prompts, [2, 4, 3], batch_size=2, sampling=WorkloadSampling(top_k=5), n=2, device="cpu")
+    assert hf.generated_tokens == 20 and hf.seconds > 0
+    assert hf.warmup_s > 0 and "untimed warm-up generate" in hf.settings
+    assert "num_return_sequences=2" in hf.settings and "top_k=5" in hf.settings
 
 
 def test_ttft_is_held_to_the_roofline_of_its_prefill():

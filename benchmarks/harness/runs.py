@@ -24,6 +24,8 @@ TTFT_WARMUP = 1
 LATENCY_PERCENTILES = (50, 99)
 # transformers' attention kernel for the --compare-hf baseline.
 HF_ATTENTION = "sdpa"
+# Tokens of transformers' untimed warm-up generate (as warm_up's 8 for nanovllm).
+HF_WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -155,31 +157,30 @@ class HFRun:
     seconds: float
     generated_tokens: int  # every token transformers made: rows x the batch's max_new_tokens
     settings: str
+    warmup_s: float  # the untimed warm-up generate's (as nanovllm's engine has one, warm_up)
 
 
 def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-           sampling: WorkloadSampling = WorkloadSampling(), n: int = 1) -> HFRun:
+           sampling: WorkloadSampling = WorkloadSampling(), n: int = 1, device: str = "cuda") -> HFRun:
     """transformers' generate on the same prompts, `n` samples each (num_return_sequences: a batch of
     prompts becomes n x as many rows). Batches group prompts of similar max_tokens (sorted) and every row
-    runs to the batch's maximum; all those tokens are counted."""
+    runs to the batch's maximum; all those tokens are counted. Before the timed batches, one untimed
+    warm-up generate of HF_WARMUP_TOKENS tokens on the first prompt, sampled the same way (its first call's
+    one-off costs, as nanovllm's engine has its warm_up before its timed run)."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION).eval()
     cache = model.generation_config.cache_implementation or "dynamic (transformers' default)"
     order = sorted(range(len(prompts)), key=lambda i: max_tokens[i], reverse=True)
     pad = 0
-    generated = 0
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
+
+    def generate(idx: list[int], new: int) -> torch.Tensor:
         width = max(len(prompts[i]) for i in idx)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device="cuda")
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device="cuda")
-        new = max(max_tokens[i] for i in idx)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=True, temperature=WORKLOAD_TEMPERATURE, top_k=sampling.top_k,
@@ -188,16 +189,34 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
         if out.shape != (n * len(idx), width + new):
             raise RuntimeError(f"transformers made {tuple(out.shape)} rows x positions, {n * len(idx)} x "
                                f"{width + new} counted")
+        return out
+
+    def synchronize() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    generate(order[:1], HF_WARMUP_TOKENS)
+    synchronize()
+    warmup_s = time.perf_counter() - start
+    generated = 0
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        new = max(max_tokens[i] for i in idx)
+        generate(idx, new)
         generated += n * len(idx) * new
-    torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     del model
-    torch.cuda.empty_cache()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
                 f"batches of {batch_size} prompts sorted by max_tokens, num_return_sequences={n}, left padding, "
                 f"do_sample {sampling.describe()}, "
-                f"min_new_tokens=max_new_tokens, cache {cache}")
-    return HFRun(seconds, generated, settings)
+                f"min_new_tokens=max_new_tokens, cache {cache}, after one untimed warm-up generate "
+                f"({warmup_s:.2f} s)")
+    return HFRun(seconds, generated, settings, warmup_s)
 
 
 def latency(llm: LLM, batch_sizes: list[int], context: int, steps: int) -> dict[int, float]:
