@@ -1,6 +1,7 @@
 """bench_structured.py's workload on CPU: its schema must close within MAX_TOKENS even under random
 weights (an unbounded "number" once let them write digits until max_tokens, so the H200 run measured
-no closed JSON), and the closed count it reports must count EOS endings."""
+no closed JSON), the closed count it reports must count EOS endings, and a side's warm-up must leave
+no timed prompt in the prefix cache."""
 
 import json
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from benchmarks.engine.bench_structured import MAX_TOKENS, SCHEMA, closed_count
+from benchmarks.engine.bench_structured import MAX_TOKENS, SCHEMA, closed_count, run_side
+from benchmarks.harness.workloads import WORKLOADS, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
 
@@ -45,3 +47,15 @@ def test_closed_count_counts_eos_endings_only(outputs):
     assert closed_count(outputs[:2]) == 2
     truncated = type("Truncated", (), {"finish_reason": "length"})()
     assert closed_count([truncated, outputs[0]]) == 1
+
+
+def test_a_sides_warm_up_leaves_its_timed_prompts_uncached():
+    """run_side's warm-up compiles kernels (and the schema) on prompts of its own: none of the timed
+    prompts (bench.py's default workload in the shipped model's vocabulary, those of at least one
+    256-token block) finds its blocks in the prefix cache."""
+    prompts, _ = make_workload(WORKLOADS["default"], vocab_size=8192)
+    prompts = [p for p in prompts if len(p) >= 256][:5]
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * len(prompts)
+    outs, seconds, steps = run_side(MODEL_DIR, "dummy", prompts, params, device="cpu")
+    assert len(prompts) >= 4 and seconds > 0 and steps
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)

@@ -9,7 +9,8 @@ tokenizer of --tokenizer (needed for grammars; a Qwen-sized one without download
 bench.py's default workload decode greedily under a bounded JSON schema (compact JSON), so each ends
 by EOS where its JSON closes. The unconstrained side runs the same prompts with each request's
 max_tokens set to its constrained completion's length and EOS ignored: the same tokens, and the same
-batch at every step. Each side runs on a fresh engine after a warm-up (the schema is compiled there).
+batch at every step. Each side runs on a fresh engine after a warm-up (the schema is compiled there) on
+prompts none of whose blocks the timed ones share (no timed prompt is served from the prefix cache).
 
 Per decode step it reports the host's time (launch + postprocess; the latter includes filling the
 next step's token masks) against the step's wall time, wait_s, the time the host waited for the
@@ -50,6 +51,8 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MAX_TOKENS = 512
+# Requests of each side's untimed warm-up generate.
+WARMUP_PROMPTS = 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
@@ -68,10 +71,12 @@ def model_with_tokenizer(model: str, tokenizer: str, into: str) -> str:
 
 def run_side(model: str, load_format: str, prompts: list[list[int]], params: list[SamplingParams],
              device: str = "cuda"):
-    """(outputs, seconds, decode steps' (host_s, wait_s, wall_s, mask_wait_s)) on a fresh engine, after a warm-up."""
+    """(outputs, seconds, decode steps' (host_s, wait_s, wall_s, mask_wait_s)) on a fresh engine, after a
+    warm-up (kernels, the schema's compile) on the first WARMUP_PROMPTS prompts reversed: their lengths and
+    ids, but no block the timed prompts find in the prefix cache."""
     llm = LLM(model, load_format=load_format, device=device)
     try:
-        llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: kernels, the schema's compile
+        llm.generate([p[::-1] for p in prompts[:WARMUP_PROMPTS]], params[:WARMUP_PROMPTS], use_tqdm=False)
         ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
         outs, steps = {}, []
         start = time.perf_counter()
