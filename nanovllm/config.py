@@ -12,6 +12,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,15 +61,25 @@ def _unknown_hint(name: str, taken: list[str]) -> str:
     return (f"{name} (not a setting here: nanovllm/config.py's Config lists its keywords, "
             "nanovllm/engine_args.py vLLM's it takes)")
 
+# A Hugging Face model id ("Qwen/Qwen3-0.6B", "gpt2"), which vLLM downloads: a name that is no local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
 def _directory(name: str, value: object, what: str) -> str:
     """`value`, a str or os.PathLike naming an existing directory, as a str (TypeError / ValueError
-    naming `name` otherwise)."""
+    naming `name` otherwise: a file, a path that does not exist, or a hub id, which vLLM would download)."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path to {what}, got {value!r}")
     path = os.fspath(value)
-    if not os.path.isdir(path):
-        raise ValueError(f"{name} path {path!r} is not a directory")
-    return path
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"{name} path {path!r} is a file, not a directory: pass {what}")
+    if _HUB_ID.fullmatch(path):
+        raise ValueError(f"{name} {path!r} is not a local directory (nanovllm reads checkpoints from local directories "
+                         f"and downloads nothing): if it is a Hugging Face model id, download it first, e.g. "
+                         f"`huggingface-cli download {path} --local-dir DIR`, and pass DIR")
+    raise ValueError(f"{name} path {path!r} does not exist")
 
 
 # A setting's name in messages, with vLLM's name of it beside where that differs (RENAMED): the one a caller passed.

@@ -205,7 +205,7 @@ def test_load_errors_name_the_problem(tmp_path):
         cpu_llm(path, bogus=1)
     with pytest.raises(ValueError, match="config.json"):
         cpu_llm(str(tmp_path))
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         cpu_llm(str(tmp_path / "nope"))
     weights = load_file(os.path.join(path, "model.safetensors"))
     del weights["model.layers.1.mlp.up_proj.weight"]

@@ -199,3 +199,23 @@ def test_rope_tables_saved_in_the_checkpoint_are_skipped(llama, tmp_path):
             weights[f"model.layers.{i}.self_attn.rotary_emb.{table}"] = torch.randn(1, 1, 64, 32)
     save_file(weights, str(with_tables / "model.safetensors"), metadata={"format": "pt"})
     assert generate_tokens(str(with_tables), prompts, GREEDY)[0] == expected
+
+
+def test_a_hub_id_or_missing_path_is_refused_saying_nothing_is_downloaded(ckpt, tmp_path, monkeypatch):
+    """vLLM takes a Hugging Face model id (it downloads it); nanovllm reads local directories only. A model
+    or tokenizer that names no directory is refused saying so: a hub id with how to download it, a path
+    that does not exist or is a file as such (all three read "is not a directory", which told a vLLM user
+    passing "Qwen/Qwen3-0.6B" nothing of why)."""
+    monkeypatch.chdir(tmp_path)  # no such directory here, whatever the hub id
+    hub_id = "nanovllm-test-org/Tiny-Model-0.6B"
+    for keyword, kwargs in (("model", {}), ("tokenizer", {"tokenizer": hub_id})):
+        with pytest.raises(ValueError, match=re.escape(f"{keyword} {hub_id!r} is not a local directory (nanovllm "
+                                                       "reads checkpoints from local directories and downloads "
+                                                       "nothing)") + f".*huggingface-cli download {hub_id}"):
+            cpu_llm(hub_id if keyword == "model" else ckpt, **kwargs)
+    missing = str(tmp_path / "no-such-dir")
+    with pytest.raises(ValueError, match=re.escape(f"model path {missing!r} does not exist")):
+        cpu_llm(missing)
+    config = os.path.join(ckpt, "config.json")
+    with pytest.raises(ValueError, match=re.escape(f"model path {config!r} is a file, not a directory")):
+        cpu_llm(config)

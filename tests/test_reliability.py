@@ -287,7 +287,7 @@ def test_max_model_len_defaults_to_4096_or_the_models_positions(tmp_path, ckpt):
 
 
 def test_bad_checkpoints(tmp_path, ckpt):
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         cpu_llm(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.json"):
         cpu_llm(str(tmp_path))
