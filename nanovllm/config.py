@@ -44,9 +44,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 # vLLM's other names of DTYPES' dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-# dtype="auto" on CUDA runs a checkpoint of these dtypes in the mapped one, as vLLM does ("Downcasting
-# torch.float32 to torch.bfloat16"): float32 doubles every byte a step reads and the kernels are 16-bit ones.
-CUDA_AUTO_DOWNCAST = {torch.float32: torch.bfloat16}
+# dtype="auto" on CUDA runs a checkpoint of these dtypes as it is; one of any other (float32, as vLLM does:
+# "Downcasting torch.float32 to torch.bfloat16"; float64 or float8, as vLLM falls back to its platform's
+# dtype) in CUDA_AUTO_FALLBACK: float32 doubles every byte a step reads and the kernels are 16-bit ones.
+CUDA_AUTO_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_AUTO_FALLBACK = torch.bfloat16
 # LLM(generation_config=...) values that are not a directory (vLLM's): the checkpoint's file gives the
 # defaults ("auto") or not ("vllm"); its EOS ids count either way.
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")
@@ -359,17 +361,17 @@ class Config:
 
     @functools.cached_property
     def torch_dtype(self) -> torch.dtype:
-        """Weights and activations dtype, unless set: float32 on CPU; on CUDA the checkpoint's, a
-        float32 one's downcast (CUDA_AUTO_DOWNCAST, logged once)."""
+        """Weights and activations dtype, unless set: float32 on CPU; on CUDA the checkpoint's where it is
+        16-bit (CUDA_AUTO_DTYPES), else CUDA_AUTO_FALLBACK (logged once)."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.device == "cpu":
             return torch.float32
         stored = self.model_config.torch_dtype
-        if stored in CUDA_AUTO_DOWNCAST:
-            logger.info("dtype='auto': the checkpoint's %s runs as %s (pass dtype=... to keep it)", stored,
-                        CUDA_AUTO_DOWNCAST[stored])
-            return CUDA_AUTO_DOWNCAST[stored]
+        if stored not in CUDA_AUTO_DTYPES:
+            logger.info("dtype='auto': the checkpoint's %s runs as %s (pass dtype=... to choose)", stored,
+                        CUDA_AUTO_FALLBACK)
+            return CUDA_AUTO_FALLBACK
         return stored
 
     @functools.cached_property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 
 import pytest
 import torch
@@ -104,6 +105,23 @@ def test_auto_dtype_runs_a_float32_checkpoint_in_bfloat16(ckpt):
     assert auto == bf16
     _, fp32_facts = generate(ckpt, ps[:1], GREEDY, dtype="float32", enforce_eager=True)
     assert fp32_facts["dtype"] == torch.float32
+
+
+@pytest.mark.parametrize("stored", ["float64", "float8_e4m3fn"])
+def test_auto_dtype_runs_a_checkpoint_of_another_dtype_in_bfloat16(ckpt, tmp_path, stored):
+    """A config.json dtype neither 16-bit float nor float32 (a float64 save; float8_e4m3fn, which FP8
+    checkpoints may write) is served, as vLLM serves it: dtype="auto" on CUDA falls back to its platform's
+    dtype, bfloat16 here, the tokens those of dtype="bfloat16". It was refused ("unsupported dtype")."""
+    path = tmp_path / stored
+    shutil.copytree(ckpt, path)
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = stored
+    (path / "config.json").write_text(json.dumps(config))
+    ps = make_prompts(3, 2, 20, 60)
+    auto, auto_facts = generate(str(path), ps, dtype="auto", enforce_eager=True)
+    bf16, _ = generate(ckpt, ps, enforce_eager=True)
+    assert auto_facts["dtype"] == torch.bfloat16
+    assert auto == bf16
 
 
 def test_seeded_sampling_reproducible_on_gpu(ckpt):

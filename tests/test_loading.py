@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    LlamaShape, TinyShape, build_checkpoint, checkpoint_fixture, cpu_llm, generate_tokens, make_prompts,
+    LlamaShape, TinyShape, assert_greedy_matches_reference, build_checkpoint, checkpoint_fixture, cpu_llm,
+    generate_tokens, load_reference, make_prompts,
 )
 from nanovllm import SamplingParams
 
@@ -219,3 +220,27 @@ def test_a_hub_id_or_missing_path_is_refused_saying_nothing_is_downloaded(ckpt, 
     config = os.path.join(ckpt, "config.json")
     with pytest.raises(ValueError, match=re.escape(f"model path {config!r} is a file, not a directory")):
         cpu_llm(config)
+
+
+@pytest.mark.parametrize("stored", ["float64", "float8_e4m3fn"])
+def test_a_config_dtype_other_than_16_or_32_bit_float_is_served(ckpt, tmp_path, stored):
+    """config.json's dtype names the dtype the weights were saved in, any of torch's floating-point ones
+    (transformers writes float64 for a float64 model; FP8 checkpoints may write float8_e4m3fn); vLLM serves
+    such a checkpoint (dtype="auto" on CUDA in its platform's 16-bit dtype, bfloat16 here). It was refused
+    ("unsupported dtype"), even with dtype="float32" asked for. The tokens are transformers' greedy ones;
+    a dtype name that is no floating-point one is still refused naming it."""
+    prompts = make_prompts(4, 2, 5, 20)
+    path = tmp_path / stored
+    shutil.copytree(ckpt, path)
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = stored
+    (path / "config.json").write_text(json.dumps(config))
+    reference = load_reference(ckpt)
+    for dtype in ("auto", "float32"):
+        outs, _ = generate_tokens(str(path), prompts, GREEDY, dtype=dtype)
+        for prompt, out in zip(prompts, outs):
+            assert_greedy_matches_reference(reference, prompt, out)
+    config["dtype"] = "int8"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'config.json'}: unsupported dtype 'int8'")):
+        cpu_llm(str(path), dtype="float32")

@@ -56,7 +56,7 @@ def resolve_architecture(architectures: object, source: str) -> str:
     )
 
 
-# config.json dtype names -> torch dtypes (also the names LLM(dtype=...) accepts).
+# The dtype names LLM(dtype=...) accepts -> torch dtypes (config.json's may name any floating-point one: from_dict).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The MLP activation every supported family uses (SwiGLU's gate).
 _HIDDEN_ACT = "silu"
@@ -128,7 +128,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # config.json's key (a family may fix its biases regardless: models/qwen2.py)
     mlp_bias: bool
-    torch_dtype: torch.dtype
+    torch_dtype: torch.dtype  # config.json's: the weights' saved dtype, any floating-point one (float64, float8_e4m3fn)
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
     # Keys more than this many positions back are masked (Mistral's sliding_window; Qwen2's, Qwen3's and
@@ -191,8 +191,9 @@ class ModelConfig:
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-        if dtype_name not in DTYPES:
-            raise ValueError(f"{source}: unsupported dtype {dtype_name!r}")
+        stored_dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        if not isinstance(stored_dtype, torch.dtype) or not stored_dtype.is_floating_point:
+            raise ValueError(f"{source}: unsupported dtype {dtype_name!r} (not a torch floating-point dtype)")
         rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
         if (isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float))
                 or not 0 < rms_norm_eps < math.inf):
@@ -220,7 +221,7 @@ class ModelConfig:
                 tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
                 attention_bias=_flag(raw, "attention_bias", source),
                 mlp_bias=_flag(raw, "mlp_bias", source),
-                torch_dtype=DTYPES[dtype_name],
+                torch_dtype=stored_dtype,
                 eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), source),
                 moe=_moe(raw, source) if architecture in MOE_ARCHITECTURES else None,
                 sliding_window=_sliding_window(raw, architecture, source),
