@@ -694,3 +694,39 @@ def test_kv_cache_scheme_alone_as_llm_compressor_writes_it(checkpoint, tmp_path)
     quant = {**cfg["quantization_config"], "format": "float-quantized"}
     assert resolve_quantization(None, quant, "c") is None
     assert resolve_quantization("fp8", quant, "c") == resolve_quantization("fp8", None, "c")  # online FP8 weights
+
+
+@pytest.mark.parametrize("spelling", ["{kv}_proj.{kv}_scale", "qkv_proj.{kv}_scale", "attn.{kv}_scale"])
+def test_kv_scales_under_every_name_vllm_loads(checkpoint, tmp_path, spelling):
+    """vLLM's maybe_remap_kv_scale_name maps ModelOpt's self_attn.k_proj.k_scale / v_proj.v_scale and
+    self_attn.qkv_proj.k_scale / v_scale onto the layer's scales, which vLLM's own layout names
+    self_attn.attn.k_scale / v_scale: each is read as the layer's scales under an FP8 cache and skipped
+    under an "auto" one (each was refused whatever the cache, an unknown weight)."""
+    scales = [(0.02, 0.03), (0.04, 0.05)]
+    path = with_kv_scales(checkpoint, str(tmp_path / "named"), scale_tensors(scales, spelling), FP8_SCHEME)
+    llm = cpu_llm(path, kv_cache_dtype="fp8")
+    np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+    llm.exit()
+    cpu_llm(path).exit()
+
+
+def test_query_and_softmax_scales_are_skipped(checkpoint, tmp_path):
+    """Checkpoints calibrated for FP8 attention also hold the query's and the softmax output's scales
+    (self_attn.q_scale / prob_scale; quant_method "fp8" ones q_proj.output_scale / prob_output_scale),
+    which vLLM loads for its FP8 attention backends only. Attention here runs in the compute dtype: they
+    are skipped, whatever the cache, and the K / V scales stay the checkpoint's (they were refused
+    as unknown weights)."""
+    scales = [(0.02, 0.03), (0.04, 0.05)]
+    others = {f"model.layers.{i}.self_attn.{name}": torch.tensor(0.5) for i in range(len(scales))
+              for name in ("q_scale", "prob_scale", "q_proj.output_scale", "prob_output_scale")}
+    path = with_kv_scales(checkpoint, str(tmp_path / "attn"), {**scale_tensors(scales), **others}, FP8_SCHEME)
+    prompts = make_prompts(3, 2, 10, 30)
+    llm = cpu_llm(path, kv_cache_dtype="fp8")
+    np.testing.assert_allclose(engine_scales(llm), scales, rtol=1e-6)
+    llm.exit()
+    llm = cpu_llm(path)
+    try:
+        tokens = complete_tokens(llm, prompts, GREEDY)
+    finally:
+        llm.exit()
+    assert tokens == generate_tokens(checkpoint, prompts, GREEDY)[0]

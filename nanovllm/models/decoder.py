@@ -27,7 +27,7 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, SiluMulRowParalle
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.self_attention import SelfAttention
 from nanovllm.models.model_config import ModelConfig
-from nanovllm.utils.kv_scales import is_kv_scale_name
+from nanovllm.utils.kv_scales import is_attention_scale_name
 from nanovllm.utils.loader import update_weights, weight_chunks
 
 
@@ -179,10 +179,10 @@ class DecoderForCausalLM(nn.Module):
     def ignored_checkpoint_name(self, name: str) -> bool:
         """Names a checkpoint may hold that fill nothing here: the LM head of a tied model (it
         is the embedding), RoPE buffers some checkpoints saved (older ones' inv_freq, ColossalAI's cos / sin
-        tables: computed here, as vLLM skips them) and KV-cache scales (an FP8 cache reads them itself:
-        utils/kv_scales.py)."""
+        tables: computed here, as vLLM skips them) and attention scales (an FP8 cache reads the K / V ones
+        itself, nothing the query / softmax ones: utils/kv_scales.py)."""
         tied = self.lm_head.weight is self.model.embed_tokens.weight
-        return (tied and name == "lm_head.weight") or name.endswith(_ROPE_BUFFERS) or is_kv_scale_name(name)
+        return (tied and name == "lm_head.weight") or name.endswith(_ROPE_BUFFERS) or is_attention_scale_name(name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_seqs, hidden] -> [num_seqs, vocab] (None on tensor-parallel ranks > 0)."""

@@ -8,10 +8,16 @@ quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_b
     model.layers.N.self_attn.k_scale, model.layers.N.self_attn.v_scale
     (older FP8 checkpoints: model.layers.N.self_attn.k_proj.output_scale, v_proj.output_scale; the
     oldest, AutoFP8's first FP8-KV releases: one model.layers.N.self_attn.kv_scale for both, which
-    vLLM reads as k_scale = v_scale = kv_scale)
+    vLLM reads as k_scale = v_scale = kv_scale; the other spellings vLLM's maybe_remap_kv_scale_name
+    maps: ModelOpt's self_attn.k_proj.k_scale / v_proj.v_scale, self_attn.qkv_proj.k_scale / v_scale;
+    and vLLM's own parameter names self_attn.attn.k_scale / v_scale, which vLLM leaves unread)
 
-with our meaning: read value = fp8 * scale. The weight loader skips these names whatever the
-cache (models/decoder.py's `ignored_checkpoint_name` asks `is_kv_scale_name`); an FP8 cache's
+with our meaning: read value = fp8 * scale. Checkpoints calibrated for FP8 attention also hold the
+query's and the softmax output's scales (self_attn.q_scale / prob_scale, quant_method "fp8" ones
+self_attn.q_proj.output_scale / prob_output_scale), which vLLM takes for its FP8 attention backends
+only; attention here runs in the compute dtype, so nothing reads them. The weight loader skips all of
+these names whatever the cache (models/decoder.py's `ignored_checkpoint_name` asks
+`is_attention_scale_name`); an FP8 cache's
 scales (engine/kv_cache.KvScales) are read with `load_kv_scales`. Only the safetensors headers are scanned for
 the names; only the scale tensors are read (a PyTorch pickle is loaded memory-mapped).
 """
@@ -23,7 +29,12 @@ import re
 
 from nanovllm.utils.checkpoint_files import checkpoint_files, open_checkpoint
 
-_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale|(kv)_scale)$")
+# A layer's K / V scale under each spelling (the module docstring's); group "kv": the cache(s) it scales.
+_SCALE_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.(?:(?:attn\.)?(?P<kv>kv|[kv])_scale"
+                         r"|(?P<proj>[kv])_proj\.(?:output|(?P=proj))_scale|qkv_proj\.(?P<qkv>[kv])_scale)$")
+# The query's and the softmax output's scales (FP8 attention's): skipped, never read.
+_UNUSED_SCALE_NAME = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:(?:attn\.)?(?:q|prob)_scale"
+                                r"|q_proj\.output_scale|prob_output_scale)$")
 # The one kv_cache_scheme the cache can take its scales from: 8-bit floats (e4m3), one scale per tensor.
 _FP8_SCHEME = {"num_bits": 8, "type": "float"}
 # The scheme's strategy the cache takes: one scale per layer ("attn_head", one per KV head, is not).
@@ -32,8 +43,9 @@ _TENSOR_STRATEGY = "tensor"
 _SCHEME_NAMES = ("static", "dynamic")
 
 
-def is_kv_scale_name(name: str) -> bool:
-    return _SCALE_NAME.match(name) is not None
+def is_attention_scale_name(name: str) -> bool:
+    """A KV-cache scale (read by an FP8 cache) or a query / softmax scale (never read): the module docstring's."""
+    return _SCALE_NAME.match(name) is not None or _UNUSED_SCALE_NAME.match(name) is not None
 
 
 def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None) -> list[tuple[float, float]] | None:
@@ -71,8 +83,8 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
                 if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"checkpoint {path!r}: {name} must be one positive finite number, "
                                      f"got shape {tuple(t.shape)} {t.flatten()[:4].tolist()}")
-                for kv in m.group(2) or m.group(3) or m.group(4):  # "kv": one scale for both
-                    found[(int(m.group(1)), kv)] = value
+                for kv in m.group("kv") or m.group("proj") or m.group("qkv"):  # "kv": one scale for both
+                    found[(int(m.group("layer")), kv)] = value
     if not found:
         if static:
             raise ValueError(f"checkpoint {path!r} declares kv_cache_scheme {scheme!r} but holds no "
