@@ -597,8 +597,8 @@ def test_fp8_cache_head_dim_floor_on_the_triton_kernels():
 
 def test_checkpoint_scales_spellings_and_errors(checkpoint, tmp_path):
     """k_proj / v_proj.output_scale are read as k / v scales; an "auto" cache ignores scales; partial
-    scales, a scheme that is not 8-bit float, a declared scheme without scales and a non-scalar
-    scale are refused naming the problem."""
+    scales, a scheme that is not 8-bit float or not symmetric, a declared scheme without scales and a
+    non-scalar scale are refused naming the problem."""
     scales = [(0.02, 0.03), (0.04, 0.05)]
     path = with_kv_scales(checkpoint, str(tmp_path / "output"), scale_tensors(scales, "{kv}_proj.output_scale"), None)
     llm = cpu_llm(path, kv_cache_dtype="fp8")
@@ -609,6 +609,8 @@ def test_checkpoint_scales_spellings_and_errors(checkpoint, tmp_path):
     cases = [
         (partial, FP8_SCHEME, r"some layers only: missing model\.layers\.1\.self_attn\.v_scale"),
         (scale_tensors(scales), {**FP8_SCHEME, "num_bits": 4, "type": "int"}, "not an FP8"),
+        # asymmetric (a zero point besides each scale): vLLM refuses it too, the scales alone would misread
+        (scale_tensors(scales), {**FP8_SCHEME, "symmetric": False}, r"kv_cache_scheme symmetric=False .*symmetric"),
         ({}, FP8_SCHEME, "holds no"),
         ({**scale_tensors(scales), "model.layers.0.self_attn.k_scale": torch.ones(2)}, FP8_SCHEME,
          r"k_scale must be one positive finite number, got shape \(2,\)"),

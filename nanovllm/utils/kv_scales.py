@@ -2,7 +2,7 @@
 
 compressed-tensors checkpoints (llm-compressor's; vLLM reads the same) declare the cache's
 quantization in config.json, `quantization_config.kv_cache_scheme` (e.g. {"num_bits": 8,
-"type": "float", "strategy": "tensor", "dynamic": false}; quant_method "fp8" checkpoints write
+"type": "float", "strategy": "tensor", "dynamic": false, "symmetric": true}; quant_method "fp8" checkpoints write
 "static"), and hold one scalar per layer:
 
     model.layers.N.self_attn.k_scale, model.layers.N.self_attn.v_scale
@@ -52,7 +52,7 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
     """Each layer's (k_scale, v_scale) from the checkpoint in `path` (its config.json's
     `quantization_config`: ModelConfig's); None when it has none (and declares no static
     kv_cache_scheme): the engine then computes them from the data. ValueError names a
-    kv_cache_scheme other than 8-bit float per tensor, scales missing for some layers, or a scale
+    kv_cache_scheme other than 8-bit float, symmetric, per tensor, scales missing for some layers, or a scale
     that is not one positive finite number."""
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if isinstance(scheme, dict):
@@ -63,6 +63,9 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
         if strategy != _TENSOR_STRATEGY:
             raise ValueError(f"checkpoint {path!r}: kv_cache_scheme strategy {strategy!r} is not supported (only "
                              f"{_TENSOR_STRATEGY!r}: kv_cache_dtype='fp8' takes one k_scale / v_scale a layer)")
+        if not scheme.get("symmetric", True):
+            raise ValueError(f"checkpoint {path!r}: kv_cache_scheme symmetric={scheme['symmetric']!r} (a zero point "
+                             "besides each scale) is not supported: kv_cache_dtype='fp8' takes symmetric scales only")
         static = not scheme.get("dynamic", False)
     elif scheme in _SCHEME_NAMES:  # quant_method "fp8" checkpoints (AMD's, AutoFP8's) name it
         static = scheme == "static"
