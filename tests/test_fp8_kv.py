@@ -701,9 +701,10 @@ def test_kv_cache_scheme_alone_as_llm_compressor_writes_it(checkpoint, tmp_path)
 @pytest.mark.parametrize("spelling", ["{kv}_proj.{kv}_scale", "qkv_proj.{kv}_scale", "attn.{kv}_scale"])
 def test_kv_scales_under_every_name_vllm_loads(checkpoint, tmp_path, spelling):
     """vLLM's maybe_remap_kv_scale_name maps ModelOpt's self_attn.k_proj.k_scale / v_proj.v_scale and
-    self_attn.qkv_proj.k_scale / v_scale onto the layer's scales, which vLLM's own layout names
-    self_attn.attn.k_scale / v_scale: each is read as the layer's scales under an FP8 cache and skipped
-    under an "auto" one (each was refused whatever the cache, an unknown weight)."""
+    self_attn.qkv_proj.k_scale / v_scale onto the layer's scales; its own parameter names,
+    self_attn.attn.k_scale / v_scale, it loads past (unread, with a warning). Each is read as the
+    layer's scales under an FP8 cache and skipped under an "auto" one (each was refused whatever the
+    cache, an unknown weight)."""
     scales = [(0.02, 0.03), (0.04, 0.05)]
     path = with_kv_scales(checkpoint, str(tmp_path / "named"), scale_tensors(scales, spelling), FP8_SCHEME)
     llm = cpu_llm(path, kv_cache_dtype="fp8")
