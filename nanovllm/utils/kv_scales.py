@@ -97,5 +97,6 @@ def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None)
                if (i, kv) not in found]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        raise ValueError(f"checkpoint {path!r} has KV-cache scales for some layers only: missing {shown}")
+        raise ValueError(f"checkpoint {path!r} has some KV-cache scales but not all (a layer's k_scale and "
+                         f"v_scale, or one kv_scale for both): missing {shown}")
     return [(found[(i, "k")], found[(i, "v")]) for i in range(num_layers)]
