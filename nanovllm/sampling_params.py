@@ -153,19 +153,16 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.guided_decoding is vLLM's older name of structured_outputs: pass "
                             f"structured_outputs=StructuredOutputsParams(...) (nanovllm.sampling_params), got "
                             f"{guided_decoding!r:.200}")
-        if logits_processors:
+        if logits_processors is not None and (not isinstance(logits_processors, (list, tuple)) or logits_processors):
             raise ValueError(f"SamplingParams.logits_processors={logits_processors!r:.200}: per-request logits "
                              "processors are not supported (vLLM V1 refuses them too); logit_bias, allowed_token_ids, "
                              "bad_words, min_tokens and structured_outputs cover the usual ones")
-        if best_of is not None and best_of != self.n:
-            raise ValueError(f"SamplingParams.best_of={best_of!r}: only best_of=None or n (={self.n}) is supported "
-                             "(vLLM V1 dropped sampling more than n to return the best)")
         check_bool("SamplingParams.flat_logprobs", flat_logprobs)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"SamplingParams.extra_args must be a dict or None, got {self.extra_args!r:.200}")
         for f in dataclasses.fields(self):
             setattr(self, f.name, plain_number(getattr(self, f.name)))
-        if self.seed == NO_SEED:
+        if isinstance(self.seed, int) and self.seed == NO_SEED:  # (an array compared with -1 has no truth value)
             self.seed = None
         check_float("SamplingParams.temperature", self.temperature)
         if not 0 <= self.temperature <= FLOAT32_MAX:  # the sampler divides float32 logits by it
@@ -223,6 +220,10 @@ class SamplingParams:
         check_int("SamplingParams.n", self.n, 1)
         if self.n > MAX_N:
             raise ValueError(f"SamplingParams.n must be <= {MAX_N}, got {self.n!r} (vLLM's limit)")
+        best_of = plain_number(best_of)
+        if best_of is not None and (not isinstance(best_of, int) or best_of != self.n):
+            raise ValueError(f"SamplingParams.best_of={best_of!r}: only best_of=None or n (={self.n}) is supported "
+                             "(vLLM V1 dropped sampling more than n to return the best)")
         self._check_logits_settings()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, "

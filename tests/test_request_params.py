@@ -54,6 +54,10 @@ BAD = [
     ({"n": 16385}, ValueError, "n must be <= 16384, got 16385"),
     # past float32's largest value the sampler's temperature was inf (a RuntimeWarning from the step's packing)
     ({"temperature": 1e39}, ValueError, r"temperature must be finite in float32 .* got 1e\+39"),
+    # an array seed was compared with -1 (vLLM's no-seed) first: NumPy's / torch's 'truth value of an array
+    # ... is ambiguous' (a RuntimeError from torch), naming neither the field nor the value
+    ({"seed": np.array([1, 2])}, TypeError, r"seed must be an int, got array\(\[1, 2\]\)"),
+    ({"seed": torch.tensor([1, 2])}, TypeError, r"seed must be an int, got tensor\(\[1, 2\]\)"),
 ]
 
 
@@ -264,6 +268,12 @@ def test_older_and_plugin_fields_as_vllm_clients_pass_them(llm):
         (dict(logits_processors=[lambda ids, logits: logits]), ValueError, "per-request logits processors"),
         (dict(best_of=2), ValueError, r"best_of=2: only best_of=None or n \(=1\)"),
         (dict(extra_args=["a"]), TypeError, "extra_args must be a dict or None"),
+        # arrays were read for their truth / compared with n: NumPy's and torch's 'ambiguous' errors, unnamed
+        (dict(logits_processors=np.array([1, 2])), ValueError, r"logits_processors=array\(\[1, 2\]\)"),
+        (dict(logits_processors=torch.tensor([1, 2])), ValueError, r"logits_processors=tensor\(\[1, 2\]\)"),
+        (dict(best_of=np.array([1, 2])), ValueError, r"best_of=array\(\[1, 2\]\): only best_of=None or n"),
+        (dict(best_of=torch.tensor([1, 1])), ValueError, r"best_of=tensor\(\[1, 1\]\): only best_of=None or n"),
+        (dict(n=np.array([1, 2]), best_of=1), TypeError, r"n must be an int, got array\(\[1, 2\]\)"),
     ]:
         with pytest.raises(error, match=words):
             SamplingParams(**kwargs)
