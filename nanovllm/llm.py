@@ -44,6 +44,7 @@ from nanovllm.inputs import PromptType, legacy_token_prompts, prompt_batch
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import default_sampling_params
+from nanovllm.utils.validation import is_unset, is_zero
 
 
 def check_use_tqdm(use_tqdm: object) -> None:
@@ -175,7 +176,7 @@ class LLM(LLMEngine):
         if priority is not None:
             if not isinstance(priority, SequenceABC) or len(priority) != len(prompts):
                 raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)}), got {priority!r}")
-            if any(p != 0 for p in priority):
+            if not all(map(is_zero, priority)):
                 raise ValueError(f"priority={priority!r}: requests are served in arrival order (no priority "
                                  "scheduling); pass None or zeros")
         checked = {}  # one checked copy per distinct SamplingParams object
@@ -260,7 +261,7 @@ class LLM(LLMEngine):
         check_no_lora(lora_request)
         tokenization_truncation(tokenization_kwargs, ": the rendered conversation is tokenized without special "
                                 "tokens, as vLLM does, and nothing else")
-        if mm_processor_kwargs:
+        if not is_unset(mm_processor_kwargs):
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: nanovllm serves text models only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message,
                               {} if chat_template_kwargs is None else chat_template_kwargs, tools,

@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from checkpoints import TinyShape, build_checkpoint, cpu_llm
@@ -270,6 +271,9 @@ def test_content_format_follows_the_template(bos_llm):
     assert out.prompt == "(the quick)(brown fox)(jumps over)"
     with pytest.raises(ValueError, match="mm_processor_kwargs=.*text models only"):
         bos_llm.chat(parts, GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+    # an array was read for its truth: NumPy's 'truth value ... is ambiguous', naming neither argument nor value
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs=array\(\[1, 2\]\): nanovllm serves text models only"):
+        bos_llm.chat(parts, GREEDY, use_tqdm=False, mm_processor_kwargs=np.array([1, 2]))
     assert bos_llm.is_finished()
 
 

@@ -54,6 +54,10 @@ BAD_PROMPTS = [
     # vLLM's multimodal keys: text models only (they used to be dropped, the text generated alone)
     ({"prompt": "the dog", "multi_modal_data": {"image": [0]}}, ValueError, "'multi_modal_data': nanovllm serves text"),
     ({"prompt_token_ids": [1, 2], "mm_processor_kwargs": {"crops": 2}}, ValueError, "'mm_processor_kwargs'"),
+    # a tensor or array there was read for its truth: torch's 'Boolean value of Tensor ... is ambiguous'
+    # RuntimeError (NumPy's ValueError), naming neither the key nor the prompt
+    ({"prompt": "the dog", "multi_modal_data": torch.zeros(2, 3)}, ValueError, "'multi_modal_data': nanovllm serves"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": np.zeros(3)}, ValueError, "'multi_modal_data': nanovllm serves"),
     ({"prompt_token_ids": [1, 2], "cache_salt": 7}, TypeError, "cache_salt must be a str, got 7"),
     # vLLM's EmbedsPrompt: refused (beside token ids the embeddings used to be dropped, the ids generated)
     ({"prompt_token_ids": [1, 2], "prompt_embeds": torch.zeros(2, 64)}, ValueError, "'prompt_embeds': nanovllm takes"),

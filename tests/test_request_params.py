@@ -194,6 +194,12 @@ def test_priority_is_vllms_argument_of_zeros(llm):
         llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0, 3])
     with pytest.raises(ValueError, match=r"priority must be a list of one int per prompt \(2\), got \[0\]"):
         llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[0])
+    assert len(llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[np.int64(0), 0.0])) == 2
+    # an array was compared with 0 and read for its truth: NumPy's 'truth value ... is ambiguous', unnamed
+    with pytest.raises(ValueError, match=r"priority=\[array\(\[0, 1\]\), 0\]: requests are served in arrival"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, priority=[np.array([0, 1]), 0])
+    with pytest.raises(ValueError, match=r"tokenization_kwargs=array\(\[1, 2\]\) are not supported"):
+        llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, tokenization_kwargs=np.array([1, 2]))
     assert llm.is_finished()
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
+
 from checkpoints import checkpoint_fixture, cpu_llm_fixture, make_prompts
 
 from nanovllm import SamplingParams
@@ -73,6 +75,9 @@ def test_bad_engine_requests_are_refused(llm):
             engine.add_request(7, [4, 5], GREEDY)
         with pytest.raises(ValueError, match="priority"):
             engine.add_request("b", [4, 5], GREEDY, priority=1)
+        # an array was compared with 0 and read for its truth: NumPy's 'truth value ... is ambiguous', unnamed
+        with pytest.raises(ValueError, match=r"priority=array\(\[0, 0\]\): requests are served in arrival order"):
+            engine.add_request("b", [4, 5], GREEDY, priority=np.array([0, 0]))
         with pytest.raises(ValueError, match="lora_request"):
             engine.add_request("b", [4, 5], GREEDY, lora_request="adapter")
         # not ids of this API: refused naming them (an int raised "'int' object is not iterable"; an int

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
-from nanovllm.utils.validation import check_text
+from nanovllm.utils.validation import check_text, is_unset
 
 # Keys of vLLM's prompt dicts that carry images, audio and their processing: refused when set (text
 # models only); "cache_salt" is kept (PreparedPrompt), the other keys change nothing here and are ignored.
@@ -95,7 +95,7 @@ class PromptValidator:
 
     def token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, dict):
-            media = [key for key in MEDIA_KEYS if prompt.get(key)]
+            media = [key for key in MEDIA_KEYS if not is_unset(prompt.get(key))]
             if media:
                 raise ValueError(f"prompt dict sets {', '.join(map(repr, media))}: nanovllm serves text models "
                                  f"only (give the prompt's text or token ids alone)")

@@ -31,7 +31,7 @@ from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
-from nanovllm.utils.validation import check_bool, check_int
+from nanovllm.utils.validation import check_bool, check_int, is_unset, is_zero
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -59,7 +59,7 @@ def tokenization_truncation(tokenization_kwargs: dict | None, how: str) -> int |
     """vLLM's tokenization_kwargs argument: None, {} or {"truncate_prompt_tokens": k} (k >= 1, or -1 for
     max_model_len; None: none), refused otherwise (`how`: how the call tokenizes instead, for the
     message). Returns k, None when no truncation is asked for."""
-    if not tokenization_kwargs:
+    if is_unset(tokenization_kwargs):
         return None
     if not isinstance(tokenization_kwargs, dict) or set(tokenization_kwargs) != {TRUNCATE_KEY}:
         raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported{how} (of its keys "
@@ -296,7 +296,7 @@ class VllmEngine:
         if self._names.get(request_id) in self._llm.scheduler.requests:  # (its own abort_request may have ended it)
             raise ValueError(f"request_id {request_id!r} is already pending")
         check_no_lora(lora_request)
-        if priority != 0:
+        if not is_zero(priority):
             raise ValueError(f"priority={priority!r}: requests are served in arrival order (priority must be 0)")
         keep = tokenization_truncation(tokenization_kwargs, "")
         ours = self._llm.add_request(prompt, with_prompt_truncation(params, keep))

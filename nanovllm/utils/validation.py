@@ -29,6 +29,18 @@ def plain_number(value: object) -> object:
     return value
 
 
+def is_unset(value: object) -> bool:
+    """Whether an optional argument sets nothing: None, or an empty dict / list / tuple. Anything else
+    (an array or a tensor too, which have no truth value) is set, for the caller to check."""
+    return value is None or (isinstance(value, (dict, list, tuple)) and not value)
+
+
+def is_zero(value: object) -> bool:
+    """Whether value is a number equal to 0 (a NumPy one too; an array, which has no truth value, is not)."""
+    value = plain_number(value)
+    return isinstance(value, (int, float)) and value == 0
+
+
 def check_int(name: str, value: object, minimum: int | None = None) -> None:
     """value must be an int (a bool is not one) and, when minimum is given, at least minimum."""
     if isinstance(value, bool) or not isinstance(value, int):
