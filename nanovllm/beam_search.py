@@ -31,7 +31,7 @@ from nanovllm.beam_search_params import BeamSearchParams
 from nanovllm.inputs import prompt_batch, tokens_prompt
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.validation import check_int
+from nanovllm.utils.validation import check_int, plain_number
 
 if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine
@@ -107,6 +107,7 @@ def beam_search(llm: LLMEngine, generate: Generate, prompts: Sequence[object], p
     prompts = prompt_batch(prompts)  # one prompt (a str, a dict, a list of token ids) or a list of them
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    concurrency_limit = plain_number(concurrency_limit)  # a NumPy count, as BeamSearchParams takes them
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, 1)
     if 2 * params.beam_width > llm.config.logprobs_limit:

@@ -91,6 +91,9 @@ def test_beams_match_a_float64_transformers_search(ckpt, reference, width, lengt
         # a text prompt, a concurrency limit: the same beams
         again = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, concurrency_limit=2)
         assert [[s.tokens for s in o.sequences] for o in again] == [[s.tokens for s in o.sequences] for o in outs]
+        # a NumPy limit as BeamSearchParams takes NumPy counts (and vLLM slices by it): it was a TypeError
+        drawn = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, concurrency_limit=np.int64(2))
+        assert [[s.tokens for s in o.sequences] for o in drawn] == [[s.tokens for s in o.sequences] for o in outs]
     finally:
         llm.exit()
 

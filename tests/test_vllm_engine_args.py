@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,6 +325,9 @@ def test_tokenization_kwargs_truncate_prompt_tokens_as_vllm_0_17_passes_it(ckpt)
         [whole] = llm.generate([prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": -1})
         [none] = llm.generate([prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": None})
         assert whole.prompt_token_ids == none.prompt_token_ids == prompt
+        # a NumPy count, as SamplingParams.truncate_prompt_tokens takes it (vLLM too): it was a TypeError
+        [drawn] = llm.generate([prompt], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": np.int64(3)})
+        assert (drawn.prompt_token_ids, drawn.outputs[0].token_ids) == (prompt[-3:], want.outputs[0].token_ids)
         engine = llm.llm_engine
         engine.add_request("t", prompt, params, tokenization_kwargs={"truncate_prompt_tokens": 3})
         finals = []

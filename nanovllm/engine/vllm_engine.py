@@ -31,7 +31,7 @@ from nanovllm.engine.output_streams import OutputStreams
 from nanovllm.engine.tasks import SUPPORTED_TASKS, SupportedTask
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import TRUNCATE_TO_MODEL_LEN, SamplingParams
-from nanovllm.utils.validation import check_bool, check_int, is_unset, is_zero
+from nanovllm.utils.validation import check_bool, check_int, is_unset, is_zero, plain_number
 
 if TYPE_CHECKING:
     from nanovllm.config import ServedModel
@@ -64,7 +64,7 @@ def tokenization_truncation(tokenization_kwargs: dict | None, how: str) -> int |
     if not isinstance(tokenization_kwargs, dict) or set(tokenization_kwargs) != {TRUNCATE_KEY}:
         raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not supported{how} (of its keys "
                          f"only {TRUNCATE_KEY!r} is)")
-    keep = tokenization_kwargs[TRUNCATE_KEY]
+    keep = plain_number(tokenization_kwargs[TRUNCATE_KEY])  # a NumPy count, as SamplingParams takes it
     if keep is not None:
         check_int(f"tokenization_kwargs[{TRUNCATE_KEY!r}]", keep)
         if keep < 1 and keep != TRUNCATE_TO_MODEL_LEN:
