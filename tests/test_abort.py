@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -85,7 +86,7 @@ def test_abort_request_takes_one_id_or_many_and_ignores_unknown_ones(ckpt):
         run.abort([b, 12345])  # an unknown id is ignored ...
         run.abort(a)  # ... as is one already aborted
         run.step()
-        llm.abort_request(x for x in (d,))
+        llm.abort_request(np.int64(x) for x in (d,))  # NumPy ids (an id array's items): they were a TypeError
         run.aborted.add(d)
         run.aborted_seqs.add(d)
         run.finish()

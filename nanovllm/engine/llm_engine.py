@@ -49,7 +49,7 @@ from nanovllm.engine.tp_workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.generation_defaults import read_generation_config
 from nanovllm.utils.tokenizer import load_tokenizer
-from nanovllm.utils.validation import check_bool
+from nanovllm.utils.validation import check_bool, plain_number
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class LLMEngine:
         blocks are freed now; it is not returned by any later step (nor counted in `sampled`)."""
         self._check_open()
         many = isinstance(request_id, Iterable) and not isinstance(request_id, (str, bytes))
-        ids = list(request_id) if many else [request_id]
+        ids = [plain_number(i) for i in (request_id if many else [request_id])]  # NumPy ids as ints
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
         if bad:
             raise TypeError(f"abort_request takes a request id (an int) or an iterable of them, got {bad[0]!r}")
