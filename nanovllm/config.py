@@ -22,7 +22,8 @@ from nanovllm.engine_args import HF_OVERRIDE_ARGS, RENAMED, VLLM_ONLY_ARGS, stri
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
-from nanovllm.quantization.config import QuantConfig, check_no_modelopt_file, quantization_method, resolve_quantization
+from nanovllm.quantization.checkpoint_config import check_no_modelopt_file, quantization_method, resolve_quantization
+from nanovllm.quantization.config import QuantConfig
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.utils.checkpoint_files import checkpoint_files
 from nanovllm.utils.generation_defaults import check_generation_overrides
@@ -115,7 +116,7 @@ class ServedModel:
     max_model_len: int
     dtype: torch.dtype
     hf_overrides: dict | None = field(default=None, compare=False)
-    quantization: str | None = None  # quantization/config.quantization_method
+    quantization: str | None = None  # quantization/checkpoint_config.quantization_method
 
     @functools.cached_property
     def hf_config(self) -> PretrainedConfig:

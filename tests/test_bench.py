@@ -153,7 +153,8 @@ def test_decode_weights_follow_each_family(name, published_params, untied_embedd
 def test_fp8_release_configs_are_their_shapes_in_block_fp8(name):
     """configs/<name>-fp8: the shape of configs/<name> with the quantization_config of Qwen's FP8
     releases, read as 128 x 128 block-scaled e4m3 weights (so bench.py probes the FP8 GEMM peak)."""
-    from nanovllm.quantization.config import BLOCK, resolve_quantization
+    from nanovllm.quantization.checkpoint_config import resolve_quantization
+    from nanovllm.quantization.config import BLOCK
 
     fp8 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / f"{name}-fp8"))
     bf16 = ModelConfig.from_pretrained(str(REPO / "benchmarks" / "configs" / name))
@@ -508,7 +509,8 @@ def test_fp8_experts_count_at_their_stored_width():
     3,072 float32 scales (4 x (512 + 256)) = 798,720 bytes / 786,432 = 1.015625; dequantized
     (kernels=False) or unquantized: the compute dtype's 4 bytes (float32 on CPU)."""
     from nanovllm.moe.layer import MoeExperts
-    from nanovllm.quantization.config import quantization, resolve_quantization
+    from nanovllm.quantization.checkpoint_config import resolve_quantization
+    from nanovllm.quantization.config import quantization
 
     online = resolve_quantization("fp8", None, "test")
     with quantization(online):

@@ -23,9 +23,8 @@ from fp8_checkpoints import (
     LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
-from nanovllm.quantization.config import (
-    SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, QuantGroup, resolve_quantization,
-)
+from nanovllm.quantization.checkpoint_config import resolve_quantization
+from nanovllm.quantization.config import SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, QuantGroup
 from nanovllm.quantization.loading import QuantizedTensors
 
 # Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,

@@ -41,7 +41,7 @@ from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows
 from nanovllm.layers.attention import KV_SCALE_HEADROOM
 from nanovllm.layers.attention_backend import select_attention_backend
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.quantization.config import resolve_quantization
+from nanovllm.quantization.checkpoint_config import resolve_quantization
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

@@ -26,7 +26,8 @@ from nanovllm.moe.tiles import MoeTiles, Tiling
 from nanovllm.moe.checkpoint_names import map_expert_name
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.routing import moe_route
-from nanovllm.quantization.config import expert_quant, quantization, resolve_quantization
+from nanovllm.quantization.checkpoint_config import resolve_quantization
+from nanovllm.quantization.config import expert_quant, quantization
 from nanovllm.utils.loader import load_model, update_weights
 from nanovllm.utils.distributed import TensorParallel, tensor_parallel
 

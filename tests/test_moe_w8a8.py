@@ -25,7 +25,8 @@ from nanovllm.moe.grouped_gemm import act_row_quant, fused_moe
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.tiles import DECODE_GATE_UP, plan_tiles
-from nanovllm.quantization.config import quantization, resolve_quantization
+from nanovllm.quantization.checkpoint_config import resolve_quantization
+from nanovllm.quantization.config import quantization
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128

@@ -136,7 +136,7 @@ class ModelConfig:
     # it masks nothing (config.Config). None: full attention.
     sliding_window: int | None = None
     # config.json's quantization_config as written (None: full precision); read by
-    # quantization/config.resolve_quantization at LLM(...).
+    # quantization/checkpoint_config.resolve_quantization at LLM(...).
     quantization_config: dict | None = field(default=None, compare=False)
 
     @property

@@ -1,34 +1,8 @@
 """Which weights are FP8, and how: the one place that decides the format of a layer's weights.
 
-`resolve_quantization(LLM(quantization=...), config.json's quantization_config)` reads one of
-
-    Qwen / DeepSeek fine-grained FP8   quant_method "fp8": e4m3 weights, `weight_scale_inv` per
-                                       [128, 128] block (weight_block_size) or, without a block
-                                       size, `weight_scale` per tensor; activation_scheme
-                                       "dynamic" (or "static": per-tensor `input_scale`);
-                                       modules_to_not_convert stay full precision
-    compressed-tensors FP8             quant_method "compressed-tensors", format "float-quantized"
-                                       (or "naive-quantized", older releases' name; the group's
-                                       own format, where it has one, over the top-level one):
-                                       config groups (their targets: below), each of 8-bit float
-                                       weights with `weight_scale` per tensor, per output channel
-                                       or per [128, 128] block; activations dynamic (per token, group or
-                                       tensor: quantized per token, or per 1 x 128 group beside block
-                                       weights) or static per tensor (`input_scale`); `ignore` stays
-                                       full precision;
-                                       no config group (a calibrated FP8 KV cache alone):
-                                       full-precision weights; online transforms
-                                       (transform_config) and sparse storage are refused
-    online FP8                         LLM(quantization="fp8") on a full-precision checkpoint:
-                                       weights quantized at load, one scale per output channel
-                                       (amax / 448), activations dynamic per token
-
-into a QuantConfig; any other quant_method or quantization value is a ValueError naming it
-(`quantization_method` names the pair as vLLM's ModelConfig.quantization does), ModelOpt's too
-(NVIDIA's FP8 releases): in config.json (producer "modelopt", read as quant_method "modelopt", as
-vLLM reads it) or, without a quantization_config there, in hf_quant_config.json beside it
-(`check_no_modelopt_file`). A
-layer built inside `quantization(config)` asks `linear_quant(names, ...)` with the checkpoint
+A QuantConfig (config.json's quantization_config and LLM(quantization=...), as
+quantization/checkpoint_config.resolve_quantization reads them) holds the formats of the checkpoint's
+config groups and its skip list. A layer built inside `quantization(config)` asks `linear_quant(names, ...)` with the checkpoint
 module names it is built from (a packed layer: all of its parts) and keeps the answer:
 
     None                      full precision (no config, a skipped module, or a layer built
@@ -55,8 +29,6 @@ skipped one does.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -68,28 +40,15 @@ from nanovllm.kernels.checks import FP8_BLOCK, FP8_PER_WORD
 from nanovllm.utils.scoped import scoped
 
 FP8_DTYPE = torch.float8_e4m3fn
-# The values LLM(quantization=...) takes.
-QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors")
-# quant_method values of config.json's quantization_config that load.
-SUPPORTED_METHODS = ("fp8", "compressed-tensors")
 # Scale granularities: one per [FP8_BLOCK, FP8_BLOCK] block, per output row, per checkpoint tensor.
 BLOCK, CHANNEL, TENSOR = "block", "channel", "tensor"
-# compressed-tensors' activation strategy of one scale per row and 1 x group_size columns.
-GROUP = "group"
 # Checkpoint names of a weight's scale: Qwen / DeepSeek block FP8, and every other layout.
 SCALE_INV, SCALE = "weight_scale_inv", "weight_scale"
 INPUT_SCALE = "input_scale"
-# The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
-FP8_FORMATS = ("float-quantized", "naive-quantized")
-_REGEX_PREFIX = "re:"
+# Skip-list and target entries that are regular expressions (matched from the module name's start) start so.
+REGEX_PREFIX = "re:"
 # compressed-tensors' target of every linear layer (a module class, which each of ours is).
 LINEAR_TARGET = "Linear"
-# ModelOpt (NVIDIA's *-FP8 releases, e.g. nvidia/Llama-3.1-8B-Instruct-FP8) writes its quantization to
-# this file beside config.json, which then has no quantization_config: read as full precision, the
-# checkpoint's FP8 tensors were refused one at a time as unknown weights.
-MODELOPT_FILE = "hf_quant_config.json"
-# The producer name ModelOpt writes into a quantization_config (`producer.name`), without quant_method.
-MODELOPT = "modelopt"
 # torch._scaled_mm wants its operands' widths in multiples of 16 (K: measured on the H200).
 FP8_GEMM_ALIGN = 16
 # Held block-FP8 layers take widths (in and out) in multiples of this: weight-scale grids with
@@ -130,8 +89,8 @@ class LinearQuant:
 
 def _names_module(target: str, name: str) -> bool:
     """Whether target `target` (a whole module name or a "re:" regex) names module `name`."""
-    if target.startswith(_REGEX_PREFIX):
-        return re.match(target[len(_REGEX_PREFIX):], name) is not None
+    if target.startswith(REGEX_PREFIX):
+        return re.match(target[len(REGEX_PREFIX):], name) is not None
     return target == name
 
 
@@ -151,8 +110,8 @@ class QuantConfig:
     def skipped(self, name: str) -> bool:
         """Whether a skip entry names module `name`."""
         for entry in self.skip:
-            if entry.startswith(_REGEX_PREFIX):
-                if re.match(entry[len(_REGEX_PREFIX):], name):
+            if entry.startswith(REGEX_PREFIX):
+                if re.match(entry[len(REGEX_PREFIX):], name):
                     return True
             elif f".{entry}." in f".{name}.":
                 return True
@@ -182,171 +141,6 @@ class QuantConfig:
             raise ValueError(f"modules {list(names)} are packed into one layer, but the quantization config "
                              f"gives them different formats: {dict(zip(names, formats))}")
         return formats[0]
-
-
-def _field(cfg: dict, key: str, allowed: tuple, default: object, source: str) -> object:
-    value = cfg.get(key, default)
-    if value not in allowed:
-        raise ValueError(f"{source}: {key}={value!r} is not supported (supported: {', '.join(map(repr, allowed))})")
-    return value
-
-
-def _module_names(cfg: dict, key: str, source: str) -> tuple[str, ...]:
-    entries = cfg.get(key) or []
-    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-        raise ValueError(f"{source}: {key} must be a list of module names, got {entries!r}")
-    for entry in entries:
-        if entry.startswith(_REGEX_PREFIX):
-            try:
-                re.compile(entry[len(_REGEX_PREFIX):])
-            except re.error as e:
-                raise ValueError(f"{source}: {key} entry {entry!r} is not a regular expression: {e}") from e
-    return tuple(entries)
-
-
-def _block_size(value: object, key: str, source: str) -> None:
-    if not isinstance(value, (list, tuple)) or list(value) != [FP8_BLOCK, FP8_BLOCK]:
-        raise ValueError(f"{source}: {key}={value!r} is not supported (only [{FP8_BLOCK}, {FP8_BLOCK}])")
-
-
-def _fp8_method(cfg: dict, source: str) -> QuantConfig:
-    """quant_method "fp8" (Qwen's and DeepSeek's FP8 checkpoints, vLLM's Fp8Config)."""
-    _field(cfg, "fmt", ("e4m3",), "e4m3", source)
-    static = _field(cfg, "activation_scheme", ("dynamic", "static"), "dynamic", source) == "static"
-    block = cfg.get("weight_block_size")
-    if block is not None:
-        _block_size(block, "weight_block_size", source)
-        if static:
-            raise ValueError(f"{source}: activation_scheme='static' with weight_block_size is not supported")
-    fmt = Fp8Format(BLOCK if block is not None else TENSOR, SCALE_INV if block is not None else SCALE, static, False)
-    skip = _module_names(cfg, "modules_to_not_convert", source) + _module_names(cfg, "ignored_layers", source)
-    return QuantConfig((QuantGroup(fmt),), skip)
-
-
-def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
-    """quant_method "compressed-tensors" with FP8 weights (RedHat's / llm-compressor's FP8)."""
-    groups = cfg.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError(f"{source}: config_groups must map group names to quantization schemes, got {groups!r}")
-    return QuantConfig(tuple(_compressed_tensors_group(cfg, source, name, group) for name, group in groups.items()),
-                       _module_names(cfg, "ignore", source))
-
-
-def _compressed_tensors_group(cfg: dict, source: str, name: str, group: object) -> QuantGroup:
-    """Config group `name` of compressed-tensors config `cfg`."""
-    where = f"{source}: config_groups.{name}"
-    if not isinstance(group, dict):  # e.g. {"FP8_DYNAMIC": ["Linear"]}: a preset's name and its targets
-        raise ValueError(f"{where} must be a quantization scheme (targets, weights, input_activations), got "
-                         f"{group!r}")
-    if group.get("format") is not None:  # the group's own format stands over the top-level one (vLLM)
-        _field(group, "format", FP8_FORMATS, None, where)
-    else:
-        _field(cfg, "format", FP8_FORMATS, None, source)
-    targets = _module_names(group, "targets", where)
-    if not targets:
-        raise ValueError(f"{where}: targets={group.get('targets')!r} names no module to quantize")
-    weights, acts = group.get("weights") or {}, group.get("input_activations")
-    for key, value in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
-        _field(weights, key, (value,), value, f"{where}.weights")
-    scales = _field(weights, "strategy", (TENSOR, CHANNEL, BLOCK), None, f"{where}.weights")
-    if scales == BLOCK:
-        _block_size(weights.get("block_structure"), "block_structure", f"{where}.weights")
-    if not isinstance(acts, dict):
-        raise ValueError(f"{where}: weight-only FP8 (no input_activations) is not supported")
-    for key, value in (("num_bits", 8), ("type", "float")):
-        _field(acts, key, (value,), value, f"{where}.input_activations")
-    strategy = _field(acts, "strategy", ("token", GROUP, TENSOR), None, f"{where}.input_activations")
-    dynamic = acts.get("dynamic")
-    if not isinstance(dynamic, bool) or (not dynamic and strategy != TENSOR):
-        raise ValueError(f"{where}.input_activations: strategy {strategy!r} with dynamic={dynamic!r} is not "
-                         f"supported (dynamic per token, group or tensor; static per tensor)")
-    if not dynamic and scales == BLOCK:
-        raise ValueError(f"{where}: static activations with block weights are not supported")
-    if strategy == GROUP:  # llm-compressor's FP8_BLOCK: the 1 x 128 groups block weights take anyway
-        if scales != BLOCK or acts.get("group_size") != FP8_BLOCK:
-            raise ValueError(f"{where}.input_activations: strategy 'group' is supported with block weights and "
-                             f"group_size {FP8_BLOCK} only, got weights {scales!r}, group_size "
-                             f"{acts.get('group_size')!r}")
-    return QuantGroup(Fp8Format(scales, SCALE, not dynamic, False), targets)
-
-
-def _no_transforms_or_sparse_storage(cfg: dict, source: str) -> None:
-    """A ValueError naming what a compressed-tensors config holds beyond quantization that the
-    tensors cannot be read without: online transforms (`transform_config`: rotations applied around
-    the layers at run time) and sparsity compressed on disk (`sparsity_config` in a format other
-    than "dense", e.g. "sparse-24-bitmask"). Empty ones, as compressed-tensors writes them, pass."""
-    transform = cfg.get("transform_config")
-    if transform and (not isinstance(transform, dict) or transform.get("config_groups", transform)):
-        raise ValueError(f"{source}: transform_config={transform!r} (online transforms) is not supported")
-    sparsity = cfg.get("sparsity_config")
-    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format") != "dense"):
-        fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
-        raise ValueError(f"{source}: sparsity_config format={fmt!r} is not supported (only 'dense': weights "
-                         f"stored whole)")
-
-
-def checkpoint_method(checkpoint: dict) -> object:
-    """config.json's quant_method as vLLM reads it: any case, and compressed_tensors (compressed-tensors'
-    own older spelling) for compressed-tensors."""
-    method = checkpoint.get("quant_method")
-    producer = checkpoint.get("producer")
-    if method is None and isinstance(producer, dict) and producer.get("name") == MODELOPT:
-        return MODELOPT  # ModelOpt's own spelling, without quant_method (vLLM names it so)
-    return method.lower().replace("compressed_tensors", "compressed-tensors") if isinstance(method, str) else method
-
-
-def check_no_modelopt_file(model_dir: str, checkpoint: object) -> None:
-    """A ValueError naming ModelOpt's hf_quant_config.json (and its quant_algo) where it lies in
-    `model_dir` and config.json has no quantization_config (`checkpoint` None): the weights are
-    ModelOpt's FP8 (weight_scale, input_scale, k_proj.k_scale), not full precision."""
-    path = os.path.join(model_dir, MODELOPT_FILE)
-    if checkpoint is not None or not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            content = json.load(f)
-    except (OSError, ValueError):
-        content = None
-    quantization = content.get("quantization") if isinstance(content, dict) else None
-    algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
-    raise ValueError(f"{path}: ModelOpt quantization (quant_algo={algo!r}) is not supported (supported: "
-                     f"config.json quantization_config with quant_method {', '.join(map(repr, SUPPORTED_METHODS))})")
-
-
-def quantization_method(quantization: str | None, checkpoint: dict | None) -> str | None:
-    """vLLM's ModelConfig.quantization of a pair resolve_quantization took: the checkpoint's method
-    where config.json has a quantization_config ("fp8", "compressed-tensors": what loads), else
-    LLM(quantization=...) (None: full precision)."""
-    return quantization if checkpoint is None else checkpoint_method(checkpoint)
-
-
-def resolve_quantization(quantization: object, checkpoint: object, source: str) -> QuantConfig | None:
-    """The QuantConfig of LLM(quantization=...) and config.json's quantization_config (None:
-    full precision). A checkpoint that is FP8 already loads as it is, also under "fp8"."""
-    if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
-    if checkpoint is None:
-        if quantization == "compressed-tensors":
-            raise ValueError(f"quantization='compressed-tensors' names a checkpoint's own format, but {source} has "
-                             "no quantization_config")
-        return QuantConfig((QuantGroup(ONLINE),), ()) if quantization == "fp8" else None
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
-    method = checkpoint_method(checkpoint)
-    if quantization == "compressed-tensors" and method != quantization:  # it names the checkpoint's own (vLLM)
-        raise ValueError(f"quantization='compressed-tensors' does not match {source}'s quantization_config "
-                         f"quant_method={method!r}")
-    if method == "fp8":
-        return _fp8_method(checkpoint, source)
-    if method == "compressed-tensors":
-        _no_transforms_or_sparse_storage(checkpoint, source)
-        if not checkpoint.get("config_groups"):
-            # No weight scheme, so full-precision weights (vLLM's reading too): a calibrated FP8 KV cache alone
-            # (utils/kv_scales.py reads it), which llm-compressor writes as config_groups {} (format "dense").
-            return QuantConfig((QuantGroup(ONLINE),), ()) if quantization == "fp8" else None
-        return _compressed_tensors(checkpoint, source)
-    raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported "
-                     f"(supported: {', '.join(map(repr, SUPPORTED_METHODS))}, FP8 weights)")
 
 
 _QUANT: ContextVar[QuantConfig | None] = ContextVar("quantization", default=None)
