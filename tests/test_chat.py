@@ -346,8 +346,9 @@ def test_tool_call_turns_without_content(bos_llm):
 
 def test_tool_call_arguments_reach_the_template_as_dicts(bos_llm):
     """vLLM's message parsing: an assistant's tool call arguments, a JSON string in OpenAI's format,
-    reach the template as the dict tool templates render with `tojson` (Llama 3.1's), {} for a
-    string that is not JSON or for None; an empty tool_calls list is dropped (the template takes
+    reach the template as the dict tool templates render with `tojson` (Llama 3.1's), whatever else a
+    JSON string holds as it holds it (an array, a number: vLLM's json.loads), {} for a string that is
+    not JSON or for None, a list given kept; an empty tool_calls list is dropped (the template takes
     its plain assistant path). The caller's messages are left as they were."""
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls is defined %}"
                 "{% for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
@@ -357,13 +358,16 @@ def test_tool_call_arguments_reach_the_template_as_dicts(bos_llm):
                  {"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
                  {"id": "b", "type": "function", "function": {"name": "time", "arguments": "not json"}},
                  {"id": "c", "type": "function", "function": {"name": "now", "arguments": None}},
-                 {"id": "d", "type": "function", "function": {"name": "list", "arguments": {"n": 2}}}]},
+                 {"id": "d", "type": "function", "function": {"name": "list", "arguments": {"n": 2}}},
+                 {"id": "e", "type": "function", "function": {"name": "array", "arguments": "[1, 2]"}},
+                 {"id": "f", "type": "function", "function": {"name": "number", "arguments": "42"}},
+                 {"id": "g", "type": "function", "function": {"name": "given", "arguments": [3]}}]},
              {"role": "tool", "tool_call_id": "a", "content": "sunny"},
              {"role": "assistant", "content": "sunny", "tool_calls": []}]
     given = copy.deepcopy(calls)
     [out] = bos_llm.chat(calls, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)
     assert out.prompt == ('<user>the weather?.<assistant>[weather {"city": "Paris"}][time {}][now {}][list {"n": 2}]'
-                          "<tool>sunny.<assistant>sunny.")
+                          "[array [1, 2]][number 42][given [3]]<tool>sunny.<assistant>sunny.")
     assert calls == given
 
 
@@ -431,10 +435,9 @@ LLAMA31_MESSAGES = (
 
 
 def test_tool_calls_as_vllm_hands_them_to_llama31(bos_llm):
-    """vLLM's _postprocess_messages: tool-call arguments that are not a JSON object (a JSON array or
-    number, or a list given) reach the template as {}, which Llama 3.1's renders with `| items` (it
-    got the list or number and failed); tool_calls that are not a list of function-call dicts are
-    refused naming the message and call (they reached the template as given)."""
+    """vLLM's _postprocess_messages on Llama 3.1's template: tool_calls that are not a list of
+    function-call dicts are refused naming the message and call (they reached the template as given,
+    where vLLM's parsing fails on them unnamed)."""
     def render(conversation):
         return bos_llm.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=LLAMA31_MESSAGES)
 
@@ -447,9 +450,8 @@ def test_tool_calls_as_vllm_hands_them_to_llama31(bos_llm):
         return {"id": "a", "type": "function", "function": {"name": "weather", "arguments": arguments}}
 
     user = {"role": "user", "content": "the weather?"}
-    for arguments in ("[1, 2]", "42", [1, 2]):
-        assert chat([user, {"role": "assistant", "content": None, "tool_calls": [call(arguments)]}]) == render(
-            [user, {"role": "assistant", "content": "", "tool_calls": [call({})]}])
+    assert chat([user, {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Paris"}')]}]) == render(
+        [user, {"role": "assistant", "content": "", "tool_calls": [call({"city": "Paris"})]}])
     for calls, exc, words in (("weather", TypeError, "tool_calls must be a list"),
                               (["weather"], TypeError, "tool call 0 must be a dict"),
                               ([{"type": "custom", "custom": {"name": "w"}}], ValueError, "tool call 0 .*'function'"),

@@ -5,7 +5,7 @@ out (an assistant turn of tool calls), or a list of {"type": "text" | "input_tex
 "text": str} parts ({"type": "refusal", "refusal": str} and {"type": "thinking", "thinking": str}
 too: TEXT_PARTS) or bare strings; other keys (tool_calls, name, ...) reach the template as given, but for an
 assistant's tool calls (function calls), whose arguments (a JSON string in OpenAI's format) reach it
-as the dict tool templates render with `tojson` ({} for arguments that are no JSON object), an empty
+as the dict tool templates render with `tojson` (what the JSON holds; {} for a string that is not JSON), an empty
 list of them left out, as vLLM does (`assistant_tool_calls`; other shapes of them are refused). The template
 sees the content as vLLM's `chat_template_content_format` says: "string" (parts joined with
 newlines; None: ""), "openai" (a list of {"type": "text", "text": ...} parts; a tool message's
@@ -135,9 +135,10 @@ def _content(content: object, where: str, content_format: str) -> str | list[dic
 def assistant_tool_calls(tool_calls: object, where: str) -> list[dict]:
     """An assistant message's tool calls as vLLM hands them to the template (its _postprocess_messages):
     each a function call ({"type": "function" or left out, "function": {...}}), its function.arguments
-    parsed from OpenAI's JSON string to a dict, {} for arguments that are no JSON object (not JSON, an
-    array, a number, None or empty), copies of the calls and functions changed (the caller's stay).
-    A tool_calls that is not a list of such dicts is refused naming `where` and the call."""
+    parsed from OpenAI's JSON string (to whatever the JSON holds, as vLLM's json.loads gives it; {} for
+    a string that is not JSON), arguments given as a dict or list kept, {} for None or any other value;
+    copies of the calls and functions changed (the caller's stay). A tool_calls that is not a list of
+    such dicts is refused naming `where` and the call (vLLM's parsing fails on it, unnamed)."""
     if not isinstance(tool_calls, (list, tuple)):
         raise TypeError(f"{where}: tool_calls must be a list of tool calls, got {type(tool_calls).__name__}")
     out = []
@@ -154,8 +155,10 @@ def assistant_tool_calls(tool_calls: object, where: str) -> list[dict]:
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
-                arguments = None
-        out.append({**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}})
+                arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            arguments = {}
+        out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 
 
