@@ -266,6 +266,9 @@ def test_published_30b_a3b_config_reads():
     ({"moe_intermediate_size": "null"}, r"^config.json: moe_intermediate_size must be a positive int, got None$"),
     ({"num_experts": True}, r"^config.json: num_experts must be a positive int, got True$"),
     ({"mlp_only_layers": [3, 48]}, r"mlp_only_layers must list layer indices in \[0, 48\), got \[3, 48\]"),
+    # a falsy non-list (false, 0, ""): `or []` read it as no dense layer, where transformers and vLLM fail on it
+    ({"mlp_only_layers": False}, r"mlp_only_layers must list layer indices in \[0, 48\), got False"),
+    ({"mlp_only_layers": 0}, r"mlp_only_layers must list layer indices in \[0, 48\), got 0"),
 ])
 def test_moe_config_refusals_name_the_value(change, message):
     raw = {k: None if v == "null" else v for k, v in {**A3B, **change}.items() if v is not None}  # "null": a JSON null

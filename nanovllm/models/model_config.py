@@ -265,7 +265,8 @@ def _moe(raw: dict, source: str) -> MoeConfig:
     """The MoE section of a mixture-of-experts config.json; a missing key is a KeyError
     (from_dict names it), an inconsistent value a ValueError naming it."""
     count_key = next((k for k in _NUM_EXPERTS_KEYS if raw.get(k) is not None), _NUM_EXPERTS_KEYS[0])
-    layers = raw.get("mlp_only_layers") or []
+    layers = raw.get("mlp_only_layers")
+    layers = [] if layers is None else layers  # transformers' default; a falsy non-list (false, 0) is refused below
     num_layers = int(raw["num_hidden_layers"])
     if not isinstance(layers, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
         raise ValueError(f"{source}: mlp_only_layers must list layer indices in [0, {num_layers}), got {layers!r}")
