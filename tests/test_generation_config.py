@@ -88,6 +88,29 @@ def test_eos_ids_come_from_the_directory_generation_config_names(ckpt, tmp_path)
             llm.exit()
 
 
+def test_config_json_eos_ids_count_only_without_a_generation_config_file(tmp_path):
+    """vLLM's rule (try_get_generation_config): the EOS ids beside the tokenizer's come from
+    generation_config.json, and from config.json only when there is no such file
+    (GenerationConfig.from_model_config). config.json's 7, absent from the file, does not end a request."""
+    forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={7: 100.0})
+    path = build_checkpoint(str(tmp_path / "config_eos"), TinyShape(), eos_token_id=[0, 7])
+    saved = os.path.join(path, "generation_config.json")
+    for file in ({"eos_token_id": 0}, {"temperature": 0.5}, None):
+        if file is None:
+            os.remove(saved)
+        else:
+            write_generation_config(path, file)
+        llm = cpu_llm(path, **ENGINE)
+        try:
+            out = llm.generate([[3, 4, 5]], forced, use_tqdm=False)[0].outputs[0]
+            if file is None:  # config.json's ids stand in for the missing file's
+                assert 7 in llm.eos_token_ids and (out.token_ids, out.stop_reason) == ([7], 7)
+            else:
+                assert llm.eos_token_ids == {0} and (out.token_ids, out.finish_reason) == ([7] * 4, "length")
+        finally:
+            llm.exit()
+
+
 def test_a_checkpoint_without_the_file_gets_sampling_params_defaults(tmp_path):
     path = build_checkpoint(str(tmp_path / "plain"), TinyShape())
     saved = os.path.join(path, "generation_config.json")

@@ -307,9 +307,11 @@ def test_bad_checkpoints(tmp_path, ckpt):
 
 
 def test_an_eos_id_outside_the_vocabulary_is_refused_at_start_up(tmp_path):
-    """An EOS id of config.json or generation_config.json past the vocabulary: refused by LLM(...) naming it
-    (the engine used to start and then refuse every request, blaming SamplingParams.stop_token_ids)."""
+    """An EOS id of config.json (read where there is no generation_config.json) or generation_config.json past
+    the vocabulary: refused by LLM(...) naming it (the engine used to start and then refuse every request,
+    blaming SamplingParams.stop_token_ids)."""
     path = build_checkpoint(str(tmp_path / "eos"), TinyShape())
+    os.remove(os.path.join(path, "generation_config.json"))
     rewrite_config(path, eos_token_id=[0, VOCAB])
     with pytest.raises(ValueError, match=rf"EOS token id {VOCAB} \(config.json's eos_token_id\) is outside the model's "
                                          rf"vocabulary \[0, {VOCAB}\)"):

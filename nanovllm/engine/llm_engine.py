@@ -363,7 +363,7 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        """Every EOS id: the tokenizer's, config.json's and generation_config.json's."""
+        """Every EOS id: the tokenizer's, generation_config.json's (config.json's without one)."""
         return self.intake.eos.all
 
     @property

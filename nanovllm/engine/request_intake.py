@@ -25,6 +25,7 @@ from nanovllm.engine.request_rules import RequestRules, check_in_vocab
 from nanovllm.engine.structured_outputs import GrammarBackend
 from nanovllm.engine.text_stream import stream_decoder
 from nanovllm.sampling_params import ALL_LOGPROBS, SamplingParams
+from nanovllm.utils.generation_defaults import has_generation_config
 from nanovllm.utils.tokenizer import EosTokens, load_eos_token_ids
 
 
@@ -38,11 +39,12 @@ class CheckedParams(NamedTuple):
 
 
 def eos_tokens(tokenizer, config: Config, generation_values: dict) -> EosTokens:
-    """The model's EOS ids with `tokenizer`'s eos_token_id among them (config.json's and
-    generation_config.json's too); an id outside the vocabulary is a ValueError."""
+    """The model's EOS ids with `tokenizer`'s eos_token_id among them (generation_config.json's too,
+    config.json's where the generation directory has no such file: vLLM's try_get_generation_config);
+    an id outside the vocabulary is a ValueError."""
     model = config.model_config
-    return load_eos_token_ids(tokenizer, model.eos_token_ids, generation_values.get("eos_token_id"),
-                              model.vocab_size)
+    config_eos = () if has_generation_config(config.generation_dir) else model.eos_token_ids
+    return load_eos_token_ids(tokenizer, config_eos, generation_values.get("eos_token_id"), model.vocab_size)
 
 
 class RequestIntake:

@@ -4,7 +4,8 @@ generation_config="auto"), read with transformers' GenerationConfig.
 Only the sampling keys the file sets count: temperature, top_k, top_p, min_p, repetition_penalty,
 and max_new_tokens (as max_tokens); every other field keeps SamplingParams' default. They apply
 when generate / chat get no sampling_params; explicit SamplingParams are used as given. The
-file's eos_token_id is among the engine's EOS ids (utils/tokenizer.load_eos_token_ids).
+file's eos_token_id is among the engine's EOS ids, config.json's in its place where there is no
+file (utils/tokenizer.load_eos_token_ids).
 LLM(override_generation_config={...}) (vLLM's option) sets those keys over the file's, and applies
 under "vllm" too.
 """
@@ -32,13 +33,19 @@ def check_generation_overrides(overrides: object) -> None:
         raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_KEYS)}, got {unknown}")
 
 
+def has_generation_config(directory: str) -> bool:
+    """Whether `directory` holds a generation_config.json (vLLM reads config.json's eos_token_id
+    only where it does not: GenerationConfig.from_model_config)."""
+    return os.path.isfile(os.path.join(directory, GENERATION_FILE))
+
+
 def read_generation_config(directory: str) -> dict:
     """The keys `directory`'s generation_config.json sets ({} without one), read with transformers'
     GenerationConfig; a file that is not a JSON object (empty, cut short, a list), or one transformers
     refuses (a bad max_new_tokens), raises ValueError / TypeError naming it."""
-    path = os.path.join(directory, GENERATION_FILE)
-    if not os.path.isfile(path):
+    if not has_generation_config(directory):
         return {}
+    path = os.path.join(directory, GENERATION_FILE)
     # read here, not by GenerationConfig.from_pretrained: its error for text that is not JSON is an
     # OSError, as for no file, naming neither
     values = read_json_object(path)

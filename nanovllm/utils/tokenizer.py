@@ -57,8 +57,8 @@ def _as_ids(value, source: str) -> set[int]:
 @dataclass(frozen=True)
 class EosTokens:
     """A checkpoint's EOS ids. `primary`, the tokenizer's eos_token_id (None without a tokenizer),
-    ends a request with stop_reason None; the others (config.json's and generation_config.json's,
-    e.g. Qwen's <|endoftext|> beside its tokenizer's <|im_end|>) end it as stop_token_ids do, with
+    ends a request with stop_reason None; the others (generation_config.json's, or config.json's where
+    there is no such file, e.g. Qwen's <|endoftext|> beside its tokenizer's <|im_end|>) end it as stop_token_ids do, with
     stop_reason the id: vLLM adds them to each request's stop_token_ids (unless ignore_eos)."""
 
     primary: int | None
@@ -75,8 +75,9 @@ class EosTokens:
 
 
 def load_eos_token_ids(tokenizer, config_eos: tuple[int, ...], generation_eos, vocab_size: int) -> EosTokens:
-    """Every EOS id of the tokenizer, config.json and `generation_eos`, the eos_token_id (an int, a
-    list or None) of the generation_config.json that LLM(generation_config=...) reads (vLLM's rule).
+    """Every EOS id of the tokenizer, `config_eos` (config.json's, given only where there is no
+    generation_config.json) and `generation_eos`, the eos_token_id (an int, a list or None) of the
+    generation_config.json that LLM(generation_config=...) reads (vLLM's rule).
     An id outside the model's vocabulary [0, vocab_size) is a ValueError naming where it came from
     (every request would take it among its stop_token_ids, which the engine checks against it)."""
     generation = "generation_config.json's eos_token_id"
