@@ -67,13 +67,18 @@ class RequestRules:
         last `num_generated` of them generated: a token outside `allowed`, a one-token bad word, the
         last token of a bad word whose other tokens end the completion, an EOS or stop id short of
         min_tokens. A sample of it means the row's logits were all -inf (the sampler's fallback, token
-        0, came out). Penalties and biases ban nothing: O(1) for them, once a step a row."""
+        0, came out). Rules that ban nothing (`can_ban`: penalties, biases) need not ask."""
         if self.allowed is not None and token not in self._allowed_set:
             return True
         if token in self.single_bans or (num_generated < self.min_tokens and token in self.stop_ids):
             return True
         return any(word[-1] == token and num_generated >= len(word) - 1
                    and token_ids[len(token_ids) - len(word) + 1:] == list(word[:-1]) for word in self.bad_sequences)
+
+    @functools.cached_property
+    def can_ban(self) -> bool:
+        """Whether `bans` can be True: the rules restrict or ban tokens (not only penalties and biases)."""
+        return self.allowed is not None or bool(self.single_bans or self.bad_sequences) or self.min_tokens > 0
 
     @functools.cached_property
     def _allowed_set(self) -> frozenset[int]:

@@ -273,7 +273,9 @@ class Scheduler:
             if token is None or seq.is_finished:
                 continue  # a chunk that samples nothing, or a sequence an earlier step ended
             rejected = seq.grammar is not None and seq.grammar.rejected
-            if rejected or (seq.rules is not None and seq.rules.bans(token, seq.token_ids, seq.num_completion_tokens)):
+            rules = seq.rules  # asked once a step a row only where they can ban (not penalties / biases alone)
+            if rejected or (rules is not None and rules.can_ban and rules.bans(token, seq.token_ids,
+                                                                               seq.num_completion_tokens)):
                 # its rules (with its grammar, if any: SampleGrammar) left no token allowed, so the row's
                 # logits were all -inf and the sampler's fallback came out: it ends here, alone, whether
                 # a grammar refused that pick or took it (an EOS the rules ban)
