@@ -45,6 +45,9 @@ SHAPES = {  # name: (N, K)
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
     # Qwen3-30B-A3B's dense projections and its MoE router (128 outputs: 32 programs at 4 rows each)
     "30B qkv": (5120, 2048), "30B o": (2048, 4096), "30B router": (128, 2048),
+    # Qwen2.5-0.5B (896 wide, 14 / 2 heads of 64): cuBLAS ran its decode GEMMs at ~3x their bound at 256 rows
+    # (BENCHMARKS.md, fifty-third session)
+    "0.5B qkv": (1152, 896), "0.5B o": (896, 896), "0.5B gate_up": (9728, 896), "0.5B down": (896, 4864),
 }
 # Bytes of distinct weights one timed graph reads: several times the H200's 50 MB L2.
 ROTATE_BYTES = 256 * 2**20

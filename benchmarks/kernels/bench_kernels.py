@@ -10,12 +10,14 @@ decode batches over a 16-bit cache and an FP8 one, each at its default tile and 
     python -m benchmarks.kernels.bench_kernels [--json PATH]
     python -m benchmarks.kernels.bench_kernels --splits [--json PATH]
     python -m benchmarks.kernels.bench_kernels --fp8-tiles [--json PATH]
+    python -m benchmarks.kernels.bench_kernels --splits --heads 14,2,64   # another model's heads (Qwen2.5-0.5B)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,7 +30,15 @@ from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
-HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention heads
+class Heads(NamedTuple):
+    """A model's attention heads: query heads, kv heads, head_dim (`--heads Q,KV,D`)."""
+
+    q: int
+    kv: int
+    dim: int
+
+
+QWEN3_0_6B = Heads(16, 8, 128)  # the default
 DEV = "cuda"
 # Tiles (keys per step, stages in flight) timed by --fp8-tiles beside each cache's default.
 DECODE_TILES = [DecodeTile(32, 3), DecodeTile(32, 4), DecodeTile(64, 2), DecodeTile(64, 3), DecodeTile(64, 4),
@@ -40,7 +50,7 @@ def graph_bench(fn, reps=20):
     return graph_us(lambda: [fn() for _ in range(reps)]) / reps * 1e-6
 
 
-def paged_cache(lens, block_size, dtype, gen):
+def paged_cache(lens, block_size, dtype, gen, heads: Heads):
     nblk = [-(-n // block_size) for n in lens]
     num_blocks = sum(nblk)
     perm = torch.randperm(num_blocks, device=DEV, generator=gen).int()
@@ -49,32 +59,32 @@ def paged_cache(lens, block_size, dtype, gen):
     for i, nb in enumerate(nblk):
         table[i, :nb] = perm[pos:pos + nb]
         pos += nb
-    kc = torch.randn((num_blocks, block_size, HKV, D), device=DEV, generator=gen).to(dtype)
-    vc = torch.randn((num_blocks, block_size, HKV, D), device=DEV, generator=gen).to(dtype)
+    kc = torch.randn((num_blocks, block_size, heads.kv, heads.dim), device=DEV, generator=gen).to(dtype)
+    vc = torch.randn((num_blocks, block_size, heads.kv, heads.dim), device=DEV, generator=gen).to(dtype)
     return kc, vc, table
 
 
-def bench_decode(batch, ctx, bw, dtype=torch.bfloat16, block_size=256):
+def bench_decode(batch, ctx, bw, heads: Heads, dtype=torch.bfloat16, block_size=256):
     gen = torch.Generator(DEV).manual_seed(0)
     lens = [ctx] * batch
-    kc, vc, table = paged_cache(lens, block_size, dtype, gen)
-    q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(dtype)
+    kc, vc, table = paged_cache(lens, block_size, dtype, gen, heads)
+    q = torch.randn((batch, 1, heads.q, heads.dim), device=DEV, generator=gen).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     t = graph_bench(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table))
-    nbytes = 2 * batch * ctx * HKV * D * kc.element_size()
+    nbytes = 2 * batch * ctx * heads.kv * heads.dim * kc.element_size()
     return {"batch": batch, "ctx": ctx, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
             "pct_bw": 100 * nbytes / t / 1e9 / bw}
 
 
-def small_batch_splits(bw):
+def small_batch_splits(bw, heads: Heads):
     """Few long sequences, graph-replayed, block table as wide as the context: us per num_splits."""
     rows = []
     for batch, ctx in [(1, 1024), (1, 4096), (8, 8192), (1, 32768)]:
         gen = torch.Generator(DEV).manual_seed(3)
-        kc, vc, table = paged_cache([ctx] * batch, 256, torch.bfloat16, gen)
-        q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
+        kc, vc, table = paged_cache([ctx] * batch, 256, torch.bfloat16, gen, heads)
+        q = torch.randn((batch, 1, heads.q, heads.dim), device=DEV, generator=gen).to(torch.bfloat16)
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-        nbytes = 2 * batch * ctx * HKV * D * 2
+        nbytes = 2 * batch * ctx * heads.kv * heads.dim * 2
         row = {"batch": batch, "ctx": ctx}
         for n in (0, 1, 2, 4, 8, 16, 32, 64, 128):
             if n * 64 > ctx:
@@ -87,25 +97,25 @@ def small_batch_splits(bw):
     return rows
 
 
-def engine_batch(batch, ctx):
+def engine_batch(batch, ctx, heads: Heads):
     """An engine-like decode batch: lengths uniform in [ctx/8, ctx], block table as wide as
     max_model_len 4096. Returns the call's arguments (q, k_cache, v_cache, seqlens, table) and the
     KV bytes it must read."""
     gen = torch.Generator(DEV).manual_seed(1)
     lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=gen, device=DEV).tolist()
-    kc, vc, table = paged_cache(lens, 256, torch.bfloat16, gen)
+    kc, vc, table = paged_cache(lens, 256, torch.bfloat16, gen, heads)
     table = torch.nn.functional.pad(table, (0, 16 - table.shape[1]))
-    q = torch.randn((batch, 1, HQ, D), device=DEV, generator=gen).to(torch.bfloat16)
+    q = torch.randn((batch, 1, heads.q, heads.dim), device=DEV, generator=gen).to(torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    return (q, kc, vc, seqlens, table), 2 * sum(lens) * HKV * D * 2
+    return (q, kc, vc, seqlens, table), 2 * sum(lens) * heads.kv * heads.dim * 2
 
 
-def split_study(bw):
+def split_study(bw, heads: Heads):
     """Engine-like decode batches (engine_batch): time per num_splits (0 = the automatic choice)."""
     rows = []
     for batch, ctx in [(256, 1024), (256, 2048), (160, 1024), (128, 1024), (64, 2048), (32, 2048)]:
-        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx)
-        row = {"batch": batch, "ctx": ctx, "auto": choose_num_splits(batch, HKV, 4096, cuda_sm_count(q.device))}
+        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx, heads)
+        row = {"batch": batch, "ctx": ctx, "auto": choose_num_splits(batch, heads.kv, 4096, cuda_sm_count(q.device))}
         for n in (0, 1, 2, 4, 8):
             t = median_s(lambda: flash_attn_with_kvcache(q, kc, vc, seqlens, table, num_splits=n))
             row[f"us_{n}"] = t * 1e6
@@ -115,13 +125,13 @@ def split_study(bw):
     return rows
 
 
-def fp8_tile_study(bw):
+def fp8_tile_study(bw, heads: Heads):
     """Engine-like decode batches (engine_batch) over the bf16 cache and the same values in FP8
     (scale 1/64: randn fits e4m3's range): us and % of copy bandwidth over the bytes each must
     read, at the default tile and each of DECODE_TILES."""
     rows = []
     for batch, ctx in [(256, 1024), (256, 2048), (128, 1024), (64, 2048), (32, 4096)]:
-        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx)
+        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx, heads)
         scale = torch.full((1,), 1 / 64, device=DEV)
         k8, v8 = (c.float().div(scale).to(torch.float8_e4m3fn) for c in (kc, vc))
         for name, (k, v, extra, nb) in {"bf16": (kc, vc, {}, nbytes),
@@ -137,19 +147,19 @@ def fp8_tile_study(bw):
     return rows
 
 
-def causal_flops(lens):
-    return sum(4 * HQ * D * n * (n + 1) / 2 for n in lens)
+def causal_flops(lens, heads: Heads):
+    return sum(4 * heads.q * heads.dim * n * (n + 1) / 2 for n in lens)
 
 
-def bench_prefill(nseq, seqlen, dtype=torch.bfloat16, block_size=256):
+def bench_prefill(nseq, seqlen, heads: Heads, dtype=torch.bfloat16, block_size=256):
     gen = torch.Generator(DEV).manual_seed(1)
     lens = [seqlen] * nseq
     total = sum(lens)
-    q = torch.randn((total, HQ, D), device=DEV, generator=gen).to(dtype)
-    k = torch.randn((total, HKV, D), device=DEV, generator=gen).to(dtype)
-    v = torch.randn((total, HKV, D), device=DEV, generator=gen).to(dtype)
+    q = torch.randn((total, heads.q, heads.dim), device=DEV, generator=gen).to(dtype)
+    k = torch.randn((total, heads.kv, heads.dim), device=DEV, generator=gen).to(dtype)
+    v = torch.randn((total, heads.kv, heads.dim), device=DEV, generator=gen).to(dtype)
     cu = torch.arange(0, total + 1, seqlen, dtype=torch.int32, device=DEV)
-    flops = causal_flops(lens)
+    flops = causal_flops(lens, heads)
     res = {"nseq": nseq, "seqlen": seqlen}
     res["ours_tflops"] = flops / median_s(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)) / 1e12
     try:
@@ -159,23 +169,23 @@ def bench_prefill(nseq, seqlen, dtype=torch.bfloat16, block_size=256):
         res["ratio"] = res["ours_tflops"] / res["torch_tflops"]
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
         res["torch_error"] = repr(exc)[:120]
-    kc, vc, table = paged_cache(lens, block_size, dtype, gen)
+    kc, vc, table = paged_cache(lens, block_size, dtype, gen, heads)
     res["paged_tflops"] = flops / median_s(lambda: flash_attn_varlen_func(
         q, kc, vc, cu, cu, seqlen, seqlen, causal=True, block_table=table)) / 1e12
     return res
 
 
-def report(res, bw):
+def report(res, bw, heads: Heads):
     """Decode and prefill at the kernels' defaults, and their table."""
     res["decode"] = []
     for batch, ctx in [(256, 1024), (256, 4096), (64, 4096), (8, 8192), (8, 32768), (1, 32768)]:
-        res["decode"].append(bench_decode(batch, ctx, bw))
+        res["decode"].append(bench_decode(batch, ctx, bw, heads))
         print("decode", res["decode"][-1], flush=True)
     res["prefill"] = []
     for nseq, seqlen in [(16, 1024), (4, 4096), (64, 256)]:
-        res["prefill"].append(bench_prefill(nseq, seqlen))
+        res["prefill"].append(bench_prefill(nseq, seqlen, heads))
         print("prefill", res["prefill"][-1], flush=True)
-    print(f"\n== HBM copy {bw:.0f} GB/s | Qwen3-0.6B heads {HQ}q/{HKV}kv D{D}, bf16, block 256 ==")
+    print(f"\n== HBM copy {bw:.0f} GB/s | heads {heads.q}q/{heads.kv}kv D{heads.dim}, bf16, block 256 ==")
     print(f"{'decode batch x ctx':>20} {'us':>9} {'GB/s':>8} {'%bw':>6}")
     for r in res["decode"]:
         print(f"{r['batch']:>9} x {r['ctx']:<8} {r['us']:9.1f} {r['GB/s']:8.0f} {r['pct_bw']:6.1f}")
@@ -185,11 +195,24 @@ def report(res, bw):
               f"{r.get('ratio', float('nan')):6.2f} {r['paged_tflops']:8.1f}")
 
 
+def parse_heads(text: str) -> Heads:
+    """`--heads Q,KV,D`: three positive ints, Q a multiple of KV."""
+    try:
+        heads = Heads(*(int(v) for v in text.split(",")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"--heads takes Q,KV,D (three ints), got {text!r}") from None
+    if min(heads) < 1 or heads.q % heads.kv:
+        raise argparse.ArgumentTypeError(f"--heads: positive ints with Q a multiple of KV, got {text!r}")
+    return heads
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--splits", action="store_true", help="only the split-count studies")
     ap.add_argument("--fp8-tiles", action="store_true", help="only the 16-bit / FP8 cache decode tile study")
+    ap.add_argument("--heads", type=parse_heads, default=QWEN3_0_6B,
+                    help="query heads, kv heads, head_dim (default: Qwen3-0.6B's 16,8,128; Qwen2.5-0.5B: 14,2,64)")
     args = ap.parse_args()
     require_cuda("bench_kernels.py", "kernel time")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
@@ -197,12 +220,12 @@ def main():
     res = {"hbm_GBps": bw}
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
     if args.fp8_tiles:
-        res["fp8_tiles"] = fp8_tile_study(bw)
+        res["fp8_tiles"] = fp8_tile_study(bw, args.heads)
     elif args.splits:
-        res["small_batch_splits"] = small_batch_splits(bw)
-        res["splits"] = split_study(bw)
+        res["small_batch_splits"] = small_batch_splits(bw, args.heads)
+        res["splits"] = split_study(bw, args.heads)
     else:
-        report(res, bw)
+        report(res, bw, args.heads)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
