@@ -186,6 +186,7 @@ PUBLISHED_PARAMETERS = {
     "llama-3.1-8b": 8_030_261_248,
     "llama-3.2-1b": 1_235_814_400,
     "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-0.5b": 494_032_768,  # tied embeddings, 14 / 2 heads of 64
 }
 
 
