@@ -104,7 +104,7 @@ def cu(lens):
 @interpreter
 @pytest.mark.parametrize("block_size,d,hq,hkv,dtype,num_splits", [
     (16, 64, 8, 2, torch.bfloat16, 0), (32, 64, 4, 1, torch.float16, 3), (16, 128, 4, 4, torch.float32, 1),
-    (32, 64, 4, 2, torch.float32, 3)])
+    (32, 64, 4, 2, torch.float32, 3), (16, 64, 14, 2, torch.bfloat16, 0), (32, 64, 14, 2, torch.float32, 3)])
 def test_decode_fp8_cache(block_size, d, hq, hkv, dtype, num_splits):
     """One query per sequence over FP8 caches (unsplit, and split three ways then merged): the
     float64 attention of the dequantized caches; a zero-length row gives 0."""

@@ -80,7 +80,7 @@ def cu(lens):
 # ---------------------------------------------------------------- prefill
 @pytest.mark.parametrize("d,hq,hkv,dtype,causal", [
     (64, 4, 2, torch.float16, True), (128, 2, 1, torch.bfloat16, True),
-    (64, 2, 2, torch.float16, False), (64, 2, 1, torch.float32, True)])
+    (64, 2, 2, torch.float16, False), (64, 2, 1, torch.float32, True), (64, 14, 2, torch.bfloat16, True)])
 @pytest.mark.parametrize("lens", [[1, 37, 70, 16], [180]])
 def test_prefill_packed(d, hq, hkv, dtype, causal, lens):
     gen = torch.Generator().manual_seed(2)
@@ -425,7 +425,8 @@ def test_query_tile_rows():
 # ---------------------------------------------------------------- decode
 @pytest.mark.parametrize("block_size,d,hq,hkv,dtype", [
     (16, 64, 8, 2, torch.float16), (32, 128, 4, 1, torch.bfloat16),
-    (256, 64, 2, 2, torch.float16), (16, 64, 4, 2, torch.float32)])
+    (256, 64, 2, 2, torch.float16), (16, 64, 4, 2, torch.float32),
+    (16, 64, 14, 2, torch.bfloat16)])  # Qwen2.5-0.5B's group of 7 (padded to the tile's 16 rows)
 def test_decode(block_size, d, hq, hkv, dtype):
     gen = torch.Generator().manual_seed(4)
     lens = [1, 17, 99, 64]
