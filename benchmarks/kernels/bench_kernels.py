@@ -30,6 +30,7 @@ from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
+
 class Heads(NamedTuple):
     """A model's attention heads: query heads, kv heads, head_dim (`--heads Q,KV,D`)."""
 
