@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +245,21 @@ def test_a_config_dtype_other_than_16_or_32_bit_float_is_served(ckpt, tmp_path, 
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(f"{path / 'config.json'}: unsupported dtype 'int8'")):
         cpu_llm(str(path), dtype="float32")
+
+
+@pytest.mark.parametrize("stored_key,override_key", [("dtype", "torch_dtype"), ("torch_dtype", "dtype")])
+def test_an_hf_overrides_dtype_replaces_either_spelling(tmp_path, stored_key, override_key):
+    """config.json spells the weights' dtype `dtype` (transformers 5) or `torch_dtype` (4): an
+    hf_overrides entry in either spelling is the dtype read, as transformers' config (which aliases the
+    two) gives vLLM; before, a `dtype` key in the file won over an overriding `torch_dtype`."""
+    from nanovllm.models.model_config import ModelConfig
+
+    raw = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"
+                      / "config.json").read_text())
+    raw.pop("dtype", None)
+    raw.pop("torch_dtype", None)
+    raw[stored_key] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_pretrained(str(tmp_path)).torch_dtype == torch.bfloat16
+    assert ModelConfig.from_pretrained(str(tmp_path), {override_key: "float16"}).torch_dtype == torch.float16
+    assert ModelConfig.from_pretrained(str(tmp_path), {override_key: torch.float16}).torch_dtype == torch.float16

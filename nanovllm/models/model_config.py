@@ -191,7 +191,9 @@ class ModelConfig:
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-        stored_dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        # a torch.dtype where hf_overrides gives one (transformers' config takes either)
+        stored_dtype = (dtype_name if isinstance(dtype_name, torch.dtype)
+                        else getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None)
         if not isinstance(stored_dtype, torch.dtype) or not stored_dtype.is_floating_point:
             raise ValueError(f"{source}: unsupported dtype {dtype_name!r} (not a torch floating-point dtype)")
         rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
@@ -251,13 +253,21 @@ class ModelConfig:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
 
 
+# The weights' dtype in config.json: transformers 5 writes `dtype`, 4 wrote `torch_dtype`.
+_DTYPE_KEYS = frozenset({"dtype", "torch_dtype"})
+
+
 def read_config_json(path: str, overrides: dict | None = None) -> dict:
     """Model directory `path`'s config.json as a dict, its keys replaced by (copies of) `overrides`."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {path!r} has no config.json")
     raw = read_json_object(config_path)
-    raw.update(copy.deepcopy(overrides or {}))  # readers may edit what they are given (transformers does)
+    overrides = overrides or {}
+    if _DTYPE_KEYS & overrides.keys():  # one fact in two spellings: an override of either replaces both
+        for key in _DTYPE_KEYS:
+            raw.pop(key, None)
+    raw.update(copy.deepcopy(overrides))  # readers may edit what they are given (transformers does)
     return raw
 
 
