@@ -426,7 +426,8 @@ def test_query_tile_rows():
 @pytest.mark.parametrize("block_size,d,hq,hkv,dtype", [
     (16, 64, 8, 2, torch.float16), (32, 128, 4, 1, torch.bfloat16),
     (256, 64, 2, 2, torch.float16), (16, 64, 4, 2, torch.float32),
-    (16, 64, 14, 2, torch.bfloat16)])  # Qwen2.5-0.5B's group of 7 (padded to the tile's 16 rows)
+    (16, 64, 14, 2, torch.bfloat16),  # Qwen2.5-0.5B's group of 7 (padded to the tile's 16 rows)
+    (32, 128, 10, 2, torch.float16)])  # Qwen3-14B's group of 5
 def test_decode(block_size, d, hq, hkv, dtype):
     gen = torch.Generator().manual_seed(4)
     lens = [1, 17, 99, 64]
