@@ -29,6 +29,13 @@ for part in $parts; do
     bench8b) bench bench8b 240 --model $CONFIGS/qwen3-8b ;;
     score) for m in qwen3-0.6b qwen3-8b; do bench "score-$m" 240 --model $CONFIGS/$m --workload score; done ;;
     benchhf) bench benchhf 400 --model $CONFIGS/qwen3-0.6b --compare-hf ;;
+    small) # Qwen2.5-0.5B's geometry (2 kv heads of 64, 896 wide): the engine's two presets, the decode split study at
+           # its heads, cuBLAS at its layers (BENCHMARKS.md, fifty-third session)
+      for w in default rollout; do bench "small-$w" 150 --model $CONFIGS/qwen2.5-0.5b --workload $w; done
+      timeout 200 python3 -m benchmarks.kernels.bench_kernels --splits --heads 14,2,64 --json "$OUT/small-splits.json" 2>&1 \
+        | tail -20 | tee "$OUT/small-splits.log"
+      timeout 150 python3 -m benchmarks.kernels.bench_gemm --batch-rows 64,128,256,512 \
+        --shapes "0.5B qkv,0.5B o,0.5B gate_up,0.5B down" --json "$OUT/small-gemm.json" 2>&1 | tail -20 | tee "$OUT/small-gemm.log" ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
                bench "latency-$m" 200 --model $CONFIGS/$m --latency --latency-batch-sizes 1,2,8,32; done ;;
