@@ -33,6 +33,9 @@ CHECKPOINTS = {
     "llama-biases": LlamaShape(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
     "qwen2-tied": Qwen2Shape(),
     "qwen2-untied": Qwen2Shape(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    # Qwen2.5-0.5B's attention: 14 q heads over 2 kv heads of 64 (a group of 7), biases, tied, hidden 896
+    "qwen2.5-0.5b-heads": Qwen2Shape(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                     intermediate_size=128),
 }
 # One checkpoint per family for the slower tests (scheduling regimes, tensor parallelism).
 PER_FAMILY = ["llama-untied-gqa4-derived-hd", "qwen2-untied"]
@@ -80,6 +83,24 @@ def test_fewer_kv_heads_than_ranks_are_replicated(checkpoints):
         assert tokens == single, tp
         for prompt, out in zip(prompts, tokens):
             assert_greedy_matches_reference(reference, prompt, out)
+
+
+def test_group_of_seven_over_two_ranks_and_refused_over_four(checkpoints):
+    """Qwen2.5-0.5B's heads (14 q over 2 kv, biases): 2 ranks of 7 q heads over one kv head, with
+    16-token prefill chunks and preemption, give one rank's tokens, transformers' argmaxes; 4 ranks
+    do not divide 14 heads: refused naming the counts, as vLLM refuses them."""
+    path = checkpoints("qwen2.5-0.5b-heads")
+    prompts = make_prompts(3, 3, 20, 60)
+    single, _ = run(path, prompts)
+    reference = load_reference(path)
+    for prompt, out in zip(prompts, single):
+        assert_greedy_matches_reference(reference, prompt, out)
+    # 8 blocks of 16: the longest request (< 76 tokens) fits, the three together do not
+    tp2, llm = run(path, prompts, tensor_parallel_size=2, max_num_batched_tokens=16, num_kvcache_blocks=8)
+    assert tp2 == single
+    assert llm.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_attention_heads=14"):
+        cpu_llm(path, tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize("name", ["llama-tied-gqa2", "qwen2-untied"])
