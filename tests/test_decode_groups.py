@@ -142,45 +142,35 @@ def grouped(table, lens, block_size, cap):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("block_size,d,hq,hkv,dtype", [
-    (16, 64, 4, 2, torch.bfloat16), (64, 64, 8, 2, torch.float16), (32, 64, 4, 1, torch.float32),
-    (16, 64, 14, 2, torch.bfloat16)])  # a group of 7 heads: two rows fill 14 of the tile's 16
-def test_decode_groups_interpreter(block_size, d, hq, hkv, dtype):
+@pytest.mark.parametrize("block_size,d,hq,hkv,dtype,fp8", [
+    (16, 64, 4, 2, torch.bfloat16, False), (64, 64, 8, 2, torch.float16, False), (32, 64, 4, 1, torch.float32, False),
+    (16, 64, 14, 2, torch.bfloat16, False),  # a group of 7 heads: two rows fill 14 of the tile's 16
+    (16, 64, 4, 2, torch.bfloat16, True), (16, 64, 14, 2, torch.bfloat16, True)])  # over FP8 caches
+def test_decode_groups_interpreter(block_size, d, hq, hkv, dtype, fp8):
     """Groups of up to the tile's rows (and a capped split of them), prompts shorter than a block
-    (nothing shared), samples at different lengths: each row's float64 attention over its own table,
-    and the ungrouped call's output within rounding. Rows another row leads are written too."""
+    (nothing shared), samples at different lengths: each row's float64 attention over its own table
+    (of the dequantized cache, for an FP8 one), and the ungrouped call's output within rounding. Rows
+    another row leads are written too."""
     gen = torch.Generator().manual_seed(block_size + hq)
     k_cache, v_cache, table, lens = shared_paged([70, 10, 130], [1, 5, 3], 3, block_size, hkv, d, dtype, gen)
     q = torch.randn((len(lens), 1, hq, d), generator=gen).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    ref = reference(q, k_cache, v_cache, table, lens, 0.3)
+    scales = {}
+    if fp8:
+        scales = {"k_scale": torch.tensor([0.01]), "v_scale": torch.tensor([0.02])}
+        k_cache = (k_cache.float() / 0.01).clamp(-448, 448).to(FP8)
+        v_cache = (v_cache.float() / 0.02).clamp(-448, 448).to(FP8)
+        ref = reference(q, k_cache.double() * 0.01, v_cache.double() * 0.02, table, lens, 0.3)
+    else:
+        ref = reference(q, k_cache, v_cache, table, lens, 0.3)
     for cap in (max_group_rows(hq // hkv), 2):
         groups = grouped(table, lens, block_size, cap)
         assert (groups.members > 1).any()
         out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.3, num_splits=1,
-                                      out=torch.full_like(q, float("nan")), groups=groups)
+                                      out=torch.full_like(q, float("nan")), groups=groups, **scales)
         assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
-    plain = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.3, num_splits=1)
+    plain = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, softmax_scale=0.3, num_splits=1, **scales)
     assert ((plain.double() - out.double()).norm() / ref.norm()).item() < TOL[dtype]
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("hq", [4, 14])
-def test_decode_groups_over_an_fp8_cache_interpreter(hq):
-    """Groups over an FP8 cache (GQA 2, and Qwen2.5-0.5B's 7 with head_dim 64): each row's float64
-    attention over its own table of the dequantized cache."""
-    gen = torch.Generator().manual_seed(hq)
-    k_cache, v_cache, table, lens = shared_paged([70, 10, 130], [1, 5, 3], 3, 16, 2, 64, torch.bfloat16, gen)
-    k8 = (k_cache.float() / 0.01).clamp(-448, 448).to(FP8)
-    v8 = (v_cache.float() / 0.02).clamp(-448, 448).to(FP8)
-    q = torch.randn((len(lens), 1, hq, 64), generator=gen).to(torch.bfloat16)
-    ref = reference(q, k8.double() * 0.01, v8.double() * 0.02, table, lens, 0.3)
-    groups = grouped(table, lens, 16, max_group_rows(hq // 2))
-    assert (groups.members > 1).any()
-    out = flash_attn_with_kvcache(q, k8, v8, torch.tensor(lens, dtype=torch.int32), table, softmax_scale=0.3,
-                                  num_splits=1, out=torch.full_like(q, float("nan")), groups=groups,
-                                  k_scale=torch.tensor([0.01]), v_scale=torch.tensor([0.02]))
-    assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
 
 
 @pytest.mark.interpreter
