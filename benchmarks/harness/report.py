@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness.roofline import (
     DecodeStep, decode_rows, decode_steps, expected_experts_hit, lm_head_elements, per_sample, phase_bound_s,
-    prefill_flops, roofline, score_flops, step_expert_elements, ByteWidths, workload_bytes, workload_flops,
+    prefill_flops, roofline, score_flops, step_weight_bytes, ByteWidths, workload_bytes, workload_flops,
 )
 from benchmarks.harness.runs import LATENCY_PERCENTILES, EngineRun, HFRun
 from benchmarks.harness.stats import bucket_edges, percentile, sum_by_rows
@@ -148,7 +148,7 @@ def score_rows(t: ThroughputRun, limits: DeviceLimits, res: dict) -> Rows:
     mm_flops, attn_flops = score_flops(cfg, t.prompt_lens)
     head_flops = 2 * lm_head_elements(cfg) * tokens
     # the weights every token goes through, and each expert some prompt token picks (read at least once)
-    weight_bytes = t.decode_weights * t.widths.weights + step_expert_elements(cfg, tokens) * t.widths.experts
+    weight_bytes = step_weight_bytes(cfg, t.widths, t.decode_weights, tokens)
     roof = roofline(weight_bytes, mm_flops + attn_flops, bw, peak)
     res.update(bandwidth=limits.bandwidth, gemm_peak_flops=limits.gemm_peak, weight_bytes=weight_bytes,
                matmul_flops=mm_flops, lm_head_flops=head_flops, attention_flops=attn_flops, memory_s=roof.memory_s,
@@ -232,7 +232,7 @@ def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, widths: ByteWidth
     for size, ts in times.items():
         med, best = percentile(ts, 50), min(ts)
         flops = prefill_flops(cfg, size)
-        weight_bytes = decode_weights * widths.weights + step_expert_elements(cfg, size) * widths.experts
+        weight_bytes = step_weight_bytes(cfg, widths, decode_weights, size)
         roof = roofline(weight_bytes, flops, bw, peak)
         res["ttft"][size] = dict(times_s=ts, median_s=med, min_s=best, flop_s=roof.compute_s,
                                  weights_s=roof.memory_s, roofline_s=roof.seconds,

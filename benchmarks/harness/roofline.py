@@ -151,6 +151,13 @@ class ByteWidths:
         return cls(elem_bytes, elem_bytes, elem_bytes)
 
 
+def step_weight_bytes(cfg: ModelConfig, widths: ByteWidths, weight_elements: int, tokens: int) -> float:
+    """Weight bytes a forward of `tokens` tokens (a decode step's rows, a prefill's prompt tokens) reads at
+    least once: the `weight_elements` every token goes through, and an MoE model's expected distinct
+    experts of its tokens (step_expert_elements), each at its stored width."""
+    return weight_elements * widths.weights + step_expert_elements(cfg, tokens) * widths.experts
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_elem_bytes: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem_bytes
 
@@ -216,12 +223,12 @@ def decode_steps(cfg: ModelConfig, widths: ByteWidths, prompt_lens: Sequence[int
     for p, m in zip(prompt_lens, max_tokens, strict=True):
         ends_prompt[m - 1] += p - shared
     prompt_sum = sum(prompt_lens) - shared * len(prompt_lens) - ends_prompt[0]  # of the requests decoding at t
-    per_token, weights = kv_bytes_per_token(cfg, widths.kv), weight_elements * widths.weights
+    per_token = kv_bytes_per_token(cfg, widths.kv)
     steps = []
     for t, running in enumerate(decode_rows(max_tokens), start=1):
         rows = n * running
-        experts = step_expert_elements(cfg, rows) * widths.experts
-        steps.append(DecodeStep(rows, weights + experts, per_token * (shared + prompt_sum + rows * t),
+        steps.append(DecodeStep(rows, step_weight_bytes(cfg, widths, weight_elements, rows),
+                                per_token * (shared + prompt_sum + rows * t),
                                 rows * shared + n * prompt_sum + rows * t))
         prompt_sum -= ends_prompt[t]
     return steps

@@ -191,8 +191,10 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
                                f"{width + new} counted")
         return out
 
+    on_cuda = torch.device(device).type == "cuda"
+
     def synchronize() -> None:
-        if torch.device(device).type == "cuda":
+        if on_cuda:
             torch.cuda.synchronize()
 
     start = time.perf_counter()
@@ -209,7 +211,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: list[int], batc
     synchronize()
     seconds = time.perf_counter() - start
     del model
-    if torch.device(device).type == "cuda":
+    if on_cuda:
         torch.cuda.empty_cache()
     settings = (f"transformers {transformers.__version__}, bf16, attn_implementation={HF_ATTENTION}, random weights, "
                 f"batches of {batch_size} prompts sorted by max_tokens, num_return_sequences={n}, left padding, "
