@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -248,14 +247,14 @@ def test_a_config_dtype_other_than_16_or_32_bit_float_is_served(ckpt, tmp_path, 
 
 
 @pytest.mark.parametrize("stored_key,override_key", [("dtype", "torch_dtype"), ("torch_dtype", "dtype")])
-def test_an_hf_overrides_dtype_replaces_either_spelling(tmp_path, stored_key, override_key):
+def test_an_hf_overrides_dtype_replaces_either_spelling(ckpt, tmp_path, stored_key, override_key):
     """config.json spells the weights' dtype `dtype` (transformers 5) or `torch_dtype` (4): an
     hf_overrides entry in either spelling is the dtype read, as transformers' config (which aliases the
     two) gives vLLM; before, a `dtype` key in the file won over an overriding `torch_dtype`."""
     from nanovllm.models.model_config import ModelConfig
 
-    raw = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"
-                      / "config.json").read_text())
+    with open(os.path.join(ckpt, "config.json")) as f:
+        raw = json.load(f)
     raw.pop("dtype", None)
     raw.pop("torch_dtype", None)
     raw[stored_key] = "bfloat16"
