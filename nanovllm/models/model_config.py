@@ -58,6 +58,8 @@ def resolve_architecture(architectures: object, source: str) -> str:
 
 # The dtype names LLM(dtype=...) accepts -> torch dtypes (config.json's may name any floating-point one: from_dict).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The weights' dtype in config.json, in the order read: transformers 5 writes `dtype`, 4 wrote `torch_dtype`.
+_DTYPE_KEYS = ("dtype", "torch_dtype")
 # The MLP activation every supported family uses (SwiGLU's gate).
 _HIDDEN_ACT = "silu"
 # transformers' default theta when a config names none.
@@ -190,7 +192,7 @@ class ModelConfig:
                                   _DEFAULT_POSITIONS_OF.get(architecture, _DEFAULT_POSITIONS))
         if partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {partial!r} is not supported (only 1.0)")
-        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        dtype_name = next((raw[key] for key in _DTYPE_KEYS if raw.get(key)), "bfloat16")
         # a torch.dtype where hf_overrides gives one (transformers' config takes either)
         stored_dtype = (dtype_name if isinstance(dtype_name, torch.dtype)
                         else getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None)
@@ -253,10 +255,6 @@ class ModelConfig:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
 
 
-# The weights' dtype in config.json: transformers 5 writes `dtype`, 4 wrote `torch_dtype`.
-_DTYPE_KEYS = frozenset({"dtype", "torch_dtype"})
-
-
 def read_config_json(path: str, overrides: dict | None = None) -> dict:
     """Model directory `path`'s config.json as a dict, its keys replaced by (copies of) `overrides`."""
     config_path = os.path.join(path, "config.json")
@@ -264,7 +262,7 @@ def read_config_json(path: str, overrides: dict | None = None) -> dict:
         raise ValueError(f"model directory {path!r} has no config.json")
     raw = read_json_object(config_path)
     overrides = overrides or {}
-    if _DTYPE_KEYS & overrides.keys():  # one fact in two spellings: an override of either replaces both
+    if overrides.keys() & _DTYPE_KEYS:  # one fact in two spellings: an override of either replaces both
         for key in _DTYPE_KEYS:
             raw.pop(key, None)
     raw.update(copy.deepcopy(overrides))  # readers may edit what they are given (transformers does)
