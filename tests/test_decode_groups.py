@@ -174,6 +174,30 @@ def test_decode_groups_interpreter(block_size, d, hq, hkv, dtype, fp8):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("hq,hkv,fp8", [(4, 2, False), (14, 2, True)])
+def test_a_group_larger_than_the_tile_takes_several_passes(hq, hkv, fp8):
+    """Ten samples of one prompt given as one group, more members than a program's tile holds (8 at a
+    GQA group of 2; 1 where an FP8 cache's two heads of 64 share a program, 14 query heads of 16 rows):
+    each row's float64 attention, every row written."""
+    gen = torch.Generator().manual_seed(hq)
+    k_cache, v_cache, table, lens = shared_paged([40], [3], 10, 16, hkv, 64, torch.bfloat16, gen)
+    q = torch.randn((len(lens), 1, hq, 64), generator=gen).to(torch.bfloat16)
+    scales = {}
+    ref = reference(q, k_cache, v_cache, table, lens, 0.2)
+    if fp8:
+        scales = {"k_scale": torch.tensor([0.01]), "v_scale": torch.tensor([0.02])}
+        k_cache = (k_cache.float() / 0.01).to(FP8)
+        v_cache = (v_cache.float() / 0.02).to(FP8)
+        ref = reference(q, k_cache.double() * 0.01, v_cache.double() * 0.02, table, lens, 0.2)
+    groups = grouped(table, lens, 16, 10)
+    assert groups.members[0] == 10
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), table,
+                                  softmax_scale=0.2, num_splits=1, out=torch.full_like(q, float("nan")),
+                                  groups=groups, **scales)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
+
+
+@pytest.mark.interpreter
 def test_decode_groups_padding_rows_give_zero():
     """A CUDA graph's padding rows (length 0, each on its own: StepInputBuilder.decode_rows) are written
     as 0, as without groups; a group before them is unaffected."""

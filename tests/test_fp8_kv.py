@@ -34,6 +34,7 @@ from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.engine.kv_cache import blocks_in_budget, kv_block_bytes
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
+from nanovllm.kernels.decode_plan import heads_per_program
 from nanovllm.kernels.fp8_kv import e4m3_planes
 from nanovllm.kernels.fused_rope import qk_norm_rope, rope
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
@@ -121,6 +122,27 @@ def test_decode_fp8_cache(block_size, d, hq, hkv, dtype, num_splits):
                        for i, n in enumerate(lens[:3])])
     assert rel_err(out[:3], ref) < TOL[dtype]
     assert (out[3] == 0).all()
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp8_packed_heads_of_a_strided_cache(num_splits):
+    """Narrow FP8 heads read side by side (decode_plan.heads_per_program: two kv heads of 64 a program,
+    two programs a row) from caches whose heads are not adjacent (every other head of a wider cache),
+    unsplit and split: the float64 attention of the dequantized caches."""
+    assert heads_per_program(True, 64, 4) == 2
+    gen = torch.Generator().manual_seed(11 + num_splits)
+    k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.7])
+    lens = [45, 1, 90]
+    k_wide, v_wide, table = fp8_paged(lens, 16, 8, 64, gen, k_scale, v_scale)
+    k_cache, v_cache = k_wide[:, :, 1::2], v_wide[:, :, 1::2]  # [blocks, 16, 4, 64], head stride 128
+    q = torch.randn((len(lens), 1, 12, 64), generator=gen).to(torch.bfloat16)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), table,
+                                  num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    kd, vd = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
+    ref = torch.stack([ref_attention(q[i], gather(kd, table[i], n), gather(vd, table[i], n), 64 ** -0.5)
+                       for i, n in enumerate(lens)])
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 @interpreter

@@ -10,6 +10,8 @@ close to transformers, identical with CUDA graphs on and off, twice the blocks o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -58,7 +60,7 @@ def ref_attention(q, k, v, scale, head_chunk=4):
     return out
 
 
-def fp8_paged(lens, block_size, hkv, gen, k_scale, v_scale, extra_width=2):
+def fp8_paged(lens, block_size, hkv, gen, k_scale, v_scale, extra_width=2, d=D):
     """FP8 caches of random values over most of e4m3's range and a shuffled block table."""
     nblk = [-(-n // block_size) for n in lens]
     num_blocks = sum(nblk) + 4
@@ -66,7 +68,7 @@ def fp8_paged(lens, block_size, hkv, gen, k_scale, v_scale, extra_width=2):
     table = torch.zeros((len(lens), max(nblk) + extra_width), dtype=torch.int32, device=DEV)
     for i, start in enumerate(np.cumsum([0] + nblk[:-1]).tolist()):
         table[i, : nblk[i]] = perm[start : start + nblk[i]]
-    caches = [quantize(torch.randn((num_blocks, block_size, hkv, D), generator=gen, device=DEV) * 150 * s, s)
+    caches = [quantize(torch.randn((num_blocks, block_size, hkv, d), generator=gen, device=DEV) * 150 * s, s)
               for s in (k_scale, v_scale)]
     return caches[0], caches[1], table
 
@@ -123,19 +125,21 @@ def test_rope_kv_write_fp8(with_norm, block_size):
 
 
 # ---------------------------------------------------------------- attention over FP8 caches
-@pytest.mark.parametrize("hq,hkv", HEADS)
+# Qwen3's heads, and head_dim 64 (Qwen2.5-0.5B's 14 / 2, Llama-3.2-1B's 32 / 8), whose kv heads a program
+# reads two at a time (decode_plan.heads_per_program)
+@pytest.mark.parametrize("hq,hkv,d", [(hq, hkv, D) for hq, hkv in HEADS] + [(14, 2, 64), (32, 8, 64)])
 @pytest.mark.parametrize("block_size", [16, 256])
 # split (few rows, folded merge), unsplit 128-key tiles (few programs per SM), unsplit 64-key tiles
 @pytest.mark.parametrize("lens", [[1, 15, 17, 1000, 4097, 8192], [5000] * 40, [1 + 13 * i for i in range(160)]])
-def test_decode_fp8(hq, hkv, block_size, lens):
+def test_decode_fp8(hq, hkv, d, block_size, lens):
     gen = torch.Generator(DEV).manual_seed(3)
     k_scale, v_scale = scales(0.02, 3.0)
-    kc, vc, table = fp8_paged(lens, block_size, hkv, gen, k_scale, v_scale)
-    q = torch.randn((len(lens), 1, hq, D), generator=gen, device=DEV).bfloat16()
+    kc, vc, table = fp8_paged(lens, block_size, hkv, gen, k_scale, v_scale, d=d)
+    q = torch.randn((len(lens), 1, hq, d), generator=gen, device=DEV).bfloat16()
     out = flash_attn_with_kvcache(q, kc, vc, torch.tensor(lens, dtype=torch.int32, device=DEV), table,
                                   k_scale=k_scale, v_scale=v_scale)
     ref = torch.stack([ref_attention(q[i], gather(kc, k_scale, table[i], n), gather(vc, v_scale, table[i], n),
-                                     D ** -0.5) for i, n in enumerate(lens)])
+                                     d ** -0.5) for i, n in enumerate(lens)])
     assert rel_err(out, ref) < TOL
 
 
@@ -314,6 +318,30 @@ def test_fp8_cuda_graphs_and_eager_identical(ckpt):
     eager, facts = gpu_generate(ckpt, batches, GREEDY, kv_cache_dtype="fp8", enforce_eager=True)
     assert not facts["graphs"]
     assert graph == eager
+
+
+# Qwen2.5-0.5B's attention (14 query heads over 2 kv heads of 64), whose FP8 cache a decode program
+# reads two kv heads at a time (decode_plan.heads_per_program)
+narrow_ckpt = checkpoint_fixture("fp8gpu64", replace(GPU_SHAPE, num_attention_heads=14, num_key_value_heads=2,
+                                                     head_dim=64))
+
+
+def test_fp8_narrow_heads_engine(narrow_ckpt):
+    """Graph-replayed and eager steps give the same tokens over an FP8 cache of narrow heads (decode
+    batches of 12 and 48, prompts sharing a prefix among them), and transformers' bf16 argmax agrees
+    with the engine's greedy tokens as test_fp8_engine_close_to_transformers asks."""
+    from transformers import AutoModelForCausalLM
+
+    shared = list(range(100, 372))
+    ps = [shared + p for p in make_prompts(1, 6, 1, 80)] + make_prompts(2, 6, 50, 400)
+    batches = [ps, make_prompts(3, 48, 20, 200)]
+    graph, facts = gpu_generate(narrow_ckpt, batches, GREEDY, kv_cache_dtype="fp8")
+    assert facts["graphs"] and facts["prefill_graphs"]
+    eager, facts = gpu_generate(narrow_ckpt, batches, GREEDY, kv_cache_dtype="fp8", enforce_eager=True)
+    assert not facts["graphs"] and graph == eager
+    reference = AutoModelForCausalLM.from_pretrained(narrow_ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+    share, gap = agreement(reference.cuda().eval(), ps, graph[0])
+    assert share >= MIN_AGREEMENT and gap < MAX_GAP, (share, gap)
 
 
 def test_fp8_cache_has_twice_the_blocks(ckpt):

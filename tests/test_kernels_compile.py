@@ -241,7 +241,7 @@ SPECS = [
      [{"GROUP": 2, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_SIZE": 256, "CAUSAL": True,
        "PAGED": True, "TILED": tiled, "DOT_PREC": None, "UPCAST": False} for tiled in (True, False)]),
     *[("kernels.decode_attention", "_decode_split_kernel", types,
-       [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
+       [{"GROUP": 2, "PACK": 1, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": n, "BLOCK_SIZE": 256, "NUM_SPLITS": splits,
          "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 2, "BLOCK_S": splits,
          "ROWS_ON_DEVICE": rows, "PDL": True, **extra, **({} if grouped else NO_GROUPS)}
         for splits, fold, rows, n, grouped in launches])
@@ -251,10 +251,17 @@ SPECS = [
           ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES}, {"num_stages": FP8_STAGES},
            [(splits, fold, rows, FP8_BLOCK_N, grouped) for splits, fold, rows, n, grouped in DECODE_LAUNCHES
             if n == 64]))],
+    # an FP8 cache of narrow heads (Qwen2.5-0.5B's 14 / 2 of 64): two kv heads a program (heads_per_program)
+    ("kernels.decode_attention", "_decode_split_kernel",
+     {**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
+     [{"GROUP": 7, "PACK": 2, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256,
+       "NUM_SPLITS": splits, "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 16, "BLOCK_S": splits,
+       "ROWS_ON_DEVICE": rows, "PDL": True, "num_stages": FP8_STAGES, **({} if grouped else NO_GROUPS)}
+      for splits, fold, rows, n, grouped in DECODE_LAUNCHES if n == 64]),
     # a float32 q over an FP8 cache: fp32 planes, IEEE dots
     ("kernels.decode_attention", "_decode_split_kernel",
      {**DECODE_TYPES, "q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
-     [{"GROUP": 2, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
+     [{"GROUP": 2, "PACK": 1, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256, "NUM_SPLITS": 1,
        "DOT_PREC": "ieee", "UPCAST": False, "FOLD": False, "GP": 2, "BLOCK_S": 1,
        "ROWS_ON_DEVICE": False, "PDL": True, "num_stages": FP8_STAGES, **NO_GROUPS}]),
     ("kernels.decode_attention", "_decode_merge_kernel", {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
@@ -338,10 +345,12 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> tuple[dict[str, s
 
 
 def _check_kv_pipelined(ttgir: str, constexprs: dict, types: dict, name: str) -> None:
-    """The K/V tiles ([BLOCK_N, HEAD_DIM] values, or [BLOCK_N, HEAD_DIM / 4] int32 words of an FP8
-    cache) sit in shared buffers of >= 2 slots, and a wait in the loop leaves copies in flight (an
-    `async_wait` with num >= 1): the next tile loads while this one is used."""
-    width = constexprs["HEAD_DIM"] // (FP8_PER_WORD if types.get("k_ptr") == FP8_WORDS else 1)
+    """The K/V tiles ([BLOCK_N, PACK * HEAD_DIM] values, or [BLOCK_N, PACK * HEAD_DIM / 4] int32 words of
+    an FP8 cache; PACK kv heads a program, 1 where the kernel has no such constexpr) sit in shared
+    buffers of >= 2 slots, and a wait in the loop leaves copies in flight (an `async_wait` with
+    num >= 1): the next tile loads while this one is used."""
+    per_word = FP8_PER_WORD if types.get("k_ptr") == FP8_WORDS else 1
+    width = constexprs.get("PACK", 1) * constexprs["HEAD_DIM"] // per_word
     tile = rf"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x{constexprs['BLOCK_N']}x{width}x"
     slots = [int(n) for n in re.findall(tile, ttgir)]
     waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)]

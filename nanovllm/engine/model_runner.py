@@ -47,6 +47,7 @@ from nanovllm.engine.varlen_graphs import MAX_VARLEN_GRAPH_TOKENS, VarlenGraphs
 from nanovllm.engine.warmup import warm_up
 from nanovllm.kernels.checks import FP8_KV_DTYPE, sm_count
 from nanovllm.kernels.decode_group_plan import GroupLimits
+from nanovllm.kernels.decode_plan import heads_per_program
 from nanovllm.kernels.prefill_plan import query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import select_attention_backend
@@ -162,8 +163,9 @@ class ModelRunner:
         if self.backend.name != "triton":
             return None
         cfg = self.config.model_config
-        return GroupLimits(cfg.num_attention_heads // cfg.num_key_value_heads,
-                           kv_cache_shape(self.config, self.world_size, 1)[-2], sm_count(self.device))
+        *_, kv_heads, head_dim = kv_cache_shape(self.config, self.world_size, 1)
+        return GroupLimits(cfg.num_attention_heads // cfg.num_key_value_heads, kv_heads, sm_count(self.device),
+                           heads_per_program(self.kv_dtype == FP8_KV_DTYPE, head_dim, kv_heads))
 
     def _query_tile_rows(self, head_dim: int) -> int | None:
         """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""

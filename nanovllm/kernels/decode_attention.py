@@ -1,10 +1,11 @@
 """Split-K (flash-decoding) attention for one new query token per sequence over the paged cache.
 
-Stage 1 (grid Hkv x batch x num_splits): one program reads ONE kv head once for the
-whole GQA group of query heads (a [BLOCK_G >= 16, D] query tile, so QK^T and PV are
+Stage 1 (grid Hkv / PACK x batch x num_splits): one program reads ONE kv head (PACK adjacent
+ones for an FP8 cache's narrow heads: decode_plan.heads_per_program, kernels/decode_attend.py) once
+for the whole GQA group of query heads (a [BLOCK_G >= 16, PACK * D] query tile, so QK^T and PV are
 tl.dot MMAs) over its slice of the sequence, and writes a partial
 (log-sum-exp, normalised accumulator) pair. The merge of the splits either runs in the
-last stage-1 program to finish for its (sequence, kv head), which it learns from an
+last stage-1 program to finish for its (sequence, kv heads), which it learns from an
 arrival counter (small [group, splits, D] tiles), or as stage 2 (grid batch x Hq).
 With a single split, stage 1 writes the final output and nothing is merged.
 
@@ -54,10 +55,11 @@ from nanovllm.utils.ints import next_pow2
 from .checks import (INTERPRET, LOG2E, check_cache, check_fp8_words, check_gqa, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
 from .counters import arrival_counters
-from .decode_attend import attend
+from .decode_attend import attend, store_own
 from .decode_group_plan import query_tile_height
 from .decode_groups import decode_group
-from .decode_plan import MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile
+from .decode_plan import (MAX_SPLITS, NUM_COUNTERS, DecodeTile, can_fold_merge, choose_num_splits, decode_tile,
+                          heads_per_program)
 from .pdl import pdl_launch_options, wait_for_prior
 
 NUM_WARPS = 4
@@ -97,51 +99,51 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head0, n_heads,
 @triton.jit
 def _decode_row(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, kv_head, b, split,
+    qk_scale, pack, b, split,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Split `split` of sequence b (int64) for one kv head's GQA group: the final output when
-    NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it is the last split to arrive).
-    k_scale_ptr / v_scale_ptr: an FP8 cache's scales, None for a cache of q's dtype (an FP8 cache's
-    k_scale is already folded into qk_scale)."""
+    """Split `split` of sequence b (int64) for kv heads [pack * PACK, (pack + 1) * PACK) and their
+    query heads: the final output when NUM_SPLITS == 1, else a partial (and, with FOLD, the merge if it
+    is the last split to arrive). k_scale_ptr / v_scale_ptr: an FP8 cache's scales, None for a cache of
+    q's dtype (an FP8 cache's k_scale is already folded into qk_scale)."""
     seq_len = tl.load(seqlens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_valid = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g  # query heads of this GQA group
+    g_valid = offs_g < PACK * GROUP
+    row_head = offs_g // GROUP  # each tile row's kv head among the PACK read
+    heads = pack * PACK * GROUP + offs_g  # query heads of these kv heads' GQA groups
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [BLOCK_G, 1]
-    k_ptr += kv_head * stride_kh
-    v_ptr += kv_head * stride_kh
+    k_ptr += pack * PACK * stride_kh
+    v_ptr += pack * PACK * stride_kh
     bt_row = bt_ptr + b * stride_bt
     # FP8: int32 words of the cache, in fp16 planes (kernels/decode_fp8.py)
-    m_i, l_i, acc = attend(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
-                           k_scale_ptr is not None, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
+    m_i, l_i, acc = attend(q_rows, g_valid, row_head, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                           stride_kh, k_scale_ptr is not None, PACK, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC,
+                           UPCAST)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if v_scale_ptr is not None:  # FP8: the values' scale, once per output (merging is linear in it)
         o = o * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:  # the whole sequence in one program: final output, no merge pass
-        o_off = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+        store_own(out_ptr + b * stride_ob + heads[:, None] * stride_oh, o, g_valid, row_head, PACK, HEAD_DIM)
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 units
-        o_off = b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        tl.store(mid_o_ptr + o_off, o, mask=g_valid[:, None])
+        store_own(mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos, o, g_valid, row_head,
+                  PACK, HEAD_DIM)
         tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_valid)
         if FOLD:
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = count_ptr + b * tl.num_programs(0) + kv_head
+            counter = count_ptr + b * tl.num_programs(0) + pack
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split here
-                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, kv_head * GROUP, GROUP,
+                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, pack * PACK * GROUP, PACK * GROUP,
                              stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                              NUM_SPLITS, BLOCK_S, HEAD_DIM, GP)
                 tl.atomic_xchg(counter, 0)  # ready for the next call
@@ -154,37 +156,37 @@ def _decode_split_kernel(
     members_ptr, shared_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, FOLD: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)  # before any load: num_seqs, lengths, tables, q and the cache are all written upstream
-    kv_head = tl.program_id(0).to(tl.int64)
+    pack = tl.program_id(0).to(tl.int64)  # kv heads [pack * PACK, (pack + 1) * PACK)
     if k_scale_ptr is not None:  # FP8: k_scale folded into the softmax scale, for every path below
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     if ROWS_ON_DEVICE:
-        # NUM_SPLITS == 1, one program per (kv head, row of the capacity): rows at or past the
+        # NUM_SPLITS == 1, one program per (kv heads, row of the capacity): rows at or past the
         # device row count num_seqs[0] do nothing.
         b = tl.program_id(1).to(tl.int64)
         if b < tl.load(num_seqs_ptr):
             _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
-                        k_scale_ptr, v_scale_ptr, qk_scale, kv_head, b, 0,
+                        k_scale_ptr, v_scale_ptr, qk_scale, pack, b, 0,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                        GROUP, PACK, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                         BLOCK_S)
     elif members_ptr is not None:  # unsplit, rows in groups sharing a prefix (kernels/decode_groups.py)
-        decode_group(q_ptr, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh, seqlens_ptr, bt_ptr, out_ptr,
-                     members_ptr, shared_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64),
-                     stride_qb, stride_qh, stride_kb, stride_kt, stride_bt, stride_ob, stride_oh,
-                     k_scale_ptr is not None, GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
+        decode_group(q_ptr, k_ptr + pack * PACK * stride_kh, v_ptr + pack * PACK * stride_kh, seqlens_ptr, bt_ptr,
+                     out_ptr, members_ptr, shared_ptr, v_scale_ptr, qk_scale, pack, tl.program_id(1).to(tl.int64),
+                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
+                     k_scale_ptr is not None, GROUP, PACK, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PREC, UPCAST)
     else:
         _decode_row(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, count_ptr,
-                    k_scale_ptr, v_scale_ptr, qk_scale, kv_head, tl.program_id(1).to(tl.int64), tl.program_id(2),
+                    k_scale_ptr, v_scale_ptr, qk_scale, pack, tl.program_id(1).to(tl.int64), tl.program_id(2),
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
+                    GROUP, PACK, BLOCK_G, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, DOT_PREC, UPCAST, FOLD, GP,
                     BLOCK_S)
 
 
@@ -283,30 +285,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     if batch == 0:
         return out
     group = hq // hkv
+    pack = heads_per_program(fp8, d, hkv)  # kv heads a program reads side by side
+    per_row = hkv // pack  # programs a row (a split)
     max_context = block_table.shape[1] * block_size
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, hkv, max_context, sm_count(q.device))
+        num_splits = choose_num_splits(batch, per_row, max_context, sm_count(q.device))
     # Temporaries sized from shapes only (capturable): partial outputs and log-sum-exps.
     n_mid = num_splits if num_splits > 1 else 0  # one split writes `out` directly
     mid_o = torch.empty((batch, hq, n_mid, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, n_mid), dtype=torch.float32, device=q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 else None
-    block_s, gp = next_pow2(num_splits), next_pow2(group)
-    foldable = can_fold_merge(num_splits, group, d, batch * hkv)
-    counters = _arrival_counters(q.device, batch * hkv) if foldable and fold is not False else None
+    block_s, gp = next_pow2(num_splits), next_pow2(group * pack)
+    foldable = can_fold_merge(num_splits, group * pack, d, batch * per_row)
+    counters = _arrival_counters(q.device, batch * per_row) if foldable and fold is not False else None
     if fold and counters is None:
-        raise ValueError(f"fold=True, but {num_splits} splits of group {group}, head_dim {d} over {batch * hkv} "
-                         f"(sequence, kv head) pairs cannot merge in the kernel "
+        raise ValueError(f"fold=True, but {num_splits} splits of {group * pack} query heads a program, head_dim {d} "
+                         f"over {batch * per_row} programs cannot merge in the kernel "
                          f"({'no arrival counters inside this capture' if foldable else 'see can_fold_merge'})")
     if num_splits > 1:
         groups = None  # each split is a slice of one row's keys: rows attend by themselves
     if tile is None:
-        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * hkv / sm_count(q.device), fp8)
+        tile = decode_tile(q.dtype, d, num_splits == 1 and num_seqs is None, batch * per_row / sm_count(q.device), fp8)
     if fp8:  # [num_blocks, block_size, Hkv, D / 4] int32 words of four e4m3 values (kernels/decode_fp8.py)
         k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
     # kv heads on grid axis 0 (fastest): programs start in sequence order, all heads of a
     # sequence together, so a batch ordered longest first leaves only short work for the tail.
-    grid = (hkv, batch, num_splits)
+    grid = (per_row, batch, num_splits)
     dummy = cache_seqlens  # stands in for pointers the variant never reads
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, block_table, mid_o, mid_lse, out,
@@ -317,7 +321,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(2),
-        GROUP=group, BLOCK_G=query_tile_height(group), HEAD_DIM=d, BLOCK_N=tile.block_n,
+        GROUP=group, PACK=pack, BLOCK_G=query_tile_height(group * pack), HEAD_DIM=d, BLOCK_N=tile.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_PREC=dot_prec, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         FOLD=counters is not None, GP=gp, BLOCK_S=block_s, ROWS_ON_DEVICE=num_seqs is not None,
         num_warps=NUM_WARPS, num_stages=tile.stages,

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .fp8_kv import INTERPRET, PER_WORD, e4m3_planes
 from .online_softmax import M_START, online_softmax
-from .paging import tile_blocks, tile_rows
+from .paging import head_columns, own_columns, tile_blocks, tile_rows
 
 # Largest finite fp16: q is clamped to it before the cast (a bf16 q may hold larger values).
 FP16_MAX = tl.constexpr(65504.0)
@@ -47,50 +47,53 @@ def q_to_fp16(q):
 
 
 @triton.jit
-def _q_plane(q_rows, offs_c, g_valid, j: tl.constexpr, DTYPE: tl.constexpr):
-    """Dims 4c + j of the group's query rows ([BLOCK_G, 1] pointers) as DTYPE: [BLOCK_G, D / 4]."""
-    q = tl.load(q_rows + (offs_c * PER_WORD + j)[None, :], mask=g_valid[:, None], other=0.0).to(tl.float32)
+def _q_plane(q_rows, mask, j: tl.constexpr, PACK: tl.constexpr, CW: tl.constexpr, DTYPE: tl.constexpr):
+    """Plane j of the query tile over PACK heads of CW words each ([BLOCK_G, 1] row pointers; mask:
+    each row's own head's columns): column c holds dim 4 (c % CW) + j, as DTYPE: [BLOCK_G, PACK * CW]."""
+    offs = (tl.arange(0, PACK * CW) % CW) * PER_WORD + j
+    q = tl.load(q_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if DTYPE == tl.float16:  # constexpr: q's type may change
         q = q_to_fp16(q)
     return q.to(DTYPE)
 
 
 @triton.jit
-def _tile_words(k_ptr, v_ptr, blocks, start_n, hi, offs_c, stride_kb, stride_kt,
+def _tile_words(k_ptr, v_ptr, blocks, start_n, hi, cols, stride_kb, stride_kt,
                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The K and V words [BLOCK_N, D / 4] of keys start_n + arange(BLOCK_N) (0 at or past hi)."""
+    """The K and V words [BLOCK_N, len(cols)] of keys start_n + arange(BLOCK_N) (0 at or past hi)."""
     valid = (start_n + tl.arange(0, BLOCK_N)) < hi
-    off = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)[:, None] + offs_c[None, :]
+    off = tile_rows(blocks, start_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)[:, None] + cols[None, :]
     return (tl.load(k_ptr + off, mask=valid[:, None], other=0),
             tl.load(v_ptr + off, mask=valid[:, None], other=0))
 
 
 @triton.jit
-def attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
-                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Keys [lo, hi) of one kv head for its GQA group: q_rows [BLOCK_G, 1] pointers to the query rows
-    (rows past the group masked by g_valid), k_ptr / v_ptr the head's int32 words with word strides.
-    Returns (m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, HEAD_DIM]) of the online softmax, in log2
-    units, unnormalised, the e4m3 values unscaled (k_scale is in qk_scale, v_scale is the caller's)."""
+def attend_fp8_planes(q_rows, g_valid, row_head, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, stride_kb, stride_kt,
+                      stride_kh, PACK: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Keys [lo, hi) of PACK adjacent kv heads for their query rows (decode_attend.attend's arguments
+    and result; k_ptr / v_ptr int32 words, strides in words). The e4m3 values are unscaled (k_scale is
+    in qk_scale, v_scale is the caller's)."""
     DTYPE: tl.constexpr = _plane_dtype(q_rows.dtype.element_ty)
-    offs_c = tl.arange(0, HEAD_DIM // PER_WORD)
-    q0 = _q_plane(q_rows, offs_c, g_valid, 0, DTYPE)  # [BLOCK_G, D / 4] each
-    q1 = _q_plane(q_rows, offs_c, g_valid, 1, DTYPE)
-    q2 = _q_plane(q_rows, offs_c, g_valid, 2, DTYPE)
-    q3 = _q_plane(q_rows, offs_c, g_valid, 3, DTYPE)
+    CW: tl.constexpr = HEAD_DIM // PER_WORD  # words a head
+    own = own_columns(row_head, g_valid, PACK, CW)
+    q0 = _q_plane(q_rows, own, 0, PACK, CW, DTYPE)  # [BLOCK_G, PACK * CW] each
+    q1 = _q_plane(q_rows, own, 1, PACK, CW, DTYPE)
+    q2 = _q_plane(q_rows, own, 2, PACK, CW, DTYPE)
+    q3 = _q_plane(q_rows, own, 3, PACK, CW, DTYPE)
+    cols = head_columns(PACK, CW, stride_kh)
     m_i = tl.full([BLOCK_G], M_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_G, HEAD_DIM // PER_WORD], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_G, PACK * CW], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_G, PACK * CW], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, PACK * CW], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_G, PACK * CW], dtype=tl.float32)
     blocks = tile_blocks(bt_row, lo, hi, BLOCK_SIZE, BLOCK_N)  # fetched a tile ahead: kernels/paging.py
     for start_n in range(lo, hi, BLOCK_N):
-        k_words, v_words = _tile_words(k_ptr, v_ptr, blocks, start_n, hi, offs_c, stride_kb, stride_kt,
-                                       BLOCK_SIZE, BLOCK_N)  # [BLOCK_N, D / 4] int32 each
+        k_words, v_words = _tile_words(k_ptr, v_ptr, blocks, start_n, hi, cols, stride_kb, stride_kt,
+                                       BLOCK_SIZE, BLOCK_N)  # [BLOCK_N, PACK * CW] int32 each
         blocks = tile_blocks(bt_row, start_n + BLOCK_N, hi, BLOCK_SIZE, BLOCK_N)
-        k0, k1, k2, k3 = e4m3_planes(k_words, DTYPE)  # [BLOCK_N, D / 4] each
+        k0, k1, k2, k3 = e4m3_planes(k_words, DTYPE)  # [BLOCK_N, PACK * CW] each
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
@@ -103,6 +106,7 @@ def attend_fp8_planes(q_rows, g_valid, k_ptr, v_ptr, bt_row, lo, hi, qk_scale, s
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
         acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=DOT_PREC)
         acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=DOT_PREC)
-    # [BLOCK_G, D/4, 2 (plane bit 1), 2 (plane bit 0)] -> [BLOCK_G, D]: dim 4c + 2 * b1 + b0
-    acc = tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)).reshape(BLOCK_G, HEAD_DIM)
+    # [BLOCK_G, PACK * CW, 2 (plane bit 1), 2 (plane bit 0)] -> [BLOCK_G, PACK * D]: column 4c + 2 * b1 + b0,
+    # which is dim 4 (c % CW) + 2 * b1 + b0 of head c // CW, as decode_attend.attend lays acc out
+    acc = tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)).reshape(BLOCK_G, PACK * HEAD_DIM)
     return m_i, l_i, acc

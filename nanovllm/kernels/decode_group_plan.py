@@ -14,7 +14,8 @@ In general:
                                         members 0, shared 0 (their leader attends for them)
     members[b] = 1, shared[b] = 0:      a row on its own
 
-A group holds at most `max_group_rows` rows (the tile's rows over the GQA group), and fewer when the
+A group holds at most `max_group_rows` rows (the tile's rows over the query heads a program takes per
+row: the GQA group times the kv heads it reads side by side), and fewer when the
 step's groups alone would leave SMs idle (`GroupLimits.cap`). Groups are a hint: a call that splits its
 sequences (small batches) ignores them and attends each row by itself, with the same result.
 """
@@ -42,23 +43,25 @@ def max_group_rows(gqa_group: int) -> int:
 
 @dataclass(frozen=True)
 class GroupLimits:
-    """What bounds a step's groups: the model's GQA group and kv heads (this rank's), the GPU's SMs."""
+    """What bounds a step's groups: the model's GQA group and kv heads (this rank's), the GPU's SMs, and
+    the kv heads one decode program reads side by side (decode_plan.heads_per_program)."""
 
     gqa_group: int
     num_kv_heads: int
     sm_count: int
+    heads_per_program: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gqa_group", "num_kv_heads", "sm_count"):
+        for name in ("gqa_group", "num_kv_heads", "sm_count", "heads_per_program"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GroupLimits.{name} must be an int >= 1, got {value!r}")
 
     def cap(self, num_rows: int) -> int:
         """Most rows in a group this step: max_group_rows, and few enough that the step keeps
-        NO_SPLIT_PROGRAMS_PER_SM (sequence, kv head) programs per SM, as an unsplit call asks (at least 1)."""
-        fill = (num_rows * self.num_kv_heads) // (NO_SPLIT_PROGRAMS_PER_SM * self.sm_count)
-        return max(1, min(max_group_rows(self.gqa_group), fill))
+        NO_SPLIT_PROGRAMS_PER_SM programs per SM, as an unsplit call asks (at least 1)."""
+        fill = (num_rows * self.num_kv_heads // self.heads_per_program) // (NO_SPLIT_PROGRAMS_PER_SM * self.sm_count)
+        return max(1, min(max_group_rows(self.gqa_group * self.heads_per_program), fill))
 
 
 def group_rows(tables: np.ndarray, context_lens: np.ndarray, block_size: int, cap: int) -> tuple[np.ndarray, np.ndarray]:

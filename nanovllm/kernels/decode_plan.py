@@ -47,6 +47,13 @@ WIDE_STAGES = 2
 # batch measured, 80-88% of copy bandwidth at 256 rows (BENCHMARKS.md, seventeenth session).
 FP8_BLOCK_N = 128
 FP8_STAGES = 3
+# An FP8 cache is read in four planes of head_dim / 4 columns (kernels/decode_fp8.py): 16 at head_dim 64,
+# tl.dot's least, where the kernel ran at 30% of copy bandwidth on its bytes, slower than a bf16 cache.
+# A program then takes adjacent kv heads side by side until its key rows are this many values wide
+# (heads_per_program): 2.2x faster at Qwen2.5-0.5B's heads (14 / 2 of 64, H100, BENCHMARKS.md
+# fifty-fourth session). At head_dim 128, and over 16-bit caches at 64 or 128, two heads a program
+# ran 0-13% slower than one, so they keep one.
+FP8_PACKED_ROW_VALUES = 128
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,16 @@ def can_fold_merge(num_splits: int, group: int, head_dim: int, pairs: int) -> bo
     (both padded to powers of two) and an arrival counter for each of the `pairs` programs."""
     return (num_splits > 1 and next_pow2(group) * next_pow2(num_splits) * head_dim <= FOLD_MAX_ELEMS
             and pairs <= NUM_COUNTERS)
+
+
+def heads_per_program(fp8: bool, head_dim: int, num_kv_heads: int) -> int:
+    """KV heads one decode program reads side by side (a power of two dividing num_kv_heads): an FP8
+    cache's narrow heads are packed up to FP8_PACKED_ROW_VALUES values a key; otherwise 1. The kernel and
+    the host's row groups (engine/model_runner.py) both ask here."""
+    heads = 1
+    while fp8 and heads * head_dim < FP8_PACKED_ROW_VALUES and num_kv_heads % (2 * heads) == 0:
+        heads *= 2
+    return heads
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:

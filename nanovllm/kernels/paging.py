@@ -1,4 +1,5 @@
-"""Where a key tile lives in the paged KV cache, for the attention kernels' inner loops.
+"""Where a key tile lives in the paged KV cache, for the attention kernels' inner loops, and which
+columns of a cache row a decode program reads when it takes several kv heads at once.
 
 A tile's cache blocks are fetched one tile ahead, carried into the next iteration:
 
@@ -40,3 +41,28 @@ def tile_rows(blocks, start_n, stride_b, stride_t, BLOCK_SIZE: tl.constexpr, BLO
     stride `stride_b` and token stride `stride_t`, from their `tile_blocks`."""
     within = ((start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE).to(tl.int64)
     return blocks.to(tl.int64) * stride_b + within * stride_t
+
+
+@triton.jit
+def head_columns(PACK: tl.constexpr, PER_HEAD: tl.constexpr, stride_h):
+    """Offsets [PACK * PER_HEAD] in a cache row of PACK kv heads read side by side, PER_HEAD elements
+    each, head stride `stride_h` (kernels/decode_plan.heads_per_program)::
+
+        column w:  | head 0: 0 .. PER_HEAD-1 | head 1: PER_HEAD .. | ...     -> head w // PER_HEAD, element w % PER_HEAD
+    """
+    cols = tl.arange(0, PACK * PER_HEAD)
+    if PACK == 1:
+        return cols
+    else:
+        return (cols // PER_HEAD) * stride_h + cols % PER_HEAD
+
+
+@triton.jit
+def own_columns(row_head, valid, PACK: tl.constexpr, PER_HEAD: tl.constexpr):
+    """[rows, PACK * PER_HEAD] mask of a query tile over PACK heads: row r's valid columns of its own
+    head row_head[r] (the rest of its row is zero in q and dropped from the output)."""
+    if PACK == 1:
+        return valid[:, None]
+    else:
+        heads = tl.arange(0, PACK * PER_HEAD) // PER_HEAD
+        return valid[:, None] & (row_head[:, None] == heads[None, :])
