@@ -12,6 +12,7 @@ from nanovllm.engine.step_inputs import COL_MEMBERS, COL_SHARED, HostCopy, StepI
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_group_plan import GroupLimits, group_rows, max_group_rows
+from nanovllm.kernels.decode_plan import heads_per_program
 from nanovllm.utils.context import RowGroups
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +77,16 @@ def test_group_cap_and_max_rows():
     assert limits.cap(512) == 8 and limits.cap(128) == 2 and limits.cap(32) == 1
     with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1, got 0"):
         GroupLimits(gqa_group=2, num_kv_heads=0, sm_count=132)
+    # an FP8 cache's narrow heads, two a program (heads_per_program): a tile's rows over 2 x the group, half
+    # the programs. Qwen2.5-0.5B (7 / 1 of 64 at 2 kv heads): 14 rows of 16, one member a tile
+    assert [heads_per_program(True, 64, h) for h in (1, 2, 3, 8)] == [1, 2, 1, 2]
+    assert heads_per_program(True, 32, 8) == 4 and heads_per_program(True, 128, 8) == 1
+    assert heads_per_program(False, 64, 8) == 1
+    packed = GroupLimits(gqa_group=2, num_kv_heads=8, sm_count=132, heads_per_program=2)
+    assert packed.cap(512) == 4 and packed.cap(256) == 2
+    assert GroupLimits(gqa_group=7, num_kv_heads=2, sm_count=132, heads_per_program=2).cap(512) == 1
+    with pytest.raises(ValueError, match="heads_per_program must be an int >= 1, got 0"):
+        GroupLimits(gqa_group=2, num_kv_heads=8, sm_count=132, heads_per_program=0)
 
 
 def test_decode_inputs_carry_the_groups():

@@ -50,9 +50,9 @@ FP8_STAGES = 3
 # An FP8 cache is read in four planes of head_dim / 4 columns (kernels/decode_fp8.py): 16 at head_dim 64,
 # tl.dot's least, where the kernel ran at 30% of copy bandwidth on its bytes, slower than a bf16 cache.
 # A program then takes adjacent kv heads side by side until its key rows are this many values wide
-# (heads_per_program): 2.2x faster at Qwen2.5-0.5B's heads (14 / 2 of 64, H100, BENCHMARKS.md
-# fifty-fourth session). At head_dim 128, and over 16-bit caches at 64 or 128, two heads a program
-# ran 0-13% slower than one, so they keep one.
+# (heads_per_program): 2.2-2.3x faster at Qwen2.5-0.5B's heads (14 / 2 of 64) over 128-256 rows of
+# engine-like lengths (H100, a prototype of this kernel: BENCHMARKS.md, fifty-fourth session). FP8 at
+# head_dim 128, and 16-bit caches at 64 or 128, ran slower two heads a program (by 2-57%): one each.
 FP8_PACKED_ROW_VALUES = 128
 
 
