@@ -229,9 +229,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale; without, they are of q's dtype.
     tile: a DecodeTile overriding `decode_tile`'s choice (benchmarks).
     groups: rows sharing a prefix (kernels/decode_groups.py: members / shared, int32 [batch] on q's
-    device, as `group_rows` makes them, at most max_group_rows(Hq / Hkv) rows a group; not with num_seqs):
-    an unsplit call reads each group's prefix once for all its rows; a split call attends each row by
-    itself (the same output).
+    device, as `group_rows` makes them; not with num_seqs): an unsplit call reads each group's prefix once
+    for as many of its rows as a program's tile holds (GroupLimits.cap plans groups that size; a larger
+    group takes several passes); a split call attends each row by itself (the same output).
     """
     if tile is not None and not isinstance(tile, DecodeTile):
         raise TypeError(f"tile must be a DecodeTile or None, got {type(tile).__name__}")
