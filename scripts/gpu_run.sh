@@ -37,13 +37,13 @@ for part in $parts; do
       timeout 150 python3 -m benchmarks.kernels.bench_gemm --batch-rows 64,128,256,512 \
         --shapes "0.5B qkv,0.5B o,0.5B gate_up,0.5B down" --json "$OUT/small-gemm.json" 2>&1 | tail -20 | tee "$OUT/small-gemm.log" ;;
     narrow) # head_dim 64 over an FP8 cache, two kv heads a decode program (decode_plan.heads_per_program; BENCHMARKS.md,
-            # fifty-fourth session): its GPU tests, then Qwen2.5-0.5B and Llama-3.2-1B with each cache, and the kernel alone
+            # fifty-fourth session): its GPU tests, Qwen2.5-0.5B and Llama-3.2-1B with each cache, the kernel at 1 / 2 / 4 heads
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv_gpu.py tests/test_decode_groups.py \
         -k "decode or narrow or groups" 2>&1 | tail -8 | tee "$OUT/narrow-tests.log"
       for m in qwen2.5-0.5b llama-3.2-1b; do for kv in fp8 auto; do
         bench "narrow-$m-$kv" 90 --model $CONFIGS/$m --kv-cache-dtype $kv; done; done
-      timeout 60 python3 -m benchmarks.kernels.bench_kernels --fp8-tiles --heads 14,2,64 --json "$OUT/narrow-tiles.json" 2>&1 \
-        | tail -12 | tee "$OUT/narrow-tiles.log" ;;
+      for h in 14,2,64 32,8,64; do timeout 60 python3 -m benchmarks.kernels.bench_kernels --pack --heads $h 2>&1 \
+        | tail -8 | tee "$OUT/narrow-pack-$h.log"; done ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
                bench "latency-$m" 200 --model $CONFIGS/$m --latency --latency-batch-sizes 1,2,8,32; done ;;

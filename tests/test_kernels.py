@@ -441,6 +441,27 @@ def test_decode(block_size, d, hq, hkv, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("pack,hq,hkv,d,num_splits", [(2, 14, 2, 64, 1), (2, 8, 4, 128, 3), (4, 16, 4, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kv_heads_per_program_override(pack, hq, hkv, d, num_splits, dtype):
+    """A 16-bit cache read `pack` kv heads a program (the override benchmarks time against the plan's one
+    head; the plan packs only an FP8 cache's narrow heads: tests/test_fp8_kv.py), unsplit and split: the
+    float64 reference. Values that are not a power of two dividing Hkv are refused."""
+    gen = torch.Generator().manual_seed(pack + hq + d)
+    lens = [1, 40, 99]
+    k_cache, v_cache, table = make_paged(lens, 16, hkv, d, dtype, gen)
+    q = randn((len(lens), 1, hq, d), gen, dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, num_splits=num_splits,
+                                  kv_heads_per_program=pack)
+    ref = torch.stack([ref_attention(q[i], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
+                                     True, d ** -0.5) for i, n in enumerate(lens)])
+    assert rel_err(out, ref) < TOL[dtype]
+    for bad, err in ((3, "power of two"), (2 * hkv, "must divide"), (True, "kv_heads_per_program")):
+        with pytest.raises((ValueError, TypeError), match=err):
+            flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, kv_heads_per_program=bad)
+
+
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float16), (48, torch.bfloat16)])
 @pytest.mark.parametrize("fold", [True, False])
 def test_decode_split_k(block_size, dtype, fold):

@@ -5,12 +5,14 @@ bandwidth (benchmarks/harness/probes.py), timed as CUDA-graph replays, (2) prefi
 torch's FA2 varlen_attn (packed) and our paged variant, a triton.testing.do_bench median (the KV
 write is inside the fused q/k-norm + RoPE kernel: benchmarks/kernels/bench_fused.py). --splits instead times decode at each forced split count next to
 the automatic choice: few long sequences, and engine-like batches. --fp8-tiles times engine-like
-decode batches over a 16-bit cache and an FP8 one, each at its default tile and over DECODE_TILES.
+decode batches over a 16-bit cache and an FP8 one, each at its default tile and over DECODE_TILES; --pack
+the same batches unsplit with 1, 2 and 4 kv heads a program (decode_plan.heads_per_program).
 
     python -m benchmarks.kernels.bench_kernels [--json PATH]
     python -m benchmarks.kernels.bench_kernels --splits [--json PATH]
     python -m benchmarks.kernels.bench_kernels --fp8-tiles [--json PATH]
     python -m benchmarks.kernels.bench_kernels --splits --heads 14,2,64   # another model's heads (Qwen2.5-0.5B)
+    python -m benchmarks.kernels.bench_kernels --pack --heads 14,2,64
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from benchmarks.harness.probes import measure_bandwidth
 from benchmarks.harness.timing import graph_us, median_s
 from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
-from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits
+from nanovllm.kernels.decode_plan import DecodeTile, choose_num_splits, heads_per_program
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
 
 
@@ -126,25 +128,51 @@ def split_study(bw, heads: Heads):
     return rows
 
 
+def both_caches(batch, ctx, heads: Heads):
+    """engine_batch's decode call over its bf16 cache and over the same values in FP8 (scale 1/64: randn
+    fits e4m3's range): {"bf16" / "fp8": (call arguments, keyword arguments, KV bytes to read)}."""
+    (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx, heads)
+    scale = torch.full((1,), 1 / 64, device=DEV)
+    k8, v8 = (c.float().div(scale).to(torch.float8_e4m3fn) for c in (kc, vc))
+    return {"bf16": ((q, kc, vc, seqlens, table), {}, nbytes),
+            "fp8": ((q, k8, v8, seqlens, table), {"k_scale": scale, "v_scale": scale}, nbytes // 2)}
+
+
 def fp8_tile_study(bw, heads: Heads):
-    """Engine-like decode batches (engine_batch) over the bf16 cache and the same values in FP8
-    (scale 1/64: randn fits e4m3's range): us and % of copy bandwidth over the bytes each must
-    read, at the default tile and each of DECODE_TILES."""
+    """Engine-like decode batches (engine_batch) over the bf16 cache and the same values in FP8:
+    us and % of copy bandwidth over the bytes each must read, at the default tile and each of
+    DECODE_TILES."""
     rows = []
     for batch, ctx in [(256, 1024), (256, 2048), (128, 1024), (64, 2048), (32, 4096)]:
-        (q, kc, vc, seqlens, table), nbytes = engine_batch(batch, ctx, heads)
-        scale = torch.full((1,), 1 / 64, device=DEV)
-        k8, v8 = (c.float().div(scale).to(torch.float8_e4m3fn) for c in (kc, vc))
-        for name, (k, v, extra, nb) in {"bf16": (kc, vc, {}, nbytes),
-                                        "fp8": (k8, v8, {"k_scale": scale, "v_scale": scale}, nbytes // 2)}.items():
+        for name, (args, extra, nb) in both_caches(batch, ctx, heads).items():
             row = {"batch": batch, "ctx": ctx, "cache": name}
             for tile in [None, *DECODE_TILES]:
-                t = graph_bench(lambda: flash_attn_with_kvcache(q, k, v, seqlens, table, tile=tile, **extra))
+                t = graph_bench(lambda: flash_attn_with_kvcache(*args, tile=tile, **extra))
                 label = "default" if tile is None else f"{tile.block_n}x{tile.stages}"
                 row[f"us_{label}"] = round(t * 1e6, 1)
                 row[f"pct_{label}"] = round(100 * nb / t / 1e9 / bw, 1)
             rows.append(row)
             print("fp8 tiles", row, flush=True)
+    return rows
+
+
+def pack_study(bw, heads: Heads):
+    """Engine-like decode batches over each cache, unsplit (as the decode graphs run): us and % of copy
+    bandwidth with 1, 2, 4 kv heads a program (up to 256 values a key's row) beside the plan's choice
+    (decode_plan.heads_per_program)."""
+    rows = []
+    packs = [p for p in (1, 2, 4) if heads.kv % p == 0 and p * heads.dim <= 256]
+    for batch, ctx in [(256, 1024), (128, 1024), (64, 2048)]:
+        for name, (args, extra, nb) in both_caches(batch, ctx, heads).items():
+            row = {"batch": batch, "ctx": ctx, "cache": name,
+                   "plan": heads_per_program(name == "fp8", heads.dim, heads.kv)}
+            for pack in packs:
+                t = graph_bench(lambda: flash_attn_with_kvcache(*args, num_splits=1, kv_heads_per_program=pack,
+                                                                **extra))
+                row[f"us_{pack}"] = round(t * 1e6, 1)
+                row[f"pct_{pack}"] = round(100 * nb / t / 1e9 / bw, 1)
+            rows.append(row)
+            print("pack", row, flush=True)
     return rows
 
 
@@ -212,6 +240,7 @@ def main():
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--splits", action="store_true", help="only the split-count studies")
     ap.add_argument("--fp8-tiles", action="store_true", help="only the 16-bit / FP8 cache decode tile study")
+    ap.add_argument("--pack", action="store_true", help="only the kv-heads-a-program study, 16-bit and FP8 caches")
     ap.add_argument("--heads", type=parse_heads, default=QWEN3_0_6B,
                     help="query heads, kv heads, head_dim (default: Qwen3-0.6B's 16,8,128; Qwen2.5-0.5B: 14,2,64)")
     args = ap.parse_args()
@@ -222,6 +251,8 @@ def main():
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
     if args.fp8_tiles:
         res["fp8_tiles"] = fp8_tile_study(bw, args.heads)
+    elif args.pack:
+        res["pack"] = pack_study(bw, args.heads)
     elif args.splits:
         res["small_batch_splits"] = small_batch_splits(bw, args.heads)
         res["splits"] = split_study(bw, args.heads)

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from nanovllm.utils.context import RowGroups
 from nanovllm.utils.ints import next_pow2
+from nanovllm.utils.validation import check_pow2
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_fp8_words, check_gqa, check_int_tensor,
                      check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
@@ -205,7 +206,7 @@ def _decode_merge_kernel(
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                             softmax_scale=None, causal=False, num_splits=0, *, num_seqs=None, out=None,
                             fold=None, k_scale=None, v_scale=None, tile: DecodeTile | None = None,
-                            groups: RowGroups | None = None):
+                            groups: RowGroups | None = None, kv_heads_per_program: int | None = None):
     """Decode attention. q [batch, 1, Hq, D] -> out [batch, 1, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D]; cache_seqlens: int32 [batch], each
@@ -228,6 +229,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     k_scale / v_scale: float32 [1] tensors on q's device, both or neither: with them the caches
     are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale; without, they are of q's dtype.
     tile: a DecodeTile overriding `decode_tile`'s choice (benchmarks).
+    kv_heads_per_program: adjacent kv heads a program reads side by side, a power of two dividing Hkv,
+    overriding `decode_plan.heads_per_program`'s choice (benchmarks).
     groups: rows sharing a prefix (kernels/decode_groups.py: members / shared, int32 [batch] on q's
     device, as `group_rows` makes them; not with num_seqs): an unsplit call reads each group's prefix once
     for as many of its rows as a program's tile holds (GroupLimits.cap plans groups that size; a larger
@@ -252,6 +255,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     if fp8:
         check_fp8_words(k_cache, v_cache)
     check_gqa(hq, hkv)
+    if kv_heads_per_program is not None:
+        check_pow2("kv_heads_per_program", kv_heads_per_program, 1)
+        if hkv % kv_heads_per_program:
+            raise ValueError(f"kv_heads_per_program must divide the {hkv} kv heads, got {kv_heads_per_program}")
     check_int_tensor("cache_seqlens", cache_seqlens, shape=(batch,))
     check_int_tensor("block_table", block_table, dims=2)
     if block_table.shape[0] != batch:
@@ -285,7 +292,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
     if batch == 0:
         return out
     group = hq // hkv
-    pack = heads_per_program(fp8, d, hkv)  # kv heads a program reads side by side
+    pack = heads_per_program(fp8, d, hkv) if kv_heads_per_program is None else kv_heads_per_program
     per_row = hkv // pack  # programs a row (a split)
     max_context = block_table.shape[1] * block_size
     if num_splits == 0:
