@@ -42,6 +42,8 @@ for part in $parts; do
         -k "decode or narrow or groups" 2>&1 | tail -8 | tee "$OUT/narrow-tests.log"
       for m in qwen2.5-0.5b llama-3.2-1b; do for kv in fp8 auto; do
         bench "narrow-$m-$kv" 90 --model $CONFIGS/$m --kv-cache-dtype $kv; done; done
+      # rows sharing a prompt (decode groups, whose kernel now loops over a group a tile at a time)
+      bench narrow-rollout-qwen3-0.6b 120 --model $CONFIGS/qwen3-0.6b --workload rollout
       for h in 14,2,64 32,8,64; do timeout 60 python3 -m benchmarks.kernels.bench_kernels --pack --heads $h 2>&1 \
         | tail -8 | tee "$OUT/narrow-pack-$h.log"; done ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
