@@ -83,6 +83,9 @@ NO_GROUPS = {"members_ptr": None, "shared_ptr": None}
 DECODE_LAUNCHES = ((1, False, False, 64, False), (8, True, False, 64, False), (8, False, False, 64, False),
                    (1, False, True, 64, False), (1, False, False, 64, True), (1, False, False, 128, False),
                    (1, False, False, 128, True))
+# An FP8 cache's launches: the same, at its own tile (decode_plan.FP8_BLOCK_N keys).
+FP8_DECODE_LAUNCHES = [(splits, fold, rows, FP8_BLOCK_N, grouped) for splits, fold, rows, n, grouped in DECODE_LAUNCHES
+                       if n == 64]
 
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
 # scalars to i32), each variant's constexpr values and launch options)
@@ -249,15 +252,10 @@ SPECS = [
       for types, extra, launches in (
           (DECODE_TYPES, NO_KV_SCALES, DECODE_LAUNCHES),
           ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES}, {"num_stages": FP8_STAGES},
-           [(splits, fold, rows, FP8_BLOCK_N, grouped) for splits, fold, rows, n, grouped in DECODE_LAUNCHES
-            if n == 64]))],
-    # an FP8 cache of narrow heads (Qwen2.5-0.5B's 14 / 2 of 64): two kv heads a program (heads_per_program)
-    ("kernels.decode_attention", "_decode_split_kernel",
-     {**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
-     [{"GROUP": 7, "PACK": 2, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_N": FP8_BLOCK_N, "BLOCK_SIZE": 256,
-       "NUM_SPLITS": splits, "DOT_PREC": None, "UPCAST": False, "FOLD": fold, "GP": 16, "BLOCK_S": splits,
-       "ROWS_ON_DEVICE": rows, "PDL": True, "num_stages": FP8_STAGES, **({} if grouped else NO_GROUPS)}
-      for splits, fold, rows, n, grouped in DECODE_LAUNCHES if n == 64]),
+           FP8_DECODE_LAUNCHES),
+          # an FP8 cache of narrow heads (Qwen2.5-0.5B's 14 / 2 of 64): two kv heads a program (heads_per_program)
+          ({**DECODE_TYPES, "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},
+           {"num_stages": FP8_STAGES, "GROUP": 7, "PACK": 2, "HEAD_DIM": 64, "GP": 16}, FP8_DECODE_LAUNCHES))],
     # a float32 q over an FP8 cache: fp32 planes, IEEE dots
     ("kernels.decode_attention", "_decode_split_kernel",
      {**DECODE_TYPES, "q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": FP8_WORDS, "v_ptr": FP8_WORDS, **FP8_KV_SCALES},

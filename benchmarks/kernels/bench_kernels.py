@@ -138,42 +138,37 @@ def both_caches(batch, ctx, heads: Heads):
             "fp8": ((q, k8, v8, seqlens, table), {"k_scale": scale, "v_scale": scale}, nbytes // 2)}
 
 
-def fp8_tile_study(bw, heads: Heads):
-    """Engine-like decode batches (engine_batch) over the bf16 cache and the same values in FP8:
-    us and % of copy bandwidth over the bytes each must read, at the default tile and each of
-    DECODE_TILES."""
+def cache_study(bw, heads: Heads, tag, shapes, variants, plan=None):
+    """Engine-like decode batches (engine_batch) of `shapes` ((batch, ctx) pairs) over the bf16 cache and
+    the same values in FP8 (both_caches): us and % of copy bandwidth over the bytes each must read, for
+    each (label, flash_attn_with_kvcache keyword arguments) of `variants`; plan(cache name) adds the
+    plan's own choice to each row."""
     rows = []
-    for batch, ctx in [(256, 1024), (256, 2048), (128, 1024), (64, 2048), (32, 4096)]:
+    for batch, ctx in shapes:
         for name, (args, extra, nb) in both_caches(batch, ctx, heads).items():
-            row = {"batch": batch, "ctx": ctx, "cache": name}
-            for tile in [None, *DECODE_TILES]:
-                t = graph_bench(lambda: flash_attn_with_kvcache(*args, tile=tile, **extra))
-                label = "default" if tile is None else f"{tile.block_n}x{tile.stages}"
+            row = {"batch": batch, "ctx": ctx, "cache": name, **({} if plan is None else {"plan": plan(name)})}
+            for label, kwargs in variants:
+                t = graph_bench(lambda: flash_attn_with_kvcache(*args, **kwargs, **extra))
                 row[f"us_{label}"] = round(t * 1e6, 1)
                 row[f"pct_{label}"] = round(100 * nb / t / 1e9 / bw, 1)
             rows.append(row)
-            print("fp8 tiles", row, flush=True)
+            print(tag, row, flush=True)
     return rows
+
+
+def fp8_tile_study(bw, heads: Heads):
+    """cache_study at the default tile and each of DECODE_TILES."""
+    tiles = [("default", {})] + [(f"{t.block_n}x{t.stages}", {"tile": t}) for t in DECODE_TILES]
+    return cache_study(bw, heads, "fp8 tiles", [(256, 1024), (256, 2048), (128, 1024), (64, 2048), (32, 4096)], tiles)
 
 
 def pack_study(bw, heads: Heads):
-    """Engine-like decode batches over each cache, unsplit (as the decode graphs run): us and % of copy
-    bandwidth with 1, 2, 4 kv heads a program (up to 256 values a key's row) beside the plan's choice
-    (decode_plan.heads_per_program)."""
-    rows = []
-    packs = [p for p in (1, 2, 4) if heads.kv % p == 0 and p * heads.dim <= 256]
-    for batch, ctx in [(256, 1024), (128, 1024), (64, 2048)]:
-        for name, (args, extra, nb) in both_caches(batch, ctx, heads).items():
-            row = {"batch": batch, "ctx": ctx, "cache": name,
-                   "plan": heads_per_program(name == "fp8", heads.dim, heads.kv)}
-            for pack in packs:
-                t = graph_bench(lambda: flash_attn_with_kvcache(*args, num_splits=1, kv_heads_per_program=pack,
-                                                                **extra))
-                row[f"us_{pack}"] = round(t * 1e6, 1)
-                row[f"pct_{pack}"] = round(100 * nb / t / 1e9 / bw, 1)
-            rows.append(row)
-            print("pack", row, flush=True)
-    return rows
+    """cache_study unsplit (as the decode graphs run) with 1, 2, 4 kv heads a program (up to 256 values a
+    key's row), beside the plan's choice (decode_plan.heads_per_program)."""
+    packs = [(str(p), {"num_splits": 1, "kv_heads_per_program": p})
+             for p in (1, 2, 4) if heads.kv % p == 0 and p * heads.dim <= 256]
+    return cache_study(bw, heads, "pack", [(256, 1024), (128, 1024), (64, 2048)], packs,
+                       plan=lambda name: heads_per_program(name == "fp8", heads.dim, heads.kv))
 
 
 def causal_flops(lens, heads: Heads):
