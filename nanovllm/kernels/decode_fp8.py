@@ -20,8 +20,9 @@ cache 1.336x the bf16 cache's tok/s (was 1.018x), Qwen3-30B-A3B FP8 + FP8 KV 1.3
 Planes are head_dim / 4 columns: at head_dim 64, 16, tl.dot's least, and the kernel ran at 30% of
 copy bandwidth on its bytes (Qwen2.5-0.5B's heads), slower than over a bf16 cache. There a program
 reads two adjacent kv heads (decode_plan.heads_per_program, kernels/decode_attend.py): planes of 32
-columns, one softmax for both heads' query rows: 2.2x faster in a prototype of this kernel (H100, BENCHMARKS.md,
-fifty-fourth session). This kernel's own GPU run and its end-to-end bench.py figure are owed (same section).
+columns, one softmax for both heads' query rows: 23.1 against 42.6 us at 256 x <= 1,024 keys (1.84x), 2.36x at
+128 rows; end to end, bench.py's Qwen2.5-0.5B with an FP8 cache 1.06-1.10x the one-head kernel's tok/s (H100,
+BENCHMARKS.md, fifty-fifth session).
 
 q is cast to fp16 (clamped to +-FP16_MAX; it comes from a bf16 or fp16 activation, and its product
 with a key is accumulated in fp32). Under the interpreter or for a float32 q, the planes are fp32.
