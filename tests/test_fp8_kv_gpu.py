@@ -330,8 +330,8 @@ def test_fp8_narrow_heads_engine(narrow_ckpt):
     """Graph-replayed and eager steps give the same tokens over an FP8 cache of narrow heads (decode
     batches of 16 and 48, prompts sharing a prefix among them), and transformers' bf16 argmax agrees
     with the engine's greedy tokens as test_fp8_engine_close_to_transformers asks. Both batches are
-    captured sizes: a padded replay runs its GEMMs and attention plan at the graph's rows, which may
-    round otherwise than an eager step of fewer rows (test_cuda_graph_and_eager_decode_identical)."""
+    captured sizes: a padded replay runs its projections at the graph's rows, where cuBLAS may pick
+    another kernel than for an eager step's fewer rows (test_cuda_graph_and_eager_decode_identical)."""
     from transformers import AutoModelForCausalLM
 
     shared = list(range(100, 372))
