@@ -327,23 +327,29 @@ narrow_ckpt = checkpoint_fixture("fp8gpu64", replace(GPU_SHAPE, num_attention_he
 
 
 def test_fp8_narrow_heads_engine(narrow_ckpt):
-    """Graph-replayed and eager steps give the same tokens over an FP8 cache of narrow heads (decode
-    batches of 16 and 48, prompts sharing a prefix among them), and transformers' bf16 argmax agrees
-    with the engine's greedy tokens as test_fp8_engine_close_to_transformers asks. Both batches are
-    captured sizes: a padded replay runs its projections at the graph's rows, where cuBLAS may pick
-    another kernel than for an eager step's fewer rows (test_cuda_graph_and_eager_decode_identical)."""
+    """Decode graphs over an FP8 cache of narrow heads give the tokens of eager steps (prefill and
+    mixed steps eager on both sides; batches of 16 and 48, prompts sharing a prefix among them), and
+    with prefill graphs on too, the engine's greedy tokens agree with transformers' bf16 argmax as
+    test_fp8_engine_close_to_transformers asks. Both batches are captured sizes, and prefill graphs
+    are off for the identity: a replay of a padded size (decode rows, or a prefill's token bucket)
+    runs its projections at the graph's rows, where cuBLAS may pick another kernel than eager does
+    (test_moe_gpu.test_cuda_graph_and_eager_decode_identical)."""
     from transformers import AutoModelForCausalLM
 
     shared = list(range(100, 372))
     ps = [shared + p for p in make_prompts(1, 8, 1, 80)] + make_prompts(2, 8, 50, 400)
     batches = [ps, make_prompts(3, 48, 20, 200)]
-    graph, facts = gpu_generate(narrow_ckpt, batches, GREEDY, kv_cache_dtype="fp8")
-    assert facts["graphs"] and facts["prefill_graphs"]
+    graph, facts = gpu_generate(narrow_ckpt, batches, GREEDY, kv_cache_dtype="fp8", prefill_graphs=False)
+    assert facts["graphs"] and not facts["prefill_graphs"]
     eager, facts = gpu_generate(narrow_ckpt, batches, GREEDY, kv_cache_dtype="fp8", enforce_eager=True)
     assert not facts["graphs"] and graph == eager
+    both, facts = gpu_generate(narrow_ckpt, batches[:1], GREEDY, kv_cache_dtype="fp8")
+    assert facts["prefill_graphs"]
     reference = AutoModelForCausalLM.from_pretrained(narrow_ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
-    share, gap = agreement(reference.cuda().eval(), ps, graph[0])
-    assert share >= MIN_AGREEMENT and gap < MAX_GAP, (share, gap)
+    reference = reference.cuda().eval()
+    for outs in (graph[0], both[0]):
+        share, gap = agreement(reference, ps, outs)
+        assert share >= MIN_AGREEMENT and gap < MAX_GAP, (share, gap)
 
 
 def test_fp8_cache_has_twice_the_blocks(ckpt):
