@@ -10,6 +10,10 @@ score tile holds every head's scores and one softmax serves them all::
     q tile [rows, PACK * D]:   row of head 0: | q  | 0  |        K tile [keys, PACK * D]: | k head 0 | k head 1 |
                                row of head 1: | 0  | q  |
     acc [rows, PACK * D] = p @ V: a row keeps its own head's columns (`store_own`)
+
+The engine packs only an FP8 cache's heads of 64 (Qwen2.5-0.5B, Llama-3.2-1B), where it buys 1.06-1.10x
+end to end on bench.py's Qwen2.5-0.5B run (H100; BENCHMARKS.md, fifty-fifth session; the rule and its
+kernel figures: decode_plan.FP8_PACKED_ROW_VALUES).
 """
 
 import triton
