@@ -11,9 +11,10 @@ score tile holds every head's scores and one softmax serves them all::
                                row of head 1: | 0  | q  |
     acc [rows, PACK * D] = p @ V: a row keeps its own head's columns (`store_own`)
 
-The engine packs only an FP8 cache's heads of 64 (Qwen2.5-0.5B, Llama-3.2-1B), where it buys 1.06-1.10x
-end to end on bench.py's Qwen2.5-0.5B run (H100; BENCHMARKS.md, fifty-fifth session; the rule and its
-kernel figures: decode_plan.FP8_PACKED_ROW_VALUES).
+The engine packs only an FP8 cache's heads of 64 (Qwen2.5-0.5B, Llama-3.2-1B), where it buys, end to end
+on bench.py, 1.25x on Llama-3.2-1B and 1.06-1.10x on Qwen2.5-0.5B (1.24x on its rollout preset) (H100;
+BENCHMARKS.md, fifty-fifth and fifty-sixth sessions; the rule and its kernel figures:
+decode_plan.FP8_PACKED_ROW_VALUES).
 """
 
 import triton

@@ -21,8 +21,9 @@ Planes are head_dim / 4 columns: at head_dim 64, 16, tl.dot's least, and the ker
 copy bandwidth on its bytes (Qwen2.5-0.5B's heads), slower than over a bf16 cache. There a program
 reads two adjacent kv heads (decode_plan.heads_per_program, kernels/decode_attend.py): planes of 32
 columns, one softmax for both heads' query rows: 23.1 against 42.6 us at 256 x <= 1,024 keys (1.84x), 2.36x at
-128 rows; end to end, bench.py's Qwen2.5-0.5B with an FP8 cache 1.06-1.10x the one-head kernel's tok/s (H100,
-BENCHMARKS.md, fifty-fifth session).
+128 rows (Llama-3.2-1B's 32 / 8 heads: 1.73-1.83x); end to end with an FP8 cache, bench.py's Llama-3.2-1B
+1.25x the one-head kernel's tok/s, Qwen2.5-0.5B 1.06-1.10x and its rollout preset 1.24x (H100, BENCHMARKS.md,
+fifty-fifth and fifty-sixth sessions).
 
 q is cast to fp16 (clamped to +-FP16_MAX; it comes from a bf16 or fp16 activation, and its product
 with a key is accumulated in fp32). Under the interpreter or for a float32 q, the planes are fp32.

@@ -50,10 +50,11 @@ FP8_STAGES = 3
 # An FP8 cache is read in four planes of head_dim / 4 columns (kernels/decode_fp8.py): 16 at head_dim 64,
 # tl.dot's least, where the kernel ran at 30% of copy bandwidth on its bytes, slower than a bf16 cache.
 # A program then takes adjacent kv heads side by side until its key rows are this many values wide
-# (heads_per_program): 1.8-2.4x faster at Qwen2.5-0.5B's heads (14 / 2 of 64) over 128-256 rows of
-# engine-like lengths, its bench.py run with an FP8 cache 1.06-1.10x (H100: BENCHMARKS.md, fifty-fifth
-# session). FP8 at head_dim 128, and 16-bit caches at 64 or 128, ran slower two heads a program (by
-# 2-57%, fifty-fourth session): one each.
+# (heads_per_program): 1.7-2.4x faster at Qwen2.5-0.5B's and Llama-3.2-1B's heads (14 / 2 and 32 / 8 of 64)
+# over 128-256 rows of engine-like lengths; bench.py with an FP8 cache 1.06-1.10x (0.5B) and 1.25x (1B) (H100:
+# BENCHMARKS.md, fifty-fifth and fifty-sixth sessions). FP8 at head_dim 128, and 16-bit caches, ran slower
+# two heads a program (by 2-57%, fifty-fourth session; a 16-bit cache at 32 / 8 of 64 0.96-1.04x, fifty-sixth):
+# one each.
 FP8_PACKED_ROW_VALUES = 128
 
 
