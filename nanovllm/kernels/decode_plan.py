@@ -53,7 +53,7 @@ FP8_STAGES = 3
 # (heads_per_program): 1.7-2.4x faster at Qwen2.5-0.5B's and Llama-3.2-1B's heads (14 / 2 and 32 / 8 of 64)
 # over 128-256 rows of engine-like lengths; bench.py with an FP8 cache 1.06-1.10x (0.5B) and 1.25x (1B) (H100:
 # BENCHMARKS.md, fifty-fifth and fifty-sixth sessions). FP8 at head_dim 128, and 16-bit caches, ran slower
-# two heads a program (by 2-57%, fifty-fourth session; a 16-bit cache at 32 / 8 of 64 0.96-1.04x, fifty-sixth):
+# two heads a program (by 2-57%, fifty-fourth session; a 16-bit cache at 32 / 8 of 64 0.97-1.04x, fifty-sixth):
 # one each.
 FP8_PACKED_ROW_VALUES = 128
 
