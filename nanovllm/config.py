@@ -109,7 +109,7 @@ class ServedModel:
     """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len; RL and
     analysis scripts: hf_config's layer and expert counts, get_num_layers, quantization): the
     checkpoint and tokenizer directories, the longest sequence served, the weights' dtype, their
-    quantization method (vLLM's name: "fp8", "compressed-tensors"; None: full precision)."""
+    quantization method (vLLM's name: "fp8", "compressed-tensors", "fbgemm_fp8"; None: full precision)."""
 
     model: str
     tokenizer: str

@@ -20,11 +20,12 @@ from checkpoints import (
     make_prompts, rewrite_config,
 )
 from fp8_checkpoints import (
-    LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
+    FP8, LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
 from nanovllm.quantization.checkpoint_config import resolve_quantization
 from nanovllm.quantization.config import SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, QuantGroup
+from nanovllm.quantization.fp8 import Fp8Weights
 from nanovllm.quantization.loading import QuantizedTensors
 
 # Qwen3 with widths that are not multiples of 128: hidden 192 (1.5 blocks: K of qkv / gate_up,
@@ -49,6 +50,8 @@ CASES = [
     ("moe", "qwen-block", ("mlp.gate",)),
     # RedHat's Qwen3-MoE FP8-dynamic releases: per-channel experts, the routers ignored by regex
     ("moe", "ct-channel", ("lm_head", "re:.*mlp.gate$")),
+    # Meta's Llama-3.1-*-FP8: whole module names kept (the first and last layers' down_proj, lm_head)
+    ("llama", "fbgemm", ("lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj")),
 ]
 
 
@@ -377,7 +380,8 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq' is not supported.*'fp8', 'compressed-tensors'"),
+    ({"quant_method": "gptq", "bits": 4},
+     "quant_method='gptq' is not supported.*'fp8', 'compressed-tensors', 'fbgemm_fp8'"),
     ({**LAYOUTS["qwen-block"], "weight_block_size": [64, 64]}, r"weight_block_size=\[64, 64\] is not supported"),
     ({**LAYOUTS["qwen-block"], "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
     ({**LAYOUTS["qwen-block"], "activation_scheme": "static"}, "static' with weight_block_size"),
@@ -424,6 +428,13 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
      "sparsity_config format='sparse-24-bitmask' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8, "type": "float"},
       "transform_config": {"config_groups": {"r": {"type": "random-hadamard"}}}}, "transform_config="),
+    # fbgemm_fp8: both keys, as vLLM reads them; the bound a positive finite number
+    ({"quant_method": "fbgemm_fp8", "modules_to_not_convert": []}, "fbgemm_fp8 quantization_config needs "
+                                                                    "activation_scale_ub"),
+    (LAYOUTS["fbgemm"], "fbgemm_fp8 quantization_config needs modules_to_not_convert"),
+    *[({**LAYOUTS["fbgemm"], "modules_to_not_convert": [], "activation_scale_ub": bad},
+       "config.json: activation_scale_ub must be a positive finite number") for bad in (0, -5.0, "1200", None)],
+    ({**LAYOUTS["fbgemm"], "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
 ])
 def test_unsupported_quantization_configs_are_refused_naming_them(config, message):
     with pytest.raises(ValueError, match=message):
@@ -492,7 +503,8 @@ def test_model_config_names_the_quantization_method(full_precision, tmp_path):
 
 
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors'\), got 'int8'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors', "
+                                         r"'fbgemm_fp8'\), got 'int8'"):
         cpu_llm(full_precision("qwen3"), quantization="int8")
     # vLLM's name of a compressed-tensors checkpoint's own format: only on such a checkpoint
     with pytest.raises(ValueError, match="quantization='compressed-tensors' names a checkpoint's own format"):
@@ -649,3 +661,33 @@ def test_which_layers_keep_fp8_on_cuda(layout, parts, k, held):
         torch.set_default_dtype(previous)
     assert cuda.held is held and not cpu.held and not fp32.held
     assert cuda.fmt == cpu.fmt == fp32.fmt
+
+
+def test_fbgemm_fp8_config_is_per_channel_with_its_amax_bound(full_precision, tmp_path):
+    """Meta's fbgemm_fp8 (vLLM's FBGEMMFp8Config): per-channel weight scales, dynamic per-token
+    activations whose amax is bounded by activation_scale_ub (held layers quantize with it:
+    Fp8Weights.row_quant), modules_to_not_convert kept; LLM(quantization="fbgemm_fp8") names the
+    checkpoint's own format, as quantization="compressed-tensors" does; MoE experts are refused
+    naming the bound (the MoE kernels take none)."""
+    config = {**LAYOUTS["fbgemm"], "activation_scale_ub": 1200, "modules_to_not_convert": ["lm_head"]}
+    expected = QuantConfig((QuantGroup(Fp8Format("channel", "weight_scale", False, False, 1200.0)),), ("lm_head",))
+    assert resolve_quantization(None, config, "c") == resolve_quantization("fbgemm_fp8", config, "c") == \
+        resolve_quantization("fp8", config, "c") == expected
+    assert Fp8Weights(torch.ones(2, 2, dtype=FP8), torch.ones(2), None, 1200.0).row_quant().amax_ub == 1200.0
+    with pytest.raises(ValueError, match="quantization='fbgemm_fp8' names a checkpoint's own format"):
+        cpu_llm(full_precision("qwen3"), quantization="fbgemm_fp8")
+    with pytest.raises(ValueError, match="quantization='fbgemm_fp8' does not match c's quantization_config "
+                                         "quant_method='compressed-tensors'"):
+        resolve_quantization("fbgemm_fp8", LAYOUTS["ct-channel"], "c")
+    path = str(tmp_path / "dense")
+    write_fp8(full_precision("llama"), path, str(tmp_path / "ref"), "fbgemm", ("lm_head",))
+    for kwargs in ({}, {"quantization": "fbgemm_fp8"}):
+        llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64, **kwargs)
+        try:
+            assert llm.llm_engine.model_config.quantization == "fbgemm_fp8"
+        finally:
+            llm.exit()
+    path = str(tmp_path / "moe")
+    write_fp8(full_precision("moe"), path, str(tmp_path / "ref"), "fbgemm", ("mlp.gate",))
+    with pytest.raises(ValueError, match="fbgemm_fp8 MoE experts are not supported .*activation_scale_ub"):
+        cpu_llm(path)

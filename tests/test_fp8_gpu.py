@@ -148,8 +148,21 @@ def test_fp8_linear_against_dequantized_operands(n, k, m, kind):
     assert err < REF_TOL
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 12288), (300, 1000)])
+def test_bounded_activation_quantization_bit_for_bit(m, k):
+    """Per token with an amax bound (fbgemm_fp8's activation_scale_ub): the float64 reference with
+    min(amax, bound) in amax's place; rows past the bound saturate at +-448."""
+    gen = torch.Generator(DEV).manual_seed(m + k)
+    x = (30 * torch.randn(m, k, generator=gen, device=DEV)).to(torch.bfloat16)
+    bound = 60.0  # below the rows' amax (~30 x 4 sigma and more): every row is bounded
+    q, s = quantize_rows(x, amax_ub=bound)
+    ref_s = (x.double().abs().amax(1, keepdim=True).clamp(max=bound) / 448).float().clamp(min=1e-12)
+    ref_q = (x.float() / ref_s).clamp(-448, 448).to(FP8)
+    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s) and (s == bound / 448).all()
+
+
 @pytest.mark.parametrize("m", [3, 256, 1000])
-@pytest.mark.parametrize("kind", ["block", "row", "static"])
+@pytest.mark.parametrize("kind", ["block", "row", "static", "bounded"])
 def test_norm_and_activation_quantize_their_outputs(m, kind):
     """The FP8 layers' inputs quantized inside the RMSNorm and SiLU-and-mul kernels (8B widths:
     hidden 4096, intermediate 12288) are bit for bit the standalone quantization of those kernels'
@@ -160,7 +173,7 @@ def test_norm_and_activation_quantize_their_outputs(m, kind):
     gate_up = (4 * torch.randn(m, 2 * 12288, generator=gen, device=DEV)).to(torch.bfloat16)
     static = torch.tensor([0.01, 0.02], device=DEV) if kind == "static" else None
     q, s, _ = random_fp8(4096, 4096, gen, "block" if kind == "block" else "row")
-    w = Fp8Weights(q, s, static)
+    w = Fp8Weights(q, s, static, 2.0 if kind == "bounded" else None)  # bounded: below most rows' amax
     how = w.row_quant()
     got, summed = rms_norm_fp8(x, res, w_norm, 1e-6, how)
     normed, ref_sum = add_rms_norm(x, res, w_norm, 1e-6)
@@ -215,7 +228,7 @@ def off_argmax_rate(reference_logits, tokens) -> float:
     return off / sum(len(t) for t in tokens)
 
 
-@pytest.mark.parametrize("layout", ["qwen-block", "ct-channel", "ct-tensor", "ct-block"])
+@pytest.mark.parametrize("layout", ["qwen-block", "ct-channel", "ct-tensor", "ct-block", "fbgemm"])
 def test_fp8_engine_matches_transformers_on_dequantized_weights(dense, tmp_path, layout):
     """FP8 weights with FP8 activations against transformers in float32 on the dequantized weights.
 
@@ -285,6 +298,16 @@ def test_fp8_layers_hold_fp8(dense, tmp_path):
         # decode batches past the GEMV's rows take the W8A16 skinny GEMM (its first version zeroed
         # this path at construction, and an end-to-end A/B ran _scaled_mm on both sides unseen)
         assert layers[0].self_attn.qkv_proj.path.skinny_rows == KernelRoutes().fp8_skinny_max_rows
+    finally:
+        llm.exit()
+    # fbgemm_fp8: per-channel scales [out, 1] held per row, and the activations' amax bound on every held layer
+    write_fp8(dense, str(tmp_path / "fbgemm"), str(tmp_path / "fbgemm_ref"), "fbgemm", ("lm_head",))
+    llm = LLM(str(tmp_path / "fbgemm"), dtype="bfloat16", num_kvcache_blocks=64, kvcache_block_size=16,
+              max_num_seqs=4, enforce_eager=True)
+    try:
+        mlp = llm.model_runner.model.model.layers[0].mlp
+        assert mlp.down_proj.weight.dtype == FP8 and mlp.down_proj.weight_scale.shape == (SHAPE.hidden_size,)
+        assert mlp.gate_up_proj.fp8.row_quant().amax_ub == LAYOUTS["fbgemm"]["activation_scale_ub"]
     finally:
         llm.exit()
     moe = build_moe_checkpoint(str(tmp_path / "moe"), MOE)

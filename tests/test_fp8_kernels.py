@@ -110,8 +110,9 @@ def test_fp8_tilings(rows, n, k):
         assert (row.block_n, row.stages) == (plain.block_n, plain.stages)
 
 
-def ref_quantize(x, group, static=None):
-    """Per-token / per-group / static FP8 quantization written out: (fp8 values, scales [M, G])."""
+def ref_quantize(x, group, static=None, amax_ub=None):
+    """Per-token / per-group / static FP8 quantization written out: (fp8 values, scales [M, G]);
+    `amax_ub`: each row's amax taken at most this (per token)."""
     x = x.float()
     m, k = x.shape
     size = k if group is None else group
@@ -119,7 +120,8 @@ def ref_quantize(x, group, static=None):
     for r in range(m):
         for g in range(scales.shape[1]):
             part = x[r, g * size:(g + 1) * size]
-            s = static if static is not None else max(part.abs().max().item() / 448.0, 1e-12)
+            amax = part.abs().max().item() if amax_ub is None else min(part.abs().max().item(), amax_ub)
+            s = static if static is not None else max(amax / 448.0, 1e-12)
             scales[r, g] = s
             q[r, g * size:(g + 1) * size] = (part / scales[r, g]).clamp(-448, 448).to(FP8)
     return q, scales
@@ -127,14 +129,17 @@ def ref_quantize(x, group, static=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k", [(3, 200), (1, 4100), (5, 128)])
-@pytest.mark.parametrize("group", [None, 128])
-def test_activation_quantization_bit_for_bit(dtype, m, k, group):
+@pytest.mark.parametrize("group,amax_ub", [(None, None), (128, None), (None, 40.0)])
+def test_activation_quantization_bit_for_bit(dtype, m, k, group, amax_ub):
+    """amax_ub (fbgemm_fp8's activation_scale_ub) bounds the rows' amax: rows past it saturate."""
     gen = torch.Generator().manual_seed(m * k)
     x = randn((m, k), gen, dtype, 30.0)
     x[0, : min(k, 128)] = 0  # an all-zero group (per token at k = 128): the scale floor
     rows = m + 3  # padding rows, as the blockwise GEMM takes
-    q, s = quantize_rows(x, group=group, rows=rows)
-    ref_q, ref_s = ref_quantize(x, group)
+    q, s = quantize_rows(x, group=group, rows=rows, amax_ub=amax_ub)
+    ref_q, ref_s = ref_quantize(x, group, amax_ub=amax_ub)
+    if amax_ub is not None:  # the bound is reached: saturated values, and no scale past it
+        assert (s[:m] == amax_ub / 448.0).any() and (q[:m].float().abs() == 448).sum() > m and s.max() <= amax_ub / 448
     assert q.shape == (rows, k) and s.shape == (rows, ref_s.shape[1])
     assert torch.equal(q[:m].float(), ref_q.float()) and torch.equal(s[:m], ref_s)
     assert not q[m:].float().any()
@@ -203,18 +208,21 @@ def test_static_activation_scale_and_bad_arguments(parts):
 
 
 QUANTS = {"token": lambda: RowQuant(), "group": lambda: RowQuant(128, row_multiple=4),
-          "static": lambda: RowQuant(static_scale=torch.tensor([0.01, 0.02, 0.005]))}  # parts: the largest, 0.02
+          "static": lambda: RowQuant(static_scale=torch.tensor([0.01, 0.02, 0.005])),  # parts: the largest, 0.02
+          "bounded": lambda: RowQuant(amax_ub=2.5)}  # per token, amax at most 2.5: these rows pass it
 
 
 def check_quantized(got, out16, how, mode):
     """got (QuantizedRows) is out16 [m, K] quantized as `how` says: the written-out reference on
     its rows, zero padding rows (group: the scale floor), _scaled_mm's layouts."""
     m, k = out16.shape
-    ref_q, ref_s = ref_quantize(out16, how.group, 0.02 if mode == "static" else None)
+    ref_q, ref_s = ref_quantize(out16, how.group, 0.02 if mode == "static" else None, how.amax_ub)
     rows = how.rows(m)
     assert got.m == m and got.dtype == out16.dtype and got.q.shape == (rows, k)
     assert torch.equal(got.q[:m].float(), ref_q.float()) and torch.equal(got.scales[:m], ref_s)
     assert not got.q[m:].float().any() and (got.scales[m:] == 1e-12).all()
+    if how.amax_ub is not None:  # some row reached the bound
+        assert (ref_s == how.amax_ub / 448.0).any()
     if how.group is not None:
         assert got.scales.shape == (rows, -(-k // 128)) and got.scales.stride() == (1, rows)
 
@@ -267,3 +275,10 @@ def test_producers_refuse_other_quant_specs():
         silu_and_mul_fp8(x, None)
     with pytest.raises(ValueError, match="row_multiple must be"):
         RowQuant(row_multiple=0)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1200"):  # fbgemm_fp8's activation_scale_ub
+        with pytest.raises(ValueError, match="amax_ub must be a positive finite number"):
+            RowQuant(amax_ub=bad)
+    with pytest.raises(ValueError, match="amax_ub bounds a per-token scale"):
+        RowQuant(128, amax_ub=1200.0)
+    with pytest.raises(ValueError, match="amax_ub bounds a per-token scale"):
+        RowQuant(static_scale=torch.tensor([0.5]), amax_ub=1200.0)

@@ -206,23 +206,28 @@ SPECS = [
           # ... and at one row past a wave (8B gate_up, behind the add + RMSNorm: no PDL)
           (False, 1, 8, 1024, 3, "", False, True, 1))]),
     # FP8 activation quantization: per token (4096-column steps), per 128-group, static
-    # (one step when the part fits a BLOCK; MoE activations skip their padding rows)
+    # (one step when the part fits a BLOCK; MoE activations skip their padding rows); per token with
+    # fbgemm_fp8's amax bound
     ("kernels.fp8_quant", "_quant_kernel", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",
                                             "pairs_ptr": "*i32"},
-     [{"STATIC": static, "BLOCK": block, "ONE_STEP": one, "SKIP_PADDING": skip, "GROUP": group, "STATIC_PARTS": parts}
-      for static, block, one, skip, group, parts in (
-          (False, 4096, False, False, 0, 0), (False, 1024, True, True, 0, 0), (False, 1024, True, False, 128, 0),
-          (False, 1024, True, True, 128, 0), (True, 4096, True, False, 0, 3), (True, 4096, False, False, 0, 1))]),
+     [{"STATIC": static, "BLOCK": block, "ONE_STEP": one, "SKIP_PADDING": skip, "GROUP": group, "STATIC_PARTS": parts,
+       "AMAX_UB": ub}
+      for static, block, one, skip, group, parts, ub in (
+          (False, 4096, False, False, 0, 0, None), (False, 1024, True, True, 0, 0, None),
+          (False, 1024, True, False, 128, 0, None), (False, 1024, True, True, 128, 0, None),
+          (True, 4096, True, False, 0, 3, None), (True, 4096, False, False, 0, 1, None),
+          (False, 4096, True, False, 0, 0, 1200.0), (False, 4096, False, False, 0, 0, 1200.0))]),
     # The rest of the engine's kernels, at the Qwen3 shapes (head_dim 128, hidden 1024, GQA 2, block 256).
     ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": h, "ROWS": rows, "QUANT": None, "GROUP": 1, "PDL": p, "STATIC_PARTS": 0,
-       "num_warps": w}
+       "AMAX_UB": None, "num_warps": w}
       for r in (True, False) for p in (True, False) for h, rows, w in ((1024, 1, 4), (128, 8, 4))]),
     # ... quantizing its output for an FP8 layer (8B hidden 4096: one row a program at 16 warps)
     ("kernels.fused_norm", "_rms_norm_kernel", {"eps": "fp32", "out_ptr": FP8, "s_ptr": "*fp32", "static_ptr": "*fp32"},
      [{"HAS_RESIDUAL": r, "BLOCK_H": 4096, "ROWS": 1, "QUANT": mode, "GROUP": group, "PDL": True,
-       "STATIC_PARTS": 3 if mode == "static" else 0, "num_warps": 16}
-      for r in (True, False) for mode, group in (("token", 1), ("group", 128), ("static", 1))]),
+       "STATIC_PARTS": 3 if mode == "static" else 0, "AMAX_UB": ub, "num_warps": 16}
+      for r in (True, False) for mode, group, ub in (("token", 1, None), ("group", 128, None), ("static", 1, None),
+                                                     ("token", 1, 1200.0))]),
     ("kernels.fused_activation", "_silu_and_mul_kernel", {}, [{"BLOCK": 1024, "PDL": p} for p in (True, False)]),
     # ... quantizing its output per 128-column group or with a static scale
     ("kernels.fused_activation", "_silu_and_mul_fp8_kernel", {"q_ptr": FP8, "s_ptr": "*fp32", "static_ptr": "*fp32"},

@@ -194,6 +194,13 @@ def check_eps(eps) -> None:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
+def check_amax_ub(name: str, value: object) -> None:
+    """A bound on an activation row's amax (fbgemm_fp8's activation_scale_ub): a positive finite
+    number, an int or a float (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t [..., H] as [rows, H] with a contiguous last dim, as check_matrix wants (a view when possible)."""
     t = t.reshape(-1, t.shape[-1])

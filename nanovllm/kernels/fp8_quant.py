@@ -1,6 +1,8 @@
 """Triton FP8 quantization of activations, for torch._scaled_mm: x [M, K] -> (q, scales).
 
     per token (dynamic):    s[m]    = max(amax(x[m, :]) / 448, FP8_MIN_SCALE)         scales [M, 1]
+                            (with a bound amax_ub, min(amax, amax_ub) in amax's place: fbgemm_fp8's
+                            activation_scale_ub, so an outlier token saturates at +-448)
     per group (dynamic):    s[m, g] = max(amax(x[m, g*128 : (g+1)*128]) / 448, FP8_MIN_SCALE)
                                                 scales [M, K/128], column-major (the transpose of a
                                                 contiguous [K/128, M]: _scaled_mm's blockwise layout)
@@ -38,7 +40,7 @@ from nanovllm.utils.ints import next_pow2
 from nanovllm.utils.validation import check_int
 
 from . import checks
-from .checks import FP8_BLOCK, check_matrix
+from .checks import FP8_BLOCK, check_amax_ub, check_matrix
 
 # The clamp bound and scale floor (kernels/checks.py), as constants compiled kernels can read.
 FP8_MAX = tl.constexpr(checks.FP8_MAX)
@@ -76,8 +78,11 @@ def _to_fp8(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _amax_to_scale(amax):
-    """The dynamic scale of a part whose largest magnitude is `amax` (any shape): amax / 448, floored."""
+def _amax_to_scale(amax, AMAX_UB: tl.constexpr):
+    """The dynamic scale of a part whose largest magnitude is `amax` (any shape): amax / 448, floored;
+    amax taken at most AMAX_UB where that is not None."""
+    if AMAX_UB is not None:
+        amax = tl.minimum(amax, AMAX_UB)
     return tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)
 
 
@@ -98,16 +103,16 @@ def static_scale(static_ptr, PARTS: tl.constexpr):
 @triton.jit
 def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, stride_sg, static_ptr,
                   MODE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
-                  STATIC_PARTS: tl.constexpr):
+                  STATIC_PARTS: tl.constexpr, AMAX_UB: tl.constexpr):
     """Store y [R, C] (float32 holding activation-dtype values, 0 past the row's end) at q_ptrs
     [R, C] where mask, quantized as quantize_rows does: MODE "token" (a scale per row, stored at
-    s_ptr + rows * stride_sm), "group" (per GROUP columns: group g's at + g * stride_sg, groups
-    below n_groups) or "static" (the largest of the STATIC_PARTS scales at static_ptr, stored per
-    row too). Rows not row_valid store no scale. For kernels that quantize their own output
-    (fused_norm, fused_activation)."""
+    s_ptr + rows * stride_sm; the row's amax bounded by AMAX_UB unless None), "group" (per GROUP
+    columns: group g's at + g * stride_sg, groups below n_groups) or "static" (the largest of the
+    STATIC_PARTS scales at static_ptr, stored per row too). Rows not row_valid store no scale. For
+    kernels that quantize their own output (fused_norm, fused_activation)."""
     if MODE == "group":
         yg = tl.reshape(y, (R, C // GROUP, GROUP))
-        scale = _amax_to_scale(tl.max(tl.abs(yg), axis=2))  # [R, C / GROUP]
+        scale = _amax_to_scale(tl.max(tl.abs(yg), axis=2), None)  # [R, C / GROUP]
         q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptrs, _to_fp8(tl.reshape(q, (R, C)), q_ptrs.dtype.element_ty), mask=mask)
         groups = tl.arange(0, C // GROUP)
@@ -117,7 +122,7 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
         if MODE == "static":
             scale = static_scale(static_ptr, STATIC_PARTS) + tl.zeros((R,), dtype=tl.float32)
         else:
-            scale = _amax_to_scale(tl.max(tl.abs(y), axis=1))  # [R]
+            scale = _amax_to_scale(tl.max(tl.abs(y), axis=1), AMAX_UB)  # [R]
         _store_fp8(q_ptrs, y, scale[:, None], mask)
         tl.store(s_ptr + rows * stride_sm, scale, mask=row_valid)
 
@@ -125,9 +130,10 @@ def quantize_tile(y, q_ptrs, mask, s_ptr, rows, row_valid, n_groups, stride_sm, 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows, k_in, stride_x, stride_q,
                   stride_sm, stride_sg, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
-                  SKIP_PADDING: tl.constexpr, GROUP: tl.constexpr, STATIC_PARTS: tl.constexpr):
+                  SKIP_PADDING: tl.constexpr, GROUP: tl.constexpr, STATIC_PARTS: tl.constexpr,
+                  AMAX_UB: tl.constexpr):
     """Grid (rows, parts): per token or static (GROUP 0) one part, the row; per GROUP-column group,
-    parts of BLOCK columns (BLOCK / GROUP whole groups)."""
+    parts of BLOCK columns (BLOCK / GROUP whole groups). AMAX_UB: per token, the amax bound or None."""
     row = tl.program_id(0).to(tl.int64)
     if SKIP_PADDING:  # a padding row of an aligned MoE layout: never read, so not written
         if tl.load(pairs_ptr + row) >= num_pairs:
@@ -144,13 +150,14 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
         every_row = rows >= 0  # each grid row is an output row (padding rows get the scale floor)
         quantize_tile(x[None, :], (q_row + cols)[None, :], (cols < k_in)[None, :], s_ptr + g0 * stride_sg, rows,
                       every_row, tl.cdiv(k_in, GROUP) - g0, stride_sm, stride_sg, static_ptr, "group", 1, BLOCK,
-                      GROUP, STATIC_PARTS)
+                      GROUP, STATIC_PARTS, None)
         return
     s_out = s_ptr + row * stride_sm
     cols = tl.arange(0, BLOCK)
     if ONE_STEP:  # the row fits one step: read once, kept in registers
         x = tl.load(x_row + cols, mask=cols < filled, other=0.0).to(tl.float32)
-        scale = static_scale(static_ptr, STATIC_PARTS) if STATIC else _amax_to_scale(tl.max(tl.abs(x), axis=0))
+        scale = (static_scale(static_ptr, STATIC_PARTS) if STATIC
+                 else _amax_to_scale(tl.max(tl.abs(x), axis=0), AMAX_UB))
         tl.store(s_out, scale)
         _store_fp8(q_row + cols, x, scale, cols < k_in)
     else:  # wide rows: the amax pass, then the quantizing pass
@@ -161,7 +168,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, pairs_ptr, num_pairs, n_rows,
             for c in range(0, k_in, BLOCK):
                 x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = _amax_to_scale(tl.max(amax, axis=0))
+            scale = _amax_to_scale(tl.max(amax, axis=0), AMAX_UB)
         tl.store(s_out, scale)
         for c in range(0, k_in, BLOCK):
             x = tl.load(x_row + c + cols, mask=c + cols < filled, other=0.0).to(tl.float32)
@@ -173,12 +180,14 @@ class RowQuant:
     """How an activation [M, K] becomes e4m3 rows for torch._scaled_mm: per token (`group` None),
     per FP8_BLOCK-column group, or with a per-tensor `static_scale` (a 1-D float32 tensor on the
     activation's device holding a packed layer's parts' scales, 1 to MAX_STATIC_PARTS: their largest
-    is the scale); rows padded with zero rows to a multiple of `row_multiple`. The one description
-    quantize_rows and the kernels that quantize their own output both follow."""
+    is the scale); rows padded with zero rows to a multiple of `row_multiple`; per token, each row's
+    amax taken at most `amax_ub` where it is given (fbgemm_fp8's activation_scale_ub). The one
+    description quantize_rows and the kernels that quantize their own output both follow."""
 
     group: int | None = None
     static_scale: torch.Tensor | None = None
     row_multiple: int = 1
+    amax_ub: float | None = None
 
     def __post_init__(self) -> None:
         if self.group not in (None, FP8_BLOCK):
@@ -192,6 +201,11 @@ class RowQuant:
                 raise ValueError(f"static_scale must be a contiguous float32 tensor of 1 to {MAX_STATIC_PARTS.value} "
                                  f"parts' scales, got {s!r}")
         check_int("row_multiple", self.row_multiple, 1)
+        if self.amax_ub is not None:
+            check_amax_ub("amax_ub", self.amax_ub)
+            if self.mode != "token":
+                raise ValueError(f"amax_ub bounds a per-token scale: it takes no group or static scale "
+                                 f"(group={self.group!r}, static scale given: {self.static_scale is not None})")
 
     @property
     def static_parts(self) -> int:
@@ -239,25 +253,27 @@ class QuantizedRows:
 def quantize(x: torch.Tensor, how: RowQuant) -> QuantizedRows:
     """x [M, K] -> QuantizedRows, as `how` says (quantize_rows)."""
     check_matrix("x", x)
-    q, scales = quantize_rows(x, group=how.group, static_scale=how.static_scale, rows=how.rows(x.shape[0]))
+    q, scales = quantize_rows(x, group=how.group, static_scale=how.static_scale, rows=how.rows(x.shape[0]),
+                              amax_ub=how.amax_ub)
     return QuantizedRows(q, scales, x.shape[0], x.dtype)
 
 
 def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: torch.Tensor | None = None,
                   rows: int | None = None, pair_ids: torch.Tensor | None = None,
-                  num_pairs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_pairs: int = 0, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [rows, K], scales float32): per token (group None), per
     FP8_BLOCK-column group (group=FP8_BLOCK: scales [rows, K/128] column-major) or with the
     per-tensor `static_scale` (RowQuant's: parts' scales, the largest taken). `rows` >= M pads with zero rows
     (default M). `pair_ids` (int32 [M] on x's device: moe_align's sorted_pair_ids, the rows of
     an aligned MoE activation) with `num_pairs`: rows whose id is >= num_pairs are padding, and
-    their q and scales are left unwritten (nothing reads them)."""
+    their q and scales are left unwritten (nothing reads them). `amax_ub`: per token, each row's
+    amax taken at most this (RowQuant)."""
     check_matrix("x", x)
     m, k = x.shape
     rows = m if rows is None else rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < m:
         raise ValueError(f"rows must be an int >= x's {m} rows, got {rows!r}")
-    how = RowQuant(group, static_scale)
+    how = RowQuant(group, static_scale, amax_ub=amax_ub)
     how.check_device(x)
     if pair_ids is not None:
         if (not isinstance(pair_ids, torch.Tensor) or pair_ids.dtype != torch.int32 or pair_ids.shape != (m,)
@@ -279,6 +295,7 @@ def quantize_rows(x: torch.Tensor, *, group: int | None = None, static_scale: to
         x, q, scales, static_scale if static_scale is not None else scales,
         pair_ids if pair_ids is not None else scales, num_pairs, m, k, x.stride(0), q.stride(0),
         scales.stride(0), scales.stride(1), STATIC=static_scale is not None, BLOCK=block, ONE_STEP=block >= k,
-        SKIP_PADDING=pair_ids is not None, GROUP=group or 0, STATIC_PARTS=how.static_parts, num_warps=NUM_WARPS,
+        SKIP_PADDING=pair_ids is not None, GROUP=group or 0, STATIC_PARTS=how.static_parts, AMAX_UB=amax_ub,
+        num_warps=NUM_WARPS,
     )
     return q, scales

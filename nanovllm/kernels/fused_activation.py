@@ -86,7 +86,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n_rows, out_rows, 
     g0 = first // GROUP if QUANT == "group" else 0  # the program's first scale column
     quantize_tile(y[None, :], (q_ptr + row * stride_q + cols)[None, :], (cols < inter)[None, :], s_ptr + g0 * stride_sg,
                   rows, rows < out_rows, n_groups - g0, stride_sm, stride_sg, static_ptr, QUANT, 1, BLOCK, GROUP,
-                  STATIC_PARTS)
+                  STATIC_PARTS, None)
 
 
 def silu_and_mul_fp8(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:

@@ -74,9 +74,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, kept_ptr,
     n_rows, out_rows, hidden, n_groups, stride_x, stride_r, stride_sm, stride_sg, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
-    GROUP: tl.constexpr, PDL: tl.constexpr, STATIC_PARTS: tl.constexpr, KEEP: tl.constexpr,
+    GROUP: tl.constexpr, PDL: tl.constexpr, STATIC_PARTS: tl.constexpr, KEEP: tl.constexpr, AMAX_UB: tl.constexpr,
 ):
-    """QUANT None: out_ptr gets the normed rows in x's dtype. Else (fp8_quant.quantize_tile's modes)
+    """QUANT None: out_ptr gets the normed rows in x's dtype. Else (fp8_quant.quantize_tile's modes and AMAX_UB)
     out_ptr gets them in e4m3, out_rows of them (rows past n_rows: zeros), with their scales, and
     under KEEP kept_ptr gets them in x's dtype too."""
     wait_for_prior(PDL)
@@ -102,7 +102,8 @@ def _rms_norm_kernel(
             tl.store(kept_ptr + out_offs, y, mask=mask)
         in_out = rows < out_rows
         quantize_tile(y.to(tl.float32), out_ptr + out_offs, in_out[:, None] & col_mask[None, :], s_ptr, rows,
-                      in_out, n_groups, stride_sm, stride_sg, static_ptr, QUANT, ROWS, BLOCK_H, GROUP, STATIC_PARTS)
+                      in_out, n_groups, stride_sm, stride_sg, static_ptr, QUANT, ROWS, BLOCK_H, GROUP, STATIC_PARTS,
+                      AMAX_UB)
 
 
 def _check_args(x, residual, weight, eps) -> None:
@@ -146,7 +147,8 @@ def _launch(x, residual, weight, eps, quant: RowQuant | None = None, keep: bool 
         kept if keep else out, n, out_rows, h, triton.cdiv(h, group), x.stride(0), residual.stride(0) if has_res else 0,
         scales.stride(0), scales.stride(-1), float(eps),
         HAS_RESIDUAL=has_res, BLOCK_H=block_h, ROWS=rows, QUANT=None if quant is None else quant.mode,
-        GROUP=group, STATIC_PARTS=0 if quant is None else quant.static_parts, KEEP=keep, num_warps=num_warps,
+        GROUP=group, STATIC_PARTS=0 if quant is None else quant.static_parts, KEEP=keep,
+        AMAX_UB=None if quant is None else quant.amax_ub, num_warps=num_warps,
         **pdl_launch_options(x),
     )
     return result, res_out, kept

@@ -149,7 +149,7 @@ class _LinearBase(nn.Module):
             input_scale = nn.Parameter(torch.empty(len(self.shard_ids), dtype=torch.float32), requires_grad=False)
             input_scale.weight_slice, input_scale.shard_ids = self.input_scale_slice, self.shard_ids
             self.register_parameter(INPUT_SCALE, input_scale)
-        return Fp8Weights(self.weight, scale, input_scale)
+        return Fp8Weights(self.weight, scale, input_scale, fmt.amax_ub)
 
     def scale_slice(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: str | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

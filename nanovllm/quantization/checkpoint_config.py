@@ -19,6 +19,12 @@
                                        no config group (a calibrated FP8 KV cache alone):
                                        full-precision weights; online transforms
                                        (transform_config) and sparse storage are refused
+    Meta's FBGEMM FP8                  quant_method "fbgemm_fp8" (meta-llama/*-FP8 releases):
+                                       `weight_scale` [out, 1] per output channel, activations
+                                       dynamic per token with each row's amax taken at most
+                                       activation_scale_ub (an outlier token saturates);
+                                       modules_to_not_convert stay full precision; MoE experts
+                                       are refused (quantization/config.expert_quant)
     online FP8                         LLM(quantization="fp8") on a full-precision checkpoint:
                                        weights quantized at load, one scale per output channel
                                        (amax / 448), activations dynamic per token
@@ -36,15 +42,17 @@ import json
 import os
 import re
 
-from nanovllm.kernels.checks import FP8_BLOCK
+from nanovllm.kernels.checks import FP8_BLOCK, check_amax_ub
 from nanovllm.quantization.config import (
     BLOCK, CHANNEL, ONLINE, REGEX_PREFIX, SCALE, SCALE_INV, TENSOR, Fp8Format, QuantConfig, QuantGroup,
 )
 
 # The values LLM(quantization=...) takes.
-QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors")
+QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors", "fbgemm_fp8")
+# Of those, the names of a checkpoint's own format (no online form): they must match its quant_method.
+CHECKPOINT_FORMATS = ("compressed-tensors", "fbgemm_fp8")
 # quant_method values of config.json's quantization_config that load.
-SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 # compressed-tensors' activation strategy of one scale per row and 1 x group_size columns.
 GROUP = "group"
 # The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
@@ -94,6 +102,17 @@ def _fp8_method(cfg: dict, source: str) -> QuantConfig:
     fmt = Fp8Format(BLOCK if block is not None else TENSOR, SCALE_INV if block is not None else SCALE, static, False)
     skip = _module_names(cfg, "modules_to_not_convert", source) + _module_names(cfg, "ignored_layers", source)
     return QuantConfig((QuantGroup(fmt),), skip)
+
+
+def _fbgemm_fp8(cfg: dict, source: str) -> QuantConfig:
+    """quant_method "fbgemm_fp8" (Meta's FP8 releases, vLLM's FBGEMMFp8Config): both keys required, as vLLM
+    reads them."""
+    for key in ("activation_scale_ub", "modules_to_not_convert"):
+        if key not in cfg:
+            raise ValueError(f"{source}: a fbgemm_fp8 quantization_config needs {key}")
+    check_amax_ub(f"{source}: activation_scale_ub", cfg["activation_scale_ub"])
+    fmt = Fp8Format(CHANNEL, SCALE, False, False, float(cfg["activation_scale_ub"]))
+    return QuantConfig((QuantGroup(fmt),), _module_names(cfg, "modules_to_not_convert", source))
 
 
 def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
@@ -199,18 +218,20 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
     if checkpoint is None:
-        if quantization == "compressed-tensors":
-            raise ValueError(f"quantization='compressed-tensors' names a checkpoint's own format, but {source} has "
+        if quantization in CHECKPOINT_FORMATS:
+            raise ValueError(f"quantization={quantization!r} names a checkpoint's own format, but {source} has "
                              "no quantization_config")
         return QuantConfig((QuantGroup(ONLINE),), ()) if quantization == "fp8" else None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {checkpoint!r}")
     method = checkpoint_method(checkpoint)
-    if quantization == "compressed-tensors" and method != quantization:  # it names the checkpoint's own (vLLM)
-        raise ValueError(f"quantization='compressed-tensors' does not match {source}'s quantization_config "
+    if quantization in CHECKPOINT_FORMATS and method != quantization:  # it names the checkpoint's own (vLLM)
+        raise ValueError(f"quantization={quantization!r} does not match {source}'s quantization_config "
                          f"quant_method={method!r}")
     if method == "fp8":
         return _fp8_method(checkpoint, source)
+    if method == "fbgemm_fp8":
+        return _fbgemm_fp8(checkpoint, source)
     if method == "compressed-tensors":
         _no_transforms_or_sparse_storage(checkpoint, source)
         if not checkpoint.get("config_groups"):

@@ -65,6 +65,9 @@ class Fp8Format:
     scale_name: str  # the scale tensor's checkpoint name beside `weight`
     static_input: bool  # activations quantized with the checkpoint's per-tensor input_scale
     online: bool  # the checkpoint is full precision: weights are quantized at load
+    # Per-token activation scales take each row's amax at most this (fbgemm_fp8's activation_scale_ub:
+    # an outlier token saturates); None: unbounded.
+    amax_ub: float | None = None
 
     @property
     def requant_scales(self) -> str:
@@ -188,5 +191,9 @@ def expert_quant(names: tuple[str, ...] | None, local_inter: int, kernels: bool,
     fmt = layer_format(names)
     if fmt is None:
         return None
+    if fmt.amax_ub is not None:  # the MoE kernels take no amax bound (vLLM's fbgemm_fp8 quantizes linears only)
+        raise ValueError(f"fbgemm_fp8 MoE experts are not supported (their activation_scale_ub): {names[0]} and "
+                         f"the layer's other experts; supported for linear layers, or list the experts in "
+                         f"modules_to_not_convert")
     fits = fmt.requant_scales != BLOCK or (local_inter % FP8_BLOCK == 0 and hidden % FP8_PER_WORD == 0)
     return LinearQuant(fmt, kernels and fits, weight_only=True)

@@ -108,6 +108,7 @@ class Fp8Weights:
     weight: torch.Tensor
     scale: torch.Tensor
     input_scale: torch.Tensor | None
+    amax_ub: float | None = None  # the format's bound on per-token activation amax (Fp8Format.amax_ub)
 
     @property
     def blocks(self) -> bool:
@@ -121,7 +122,7 @@ class Fp8Weights:
 
         if self.blocks:
             return RowQuant(FP8_BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
-        return RowQuant(static_scale=self.input_scale)
+        return RowQuant(static_scale=self.input_scale, amax_ub=self.amax_ub)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, w: Fp8Weights, bias: torch.Tensor | None,
