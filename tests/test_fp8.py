@@ -355,13 +355,14 @@ def test_update_weights_refuses_fused_experts_of_the_wrong_count(full_precision)
 
 
 @pytest.mark.parametrize("family,layout,tp", [("qwen3", "qwen-block", 2), ("qwen3", "ct-tensor", 4),
-                                               ("moe", "qwen-block", 4)])
+                                               ("moe", "qwen-block", 4), ("llama", "fbgemm", 2)])
 def test_fp8_engine_tensor_parallel_matches_one_rank(full_precision, tmp_path, family, layout, tp):
     """Each rank takes its slice with the right scales. Rank slices off block boundaries: intermediate
     320 over 2 / 4 ranks is 160 / 80 rows (rank boundaries inside 128-row blocks of gate / up, and of
     down's columns), the experts' 160 over 4 ranks 40; at tp=4 the 2 KV heads are replicated (k / v
     rows taken twice); ct-tensor's q / k / v and gate / up carry per-tensor scales of their own (and
-    static input scales). Tokens are one rank's and transformers' argmaxes on the dequantized weights."""
+    static input scales); fbgemm's [out, 1] channel scales go with their rows. Tokens are one rank's and
+    transformers' argmaxes on the dequantized weights."""
     path, ref = str(tmp_path / "fp8"), str(tmp_path / "ref")
     write_fp8(full_precision(family), path, ref, layout)
     prompts = make_prompts(5, 3, 20, 50)
