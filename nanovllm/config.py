@@ -22,7 +22,9 @@ from nanovllm.engine_args import HF_OVERRIDE_ARGS, RENAMED, VLLM_ONLY_ARGS, stri
 from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
-from nanovllm.quantization.checkpoint_config import check_no_modelopt_file, quantization_method, resolve_quantization
+from nanovllm.quantization.checkpoint_config import (
+    checkpoint_quantization, quantization_method, resolve_quantization,
+)
 from nanovllm.quantization.config import QuantConfig
 from nanovllm.sampling.logprobs_mode import LogprobsMode
 from nanovllm.utils.checkpoint_files import checkpoint_files
@@ -109,7 +111,7 @@ class ServedModel:
     """What vLLM clients read from `llm.llm_engine.model_config` (lm-eval: max_model_len; RL and
     analysis scripts: hf_config's layer and expert counts, get_num_layers, quantization): the
     checkpoint and tokenizer directories, the longest sequence served, the weights' dtype, their
-    quantization method (vLLM's name: "fp8", "compressed-tensors", "fbgemm_fp8"; None: full precision)."""
+    quantization method (vLLM's name: "fp8", "compressed-tensors", "fbgemm_fp8", "modelopt"; None: full precision)."""
 
     model: str
     tokenizer: str
@@ -223,6 +225,8 @@ class Config:
     # Filled in by __post_init__ from config.json; not user settings.
     model_config: ModelConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
+    # The checkpoint's quantization config as written (config.json's, else hf_quant_config.json's; None: none).
+    checkpoint_quantization: dict | None = field(init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: object, kwargs: dict) -> "Config":
@@ -318,9 +322,9 @@ class Config:
             rope = (self.hf_overrides or {}).get(key)  # for hf_config (transformers reads it from that dict alone)
             if isinstance(rope, dict):
                 rope.setdefault("rope_theta", self.model_config.rope_theta)
-        check_no_modelopt_file(self.model, self.model_config.quantization_config)
-        self.quant_config = resolve_quantization(self.quantization, self.model_config.quantization_config,
-                                                 os.path.join(self.model, "config.json"))
+        self.checkpoint_quantization, source = checkpoint_quantization(self.model,
+                                                                       self.model_config.quantization_config)
+        self.quant_config = resolve_quantization(self.quantization, self.checkpoint_quantization, source)
         positions = self.model_config.max_positions
         window = self.model_config.sliding_window
         if self.max_model_len is None:
@@ -380,7 +384,7 @@ class Config:
         """vLLM's ModelConfig as clients read it: `llm.llm_engine.model_config`, and a collective_rpc
         worker's `model_config` (on every rank)."""
         return ServedModel(self.model, self.tokenizer, self.max_model_len, self.torch_dtype, self.hf_overrides,
-                           quantization_method(self.quantization, self.model_config.quantization_config))
+                           quantization_method(self.quantization, self.checkpoint_quantization))
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

@@ -10,6 +10,11 @@ with quantization written out independently of nanovllm (loops over blocks, rows
                     [128, 128] block, dynamic activations per 1 x 128 group
     fbgemm          quant_method "fbgemm_fp8" (Meta's *-FP8 releases): `weight_scale` [out, 1] per channel,
                     dynamic per-token activations whose amax is bounded by activation_scale_ub
+    modelopt        NVIDIA ModelOpt quant_algo "FP8" in hf_quant_config.json (config.json without a
+                    quantization_config): `weight_scale` [] per tensor, static `input_scale` [];
+                    exclude_modules may hold wildcards ("model.layers.1.mlp*")
+    modelopt-channel  ModelOpt "FP8_PER_CHANNEL_PER_TOKEN" in config.json (quant_method "modelopt"):
+                    `weight_scale` [out] per channel, dynamic per-token activations
 
 `write_fp8(src, dst, ref, layout, skip)` writes the FP8 checkpoint to `dst` and, to `ref`, the
 same model with every quantized weight replaced by its dequantized value (fp8 x scale): the
@@ -20,6 +25,8 @@ the wrong block changes the logits).
 
 from __future__ import annotations
 
+import copy
+import fnmatch
 import json
 import math
 import os
@@ -64,11 +71,19 @@ LAYOUTS = {
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": BLOCK,
                               "dynamic": True}}}},
     "fbgemm": {"quant_method": "fbgemm_fp8", "activation_scale_ub": FBGEMM_AMAX_UB},
+    "modelopt": {"producer": {"name": "modelopt", "version": "0.31.0"},
+                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}},
+    "modelopt-channel": {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"},
 }
 SCALE_NAMES = {"qwen-block": "weight_scale_inv", "qwen-tensor": "weight_scale", "ct-channel": "weight_scale",
-               "ct-tensor": "weight_scale", "ct-block": "weight_scale", "fbgemm": "weight_scale"}
-# Layouts of [out, 1] per-channel scales.
-CHANNEL_LAYOUTS = ("ct-channel", "fbgemm")
+               "ct-tensor": "weight_scale", "ct-block": "weight_scale", "fbgemm": "weight_scale",
+               "modelopt": "weight_scale", "modelopt-channel": "weight_scale"}
+# Layouts of per-channel scales ([out, 1]; ModelOpt's [out]).
+CHANNEL_LAYOUTS = ("ct-channel", "fbgemm", "modelopt-channel")
+# Layouts of per-tensor weight scales with static per-tensor input scales.
+STATIC_LAYOUTS = ("ct-tensor", "modelopt")
+# ModelOpt writes this file beside a config.json without quantization_config.
+MODELOPT_FILE = "hf_quant_config.json"
 # Layouts of [128, 128] block scales (activations then quantized per 1 x 128 group).
 BLOCK_LAYOUTS = ("qwen-block", "ct-block")
 
@@ -123,9 +138,9 @@ def quantized(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor,
         return q, s, dequantize_blocks(q, s)
     if layout in CHANNEL_LAYOUTS:
         q, s = quantize_channels(w)
-        return q, s, q.float() * s
+        return q, (s.reshape(-1) if layout == "modelopt-channel" else s), q.float() * s
     q, s = quantize_tensor(w)
-    return q, (s.reshape(()) if layout == "qwen-tensor" else s), q.float() * s[0]
+    return q, (s.reshape(()) if layout in ("qwen-tensor", "modelopt") else s), q.float() * s[0]
 
 
 def spread(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -142,8 +157,10 @@ def spread(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 
 def skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether a skip entry names `name`'s module: "re:" regexes, ModelOpt's wildcards, else whole dotted names."""
     module = name.rsplit(".", 1)[0]
-    return any(re.match(e[3:], module) if e.startswith("re:") else f".{e}." in f".{module}." for e in skip)
+    return any(re.match(e[3:], module) if e.startswith("re:") else fnmatch.fnmatchcase(module, e)
+               if any(c in e for c in "*?[") else f".{e}." in f".{module}." for e in skip)
 
 
 def _copy_dir(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None) -> None:
@@ -203,10 +220,18 @@ def write_fp8(src: str, dst: str, ref: str, layout: str, skip: tuple[str, ...] =
     """The FP8 checkpoint of `src` (projections spread first) in `dst`, its dequantized twin in `ref`."""
     fp8, dequantized = quantize_state(spread(checkpoint_state(src), seed), layout, skip)
     _copy_dir(src, ref, dequantized, None)
-    if layout == "ct-tensor":  # static activation scales (unused on CPU: activations stay full precision)
-        fp8.update(input_scales(ref, [n.rsplit(".", 1)[0] for n, t in fp8.items() if t.dtype == FP8]))
-    key = "ignore" if layout.startswith("ct-") else "modules_to_not_convert"
-    _copy_dir(src, dst, fp8, {**LAYOUTS[layout], key: list(skip)})
+    if layout in STATIC_LAYOUTS:  # static activation scales (unused on CPU: activations stay full precision)
+        scales = input_scales(ref, [n.rsplit(".", 1)[0] for n, t in fp8.items() if t.dtype == FP8])
+        fp8.update({n: s.reshape(()) if layout == "modelopt" else s for n, s in scales.items()})
+    config = copy.deepcopy(LAYOUTS[layout])
+    if layout == "modelopt":  # hf_quant_config.json beside config.json, which gets no quantization_config
+        config["quantization"]["exclude_modules"] = list(skip)
+        _copy_dir(src, dst, fp8, None)
+        with open(os.path.join(dst, MODELOPT_FILE), "w") as f:
+            json.dump(config, f)
+        return
+    key = "ignore" if layout.startswith("ct-") or layout == "modelopt-channel" else "modules_to_not_convert"
+    _copy_dir(src, dst, fp8, {**config, key: list(skip)})
 
 
 def write_state(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None) -> None:
@@ -241,7 +266,7 @@ def quantize_activations(model: torch.nn.Module, fp8_dir: str, layout: str) -> l
     packed parts sharing their largest). Run in float32 on the dequantized weights, this is exactly
     what the FP8 engine computes, without its bf16 roundings. Returns the hook handles."""
     static = {}
-    if layout == "ct-tensor":
+    if layout in STATIC_LAYOUTS:
         from safetensors.torch import load_file
 
         for f in sorted(os.listdir(fp8_dir)):
@@ -258,7 +283,7 @@ def quantize_activations(model: torch.nn.Module, fp8_dir: str, layout: str) -> l
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or not PROJECTION.fullmatch(f"{name}.weight"):
             continue
-        if layout == "ct-tensor":
+        if layout in STATIC_LAYOUTS:
             hook = (lambda mod, args, s=static_scale(name): (_fake_quantize(args[0], s.to(args[0].device)),))
         else:
             group = BLOCK if layout in BLOCK_LAYOUTS else None

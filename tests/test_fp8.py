@@ -7,6 +7,7 @@ its logprobs that model's, to float32 rounding; the undequantized weights' logpr
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -52,6 +53,10 @@ CASES = [
     ("moe", "ct-channel", ("lm_head", "re:.*mlp.gate$")),
     # Meta's Llama-3.1-*-FP8: whole module names kept (the first and last layers' down_proj, lm_head)
     ("llama", "fbgemm", ("lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj")),
+    # NVIDIA's ModelOpt releases: hf_quant_config.json, a wildcard keeping a layer's MLP; the flat config.json form
+    ("qwen3", "modelopt", ("lm_head", "model.layers.1.mlp*")),
+    ("llama", "modelopt-channel", ("lm_head",)),
+    ("moe", "modelopt", ("lm_head", "*.mlp.gate")),  # per-tensor experts (their static input scales unused)
 ]
 
 
@@ -382,7 +387,7 @@ def _fp8_dir(full_precision, tmp_path, layout="qwen-block", skip=()):
 
 @pytest.mark.parametrize("config,message", [
     ({"quant_method": "gptq", "bits": 4},
-     "quant_method='gptq' is not supported.*'fp8', 'compressed-tensors', 'fbgemm_fp8'"),
+     "quant_method='gptq' is not supported.*'fp8', 'compressed-tensors', 'fbgemm_fp8', 'modelopt'"),
     ({**LAYOUTS["qwen-block"], "weight_block_size": [64, 64]}, r"weight_block_size=\[64, 64\] is not supported"),
     ({**LAYOUTS["qwen-block"], "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
     ({**LAYOUTS["qwen-block"], "activation_scheme": "static"}, "static' with weight_block_size"),
@@ -505,7 +510,7 @@ def test_model_config_names_the_quantization_method(full_precision, tmp_path):
 
 def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
     with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'compressed-tensors', "
-                                         r"'fbgemm_fp8'\), got 'int8'"):
+                                         r"'fbgemm_fp8', 'modelopt'\), got 'int8'"):
         cpu_llm(full_precision("qwen3"), quantization="int8")
     # vLLM's name of a compressed-tensors checkpoint's own format: only on such a checkpoint
     with pytest.raises(ValueError, match="quantization='compressed-tensors' names a checkpoint's own format"):
@@ -522,32 +527,59 @@ def test_bad_quantization_settings_are_refused_at_llm(full_precision, tmp_path):
         cpu_llm(path)
 
 
-def test_modelopt_checkpoint_is_refused_naming_its_format(full_precision, tmp_path):
+def test_modelopt_checkpoints_load_as_vllm_reads_them(full_precision, tmp_path):
     """NVIDIA's ModelOpt FP8 releases (nvidia/Llama-3.1-8B-Instruct-FP8) keep their quantization in
-    hf_quant_config.json beside a config.json without quantization_config, and hold FP8 weights
-    with weight_scale, input_scale and self_attn.k_proj.k_scale tensors. Such a checkpoint was
-    read as full precision: "unknown weight '...input_scale'" (or an FP8 weight copied without its
-    scale, then its weight_scale unknown). It is refused at LLM(...) naming the file and format, as
-    is the newer spelling in config.json (producer modelopt, no quant_method), where vLLM reads
-    quant_method "modelopt"."""
+    hf_quant_config.json beside a config.json without quantization_config (newer ones in config.json:
+    quant_method "modelopt", or producer "modelopt" without it), with weight_scale, input_scale and
+    self_attn.k_proj.k_scale / v_proj.v_scale tensors. They were refused; they load as vLLM's
+    ModelOptFp8Config reads them (the engines' tokens: test_fp8_checkpoint_matches_transformers_*),
+    vLLM's name "modelopt" in model_config.quantization, the checkpoint's KV scales serving an FP8 cache,
+    and every other quant_algo or KV algorithm refused naming it."""
     path = str(tmp_path / "modelopt")
-    write_fp8(full_precision("qwen3"), path, str(tmp_path / "ref"), "qwen-tensor", ("lm_head",))
-    state = checkpoint_state(path)
-    state.update({n.replace(".weight_scale", ".input_scale"): torch.tensor(0.01) for n in list(state)
-                  if n.endswith(".weight_scale")})
-    state["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(0.05)
-    write_state(path, path, state)
-    rewrite_config(path, quantization_config=None)
-    modelopt = {"producer": {"name": "modelopt", "version": "0.19.0"},
-                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+    write_fp8(full_precision("qwen3"), path, str(tmp_path / "ref"), "modelopt", ("lm_head",))
+    kv = {f"model.layers.{i}.self_attn.{p}_proj.{p}_scale": torch.tensor(0.05 + 0.01 * i)
+          for i in range(2) for p in "kv"}
+    write_state(path, path, {**checkpoint_state(path), **kv})
+    with open(os.path.join(path, "hf_quant_config.json")) as f:
+        hf_quant = json.load(f)
+    hf_quant["quantization"]["kv_cache_quant_algo"] = "FP8"
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
-        json.dump(modelopt, f)
-    for kwargs in ({}, {"quantization": "fp8"}):
-        with pytest.raises(ValueError, match=re.escape(os.path.join(path, "hf_quant_config.json")) +
-                           r": ModelOpt quantization \(quant_algo='FP8'\) is not supported"):
-            cpu_llm(path, **kwargs)
-    with pytest.raises(ValueError, match="quant_method='modelopt' is not supported"):
-        resolve_quantization(None, modelopt, "config.json")
+        json.dump(hf_quant, f)
+    tensor = QuantConfig((QuantGroup(Fp8Format("tensor", "weight_scale", True, False)),), ("lm_head",))
+    assert resolve_quantization(None, hf_quant, "h") == resolve_quantization("modelopt", hf_quant, "h") == tensor
+    outs = {}
+    for kwargs in ({}, {"quantization": "modelopt"}, {"kv_cache_dtype": "fp8"}):
+        llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64, **kwargs)
+        try:
+            assert llm.llm_engine.model_config.quantization == "modelopt"
+            if "kv_cache_dtype" in kwargs:  # the checkpoint's k_proj.k_scale / v_proj.v_scale, not computed ones
+                scales = [s.item() for pair in llm.model_runner.kv_scales.layers for s in pair]
+                assert scales == pytest.approx([0.05, 0.05, 0.06, 0.06])
+            outs[str(kwargs)] = llm.generate(make_prompts(2, 2, 10, 20), GREEDY, use_tqdm=False)
+        finally:
+            llm.exit()
+    assert [o["token_ids"] for o in outs["{}"]] == [o["token_ids"] for o in outs["{'quantization': 'modelopt'}"]]
+    # config.json's flat form; vLLM names it "modelopt" whether producer or quant_method says so
+    flat = {"quant_method": "modelopt", "quant_algo": "fp8", "ignore": ["lm_head", "*.mlp.down_proj"]}
+    wild = QuantConfig((QuantGroup(Fp8Format("tensor", "weight_scale", True, False)),),
+                       ("lm_head", "re:" + fnmatch.translate("*.mlp.down_proj")))
+    assert resolve_quantization(None, flat, "c") == wild
+    assert wild.skipped("model.layers.3.mlp.down_proj") and not wild.skipped("model.layers.3.mlp.up_proj")
+    for bad, message in [({**flat, "quant_algo": "NVFP4"}, "ModelOpt quant_algo='NVFP4' is not supported"),
+                         ({**flat, "quant_algo": None}, "ModelOpt quant_algo=None is not supported"),
+                         ({**hf_quant, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
+                          "ModelOpt kv_cache_quant_algo='NVFP4' is not supported"),
+                         ({**hf_quant, "quantization": "FP8"}, "quantization must be an object"),
+                         ({**flat, "ignore": "lm_head"}, "ignore must be a list of module names")]:
+        with pytest.raises(ValueError, match=message):
+            resolve_quantization(None, bad, "c")
+    with pytest.raises(ValueError, match="quantization='modelopt' does not match c's quantization_config "
+                                         "quant_method='fp8'"):
+        resolve_quantization("modelopt", LAYOUTS["qwen-block"], "c")
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=re.escape(os.path.join(path, "hf_quant_config.json")) + ": not a readable"):
+        cpu_llm(path)
 
 
 def test_float8_weights_into_a_full_precision_model_are_refused(full_precision, tmp_path):

@@ -168,7 +168,7 @@ class KvScales:
         mc = config.model_config
         fp8 = config.kv_cache_torch_dtype == FP8_KV_DTYPE
         self.layers = allocate_kv_scales(mc.num_hidden_layers, device) if fp8 else []
-        checkpoint = (load_kv_scales(config.model, mc.num_hidden_layers, mc.quantization_config)
+        checkpoint = (load_kv_scales(config.model, mc.num_hidden_layers, config.checkpoint_quantization)
                       if fp8 and config.load_format != "dummy" and config.calculate_kv_scales is not True
                       else None)
         if checkpoint is not None:

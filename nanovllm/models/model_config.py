@@ -137,8 +137,8 @@ class ModelConfig:
     # Qwen3-MoE's when use_sliding_window: _sliding_window): served only where max_model_len <= it, where
     # it masks nothing (config.Config). None: full attention.
     sliding_window: int | None = None
-    # config.json's quantization_config as written (None: full precision); read by
-    # quantization/checkpoint_config.resolve_quantization at LLM(...).
+    # config.json's quantization_config as written (None: none there); Config.checkpoint_quantization takes it,
+    # or ModelOpt's hf_quant_config.json beside it (quantization/checkpoint_config.checkpoint_quantization).
     quantization_config: dict | None = field(default=None, compare=False)
 
     @property

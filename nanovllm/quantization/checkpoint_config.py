@@ -25,19 +25,26 @@
                                        activation_scale_ub (an outlier token saturates);
                                        modules_to_not_convert stay full precision; MoE experts
                                        are refused (quantization/config.expert_quant)
+    NVIDIA ModelOpt FP8                quant_method "modelopt" (nvidia/*-FP8 releases), in config.json
+                                       or, without a quantization_config there, in hf_quant_config.json
+                                       beside it (`checkpoint_quantization`); quant_algo "FP8":
+                                       `weight_scale` per tensor, static per-tensor `input_scale`;
+                                       "FP8_PER_CHANNEL_PER_TOKEN": `weight_scale` [out] per channel,
+                                       dynamic per-token activations; exclude_modules (ignore) stay
+                                       full precision, matched as vLLM matches them (whole names and
+                                       wildcards); kv_cache_quant_algo "FP8": the checkpoint's
+                                       k_proj.k_scale / v_proj.v_scale serve an FP8 cache
     online FP8                         LLM(quantization="fp8") on a full-precision checkpoint:
                                        weights quantized at load, one scale per output channel
                                        (amax / 448), activations dynamic per token
 
-into a QuantConfig; any other quant_method or quantization value is a ValueError naming it
-(`quantization_method` names the pair as vLLM's ModelConfig.quantization does), ModelOpt's too
-(NVIDIA's FP8 releases): in config.json (producer "modelopt", read as quant_method "modelopt", as
-vLLM reads it) or, without a quantization_config there, in hf_quant_config.json beside it
-(`check_no_modelopt_file`).
+into a QuantConfig; any other quant_method, quant_algo or quantization value is a ValueError naming
+it (`quantization_method` names the pair as vLLM's ModelConfig.quantization does).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -48,11 +55,11 @@ from nanovllm.quantization.config import (
 )
 
 # The values LLM(quantization=...) takes.
-QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors", "fbgemm_fp8")
+QUANTIZATION_CHOICES = (None, "fp8", "compressed-tensors", "fbgemm_fp8", "modelopt")
 # Of those, the names of a checkpoint's own format (no online form): they must match its quant_method.
-CHECKPOINT_FORMATS = ("compressed-tensors", "fbgemm_fp8")
+CHECKPOINT_FORMATS = ("compressed-tensors", "fbgemm_fp8", "modelopt")
 # quant_method values of config.json's quantization_config that load.
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8", "modelopt")
 # compressed-tensors' activation strategy of one scale per row and 1 x group_size columns.
 GROUP = "group"
 # The compressed-tensors formats that hold FP8 weights as they are (older releases write the second).
@@ -63,6 +70,13 @@ FP8_FORMATS = ("float-quantized", "naive-quantized")
 MODELOPT_FILE = "hf_quant_config.json"
 # The producer name ModelOpt writes into a quantization_config (`producer.name`), without quant_method.
 MODELOPT = "modelopt"
+# ModelOpt's FP8 quant_algo values that load, and their formats.
+MODELOPT_FORMATS = {"FP8": Fp8Format(TENSOR, SCALE, True, False),
+                    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Format(CHANNEL, SCALE, False, False)}
+# ModelOpt's one KV-cache quantization an FP8 cache takes (per-layer k / v scales).
+MODELOPT_KV = "FP8"
+# Characters that make a ModelOpt exclude_modules entry a wildcard (fnmatch's), not a module name.
+WILDCARD_CHARS = "*?["
 
 
 def _field(cfg: dict, key: str, allowed: tuple, default: object, source: str) -> object:
@@ -113,6 +127,29 @@ def _fbgemm_fp8(cfg: dict, source: str) -> QuantConfig:
     check_amax_ub(f"{source}: activation_scale_ub", cfg["activation_scale_ub"])
     fmt = Fp8Format(CHANNEL, SCALE, False, False, float(cfg["activation_scale_ub"]))
     return QuantConfig((QuantGroup(fmt),), _module_names(cfg, "modules_to_not_convert", source))
+
+
+def _modelopt(cfg: dict, source: str) -> QuantConfig:
+    """NVIDIA ModelOpt FP8 (vLLM's ModelOptFp8Config): hf_quant_config.json's nesting ({"producer": ...,
+    "quantization": {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}}) or config.json's flat
+    spelling (quant_method "modelopt", quant_algo, kv_cache_scheme, ignore)."""
+    nested = cfg.get("quantization")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ValueError(f"{source}: quantization must be an object, got {nested!r}")
+        algo, kv = nested.get("quant_algo"), nested.get("kv_cache_quant_algo")
+        skip_key, where = "exclude_modules", nested
+    else:
+        algo, kv, skip_key, where = cfg.get("quant_algo"), None, "ignore", cfg  # kv_cache_scheme: utils/kv_scales.py
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_FORMATS:
+        raise ValueError(f"{source}: ModelOpt quant_algo={algo!r} is not supported (supported: "
+                         f"{', '.join(map(repr, MODELOPT_FORMATS))})")
+    if kv is not None and (not isinstance(kv, str) or kv.upper() != MODELOPT_KV):
+        raise ValueError(f"{source}: ModelOpt kv_cache_quant_algo={kv!r} is not supported (supported: None, "
+                         f"{MODELOPT_KV!r})")
+    skip = tuple(REGEX_PREFIX + fnmatch.translate(e) if any(c in e for c in WILDCARD_CHARS) else e
+                 for e in _module_names(where, skip_key, source))
+    return QuantConfig((QuantGroup(MODELOPT_FORMATS[algo.upper()]),), skip)
 
 
 def _compressed_tensors(cfg: dict, source: str) -> QuantConfig:
@@ -187,22 +224,18 @@ def checkpoint_method(checkpoint: dict) -> object:
     return method.lower().replace("compressed_tensors", "compressed-tensors") if isinstance(method, str) else method
 
 
-def check_no_modelopt_file(model_dir: str, checkpoint: object) -> None:
-    """A ValueError naming ModelOpt's hf_quant_config.json (and its quant_algo) where it lies in
-    `model_dir` and config.json has no quantization_config (`checkpoint` None): the weights are
-    ModelOpt's FP8 (weight_scale, input_scale, k_proj.k_scale), not full precision."""
-    path = os.path.join(model_dir, MODELOPT_FILE)
-    if checkpoint is not None or not os.path.isfile(path):
-        return
+def checkpoint_quantization(model_dir: str, config_json: dict | None) -> tuple[dict | None, str]:
+    """The checkpoint's quantization config and the file it is read from: config.json's
+    quantization_config (`config_json`), else ModelOpt's hf_quant_config.json beside it (NVIDIA's
+    FP8 releases write theirs there; vLLM reads both); (None, config.json) for neither."""
+    config_path, path = os.path.join(model_dir, "config.json"), os.path.join(model_dir, MODELOPT_FILE)
+    if config_json is not None or not os.path.isfile(path):
+        return config_json, config_path
     try:
         with open(path) as f:
-            content = json.load(f)
-    except (OSError, ValueError):
-        content = None
-    quantization = content.get("quantization") if isinstance(content, dict) else None
-    algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
-    raise ValueError(f"{path}: ModelOpt quantization (quant_algo={algo!r}) is not supported (supported: "
-                     f"config.json quantization_config with quant_method {', '.join(map(repr, SUPPORTED_METHODS))})")
+            return json.load(f), path
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file: {e}") from e
 
 
 def quantization_method(quantization: str | None, checkpoint: dict | None) -> str | None:
@@ -232,6 +265,8 @@ def resolve_quantization(quantization: object, checkpoint: object, source: str) 
         return _fp8_method(checkpoint, source)
     if method == "fbgemm_fp8":
         return _fbgemm_fp8(checkpoint, source)
+    if method == MODELOPT:
+        return _modelopt(checkpoint, source)
     if method == "compressed-tensors":
         _no_transforms_or_sparse_storage(checkpoint, source)
         if not checkpoint.get("config_groups"):

@@ -50,7 +50,7 @@ def is_attention_scale_name(name: str) -> bool:
 
 def load_kv_scales(path: str, num_layers: int, quantization_config: dict | None) -> list[tuple[float, float]] | None:
     """Each layer's (k_scale, v_scale) from the checkpoint in `path` (its config.json's
-    `quantization_config`: ModelConfig's); None when it has none (and declares no static
+    `quantization_config`: Config.checkpoint_quantization); None when it has none (and declares no static
     kv_cache_scheme): the engine then computes them from the data. ValueError names a
     kv_cache_scheme other than 8-bit float, symmetric, per tensor, scales missing for some layers, or a scale
     that is not one positive finite number."""
