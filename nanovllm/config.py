@@ -42,8 +42,11 @@ if TYPE_CHECKING:
 # pytorch_model*.bin), "safetensors" (vLLM's) its *.safetensors files only (a directory without any is
 # refused, as vLLM refuses it); "dummy" gives random weights from config.json alone.
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; the others name float8 e4m3 (vLLM's spellings).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; "bfloat16" names it where it is bfloat16 (the
+# kernels read the cache in the compute dtype); the others name float8 e4m3 (vLLM's spellings).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+# Those of KV_CACHE_DTYPES that hold the model's own dtype.
+KV_CACHE_16BIT = ("auto", "bfloat16")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 # vLLM's other names of DTYPES' dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -322,6 +325,10 @@ class Config:
             rope = (self.hf_overrides or {}).get(key)  # for hf_config (transformers reads it from that dict alone)
             if isinstance(rope, dict):
                 rope.setdefault("rope_theta", self.model_config.rope_theta)
+        if self.kv_cache_dtype == "bfloat16" and self.torch_dtype != torch.bfloat16:
+            raise ValueError(f"kv_cache_dtype='bfloat16' needs the model to compute in bfloat16, but it computes in "
+                             f"{self.torch_dtype} (dtype={self.dtype!r}): the cache holds the compute dtype or FP8 "
+                             f"(use kv_cache_dtype='auto', or dtype='bfloat16')")
         self.checkpoint_quantization, source = checkpoint_quantization(self.model,
                                                                        self.model_config.quantization_config)
         self.quant_config = resolve_quantization(self.quantization, self.checkpoint_quantization, source)
@@ -388,8 +395,8 @@ class Config:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the model's (torch_dtype) for "auto", else float8 e4m3."""
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else FP8_KV_DTYPE
+        """The KV cache's element type: the model's (torch_dtype) for "auto" and "bfloat16", else float8 e4m3."""
+        return self.torch_dtype if self.kv_cache_dtype in KV_CACHE_16BIT else FP8_KV_DTYPE
 
     @property
     def max_blocks_per_seq(self) -> int:

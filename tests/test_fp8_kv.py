@@ -600,7 +600,24 @@ def test_start_up_line_names_blocks_and_dtype(checkpoint, caplog):
 def test_bad_kv_cache_dtype_is_refused(checkpoint, bad):
     with pytest.raises(ValueError, match=rf"kv_cache_dtype must be one of .*'fp8_e4m3'.*got {bad!r}"):
         cpu_llm(checkpoint, kv_cache_dtype=bad)
-    assert KV_CACHE_DTYPES == ("auto", "fp8", "fp8_e4m3")
+    assert KV_CACHE_DTYPES == ("auto", "bfloat16", "fp8", "fp8_e4m3")
+
+
+def test_bfloat16_cache_is_the_model_dtype_by_vllms_name(checkpoint):
+    """kv_cache_dtype="bfloat16" (vLLM's name of a bf16 cache): the "auto" cache of a bfloat16 engine,
+    refused naming both dtypes where the model computes in another (the kernels read the compute dtype)."""
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' needs the model to compute in bfloat16, but it "
+                                         r"computes in torch.float32"):
+        cpu_llm(checkpoint, kv_cache_dtype="bfloat16")
+    outs = []
+    for kv in ("auto", "bfloat16"):
+        llm = cpu_llm(checkpoint, dtype="bfloat16", kv_cache_dtype=kv, kvcache_block_size=16, num_kvcache_blocks=20)
+        try:
+            assert llm.model_runner.kv_cache.dtype == torch.bfloat16
+            outs.append([o["token_ids"] for o in llm.generate(make_prompts(4, 2, 5, 20), GREEDY, use_tqdm=False)])
+        finally:
+            llm.exit()
+    assert outs[0] == outs[1]
 
 
 def test_flash_attn_cannot_read_an_fp8_cache():
