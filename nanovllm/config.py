@@ -23,7 +23,7 @@ from nanovllm.kernels.checks import BLOCK_SIZE_MULTIPLE, FP8_KV_DTYPE
 from nanovllm.layers.kernel_path import KernelRoutes
 from nanovllm.models.model_config import DTYPES, ModelConfig, read_config_json
 from nanovllm.quantization.checkpoint_config import (
-    checkpoint_quantization, quantization_method, resolve_quantization,
+    calibrated_fp8_kv, checkpoint_quantization, quantization_method, resolve_quantization,
 )
 from nanovllm.quantization.config import QuantConfig
 from nanovllm.sampling.logprobs_mode import LogprobsMode
@@ -42,11 +42,12 @@ if TYPE_CHECKING:
 # pytorch_model*.bin), "safetensors" (vLLM's) its *.safetensors files only (a directory without any is
 # refused, as vLLM refuses it); "dummy" gives random weights from config.json alone.
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# LLM(kv_cache_dtype=...): "auto" keeps the model's dtype; "bfloat16" names it where it is bfloat16 (the
-# kernels read the cache in the compute dtype); the others name float8 e4m3 (vLLM's spellings).
+# LLM(kv_cache_dtype=...): "auto" keeps the model's dtype (a ModelOpt checkpoint's calibrated FP8 cache where it
+# has one, as vLLM resolves it); "bfloat16" names the model's dtype where it is bfloat16 (the kernels read the
+# cache in the compute dtype); the others name float8 e4m3 (vLLM's spellings).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
-# Those of KV_CACHE_DTYPES that hold the model's own dtype.
-KV_CACHE_16BIT = ("auto", "bfloat16")
+# Those of KV_CACHE_DTYPES that name float8 e4m3.
+KV_CACHE_FP8 = ("fp8", "fp8_e4m3")
 _BACKENDS = ("auto", "flash_attn", "triton", "torch")
 # vLLM's other names of DTYPES' dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -395,8 +396,11 @@ class Config:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the model's (torch_dtype) for "auto" and "bfloat16", else float8 e4m3."""
-        return self.torch_dtype if self.kv_cache_dtype in KV_CACHE_16BIT else FP8_KV_DTYPE
+        """The KV cache's element type: float8 e4m3 for "fp8" / "fp8_e4m3", and for "auto" on a ModelOpt
+        checkpoint that calibrated an FP8 cache (checkpoint_config.calibrated_fp8_kv); else the model's."""
+        fp8 = self.kv_cache_dtype in KV_CACHE_FP8 or (self.kv_cache_dtype == "auto"
+                                                     and calibrated_fp8_kv(self.checkpoint_quantization))
+        return FP8_KV_DTYPE if fp8 else self.torch_dtype
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -24,7 +24,7 @@ from fp8_checkpoints import (
     FP8, LAYOUTS, checkpoint_state, quantize_blocks, quantize_channels, quantize_state, spread, write_fp8, write_state,
 )
 from nanovllm import SamplingParams
-from nanovllm.quantization.checkpoint_config import resolve_quantization
+from nanovllm.quantization.checkpoint_config import calibrated_fp8_kv, resolve_quantization
 from nanovllm.quantization.config import SCALE, TENSOR, Fp8Format, LinearQuant, QuantConfig, QuantGroup
 from nanovllm.quantization.fp8 import Fp8Weights
 from nanovllm.quantization.loading import QuantizedTensors
@@ -533,8 +533,9 @@ def test_modelopt_checkpoints_load_as_vllm_reads_them(full_precision, tmp_path):
     quant_method "modelopt", or producer "modelopt" without it), with weight_scale, input_scale and
     self_attn.k_proj.k_scale / v_proj.v_scale tensors. They were refused; they load as vLLM's
     ModelOptFp8Config reads them (the engines' tokens: test_fp8_checkpoint_matches_transformers_*),
-    vLLM's name "modelopt" in model_config.quantization, the checkpoint's KV scales serving an FP8 cache,
-    and every other quant_algo or KV algorithm refused naming it."""
+    vLLM's name "modelopt" in model_config.quantization, a calibrated FP8 cache under kv_cache_dtype "auto"
+    (as vLLM resolves it) with the checkpoint's KV scales, "bfloat16" keeping a 16-bit one, and every
+    other quant_algo or KV algorithm refused naming it."""
     path = str(tmp_path / "modelopt")
     write_fp8(full_precision("qwen3"), path, str(tmp_path / "ref"), "modelopt", ("lm_head",))
     kv = {f"model.layers.{i}.self_attn.{p}_proj.{p}_scale": torch.tensor(0.05 + 0.01 * i)
@@ -548,17 +549,25 @@ def test_modelopt_checkpoints_load_as_vllm_reads_them(full_precision, tmp_path):
     tensor = QuantConfig((QuantGroup(Fp8Format("tensor", "weight_scale", True, False)),), ("lm_head",))
     assert resolve_quantization(None, hf_quant, "h") == resolve_quantization("modelopt", hf_quant, "h") == tensor
     outs = {}
-    for kwargs in ({}, {"quantization": "modelopt"}, {"kv_cache_dtype": "fp8"}):
+    # kv_cache_dtype "auto" is the calibrated FP8 cache, as vLLM resolves it; "bfloat16" a 16-bit one
+    for kwargs in ({}, {"quantization": "modelopt"}, {"kv_cache_dtype": "fp8"},
+                   {"kv_cache_dtype": "bfloat16", "dtype": "bfloat16"}):
         llm = cpu_llm(path, kvcache_block_size=16, max_model_len=64, **kwargs)
         try:
             assert llm.llm_engine.model_config.quantization == "modelopt"
-            if "kv_cache_dtype" in kwargs:  # the checkpoint's k_proj.k_scale / v_proj.v_scale, not computed ones
+            fp8 = kwargs.get("kv_cache_dtype") != "bfloat16"
+            assert llm.model_runner.kv_cache.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            if fp8:  # the checkpoint's k_proj.k_scale / v_proj.v_scale, not computed ones
                 scales = [s.item() for pair in llm.model_runner.kv_scales.layers for s in pair]
                 assert scales == pytest.approx([0.05, 0.05, 0.06, 0.06])
             outs[str(kwargs)] = llm.generate(make_prompts(2, 2, 10, 20), GREEDY, use_tqdm=False)
         finally:
             llm.exit()
-    assert [o["token_ids"] for o in outs["{}"]] == [o["token_ids"] for o in outs["{'quantization': 'modelopt'}"]]
+    assert ([o["token_ids"] for o in outs["{}"]] == [o["token_ids"] for o in outs["{'quantization': 'modelopt'}"]]
+            == [o["token_ids"] for o in outs["{'kv_cache_dtype': 'fp8'}"]])
+    assert not calibrated_fp8_kv({**hf_quant, "quantization": {"quant_algo": "FP8"}})  # no KV algorithm: 16-bit
+    assert calibrated_fp8_kv({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {
+        "type": "float", "num_bits": 8, "dynamic": False}}) and not calibrated_fp8_kv(LAYOUTS["qwen-block"])
     # config.json's flat form; vLLM names it "modelopt" whether producer or quant_method says so
     flat = {"quant_method": "modelopt", "quant_algo": "fp8", "ignore": ["lm_head", "*.mlp.down_proj"]}
     wild = QuantConfig((QuantGroup(Fp8Format("tensor", "weight_scale", True, False)),),

@@ -5,8 +5,10 @@ One tensor holds every layer's K and V:
 (num_kv_heads_per_rank: Hkv / tp, or 1 where tp is a multiple of Hkv: the head is replicated.)
 Layer i reads kv[0, i] and kv[1, i], each [num_blocks, block_size, Hkv, D].
 
-Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once here:
-    "auto"              the model's dtype
+Its element type is `LLM(kv_cache_dtype=...)` (vLLM's names), decided once (Config.kv_cache_torch_dtype):
+    "auto"              the model's dtype (float8 e4m3 on a ModelOpt checkpoint that calibrated an FP8
+                        cache, as vLLM resolves it: quantization/checkpoint_config.calibrated_fp8_kv)
+    "bfloat16"          the model's dtype, where that is bfloat16
     "fp8", "fp8_e4m3"   float8 e4m3 (1 byte: twice the blocks of a 16-bit cache in the same memory),
                         with a float32 k_scale and v_scale per layer (KvScales):
                         stored = e4m3(clamp(x / scale, -448, 448)), read = stored * scale.

@@ -259,7 +259,8 @@ def check_fp8_head_dim(head_dim: int) -> None:
     """The decode kernel reads an FP8 cache in four planes of head_dim / 4: at least FP8_MIN_HEAD_DIM."""
     if head_dim < FP8_MIN_HEAD_DIM:
         raise ValueError(f"an FP8 KV cache needs head_dim >= {FP8_MIN_HEAD_DIM} on the Triton kernels, got {head_dim} "
-                         f"(use kv_cache_dtype='auto', or attention_backend='torch')")
+                         f"(use a 16-bit cache, kv_cache_dtype='bfloat16' or 'auto' on a checkpoint without a "
+                         f"calibrated FP8 cache, or attention_backend='torch')")
 
 
 def check_fp8_words(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

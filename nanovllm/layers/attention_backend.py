@@ -42,7 +42,8 @@ def select_attention_backend(requested: str, device: str, block_size: int, fp8_k
     head_dim: the model's, checked against the Triton kernels' FP8 floor."""
     if requested == "flash_attn" and fp8_kv:
         raise ValueError("attention_backend='flash_attn' cannot read an FP8 KV cache (flash-attn 2 has no FP8 KV): "
-                         "use attention_backend='auto' or 'triton', or kv_cache_dtype='auto'")
+                         "use attention_backend='auto' or 'triton', or a 16-bit cache (kv_cache_dtype='bfloat16', "
+                         "or 'auto' on a checkpoint without a calibrated FP8 cache)")
     if requested == "auto":
         if device == "cpu":
             requested = "torch"

@@ -224,6 +224,21 @@ def checkpoint_method(checkpoint: dict) -> object:
     return method.lower().replace("compressed_tensors", "compressed-tensors") if isinstance(method, str) else method
 
 
+def calibrated_fp8_kv(checkpoint: dict | None) -> bool:
+    """Whether a ModelOpt checkpoint calibrated an FP8 KV cache (kv_cache_quant_algo "FP8", or config.json's
+    flat kv_cache_scheme of static 8-bit floats): kv_cache_dtype="auto" then means that cache, as vLLM
+    resolves it (utils/torch_utils.resolve_kv_cache_dtype_string); other checkpoints' "auto" is 16-bit."""
+    if not isinstance(checkpoint, dict) or checkpoint_method(checkpoint) != MODELOPT:
+        return False
+    nested = checkpoint.get("quantization")
+    if isinstance(nested, dict):
+        kv = nested.get("kv_cache_quant_algo")
+        return isinstance(kv, str) and kv.upper() == MODELOPT_KV
+    scheme = checkpoint.get("kv_cache_scheme")
+    return (isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
+            and scheme.get("dynamic") is False)
+
+
 def checkpoint_quantization(model_dir: str, config_json: dict | None) -> tuple[dict | None, str]:
     """The checkpoint's quantization config and the file it is read from: config.json's
     quantization_config (`config_json`), else ModelOpt's hf_quant_config.json beside it (NVIDIA's
