@@ -15,6 +15,8 @@ with quantization written out independently of nanovllm (loops over blocks, rows
                     exclude_modules may hold wildcards ("model.layers.1.mlp*")
     modelopt-channel  ModelOpt "FP8_PER_CHANNEL_PER_TOKEN" in config.json (quant_method "modelopt"):
                     `weight_scale` [out] per channel, dynamic per-token activations
+    modelopt-block  ModelOpt "FP8_PB_WO" in config.json: `weight_scale` [out/128, 1, in/128, 1] per block,
+                    run with dynamic 1 x 128 activation groups (as vLLM runs it)
 
 `write_fp8(src, dst, ref, layout, skip)` writes the FP8 checkpoint to `dst` and, to `ref`, the
 same model with every quantized weight replaced by its dequantized value (fp8 x scale): the
@@ -74,10 +76,11 @@ LAYOUTS = {
     "modelopt": {"producer": {"name": "modelopt", "version": "0.31.0"},
                  "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}},
     "modelopt-channel": {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"},
+    "modelopt-block": {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
 }
 SCALE_NAMES = {"qwen-block": "weight_scale_inv", "qwen-tensor": "weight_scale", "ct-channel": "weight_scale",
                "ct-tensor": "weight_scale", "ct-block": "weight_scale", "fbgemm": "weight_scale",
-               "modelopt": "weight_scale", "modelopt-channel": "weight_scale"}
+               "modelopt": "weight_scale", "modelopt-channel": "weight_scale", "modelopt-block": "weight_scale"}
 # Layouts of per-channel scales ([out, 1]; ModelOpt's [out]).
 CHANNEL_LAYOUTS = ("ct-channel", "fbgemm", "modelopt-channel")
 # Layouts of per-tensor weight scales with static per-tensor input scales.
@@ -85,7 +88,7 @@ STATIC_LAYOUTS = ("ct-tensor", "modelopt")
 # ModelOpt writes this file beside a config.json without quantization_config.
 MODELOPT_FILE = "hf_quant_config.json"
 # Layouts of [128, 128] block scales (activations then quantized per 1 x 128 group).
-BLOCK_LAYOUTS = ("qwen-block", "ct-block")
+BLOCK_LAYOUTS = ("qwen-block", "ct-block", "modelopt-block")
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +138,7 @@ def quantized(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor,
     """(fp8 weight, its scale in the layout's shape, the dequantized float32 weight)."""
     if layout in BLOCK_LAYOUTS:
         q, s = quantize_blocks(w)
-        return q, s, dequantize_blocks(q, s)
+        return q, (s[:, None, :, None] if layout == "modelopt-block" else s), dequantize_blocks(q, s)
     if layout in CHANNEL_LAYOUTS:
         q, s = quantize_channels(w)
         return q, (s.reshape(-1) if layout == "modelopt-channel" else s), q.float() * s
@@ -230,7 +233,7 @@ def write_fp8(src: str, dst: str, ref: str, layout: str, skip: tuple[str, ...] =
         with open(os.path.join(dst, MODELOPT_FILE), "w") as f:
             json.dump(config, f)
         return
-    key = "ignore" if layout.startswith("ct-") or layout == "modelopt-channel" else "modules_to_not_convert"
+    key = "ignore" if layout.startswith(("ct-", "modelopt-")) else "modules_to_not_convert"
     _copy_dir(src, dst, fp8, {**config, key: list(skip)})
 
 

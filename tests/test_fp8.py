@@ -57,6 +57,8 @@ CASES = [
     ("qwen3", "modelopt", ("lm_head", "model.layers.1.mlp*")),
     ("llama", "modelopt-channel", ("lm_head",)),
     ("moe", "modelopt", ("lm_head", "*.mlp.gate")),  # per-tensor experts (their static input scales unused)
+    ("qwen3", "modelopt-block", ("lm_head",)),  # FP8_PB_WO: [out/128, 1, in/128, 1] scales, partial blocks
+    ("moe", "modelopt-block", ("lm_head", "*.mlp.gate")),
 ]
 
 
@@ -574,6 +576,7 @@ def test_modelopt_checkpoints_load_as_vllm_reads_them(full_precision, tmp_path):
                        ("lm_head", "re:" + fnmatch.translate("*.mlp.down_proj")))
     assert resolve_quantization(None, flat, "c") == wild
     assert wild.skipped("model.layers.3.mlp.down_proj") and not wild.skipped("model.layers.3.mlp.up_proj")
+    assert resolve_quantization(None, LAYOUTS["modelopt-block"], "c").groups[0].fmt.scales == "block"
     for bad, message in [({**flat, "quant_algo": "NVFP4"}, "ModelOpt quant_algo='NVFP4' is not supported"),
                          ({**flat, "quant_algo": None}, "ModelOpt quant_algo=None is not supported"),
                          ({**hf_quant, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
@@ -585,6 +588,15 @@ def test_modelopt_checkpoints_load_as_vllm_reads_them(full_precision, tmp_path):
     with pytest.raises(ValueError, match="quantization='modelopt' does not match c's quantization_config "
                                          "quant_method='fp8'"):
         resolve_quantization("modelopt", LAYOUTS["qwen-block"], "c")
+    block = str(tmp_path / "block")  # FP8_PB_WO's scales are [out/128, 1, in/128, 1]; another 4-D shape is refused
+    write_fp8(full_precision("qwen3"), block, str(tmp_path / "block_ref"), "modelopt-block", ("lm_head",))
+    state = checkpoint_state(block)
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    state[name] = state[name].reshape(state[name].shape[0], 1, 1, -1)
+    write_state(block, block, state)
+    with pytest.raises(ValueError, match=re.escape(name) + r": a 4-D block scale must be \[out_blocks, 1, in_blocks, "
+                                         r"1\], got \(2, 1, 1, 2\)"):
+        cpu_llm(block)
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match=re.escape(os.path.join(path, "hf_quant_config.json")) + ": not a readable"):

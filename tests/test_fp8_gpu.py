@@ -229,7 +229,7 @@ def off_argmax_rate(reference_logits, tokens) -> float:
 
 
 @pytest.mark.parametrize("layout", ["qwen-block", "ct-channel", "ct-tensor", "ct-block", "fbgemm", "modelopt",
-                                    "modelopt-channel"])
+                                    "modelopt-channel", "modelopt-block"])
 def test_fp8_engine_matches_transformers_on_dequantized_weights(dense, tmp_path, layout):
     """FP8 weights with FP8 activations against transformers in float32 on the dequantized weights.
 

@@ -30,7 +30,9 @@
                                        beside it (`checkpoint_quantization`); quant_algo "FP8":
                                        `weight_scale` per tensor, static per-tensor `input_scale`;
                                        "FP8_PER_CHANNEL_PER_TOKEN": `weight_scale` [out] per channel,
-                                       dynamic per-token activations; exclude_modules (ignore) stay
+                                       dynamic per-token activations; "FP8_PB_WO": `weight_scale`
+                                       [out/128, 1, in/128, 1] per block, run as vLLM runs it (dynamic
+                                       1 x 128 activation groups); exclude_modules (ignore) stay
                                        full precision, matched as vLLM matches them (whole names and
                                        wildcards); kv_cache_quant_algo "FP8": the checkpoint's
                                        k_proj.k_scale / v_proj.v_scale serve an FP8 cache
@@ -72,7 +74,8 @@ MODELOPT_FILE = "hf_quant_config.json"
 MODELOPT = "modelopt"
 # ModelOpt's FP8 quant_algo values that load, and their formats.
 MODELOPT_FORMATS = {"FP8": Fp8Format(TENSOR, SCALE, True, False),
-                    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Format(CHANNEL, SCALE, False, False)}
+                    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Format(CHANNEL, SCALE, False, False),
+                    "FP8_PB_WO": Fp8Format(BLOCK, SCALE, False, False)}
 # ModelOpt's one KV-cache quantization an FP8 cache takes (per-layer k / v scales).
 MODELOPT_KV = "FP8"
 # Characters that make a ModelOpt exclude_modules entry a wildcard (fnmatch's), not a module name.

@@ -29,10 +29,18 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.moe.checkpoint_names import split_fused_experts
-from nanovllm.quantization.config import FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
+from nanovllm.quantization.config import BLOCK, FP8_DTYPE, INPUT_SCALE, SCALE, SCALE_INV, LinearQuant
 from nanovllm.quantization.fp8 import dequantize_weight, quantize_weight
 
 _WEIGHT = "weight"
+
+
+def _block_grid(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """A block scale written [out_blocks, 1, in_blocks, 1] (ModelOpt's FP8_PB_WO) as the grid
+    [out_blocks, in_blocks] the layers take; another 4-D shape is a ValueError naming it."""
+    if scale.shape[1] != 1 or scale.shape[3] != 1:
+        raise ValueError(f"{name}: a 4-D block scale must be [out_blocks, 1, in_blocks, 1], got {tuple(scale.shape)}")
+    return scale.reshape(scale.shape[0], scale.shape[2])
 
 
 class QuantizedTensors:
@@ -89,6 +97,8 @@ class QuantizedTensors:
             raise ValueError(self._refused_scale(name, module, leaf, quant))
         if leaf == INPUT_SCALE and quant.fmt.static_input and (not quant.held or quant.weight_only):
             return []  # the layer's activations stay in full precision: not quantized
+        if leaf == quant.fmt.scale_name and quant.fmt.scales == BLOCK and tensor.dim() == 4:
+            tensor = _block_grid(name, tensor)
         if quant.held or leaf != quant.fmt.scale_name:
             return [(name, tensor)]
         return self._pair(module, quant, "scale", tensor)
