@@ -159,7 +159,9 @@ SPECS = [
                                                "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
         for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]),
-                     (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)]))])
+                     (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)]),
+                     (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
+                      moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].gate_up))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
@@ -171,7 +173,9 @@ SPECS = [
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
-        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN))])
+        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN),
+                     (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
+                      moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].down))])
       for scale in (1, 2)],
     # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)
     ("moe.grouped_gemm", "_slot_sum_kernel", {"pair_ptr": "*fp32", "out_ptr": "*bf16"},

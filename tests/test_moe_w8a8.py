@@ -24,7 +24,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.moe.grouped_gemm import act_row_quant, fused_moe
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.layer import MoeExperts
-from nanovllm.moe.tiles import DECODE_GATE_UP, plan_tiles
+from nanovllm.moe.tiles import DECODE_GATE_UP, PREFILL_W8A8_WIDE, WIDE_MIN_PAIRS, moe_tiles, plan_tiles
 from nanovllm.quantization.checkpoint_config import resolve_quantization
 from nanovllm.quantization.config import quantization
 
@@ -101,6 +101,29 @@ def test_w8a8_decode_steps_read_whole_groups_or_256_bytes():
         _, block, _ = plan_tiles(t, 8, 128, 2048, 768, 132, w8a8=ScaleMode.BLOCK)
         _, plain, _ = plan_tiles(t, 8, 128, 2048, 768, 132)
         assert channel.block_k == 256 and GROUP % block.block_k == 0 and plain.block_k == DECODE_GATE_UP.block_k
+
+
+def test_many_pairs_an_expert_take_the_wide_prefill_tiling():
+    """From WIDE_MIN_PAIRS mean pairs an expert a W8A8 call takes PREFILL_W8A8_WIDE (its own block height);
+    one pair fewer an expert, and any bf16 / W8A16 call, keep the blocks block_m_for picks (at most 64 rows)."""
+    e = 128
+    for mode in (ScaleMode.CHANNEL, ScaleMode.BLOCK):
+        assert moe_tiles(WIDE_MIN_PAIRS * e, e, mode) == PREFILL_W8A8_WIDE[mode]
+        assert moe_tiles((WIDE_MIN_PAIRS - 1) * e, e, mode).block_m <= 64
+        assert moe_tiles(WIDE_MIN_PAIRS * e, e).block_m <= 64
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("mode", MODES)
+def test_w8a8_wide_prefill_tiling_matches_reference(mode):
+    """The wide prefill tiling (its block height past a small case's pairs: one block an expert, mostly
+    padding rows) gives the W8A8 reference's output."""
+    args, deq = fp8_case(40, 4, 2, 256, 136, torch.bfloat16, "cpu", mode)
+    hidden, q13, q2, weights, ids, s13, s2 = args
+    out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True,
+                    tiles=PREFILL_W8A8_WIDE[ScaleMode[mode.upper()]])
+    assert_close(out, w8a8_reference(hidden, *deq, weights, ids, mode), torch.bfloat16)
 
 
 def test_bad_w8a8_arguments_are_named():
@@ -223,9 +246,10 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t", [16, 256, 512, 2048, 8192])
+@pytest.mark.parametrize("t", [16, 256, 512, 2048, 8192, 16384])
 def test_w8a8_qwen3_30b_shape(mode, t):
-    """Decode (16, 256: 16- and 32-row blocks) and prefill (64-row blocks, PREFILL_W8A8) tilings."""
+    """Decode (16, 256: 16- and 32-row blocks) and prefill (64-row blocks, PREFILL_W8A8; from WIDE_MIN_PAIRS
+    an expert, PREFILL_W8A8_WIDE) tilings."""
     e, k, h, i = QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"]
     (hidden, q13, q2, weights, ids, s13, s2), deq = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
     out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True)

@@ -63,6 +63,15 @@ PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 # 756 / 2,387 against 1,075 / 3,431.
 PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
                 ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
+# W8A8 prefill over many pairs an expert: blocks of WIDE_BLOCK_M rows, each weight tile read by half as
+# many programs and twice the MMA rows per weight byte, from WIDE_MIN_PAIRS mean pairs an expert (the
+# size class's; below it the padding of each expert's last block costs more). MEASURED: see BENCHMARKS.md.
+WIDE_BLOCK_M = 128
+WIDE_MIN_PAIRS = 512
+PREFILL_W8A8_WIDE = {ScaleMode.CHANNEL: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
+                                                 Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3)),
+                     ScaleMode.BLOCK: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4),
+                                               Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4))}
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -103,7 +112,9 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
 
 def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
     """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8: the gate_up decode
-    tiling and the prefill tilings by the experts' scales)."""
+    tiling and the prefill tilings by the experts' scales; PREFILL_W8A8_WIDE from WIDE_MIN_PAIRS an expert)."""
+    if w8a8 is not None and num_pairs >= WIDE_MIN_PAIRS * num_experts:
+        return PREFILL_W8A8_WIDE[w8a8]
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP if w8a8 is None else DECODE_W8A8_GATE_UP[w8a8], DECODE_DOWN)
