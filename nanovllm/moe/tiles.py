@@ -63,9 +63,13 @@ PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 # 756 / 2,387 against 1,075 / 3,431.
 PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
                 ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
-# W8A8 prefill over many pairs an expert: blocks of WIDE_BLOCK_M rows, each weight tile read by half as
-# many programs and twice the MMA rows per weight byte, from WIDE_MIN_PAIRS mean pairs an expert (the
-# size class's; below it the padding of each expert's last block costs more). MEASURED: see BENCHMARKS.md.
+# W8A8 prefill over many pairs an expert: blocks of WIDE_BLOCK_M rows, from WIDE_MIN_PAIRS mean pairs an
+# expert (the size class's; below it the padding of each expert's last block costs more). Why: at 64 rows x
+# 256 gate and 256 up columns a K step loads 576 bytes into shared memory per 32,768 multiply-adds (57 a
+# byte); Hopper's FP8 peak (~500 T multiply-adds/s) then wants ~8.7 TB/s from L2, past what it gives, and the
+# 30B-A3B W8A8 call ran at ~29% of the FP8 peak at T = 8,192 (BENCHMARKS.md, thirteenth session). 128 x 128
+# takes 85 a byte. UNMEASURED (branch exp/w8a8-wide): the tilings and threshold below are placeholders that
+# scratch/s57/pick.py overwrites from the sweep (scratch/s57/moe_prefill.py) before the end-to-end A/B.
 WIDE_BLOCK_M = 128
 WIDE_MIN_PAIRS = 512
 PREFILL_W8A8_WIDE = {ScaleMode.CHANNEL: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
