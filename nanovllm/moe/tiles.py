@@ -66,9 +66,9 @@ PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8,
 # W8A8 prefill over many pairs an expert: blocks of WIDE_BLOCK_M rows, from WIDE_MIN_PAIRS mean pairs an
 # expert (the size class's; below it the padding of each expert's last block costs more). Why: at 64 rows x
 # 256 gate and 256 up columns a K step loads 576 bytes into shared memory per 32,768 multiply-adds (57 a
-# byte); Hopper's FP8 peak (~500 T multiply-adds/s) then wants ~8.7 TB/s from L2, past what it gives, and the
-# 30B-A3B W8A8 call ran at ~29% of the FP8 peak at T = 8,192 (BENCHMARKS.md, thirteenth session). 128 x 128
-# takes 85 a byte. UNMEASURED (branch exp/w8a8-wide): the tilings and threshold below are placeholders that
+# byte); the FP8 peak probed on the H200 (1,514 TFLOP/s: 757 T multiply-adds/s) then wants ~13 TB/s from L2,
+# past what it gives, and the 30B-A3B W8A8 call ran at ~29% of that peak at T = 8,192 (BENCHMARKS.md,
+# thirteenth session). 128 x 128 takes 85 a byte (~9 TB/s at the peak). UNMEASURED (branch exp/w8a8-wide): the tilings and threshold below are placeholders that
 # scratch/s57/pick.py overwrites from the sweep (scratch/s57/moe_prefill.py) before the end-to-end A/B.
 WIDE_BLOCK_M = 128
 WIDE_MIN_PAIRS = 512
