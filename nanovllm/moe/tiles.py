@@ -68,8 +68,9 @@ PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8,
 # 256 gate and 256 up columns a K step loads 576 bytes into shared memory per 32,768 multiply-adds (57 a
 # byte); the FP8 peak probed on the H200 (1,514 TFLOP/s: 757 T multiply-adds/s) then wants ~13 TB/s from L2,
 # past what it gives, and the 30B-A3B W8A8 call ran at ~29% of that peak at T = 8,192 (BENCHMARKS.md,
-# thirteenth session). 128 x 128 takes 85 a byte (~9 TB/s at the peak). UNMEASURED (branch exp/w8a8-wide): the tilings and threshold below are placeholders that
-# scratch/s57/pick.py overwrites from the sweep (scratch/s57/moe_prefill.py) before the end-to-end A/B.
+# thirteenth session). 128 x 128 takes 85 a byte (~9 TB/s at the peak). UNMEASURED (branch exp/w8a8-wide):
+# the tilings and threshold below are placeholders that scratch/s57/pick.py overwrites from the sweep
+# (scratch/s57/moe_prefill.py) before the end-to-end A/B.
 WIDE_BLOCK_M = 128
 WIDE_MIN_PAIRS = 512
 PREFILL_W8A8_WIDE = {ScaleMode.CHANNEL: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
