@@ -90,12 +90,13 @@ FP8_DECODE_LAUNCHES = [(splits, fold, rows, FP8_BLOCK_N, grouped) for splits, fo
 # (module, kernel, argument types by name (pointers default to *bf16, strides to i64, other
 # scalars to i32), each variant's constexpr values and launch options)
 
-def grouped_gemm_constexprs(block_m: int, t: moe_tiles.Tiling, scale: int, act_fp8: bool) -> dict:
+def grouped_gemm_constexprs(block_m: int, t: moe_tiles.Tiling, scale: int, act_fp8: bool, n_major: bool = False) -> dict:
     """A grouped-GEMM kernel's constexprs and launch options (both GEMMs take the same), as fused_moe
     sets them for a block height, a tiling, a scale mode (W_SCALE) and W8A8 or not."""
     return {"TOP_K": 8, "BLOCK_M": block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "EVEN_K": True,
             "UPCAST": False, "DOT_PREC": None, "W_SCALE": scale,
             "SCALE_PER_STEP": scales_per_step(ScaleMode(scale), t.block_k), "SCALE_BLOCK": 128, "ACT_FP8": act_fp8,
+            "N_MAJOR": n_major,
             "num_warps": t.num_warps, "num_stages": t.num_stages}
 
 
@@ -157,11 +158,12 @@ SPECS = [
     # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
-       [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
-        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]),
-                     (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)]),
-                     (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
-                      moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].gate_up))])
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
+        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False),
+                            (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)], False),
+                            (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
+                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].gate_up,
+                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].n_major))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
@@ -172,10 +174,11 @@ SPECS = [
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
-       [grouped_gemm_constexprs(m, t, scale, act_fp8=True)
-        for m, t in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)]), (32, moe_tiles.DECODE_DOWN),
-                     (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
-                      moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].down))])
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
+        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False), (32, moe_tiles.DECODE_DOWN, False),
+                            (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
+                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].down,
+                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].n_major))])
       for scale in (1, 2)],
     # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)
     ("moe.grouped_gemm", "_slot_sum_kernel", {"pair_ptr": "*fp32", "out_ptr": "*bf16"},

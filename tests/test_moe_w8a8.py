@@ -12,6 +12,8 @@ a partial 128-column group and K step); the GPU tests run Qwen3-30B-A3B's expert
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,14 +117,15 @@ def test_many_pairs_an_expert_take_the_wide_prefill_tiling():
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("n_major", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_w8a8_wide_prefill_tiling_matches_reference(mode):
+def test_w8a8_wide_prefill_tiling_matches_reference(mode, n_major):
     """The wide prefill tiling (its block height past a small case's pairs: one block an expert, mostly
-    padding rows) gives the W8A8 reference's output."""
+    padding rows), launched in either order, gives the W8A8 reference's output."""
     args, deq = fp8_case(40, 4, 2, 256, 136, torch.bfloat16, "cpu", mode)
     hidden, q13, q2, weights, ids, s13, s2 = args
     out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True,
-                    tiles=PREFILL_W8A8_WIDE[ScaleMode[mode.upper()]])
+                    tiles=replace(PREFILL_W8A8_WIDE[ScaleMode[mode.upper()]], n_major=n_major))
     assert_close(out, w8a8_reference(hidden, *deq, weights, ids, mode), torch.bfloat16)
 
 

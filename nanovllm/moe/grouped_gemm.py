@@ -72,14 +72,23 @@ SLOT_SUM_COLUMNS = 1024
 
 
 @triton.jit
-def _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
+def _block_and_tile(N_MAJOR: tl.constexpr):
+    """(block, N tile) of this program: grid (blocks, N tiles), or (N tiles, blocks) under N_MAJOR, where a
+    block's N tiles run together and its activation rows come from HBM once (moe/tiles.MoeTiles.n_major)."""
+    if N_MAJOR:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _block_rows(block, sorted_ptr, block_expert_ptr, n_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
     """Sorted rows, their pairs, which are real (not padding), their tokens (0 for padding) and
     the expert of this program's block."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + rows)  # P is a multiple of BLOCK_M: no mask
     real = pairs < n_pairs
     tokens = tl.where(real, pairs // TOP_K, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
     return rows.to(tl.int64), pairs.to(tl.int64), real, tokens, expert
 
 
@@ -130,11 +139,12 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, 
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                     W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                    ACT_FP8: tl.constexpr):
-    if tl.program_id(0) >= tl.load(num_used_ptr):
+                    ACT_FP8: tl.constexpr, N_MAJOR: tl.constexpr):
+    block, tile = _block_and_tile(N_MAJOR)
+    if block >= tl.load(num_used_ptr):
         return
-    rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, pairs, real, tokens, expert = _block_rows(block, sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = hidden_ptr + tokens[:, None] * stride_h + rk[None, :]  # [BLOCK_M, BLOCK_K]
     as_ptrs = as_ptr + tokens * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
@@ -180,11 +190,12 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                  W_SCALE: tl.constexpr, SCALE_PER_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 ACT_FP8: tl.constexpr):
-    if tl.program_id(0) >= tl.load(num_used_ptr):
+                 ACT_FP8: tl.constexpr, N_MAJOR: tl.constexpr):
+    block, tile = _block_and_tile(N_MAJOR)
+    if block >= tl.load(num_used_ptr):
         return
-    rows, pairs, real, tokens, expert = _block_rows(sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, pairs, real, tokens, expert = _block_rows(block, sorted_ptr, block_expert_ptr, n_pairs, TOP_K, BLOCK_M)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * inter + rk[None, :]  # [BLOCK_M, BLOCK_K]
     as_ptrs = as_ptr + rows * stride_asm  # [BLOCK_M] each row's activation scales (ACT_FP8)
@@ -224,6 +235,11 @@ def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_
     parts = tl.load(ptrs, mask=(slots < TOP_K)[:, None] & (cols < hidden_size)[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden_size + cols, round_to(tl.sum(parts, axis=0), out_ptr.dtype.element_ty),
              mask=cols < hidden_size)
+
+
+def _grid(blocks: int, n_tiles: int, n_major: bool) -> tuple[int, int]:
+    """A grouped GEMM's launch grid (_block_and_tile)."""
+    return (n_tiles, blocks) if n_major else (blocks, n_tiles)
 
 
 def _act_fp8_args(mode: ScaleMode, x: torch.Tensor, align: MoeAlignment | None = None,
@@ -301,7 +317,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     align = moe_align(topk_ids, e, tiles.block_m)
     blocks = align.block_expert.numel()
     # The interpreter's tl.dot takes e4m3 operands as they are (W8A8); bfloat16 ones in float32 (UPCAST).
-    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
+    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, N_MAJOR=tiles.n_major,
+                  UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
     a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
     if x_fp8 is not None:
@@ -310,7 +327,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
     s13, scales = scale_args(mode, w13_scale, hidden)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, gate_up.block_n))](
+    _gate_up_kernel[_grid(blocks, triton.cdiv(inter, gate_up.block_n), tiles.n_major)](
         x, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, x.stride(0), w13.stride(0), w13.stride(1), s13, as_ptr=a_scale,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
@@ -322,7 +339,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     # [T * K, H] in hidden's dtype: half the bytes of float32 to write and to read back in the slot sum
     pair_out = torch.empty((n_pairs, h), dtype=hidden.dtype, device=hidden.device)
     s2, scales = scale_args(mode, w2_scale, hidden)
-    _down_kernel[(blocks, triton.cdiv(h, down.block_n))](
+    _down_kernel[_grid(blocks, triton.cdiv(h, down.block_n), tiles.n_major)](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, w2.stride(0), w2.stride(1), s2, as_ptr=a_scale,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,

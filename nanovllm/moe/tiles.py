@@ -39,6 +39,9 @@ class MoeTiles:
     block_m: int  # sorted pairs per block
     gate_up: Tiling
     down: Tiling
+    # launch order: False, a weight tile's blocks together (decode: the weights are the bytes); True, a block's
+    # N tiles together (prefill: its activation rows, re-read by every N tile, stay in L2)
+    n_major: bool = False
 
 
 # Decode (block_m <= 32): memory-bound; 128-column steps (two 128-byte lines per bf16 weight row)
