@@ -6,6 +6,7 @@ expert shape (E=128, K=8, H=2048, I=768)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from nanovllm.moe.align import MAX_EXPERTS, MAX_SLICES, moe_align
 from nanovllm.moe.grouped_gemm import fused_moe
-from nanovllm.moe.tiles import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, MoeTiles, block_m_for, moe_tiles
+from nanovllm.moe.tiles import BLOCK_MS, DECODE_DOWN, DECODE_GATE_UP, PREFILL_WIDE, MoeTiles, block_m_for, moe_tiles
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
@@ -172,8 +173,18 @@ def test_int32_ids_strided_rows_and_explicit_tiles(device):
     assert_close(fused_moe(hidden, w13, w2, weights, ids, tiles=tiles), ref, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_major", [False, True])
+def test_wide_prefill_tiling_in_either_launch_order(device, n_major):
+    """The bf16 wide prefill tiling (128-row blocks past a small case's pairs: mostly padding rows)
+    gives the reference's output launched blocks-fastest or N-major."""
+    args = make_case(40, 4, 2, 256, 136, torch.float32, device, seed=5)
+    tiles = replace(PREFILL_WIDE[None], n_major=n_major)
+    assert_close(fused_moe(*args, tiles=tiles), reference_moe(*args), torch.float32)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 64, 256, 1000])
+@pytest.mark.parametrize("t", [1, 7, 64, 256, 1000, 4096, 16384])
 def test_qwen3_30b_shape_bf16(t):
     args = make_case(t, QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"], torch.bfloat16, "cuda", seed=t)
     out, ref = fused_moe(*args), reference_moe(*args)
@@ -318,9 +329,12 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
             sizes = [padded(buckets, t)] + ([padded(decode, t)] if t <= decode[-1] else [])
             for p in sizes:
                 assert plan_tiles(t, k, e, h, inter, 132) == plan_tiles(p, k, e, h, inter, 132), (e, t, p)
-    # and the choice still follows the batch: decode tiles at small counts, prefill tiles at large
-    small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(4096, 8, 128, 2048, 768, 132)
+    # and the choice still follows the batch: decode tiles at small counts, prefill tiles at large, the
+    # wide N-major prefill tiles at the largest
+    small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(2048, 8, 128, 2048, 768, 132)
+    wide = plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
+    assert wide[0] == PREFILL_WIDE[None] and not large[0].n_major
     # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
     from nanovllm.moe.tiles import MIN_PROGRAMS_PER_SM
     from nanovllm.moe.align import aligned_blocks

@@ -100,6 +100,8 @@ def grouped_gemm_constexprs(block_m: int, t: moe_tiles.Tiling, scale: int, act_f
             "num_warps": t.num_warps, "num_stages": t.num_stages}
 
 
+WIDE = moe_tiles.PREFILL_WIDE[None]  # bf16 and W8A16 calls over many pairs an expert
+
 SPECS = [
     # logprobs at the serving vocabulary (151,936 = 38 chunks of 4096): k = 0, 5 and 20, scored rows
     # given or all (the prompt-logprobs path), bfloat16 and float32 logits.
@@ -150,9 +152,10 @@ SPECS = [
     # bf16 or FP8 weights as above (block scales per K step; 256-column steps: per element).
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **types},
-       [grouped_gemm_constexprs(m, t, scale, act_fp8=False)
-        for m, t in ((16, moe_tiles.DECODE_GATE_UP), (32, moe_tiles.DECODE_GATE_UP), (64, moe_tiles.PREFILL_GATE_UP),
-                     (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256)))])
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
+        for m, t, major in ((16, moe_tiles.DECODE_GATE_UP, False), (32, moe_tiles.DECODE_GATE_UP, False),
+                            (64, moe_tiles.PREFILL_GATE_UP, False), (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256), False),
+                            (WIDE.block_m, WIDE.gate_up, WIDE.n_major))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     # ... W8A8 (ACT_FP8): e4m3 hidden with float32 per-token (per-group) scales, e4m3 x e4m3 MMAs
     # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
@@ -161,24 +164,25 @@ SPECS = [
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
         for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False),
                             (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)], False),
-                            (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
-                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].gate_up,
-                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].n_major))])
+                            (moe_tiles.PREFILL_WIDE[ScaleMode(scale)].block_m,
+                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].gate_up,
+                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].n_major))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
-       [grouped_gemm_constexprs(m, t, scale, act_fp8=False)
-        for m, t in ((16, moe_tiles.DECODE_DOWN), (32, moe_tiles.DECODE_DOWN), (64, moe_tiles.PREFILL_DOWN),
-                     (16, replace(moe_tiles.DECODE_DOWN, block_k=256)))])
+       [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
+        for m, t, major in ((16, moe_tiles.DECODE_DOWN, False), (32, moe_tiles.DECODE_DOWN, False),
+                            (64, moe_tiles.PREFILL_DOWN, False), (16, replace(moe_tiles.DECODE_DOWN, block_k=256), False),
+                            (WIDE.block_m, WIDE.down, WIDE.n_major))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
         for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False), (32, moe_tiles.DECODE_DOWN, False),
-                            (moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].block_m,
-                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].down,
-                             moe_tiles.PREFILL_W8A8_WIDE[ScaleMode(scale)].n_major))])
+                            (moe_tiles.PREFILL_WIDE[ScaleMode(scale)].block_m,
+                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].down,
+                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].n_major))])
       for scale in (1, 2)],
     # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)
     ("moe.grouped_gemm", "_slot_sum_kernel", {"pair_ptr": "*fp32", "out_ptr": "*bf16"},

@@ -26,7 +26,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.moe.grouped_gemm import act_row_quant, fused_moe
 from nanovllm.kernels.checks import ScaleMode
 from nanovllm.moe.layer import MoeExperts
-from nanovllm.moe.tiles import DECODE_GATE_UP, PREFILL_W8A8_WIDE, WIDE_MIN_PAIRS, moe_tiles, plan_tiles
+from nanovllm.moe.tiles import DECODE_GATE_UP, PREFILL_WIDE, WIDE_MIN_PAIRS, moe_tiles, plan_tiles
 from nanovllm.quantization.checkpoint_config import resolve_quantization
 from nanovllm.quantization.config import quantization
 
@@ -106,13 +106,13 @@ def test_w8a8_decode_steps_read_whole_groups_or_256_bytes():
 
 
 def test_many_pairs_an_expert_take_the_wide_prefill_tiling():
-    """From WIDE_MIN_PAIRS mean pairs an expert a W8A8 call takes PREFILL_W8A8_WIDE (its own block height);
-    one pair fewer an expert, and any bf16 / W8A16 call, keep the blocks block_m_for picks (at most 64 rows)."""
+    """From WIDE_MIN_PAIRS mean pairs an expert every call takes its mode's PREFILL_WIDE, launched N-major;
+    one pair fewer an expert keeps the blocks-fastest launch of the blocks block_m_for picks (at most 64 rows)."""
     e = 128
-    for mode in (ScaleMode.CHANNEL, ScaleMode.BLOCK):
-        assert moe_tiles(WIDE_MIN_PAIRS * e, e, mode) == PREFILL_W8A8_WIDE[mode]
-        assert moe_tiles((WIDE_MIN_PAIRS - 1) * e, e, mode).block_m <= 64
-        assert moe_tiles(WIDE_MIN_PAIRS * e, e).block_m <= 64
+    for mode in (None, ScaleMode.CHANNEL, ScaleMode.BLOCK):
+        assert moe_tiles(WIDE_MIN_PAIRS * e, e, mode) == PREFILL_WIDE[mode] and PREFILL_WIDE[mode].n_major
+        fewer = moe_tiles((WIDE_MIN_PAIRS - 1) * e, e, mode)
+        assert fewer.block_m <= 64 and not fewer.n_major
 
 
 @pytest.mark.interpreter
@@ -125,7 +125,7 @@ def test_w8a8_wide_prefill_tiling_matches_reference(mode, n_major):
     args, deq = fp8_case(40, 4, 2, 256, 136, torch.bfloat16, "cpu", mode)
     hidden, q13, q2, weights, ids, s13, s2 = args
     out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True,
-                    tiles=replace(PREFILL_W8A8_WIDE[ScaleMode[mode.upper()]], n_major=n_major))
+                    tiles=replace(PREFILL_WIDE[ScaleMode[mode.upper()]], n_major=n_major))
     assert_close(out, w8a8_reference(hidden, *deq, weights, ids, mode), torch.bfloat16)
 
 
@@ -252,7 +252,7 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("t", [16, 256, 512, 2048, 8192, 16384])
 def test_w8a8_qwen3_30b_shape(mode, t):
     """Decode (16, 256: 16- and 32-row blocks) and prefill (64-row blocks, PREFILL_W8A8; from WIDE_MIN_PAIRS
-    an expert, PREFILL_W8A8_WIDE) tilings."""
+    an expert, PREFILL_WIDE) tilings."""
     e, k, h, i = QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"]
     (hidden, q13, q2, weights, ids, s13, s2), deq = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
     out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, act_fp8=True)

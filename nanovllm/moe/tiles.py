@@ -66,20 +66,21 @@ PREFILL_DOWN = Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3)
 # 756 / 2,387 against 1,075 / 3,431.
 PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3),
                 ScaleMode.BLOCK: Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4)}
-# W8A8 prefill over many pairs an expert: blocks of WIDE_BLOCK_M rows, from WIDE_MIN_PAIRS mean pairs an
-# expert (the size class's; below it the padding of each expert's last block costs more). Why: at 64 rows x
-# 256 gate and 256 up columns a K step loads 576 bytes into shared memory per 32,768 multiply-adds (57 a
-# byte); the FP8 peak probed on the H200 (1,514 TFLOP/s: 757 T multiply-adds/s) then wants ~13 TB/s from L2,
-# past what it gives, and the 30B-A3B W8A8 call ran at ~29% of that peak at T = 8,192 (BENCHMARKS.md,
-# thirteenth session). 128 x 128 takes 85 a byte (~9 TB/s at the peak). UNMEASURED (branch exp/w8a8-wide):
-# the tilings and threshold below are placeholders that scratch/s57/pick.py overwrites from the sweep
-# (scratch/s57/moe_prefill.py) before the end-to-end A/B.
-WIDE_BLOCK_M = 128
-WIDE_MIN_PAIRS = 512
-PREFILL_W8A8_WIDE = {ScaleMode.CHANNEL: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
-                                                 Tiling(block_n=128, block_k=128, num_warps=8, num_stages=3)),
-                     ScaleMode.BLOCK: MoeTiles(WIDE_BLOCK_M, Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4),
-                                               Tiling(block_n=64, block_k=128, num_warps=4, num_stages=4))}
+# Prefill over many pairs an expert (from WIDE_MIN_PAIRS mean pairs, the size class's), by the experts' scales
+# (None: bf16 activations): launched N-major, a block's N tiles together, so its activation rows come from
+# HBM once instead of once per N tile; bf16 and per-channel W8A8 also take 128-row blocks (half the K-step
+# loads per multiply-add of 64). Each the fastest of 8-12 candidates at every T of the sweep from T0 on, the whole
+# call of Qwen3-30B-A3B's experts (H100, 2026-12-07, BENCHMARKS.md fifty-eighth session; us against the
+# 64-row, blocks-fastest tilings below): channel 644.6 / 1,084 / 1,974 at T = 4,096 / 8,192 / 16,384 against
+# 722.9 / 1,257 / 2,313 (1.12-1.17x; 1.085x at 2,048); block 1,033 / 1,849 / 3,431 against 1,182 / 2,168 /
+# 4,140 (1.14-1.21x); bf16 955.3 / 2,796 at T = 4,096 / 16,384 against 1,273 / 3,991 (1.33 / 1.43x).
+WIDE_MIN_PAIRS = 256  # T = 4,096 at 128 experts, top 8: the smallest T every mode was measured to win at
+PREFILL_WIDE = {None: MoeTiles(128, Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                               Tiling(block_n=256, block_k=64, num_warps=8, num_stages=3), n_major=True),
+                ScaleMode.CHANNEL: MoeTiles(128, Tiling(block_n=128, block_k=128, num_warps=8, num_stages=4),
+                                            Tiling(block_n=256, block_k=128, num_warps=8, num_stages=3), n_major=True),
+                ScaleMode.BLOCK: MoeTiles(64, PREFILL_W8A8[ScaleMode.BLOCK], PREFILL_W8A8[ScaleMode.BLOCK],
+                                          n_major=True)}
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -120,9 +121,9 @@ def plan_tiles(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
 
 def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -> MoeTiles:
     """The batch-based choice: block_m_for, then decode or prefill tilings (W8A8: the gate_up decode
-    tiling and the prefill tilings by the experts' scales; PREFILL_W8A8_WIDE from WIDE_MIN_PAIRS an expert)."""
-    if w8a8 is not None and num_pairs >= WIDE_MIN_PAIRS * num_experts:
-        return PREFILL_W8A8_WIDE[w8a8]
+    tiling and the prefill tilings by the experts' scales; PREFILL_WIDE from WIDE_MIN_PAIRS an expert)."""
+    if num_pairs >= WIDE_MIN_PAIRS * num_experts:
+        return PREFILL_WIDE[w8a8]
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP if w8a8 is None else DECODE_W8A8_GATE_UP[w8a8], DECODE_DOWN)
