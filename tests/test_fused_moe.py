@@ -183,6 +183,14 @@ def test_wide_prefill_tiling_in_either_launch_order(device, n_major):
     assert_close(fused_moe(*args, tiles=tiles), reference_moe(*args), torch.float32)
 
 
+def test_n_major_launch_only_while_the_blocks_fit_the_grids_second_axis():
+    from nanovllm.moe.grouped_gemm import GRID_Y_MAX, launch_n_major
+
+    wide = PREFILL_WIDE[None]
+    assert launch_n_major(wide, GRID_Y_MAX) and not launch_n_major(wide, GRID_Y_MAX + 1)
+    assert not launch_n_major(replace(wide, n_major=False), 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 64, 256, 1000, 4096, 16384])
 def test_qwen3_30b_shape_bf16(t):
@@ -270,13 +278,34 @@ def test_bad_arguments_are_named():
             moe_align(ids, num_experts, 16)
 
 
-def test_benchmark_without_cuda_exits_with_one_line():
+@pytest.mark.parametrize("script", ["bench_moe.py", "moe_prefill_sweep.py"])
+def test_benchmark_without_cuda_exits_with_one_line(script):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels" / "bench_moe.py")], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels" / script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0], proc.stderr
+
+
+def test_prefill_sweep_picks_the_tiling_that_wins_at_every_size_from_its_threshold():
+    """moe_prefill_sweep.pick on made-up times (us; each T's first row the baseline): a tiling must beat
+    the baseline by PICK_MARGIN at every T from its T0 on; of those the least mean ratio wins."""
+    from benchmarks.kernels.moe_prefill_sweep import PICK_MARGIN, pick
+
+    def row(mode, t, block_m, us, n_major=False):
+        return dict(mode=mode, tokens=t, block_m=block_m, gate_up=(128, 64, 8, 3), down=(128, 64, 8, 3),
+                    n_major=n_major, us=us)
+
+    ts = (2048, 4096, 8192)
+    rows = [row("a", t, 64, 100.0) for t in ts]  # the baselines
+    rows += [row("a", t, 128, us) for t, us in zip(ts, (99.0, 90.0, 90.0))]  # wins from 4,096: ratio 0.90
+    rows += [row("a", t, 64, 95.0, n_major=True) for t in ts]  # wins everywhere, by less: 0.95
+    rows += [row("a", t, 128, us, n_major=True) for t, us in zip(ts, (80.0, 80.0, 100.0))]  # loses at the largest
+    rows += [row("b", t, 64, 100.0) for t in ts] + [row("b", t, 128, 100.0 * (1 - PICK_MARGIN / 2)) for t in ts]
+    picked = pick(rows)
+    assert picked["a"] == ((128, (128, 64, 8, 3), (128, 64, 8, 3), False), 4096)
+    assert picked["b"] is None  # within the margin everywhere: the baseline stays
 
 
 @pytest.mark.interpreter

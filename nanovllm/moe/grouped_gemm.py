@@ -70,6 +70,9 @@ from .tiles import MoeTiles, Tiling, plan_tiles
 # Columns a program of the slot sum adds up (K rows of them): 8 x 1024 float32 is 64 registers a
 # thread at 4 warps.
 SLOT_SUM_COLUMNS = 1024
+# CUDA's limit on a grid's second axis: an N-major launch puts the blocks there, so a call with more blocks
+# (over ~500,000 tokens at top 8) launches blocks-fastest instead (launch_n_major).
+GRID_Y_MAX = 65535
 
 
 @triton.jit
@@ -238,6 +241,11 @@ def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_
              mask=cols < hidden_size)
 
 
+def launch_n_major(tiles: MoeTiles, blocks: int) -> bool:
+    """Whether a call of `blocks` blocks launches N-major: as `tiles` says, while the blocks fit GRID_Y_MAX."""
+    return tiles.n_major and blocks <= GRID_Y_MAX
+
+
 def _grid(blocks: int, n_tiles: int, n_major: bool) -> tuple[int, int]:
     """A grouped GEMM's launch grid (_block_and_tile)."""
     return (n_tiles, blocks) if n_major else (blocks, n_tiles)
@@ -317,8 +325,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         return torch.empty((0, h), dtype=hidden.dtype, device=hidden.device)
     align = moe_align(topk_ids, e, tiles.block_m)
     blocks = align.block_expert.numel()
+    n_major = launch_n_major(tiles, blocks)
     # The interpreter's tl.dot takes e4m3 operands as they are (W8A8); bfloat16 ones in float32 (UPCAST).
-    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, N_MAJOR=tiles.n_major,
+    common = dict(TOP_K=k, BLOCK_M=tiles.block_m, N_MAJOR=n_major,
                   UPCAST=INTERPRET and hidden.dtype == torch.bfloat16 and not act_fp8,
                   DOT_PREC="ieee" if hidden.dtype == torch.float32 else None)
     a16 = dict(stride_asm=0, stride_asg=0, ACT_FP8=False)  # W8A16: no activation scales (hidden: placeholder)
@@ -328,7 +337,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         x, a_scale, acts = _act_fp8_args(mode, hidden) if act_fp8 else (hidden, hidden, a16)
     act = torch.empty((align.sorted_pair_ids.numel(), inter), dtype=hidden.dtype, device=hidden.device)  # [P, I]
     s13, scales = scale_args(mode, w13_scale, hidden)
-    _gate_up_kernel[_grid(blocks, triton.cdiv(inter, gate_up.block_n), tiles.n_major)](
+    _gate_up_kernel[_grid(blocks, triton.cdiv(inter, gate_up.block_n), n_major)](
         x, w13, act, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, x.stride(0), w13.stride(0), w13.stride(1), s13, as_ptr=a_scale,
         BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, EVEN_K=h % gate_up.block_k == 0,
@@ -340,7 +349,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     # [T * K, H] in hidden's dtype: half the bytes of float32 to write and to read back in the slot sum
     pair_out = torch.empty((n_pairs, h), dtype=hidden.dtype, device=hidden.device)
     s2, scales = scale_args(mode, w2_scale, hidden)
-    _down_kernel[_grid(blocks, triton.cdiv(h, down.block_n), tiles.n_major)](
+    _down_kernel[_grid(blocks, triton.cdiv(h, down.block_n), n_major)](
         act, w2, topk_weights, pair_out, align.sorted_pair_ids, align.block_expert, align.num_used_blocks,
         n_pairs, h, inter, w2.stride(0), w2.stride(1), s2, as_ptr=a_scale,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=inter % down.block_k == 0,

@@ -69,11 +69,12 @@ PREFILL_W8A8 = {ScaleMode.CHANNEL: Tiling(block_n=256, block_k=128, num_warps=8,
 # Prefill over many pairs an expert (from WIDE_MIN_PAIRS mean pairs, the size class's), by the experts' scales
 # (None: bf16 activations): launched N-major, a block's N tiles together, so its activation rows come from
 # HBM once instead of once per N tile; bf16 and per-channel W8A8 also take 128-row blocks (half the K-step
-# loads per multiply-add of 64). Each the fastest of 8-12 candidates at every T of the sweep from T0 on, the whole
-# call of Qwen3-30B-A3B's experts (H100, 2026-12-07, BENCHMARKS.md fifty-eighth session; us against the
-# 64-row, blocks-fastest tilings below): channel 644.6 / 1,084 / 1,974 at T = 4,096 / 8,192 / 16,384 against
-# 722.9 / 1,257 / 2,313 (1.12-1.17x; 1.085x at 2,048); block 1,033 / 1,849 / 3,431 against 1,182 / 2,168 /
-# 4,140 (1.14-1.21x); bf16 955.3 / 2,796 at T = 4,096 / 16,384 against 1,273 / 3,991 (1.33 / 1.43x).
+# loads per multiply-add of 64). Each its mode's pick of benchmarks/kernels/moe_prefill_sweep.py (8-12
+# candidates, the whole call on Qwen3-30B-A3B's experts; H100, 2026-12-07, its first version, BENCHMARKS.md
+# fifty-eighth session), us against the 64-row blocks-fastest tilings above, T = 4,096 / 8,192 / 16,384:
+# channel 644.6 / 1,084 / 1,974 against 722.9 / 1,257 / 2,313 (1.12-1.17x; 1.085x at 2,048); block
+# 1,033 / 1,849 / 3,431 against 1,182 / 2,168 / 4,140 (1.14-1.21x); bf16 955.3 / - / 2,796 against
+# 1,273 / - / 3,991 (1.33 / 1.43x).
 WIDE_MIN_PAIRS = 256  # T = 4,096 at 128 experts, top 8: the smallest T every mode was measured to win at
 PREFILL_WIDE = {None: MoeTiles(128, Tiling(block_n=128, block_k=64, num_warps=8, num_stages=3),
                                Tiling(block_n=256, block_k=64, num_warps=8, num_stages=3), n_major=True),
