@@ -20,9 +20,9 @@ Measured (H200, BENCHMARKS.md, eighteenth session): Qwen3-8B FP8 weights + FP8 K
 against 18.64 ms (0.918x). `rms_norm_both` (the 16-bit rows kept too, for the W8A8 MoE block), with
 the MoE's pair outputs in bf16 (moe/grouped_gemm.py) in the same change: bench.py's Qwen3-30B-A3B FP8
 + FP8 KV run 1.022-1.024x (H100, BENCHMARKS.md, forty-eighth session; the two not measured apart).
-On the H200 no A/B was run: the FP8 run read 8,708 tok/s, 0.9% above the thirtieth session's 8,633
-(forty-ninth session), under the ~3% a kernel change is kept for; it stays as part of #32's 30B-A3B
-gap (1.481x against 1.5x), to be measured side by side there.
+Side by side against the norm, then the quantization (H100, fifty-eighth session): 7,193 / 7,195
+against 7,149 tok/s, +0.6%. Under the ~3% a new kernel is kept for, but it is a KEEP flag of this
+kernel, not a kernel of its own (~20 lines); an H200 A/B is not yet run.
 
 Measured end to end (H200): with fused_rope and fused_activation, 12,112 -> 20,773 tok/s on the
 default workload and 4.51 -> 1.65 ms per token at batch 1 (740201d; BENCHMARKS.md, "Throughput and
