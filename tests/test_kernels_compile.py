@@ -100,7 +100,11 @@ def grouped_gemm_constexprs(block_m: int, t: moe_tiles.Tiling, scale: int, act_f
             "num_warps": t.num_warps, "num_stages": t.num_stages}
 
 
-WIDE = moe_tiles.PREFILL_WIDE[None]  # bf16 and W8A16 calls over many pairs an expert
+def wide(scale: int | None, gemm: str) -> tuple[int, moe_tiles.Tiling, bool]:
+    """(block_m, tiling, n_major) of a gemm ("gate_up" / "down") under PREFILL_WIDE: the prefill calls over many
+    pairs an expert, W8A8 at a scale mode, or bf16 / W8A16 (None)."""
+    tiles = moe_tiles.PREFILL_WIDE[None if scale is None else ScaleMode(scale)]
+    return tiles.block_m, getattr(tiles, gemm), tiles.n_major
 
 SPECS = [
     # logprobs at the serving vocabulary (151,936 = 38 chunks of 4096): k = 0, 5 and 20, scored rows
@@ -155,7 +159,7 @@ SPECS = [
        [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
         for m, t, major in ((16, moe_tiles.DECODE_GATE_UP, False), (32, moe_tiles.DECODE_GATE_UP, False),
                             (64, moe_tiles.PREFILL_GATE_UP, False), (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256), False),
-                            (WIDE.block_m, WIDE.gate_up, WIDE.n_major))])
+                            wide(None, "gate_up"))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     # ... W8A8 (ACT_FP8): e4m3 hidden with float32 per-token (per-group) scales, e4m3 x e4m3 MMAs
     # (checked in the PTX at 64 rows, the block height of the steps the route sends there)
@@ -164,25 +168,21 @@ SPECS = [
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
         for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False),
                             (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)], False),
-                            (moe_tiles.PREFILL_WIDE[ScaleMode(scale)].block_m,
-                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].gate_up,
-                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].n_major))])
+                            wide(scale, "gate_up"))])
       for scale in (1, 2)],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
         for m, t, major in ((16, moe_tiles.DECODE_DOWN, False), (32, moe_tiles.DECODE_DOWN, False),
                             (64, moe_tiles.PREFILL_DOWN, False), (16, replace(moe_tiles.DECODE_DOWN, block_k=256), False),
-                            (WIDE.block_m, WIDE.down, WIDE.n_major))])
+                            wide(None, "down"))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
         for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False), (32, moe_tiles.DECODE_DOWN, False),
-                            (moe_tiles.PREFILL_WIDE[ScaleMode(scale)].block_m,
-                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].down,
-                             moe_tiles.PREFILL_WIDE[ScaleMode(scale)].n_major))])
+                            wide(scale, "down"))])
       for scale in (1, 2)],
     # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)
     ("moe.grouped_gemm", "_slot_sum_kernel", {"pair_ptr": "*fp32", "out_ptr": "*bf16"},
