@@ -22,7 +22,7 @@ from test_fused_moe import QWEN3_30B, assert_close, make_case, random_ids, refer
 from nanovllm.layers.kernel_path import KernelRoutes, kernel_routes
 from nanovllm.moe.decode import GemvTiles, moe_gemv, moe_gemv_routed
 from nanovllm.moe.grouped_gemm import fused_moe
-from nanovllm.moe.tiles import MoeTiles, Tiling
+from nanovllm.moe.tiles import PREFILL_WIDE, MoeTiles, Tiling
 from nanovllm.moe.checkpoint_names import map_expert_name
 from nanovllm.moe.layer import MoeExperts
 from nanovllm.moe.routing import moe_route
@@ -85,6 +85,7 @@ def check_fused(args, deq, dtype, **kwargs):
 def test_grouped_gemm_fp8_matches_reference(mode, dtype):
     args, deq = fp8_case(5, 4, 2, 200, 136, dtype, "cpu", mode)
     check_fused(args, deq, dtype)
+    check_fused(args, deq, dtype, tiles=PREFILL_WIDE[None])  # W8A16 over many pairs an expert: N-major
     if mode == "block":  # 256-column steps: scales per element
         check_fused(args, deq, dtype, tiles=WIDE_K)
 
@@ -118,7 +119,7 @@ def test_decode_gemv_block_fp8_rows_must_be_words():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t", [1, 16, 256, 2000])
+@pytest.mark.parametrize("t", [1, 16, 256, 2000, 4096])
 def test_grouped_gemm_fp8_qwen3_30b_shape(mode, t):
     e, k, h, i = QWEN3_30B["E"], QWEN3_30B["K"], QWEN3_30B["H"], QWEN3_30B["I"]
     args, deq = fp8_case(t, e, k, h, i, torch.bfloat16, "cuda", mode, seed=t)
