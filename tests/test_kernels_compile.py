@@ -335,7 +335,7 @@ SPECS = [
     ("moe.align", "_scan_kernel", {f"{n}_ptr": "*i32" for n in ("counts", "offsets", "base", "num_used")},
      [{"BLOCK_E": 128, "BLOCK_M": 16, "ROWS": 32}]),
     ("moe.align", "_scatter_kernel", {f"{n}_ptr": "*i32" for n in ("ids", "offsets", "base", "sorted", "block_expert")},
-     [{"SLICE": 32, "BLOCK_E": 128, "BLOCK_M": m} for m in (16, 64)]),
+     [{"SLICE": 32, "BLOCK_E": 128, "BLOCK_M": m} for m in (16, 64, 128)]),
 ]
 
 
