@@ -7,9 +7,10 @@ invariants and launches) sorts the T*K pairs by expert into blocks of BLOCK_M ro
 of one expert then padding (the invalid pair T*K); num_used_blocks, on the device, counts the blocks in use.
 
 The GEMMs run on grid (blocks, N tiles); blocks on axis 0, so the programs reading one weight
-tile run together (an expert spread over several blocks hits L2). Under MoeTiles.n_major the grid is
-(N tiles, blocks): a block's N tiles run together and read its activation rows once. A program of a block past
-num_used_blocks returns at once; padding rows compute on token 0 and never reach the output:
+tile run together (an expert spread over several blocks hits L2). Under MoeTiles.n_major (prefill; while
+the blocks fit GRID_Y_MAX) the grid is (N tiles, blocks): a block's N tiles run together and read its
+activation rows from HBM once. A program of a block past num_used_blocks returns at once; padding rows
+compute on token 0 and never reach the output:
 
     gate_up: act[r, n] = silu_mul(w13[e, n] . hidden[t(r)], w13[e, I + n] . hidden[t(r)])   act [P, I]
     down:    pair_out[p(r), h] = topk_weights[p(r)] * (w2[e, h] . act[r])                   [T*K, H]
