@@ -47,6 +47,9 @@ kernel 21 of 203 us, and the 30B-A3B FP8 decode step (256 rows, profile_step) 16
 session; 1.305x before them, thirteenth session: a ratio across sessions, not side by side).
 hidden quantized by the block's norm (x_fp8: moe/layer.py) and pair_out in hidden's dtype: bench.py's
 30B-A3B FP8 + FP8 KV run 1.022-1.024x, its steps with prefill 1.11x (H100, forty-eighth session).
+N-major launches and 128-row blocks over many pairs an expert (N_MAJOR; moe/tiles.PREFILL_WIDE): bench.py's
+30B-A3B `--workload score` 68,577 against 55,359 prompt tok/s in bf16 (1.239x) and 90,151 against 82,094
+with FP8 + FP8 KV (1.098x); the default workload +1.0% / +0.8% (H100, BENCHMARKS.md, fifty-eighth session).
 """
 
 from __future__ import annotations
