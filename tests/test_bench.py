@@ -83,7 +83,8 @@ def test_no_cuda_exits_with_one_line():
 # each other module with a main measures on the GPU.
 NOT_GPU_ONLY = {"benchmarks.engine.variants", "benchmarks.engine.compare", "benchmarks.engine.bench_process"}
 # The arguments a module requires before it gets as far as its CUDA check.
-REQUIRED_ARGS = {"benchmarks.engine.bench_structured": ["--tokenizer", "nanovllm/default_model"]}
+REQUIRED_ARGS = {"benchmarks.engine.bench_structured": ["--tokenizer", "nanovllm/default_model"],
+                 "benchmarks.kernels.bench_moe_fp8": ["channel"]}
 
 
 def test_every_gpu_benchmark_exits_with_one_line_without_cuda():

@@ -309,29 +309,28 @@ def test_prefill_sweep_picks_the_tiling_that_wins_at_every_size_from_its_thresho
 
 @pytest.mark.interpreter
 def test_bench_align_mode_parses_and_its_check_catches_a_wrong_alignment():
-    """bench_moe.py --align (GPU only) on CPU: its defaults and exclusions, and the check it runs
-    before timing, on a right alignment and on one with a pair dropped."""
-    from benchmarks.kernels import bench_moe
+    """bench_moe_align.py (GPU only) on CPU: its defaults, and the check it runs before timing, on a right
+    alignment and on one with a pair dropped."""
+    from benchmarks.harness.moe_cases import E, K
+    from benchmarks.kernels import bench_moe_align
 
-    assert bench_moe.parse_args(["--align"]).tokens == list(bench_moe.ALIGN_TOKENS)
-    with pytest.raises(SystemExit):
-        bench_moe.parse_args(["--align", "--fp8", "block"])
-    ids = random_ids(5, bench_moe.E, bench_moe.K, torch.Generator().manual_seed(3))
-    align = moe_align(ids, bench_moe.E, 16)
-    bench_moe.check_alignment(align, ids, 16)
+    assert bench_moe_align.parse_args([]).tokens == list(bench_moe_align.TOKENS)
+    ids = random_ids(5, E, K, torch.Generator().manual_seed(3))
+    align = moe_align(ids, E, 16)
+    bench_moe_align.check_alignment(align, ids, 16)
     align.sorted_pair_ids[align.sorted_pair_ids == 0] = ids.numel()  # pair 0 becomes padding
     with pytest.raises(SystemExit, match="wrong alignment"):
-        bench_moe.check_alignment(align, ids, 16)
+        bench_moe_align.check_alignment(align, ids, 16)
 
 
 @pytest.mark.gpu
 def test_bench_align_mode_times_every_block_height(tmp_path):
     import json
 
-    from benchmarks.kernels import bench_moe
+    from benchmarks.kernels import bench_moe_align
 
     out = tmp_path / "align.json"
-    bench_moe.main(["--align", "--tokens", "1", "300", "--json", str(out)])
+    bench_moe_align.main(["--tokens", "1", "300", "--json", str(out)])
     _, *rows = json.loads(out.read_text())
     assert [(r["tokens"], r["block_m"]) for r in rows] == [(t, m) for t in (1, 300) for m in BLOCK_MS]
     assert all(r["us"] > 0 for r in rows) and sum(r["picked"] for r in rows) == 2

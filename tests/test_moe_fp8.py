@@ -285,18 +285,19 @@ def test_update_weights_quantizes_full_precision_experts_with_the_engines_scheme
 
 @pytest.mark.interpreter
 def test_bench_moe_fp8_smoke_counts_the_bytes_each_format_reads(tmp_path):
-    """bench_moe.py --fp8 block --shape tiny on CPU: both kernels run on bf16 and FP8 experts (the
+    """bench_moe_fp8.py block --shape tiny on CPU: both kernels run on bf16 and FP8 experts (the
     grouped GEMM W8A16 and W8A8) and pass the bench's own fp32 check; the bytes it counts are the stored widths by hand (FP8: one
     byte a weight plus float32 block scales, 2 x 2 for w13 [256, 256] and 2 x 1 for w2 [256, 128])."""
     import json
 
-    from benchmarks.kernels import bench_moe
+    from benchmarks.harness.moe_cases import SHAPES
+    from benchmarks.kernels import bench_moe_fp8
 
     out = tmp_path / "rows.json"
-    bench_moe.main(["--fp8", "block", "--shape", "tiny", "--tokens", "3", "--json", str(out)])
+    bench_moe_fp8.main(["block", "--shape", "tiny", "--tokens", "3", "--json", str(out)])
     head, *rows = json.loads(out.read_text())
     assert head["shape"] == "tiny" and head["scales"] == "block" and head["copy_gbps"] is None
-    e, _, h, i = bench_moe.SHAPES["tiny"]
+    e, _, h, i = SHAPES["tiny"]
     assert [(r["kernel"], r["tokens"], r["weights"]) for r in rows] == [
         ("fused_moe", 3, w) for w in ("bf16", "fp8-block", "fp8-block-w8a8")] + [
         ("gemv", t, w) for t in (1, 2) for w in ("bf16", "fp8-block")]
@@ -305,6 +306,5 @@ def test_bench_moe_fp8_smoke_counts_the_bytes_each_format_reads(tmp_path):
         assert 1 <= r["distinct_experts"] <= e and r["bytes_read"] == r["distinct_experts"] * per_expert
         assert r["us"] > 0 and r["fraction_of_copy"] is None
     with pytest.raises(SystemExit):
-        bench_moe.parse_args(["--shape", "tiny"])  # the tiny shape is --fp8's smoke test only
-    assert bench_moe.parse_args(["--fp8", "channel"]).tokens == list(bench_moe.FP8_TOKENS)
-    assert bench_moe.parse_args([]).tokens == list(bench_moe.TOKENS)
+        bench_moe_fp8.parse_args(["--shape", "tiny"])  # the weight scales are required
+    assert bench_moe_fp8.parse_args(["channel"]).tokens == list(bench_moe_fp8.FP8_TOKENS)

@@ -1,1 +1,2 @@
-"""bench.py's helpers: workloads, engine runs, roofline counting, device probes, statistics, the report."""
+"""bench.py's helpers: workloads, engine runs, roofline counting, device probes, statistics, the report; the
+fused MoE benchmarks' shared case (moe_cases.py)."""

@@ -2,7 +2,7 @@
 (bf16, W8A8 with per-channel or per-block scales) and prefill size T, the 64-row blocks-fastest tiling the engine
 takes below WIDE_MIN_PAIRS (first, the baseline) against 64- and 128-row candidates; the best of each height is
 then also launched N-major (a block's N tiles together). Times are the whole fused_moe call (alignment, any
-activation quantization, both GEMMs, the slot sum), a CUDA graph of ROUTINGS routings, median of bench_moe's
+activation quantization, both GEMMs, the slot sum), a CUDA graph of ROUTINGS routings, median of moe_cases'
 replays; each candidate's output is checked against the baseline's and the baseline's against an fp32 loop.
 
     python -m benchmarks.kernels.moe_prefill_sweep [--modes bf16 channel block] [--tokens 2048 ... 16384] [--json PATH]
@@ -19,11 +19,11 @@ import sys
 
 import torch
 
-from benchmarks.kernels import bench_moe as bm
+from benchmarks.harness import moe_cases as mc
 
 MODES = ("bf16", "channel", "block")
 TOKENS = (2048, 4096, 8192, 16384)  # prefill steps of the engine (its budget: up to 16,384 tokens)
-ROUTINGS = 4  # routings per timed graph (prefill calls read every expert: fewer than bench_moe's decode 8)
+ROUTINGS = 4  # routings per timed graph (prefill calls read every expert: fewer than moe_cases' decode 8)
 # A tiling must beat the baseline by this much at every T from its T0 on (under it: run-to-run noise).
 PICK_MARGIN = 0.03
 # (block_n, block_k, num_warps, num_stages) per mode, GEMM and block height; each list's first entry is
@@ -88,8 +88,8 @@ def sweep(mode: str, tokens: int, experts: dict, gen: torch.Generator) -> list[d
 
     (q13, s13, d13), (q2, s2, d2) = experts[mode]
     w8a8 = mode != "bf16"
-    hidden = torch.randn(tokens, bm.H, device="cuda", generator=gen).bfloat16()
-    routes = bm.routings(tokens, gen, count=ROUTINGS)
+    hidden = torch.randn(tokens, mc.H, device="cuda", generator=gen).bfloat16()
+    routes = mc.routings(tokens, gen, count=ROUTINGS)
     cands = CANDIDATES[mode]
 
     def calls(tiles: MoeTiles) -> list:
@@ -100,23 +100,23 @@ def sweep(mode: str, tokens: int, experts: dict, gen: torch.Generator) -> list[d
         return MoeTiles(block_m, Tiling(*gate_up), Tiling(*down), n_major)
 
     ref = calls(tiles_of(64, cands["gate_up"][64][0], cands["down"][64][0]))[0]()
-    bm.check(ref, hidden, d13, d2, *routes[0], f"{mode} baseline", bm.W8A8_CHECK_TOLERANCE if w8a8 else bm.CHECK_TOLERANCE)
+    mc.check(ref, hidden, d13, d2, *routes[0], f"{mode} baseline", mc.W8A8_CHECK_TOLERANCE if w8a8 else mc.CHECK_TOLERANCE)
     rows: list[dict] = []
 
     def measure(block_m: int, gate_up: tuple, down: tuple, n_major: bool = False) -> float | None:
         tiles = tiles_of(block_m, gate_up, down, n_major)
         try:
             out = calls(tiles)[0]()
-            ms = bm.graph_ms(calls(tiles))
+            ms = mc.graph_ms(calls(tiles))
         except OutOfResources:  # past shared memory or registers
             print(f"  {mode} T={tokens} {block_m} {gate_up} {down}: out of resources")
             return None
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        if err > bm.CHECK_TOLERANCE:  # the baseline passed the fp32 check; tilings only regroup its sums
+        if err > mc.CHECK_TOLERANCE:  # the baseline passed the fp32 check; tilings only regroup its sums
             raise SystemExit(f"{mode} T={tokens} {tiles}: {err:.2e} off the baseline's output")
         base_us = rows[0]["us"] if rows else ms * 1e3
         rows.append(dict(mode=mode, tokens=tokens, block_m=block_m, gate_up=gate_up, down=down, n_major=n_major,
-                         us=ms * 1e3, tflops=bm.moe_flops(tokens) / (ms * 1e-3) / 1e12, vs_baseline=base_us / (ms * 1e3)))
+                         us=ms * 1e3, tflops=mc.moe_flops(tokens) / (ms * 1e-3) / 1e12, vs_baseline=base_us / (ms * 1e3)))
         r = rows[-1]
         print(f"  {mode:>7} T={tokens:>5} bm {block_m:>3} gu {gate_up} dn {down}{' n-major' if n_major else ''}: "
               f"{r['us']:8.1f} us {r['tflops']:5.0f} TFLOP/s {r['vs_baseline']:.3f}x")
@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_sweep.py needs a CUDA device; none is visible")
     gen = torch.Generator("cuda").manual_seed(0)
-    w13 = (torch.randn(bm.E, 2 * bm.I, bm.H, device="cuda", generator=gen) * bm.H ** -0.5).bfloat16()
-    w2 = (torch.randn(bm.E, bm.H, bm.I, device="cuda", generator=gen) * bm.I ** -0.5).bfloat16()
-    experts = {m: (bm.fp8_experts(w13, m), bm.fp8_experts(w2, m)) for m in args.modes if m != "bf16"}
+    w13 = (torch.randn(mc.E, 2 * mc.I, mc.H, device="cuda", generator=gen) * mc.H ** -0.5).bfloat16()
+    w2 = (torch.randn(mc.E, mc.H, mc.I, device="cuda", generator=gen) * mc.I ** -0.5).bfloat16()
+    experts = {m: (mc.fp8_experts(w13, m), mc.fp8_experts(w2, m)) for m in args.modes if m != "bf16"}
     experts["bf16"] = ((w13, None, w13), (w2, None, w2))
     print(torch.cuda.get_device_name())
     rows = [r for mode in args.modes for t in args.tokens for r in sweep(mode, t, experts, gen)]

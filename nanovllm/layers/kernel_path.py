@@ -65,7 +65,7 @@ class KernelRoutes:
     moe_gemv_max_tokens: int = 2
     # Grouped-GEMM steps on FP8 experts of at least this many tokens (their size class, moe/tiles.size_class,
     # so an eager step and its graph replay agree) run W8A8: activations quantized per token, FP8 x FP8 MMAs.
-    # 16 (the smallest class): all of them. H200 (bench_moe.py --fp8, 30B-A3B experts): W8A8 took 0.46-0.90x
+    # 16 (the smallest class): all of them. H200 (bench_moe_fp8.py, 30B-A3B experts): W8A8 took 0.46-0.90x
     # W8A16's time at every T measured (1-8,192), channel and block scales alike. None: never.
     moe_fp8_mma_min_tokens: int | None = 16
     # Largest top_k sampled by the Triton top-k kernel (sampling/topk_sample.py, capped at its MAX_K)

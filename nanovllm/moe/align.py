@@ -25,7 +25,7 @@ block_expert entries in the last. Stream order puts the fill before the scatter'
 does no per-block or per-row work, as its single program would walk them one dependent step at a time.
 
 The grouped MoE kernels need this device-side sort to run inside CUDA graphs at all. Moving the fill
-and the block table out of the scan (H200, `bench_moe --align`, E=128, top-8, fused_moe's block_m):
+and the block table out of the scan (H200, `bench_moe_align`, E=128, top-8, fused_moe's block_m):
 T=256 13.8 -> 8.9 us, T=2048 26.3 -> 15.9, T=8192 61.6 -> 29.7; with the one-read activation
 quantization and the one-kernel slot sum (moe/grouped_gemm.py), the Qwen3-30B-A3B FP8 decode step
 (256 rows) went from 16.99 to 16.14 ms (BENCHMARKS.md, fifteenth session); bench.py's figure after
