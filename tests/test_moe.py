@@ -236,6 +236,39 @@ def test_dummy_weights_run(checkpoints):
     assert [len(o) for o in outs] == [GREEDY.max_tokens] * 2
 
 
+# A config-only Qwen3-MoE (random weights), deep enough for a random prompt's tokens to coincide in its late layers
+# unless the dummy weights keep them apart (utils/loader.DUMMY_ATTENTION_OUT_SCALE).
+SPREAD_CONFIG = dict(num_hidden_layers=12, num_experts=32, num_experts_per_tok=4, hidden_size=256, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=128, intermediate_size=512,
+                     vocab_size=4096, bos_token_id=1, eos_token_id=2)
+SPREAD_PROMPT_TOKENS = 512
+# Uniform routing of 512 tokens, top 4 of 32 (64 an expert on average): the busiest expert takes ~17% (15-19% here).
+# With the dummy attention outputs at full scale it took 29% in the first layer, 62-87% in the next four and 75-100%
+# in the rest, where 11-17 of the 32 experts were hit at all.
+SPREAD_MAX_BUSIEST = 0.25
+
+
+def test_dummy_weights_route_a_prompt_across_the_experts(tmp_path):
+    """A random-weight engine (benchmarks' load_format="dummy") spreads one prompt's tokens over the
+    experts in every layer, as a trained router does, instead of sending them all to one expert."""
+    config = {**A3B, **SPREAD_CONFIG}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = cpu_llm(str(tmp_path), load_format="dummy", enforce_eager=True, max_model_len=1024)
+    blocks = [m for m in llm.model_runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    picks: list[tuple[int, torch.Tensor]] = []  # (layer, expert ids [T, K]) of every router call
+    for i, block in enumerate(blocks):
+        block.gate.register_forward_hook(lambda mod, args, out, i=i: picks.append((i, out.topk(block.top_k, -1).indices)))
+    prompt = torch.randint(3, config["vocab_size"], (SPREAD_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    llm.generate([prompt.tolist()], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.exit()
+    prefill = [(i, ids) for i, ids in picks if ids.shape[0] == SPREAD_PROMPT_TOKENS]
+    assert [i for i, _ in prefill] == list(range(config["num_hidden_layers"]))
+    for i, ids in prefill:
+        counts = torch.bincount(ids.flatten(), minlength=config["num_experts"])
+        busiest = counts.max().item() / SPREAD_PROMPT_TOKENS
+        assert (counts > 0).all() and busiest <= SPREAD_MAX_BUSIEST, (i, busiest, (counts > 0).sum().item())
+
+
 # ----- config.json's MoE section -----
 A3B = json.loads((CONFIGS / "qwen3-30b-a3b" / "config.json").read_text())
 

@@ -35,6 +35,13 @@ from nanovllm.utils.checkpoint_files import checkpoint_files, open_checkpoint
 
 # Std of the random normal weights for load_format="dummy" (typical init; values do not affect speed).
 DUMMY_WEIGHT_STD = 0.02
+# ... times this for attention's output projections (`o_proj`). At DUMMY_WEIGHT_STD, each layer's attention adds
+# a mix of the sequence to every token of it, so a few layers on a prompt's tokens nearly coincide and a MoE
+# router sends the whole prompt to one expert: 99-100% of a 512-token prompt's tokens on one expert from the 3rd of
+# 24 layers (64 experts, top 8; uniform routing's busiest: ~16%). A random-weight Qwen3-30B-A3B prefill then read
+# a fraction of the experts a trained model's does (time to first token under its weight roofline). At this
+# scale the busiest takes 15-18% there (48 layers of 128 experts: 8-10%), as trained routers spread prompts.
+DUMMY_ATTENTION_OUT_SCALE = 1e-3
 # A generator's weights are checked and copied in chunks of about this many bytes (weight_chunks):
 # the memory a sync holds beyond the model, whatever the model's size.
 STREAMED_CHUNK_BYTES = 1 << 30
@@ -253,19 +260,21 @@ def weight_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights for benchmarks: normal(0, DUMMY_WEIGHT_STD), norms at one; FP8 weights
-    normal(0, 1) with their scales at DUMMY_WEIGHT_STD (static input scales at one)."""
+    """Random weights for benchmarks: normal(0, DUMMY_WEIGHT_STD), attention's output projections
+    DUMMY_ATTENTION_OUT_SCALE times that, norms at one; FP8 weights normal(0, 1) with their scales at
+    that std (static input scales at one)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or name.endswith(INPUT_SCALE):
             param.data.fill_(1.0)
             continue
+        std = DUMMY_WEIGHT_STD * (DUMMY_ATTENTION_OUT_SCALE if name.rsplit(".", 1)[0].endswith("o_proj") else 1.0)
         if name.endswith((SCALE, SCALE_INV)):
-            param.data.fill_(DUMMY_WEIGHT_STD)
+            param.data.fill_(std)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         if param.dtype == FP8_DTYPE:
             param.data.copy_(torch.randn(param.shape, generator=generators[param.device], device=param.device))
             continue
-        param.data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
+        param.data.normal_(0.0, std, generator=generators[param.device])
