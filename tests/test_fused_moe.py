@@ -361,7 +361,7 @@ def test_tiles_depend_on_the_size_class_so_graph_replays_round_like_eager_steps(
     small, large = plan_tiles(8, 8, 128, 2048, 768, 132), plan_tiles(2048, 8, 128, 2048, 768, 132)
     wide = plan_tiles(4096, 8, 128, 2048, 768, 132)
     assert small[0].block_m == 16 and large[0].block_m == 64 and small[1] != large[1]
-    assert wide[0] == PREFILL_WIDE[None] and not large[0].n_major
+    assert wide[0] == PREFILL_WIDE[None] and large[0].n_major and not small[0].n_major
     # one token (8 pairs, 8 blocks of one pair) still launches >= MIN_PROGRAMS_PER_SM programs per SM
     from nanovllm.moe.tiles import MIN_PROGRAMS_PER_SM
     from nanovllm.moe.align import aligned_blocks

@@ -158,7 +158,7 @@ SPECS = [
                                                "num_used_ptr": "*i32", **types},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
         for m, t, major in ((16, moe_tiles.DECODE_GATE_UP, False), (32, moe_tiles.DECODE_GATE_UP, False),
-                            (64, moe_tiles.PREFILL_GATE_UP, False), (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256), False),
+                            (64, moe_tiles.PREFILL_GATE_UP, True), (16, replace(moe_tiles.DECODE_GATE_UP, block_k=256), False),
                             wide(None, "gate_up"))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     # ... W8A8 (ACT_FP8): e4m3 hidden with float32 per-token (per-group) scales, e4m3 x e4m3 MMAs
@@ -166,7 +166,7 @@ SPECS = [
     *[("moe.grouped_gemm", "_gate_up_kernel", {"sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                                                "num_used_ptr": "*i32", **MOE_FP8_ACT, "hidden_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
-        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False),
+        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], True),
                             (32, moe_tiles.DECODE_W8A8_GATE_UP[ScaleMode(scale)], False),
                             wide(scale, "gate_up"))])
       for scale in (1, 2)],
@@ -174,14 +174,14 @@ SPECS = [
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **types},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=False, n_major=major)
         for m, t, major in ((16, moe_tiles.DECODE_DOWN, False), (32, moe_tiles.DECODE_DOWN, False),
-                            (64, moe_tiles.PREFILL_DOWN, False), (16, replace(moe_tiles.DECODE_DOWN, block_k=256), False),
+                            (64, moe_tiles.PREFILL_DOWN, True), (16, replace(moe_tiles.DECODE_DOWN, block_k=256), False),
                             wide(None, "down"))])
       for scale, types in ((0, {}), (1, MOE_FP8), (2, MOE_FP8))],
     *[("moe.grouped_gemm", "_down_kernel", {"weights_ptr": "*fp32", "out_ptr": "*fp32", "sorted_ptr": "*i32",
                                             "block_expert_ptr": "*i32", "num_used_ptr": "*i32", **MOE_FP8_ACT,
                                             "act_ptr": FP8},
        [grouped_gemm_constexprs(m, t, scale, act_fp8=True, n_major=major)
-        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], False), (32, moe_tiles.DECODE_DOWN, False),
+        for m, t, major in ((64, moe_tiles.PREFILL_W8A8[ScaleMode(scale)], True), (32, moe_tiles.DECODE_DOWN, False),
                             wide(scale, "down"))])
       for scale in (1, 2)],
     # the slot sum: [T * K, H] float32 -> [T, H] bf16 (K = 8, Qwen3-30B-A3B)

@@ -112,7 +112,8 @@ def test_many_pairs_an_expert_take_the_wide_prefill_tiling():
     for mode in (None, ScaleMode.CHANNEL, ScaleMode.BLOCK):
         assert moe_tiles(WIDE_MIN_PAIRS * e, e, mode) == PREFILL_WIDE[mode] and PREFILL_WIDE[mode].n_major
         fewer = moe_tiles((WIDE_MIN_PAIRS - 1) * e, e, mode)
-        assert fewer.block_m <= 64 and not fewer.n_major
+        assert fewer.block_m == 64 and fewer.n_major  # the 64-row prefill tiles, N-major too
+        assert not moe_tiles(4 * e, e, mode).n_major  # decode: a weight tile's blocks together
 
 
 @pytest.mark.interpreter

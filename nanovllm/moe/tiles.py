@@ -128,6 +128,6 @@ def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP if w8a8 is None else DECODE_W8A8_GATE_UP[w8a8], DECODE_DOWN)
-    if w8a8 is not None:
-        return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8])
-    return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN)
+    if w8a8 is not None:  # prefill: N-major, as PREFILL_WIDE (EXPERIMENT: exp/n-major-64, unmeasured end to end)
+        return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8], n_major=True)
+    return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN, n_major=True)
