@@ -49,7 +49,10 @@ hidden quantized by the block's norm (x_fp8: moe/layer.py) and pair_out in hidde
 30B-A3B FP8 + FP8 KV run 1.022-1.024x, its steps with prefill 1.11x (H100, forty-eighth session).
 N-major launches and 128-row blocks over many pairs an expert (N_MAJOR; moe/tiles.PREFILL_WIDE): bench.py's
 30B-A3B `--workload score` 68,577 against 55,359 prompt tok/s in bf16 (1.239x) and 90,151 against 82,094
-with FP8 + FP8 KV (1.098x); the default workload +1.0% / +0.8% (H100, BENCHMARKS.md, fifty-eighth session).
+with FP8 + FP8 KV (1.098x); the default workload +1.0% / +0.8% (H100, BENCHMARKS.md, fifty-eighth session; the
+random weights then sent most of a prompt to one expert a layer, utils/loader.DUMMY_ATTENTION_OUT_SCALE; with the
+routing spread, the after-figures read 68,442 / 89,147). The 64-row prefill tiles N-major too: 30B-A3B time to
+first token at 1,000 / 2,000 tokens -7.4 / -10.6% in bf16, -3.5 / -4.8% in FP8 (H100, fifty-ninth session).
 """
 
 from __future__ import annotations

@@ -128,6 +128,12 @@ def moe_tiles(num_pairs: int, num_experts: int, w8a8: ScaleMode | None = None) -
     block_m = block_m_for(num_pairs, num_experts)
     if block_m <= 32:
         return MoeTiles(block_m, DECODE_GATE_UP if w8a8 is None else DECODE_W8A8_GATE_UP[w8a8], DECODE_DOWN)
-    if w8a8 is not None:  # prefill: N-major, as PREFILL_WIDE (EXPERIMENT: exp/n-major-64, unmeasured end to end)
+    # Prefill below WIDE_MIN_PAIRS: 64-row blocks, launched N-major as PREFILL_WIDE. moe_prefill_sweep at T = 1,024 /
+    # 2,048 (H100), each mode's best 64-row tiling N-major against the blocks-fastest baseline: bf16 (the baseline's
+    # tiling) 1.107x / 1.185x, per-channel 1.105x / 1.121x, block 1.053x / 1.035x.
+    # Qwen3-30B-A3B time to first token at 512 / 1,000 / 2,000 tokens (H100): bf16 27.61 / 33.61 / 52.33 -> 26.38 /
+    # 31.13 / 46.78 ms (-4.5 / -7.4 / -10.6%), online FP8 17.78 / 22.22 / 33.88 -> 17.47 / 21.45 / 32.27 ms (-1.7 /
+    # -3.5 / -4.8%) (BENCHMARKS.md, fifty-ninth session).
+    if w8a8 is not None:
         return MoeTiles(block_m, PREFILL_W8A8[w8a8], PREFILL_W8A8[w8a8], n_major=True)
     return MoeTiles(block_m, PREFILL_GATE_UP, PREFILL_DOWN, n_major=True)
