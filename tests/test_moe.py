@@ -257,7 +257,9 @@ def test_dummy_weights_route_a_prompt_across_the_experts(tmp_path):
     blocks = [m for m in llm.model_runner.model.modules() if isinstance(m, SparseMoeBlock)]
     picks: list[tuple[int, torch.Tensor]] = []  # (layer, expert ids [T, K]) of every router call
     for i, block in enumerate(blocks):
-        block.gate.register_forward_hook(lambda mod, args, out, i=i, k=block.top_k: picks.append((i, out.topk(k, -1).indices)))
+        def record(module, args, logits, i=i, k=block.top_k):  # logits [T, E]
+            picks.append((i, logits.topk(k, -1).indices))
+        block.gate.register_forward_hook(record)
     prompt = torch.randint(3, config["vocab_size"], (SPREAD_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
     llm.generate([prompt.tolist()], SamplingParams(max_tokens=1), use_tqdm=False)
     llm.exit()
