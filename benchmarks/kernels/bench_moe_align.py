@@ -40,7 +40,7 @@ def check_alignment(align, ids: torch.Tensor, block_m: int) -> None:
 
 
 def align_study(args: argparse.Namespace) -> list[dict]:
-    """--align: moe_align's us per call at args.tokens for each block height (E, K: 30B-A3B)."""
+    """moe_align's us per call at args.tokens for each block height (E, K: 30B-A3B)."""
     from nanovllm.moe.align import moe_align
     from nanovllm.moe.tiles import BLOCK_MS, moe_tiles, size_class
 

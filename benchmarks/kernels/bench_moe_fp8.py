@@ -52,7 +52,7 @@ def first_call(calls: list[Callable[[], object]]) -> tuple[object, float]:
 
 
 def fp8_study(args: argparse.Namespace) -> list[dict]:
-    """--fp8: the grouped GEMM at args.tokens and the routed decode GEMVs at 1..MAX_TOKENS, each on
+    """The grouped GEMM at args.tokens and the routed decode GEMVs at 1..MAX_TOKENS, each on
     bf16 experts and on the same experts in FP8 (args.fp8 scales; the grouped GEMM W8A16 and W8A8),
     checked against an fp32 loop."""
     from nanovllm.moe.decode import MAX_TOKENS as GEMV_MAX_TOKENS
