@@ -29,7 +29,7 @@ from benchmarks.engine.profile_run import kernel_group
 from benchmarks.harness import runs
 from benchmarks.harness.engine_options import parse_kernel_routes, resolve_load_format
 from benchmarks.harness.report import (
-    DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, throughput_rows, ttft_rows,
+    BEAT_ROOFLINE, DeviceLimits, ThroughputRun, decode_bucket_rows, expert_rows, reached, throughput_rows, ttft_rows,
 )
 from benchmarks.harness.roofline import (
     DecodeStep, decode_expert_elements, decode_rows, decode_steps, decode_weight_elements, expected_experts_hit,
@@ -457,9 +457,23 @@ def test_ttft_is_held_to_the_roofline_of_its_prefill():
         assert rows[1][1].endswith(f"median = {9000.0 / bound:.1f}x") and "roofline" in rows[1][0]
     # an MoE prompt also reads the experts its tokens pick: 3 tokens, 4 (1 - 1/2^3) = 3.5 of 96 elements
     res = {}
-    ttft_rows({3: [1.0]}, toy_moe_config(), ByteWidths.uniform(2), TOY_MOE_DECODE_WEIGHTS,
-              DeviceLimits(bandwidth=1.0, gemm_peak=1e30), res)
+    rows = ttft_rows({3: [1.0]}, toy_moe_config(), ByteWidths.uniform(2), TOY_MOE_DECODE_WEIGHTS,
+                     DeviceLimits(bandwidth=1.0, gemm_peak=1e30), res)
     assert res["ttft"][3]["roofline_s"] == pytest.approx(2 * (1656 + 3.5 * 96))
+    # 1 s against a 3,984 s roofline: faster than physics allows, so the row says the run did less work
+    assert rows[1][1].endswith(BEAT_ROOFLINE) and BEAT_ROOFLINE not in rows_of_bound(4016.0)
+
+
+def rows_of_bound(median_s: float) -> str:
+    """The TTFT row of the untied toy's 3-token prompt (roofline 4,016 s) at this median."""
+    return ttft_rows({3: [median_s]}, toy_config(tied=False), ByteWidths.uniform(2), TOY_DECODE_WEIGHTS,
+                     DeviceLimits(bandwidth=1.0, gemm_peak=1000.0), {})[1][1]
+
+
+def test_a_run_faster_than_its_roofline_is_flagged():
+    assert reached(1.0, 2.0) == "50.0 %" and reached(2.0, 2.0) == "100.0 %"
+    assert reached(3.0, 2.0) == "150.0 %" + BEAT_ROOFLINE
+    assert rows_of_bound(4015.0).endswith(BEAT_ROOFLINE) and not rows_of_bound(4017.0).endswith(BEAT_ROOFLINE)
 
 
 def test_decode_buckets_sum_steps_by_rows():
