@@ -21,9 +21,14 @@ Rows = list[tuple[str, str]]
 BEAT_ROOFLINE = " (faster than its roofline: the run did less work than the roofline counts)"
 
 
+def beat_note(roofline_s: float, measured_s: float) -> str:
+    """BEAT_ROOFLINE for a run measured faster than its roofline, else nothing."""
+    return BEAT_ROOFLINE if measured_s < roofline_s else ""
+
+
 def reached(roofline_s: float, measured_s: float) -> str:
     """The fraction of its roofline a run reached, in percent; BEAT_ROOFLINE past 100%."""
-    return f"{100 * roofline_s / measured_s:.1f} %" + (BEAT_ROOFLINE if measured_s < roofline_s else "")
+    return f"{100 * roofline_s / measured_s:.1f} %" + beat_note(roofline_s, measured_s)
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,7 @@ def ttft_rows(times: dict[int, list[float]], cfg: ModelConfig, widths: ByteWidth
         rows.append((f"TTFT {size} tokens, idle: median / min; roofline (FLOPs, weights read once)",
                      f"{1e3 * med:.2f} / {1e3 * best:.2f} ms; {1e3 * roof.seconds:.3f} ms, {roof.binding} binds "
                      f"(FLOPs {1e3 * roof.compute_s:.3f}, weights {1e3 * roof.memory_s:.3f} ms); "
-                     f"median = {med / roof.seconds:.1f}x" + (BEAT_ROOFLINE if med < roof.seconds else "")))
+                     f"median = {med / roof.seconds:.1f}x" + beat_note(roof.seconds, med)))
     return rows
 
 
