@@ -184,10 +184,11 @@ def test_wide_prefill_tiling_in_either_launch_order(device, n_major):
 
 
 def test_n_major_launch_only_while_the_blocks_fit_the_grids_second_axis():
-    from nanovllm.moe.grouped_gemm import GRID_Y_MAX, launch_n_major
+    from nanovllm.kernels.checks import MAX_GRID_YZ
+    from nanovllm.moe.grouped_gemm import launch_n_major
 
     wide = PREFILL_WIDE[None]
-    assert launch_n_major(wide, GRID_Y_MAX) and not launch_n_major(wide, GRID_Y_MAX + 1)
+    assert launch_n_major(wide, MAX_GRID_YZ) and not launch_n_major(wide, MAX_GRID_YZ + 1)
     assert not launch_n_major(replace(wide, n_major=False), 8)
 
 

@@ -8,7 +8,7 @@ of one expert then padding (the invalid pair T*K); num_used_blocks, on the devic
 
 The GEMMs run on grid (blocks, N tiles); blocks on axis 0, so the programs reading one weight
 tile run together (an expert spread over several blocks hits L2). Under MoeTiles.n_major (prefill; while
-the blocks fit GRID_Y_MAX) the grid is (N tiles, blocks): a block's N tiles run together and read its
+the blocks fit MAX_GRID_YZ) the grid is (N tiles, blocks): a block's N tiles run together and read its
 activation rows from HBM once. A program of a block past num_used_blocks returns at once; padding rows
 compute on token 0 and never reach the output:
 
@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, ScaleMode, cuda_sm_count
+from nanovllm.kernels.checks import FP8_BLOCK, INTERPRET, MAX_GRID_YZ, ScaleMode, cuda_sm_count
 from nanovllm.kernels.fp8_quant import QuantizedRows, RowQuant, quantize_rows
 from nanovllm.kernels.fused_activation import silu_mul
 from nanovllm.kernels.fused_norm import round_to
@@ -77,9 +77,6 @@ from .tiles import MoeTiles, Tiling, plan_tiles
 # Columns a program of the slot sum adds up (K rows of them): 8 x 1024 float32 is 64 registers a
 # thread at 4 warps.
 SLOT_SUM_COLUMNS = 1024
-# CUDA's limit on a grid's second axis: an N-major launch puts the blocks there, so a call with more blocks
-# (over ~500,000 tokens at top 8) launches blocks-fastest instead (launch_n_major).
-GRID_Y_MAX = 65535
 
 
 @triton.jit
@@ -249,8 +246,10 @@ def _slot_sum_kernel(pair_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_
 
 
 def launch_n_major(tiles: MoeTiles, blocks: int) -> bool:
-    """Whether a call of `blocks` blocks launches N-major: as `tiles` says, while the blocks fit GRID_Y_MAX."""
-    return tiles.n_major and blocks <= GRID_Y_MAX
+    """Whether a call of `blocks` blocks launches N-major: as `tiles` says, while the blocks fit the grid's second
+    axis (MAX_GRID_YZ, where an N-major launch puts them: a call of more, over ~500,000 tokens at top 8, launches
+    blocks-fastest)."""
+    return tiles.n_major and blocks <= MAX_GRID_YZ
 
 
 def _grid(blocks: int, n_tiles: int, n_major: bool) -> tuple[int, int]:
