@@ -29,6 +29,15 @@ CHECK_TOLERANCE = 3e-2
 W8A8_CHECK_TOLERANCE = 0.15
 
 
+def bf16_experts(gen: torch.Generator, experts: int = E, hidden: int = H,
+                 inter: int = I) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random stacked experts on gen's device: (w13 [E, 2I, H], w2 [E, H, I]) in bf16, each entry normal
+    with std 1 / sqrt(its fan-in), so the outputs keep the activations' scale."""
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=gen.device, generator=gen) * hidden ** -0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device=gen.device, generator=gen) * inter ** -0.5).bfloat16()
+    return w13, w2
+
+
 def expert_bytes(distinct: float, hidden: int = H, inter: int = I, elem_size: int = 2) -> float:
     """Weight bytes of `distinct` experts: w13 (2I x H) and w2 (H x I)."""
     return distinct * 3 * hidden * inter * elem_size

@@ -26,7 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.harness.moe_cases import E, H, I, K, check, expert_bytes, graph_ms, moe_flops, routings, tiles_name
+from benchmarks.harness.moe_cases import (E, H, K, bf16_experts, check, expert_bytes, graph_ms, moe_flops, routings,
+                                          tiles_name)
 from benchmarks.harness.probes import measure_bandwidth
 
 TOKENS = (1, 16, 64, 128, 256, 4096)  # decode batches and one prefill size
@@ -137,8 +138,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from nanovllm.moe.decode import moe_gemv
 
     gen = torch.Generator("cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+    w13, w2 = bf16_experts(gen)
     copy_gbps = measure_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: HBM copy {copy_gbps:,.0f} GB/s (read + written)")
     if args.sweep_gemv:

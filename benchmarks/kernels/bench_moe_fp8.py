@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.harness.moe_cases import (CHECK_TOLERANCE, ROUTINGS, SHAPES, W8A8_CHECK_TOLERANCE, check, fp8_experts,
-                                          graph_ms, moe_flops, routings, stored_bytes)
+from benchmarks.harness.moe_cases import (CHECK_TOLERANCE, ROUTINGS, SHAPES, W8A8_CHECK_TOLERANCE, bf16_experts, check,
+                                          fp8_experts, graph_ms, moe_flops, routings, stored_bytes)
 from benchmarks.harness.probes import measure_bandwidth
 
 # Decode batches (1: the grouped path a 1-token prefill takes), a decode graph's batch and
@@ -63,8 +63,7 @@ def fp8_study(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     count = ROUTINGS if device.type == "cuda" else 1  # routings per timed graph (CPU: one untimed-grade call)
     gen = torch.Generator(device).manual_seed(0)
-    w13 = (torch.randn(experts, 2 * inter, hidden_size, device=device, generator=gen) * hidden_size ** -0.5).bfloat16()
-    w2 = (torch.randn(experts, hidden_size, inter, device=device, generator=gen) * inter ** -0.5).bfloat16()
+    w13, w2 = bf16_experts(gen, experts, hidden_size, inter)
     q13, s13, d13 = fp8_experts(w13, args.fp8)
     q2, s2, d2 = fp8_experts(w2, args.fp8)
     # name -> (weights passed, their scales (and act_fp8), weights the reference multiplies, tensors read)

@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_prefill_sweep.py needs a CUDA device; none is visible")
     gen = torch.Generator("cuda").manual_seed(0)
-    w13 = (torch.randn(mc.E, 2 * mc.I, mc.H, device="cuda", generator=gen) * mc.H ** -0.5).bfloat16()
-    w2 = (torch.randn(mc.E, mc.H, mc.I, device="cuda", generator=gen) * mc.I ** -0.5).bfloat16()
+    w13, w2 = mc.bf16_experts(gen)
     experts = {m: (mc.fp8_experts(w13, m), mc.fp8_experts(w2, m)) for m in args.modes if m != "bf16"}
     experts["bf16"] = ((w13, None, w13), (w2, None, w2))
     print(torch.cuda.get_device_name())
