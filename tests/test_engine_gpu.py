@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from checkpoints import (
 )
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduled_batch import StepKind
+from nanovllm.kernels.prefill_plan import query_tile_rows, takes_long_tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -239,6 +241,32 @@ def test_prefill_graph_buckets_at_their_edges(ckpt, reference):
         out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
         assert_bf16_greedy_matches(reference, p, out["token_ids"])
     llm.exit()
+
+
+def test_long_prompts_take_the_long_prefill_tile(tmp_path_factory):
+    """Prompts long enough for the long-context tile (kernels/prefill_plan.takes_long_tiles) give
+    transformers' greedy tokens, with the prefill graphs on (such steps run eagerly) and off: one of
+    7,000 tokens in one step, one of 12,000 in two chunks (8,192 rows over 8,192 keys, then 3,808 over
+    12,000), and a short one after them (the 64-row tile again)."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_shaped_checkpoint(str(tmp_path_factory.mktemp("gpu-long")),
+                                   replace(GPU_SHAPE, max_position_embeddings=16384))
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    reference = reference.cuda().eval()
+    g = torch.Generator().manual_seed(10)
+    ps = [torch.randint(1, 384, (n,), generator=g).tolist() for n in (7000, 12000, 300)]
+    assert takes_long_tiles(7000, 7000) and takes_long_tiles(3808, 12000) and not takes_long_tiles(300, 300)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for eager in (False, True):
+        llm = LLM(path, kvcache_block_size=256, max_model_len=12288, dtype="bfloat16", num_kvcache_blocks=64,
+                  max_num_seqs=8, max_num_batched_tokens=8192, enforce_eager=eager)
+        assert llm.model_runner.inputs.long_tile_rows == query_tile_rows(GPU_SHAPE.head_dim, torch.bfloat16, long=True)
+        assert (llm.model_runner.varlen_graphs is None) == eager
+        outs = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in ps]
+        llm.exit()
+        for p, o in zip(ps, outs):
+            assert_bf16_greedy_matches(reference, p, o)
 
 
 def unit_score_init(hidden: int) -> float:

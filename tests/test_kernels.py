@@ -13,7 +13,8 @@ import torch
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
-from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows, tile_programs
+from nanovllm.kernels.prefill_plan import (LONG_TILE, build_query_tiles, prefill_tile, query_tile_rows,
+                                           tile_programs)
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
 pytestmark = pytest.mark.interpreter
@@ -353,6 +354,54 @@ def test_prefill_tiles_bad_inputs():
     with pytest.raises(ValueError, match="tile_seq length"):
         big = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
         call(tile_seq=big, tile_block=big)
+
+
+# The long-context tile (128 query rows) over a small mixed batch: decode-like rows, a chunk of three
+# long tiles after a cached prefix (its last tile partial), a fresh prompt shorter than one tile.
+LONG_Q = [1, 300, 90, 1]
+LONG_K = [45, 420, 90, 260]
+
+
+@pytest.mark.parametrize("block_size,dtype", [(64, torch.float16), (48, torch.bfloat16)])
+def test_prefill_long_tiles(block_size, dtype):
+    """long_tiles=True: a table of query_tile_rows(..., long=True) rows a tile covers every row, right
+    against float64; grid mode on the long tile computes the same tiles, bit for bit."""
+    gen = torch.Generator().manual_seed(16)
+    hq, hkv, d = 4, 2, 32
+    rows = query_tile_rows(d, dtype, long=True)
+    assert rows == LONG_TILE.block_m == 2 * query_tile_rows(d, dtype)
+    k_cache, v_cache, table = make_paged(LONG_K, block_size, hkv, d, dtype, gen)
+    q = randn((sum(LONG_Q), hq, d), gen, dtype)
+    args = (q, k_cache, v_cache, cu(LONG_Q), cu(LONG_K), max(LONG_Q), max(LONG_K))
+    tile_seq, tile_block, num_tiles = tile_table(LONG_Q, LONG_K, rows, cap=10)
+    assert num_tiles.item() == 6  # 2 decode rows + 3 + 1 tiles
+    out = flash_attn_varlen_func(*args, softmax_scale=0.15, causal=True, block_table=table, tile_seq=tile_seq,
+                                 tile_block=tile_block, num_tiles=num_tiles, out=torch.full_like(q, float("nan")),
+                                 long_tiles=True)
+    assert rel_err(out, paged_ref(q, k_cache, v_cache, table, LONG_Q, LONG_K, 0.15)) < TOL[dtype]
+    grid = flash_attn_varlen_func(*args, softmax_scale=0.15, causal=True, block_table=table, long_tiles=True)
+    assert torch.equal(grid, out)
+
+
+def test_long_tiles_only_where_they_fit():
+    """fp32 and head_dim 256 keep their one smaller tile: long changes nothing there."""
+    for d, dtype in ((64, torch.float32), (256, torch.float16), (256, torch.bfloat16)):
+        assert prefill_tile(d, dtype, long=True) == prefill_tile(d, dtype)
+        assert query_tile_rows(d, dtype, long=True) == query_tile_rows(d, dtype)
+    for d, dtype in ((64, torch.float16), (128, torch.bfloat16)):
+        assert prefill_tile(d, dtype, long=True) == LONG_TILE != prefill_tile(d, dtype)
+
+
+def test_prefill_long_tiles_bad_inputs():
+    q = torch.zeros(8, 4, 64, device=DEV, dtype=torch.bfloat16)
+    c = cu([8])
+    with pytest.raises(TypeError, match="long_tiles must be a bool, got 1"):
+        flash_attn_varlen_func(q, q[:, :2], q[:, :2], c, c, 8, 8, long_tiles=1)
+    cache = torch.zeros(2, 16, 2, 64, device=DEV, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(1, device=DEV)
+    with pytest.raises(ValueError, match="long_tiles=True over FP8 caches"):
+        flash_attn_varlen_func(q, cache, cache.clone(), c, c, 8, 8, block_table=torch.zeros(1, 1, dtype=torch.int32,
+                               device=DEV), k_scale=scale, v_scale=scale.clone(), long_tiles=True)
 
 
 def test_prefill_out_bad_inputs():

@@ -12,7 +12,7 @@ from nanovllm.kernels.checks import cuda_sm_count
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import can_fold_merge, choose_num_splits
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
-from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows, tile_programs
+from nanovllm.kernels.prefill_plan import build_query_tiles, query_tile_rows, takes_long_tiles, tile_programs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -223,6 +223,32 @@ def test_prefill_tiles_cuda_graph():
         n = q.shape[0]
         assert rel_err(out[:n], mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL, name
         assert torch.isnan(out[n:]).all() and torch.isnan(buf[outside]).all(), name
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_prefill_long_tiles_over_long_contexts(hq, hkv):
+    """The long-context tile on a step that takes it (prefill_plan.takes_long_tiles): a decode-like row, a
+    2,048-row chunk after 6,144 cached keys and a fresh 3,000-token prompt, over a paged bf16 cache
+    (256-token blocks) through a tile table at the long tile's height, against float64; grid mode on
+    the long tile, and the 64-row tile's table, alike."""
+    gen = torch.Generator(DEV).manual_seed(21)
+    q_lens, k_lens = [1, 2048, 3000], [7000, 8192, 3000]
+    assert takes_long_tiles(sum(q_lens[1:]), max(k_lens[1:]))
+    kc, vc, table = make_paged(k_lens, 256, hkv, torch.bfloat16, gen)
+    q = randn((sum(q_lens), hq, D), gen, torch.bfloat16)
+    args = (q, kc, vc, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+
+    def tiled(long):
+        seq, blk = build_query_tiles(np.array(q_lens), query_tile_rows(D, torch.bfloat16, long), np.array(k_lens))
+        n = torch.tensor([len(seq)], dtype=torch.int32, device=DEV)
+        return flash_attn_varlen_func(*args, causal=True, block_table=table, tile_seq=torch.from_numpy(seq).to(DEV),
+                                      tile_block=torch.from_numpy(blk).to(DEV), num_tiles=n, long_tiles=long)
+
+    out = tiled(True)
+    assert rel_err(out, mixed_ref(q, kc, vc, table, q_lens, k_lens)) < TILE_TOL
+    grid = flash_attn_varlen_func(*args, causal=True, block_table=table, long_tiles=True)
+    assert rel_err(out, grid.double()) < 1e-3  # same tiles; separately compiled variants
+    assert rel_err(out, tiled(False).double()) < 1e-2  # other tiles: another summation order
 
 
 def decode_ref(q, kc, vc, table, lens):

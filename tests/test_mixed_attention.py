@@ -8,6 +8,8 @@ runner builds (StepInputBuilder), at the step's exact size and padded to a graph
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
-from nanovllm.kernels.prefill_plan import query_tile_rows
+from nanovllm.kernels.prefill_plan import LONG_KEYS, LONG_MIN_QUERIES, query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import attention_context
@@ -128,3 +130,44 @@ def test_prefill_step_attention_launches_no_decode_kernel():
     # the same step padded with decode rows allowed launches the decode kernel (no rows to attend)
     with pytest.raises(AssertionError, match="launched the decode kernel"):
         attend(prefill_only, bucket_inputs(builder, plan, with_decode_rows=True), *padded(qkv, g), caches)
+
+
+def chunk_plan(num_decode: int, cached: int, rows: int, decode_context: int = 8) -> StepPlan:
+    """num_decode decode rows (context decode_context), then one chunk of `rows` rows after `cached` keys."""
+    starts = [decode_context - 1] * num_decode + [cached]
+    lens = [1] * num_decode + [rows]
+    tables = [list(range(-(-(a + n) // BS))) for a, n in zip(starts, lens)]
+    return StepPlan(StepKind.MIXED if num_decode else StepKind.PREFILL, starts, lens, [0] * sum(lens), tables,
+                    sampled=[True] * len(lens), num_decode=num_decode)
+
+
+def test_long_context_steps_take_the_long_tile_table():
+    """A step takes the long tile when its chunks hold LONG_MIN_QUERIES query rows and the longest
+    attends to LONG_KEYS keys (decode rows count for neither): its layout says so, its table is built
+    at the long tile's height and the attention metadata carries the flag; other steps, and a builder
+    without long_tile_rows (another backend, an FP8 cache), keep the 64-row table."""
+    rows, long_rows = query_tile_rows(D, torch.bfloat16), query_tile_rows(D, torch.bfloat16, long=True)
+    width = -(-(LONG_KEYS + LONG_MIN_QUERIES) // BS)
+    builder = StepInputBuilder(BS, CPU, width, rows, long_tile_rows=long_rows)
+    cases = {
+        (0, LONG_KEYS - LONG_MIN_QUERIES, LONG_MIN_QUERIES): True,  # a chunk at both edges
+        (3, LONG_KEYS - LONG_MIN_QUERIES, LONG_MIN_QUERIES): True,  # with decode rows
+        (0, LONG_KEYS - LONG_MIN_QUERIES - 1, LONG_MIN_QUERIES): False,  # one key short
+        (0, LONG_KEYS, LONG_MIN_QUERIES - 1): False,  # one query row short
+        (LONG_MIN_QUERIES, 0, 100): False,  # the decode rows' count and contexts do not count
+    }
+    for (num_decode, cached, chunk), expected in cases.items():
+        context = LONG_KEYS if num_decode == LONG_MIN_QUERIES else 8
+        plan = chunk_plan(num_decode, cached, chunk, context)
+        layout = builder.exact_layout(plan)
+        assert layout.long_tiles is builder.long_tiles(plan) is expected, (num_decode, cached, chunk)
+        inputs = builder.varlen(plan, builder.varlen_copy(plan, layout), None)
+        tiles = inputs.meta.query_tiles
+        height = long_rows if expected else rows
+        assert tiles.long is expected
+        assert int(tiles.num_tiles) == -(-chunk // height)  # the chunk's tiles alone, at the table's height
+        assert sorted(tiles.tile_block[: int(tiles.num_tiles)].tolist()) == list(range(-(-chunk // height)))
+        assert set(tiles.tile_seq[: int(tiles.num_tiles)].tolist()) == {num_decode}
+        assert not StepInputBuilder(BS, CPU, width, rows).long_tiles(plan)
+    decode_rows = chunk_plan(4, 0, 1, LONG_KEYS)
+    assert not builder.long_tiles(replace(decode_rows, num_decode=5))  # decode rows alone

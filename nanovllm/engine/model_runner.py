@@ -113,7 +113,8 @@ class ModelRunner:
         # Logits rules of the requests that use them (penalties' counts live on the device; rank 0)
         self.rules = RulesBuilder(cfg.vocab_size, self.device)
         self.inputs = StepInputBuilder(self.block_size, self.device, config.max_blocks_per_seq,
-                                       self._query_tile_rows(cfg.head_dim), self._group_limits())
+                                       self._query_tile_rows(cfg.head_dim), self._group_limits(),
+                                       self._query_tile_rows(cfg.head_dim, long=True))
 
         block_bytes = kv_block_bytes(config, self.world_size)
         if self.device.type == "cuda":
@@ -167,11 +168,12 @@ class ModelRunner:
         return GroupLimits(cfg.num_attention_heads // cfg.num_key_value_heads, kv_heads, sm_count(self.device),
                            heads_per_program(self.kv_dtype == FP8_KV_DTYPE, head_dim, kv_heads))
 
-    def _query_tile_rows(self, head_dim: int) -> int | None:
-        """The Triton prefill kernel's query tile height (it takes a tile table); None for other backends."""
-        if self.backend.name != "triton":
+    def _query_tile_rows(self, head_dim: int, long: bool = False) -> int | None:
+        """The Triton prefill kernel's query tile height (it takes a tile table), or with `long` its
+        long-context tile's (16-bit caches only: the kernel's `long_tiles`); None for other backends."""
+        if self.backend.name != "triton" or (long and self.kv_dtype == FP8_KV_DTYPE):
             return None
-        return query_tile_rows(head_dim, self.dtype)
+        return query_tile_rows(head_dim, self.dtype, long)
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, layer in enumerate(self.attention_layers):
@@ -197,9 +199,13 @@ class ModelRunner:
             return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph)
         # The FP8 scales are set only in a step no KV written under the old ones outlives; eagerly
         calibrate = self.kv_scales.calibrate and plan.fresh_cache
+        # Long-tile steps run eagerly: >= 2,048 query rows over >= 6,144 keys keep the device busier
+        # than the host's launches, and the graphs keep the one tile
+        layout = self.inputs.exact_layout(plan)
         graph = (self.varlen_graphs.bucket(plan.num_tokens)
-                 if self.varlen_graphs is not None and not calibrate else None)
-        layout = self.inputs.exact_layout(plan) if graph is None else self.varlen_graphs.layouts[graph]
+                 if self.varlen_graphs is not None and not calibrate and not layout.long_tiles else None)
+        if graph is not None:
+            layout = self.varlen_graphs.layouts[graph]
         copy = self.inputs.varlen_copy(plan, layout, words)
         return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph, calibrate)
 

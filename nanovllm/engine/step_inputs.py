@@ -20,7 +20,7 @@ import torch
 from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels.checks import PAD_SLOT
 from nanovllm.kernels.decode_group_plan import GroupLimits, group_rows
-from nanovllm.kernels.prefill_plan import build_query_tiles
+from nanovllm.kernels.prefill_plan import build_query_tiles, takes_long_tiles
 from nanovllm.utils.context import AttentionMetadata, LeadingDecodeRows, QueryTiles, RowGroups
 from nanovllm.utils.host_to_device import aligned_count, to_device, with_words, words_view
 from nanovllm.utils.ints import cdiv
@@ -56,7 +56,8 @@ class VarlenLayout:
           T     T           T       S+1    S+1    S             1            C          C            1           S             S x width
 
     T tokens, S sequences, C query tiles (0 when the attention backend takes no tile
-    table). Each section starts 16-byte aligned (0-3 unused ints before it), so the kernels'
+    table); long_tiles: the table is at the long-context tile's height (StepInputBuilder.long_tiles).
+    Each section starts 16-byte aligned (0-3 unused ints before it), so the kernels'
     pointer arguments are aligned alike at every step size: Triton compiles a kernel variant
     per pointer alignment, and eager steps of new sizes would otherwise compile mid-run.
     CUDA graphs use a fixed layout per token bucket; rows past the step are padding (slot -1,
@@ -66,6 +67,7 @@ class VarlenLayout:
     num_seqs: int
     num_tiles: int
     width: int
+    long_tiles: bool = False
 
     def _sizes(self) -> list[int]:
         """Element count of each section, in VarlenSections' order."""
@@ -122,12 +124,15 @@ class StepInputs:
 
 class StepInputBuilder:
     def __init__(self, block_size: int, device: torch.device, decode_table_width: int,
-                 query_tile_rows: int | None = None, group_limits: GroupLimits | None = None):
+                 query_tile_rows: int | None = None, group_limits: GroupLimits | None = None,
+                 long_tile_rows: int | None = None):
         """query_tile_rows: the Triton prefill kernel's query tile height when the attention
         backend is ours (then a mixed step's decode rows go to the decode kernel and its
         prefill chunks to the prefill kernel's tile table), else None (every row is a
-        varlen chunk, decode rows of length 1). group_limits: with the Triton decode kernel, what
-        bounds a decode step's groups of rows sharing a prefix (kernels/decode_groups.py); None: no groups."""
+        varlen chunk, decode rows of length 1). long_tile_rows: the height of its long-context
+        tile where steps may take it (`long_tiles`), else None. group_limits: with the Triton decode
+        kernel, what bounds a decode step's groups of rows sharing a prefix (kernels/decode_groups.py);
+        None: no groups."""
         self.block_size = block_size
         self.device = device
         # Block tables always span max_model_len, as the CUDA graphs' do: the split-K decode
@@ -135,6 +140,7 @@ class StepInputBuilder:
         # same order and give identical tokens.
         self.table_width = decode_table_width
         self.query_tile_rows = query_tile_rows
+        self.long_tile_rows = long_tile_rows
         self.group_limits = group_limits
 
     # ----- prefill and mixed steps -----
@@ -144,9 +150,19 @@ class StepInputBuilder:
             return 0
         return cdiv(num_tokens, self.query_tile_rows) + num_seqs
 
+    def long_tiles(self, plan: StepPlan) -> bool:
+        """Whether the plan's prefill chunks take the long-context tile (kernels/prefill_plan.takes_long_tiles,
+        from the chunks' query rows and longest key span; decode rows do not count)."""
+        d = plan.num_decode
+        if self.long_tile_rows is None or d == len(plan.starts):
+            return False
+        chunk_rows = plan.num_new_tokens[d:]
+        return takes_long_tiles(sum(chunk_rows), max(a + n for a, n in zip(plan.starts[d:], chunk_rows)))
+
     def exact_layout(self, plan: StepPlan) -> VarlenLayout:
         n = len(plan.starts)
-        return VarlenLayout(plan.num_tokens, n, self.tile_capacity(plan.num_tokens, n), self.table_width)
+        return VarlenLayout(plan.num_tokens, n, self.tile_capacity(plan.num_tokens, n), self.table_width,
+                            self.long_tiles(plan))
 
     def varlen_array(self, plan: StepPlan, layout: VarlenLayout) -> np.ndarray:
         """The plan packed as `layout` (which must hold it). Input ids of carried rows hold
@@ -179,7 +195,8 @@ class StepInputBuilder:
             v.num_decode[0] = d
             chunk_lens = lens.copy()
             chunk_lens[:d] = 0
-            seqs, blocks = build_query_tiles(chunk_lens, self.query_tile_rows, starts + lens)
+            rows = self.long_tile_rows if layout.long_tiles else self.query_tile_rows
+            seqs, blocks = build_query_tiles(chunk_lens, rows, starts + lens)  # long tiles: fewer, within C
             v.tile_seq[: len(seqs)] = seqs
             v.tile_block[: len(blocks)] = blocks
             v.num_tiles[0] = len(seqs)
@@ -192,7 +209,7 @@ class StepInputBuilder:
         v = layout.split(staging)
         tiles = leading = None
         if layout.num_tiles:
-            tiles = QueryTiles(v.tile_seq, v.tile_block, v.num_tiles)
+            tiles = QueryTiles(v.tile_seq, v.tile_block, v.num_tiles, layout.long_tiles)
             if with_decode_rows:
                 leading = LeadingDecodeRows(v.decode_lens, v.num_decode)
         meta = AttentionMetadata(

@@ -12,6 +12,8 @@ from the runner's RNG; it returns with the device idle.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nanovllm.config import Config
@@ -23,6 +25,7 @@ from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling.token_mask import TokenMask, mask_words
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import attention_context
+from nanovllm.utils.host_to_device import to_device
 
 
 @torch.inference_mode()
@@ -41,6 +44,8 @@ def warm_up(model: torch.nn.Module, sampler: Sampler, builder: StepInputBuilder,
     with attention_context(inputs.meta):
         every = model(inputs.input_ids, inputs.positions)  # [num_seqs * seq_len, hidden]
     hidden = every[inputs.sample_indices]  # [num_seqs, hidden]
+    if inputs.meta.query_tiles is not None:
+        _other_prefill_tile(model, builder, device, inputs.meta.query_tiles.long)
     rows = hidden[-1:].expand(config.max_num_seqs, -1)  # [max_num_seqs, hidden]
     logits = model.compute_logits(rows)  # [max_num_seqs, vocab] on rank 0, None elsewhere
     if logits is not None:
@@ -66,3 +71,21 @@ def warm_up(model: torch.nn.Module, sampler: Sampler, builder: StepInputBuilder,
         allow_all = torch.full((1, mask_words(logits.shape[-1])), -1, dtype=torch.int32, device=device)
         sampler.apply_token_mask(logits, TokenMask(torch.zeros(1, dtype=torch.int64, device=device), allow_all))
     torch.cuda.synchronize(device)
+
+
+def _other_prefill_tile(model: torch.nn.Module, builder: StepInputBuilder, device: torch.device,
+                        taken_long: bool) -> None:
+    """Compile the prefill kernel's other tile (kernels/prefill_plan.py: the 64-row one, or where steps
+    may take it the long-context one), the one the warm-up step did not take: a forward of one small
+    prompt forced onto it (the kernel takes either tile's table at any size)."""
+    long = not taken_long
+    if long and builder.long_tile_rows is None:
+        return  # no step takes the long tile
+    n = builder.query_tile_rows
+    plan = StepPlan(StepKind.PREFILL, starts=[0], num_new_tokens=[n], token_ids=[0] * n,
+                    block_tables=[[0] * builder.table_width], sampled=[True])
+    layout = replace(builder.exact_layout(plan), long_tiles=long)
+    flat = to_device(builder.varlen_array(plan, layout), device)
+    inputs = builder.varlen_inputs(flat, layout, n, n, 1, with_decode_rows=False)
+    with attention_context(inputs.meta):
+        model(inputs.input_ids, inputs.positions)

@@ -228,7 +228,8 @@ def _prefill_kernel(
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, block_table=None, *,
-                           tile_seq=None, tile_block=None, num_tiles=None, out=None, k_scale=None, v_scale=None):
+                           tile_seq=None, tile_block=None, num_tiles=None, out=None, k_scale=None, v_scale=None,
+                           long_tiles=False):
     """Varlen attention. q [total_q, Hq, D] -> out [total_q, Hq, D].
 
     k/v: packed [total_k, Hkv, D] (k and v may have different strides, e.g. views of a fused
@@ -253,6 +254,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     k_scale / v_scale (keyword-only, both or neither; paged caches only): float32 [1] tensors on
     q's device; with them the caches are FP8 (float8_e4m3fn) holding K / k_scale and V / v_scale.
+
+    long_tiles (keyword-only, bool): the long-context tile (`prefill_tile(D, q.dtype, long=True)`; a
+    tile table's block_m is then `query_tile_rows(D, q.dtype, long=True)`). 16-bit caches only: over
+    FP8 caches it is not measured, and refused.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [total_q, num_heads, head_dim], got "
@@ -261,6 +266,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q, hq, d = q.shape
     paged = block_table is not None
     fp8 = check_kv_scales(k_scale, v_scale, q.device)
+    if not isinstance(long_tiles, bool):
+        raise TypeError(f"long_tiles must be a bool, got {long_tiles!r}")
+    if long_tiles and fp8:
+        raise ValueError("long_tiles=True over FP8 caches (k_scale / v_scale given) is not supported: the long tile "
+                         "is measured on 16-bit caches only")
     if fp8 and not paged:
         raise ValueError("k_scale / v_scale describe FP8 paged caches: they need block_table")
     kv_dtype = kv_cache_dtype(q.dtype, fp8)
@@ -325,7 +335,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
         stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
         bt, stride_bt = cu_seqlens_k, 0  # dummy pointer, never read
-    tile = prefill_tile(d, q.dtype)
+    tile = prefill_tile(d, q.dtype, long_tiles)
     if tiled:
         num_m_blocks = 0  # unused: the table names each program's query block
         grid = (hq, tile_programs(hq, cap, q.device))

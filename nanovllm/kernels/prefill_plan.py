@@ -41,12 +41,30 @@ class PrefillTile:
     num_stages: int
 
 
-def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+# Long contexts: 128 query rows a program (8 warps, 4 K/V stages) read each key tile for twice the
+# rows. Against the 64-row tile (H100, tile-table launches, BENCHMARKS.md sixtieth session): 2,048
+# keys -3 to -4%, 4,096 a tie, 6,144 +3-5%, 8-16k +8-12%, a 16k chunk over 24-32k keys +12-22%.
+LONG_TILE = PrefillTile(128, 64, 8, 4)
+# A step takes it when its longest chunk attends to at least this many keys (the shortest span measured to gain)
+LONG_KEYS = 6144
+# ... and its chunks hold at least this many query rows: 16 long tiles a head, so the step's Hq x 16
+# programs (one an SM) still fill the SMs.
+LONG_MIN_QUERIES = 2048
+
+
+def prefill_tile(head_dim: int, dtype: torch.dtype, long: bool = False) -> PrefillTile:
     """The kernel's tile for this head_dim and dtype: smaller where 16-bit D <= 128 tiles would
-    overflow the 228 KB of shared memory per SM (fp32 or head_dim 256)."""
+    overflow the 228 KB of shared memory per SM (fp32 or head_dim 256), and there `long` changes
+    nothing; else LONG_TILE when `long` (a step over long contexts: `takes_long_tiles`)."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillTile(64, 32, 4, 2)
-    return PrefillTile(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    return LONG_TILE if long else PrefillTile(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+
+
+def takes_long_tiles(query_rows: int, max_keys: int) -> bool:
+    """Whether a step whose prefill chunks hold `query_rows` query rows in all, the longest attending
+    to `max_keys` keys, takes the long tile (LONG_KEYS, LONG_MIN_QUERIES)."""
+    return query_rows >= LONG_MIN_QUERIES and max_keys >= LONG_KEYS
 
 
 def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
@@ -56,13 +74,13 @@ def tile_programs(num_heads: int, cap: int, device: torch.device) -> int:
     return min(cap, max(1, target // num_heads))
 
 
-def query_tile_rows(head_dim: int, dtype: torch.dtype) -> int:
-    """Query rows per program (BLOCK_M) of the kernel for this head_dim and dtype: the
-    `block_m` that `build_query_tiles` must be given for a tile-table call."""
+def query_tile_rows(head_dim: int, dtype: torch.dtype, long: bool = False) -> int:
+    """Query rows per program (BLOCK_M) of the kernel for this head_dim and dtype (and `long`, as
+    the call's `long_tiles`): the `block_m` that `build_query_tiles` must be given for a tile-table call."""
     check_head_dim(head_dim)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of float16/bfloat16/float32, got {dtype}")
-    return prefill_tile(head_dim, dtype).block_m
+    return prefill_tile(head_dim, dtype, long).block_m
 
 
 def build_query_tiles(q_lens, block_m: int, k_lens=None) -> tuple[np.ndarray, np.ndarray]:

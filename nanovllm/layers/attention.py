@@ -112,7 +112,7 @@ class Attention(nn.Module):
             tiles = meta.query_tiles
             out = torch.empty_like(q)  # [N, Hq, D]
             extra = {"tile_seq": tiles.tile_seq, "tile_block": tiles.tile_block, "num_tiles": tiles.num_tiles,
-                     "out": out}
+                     "out": out, "long_tiles": tiles.long}
             if meta.decode_rows is not None:
                 rows = meta.decode_rows
                 cap = rows.context_lens.shape[0]

@@ -52,11 +52,13 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class QueryTiles:
     """Query tiles of the prefill chunks, heaviest first (kernels/prefill_attention.py): tile t
-    covers query block tile_block[t] of sequence tile_seq[t], for t < num_tiles[0]. int32."""
+    covers query block tile_block[t] of sequence tile_seq[t], for t < num_tiles[0]. int32.
+    long: the tiles are the long-context tile's (the kernel's `long_tiles`; kernels/prefill_plan.py)."""
 
     tile_seq: torch.Tensor  # [C]
     tile_block: torch.Tensor  # [C]
     num_tiles: torch.Tensor  # [1]
+    long: bool = False
 
 
 @dataclass(frozen=True)
