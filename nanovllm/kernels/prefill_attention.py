@@ -51,6 +51,11 @@ FP8 cache took 1.42x the bf16 cache's time with bf16 MMAs, 1.22x with fp16 (H200
 256-1,024 tokens: 586 -> 502 us at 0.6B's heads; scoring with an FP8 cache 341,565 -> 347,652
 prompt tok/s; BENCHMARKS.md, twenty-first session).
 
+Steps over long contexts (kernels/prefill_plan.takes_long_tiles) take a 128-row tile (`long_tiles`), which
+reads each key tile for twice the query rows: time to first token at 16,384 / 32,768 tokens 113.60 -> 107.35 /
+398.66 -> 361.54 ms on Qwen3-0.6B (-5.5 / -9.3%) and 590.12 -> 570.93 / 1,612.61 -> 1,525.88 ms on Qwen3-8B
+(-3.3 / -5.4%) (H100, bench.py --ttft; BENCHMARKS.md, sixty-first session).
+
 Measured end to end (H200, bench.py): with the query-tile table and the prefill / mixed-step CUDA
 graphs it serves, time to first token at 128 / 1,000 tokens went from 32.10 / 31.40 ms to 1.85 /
 3.91 ms and the long workload from 49.7% to 69.0% of the roofline (2167754, 36e8716; BENCHMARKS.md,

@@ -43,7 +43,8 @@ class PrefillTile:
 
 # Long contexts: 128 query rows a program (8 warps, 4 K/V stages) read each key tile for twice the
 # rows. Against the 64-row tile (H100, tile-table launches, BENCHMARKS.md sixtieth session): 2,048
-# keys -3 to -4%, 4,096 a tie, 6,144 +3-5%, 8-16k +8-12%, a 16k chunk over 24-32k keys +12-22%.
+# keys -3 to -4%, 4,096 a tie, 6,144 +3-5%, 8-16k +8-12%, a 16k chunk over 24-32k keys +12-22%. End to end:
+# prefill_attention.py's docstring (first token at 16-32k tokens 3-9% sooner; the sixty-first session).
 LONG_TILE = PrefillTile(128, 64, 8, 4)
 # A step takes it when its longest chunk attends to at least this many keys (the shortest span measured to gain)
 LONG_KEYS = 6144
