@@ -170,10 +170,15 @@ class ModelRunner:
 
     def _query_tile_rows(self, head_dim: int, long: bool = False) -> int | None:
         """The Triton prefill kernel's query tile height (it takes a tile table), or with `long` its
-        long-context tile's (16-bit caches only: the kernel's `long_tiles`); None for other backends."""
-        if self.backend.name != "triton" or (long and self.kv_dtype == FP8_KV_DTYPE):
+        long-context tile's, where steps may take it: a 16-bit cache (the kernel's `long_tiles`) and a
+        long tile other than the 64-row one (not for float32); None for other backends."""
+        if self.backend.name != "triton":
             return None
-        return query_tile_rows(head_dim, self.dtype, long)
+        rows = query_tile_rows(head_dim, self.dtype)
+        if not long:
+            return rows
+        long_rows = query_tile_rows(head_dim, self.dtype, long=True)
+        return long_rows if long_rows != rows and self.kv_dtype != FP8_KV_DTYPE else None
 
     def _attach_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, layer in enumerate(self.attention_layers):
