@@ -13,8 +13,8 @@ import torch
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.decode_plan import FOLD_MAX_ELEMS, NUM_COUNTERS, can_fold_merge
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
-from nanovllm.kernels.prefill_plan import (LONG_TILE, build_query_tiles, prefill_tile, query_tile_rows,
-                                           tile_programs)
+from nanovllm.kernels.prefill_plan import (LONG_HEAD_DIM, LONG_TILE, build_query_tiles, prefill_tile,
+                                           query_tile_rows, tile_programs)
 
 # Triton kernels on CPU tensors: these run where the interpreter is on (no CUDA; see conftest.py).
 pytestmark = pytest.mark.interpreter
@@ -367,7 +367,7 @@ def test_prefill_long_tiles(block_size, dtype):
     """long_tiles=True: a table of query_tile_rows(..., long=True) rows a tile covers every row, right
     against float64; grid mode on the long tile computes the same tiles, bit for bit."""
     gen = torch.Generator().manual_seed(16)
-    hq, hkv, d = 4, 2, 32
+    hq, hkv, d = 2, 1, LONG_HEAD_DIM
     rows = query_tile_rows(d, dtype, long=True)
     assert rows == LONG_TILE.block_m == 2 * query_tile_rows(d, dtype)
     k_cache, v_cache, table = make_paged(LONG_K, block_size, hkv, d, dtype, gen)
@@ -383,13 +383,15 @@ def test_prefill_long_tiles(block_size, dtype):
     assert torch.equal(grid, out)
 
 
-def test_long_tiles_only_where_they_fit():
-    """fp32 and head_dim 256 keep their one smaller tile: long changes nothing there."""
-    for d, dtype in ((64, torch.float32), (256, torch.float16), (256, torch.bfloat16)):
+def test_long_tiles_only_where_measured():
+    """The long tile at a 16-bit LONG_HEAD_DIM only: fp32 and head_dim 256 keep their one smaller tile,
+    other head sizes the 64-row one."""
+    for d, dtype in ((64, torch.float32), (128, torch.float32), (256, torch.float16), (256, torch.bfloat16),
+                     (64, torch.float16), (64, torch.bfloat16), (32, torch.bfloat16)):
         assert prefill_tile(d, dtype, long=True) == prefill_tile(d, dtype)
         assert query_tile_rows(d, dtype, long=True) == query_tile_rows(d, dtype)
-    for d, dtype in ((64, torch.float16), (128, torch.bfloat16)):
-        assert prefill_tile(d, dtype, long=True) == LONG_TILE != prefill_tile(d, dtype)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert prefill_tile(LONG_HEAD_DIM, dtype, long=True) == LONG_TILE != prefill_tile(LONG_HEAD_DIM, dtype)
 
 
 def test_prefill_long_tiles_bad_inputs():

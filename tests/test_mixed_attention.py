@@ -19,7 +19,7 @@ from nanovllm.engine.step_plan import StepPlan
 from nanovllm.kernels import torch_attention
 from nanovllm.kernels.decode_attention import flash_attn_with_kvcache
 from nanovllm.kernels.prefill_attention import flash_attn_varlen_func
-from nanovllm.kernels.prefill_plan import LONG_KEYS, LONG_MIN_QUERIES, query_tile_rows
+from nanovllm.kernels.prefill_plan import LONG_HEAD_DIM, LONG_KEYS, LONG_MIN_QUERIES, query_tile_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.utils.context import attention_context
@@ -146,7 +146,8 @@ def test_long_context_steps_take_the_long_tile_table():
     attends to LONG_KEYS keys (decode rows count for neither): its layout says so, its table is built
     at the long tile's height and the attention metadata carries the flag; other steps, and a builder
     without long_tile_rows (another backend, an FP8 cache), keep the 64-row table."""
-    rows, long_rows = query_tile_rows(D, torch.bfloat16), query_tile_rows(D, torch.bfloat16, long=True)
+    rows, long_rows = (query_tile_rows(LONG_HEAD_DIM, torch.bfloat16, long) for long in (False, True))
+    assert long_rows == 2 * rows
     width = -(-(LONG_KEYS + LONG_MIN_QUERIES) // BS)
     builder = StepInputBuilder(BS, CPU, width, rows, long_tile_rows=long_rows)
     cases = {

@@ -171,7 +171,8 @@ class ModelRunner:
     def _query_tile_rows(self, head_dim: int, long: bool = False) -> int | None:
         """The Triton prefill kernel's query tile height (it takes a tile table), or with `long` its
         long-context tile's, where steps may take it: a 16-bit cache (the kernel's `long_tiles`) and a
-        long tile other than the 64-row one (not for float32); None for other backends."""
+        long tile other than the 64-row one (prefill_plan.prefill_tile: 16-bit, head_dim 128); None for
+        other backends."""
         if self.backend.name != "triton":
             return None
         rows = query_tile_rows(head_dim, self.dtype)

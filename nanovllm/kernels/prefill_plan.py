@@ -46,6 +46,8 @@ class PrefillTile:
 # keys -3 to -4%, 4,096 a tie, 6,144 +3-5%, 8-16k +8-12%, a 16k chunk over 24-32k keys +12-22%. End to end:
 # prefill_attention.py's docstring (first token at 16-32k tokens 3-9% sooner; the sixty-first session).
 LONG_TILE = PrefillTile(128, 64, 8, 4)
+# The head size it was measured at (Qwen3-0.6B / 8B heads); other head sizes keep the 64-row tile
+LONG_HEAD_DIM = 128
 # A step takes it when its longest chunk attends to at least this many keys (the shortest span measured to gain)
 LONG_KEYS = 6144
 # ... and its chunks hold at least this many query rows: 16 long tiles a head, so the step's Hq x 16
@@ -55,11 +57,13 @@ LONG_MIN_QUERIES = 2048
 
 def prefill_tile(head_dim: int, dtype: torch.dtype, long: bool = False) -> PrefillTile:
     """The kernel's tile for this head_dim and dtype: smaller where 16-bit D <= 128 tiles would
-    overflow the 228 KB of shared memory per SM (fp32 or head_dim 256), and there `long` changes
-    nothing; else LONG_TILE when `long` (a step over long contexts: `takes_long_tiles`)."""
+    overflow the 228 KB of shared memory per SM (fp32 or head_dim 256); LONG_TILE when `long` (a step
+    over long contexts: `takes_long_tiles`) at a 16-bit LONG_HEAD_DIM, where `long` changes nothing else."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillTile(64, 32, 4, 2)
-    return LONG_TILE if long else PrefillTile(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    if long and head_dim == LONG_HEAD_DIM:
+        return LONG_TILE
+    return PrefillTile(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
 
 
 def takes_long_tiles(query_rows: int, max_keys: int) -> bool:
