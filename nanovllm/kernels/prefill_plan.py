@@ -58,7 +58,7 @@ LONG_MIN_QUERIES = 2048
 def prefill_tile(head_dim: int, dtype: torch.dtype, long: bool = False) -> PrefillTile:
     """The kernel's tile for this head_dim and dtype: smaller where 16-bit D <= 128 tiles would
     overflow the 228 KB of shared memory per SM (fp32 or head_dim 256); LONG_TILE when `long` (a step
-    over long contexts: `takes_long_tiles`) at a 16-bit LONG_HEAD_DIM, where `long` changes nothing else."""
+    over long contexts: `takes_long_tiles`) at a 16-bit LONG_HEAD_DIM. Elsewhere `long` changes nothing."""
     if dtype == torch.float32 or head_dim > 128:
         return PrefillTile(64, 32, 4, 2)
     if long and head_dim == LONG_HEAD_DIM:
