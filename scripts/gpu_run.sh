@@ -47,6 +47,9 @@ for part in $parts; do
       for h in 14,2,64 32,8,64; do timeout 60 python3 -m benchmarks.kernels.bench_kernels --pack --heads $h 2>&1 \
         | tail -8 | tee "$OUT/narrow-pack-$h.log"; done ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
+    moepair) # #32's 30B-A3B pair in one call: FP8 weights + FP8 KV, then bf16 (the ratio is taken within the call)
+      bench moepair-fp8 200 --model $CONFIGS/qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8
+      bench moepair-bf16 200 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
                bench "latency-$m" 200 --model $CONFIGS/$m --latency --latency-batch-sizes 1,2,8,32; done ;;
     compare|compare1|compare2|comparescore) # the same bench.py runs in $BEFORE_DIR's tree and this one (benchmarks/engine/compare.py)
