@@ -207,11 +207,9 @@ class ModelRunner:
         calibrate = self.kv_scales.calibrate and plan.fresh_cache
         # Long-tile steps run eagerly: >= 2,048 query rows over >= 6,144 keys keep the device busier
         # than the host's launches, and the graphs keep the one tile
-        layout = self.inputs.exact_layout(plan)
-        graph = (self.varlen_graphs.bucket(plan.num_tokens)
-                 if self.varlen_graphs is not None and not calibrate and not layout.long_tiles else None)
-        if graph is not None:
-            layout = self.varlen_graphs.layouts[graph]
+        eager = calibrate or self.inputs.long_tiles(plan)
+        graph = self.varlen_graphs.bucket(plan.num_tokens) if self.varlen_graphs is not None and not eager else None
+        layout = self.inputs.exact_layout(plan) if graph is None else self.varlen_graphs.layouts[graph]
         copy = self.inputs.varlen_copy(plan, layout, words)
         return PreparedStep(plan, time.perf_counter() - start, copy, pack, rules, graph, calibrate)
 
