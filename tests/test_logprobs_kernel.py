@@ -216,3 +216,18 @@ def test_many_chunks_combine_under_contention():
         tokens = torch.randint(0, 151_936, (64,), generator=g, device="cuda")
         for block in (64, 1024):
             check_exact(logits, tokens, 5, block=block)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k", [0, 8, 20])
+def test_default_columns_by_k_are_exact(k):
+    """The default chunk width (chunk_columns: 4,096 / 8,192 / 16,384 columns at k = 0 / 8 / 20) over a
+    vocabulary of 20,000, so each width leaves a ragged last chunk: exact against float64."""
+    from nanovllm.sampling.logprobs_kernel import chunk_columns
+
+    assert [chunk_columns(j) for j in (0, 5, 6, 10, 11, 20)] == [4096, 4096, 8192, 8192, 16384, 16384]
+    g = torch.Generator().manual_seed(20 + k)
+    logits = 4 * torch.randn(2, 20_000, generator=g)
+    logits[1, 19_990:] = logits[1].max()  # ties at the top in the last, ragged chunk
+    tokens = torch.tensor([int(logits[0].argmax()), 7])
+    check_exact(logits, tokens, k)

@@ -48,13 +48,23 @@ from nanovllm.utils.validation import check_pow2
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
 
-# Columns per program: 38 programs per row at a 151,936-token vocabulary, 32 values a thread at
-# NUM_WARPS = 4 (the whole tile in registers: one read of the logits).
-BLOCK = 4096
+# Columns per program, by the largest k it serves: each of a program's K rounds is a reduction over its
+# K best groups' keys, so a larger k takes fewer, wider programs. At k <= 5, 4,096 columns: 38 programs a
+# row at a 151,936-token vocabulary, 32 values a thread at NUM_WARPS = 4 (the whole tile in registers: one
+# read of the logits). Measured (H100, 16,384 rows of that vocabulary in bf16; BENCHMARKS.md, sixty-third
+# session): k = 10 at 8,192 columns 1.56x and k = 20 at 16,384 2.03x 4,096's speed; k <= 5 fastest at 4,096.
+COLUMNS_BY_K = ((5, 4096), (10, 8192), (20, 16384))
 NUM_WARPS = 4
 # Columns per group: one 64-byte bf16 run, so a reloaded group is two full 32-byte sectors and
-# the group max is mostly in-thread; G = BLOCK / GROUP = 128 group maxima enter the K rounds.
+# the group max is mostly in-thread; G = BLOCK / GROUP group maxima (128 at 4,096 columns) enter the K rounds.
 GROUP = 32
+
+
+def chunk_columns(k: int) -> int:
+    """Columns per program for a call whose largest k is `k` (COLUMNS_BY_K; past its last k, the widest)."""
+    return next((cols for top, cols in COLUMNS_BY_K if k <= top), COLUMNS_BY_K[-1][1])
+
+
 # The largest k the sampler sends here (LLM(max_logprobs=...) may allow more): vLLM's default cap, the k
 # measured and tested at serving size; each of the K rounds is a reduction, so a larger k takes torch's top-k.
 MAX_K = 20
@@ -168,17 +178,19 @@ class LogprobsWorkspace:
 
 
 def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: torch.Tensor | None = None,
-                 block: int = BLOCK, workspace: LogprobsWorkspace | None = None,
+                 block: int | None = None, workspace: LogprobsWorkspace | None = None,
                  ) -> RowLogprobs:
     """Same contract as sampling/sampler.token_logprobs: `logits` [B, V] (float16/bfloat16/float32,
     contiguous last dim; not modified), `token_ids` [B] int64, `rows` [R] int64 rows of both to
     score (None: all B) -> RowLogprobs (chosen [R] float32 logprob of each scored row's token,
     ranks [R] int64 its rank in the row, top_ids [R, k] int64 by descending logprob, top_logprobs
     [R, k] float32).
-    `block`: columns per program (a power of two; tests shrink it). `workspace`: scratch reused
+    `block`: columns per program (a power of two; None: `chunk_columns(k)`; tests shrink it). `workspace`: scratch reused
     by calls on one stream (None: allocated for this call)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
+    if block is None:
+        block = chunk_columns(k)
     check_pow2("block", block)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be 2-D [rows, vocab] with a contiguous last dim, got "
