@@ -47,7 +47,9 @@ for part in $parts; do
       for h in 14,2,64 32,8,64; do timeout 60 python3 -m benchmarks.kernels.bench_kernels --pack --heads $h 2>&1 \
         | tail -8 | tee "$OUT/narrow-pack-$h.log"; done ;;
     moebench) bench moebench 300 --model $CONFIGS/qwen3-30b-a3b ;;
-    moepair) # #32's 30B-A3B pair in one call: FP8 weights + FP8 KV, then bf16 (the ratio is taken within the call)
+    moepair) # #32's 30B-A3B pair in one call: FP8 weights + FP8 KV, then bf16 (the ratio is taken within the call).
+      # An H200's memory only (run's needs_h200): on 80 GB the bf16 weights leave 561 KV blocks and the bf16 run
+      # preempts (2.05x, sixty-third session), against 2,889 blocks on the H200 where #32's 1.5x is set
       bench moepair-fp8 200 --model $CONFIGS/qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8
       bench moepair-bf16 200 --model $CONFIGS/qwen3-30b-a3b ;;
     latency) for m in qwen3-0.6b qwen3-8b qwen3-30b-a3b; do
