@@ -48,13 +48,16 @@ from nanovllm.utils.validation import check_pow2
 # Kernels read module globals only as constexprs (compiled Triton refuses plain floats).
 LOG2E = tl.constexpr(_LOG2E_VALUE)
 
+# The largest k the sampler sends here (LLM(max_logprobs=...) may allow more): vLLM's default cap, the k
+# measured and tested at serving size; each of the K rounds is a reduction, so a larger k takes torch's top-k.
+MAX_K = 20
 # Columns per program, by the largest k it serves: each of a program's K rounds is a reduction over its
 # K best groups' keys, so a larger k takes fewer, wider programs. At k <= 5, 4,096 columns: 38 programs a
 # row at a 151,936-token vocabulary, 32 values a thread at NUM_WARPS = 4 (the whole tile in registers: one
 # read of the logits). Measured (H100, 16,384 rows of that vocabulary in bf16; BENCHMARKS.md, sixty-third
 # session): k = 10 at 8,192 columns 1.56x and k = 20 at 16,384 2.03x 4,096's speed; k <= 5 fastest at 4,096.
 # End to end, Qwen3-0.6B scoring with prompt_logprobs=20: 288,733 against 247,969 prompt tok/s (+16%).
-COLUMNS_BY_K = ((5, 4096), (10, 8192), (20, 16384))
+COLUMNS_BY_K = ((5, 4096), (10, 8192), (MAX_K, 16384))
 NUM_WARPS = 4
 # Columns per group: one 64-byte bf16 run, so a reloaded group is two full 32-byte sectors and
 # the group max is mostly in-thread; G = BLOCK / GROUP group maxima (128 at 4,096 columns) enter the K rounds.
@@ -66,9 +69,6 @@ def chunk_columns(k: int) -> int:
     return next((cols for top, cols in COLUMNS_BY_K if k <= top), COLUMNS_BY_K[-1][1])
 
 
-# The largest k the sampler sends here (LLM(max_logprobs=...) may allow more): vLLM's default cap, the k
-# measured and tested at serving size; each of the K rounds is a reduction, so a larger k takes torch's top-k.
-MAX_K = 20
 # 32-bit words of workspace per (row, chunk) for its statistics (m, s, n, one unused: two int64 slots).
 STATS = tl.constexpr(4)
 
@@ -186,8 +186,8 @@ def row_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, rows: to
     score (None: all B) -> RowLogprobs (chosen [R] float32 logprob of each scored row's token,
     ranks [R] int64 its rank in the row, top_ids [R, k] int64 by descending logprob, top_logprobs
     [R, k] float32).
-    `block`: columns per program (a power of two; None: `chunk_columns(k)`; tests shrink it). `workspace`: scratch reused
-    by calls on one stream (None: allocated for this call)."""
+    `block`: columns per program (a power of two; None: `chunk_columns(k)`; tests shrink it).
+    `workspace`: scratch reused by calls on one stream (None: allocated for this call)."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {k!r}")
     if block is None:
