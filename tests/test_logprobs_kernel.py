@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, row_logprobs
+from nanovllm.sampling.logprobs_kernel import LogprobsWorkspace, chunk_columns, row_logprobs
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -223,8 +223,6 @@ def test_many_chunks_combine_under_contention():
 def test_default_columns_by_k_are_exact(k):
     """The default chunk width (chunk_columns: 4,096 / 8,192 / 16,384 columns at k = 0 / 8 / 20) over a
     vocabulary of 20,000, so each width leaves a ragged last chunk: exact against float64."""
-    from nanovllm.sampling.logprobs_kernel import chunk_columns
-
     assert [chunk_columns(j) for j in (0, 5, 6, 10, 11, 20)] == [4096, 4096, 8192, 8192, 16384, 16384]
     g = torch.Generator().manual_seed(20 + k)
     logits = 4 * torch.randn(2, 20_000, generator=g)
