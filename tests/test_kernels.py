@@ -95,6 +95,30 @@ def test_prefill_packed(d, hq, hkv, dtype, causal, lens):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("rise", [0.02, 0.1, 0.6])
+def test_prefill_rising_scores(rise):
+    """Scores that climb along the keys (a ramp on one feature), so a row's running max moves tile after
+    tile: a score climbs 2 * rise / 8 a key, 16 * rise a 64-key tile (rise 0.02: 0.46 log2 units; 0.6: 13.8,
+    71 over the 330 keys). A step that drops the accumulator's or the sum's rescale, or lets 16-bit p
+    overflow, fails against the float64 reference."""
+    gen = torch.Generator().manual_seed(4)
+    lq, lk, hq, hkv, d = 70, 330, 4, 2, 64
+    k_cache, v_cache, table = make_paged([lk], 64, hkv, d, torch.float16, gen)
+    q = randn((lq, hq, d), gen, torch.float16)
+    q[..., 0] = 2.0
+    # key position t's feature 0 set to rise * t: a score climbs by 2 * rise * scale a key
+    k_cache[..., 0] = 0.0
+    for t in range(lk):
+        blk = table[0, t // 64].item()
+        k_cache[blk, t % 64, :, 0] = rise * t
+    cq, ck = cu([lq]), cu([lk])
+    scale = d ** -0.5
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, lq, lk, softmax_scale=scale, causal=True,
+                                 block_table=table)
+    ref = ref_attention(q, gather(k_cache, table[0], lk), gather(v_cache, table[0], lk), True, scale)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("block_size,d,dtype,q_lens,k_lens", [
     (16, 64, torch.float16, [5, 1, 40, 33], [21, 1, 95, 33]),
     (48, 128, torch.bfloat16, [5, 1, 40, 33], [21, 1, 95, 33]),
@@ -609,6 +633,31 @@ def test_decode_bad_inputs():
         flash_attn_with_kvcache(q, cache, cache[:2].clone(), lens, table)
     with pytest.raises(ValueError, match="num_splits"):
         flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, num_splits=-1)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.125, float("nan"), float("inf")])
+def test_softmax_scale_must_be_positive_and_finite(bad):
+    """The kernels take each row's max before scaling it (kernels/online_softmax.py): a softmax_scale that is not
+    a positive finite number is refused by every attention entry point, Triton's and the plain-PyTorch path's."""
+    from nanovllm.kernels import torch_attention
+
+    q = torch.randn(2, 1, 4, 64, device=DEV, dtype=torch.float16)
+    cache = torch.zeros(3, 16, 2, 64, device=DEV, dtype=torch.float16)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    c = cu([2])
+    for decode in (flash_attn_with_kvcache, torch_attention.flash_attn_with_kvcache):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            decode(q, cache, cache.clone(), lens, table, softmax_scale=bad)
+    for prefill in (flash_attn_varlen_func, torch_attention.flash_attn_varlen_func):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            prefill(q[:, 0], q[:, 0, :2], q[:, 0, :2], c, c, 2, 2, softmax_scale=bad, causal=True)
+    with pytest.raises(TypeError, match="softmax_scale must be a real number or None, got str"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="got bool"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, softmax_scale=True)
+    out = flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, softmax_scale=np.float32(0.125))
+    assert torch.equal(out, flash_attn_with_kvcache(q, cache, cache.clone(), lens, table, softmax_scale=0.125))
 
 
 # ---------------------------------------------------------------- decode: rows in use (num_seqs), caller's out

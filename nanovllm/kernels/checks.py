@@ -2,6 +2,8 @@
 never assert) and constants. Imports torch only, never Triton: nanovllm.config reads
 BLOCK_SIZE_MULTIPLE here on machines without Triton."""
 
+import math
+import numbers
 import os
 from enum import IntEnum
 
@@ -218,6 +220,19 @@ def check_query(q: torch.Tensor) -> None:
     check_head_dim(q.shape[-1])
     if q.stride(-1) != 1:
         raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
+
+
+def softmax_scale_of(softmax_scale, head_dim: int) -> float:
+    """The scale an attention call multiplies q.k by: head_dim ** -0.5 when None, else a positive finite
+    number (the kernels take each row's max before scaling it: kernels/online_softmax.py)."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
 
 
 def check_gqa(hq: int, hkv: int) -> None:

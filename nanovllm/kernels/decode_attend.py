@@ -51,9 +51,9 @@ def _attend_16bit(q_rows, g_valid, row_head, k_ptr, v_ptr, bt_row, lo, hi, qk_sc
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N], unscaled
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+        p, alpha, m_i, l_i = online_softmax(qk, qk_scale, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_i, l_i, acc
 

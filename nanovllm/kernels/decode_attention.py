@@ -54,7 +54,8 @@ from nanovllm.utils.ints import next_pow2
 from nanovllm.utils.validation import check_pow2
 
 from .checks import (INTERPRET, LOG2E, check_cache, check_fp8_words, check_gqa, check_int_tensor,
-                     check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count)
+                     check_kv_scales, check_on_device, check_out, check_query, kv_cache_dtype, sm_count,
+                     softmax_scale_of)
 from .counters import arrival_counters
 from .decode_attend import attend, store_own
 from .decode_group_plan import query_tile_height
@@ -287,7 +288,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
         out = torch.empty_like(q)
     else:
         check_out(out, q)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, d)
 
     if batch == 0:
         return out

@@ -105,9 +105,9 @@ def attend_fp8_planes(q_rows, g_valid, row_head, k_ptr, v_ptr, bt_row, lo, hi, q
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
-        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N], unscaled
         qk = tl.where((start_n + tl.arange(0, BLOCK_N) < hi)[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+        p, alpha, m_i, l_i = online_softmax(qk, qk_scale, m_i, l_i)
         p = p.to(DTYPE)
         v0, v1, v2, v3 = e4m3_planes(v_words, DTYPE)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)

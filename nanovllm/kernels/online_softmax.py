@@ -1,10 +1,18 @@
 """The online-softmax step the attention kernels share: fold one tile of scores into the running
 row max m, the running sum l and (by the caller, with alpha) the accumulator.
 
-    m' = max(m, max_j s_j)      alpha = 2^(m - m')      p_j = 2^(s_j - m')      l' = l * alpha + sum_j p_j
+    m' = max(m, c max_j s_j)      alpha = 2^(m - m')      p_j = 2^(c s_j - m')      l' = l * alpha + sum_j p_j
 
-Scores are in log2 units (the softmax scale carries LOG2E). Masked scores are -inf; m starts at a
+s are the raw q.k products and c > 0 the softmax scale in log2 units (it carries LOG2E), so m, alpha
+and p are in log2 units. c multiplies inside the exponent (one fused multiply-add a score, not a
+multiply and a subtract) and once a row for the max: c > 0 keeps the max where it was, and rounding
+is monotonic, so m is the max of the rounded products c s_j. Masked scores are -inf; m starts at a
 finite M_START, so a row with every score masked gets p = 0 and alpha = 1, never NaN.
+sm_90 loop bodies (Triton 3.6, scripts/sass_loops.py), instructions a thread, scaled first -> inside
+the exponent: decode over an FP8 cache 759 -> 745 a 128-key tile, over a 16-bit one 367 -> 363 a
+64-key tile; the paged prefill kernel's key loops 665 -> 635 and 412 -> 382 (over an FP8 cache 674 -> 644
+and 473 -> 443). With paging.tile_rows, the paged prefill kernel ran 1.03-1.09x faster, decode as before
+(H100, BENCHMARKS.md, sixty-sixth session).
 """
 
 import triton
@@ -15,9 +23,10 @@ M_START = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def online_softmax(qk, m_i, l_i):
-    """qk [rows, keys] (float32), m_i / l_i [rows] -> (p [rows, keys], alpha [rows], m_new, l_new)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+def online_softmax(qk, scale, m_i, l_i):
+    """qk [rows, keys] (float32, unscaled), scale (> 0, log2 units), m_i / l_i [rows]
+    -> (p [rows, keys], alpha [rows], m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * scale - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from .checks import (INTERPRET, LOG2E, MAX_GRID_YZ, check_cache, check_gqa, check_int_tensor, check_kv_scales,
-                     check_on_device, check_out, check_query, kv_cache_dtype)
+                     check_on_device, check_out, check_query, kv_cache_dtype, softmax_scale_of)
 from .decode_fp8 import q_to_fp16
 from .online_softmax import M_START, online_softmax
 from .paging import tile_blocks, tile_rows
@@ -111,13 +111,13 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, offs_m, offs_d, start_n, k_len,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         keep = n_valid[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_off)
         qk = tl.where(keep, qk, float("-inf"))
-    p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
+    p, alpha, m_i, l_i = online_softmax(qk, qk_scale, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
 
@@ -327,7 +327,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out = torch.empty_like(q)
     else:
         check_out(out, q)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, d)
 
     # Tile mode decides from shapes only (capturable); max_seqlen_q is not consulted.
     if total_q == 0 or num_seqs == 0 or (cap == 0 if tiled else max_seqlen_q == 0):

@@ -15,7 +15,7 @@ import torch
 
 from nanovllm.utils.ints import cdiv
 
-from .checks import FP8_KV_DTYPE, FP8_MAX
+from .checks import FP8_KV_DTYPE, FP8_MAX, softmax_scale_of
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ def flash_attn_varlen_func(
 ) -> torch.Tensor:
     """q [total_q, Hq, D]; k/v packed [total_k, Hkv, D] or paged caches with block_table (FP8 ones
     with k_scale / v_scale)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = softmax_scale_of(softmax_scale, q.shape[-1])
     out = torch.empty_like(q)
     cu_q = cu_seqlens_q.tolist()
     cu_k = cu_seqlens_k.tolist()
@@ -115,7 +115,7 @@ def flash_attn_with_kvcache(
 ) -> torch.Tensor:
     """q [batch, 1, Hq, D] against each sequence's first cache_seqlens[i] cached tokens (FP8 caches
     with k_scale / v_scale)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = softmax_scale_of(softmax_scale, q.shape[-1])
     out = torch.zeros_like(q)
     dtype = _compute_dtype(q)
     for i, lk in enumerate(cache_seqlens.tolist()):
