@@ -47,8 +47,9 @@ def tile_rows(blocks, start_n, stride_b, stride_t, BLOCK_SIZE: tl.constexpr, BLO
     if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block (start_n a multiple of BLOCK_N): one scalar base
         base = blocks.to(tl.int64) * stride_b + tl.cast(start_n % BLOCK_SIZE, tl.int64) * stride_t
         return base + tl.arange(0, BLOCK_N).to(tl.int64) * stride_t
-    within = ((start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE).to(tl.int64)
-    return blocks.to(tl.int64) * stride_b + within * stride_t
+    else:  # [BLOCK_N] blocks, one per key
+        within = ((start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE).to(tl.int64)
+        return blocks.to(tl.int64) * stride_b + within * stride_t
 
 
 @triton.jit
