@@ -8,6 +8,7 @@ instruction mix of its largest loop body (a backward branch and its target), fro
     PYTHONPATH=/tmp/t36site:. python scripts/sass_loops.py --all   # every attention variant's three largest loops
 """
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -27,7 +28,6 @@ SM90 = GPUTarget("cuda", 90, 32)
 def compile_spec(module, kernel, types, variant, overrides=None):
     """Strides as a real launch passes a cache's (int32, multiples of 16), not the spec's int64."""
     jit = getattr(importlib.import_module(f"nanovllm.{module}"), kernel)
-    import inspect
     types = {**{n: t.INT_MULTIPLE_OF_16 for n in inspect.signature(jit.fn).parameters if n.startswith("stride")},
              **types}
     variant = {**variant, **(overrides or {})}
@@ -38,10 +38,12 @@ def compile_spec(module, kernel, types, variant, overrides=None):
 
 
 def sass_of(compiled) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-    return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
 def loops(sass: str) -> list[tuple[int, int, list[str]]]:

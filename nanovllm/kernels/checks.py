@@ -3,14 +3,13 @@ never assert) and constants. Imports torch only, never Triton: nanovllm.config r
 BLOCK_SIZE_MULTIPLE here on machines without Triton."""
 
 import math
-import numbers
 import os
 from enum import IntEnum
 
 import torch
 
 from nanovllm.utils.ints import cdiv
-from nanovllm.utils.validation import check_pow2
+from nanovllm.utils.validation import check_number, check_pow2, plain_number
 
 # exp(x) = exp2(x * LOG2E): the kernels use exp2, which maps to one hardware instruction.
 LOG2E = 1.4426950408889634
@@ -224,15 +223,14 @@ def check_query(q: torch.Tensor) -> None:
 
 def softmax_scale_of(softmax_scale, head_dim: int) -> float:
     """The scale an attention call multiplies q.k by: head_dim ** -0.5 when None, else a positive finite
-    number (the kernels take each row's max before scaling it: kernels/online_softmax.py)."""
+    number, a NumPy one too (the kernels take each row's max before scaling it: kernels/online_softmax.py)."""
     if softmax_scale is None:
         return head_dim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+    scale = plain_number(softmax_scale)
+    check_number("softmax_scale", scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    return scale
+    return float(scale)
 
 
 def check_gqa(hq: int, hkv: int) -> None:
